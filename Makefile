@@ -1,0 +1,52 @@
+# Every target sets itself up on a fresh machine: the venv is created when missing,
+# torch (CPU build) goes in first, everything else under a constraint that keeps it.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+BSTAMP  := $(VENV)/.installed-bench
+PIP     := $(BIN)/python -m pip
+TORCH   := torch==2.13.0
+
+.PHONY: setup setup-bench demo test test-fast lint format bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+$(BSTAMP): $(STAMP)
+	$(PIP) install -q -c constraints.txt -e '.[dev,bench]'
+	touch $@
+
+setup: $(STAMP)
+
+setup-bench: $(BSTAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m fmstore.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -x -q -m "not slow" tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check fmstore tests benchmarks
+	$(BIN)/ruff format --check fmstore tests benchmarks
+	$(BIN)/mypy fmstore
+
+format: $(STAMP)
+	$(BIN)/ruff format fmstore tests benchmarks
+	$(BIN)/ruff check --fix fmstore tests benchmarks
+
+bench: $(BSTAMP)
+	$(BIN)/python -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

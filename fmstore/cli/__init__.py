@@ -1,0 +1,1 @@
+"""The ``fmstore`` command line (typer): thin commands that parse, call the library, print."""

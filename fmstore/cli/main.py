@@ -1,0 +1,67 @@
+"""``fmstore`` entry point: the top-level typer app; each command group lives in its module."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from .. import __version__
+from ..errors import FmstoreError
+
+app = typer.Typer(
+    name="fmstore",
+    help=(
+        "Tiered storage for foundation-model checkpoints and datasets: local NVMe, a shared "
+        "parallel file system (Lustre) and S3.\n\n"
+        "Locations are paths, file://, s3://bucket/prefix, any fsspec URL, or TIER:path for a "
+        "tier named in fmstore.toml (for example nvme:ckpts/run1)."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"fmstore {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """fmstore: move checkpoints and datasets between NVMe, Lustre and S3."""
+
+
+def _register() -> None:
+    from . import store_cmds  # noqa: F401  (registers ls, cp, rm, du)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry: fmstore errors become one clear line and exit code 1."""
+    _register()
+    try:
+        app(args=argv, standalone_mode=False)
+    except FmstoreError as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        sys.exit(1)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        typer.echo("Aborted.", err=True)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        typer.echo("Interrupted.", err=True)
+        sys.exit(130)
+    except Exception as e:  # click usage errors
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        raise

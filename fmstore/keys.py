@@ -1,0 +1,74 @@
+"""Key validation, done once, centrally.
+
+A key is a relative, ``/``-separated path.  Every store validates keys with
+:func:`validate_key` before touching storage, so no key can escape its tier's root:
+absolute paths, ``.``/``..`` segments, empty segments, NUL and control characters,
+backslashes and over-long keys are refused.
+"""
+
+from __future__ import annotations
+
+from .errors import InvalidKey
+
+#: S3's limit on key length, in UTF-8 bytes; POSIX stores keep the same limit so that
+#: every key can be copied to every tier.
+MAX_KEY_BYTES = 1024
+#: Most POSIX file systems limit one path component to 255 bytes.
+MAX_SEGMENT_BYTES = 255
+
+
+def validate_key(key: object, *, tier: str | None = None) -> str:
+    """Return ``key`` unchanged if it is a safe relative key, else raise :class:`InvalidKey`."""
+    if not isinstance(key, str):
+        raise InvalidKey(f"key must be a str, not {type(key).__name__}", tier=tier)
+    if not key:
+        raise InvalidKey("key is empty", tier=tier, key=key)
+    _check_chars(key, tier)
+    if key.startswith("/"):
+        raise InvalidKey("key must be relative, not absolute", tier=tier, key=key)
+    if len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        raise InvalidKey(f"key is longer than {MAX_KEY_BYTES} bytes", tier=tier, key=key)
+    for seg in key.split("/"):
+        _check_segment(seg, key, tier)
+    return key
+
+
+def validate_prefix(prefix: object, *, tier: str | None = None) -> str:
+    """Validate a listing prefix: ``""`` (everything) or a key, optionally ending in ``/``.
+
+    Returns the prefix normalised to end with ``/`` (or ``""``): prefixes name directories,
+    so ``"ckpt/step1"`` never matches ``"ckpt/step10/..."``.
+    """
+    if prefix is None or prefix == "":
+        return ""
+    if not isinstance(prefix, str):
+        raise InvalidKey(f"prefix must be a str, not {type(prefix).__name__}", tier=tier)
+    validate_key(prefix.rstrip("/") or "/", tier=tier)
+    return prefix.rstrip("/") + "/"
+
+
+def join(*parts: str) -> str:
+    """Join key parts with ``/``, skipping empty parts; the result is validated."""
+    key = "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+    return validate_key(key)
+
+
+def _check_chars(key: str, tier: str | None) -> None:
+    for ch in key:
+        if ch == "\x00":
+            raise InvalidKey("key contains a NUL byte", tier=tier, key=key)
+        if ord(ch) < 0x20 or ch == "\x7f":
+            raise InvalidKey(f"key contains control character {ch!r}", tier=tier, key=key)
+        if ch == "\\":
+            raise InvalidKey("key contains a backslash", tier=tier, key=key)
+        if 0xD800 <= ord(ch) <= 0xDFFF:
+            raise InvalidKey("key contains a lone surrogate", tier=tier, key=key)
+
+
+def _check_segment(seg: str, key: str, tier: str | None) -> None:
+    if seg == "":
+        raise InvalidKey("key has an empty segment ('//' or a trailing '/')", tier=tier, key=key)
+    if seg in (".", ".."):
+        raise InvalidKey(f"key has a {seg!r} segment", tier=tier, key=key)
+    if len(seg.encode("utf-8")) > MAX_SEGMENT_BYTES:
+        raise InvalidKey(f"a key segment is longer than {MAX_SEGMENT_BYTES} bytes", tier=tier, key=key)

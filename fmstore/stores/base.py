@@ -1,0 +1,266 @@
+"""The one Store interface every backend implements.
+
+A backend implements eight primitives, all ``async``: :meth:`Store.put`,
+:meth:`Store.open_writer`, :meth:`Store.get_range` (``get`` is built on it unless the
+backend has something better), :meth:`Store.stat`, :meth:`Store.list`,
+:meth:`Store.delete`, :meth:`Store.copy`.  Everything else (``exists``, ``get_ranges`` with
+range coalescing, ``delete_many``, ``sub``) is built once here, on top.
+
+Guarantees every backend keeps (the conformance suite in :mod:`fmstore.testing` checks them):
+
+* keys are validated by :func:`fmstore.keys.validate_key` before any I/O; no key escapes the
+  store's root;
+* ``put`` and a committed ``open_writer`` are atomic: no reader ever observes a partially
+  written object, and an overwrite shows readers either the old or the new bytes;
+* a writer that is aborted, or whose ``async with`` block raises, leaves nothing visible
+  (and on S3 no orphaned multipart upload);
+* ``list`` yields keys in lexicographic (UTF-8 byte) order, relative to the store's root;
+* errors are the classes of :mod:`fmstore.errors`, carrying this store's tier and the key.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Literal
+
+from .. import keys as _keys
+from ..errors import InvalidRange, NotFound
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    """What ``stat`` and ``list`` know about an object (or, for ``is_dir``, a sub-prefix)."""
+
+    key: str
+    size: int
+    mtime: float | None = None
+    etag: str | None = None
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    is_dir: bool = False
+
+
+@dataclass(frozen=True)
+class PutOptions:
+    """How a write behaves.
+
+    ``mode``: ``"overwrite"`` (default) replaces any existing object; ``"create"`` raises
+    :class:`~fmstore.errors.AlreadyExists` when the key exists; ``"if_match"`` replaces the
+    object only while its etag still equals ``if_match`` (else
+    :class:`~fmstore.errors.PreconditionFailed`).  ``metadata``: user metadata stored with the
+    object (S3 ``x-amz-meta-*``; POSIX keeps it in a sidecar-free xattr where possible).
+    ``content_crc32c``: the CRC32C of the whole object when the caller already has it, so a
+    backend that can have the server verify it does.
+    """
+
+    mode: Literal["overwrite", "create", "if_match"] = "overwrite"
+    if_match: str | None = None
+    metadata: Mapping[str, str] | None = None
+    content_crc32c: int | None = None
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """``[start, end)`` of an object."""
+
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+class Writer(abc.ABC):
+    """A streamed write of one object, made visible only by :meth:`commit`.
+
+    Use as ``async with await store.open_writer(key) as w: await w.write(b)``: leaving the
+    block normally commits, an exception aborts.
+    """
+
+    @abc.abstractmethod
+    async def write(self, data: Buffer) -> None: ...
+
+    @abc.abstractmethod
+    async def commit(self) -> ObjectMeta:
+        """Make the object visible atomically; returns its metadata."""
+
+    @abc.abstractmethod
+    async def abort(self) -> None:
+        """Discard everything written; safe to call more than once."""
+
+    async def __aenter__(self) -> Writer:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            await self.commit()
+        else:
+            await self.abort()
+
+
+class Store(abc.ABC):
+    """Async object store rooted at a URL; see the module docstring for the guarantees."""
+
+    #: Name used in errors and metrics: a configured tier name (``nvme``) or the scheme.
+    tier: str
+    #: The URL this store is rooted at.
+    url: str
+
+    # ---- primitives -----------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def put(self, key: str, data: Buffer, options: PutOptions = PutOptions()) -> ObjectMeta:
+        """Write ``data`` to ``key`` atomically."""
+
+    @abc.abstractmethod
+    async def open_writer(self, key: str, options: PutOptions = PutOptions()) -> Writer:
+        """Start a streamed write (multipart on S3); nothing is visible before commit."""
+
+    @abc.abstractmethod
+    async def get_range(self, key: str, start: int, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of ``key`` (``end=None``: to the end of the object).
+
+        ``start`` past the end of the object, or ``end`` past it, raise
+        :class:`~fmstore.errors.InvalidRange` (``start == size`` with ``end`` None or equal to
+        the size returns ``b""``).
+        """
+
+    @abc.abstractmethod
+    async def stat(self, key: str) -> ObjectMeta:
+        """Size, mtime, etag and metadata of ``key``; :class:`NotFound` when absent."""
+
+    @abc.abstractmethod
+    def list(
+        self,
+        prefix: str = "",
+        *,
+        recursive: bool = True,
+        start_after: str | None = None,
+        page_size: int = 1000,
+    ) -> AsyncIterator[ObjectMeta]:
+        """Objects under ``prefix`` (a directory-like key prefix), in key order.
+
+        Non-recursive listings also yield the immediate sub-prefixes as ``is_dir`` entries
+        (key ending in ``/``).  Backends fetch ``page_size`` entries per request and page on
+        transparently; ``start_after`` resumes a listing after a given key.
+        """
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None:
+        """Delete ``key``; deleting a missing key is not an error."""
+
+    @abc.abstractmethod
+    async def copy(self, src: str, dst: str, options: PutOptions = PutOptions()) -> ObjectMeta:
+        """Copy ``src`` to ``dst`` within this store (server-side where possible)."""
+
+    async def close(self) -> None:
+        """Release connections and pools; the store is unusable afterwards."""
+
+    # ---- built on top, once ---------------------------------------------------------
+
+    async def get(self, key: str) -> bytes:
+        """The whole object."""
+        return await self.get_range(key, 0, None)
+
+    async def get_into(self, key: str, start: int, out: memoryview) -> None:
+        """Fill ``out`` with bytes ``[start, start + len(out))`` of ``key``.
+
+        Backends that can read straight into caller memory (POSIX ``preadv``) override it;
+        this default costs one copy.
+        """
+        data = await self.get_range(key, start, start + len(out))
+        out[:] = data
+
+    async def exists(self, key: str) -> bool:
+        try:
+            await self.stat(key)
+        except NotFound:
+            return False
+        return True
+
+    async def get_ranges(
+        self, key: str, ranges: Sequence[ByteRange], *, coalesce: int = 1 << 20
+    ) -> list[bytes]:
+        """Several ranges of one object, merging neighbours closer than ``coalesce`` bytes
+        into one request (fewer round trips on S3), fetched concurrently."""
+        import asyncio
+
+        if not ranges:
+            return []
+        order = sorted(range(len(ranges)), key=lambda i: ranges[i].start)
+        groups: list[list[int]] = [[order[0]]]
+        for i in order[1:]:
+            last = ranges[groups[-1][-1]]
+            if ranges[i].start - last.end <= coalesce:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+
+        async def fetch(group: list[int]) -> list[tuple[int, bytes]]:
+            lo = min(ranges[i].start for i in group)
+            hi = max(ranges[i].end for i in group)
+            blob = await self.get_range(key, lo, hi)
+            view = memoryview(blob)
+            return [(i, bytes(view[ranges[i].start - lo : ranges[i].end - lo])) for i in group]
+
+        out: list[bytes] = [b""] * len(ranges)
+        for part in await asyncio.gather(*(fetch(g) for g in groups)):
+            for i, b in part:
+                out[i] = b
+        return out
+
+    async def delete_many(self, keys: Iterable[str]) -> None:
+        """Delete several keys (backends batch where they can)."""
+        import asyncio
+
+        await asyncio.gather(*(self.delete(k) for k in keys))
+
+    async def list_keys(self, prefix: str = "", *, recursive: bool = True) -> list[str]:
+        return [m.key async for m in self.list(prefix, recursive=recursive) if not m.is_dir]
+
+    def sub(self, prefix: str) -> Store:
+        """A view of this store rooted at ``prefix`` (keys are relative to it)."""
+        from .prefix import PrefixStore
+
+        return PrefixStore(self, prefix)
+
+    # ---- helpers for backends -------------------------------------------------------
+
+    def _key(self, key: str) -> str:
+        return _keys.validate_key(key, tier=self.tier)
+
+    def _prefix(self, prefix: str) -> str:
+        return _keys.validate_prefix(prefix, tier=self.tier)
+
+    def _check_range(self, key: str, size: int, start: int, end: int | None) -> int:
+        """Validate ``[start, end)`` against ``size``; returns the resolved end."""
+        if end is None:
+            end = size
+        if start < 0 or end < start:
+            raise InvalidRange(f"bad range [{start}, {end})", tier=self.tier, key=key)
+        if start > size or end > size:
+            raise InvalidRange(
+                f"range [{start}, {end}) is past the end of a {size}-byte object",
+                tier=self.tier,
+                key=key,
+            )
+        return end
+
+    async def __aenter__(self) -> Store:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r}, tier={self.tier!r})"

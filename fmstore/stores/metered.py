@@ -1,0 +1,124 @@
+"""A wrapper store that records Prometheus metrics for every operation of another store."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from contextlib import contextmanager
+
+from ..errors import FmstoreError
+from ..metrics import STORE_BYTES, STORE_ERRORS, STORE_INFLIGHT, STORE_LATENCY, STORE_OPS
+from .base import Buffer, ObjectMeta, PutOptions, Store, Writer
+
+
+class MeteredStore(Store):
+    """Counts operations, bytes, errors and latency per tier; otherwise transparent."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.tier = inner.tier
+        self.url = inner.url
+
+    @contextmanager
+    def _op(self, op: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        gauge = STORE_INFLIGHT.labels(self.tier)
+        gauge.inc()
+        try:
+            yield
+        except GeneratorExit:  # a listing the caller stopped early is not an error
+            STORE_OPS.labels(self.tier, op, "ok").inc()
+            raise
+        except BaseException as e:
+            name = type(e).__name__ if isinstance(e, FmstoreError) else "other"
+            STORE_ERRORS.labels(self.tier, op, name).inc()
+            STORE_OPS.labels(self.tier, op, "error").inc()
+            raise
+        else:
+            STORE_OPS.labels(self.tier, op, "ok").inc()
+        finally:
+            gauge.dec()
+            STORE_LATENCY.labels(self.tier, op).observe(time.perf_counter() - t0)
+
+    def _bytes(self, op: str, n: int) -> None:
+        STORE_BYTES.labels(self.tier, op).inc(n)
+
+    async def put(self, key: str, data: Buffer, options: PutOptions = PutOptions()) -> ObjectMeta:
+        with self._op("put"):
+            meta = await self.inner.put(key, data, options)
+        self._bytes("put", memoryview(data).nbytes)
+        return meta
+
+    async def open_writer(self, key: str, options: PutOptions = PutOptions()) -> Writer:
+        with self._op("open_writer"):
+            return _MeteredWriter(self, await self.inner.open_writer(key, options))
+
+    async def get(self, key: str) -> bytes:
+        with self._op("get"):
+            data = await self.inner.get(key)
+        self._bytes("get", len(data))
+        return data
+
+    async def get_range(self, key: str, start: int, end: int | None = None) -> bytes:
+        with self._op("get_range"):
+            data = await self.inner.get_range(key, start, end)
+        self._bytes("get", len(data))
+        return data
+
+    async def get_into(self, key: str, start: int, out: memoryview) -> None:
+        with self._op("get_range"):
+            await self.inner.get_into(key, start, out)
+        self._bytes("get", out.nbytes)
+
+    async def stat(self, key: str) -> ObjectMeta:
+        with self._op("stat"):
+            return await self.inner.stat(key)
+
+    async def list(
+        self,
+        prefix: str = "",
+        *,
+        recursive: bool = True,
+        start_after: str | None = None,
+        page_size: int = 1000,
+    ) -> AsyncIterator[ObjectMeta]:
+        with self._op("list"):
+            async for meta in self.inner.list(
+                prefix, recursive=recursive, start_after=start_after, page_size=page_size
+            ):
+                yield meta
+
+    async def delete(self, key: str) -> None:
+        with self._op("delete"):
+            await self.inner.delete(key)
+
+    async def delete_many(self, keys: Iterable[str]) -> None:
+        with self._op("delete_many"):
+            await self.inner.delete_many(keys)
+
+    async def copy(self, src: str, dst: str, options: PutOptions = PutOptions()) -> ObjectMeta:
+        with self._op("copy"):
+            return await self.inner.copy(src, dst, options)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    def __getattr__(self, name: str):  # backend extras (local_path, cleanup_temp, ...)
+        return getattr(self.inner, name)
+
+
+class _MeteredWriter(Writer):
+    def __init__(self, store: MeteredStore, inner: Writer) -> None:
+        self.store, self.inner = store, inner
+
+    async def write(self, data: Buffer) -> None:
+        with self.store._op("write"):
+            await self.inner.write(data)
+        self.store._bytes("put", memoryview(data).nbytes)
+
+    async def commit(self) -> ObjectMeta:
+        with self.store._op("commit"):
+            return await self.inner.commit()
+
+    async def abort(self) -> None:
+        await self.inner.abort()

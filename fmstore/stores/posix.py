@@ -1,0 +1,554 @@
+"""POSIX backend: the ``nvme`` and ``lustre`` tiers.
+
+Every write goes to a hidden temp file in the target directory, is fsynced, renamed over
+the key (or hard-linked, for create-only writes) and the directory is fsynced: one helper,
+:func:`commit_file`, does all four so the directory fsync can never be forgotten.  Blocking
+calls run in the runtime's I/O pool, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import mmap
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+from .. import runtime
+from ..errors import (
+    AlreadyExists,
+    FmstoreError,
+    NotFound,
+    PermissionDenied,
+    PreconditionFailed,
+    StoreUnavailable,
+    TierFull,
+)
+from .base import Buffer, ObjectMeta, PutOptions, Store, Writer
+
+#: Temp files carry this marker; listings hide them and ``cleanup_temp`` removes them.
+TMP_MARK = ".fmstore-tmp."
+_LOCK_NAME = ".fmstore-lock"
+_XATTR = "user.fmstore.meta"
+_ALIGN = 4096
+#: Block size for large sequential writes and reads.
+BLOCK = 16 << 20
+
+
+@dataclass(frozen=True)
+class PosixOptions:
+    """Tuning for a POSIX tier.
+
+    ``direct_io``: write large objects with ``O_DIRECT`` from aligned buffers instead of
+    through the page cache + ``fdatasync`` (``benchmarks/stores.py`` measures both; buffered
+    is the default because it is faster on the machines we measured).  ``stripe_count`` /
+    ``stripe_size``: a Lustre layout set with ``lfs setstripe`` on directories fmstore
+    creates, when ``lfs`` is on ``PATH``.  ``fsync``: turn off only for scratch data.
+    """
+
+    direct_io: bool = False
+    stripe_count: int | None = None
+    stripe_size: str | None = None
+    fsync: bool = True
+    read_threads: int = 8
+
+
+def _etag(st: os.stat_result) -> str:
+    return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit_file(tmp: str, final: str, *, create_only: bool = False, sync: bool = True) -> None:
+    """Publish fsynced ``tmp`` as ``final`` atomically and make the rename durable.
+
+    ``create_only`` links instead of renaming, so an existing ``final`` is never replaced
+    (``FileExistsError``).  The temp file is gone afterwards in every case.
+    """
+    try:
+        if create_only:
+            os.link(tmp, final)
+            os.unlink(tmp)
+        else:
+            os.rename(tmp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if sync:
+        fsync_dir(os.path.dirname(final))
+
+
+class PosixStore(Store):
+    """A directory tree as a store: key ``a/b`` is file ``ROOT/a/b``."""
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        tier: str = "file",
+        options: PosixOptions | None = None,
+        create: bool = True,
+    ) -> None:
+        self.root = os.path.abspath(os.path.expanduser(root))
+        self.tier = tier
+        self.url = "file://" + self.root
+        self.options = options or PosixOptions()
+        self._lfs = shutil.which("lfs") if self.options.stripe_count is not None else None
+        if create:
+            with self._translate(None):
+                self._makedirs(self.root)
+        elif not os.path.isdir(self.root):
+            raise NotFound("directory does not exist", tier=tier, key=self.root)
+
+    # ---- error translation at the edge ----------------------------------------------
+
+    @contextlib.contextmanager
+    def _translate(self, key: str | None) -> Iterator[None]:
+        try:
+            yield
+        except FmstoreError:
+            raise
+        except OSError as e:
+            raise self._error(e, key) from e
+
+    def _error(self, e: OSError, key: str | None) -> FmstoreError:
+        msg = f"{e.strerror or e}"
+        code = e.errno
+        if code in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
+            return NotFound("no such object" if code != errno.EISDIR else "is a directory, not an object", tier=self.tier, key=key)
+        if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return PermissionDenied(f"permission denied: {msg}", tier=self.tier, key=key)
+        if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return TierFull(f"no space left: {msg}", tier=self.tier, key=key)
+        if code == errno.EEXIST:
+            return AlreadyExists("object already exists", tier=self.tier, key=key)
+        return StoreUnavailable(f"I/O error: {msg}", tier=self.tier, key=key)
+
+    # ---- paths ------------------------------------------------------------------------
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, self._key(key))
+
+    def _makedirs(self, path: str) -> None:
+        """Create ``path`` and missing parents, fsync each new entry's parent, stripe on Lustre."""
+        missing = []
+        p = path
+        while not os.path.isdir(p):
+            missing.append(p)
+            parent = os.path.dirname(p)
+            if parent == p:
+                break
+            p = parent
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                continue
+            if self._lfs:
+                self._setstripe(d)
+            if self.options.fsync:
+                fsync_dir(os.path.dirname(d))
+
+    def _setstripe(self, d: str) -> None:
+        cmd = [self._lfs or "lfs", "setstripe", "-c", str(self.options.stripe_count)]
+        if self.options.stripe_size:
+            cmd += ["-S", self.options.stripe_size]
+        subprocess.run([*cmd, d], check=True, capture_output=True)
+
+    def _tmp_for(self, final: str) -> str:
+        d, name = os.path.split(final)
+        return os.path.join(d, f"{TMP_MARK}{uuid.uuid4().hex}.{name[:100]}")
+
+    def _open_tmp(self, final: str) -> tuple[str, int]:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        for attempt in range(3):
+            self._makedirs(os.path.dirname(final))
+            tmp = self._tmp_for(final)
+            try:
+                return tmp, os.open(tmp, flags, 0o644)
+            except FileNotFoundError:
+                # A concurrent delete pruned the (empty) directory between mkdir and open.
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    # ---- primitives -------------------------------------------------------------------
+
+    async def put(self, key: str, data: Buffer, options: PutOptions = PutOptions()) -> ObjectMeta:
+        path = self._path(key)
+        return await runtime.to_io(self._put_sync, key, path, memoryview(data).cast("B"), options)
+
+    def _put_sync(self, key: str, path: str, data: memoryview, options: PutOptions) -> ObjectMeta:
+        with self._translate(key):
+            tmp, fd = self._open_tmp(path)
+            try:
+                try:
+                    self._write_all(fd, tmp, data)
+                    self._finish_fd(fd, options)
+                finally:
+                    os.close(fd)
+                return self._publish(key, tmp, path, options)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
+
+    def _write_all(self, fd: int, tmp: str, data: memoryview) -> None:
+        n = len(data)
+        if self.options.direct_io and n >= 2 * BLOCK and hasattr(os, "O_DIRECT"):
+            self._write_direct(tmp, data)
+            return
+        off = 0
+        while off < n:
+            off += os.write(fd, data[off : off + BLOCK])
+
+    def _write_direct(self, tmp: str, data: memoryview) -> None:
+        """Aligned O_DIRECT writes of the bulk; the unaligned tail goes through the cache."""
+        n = len(data)
+        bulk = n - n % _ALIGN
+        buf = mmap.mmap(-1, BLOCK)  # page-aligned staging buffer
+        try:
+            dfd = os.open(tmp, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+            try:
+                off = 0
+                while off < bulk:
+                    m = min(BLOCK, bulk - off)
+                    buf[:m] = data[off : off + m]
+                    written = os.pwrite(dfd, memoryview(buf)[:m], off)
+                    off += written
+            finally:
+                os.close(dfd)
+        finally:
+            buf.close()
+        if bulk < n:
+            with open(tmp, "r+b") as f:
+                f.seek(bulk)
+                f.write(data[bulk:])
+
+    def _finish_fd(self, fd: int, options: PutOptions) -> None:
+        if options.metadata:
+            payload = json.dumps(dict(options.metadata), sort_keys=True).encode()
+            os.setxattr(fd, _XATTR, payload)
+        if self.options.fsync:
+            os.fdatasync(fd)
+
+    def _publish(self, key: str, tmp: str, path: str, options: PutOptions) -> ObjectMeta:
+        sync = self.options.fsync
+        if options.mode == "create":
+            try:
+                commit_file(tmp, path, create_only=True, sync=sync)
+            except FileExistsError:
+                raise AlreadyExists("object already exists", tier=self.tier, key=key) from None
+        elif options.mode == "if_match":
+            with self._dir_lock(os.path.dirname(path)):
+                try:
+                    current = _etag(os.stat(path))
+                except FileNotFoundError:
+                    current = None
+                if current != options.if_match:
+                    os.unlink(tmp)
+                    raise PreconditionFailed(
+                        f"etag is {current}, expected {options.if_match}", tier=self.tier, key=key
+                    )
+                commit_file(tmp, path, sync=sync)
+        else:
+            commit_file(tmp, path, sync=sync)
+        return self._meta(key, path)
+
+    @contextlib.contextmanager
+    def _dir_lock(self, d: str) -> Iterator[None]:
+        fd = os.open(os.path.join(d, _LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _meta(self, key: str, path: str, st: os.stat_result | None = None) -> ObjectMeta:
+        st = st or os.stat(path)
+        return ObjectMeta(
+            key=key, size=st.st_size, mtime=st.st_mtime, etag=_etag(st), metadata=_read_meta(path)
+        )
+
+    async def open_writer(self, key: str, options: PutOptions = PutOptions()) -> Writer:
+        path = self._path(key)
+        with self._translate(key):
+            tmp, fd = await runtime.to_io(self._open_tmp, path)
+        return _PosixWriter(self, key, path, tmp, fd, options)
+
+    async def get_range(self, key: str, start: int, end: int | None = None) -> bytes:
+        path = self._path(key)
+        return await runtime.to_io(self._read_sync, key, path, start, end)
+
+    def _read_sync(self, key: str, path: str, start: int, end: int | None) -> bytes:
+        with self._translate(key):
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                size = os.fstat(fd).st_size
+                stop = self._check_range(key, size, start, end)
+                # One pread returns bytes without an extra copy; loop only on short reads.
+                parts = []
+                off = start
+                while off < stop:
+                    chunk = os.pread(fd, min(stop - off, 1 << 30), off)
+                    if not chunk:
+                        raise OSError(errno.EIO, "file shrank while being read")
+                    parts.append(chunk)
+                    off += len(chunk)
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            finally:
+                os.close(fd)
+
+    async def get_into(self, key: str, start: int, out: memoryview) -> None:
+        path = self._path(key)
+        await runtime.to_io(self._read_into_sync, key, path, start, out)
+
+    def _read_into_sync(self, key: str, path: str, start: int, out: memoryview) -> None:
+        with self._translate(key):
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                size = os.fstat(fd).st_size
+                self._check_range(key, size, start, start + len(out))
+                self._pread_into(fd, out.cast("B"), start)
+            finally:
+                os.close(fd)
+
+    def _pread_into(self, fd: int, out: memoryview, start: int) -> None:
+        n = len(out)
+        got = 0
+        while got < n:
+            r = os.preadv(fd, [out[got : got + BLOCK]], start + got)
+            if r == 0:
+                raise OSError(errno.EIO, "file shrank while being read")
+            got += r
+
+    async def stat(self, key: str) -> ObjectMeta:
+        path = self._path(key)
+
+        def do() -> ObjectMeta:
+            with self._translate(key):
+                st = os.stat(path)
+                if not os.path.isfile(path):
+                    raise NotFound("is a directory, not an object", tier=self.tier, key=key)
+                return self._meta(key, path, st)
+
+        return await runtime.to_io(do)
+
+    async def list(
+        self,
+        prefix: str = "",
+        *,
+        recursive: bool = True,
+        start_after: str | None = None,
+        page_size: int = 1000,
+    ) -> AsyncIterator[ObjectMeta]:
+        prefix = self._prefix(prefix)
+        entries = await runtime.to_io(self._list_sync, prefix, recursive)
+        for i in range(0, len(entries), page_size):
+            for meta in entries[i : i + page_size]:
+                if start_after is None or meta.key > start_after:
+                    yield meta
+
+    def _list_sync(self, prefix: str, recursive: bool) -> list[ObjectMeta]:
+        top = os.path.join(self.root, prefix) if prefix else self.root
+        out: list[ObjectMeta] = []
+        stack = [(top, prefix)]
+        with self._translate(prefix):
+            while stack:
+                d, rel = stack.pop()
+                try:
+                    it = os.scandir(d)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                with it:
+                    for e in it:
+                        if e.name.startswith(TMP_MARK) or e.name == _LOCK_NAME:
+                            continue
+                        key = rel + e.name
+                        if e.is_dir(follow_symlinks=False):
+                            if recursive:
+                                stack.append((e.path, key + "/"))
+                            else:
+                                out.append(ObjectMeta(key=key + "/", size=0, is_dir=True))
+                        elif e.is_file():
+                            st = e.stat()
+                            out.append(ObjectMeta(key=key, size=st.st_size, mtime=st.st_mtime, etag=_etag(st)))
+        out.sort(key=lambda m: m.key.encode("utf-8"))
+        return out
+
+    async def delete(self, key: str) -> None:
+        path = self._path(key)
+        await runtime.to_io(self._delete_sync, key, path)
+
+    def _delete_sync(self, key: str, path: str) -> None:
+        with self._translate(key):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                return
+            except IsADirectoryError:
+                raise NotFound("is a directory, not an object", tier=self.tier, key=key) from None
+            self._prune(os.path.dirname(path))
+
+    def _prune(self, d: str) -> None:
+        """Remove directories left empty by deletes, up to (not including) the root."""
+        while d != self.root and d.startswith(self.root + os.sep):
+            with contextlib.suppress(FileNotFoundError):
+                lock = os.path.join(d, _LOCK_NAME)
+                if os.path.exists(lock) and os.listdir(d) == [_LOCK_NAME]:
+                    os.unlink(lock)
+            try:
+                os.rmdir(d)
+            except OSError:
+                return
+            d = os.path.dirname(d)
+
+    async def copy(self, src: str, dst: str, options: PutOptions = PutOptions()) -> ObjectMeta:
+        spath, dpath = self._path(src), self._path(dst)
+
+        def do() -> ObjectMeta:
+            with self._translate(src):
+                if not os.path.isfile(spath):
+                    raise NotFound("no such object", tier=self.tier, key=src)
+            with self._translate(dst):
+                tmp, fd = self._open_tmp(dpath)
+                try:
+                    with open(spath, "rb") as fsrc:
+                        _copy_fd(fsrc.fileno(), fd)
+                    meta = options.metadata if options.metadata is not None else _read_meta(spath)
+                    self._finish_fd(fd, PutOptions(metadata=meta))
+                    os.close(fd)
+                    fd = -1
+                    return self._publish(dst, tmp, dpath, options)
+                except BaseException:
+                    if fd >= 0:
+                        os.close(fd)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
+                    raise
+
+        return await runtime.to_io(do)
+
+    # ---- POSIX-only extras ------------------------------------------------------------
+
+    def local_path(self, key: str) -> str:
+        """The file behind ``key`` (for memory-mapping uncompressed chunks)."""
+        return self._path(key)
+
+    async def cleanup_temp(self, older_than: float = 3600.0) -> int:
+        """Remove temp files of crashed writers older than ``older_than`` seconds."""
+        import time
+
+        def do() -> int:
+            n = 0
+            cutoff = time.time() - older_than
+            for dirpath, _dirs, files in os.walk(self.root):
+                for f in files:
+                    if f.startswith(TMP_MARK):
+                        p = os.path.join(dirpath, f)
+                        with contextlib.suppress(FileNotFoundError):
+                            if os.stat(p).st_mtime < cutoff:
+                                os.unlink(p)
+                                n += 1
+            return n
+
+        return await runtime.to_io(do)
+
+
+def _copy_fd(src: int, dst: int) -> None:
+    """Kernel-side copy (reflink / copy_file_range where the file system has them)."""
+    size = os.fstat(src).st_size
+    off = 0
+    try:
+        while off < size:
+            n = os.copy_file_range(src, dst, min(size - off, 1 << 30), off, off)
+            if n == 0:
+                break
+            off += n
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.lseek(dst, off, os.SEEK_SET)
+        while off < size:
+            buf = os.pread(src, BLOCK, off)
+            if not buf:
+                break
+            os.write(dst, buf)
+            off += len(buf)
+
+
+def _read_meta(path: str) -> dict[str, str]:
+    try:
+        raw = os.getxattr(path, _XATTR)
+    except OSError:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {}
+    return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+class _PosixWriter(Writer):
+    def __init__(self, store: PosixStore, key: str, path: str, tmp: str, fd: int, options: PutOptions) -> None:
+        self.store, self.key, self.path, self.tmp, self.fd, self.options = store, key, path, tmp, fd, options
+        self._done = False
+
+    async def write(self, data: Buffer) -> None:
+        if self._done:
+            raise ValueError("writer is closed")
+        view = memoryview(data).cast("B")
+
+        def do() -> None:
+            with self.store._translate(self.key):
+                off = 0
+                while off < len(view):
+                    off += os.write(self.fd, view[off : off + BLOCK])
+
+        await runtime.to_io(do)
+
+    async def commit(self) -> ObjectMeta:
+        if self._done:
+            raise ValueError("writer is closed")
+        self._done = True
+
+        def do() -> ObjectMeta:
+            try:
+                with self.store._translate(self.key):
+                    try:
+                        self.store._finish_fd(self.fd, self.options)
+                    finally:
+                        os.close(self.fd)
+                    return self.store._publish(self.key, self.tmp, self.path, self.options)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.tmp)
+                raise
+
+        return await runtime.to_io(do)
+
+    async def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+
+        def do() -> None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.tmp)
+
+        await runtime.to_io(do)

@@ -1,0 +1,298 @@
+"""The conformance suite every Store backend and wrapper passes.
+
+Subclass :class:`StoreConformance` in a test module and provide two fixtures:
+
+* ``store``: a fresh, empty :class:`~fmstore.stores.Store`;
+* ``backdoor``: a :class:`Backdoor` that reads the same storage *without* the store under
+  test, so results are checked against the truth rather than against the store itself.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import threading
+from typing import Any
+
+import pytest
+
+from .. import runtime
+from ..errors import AlreadyExists, InvalidKey, InvalidRange, NotFound
+from ..stores.base import ByteRange, PutOptions, Store
+
+
+class Backdoor(abc.ABC):
+    @abc.abstractmethod
+    def read(self, key: str) -> bytes | None:
+        """The raw bytes stored under ``key``, or None."""
+
+    @abc.abstractmethod
+    def keys(self) -> list[str]:
+        """Every object key visible in the raw storage (sorted), temp artefacts included."""
+
+    def write(self, key: str, data: bytes) -> None:  # optional
+        raise NotImplementedError
+
+
+class PosixBackdoor(Backdoor):
+    """Reads a POSIX tier's directory directly; ignores the per-directory lock files."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            with open(os.path.join(self.root, key), "rb") as f:
+                return f.read()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+    def keys(self) -> list[str]:
+        out = []
+        for d, _dirs, files in os.walk(self.root):
+            for f in files:
+                if f != ".fmstore-lock":
+                    out.append(os.path.relpath(os.path.join(d, f), self.root))
+        return sorted(out)
+
+
+def run(coro: Any) -> Any:
+    return runtime.run(coro, timeout=300)
+
+
+BIG = int(os.environ.get("FMSTORE_TEST_BIG_MB", "256")) << 20
+
+
+class StoreConformance:
+    # ---- round trips -------------------------------------------------------------------
+
+    @pytest.mark.parametrize("size", [0, 1, 4096, 5 * 1024 * 1024 + 7])
+    def test_put_get_roundtrip(self, store: Store, backdoor: Backdoor, size: int) -> None:
+        data = os.urandom(size)
+        meta = run(store.put("dir/obj.bin", data))
+        assert meta.size == size
+        assert backdoor.read("dir/obj.bin") == data
+        assert run(store.get("dir/obj.bin")) == data
+        assert run(store.stat("dir/obj.bin")).size == size
+
+    def test_big_object_roundtrip(self, store: Store, backdoor: Backdoor) -> None:
+        data = os.urandom(1 << 20) * (BIG >> 20)
+        run(store.put("big", data))
+        assert run(store.stat("big")).size == len(data)
+        got = run(store.get("big"))
+        assert len(got) == len(data) and got == data
+        del got
+        w = run(store.open_writer("big2"))
+        view = memoryview(data)
+        for off in range(0, len(data), 24 << 20):
+            run(w.write(view[off : off + (24 << 20)]))
+        run(w.commit())
+        assert backdoor.read("big2") == data
+
+    def test_get_into(self, store: Store) -> None:
+        data = os.urandom(100_000)
+        run(store.put("x", data))
+        out = bytearray(1000)
+        run(store.get_into("x", 500, memoryview(out)))
+        assert bytes(out) == data[500:1500]
+
+    # ---- ranges ---------------------------------------------------------------------
+
+    def test_ranges_at_edges(self, store: Store) -> None:
+        data = bytes(range(256)) * 40
+        run(store.put("r", data))
+        n = len(data)
+        assert run(store.get_range("r", 0, 1)) == data[:1]
+        assert run(store.get_range("r", n - 1, n)) == data[-1:]
+        assert run(store.get_range("r", n - 1)) == data[-1:]
+        assert run(store.get_range("r", 100, 5000)) == data[100:5000]
+        assert run(store.get_range("r", n, n)) == b""
+        assert run(store.get_range("r", n)) == b""
+
+    def test_range_past_end_is_clear_error(self, store: Store) -> None:
+        run(store.put("r", b"0123456789"))
+        with pytest.raises(InvalidRange, match="past the end"):
+            run(store.get_range("r", 5, 11))
+        with pytest.raises(InvalidRange):
+            run(store.get_range("r", 11))
+        with pytest.raises(NotFound):
+            run(store.get_range("missing", 0, 1))
+
+    def test_get_ranges_coalesces_correctly(self, store: Store) -> None:
+        data = os.urandom(3 << 20)
+        run(store.put("r", data))
+        ranges = [ByteRange(10, 20), ByteRange(0, 5), ByteRange(2 << 20, (2 << 20) + 100), ByteRange(15, 40)]
+        got = run(store.get_ranges("r", ranges, coalesce=1024))
+        assert got == [data[r.start : r.end] for r in ranges]
+
+    # ---- stat, delete, copy -----------------------------------------------------------
+
+    def test_missing_keys(self, store: Store) -> None:
+        with pytest.raises(NotFound) as ei:
+            run(store.stat("nope/x"))
+        assert ei.value.key == "nope/x" and ei.value.tier == store.tier
+        with pytest.raises(FileNotFoundError):  # NotFound is a FileNotFoundError
+            run(store.get("nope"))
+        run(store.delete("nope"))  # deleting a missing key is fine
+        assert not run(store.exists("nope"))
+
+    def test_delete_and_delete_many(self, store: Store, backdoor: Backdoor) -> None:
+        for i in range(5):
+            run(store.put(f"d/{i}", b"x"))
+        run(store.delete("d/0"))
+        assert backdoor.read("d/0") is None
+        run(store.delete_many(["d/1", "d/2", "d/missing"]))
+        assert run(store.list_keys("d")) == ["d/3", "d/4"]
+
+    def test_copy(self, store: Store, backdoor: Backdoor) -> None:
+        data = os.urandom(10_000)
+        run(store.put("a/src", data, PutOptions(metadata={"color": "blue"})))
+        run(store.copy("a/src", "b/dst"))
+        assert backdoor.read("b/dst") == data
+        assert backdoor.read("a/src") == data
+        with pytest.raises(NotFound):
+            run(store.copy("a/missing", "b/x"))
+
+    def test_create_mode_refuses_existing(self, store: Store, backdoor: Backdoor) -> None:
+        run(store.put("c", b"first", PutOptions(mode="create")))
+        with pytest.raises(AlreadyExists):
+            run(store.put("c", b"second", PutOptions(mode="create")))
+        assert backdoor.read("c") == b"first"
+
+    def test_metadata_roundtrip(self, store: Store) -> None:
+        run(store.put("m", b"x", PutOptions(metadata={"file-permissions": "0100644", "k": "v"})))
+        assert dict(run(store.stat("m")).metadata).items() >= {"file-permissions": "0100644", "k": "v"}.items()
+
+    # ---- listing ----------------------------------------------------------------------
+
+    def test_list_paginates_past_1000(self, store: Store) -> None:
+        keys = [f"many/{i:05d}" for i in range(1100)]
+
+        async def put_all() -> None:
+            import asyncio
+
+            sem = asyncio.Semaphore(64)
+
+            async def one(k: str) -> None:
+                async with sem:
+                    await store.put(k, b"")
+
+            await asyncio.gather(*(one(k) for k in keys))
+
+        run(put_all())
+        run(store.put("other/x", b""))
+        assert run(store.list_keys("many")) == keys
+        assert run(store.list_keys("many/")) == keys
+
+        async def after() -> list[str]:
+            return [m.key async for m in store.list("many", start_after="many/01049", page_size=100)]
+
+        assert run(after()) == keys[1050:]
+
+    def test_list_order_prefix_and_dirs(self, store: Store) -> None:
+        for k in ["p/a", "p/b/c", "p/b/d", "p-x/e", "p/ab", "pq"]:
+            run(store.put(k, b"1"))
+        assert run(store.list_keys("p")) == ["p/a", "p/ab", "p/b/c", "p/b/d"]
+        assert run(store.list_keys("")) == ["p-x/e", "p/a", "p/ab", "p/b/c", "p/b/d", "pq"]
+
+        async def shallow() -> list[tuple[str, bool]]:
+            return [(m.key, m.is_dir) async for m in store.list("p", recursive=False)]
+
+        assert run(shallow()) == [("p/a", False), ("p/ab", False), ("p/b/", True)]
+        assert run(store.list_keys("nothing-here")) == []
+
+    # ---- atomicity --------------------------------------------------------------------
+
+    def test_overwrite_is_atomic_for_readers(self, store: Store) -> None:
+        size = 2 << 20
+        a, b = b"a" * size, b"b" * size
+        run(store.put("atom", a))
+        stop = threading.Event()
+        seen: list[bytes] = []
+        errors: list[BaseException] = []
+
+        def reader() -> None:
+            while not stop.is_set():
+                try:
+                    got = run(store.get("atom"))
+                except NotFound as e:  # never acceptable: the key always exists
+                    errors.append(e)
+                    return
+                seen.append(got[:1] if got in (a, b) else b"torn")
+
+        t = threading.Thread(target=reader)
+        t.start()
+        try:
+            for i in range(20):
+                run(store.put("atom", b if i % 2 == 0 else a))
+        finally:
+            stop.set()
+            t.join()
+        assert not errors
+        assert seen and b"torn" not in seen
+
+    def test_aborted_writer_leaves_nothing(self, store: Store, backdoor: Backdoor) -> None:
+        w = run(store.open_writer("w/aborted"))
+        run(w.write(os.urandom(6 << 20)))
+        run(w.abort())
+
+        async def failing() -> None:
+            async with await store.open_writer("w/failed") as w2:
+                await w2.write(b"partial")
+                raise RuntimeError("boom")
+
+        with pytest.raises(RuntimeError):
+            run(failing())
+        assert not run(store.exists("w/aborted"))
+        assert [k for k in backdoor.keys() if k.startswith("w/")] == []
+        assert run(store.list_keys("w")) == []
+
+    def test_writer_streams_and_commits(self, store: Store, backdoor: Backdoor) -> None:
+        parts = [os.urandom(3 << 20) for _ in range(4)]
+
+        async def write() -> None:
+            async with await store.open_writer("w/ok") as w:
+                for p in parts:
+                    await w.write(p)
+                assert not await store.exists("w/ok")  # nothing visible before commit
+
+        run(write())
+        assert backdoor.read("w/ok") == b"".join(parts)
+
+    def test_fifty_concurrent_puts(self, store: Store, backdoor: Backdoor) -> None:
+        import asyncio
+
+        blobs = {f"conc/{i}": os.urandom(64 * 1024 + i) for i in range(50)}
+
+        async def go() -> None:
+            await asyncio.gather(*(store.put(k, v) for k, v in blobs.items()))
+
+        run(go())
+        for k, v in blobs.items():
+            assert backdoor.read(k) == v
+
+    # ---- keys -------------------------------------------------------------------------
+
+    @pytest.mark.parametrize(
+        "bad", ["../escape", "a/../../b", "/abs", "a//b", "a/", "", "a\x00b", "./a", "a\\..\\b", "x" * 1100]
+    )
+    def test_bad_keys_are_refused(self, store: Store, backdoor: Backdoor, bad: str) -> None:
+        before = backdoor.keys()
+        for op in (
+            lambda: store.put(bad, b"x"),
+            lambda: store.get(bad),
+            lambda: store.stat(bad),
+            lambda: store.delete(bad),
+            lambda: store.copy("ok", bad),
+        ):
+            with pytest.raises(InvalidKey):
+                run(op())
+        assert backdoor.keys() == before
+
+    def test_sub_store_is_rooted(self, store: Store, backdoor: Backdoor) -> None:
+        sub = store.sub("root/inner")
+        run(sub.put("k", b"v"))
+        assert backdoor.read("root/inner/k") == b"v"
+        assert run(sub.list_keys()) == ["k"]
+        with pytest.raises(InvalidKey):
+            run(sub.put("../k", b"v"))

@@ -1,0 +1,145 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fmstore import runtime
+from fmstore.errors import NotFound, PermissionDenied, PreconditionFailed, TierFull
+from fmstore.stores import PosixOptions, PosixStore, PutOptions, open_store
+from fmstore.stores.posix import TMP_MARK
+from fmstore.testing.store_tests import PosixBackdoor, StoreConformance
+
+
+class TestPosixConformance(StoreConformance):
+    @pytest.fixture
+    def store(self, posix_root):
+        return open_store(posix_root, tier="nvme")
+
+    @pytest.fixture
+    def backdoor(self, posix_root):
+        return PosixBackdoor(posix_root)
+
+
+class TestPosixDirectIO(StoreConformance):
+    @pytest.fixture
+    def store(self, posix_root):
+        return PosixStore(posix_root, tier="nvme", options=PosixOptions(direct_io=True))
+
+    @pytest.fixture
+    def backdoor(self, posix_root):
+        return PosixBackdoor(posix_root)
+
+
+def test_if_match_conditional_put(posix_root):
+    s = PosixStore(posix_root)
+    m1 = runtime.run(s.put("k", b"one"))
+    m2 = runtime.run(s.put("k", b"two", PutOptions(mode="if_match", if_match=m1.etag)))
+    assert m2.etag != m1.etag
+    with pytest.raises(PreconditionFailed):
+        runtime.run(s.put("k", b"three", PutOptions(mode="if_match", if_match=m1.etag)))
+    assert runtime.run(s.get("k")) == b"two"
+
+
+def test_unwritable_directory_is_permission_error(tmp_path):
+    if os.geteuid() == 0:
+        # root ignores mode bits; a read-only bind is not available, so use a file as parent
+        blocker = tmp_path / "file"
+        blocker.write_text("x")
+        s = PosixStore(str(tmp_path))
+        with pytest.raises(NotFound):
+            runtime.run(s.put("file/child", b"x"))
+        return
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    s = PosixStore(str(ro))
+    with pytest.raises(PermissionDenied):
+        runtime.run(s.put("k", b"x"))
+
+
+def test_read_only_filesystem_is_permission_error(tmp_path):
+    """A real read-only mount (tmpfs remounted ro), when this machine lets us mount."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount tmpfs here (needs root)")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        s = PosixStore(str(mnt))
+        with pytest.raises(PermissionDenied):
+            runtime.run(s.put("k", b"x"))
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_full_disk_is_tier_full_and_leaves_nothing(tmp_path):
+    """ENOSPC on a small tmpfs: a clear TierFull, no temp file or partial object left."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount tmpfs here (needs root); see test_file_size_limit_is_tier_full")
+    try:
+        s = PosixStore(str(mnt))
+        runtime.run(s.put("small", b"ok"))
+        with pytest.raises(TierFull) as ei:
+            runtime.run(s.put("huge", os.urandom(4 << 20)))
+        assert ei.value.key == "huge"
+        assert sorted(os.listdir(mnt)) == ["small"]
+        w = runtime.run(s.open_writer("streamed"))
+        with pytest.raises(TierFull):
+            for _ in range(8):
+                runtime.run(w.write(os.urandom(1 << 20)))
+        runtime.run(w.abort())
+        assert sorted(os.listdir(mnt)) == ["small"]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_file_size_limit_is_tier_full(tmp_path):
+    """RLIMIT_FSIZE in a child process (works without root): EFBIG becomes TierFull."""
+    code = f"""
+import os, resource, signal
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+from fmstore import runtime
+from fmstore.errors import TierFull
+from fmstore.stores import PosixStore
+s = PosixStore({str(tmp_path)!r})
+try:
+    runtime.run(s.put("big", os.urandom(2 << 20)))
+except TierFull as e:
+    print("TierFull", e.key)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "TierFull big" in out.stdout, out.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_temp_files_are_hidden_and_cleaned(posix_root):
+    s = PosixStore(posix_root)
+    junk = os.path.join(posix_root, f"{TMP_MARK}dead.obj")
+    with open(junk, "wb") as f:
+        f.write(b"partial")
+    os.utime(junk, (0, 0))
+    assert runtime.run(s.list_keys()) == []
+    assert runtime.run(s.cleanup_temp(older_than=60)) == 1
+    assert not os.path.exists(junk)
+
+
+def test_delete_prunes_empty_directories(posix_root):
+    s = PosixStore(posix_root)
+    runtime.run(s.put("a/b/c/d", b"x"))
+    runtime.run(s.delete("a/b/c/d"))
+    assert os.listdir(posix_root) == []
+
+
+def test_symlink_outside_root_is_not_listed_as_dir(posix_root, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_text("s")
+    os.symlink(outside, os.path.join(posix_root, "link"))
+    s = PosixStore(posix_root)
+    assert runtime.run(s.list_keys()) == []
