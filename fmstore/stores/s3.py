@@ -55,6 +55,7 @@ from ..errors import (
     NotFound,
     PreconditionFailed,
 )
+from ..metrics import STORE_RETRIES
 from .base import Buffer, ObjectMeta, PutOptions, Store, Writer
 from .s3_retry import AdaptiveLimiter, Restart, Retrier, RetryPolicy, error_code, translate
 
@@ -72,6 +73,8 @@ MAX_COPY = 5 * GiB
 #: User-metadata keys fmstore itself writes (``x-amz-meta-`` is added by S3).
 META_CRC = "fmstore-crc32c"
 META_PART_SIZE = "fmstore-part-size"
+#: A forked child's inherited clients, kept alive and untouched (see ``S3Store._reset``).
+_FORK_LEFTOVERS: list[Any] = []
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
@@ -225,6 +228,11 @@ class S3Store(Store):
 
     def _reset(self) -> None:
         """Forget every loop- and process-bound object (after fork, or a dead loop)."""
+        if getattr(self, "_client", None) is not None and self._pid != os.getpid():
+            # Never let a forked child close (or garbage-collect) the parent's client: its
+            # transports would unregister their sockets from the epoll instance the child
+            # shares with the parent, and the parent's next response would never arrive.
+            _FORK_LEFTOVERS.append((self._client, self._stack))
         o = self.options
         self._pid = os.getpid()
         self._client: Any = None
@@ -471,9 +479,11 @@ class S3Store(Store):
             metadata=metadata,
         )
 
-    async def _create_upload(self, key: str, full: str, metadata: Mapping[str, str]) -> str:
+    async def _create_upload(
+        self, key: str, full: str, metadata: Mapping[str, str], *, checksums: bool = True
+    ) -> str:
         extra: dict[str, Any] = dict(self._sse())
-        if self.options.checksum == "crc32c":
+        if checksums and self.options.checksum == "crc32c":
             extra["ChecksumAlgorithm"] = "CRC32C"
         resp = await self._call(
             "open_writer",
@@ -671,6 +681,7 @@ class S3Store(Store):
                 verify_failures += 1
                 if verify_failures > 1:
                     raise
+                STORE_RETRIES.labels(self.tier, "checksum").inc()
         raise FmstoreError(
             "object kept changing while it was read (8 attempts)", tier=self.tier, key=key
         )
@@ -898,7 +909,8 @@ class S3Store(Store):
         psize = put_part_size(
             max(self.options.part_size, min(self.options.copy_threshold, 512 * MiB)), size
         )
-        upload_id = await self._create_upload(dst, fdst, metadata)
+        # UploadPartCopy parts carry no checksum of ours, so the upload must not ask for one.
+        upload_id = await self._create_upload(dst, fdst, metadata, checksums=False)
         done = False
         try:
 
