@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 
-
 @pytest.fixture
 def posix_root(tmp_path):
     root = tmp_path / "tier"
