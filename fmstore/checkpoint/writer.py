@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -199,3 +200,10 @@ async def _current_generation(store: Store) -> str | None:
 async def _delete_generation(store: Store, gen: str) -> None:
     keys = await store.list_keys(gen + "/")
     await store.delete_many(keys)
+    local = getattr(store, "local_path", None)
+    if local is not None:
+        # A write that failed before its first blob landed leaves an empty directory that
+        # no delete prunes; object stores have no directories.
+        path = os.path.dirname(local(f"{gen}/x"))
+        with contextlib.suppress(OSError):
+            await runtime.to_io(os.rmdir, path)
