@@ -236,6 +236,20 @@ def load(
     return runtime.run(_load_core(uri, map_location, lazy, keys, weights_only, mmap, verify))
 
 
+def read_manifest_sync(uri: Uri) -> Manifest:
+    """The manifest of the checkpoint at ``uri`` (no tensor data is read)."""
+
+    async def go() -> Manifest:
+        store, owned = open_location(uri, for_read=True)
+        try:
+            return await read_manifest(store)
+        finally:
+            if owned:
+                await store.close()
+
+    return runtime.run(go())
+
+
 # ---- async_save ---------------------------------------------------------------------------
 
 
