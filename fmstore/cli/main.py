@@ -39,14 +39,20 @@ def _root(
 
 
 def _register() -> None:
-    from . import store_cmds  # noqa: F401  (registers ls, cp, rm, du)
+    from . import (
+        ckpt_cmds,  # noqa: F401  (registers ckpt inspect, verify, gc, convert)
+        store_cmds,  # noqa: F401  (registers ls, cp, rm, du)
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry: fmstore errors become one clear line and exit code 1."""
     _register()
     try:
-        app(args=argv, standalone_mode=False)
+        # standalone_mode=False returns typer.Exit's code instead of raising it.
+        rc = app(args=argv, standalone_mode=False)
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
     except FmstoreError as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         sys.exit(1)
