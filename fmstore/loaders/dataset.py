@@ -39,6 +39,8 @@ class Stream:
     dtype: str | None = None
     targets: bool = True
     allow_pickle: bool = False
+    #: options for :func:`~fmstore.stores.open_store` (an S3 endpoint, credentials, ...)
+    storage_options: dict[str, Any] | None = None
 
 
 def default_cache_dir() -> str:
@@ -65,7 +67,7 @@ class StreamingDataset(tud.IterableDataset):
     see :mod:`.order`.  ``batch_size``: the DataLoader's batch size, which makes the order a
     rank sees the same for any number of workers.  ``prefetch``: shards each worker keeps
     downloading ahead (default: the window), ``max_concurrency`` at once.  ``format``,
-    ``seq_len``, ``dtype``, ``targets``, ``allow_pickle``: see :class:`FormatOptions`.
+    ``seq_len``, ``dtype``, ``targets``, ``allow_pickle``: see :class:`FormatOptions`; ``storage_options`` go to ``open_store``.
     ``streams``/``samples_per_epoch``: weighted mixing (see :class:`~.order.Plan`).
     ``rank``/``world_size``: default from ``torch.distributed``, else ``RANK``/``WORLD_SIZE``.
     """
@@ -88,6 +90,7 @@ class StreamingDataset(tud.IterableDataset):
         dtype: str | None = None,
         targets: bool = True,
         allow_pickle: bool = False,
+        storage_options: dict[str, Any] | None = None,
         shard_bytes: int = 64 << 20,
         samples_per_epoch: int | None = None,
         rank: int | None = None,
@@ -98,7 +101,7 @@ class StreamingDataset(tud.IterableDataset):
         if (remote is None) == (streams is None):
             raise ConfigError("pass either remote or streams")
         if streams is None:
-            streams = [Stream(remote or "", 1.0, format, seq_len, dtype, targets, allow_pickle)]
+            streams = [Stream(remote or "", 1.0, format, seq_len, dtype, targets, allow_pickle, storage_options)]
         if not streams:
             raise ConfigError("streams is empty")
         if any(s.weight <= 0 for s in streams):
@@ -122,7 +125,7 @@ class StreamingDataset(tud.IterableDataset):
             opts = FormatOptions(
                 s.format, s.seq_len, s.dtype, s.targets, shard_bytes, s.allow_pickle
             )
-            self.formats.append(load_format(open_store(s.remote), opts, index_dir=self.local))
+            self.formats.append(load_format(open_store(s.remote, **(s.storage_options or {})), opts, index_dir=self.local))
         self.specs: list[tuple[int, ShardSpec]] = [
             (i, sp) for i, f in enumerate(self.formats) for sp in f.shards
         ]
@@ -205,7 +208,8 @@ class StreamingDataset(tud.IterableDataset):
             self._stores, self._pid = {}, os.getpid()
         st = self._stores.get(stream)
         if st is None:
-            st = self._stores[stream] = open_store(self.streams[stream].remote)
+            spec = self.streams[stream]
+            st = self._stores[stream] = open_store(spec.remote, **(spec.storage_options or {}))
         return st
 
     def sample_ids(self, worker: int = 0, num_workers: int = 1) -> np.ndarray:
