@@ -40,6 +40,7 @@ def _root(
 
 def _register() -> None:
     from . import store_cmds  # noqa: F401  (registers ls, cp, rm, du)
+    from . import dataset_cmds  # noqa: F401  (registers dataset write / inspect)
 
 
 def main(argv: list[str] | None = None) -> None:
