@@ -38,11 +38,19 @@ def _root(
     """fmstore: move checkpoints and datasets between NVMe, Lustre and S3."""
 
 
+#: Command modules; each registers its commands on ``app`` when imported.
+COMMAND_MODULES = (
+    "store_cmds",  # ls, cp, rm, du
+    "ckpt_cmds",  # ckpt inspect, verify, gc, convert
+    "dataset_cmds",  # dataset write, inspect
+)
+
+
 def _register() -> None:
-    from . import (
-        ckpt_cmds,  # noqa: F401  (registers ckpt inspect, verify, gc, convert)
-        store_cmds,  # noqa: F401  (registers ls, cp, rm, du)
-    )
+    import importlib
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"{__package__}.{name}")
 
 
 def main(argv: list[str] | None = None) -> None:
