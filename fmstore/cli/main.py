@@ -39,7 +39,7 @@ def _root(
 
 
 def _register() -> None:
-    from . import store_cmds  # noqa: F401  (registers ls, cp, rm, du)
+    from . import stage_cmds, store_cmds  # noqa: F401  (register stage, hydrate, release, cp, du, rm, ls)
 
 
 def main(argv: list[str] | None = None) -> None:
