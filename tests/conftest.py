@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
+from fmstore import runtime
+from fmstore.testing.seaweed import SeaweedServer
 
 
 @pytest.fixture
@@ -11,3 +15,28 @@ def posix_root(tmp_path):
     root = tmp_path / "tier"
     root.mkdir()
     return str(root)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """One real SeaweedFS S3 server for the whole test session."""
+    with SeaweedServer() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A fresh, empty bucket per test; removed (with any pending uploads) afterwards."""
+    name = s3_server.create_bucket(f"t-{uuid.uuid4().hex[:20]}")
+    yield name
+    s3_server.delete_bucket(name)
+
+
+@pytest.fixture
+def s3_store(s3_server, s3_bucket):
+    """An fmstore store for ``s3://BUCKET/prefix`` on the test server."""
+    from fmstore.stores import open_store
+
+    store = open_store(f"s3://{s3_bucket}/prefix", **s3_server.store_options())
+    yield store
+    runtime.run(store.close(), timeout=30)

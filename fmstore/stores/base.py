@@ -24,6 +24,7 @@ Guarantees every backend keeps (the conformance suite in :mod:`fmstore.testing` 
 from __future__ import annotations
 
 import abc
+import builtins
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -272,7 +273,7 @@ class Store(abc.ABC):
 
     async def get_ranges(
         self, key: str, ranges: Sequence[ByteRange], *, coalesce: int = 1 << 20
-    ) -> list[bytes]:
+    ) -> builtins.list[bytes]:
         """Several ranges of one object, merging neighbours closer than ``coalesce`` bytes
         into one request (fewer round trips on S3), fetched concurrently."""
         import asyncio
@@ -280,7 +281,7 @@ class Store(abc.ABC):
         if not ranges:
             return []
         order = sorted(range(len(ranges)), key=lambda i: ranges[i].start)
-        groups: list[list[int]] = [[order[0]]]
+        groups: builtins.list[list[int]] = [[order[0]]]
         for i in order[1:]:
             last = ranges[groups[-1][-1]]
             if ranges[i].start - last.end <= coalesce:
@@ -288,14 +289,14 @@ class Store(abc.ABC):
             else:
                 groups.append([i])
 
-        async def fetch(group: list[int]) -> list[tuple[int, bytes]]:
+        async def fetch(group: builtins.list[int]) -> builtins.list[tuple[int, bytes]]:
             lo = min(ranges[i].start for i in group)
             hi = max(ranges[i].end for i in group)
             blob = await self.get_range(key, lo, hi)
             view = memoryview(blob)
             return [(i, bytes(view[ranges[i].start - lo : ranges[i].end - lo])) for i in group]
 
-        out: list[bytes] = [b""] * len(ranges)
+        out: builtins.list[bytes] = [b""] * len(ranges)
         for part in await asyncio.gather(*(fetch(g) for g in groups)):
             for i, b in part:
                 out[i] = b
@@ -307,7 +308,7 @@ class Store(abc.ABC):
 
         await asyncio.gather(*(self.delete(k) for k in keys))
 
-    async def list_keys(self, prefix: str = "", *, recursive: bool = True) -> list[str]:
+    async def list_keys(self, prefix: str = "", *, recursive: bool = True) -> builtins.list[str]:
         return [m.key async for m in self.list(prefix, recursive=recursive) if not m.is_dir]
 
     def sub(self, prefix: str) -> Store:

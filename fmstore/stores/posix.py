@@ -8,6 +8,7 @@ calls run in the runtime's I/O pool, never on the event loop.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import fcntl
@@ -128,7 +129,11 @@ class PosixStore(Store):
         msg = f"{e.strerror or e}"
         code = e.errno
         if code in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
-            return NotFound("no such object" if code != errno.EISDIR else "is a directory, not an object", tier=self.tier, key=key)
+            return NotFound(
+                "no such object" if code != errno.EISDIR else "is a directory, not an object",
+                tier=self.tier,
+                key=key,
+            )
         if code in (errno.EACCES, errno.EPERM, errno.EROFS):
             return PermissionDenied(f"permission denied: {msg}", tier=self.tier, key=key)
         if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
@@ -390,9 +395,9 @@ class PosixStore(Store):
                 if start_after is None or meta.key > start_after:
                     yield meta
 
-    def _list_sync(self, prefix: str, recursive: bool) -> list[ObjectMeta]:
+    def _list_sync(self, prefix: str, recursive: bool) -> builtins.list[ObjectMeta]:
         top = os.path.join(self.root, prefix) if prefix else self.root
-        out: list[ObjectMeta] = []
+        out: builtins.list[ObjectMeta] = []
         stack = [(top, prefix)]
         with self._translate(prefix):
             while stack:
@@ -413,7 +418,11 @@ class PosixStore(Store):
                                 out.append(ObjectMeta(key=key + "/", size=0, is_dir=True))
                         elif e.is_file():
                             st = e.stat()
-                            out.append(ObjectMeta(key=key, size=st.st_size, mtime=st.st_mtime, etag=_etag(st)))
+                            out.append(
+                                ObjectMeta(
+                                    key=key, size=st.st_size, mtime=st.st_mtime, etag=_etag(st)
+                                )
+                            )
         out.sort(key=lambda m: m.key.encode("utf-8"))
         return out
 
@@ -569,8 +578,17 @@ def _read_meta(path: str | int) -> dict[str, str]:
 
 
 class _PosixWriter(Writer):
-    def __init__(self, store: PosixStore, key: str, path: str, tmp: str, fd: int, options: PutOptions) -> None:
-        self.store, self.key, self.path, self.tmp, self.fd, self.options = store, key, path, tmp, fd, options
+    def __init__(
+        self, store: PosixStore, key: str, path: str, tmp: str, fd: int, options: PutOptions
+    ) -> None:
+        self.store, self.key, self.path, self.tmp, self.fd, self.options = (
+            store,
+            key,
+            path,
+            tmp,
+            fd,
+            options,
+        )
         self._done = False
 
     async def write(self, data: Buffer) -> None:
