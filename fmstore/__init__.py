@@ -19,7 +19,6 @@ from .errors import (  # noqa: E402
 from .stores import open_store  # noqa: E402
 
 
-
 def open(path: str, mode: str = "rb", **kwargs):  # type: ignore[no-untyped-def]  # noqa: A001
     """Open a local file; a file of a lazily staged dataset is fetched on first open and
     kept (see :mod:`fmstore.tiering.lazy`)."""

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Coroutine
@@ -42,7 +43,14 @@ from ..tiering.stage import (
     run_plan,
     shard_from_env,
 )
-from ..tiering.transfer import CopyItem, TransferOptions, TransferProgress, TransferReport, copy_items, version_of
+from ..tiering.transfer import (
+    CopyItem,
+    TransferOptions,
+    TransferProgress,
+    TransferReport,
+    copy_items,
+    version_of,
+)
 from .main import app
 from .util import human_bytes
 
@@ -57,7 +65,9 @@ def parse_size(text: str, what: str) -> int:
     """``"100M"``, ``"1.5GiB"``, ``"64MB/s"``, ``"4096"`` → bytes (binary units)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgtKMGT]?)(?:i?[bB])?(?:/s)?\s*", text or "")
     if not m:
-        raise typer.BadParameter(f"{text!r} is not a size (examples: 100M, 1.5GiB, 64MiB/s)", param_hint=what)
+        raise typer.BadParameter(
+            f"{text!r} is not a size (examples: 100M, 1.5GiB, 64MiB/s)", param_hint=what
+        )
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if value <= 0:
         raise typer.BadParameter(f"{text!r} must be positive", param_hint=what)
@@ -72,7 +82,13 @@ class _Interrupted(Exception):
     pass
 
 
-def _run_with_progress(coro: Coroutine[Any, Any, T], progress: TransferProgress | None, label: str, show: bool, interval: float) -> T:
+def _run_with_progress(
+    coro: Coroutine[Any, Any, T],
+    progress: TransferProgress | None,
+    label: str,
+    show: bool,
+    interval: float,
+) -> T:
     """Run ``coro`` on the fmstore loop while showing ``progress``: a rich bar on a
     terminal, a log line every ``interval`` seconds otherwise.  Ctrl-C cancels the run,
     waits for it to leave its journal in order, and raises :class:`_Interrupted`."""
@@ -181,14 +197,18 @@ def _confirm(question: str, yes: bool) -> None:
     if yes:
         return
     if not sys.stdin.isatty():
-        typer.secho(f"{question} Refusing without --yes (not a terminal).", fg=typer.colors.RED, err=True)
+        typer.secho(
+            f"{question} Refusing without --yes (not a terminal).", fg=typer.colors.RED, err=True
+        )
         raise typer.Exit(EXIT_USAGE)
     if not typer.confirm(question, default=False, err=True):
         typer.echo("Nothing deleted.", err=True)
         raise typer.Exit(EXIT_USAGE)
 
 
-def _transfer_options(concurrency: int, bwlimit: str | None, part_size: str, verify: bool) -> TransferOptions:
+def _transfer_options(
+    concurrency: int, bwlimit: str | None, part_size: str, verify: bool
+) -> TransferOptions:
     if concurrency < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--concurrency")
     part = parse_size(part_size, "--part-size")
@@ -219,22 +239,50 @@ def _shard(text: str) -> tuple[int, int] | None:
 
 @app.command("stage")
 def stage_cmd(
-    src: str = typer.Argument(..., help="Source: path, s3://bucket/prefix, TIER:path, any fsspec URL."),
+    src: str = typer.Argument(
+        ..., help="Source: path, s3://bucket/prefix, TIER:path, any fsspec URL."
+    ),
     dst: str = typer.Argument(..., help="Destination, same forms."),
-    include: list[str] = typer.Option([], "--include", "-i", help="Only keys matching this glob (repeatable)."),
-    exclude: list[str] = typer.Option([], "--exclude", "-x", help="Leave out keys matching this glob (repeatable)."),
-    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Print the plan with totals; change nothing."),
-    delete: bool = typer.Option(False, "--delete", help="Delete destination files absent from the source (sync)."),
+    include: list[str] = typer.Option(
+        [], "--include", "-i", help="Only keys matching this glob (repeatable)."
+    ),
+    exclude: list[str] = typer.Option(
+        [], "--exclude", "-x", help="Leave out keys matching this glob (repeatable)."
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", "-n", help="Print the plan with totals; change nothing."
+    ),
+    delete: bool = typer.Option(
+        False, "--delete", help="Delete destination files absent from the source (sync)."
+    ),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before deleting."),
     concurrency: int = typer.Option(64, "--concurrency", "-c", help="Files (and parts) in flight."),
     bwlimit: str | None = typer.Option(None, "--bwlimit", help="Bandwidth limit, e.g. 200MiB/s."),
-    part_size: str = typer.Option("32MiB", "--part-size", help="Part size of big files (ranged reads, multipart writes)."),
-    shard: str = typer.Option("auto", "--shard", help="K/N: stage shard K of N; auto: from SLURM_PROCID/SLURM_NTASKS or RANK/WORLD_SIZE; none."),
-    lazy: bool = typer.Option(False, "--lazy", help="Write only the listing; files are fetched on first read."),
-    verify: bool = typer.Option(False, "--verify", help="Re-read every copied file at the destination and compare checksums."),
-    json_out: bool = typer.Option(False, "--json", help="Print the final summary as JSON on stdout."),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar (terminal) or log lines."),
-    interval: float = typer.Option(10.0, "--log-interval", help="Seconds between progress lines when not on a terminal."),
+    part_size: str = typer.Option(
+        "32MiB", "--part-size", help="Part size of big files (ranged reads, multipart writes)."
+    ),
+    shard: str = typer.Option(
+        "auto",
+        "--shard",
+        help="K/N: stage shard K of N; auto: from SLURM_PROCID/SLURM_NTASKS or RANK/WORLD_SIZE; none.",
+    ),
+    lazy: bool = typer.Option(
+        False, "--lazy", help="Write only the listing; files are fetched on first read."
+    ),
+    verify: bool = typer.Option(
+        False,
+        "--verify",
+        help="Re-read every copied file at the destination and compare checksums.",
+    ),
+    json_out: bool = typer.Option(
+        False, "--json", help="Print the final summary as JSON on stdout."
+    ),
+    progress: bool = typer.Option(
+        True, "--progress/--no-progress", help="Progress bar (terminal) or log lines."
+    ),
+    interval: float = typer.Option(
+        10.0, "--log-interval", help="Seconds between progress lines when not on a terminal."
+    ),
 ) -> None:
     """Copy a dataset between any two locations: parallel, resumable, verified.
 
@@ -250,18 +298,30 @@ def stage_cmd(
         raise typer.BadParameter(e.message, param_hint="--include/--exclude") from None
     k_n = _shard(shard)
     if lazy and delete:
-        raise typer.BadParameter("--lazy writes only a listing; it cannot be combined with --delete")
+        raise typer.BadParameter(
+            "--lazy writes only a listing; it cannot be combined with --delete"
+        )
     if lazy and k_n is not None and k_n[0] != 0:
-        typer.echo(f"shard {k_n[0]}/{k_n[1]}: the lazy listing is written by shard 0 only; nothing to do", err=True)
+        typer.echo(
+            f"shard {k_n[0]}/{k_n[1]}: the lazy listing is written by shard 0 only; nothing to do",
+            err=True,
+        )
         return
     if lazy:
         k_n = None
     source = open_source(src)
-    dest = open_store(dst)
-    check_locations(source, dest, delete=delete)
+    # A dry run must not even create the destination directory.
+    missing = dry_run and _missing_local_dir(dst)
+    dest = open_store(tempfile.mkdtemp(prefix="fmstore-dry-run-") if missing else dst)
+    if not missing:
+        check_locations(source, dest, delete=delete)
     if k_n is not None:
         typer.echo(f"staging shard {k_n[0]}/{k_n[1]}", err=True)
-    plan = runtime.run(plan_stage(source, dest, key_filter=key_filter, shard=k_n, delete=delete))
+    try:
+        plan = runtime.run(plan_stage(source, dest, key_filter=key_filter, shard=k_n, delete=delete))
+    finally:
+        if missing:
+            os.rmdir(dest.url[len("file://") :])
     if not plan.src_listing:
         typer.echo(f"warning: source {src} has no files", err=True)
     if dry_run:
@@ -277,29 +337,58 @@ def stage_cmd(
         _confirm(f"Delete {len(plan.delete)} file(s) from {dst}?", yes)
     prog = TransferProgress()
     opts = StageOptions(
-        includes=tuple(include), excludes=tuple(exclude), delete=delete, shard=k_n, lazy=lazy, transfer=topts
+        includes=tuple(include),
+        excludes=tuple(exclude),
+        delete=delete,
+        shard=k_n,
+        lazy=lazy,
+        transfer=topts,
     )
     try:
         result = _run_with_progress(
-            run_plan(source, dest, plan, opts, progress=prog, src_url=src), prog, "stage", progress and not lazy, interval
+            run_plan(source, dest, plan, opts, progress=prog, src_url=src),
+            prog,
+            "stage",
+            progress and not lazy,
+            interval,
         )
     except _Interrupted:
-        typer.echo(f"Interrupted after {prog.files_done} files; run the same command again to resume.", err=True)
+        typer.echo(
+            f"Interrupted after {prog.files_done} files; run the same command again to resume.",
+            err=True,
+        )
         raise typer.Exit(EXIT_INTERRUPTED) from None
     if lazy:
-        typer.echo(f"lazy listing of {result.lazy_entries} files written to {dst}; files are fetched on first read", err=True)
+        typer.echo(
+            f"lazy listing of {result.lazy_entries} files written to {dst}; files are fetched on first read",
+            err=True,
+        )
     else:
         _summary(result.report)
     if result.deleted or result.delete_failures:
-        typer.echo(f"deleted {result.deleted} file(s), {len(result.delete_failures)} failed", err=True)
+        typer.echo(
+            f"deleted {result.deleted} file(s), {len(result.delete_failures)} failed", err=True
+        )
         for key, err in result.delete_failures:
             typer.echo(f"  FAILED delete {key}: {err}", err=True)
     if json_out:
         d = result.report.as_dict()
-        d.update(deleted=result.deleted, delete_failures=len(result.delete_failures), lazy_entries=result.lazy_entries)
+        d.update(
+            deleted=result.deleted,
+            delete_failures=len(result.delete_failures),
+            lazy_entries=result.lazy_entries,
+        )
         typer.echo(json.dumps(d))
     if not result.ok:
         raise typer.Exit(EXIT_FAILED)
+
+
+def _missing_local_dir(url: str) -> bool:
+    tier, rest = split_tier(url)
+    if tier is not None or re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", url) and not url.startswith("file://"):
+        return False
+    path = url[len("file://") :] if url.startswith("file://") else url
+    return not os.path.exists(os.path.expanduser(path))
 
 
 def _print_plan(plan: Any, json_out: bool, lazy: bool) -> None:
@@ -350,7 +439,9 @@ def hydrate_cmd(
     topts = _transfer_options(concurrency, bwlimit, "32MiB", verify)
     found = _lazy.find_index(path)
     if found is None:
-        raise NotFound("not inside a lazily staged directory (no .fmstore-lazy.jsonl above it)", key=path)
+        raise NotFound(
+            "not inside a lazily staged directory (no .fmstore-lazy.jsonl above it)", key=path
+        )
     idx, prefix = found
     entries = idx.under(prefix)
     if not entries:
@@ -363,7 +454,9 @@ def hydrate_cmd(
         existing = {}
         async for m in dst.list(prefix if prefix and prefix not in idx.entries else ""):
             existing[m.key] = m
-        return await copy_items(src, dst, [e.item() for e in entries], topts, progress=prog, dst_existing=existing)
+        return await copy_items(
+            src, dst, [e.item() for e in entries], topts, progress=prog, dst_existing=existing
+        )
 
     try:
         report = _run_with_progress(go(), prog, "hydrate", progress, 10.0)
@@ -384,11 +477,22 @@ def release_cmd(
     """Drop local copies under PATH but keep the listing: only files whose local bytes
     match what was fetched and whose source still holds the same version."""
     res = _lazy.release(path)
-    typer.echo(f"released {len(res.released)} files ({human_bytes(res.bytes_released)}); kept {len(res.kept)}", err=True)
+    typer.echo(
+        f"released {len(res.released)} files ({human_bytes(res.bytes_released)}); kept {len(res.kept)}",
+        err=True,
+    )
     for key, why in res.kept[:50]:
         typer.echo(f"  kept {key}: {why}", err=True)
     if json_out:
-        typer.echo(json.dumps({"released": res.released, "bytes_released": res.bytes_released, "kept": [k for k, _ in res.kept]}))
+        typer.echo(
+            json.dumps(
+                {
+                    "released": res.released,
+                    "bytes_released": res.bytes_released,
+                    "kept": [k for k, _ in res.kept],
+                }
+            )
+        )
 
 
 def split_object(url: str) -> tuple[str, str]:
@@ -415,7 +519,9 @@ def cp_cmd(
     src: str = typer.Argument(..., help="Source object (path, s3://bucket/key, TIER:path/key)."),
     dst: str = typer.Argument(..., help="Destination object, or a directory/prefix ending in '/'."),
     verify: bool = typer.Option(False, "--verify", help="Re-read the copy and compare checksums."),
-    force: bool = typer.Option(False, "--force", "-f", help="Copy even when an identical copy is present."),
+    force: bool = typer.Option(
+        False, "--force", "-f", help="Copy even when an identical copy is present."
+    ),
 ) -> None:
     """Copy one object between any two locations (checksummed, atomic)."""
     s_parent, s_key = split_object(src)
@@ -429,14 +535,20 @@ def cp_cmd(
     async def go() -> TransferReport:
         meta = await sstore.stat(s_key)
         item = CopyItem(s_key, d_key, meta.size, version_of(meta))
-        return await copy_items(sstore, dstore, [item], TransferOptions(verify=verify, skip_identical=not force))
+        return await copy_items(
+            sstore, dstore, [item], TransferOptions(verify=verify, skip_identical=not force)
+        )
 
     report = runtime.run(go())
     if report.failures:
         _list_failures(report)
         raise typer.Exit(EXIT_FAILED)
     p = report.progress
-    what = "identical copy present, skipped" if p.files_skipped else f"copied {human_bytes(p.bytes_copied)}"
+    what = (
+        "identical copy present, skipped"
+        if p.files_skipped
+        else f"copied {human_bytes(p.bytes_copied)}"
+    )
     typer.echo(f"{src} -> {d_parent.rstrip('/')}/{d_key}: {what}", err=True)
 
 
@@ -470,7 +582,9 @@ def du_cmd(
 @app.command("rm")
 def rm_cmd(
     url: str = typer.Argument(..., help="Object to delete, or a prefix with --recursive."),
-    recursive: bool = typer.Option(False, "--recursive", "-r", help="Delete every object under URL."),
+    recursive: bool = typer.Option(
+        False, "--recursive", "-r", help="Delete every object under URL."
+    ),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
 ) -> None:
     """Delete an object, or every object under a prefix (asks first unless --yes)."""

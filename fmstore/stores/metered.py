@@ -75,7 +75,9 @@ class MeteredStore(Store):
         options: PutOptions = PutOptions(),
     ) -> PartWriter:
         with self._op("open_writer"):
-            inner = await self.inner.open_part_writer(key, size, part_size, token=token, options=options)
+            inner = await self.inner.open_part_writer(
+                key, size, part_size, token=token, options=options
+            )
         return _MeteredPartWriter(self, inner)
 
     async def get_range(self, key: str, start: int, end: int | None = None) -> bytes:

@@ -20,7 +20,13 @@ TMP_MARK = ".fmstore-tmp."
 
 class TempPartsWriter(PartWriter):
     def __init__(
-        self, store: Store, key: str, size: int, part_size: int, token: str, resumed: bool,
+        self,
+        store: Store,
+        key: str,
+        size: int,
+        part_size: int,
+        token: str,
+        resumed: bool,
         options: PutOptions,
     ) -> None:
         self.store, self.key, self.size, self.part_size = store, key, size, part_size
@@ -29,7 +35,12 @@ class TempPartsWriter(PartWriter):
 
     @classmethod
     async def open(
-        cls, store: Store, key: str, size: int, part_size: int, token: str | None,
+        cls,
+        store: Store,
+        key: str,
+        size: int,
+        part_size: int,
+        token: str | None,
         options: PutOptions,
     ) -> TempPartsWriter:
         if part_size <= 0:
@@ -50,7 +61,8 @@ class TempPartsWriter(PartWriter):
         if memoryview(data).nbytes != end - start:
             raise InvalidRange(
                 f"part {index} must be {end - start} bytes, not {memoryview(data).nbytes}",
-                tier=self.store.tier, key=self.key,
+                tier=self.store.tier,
+                key=self.key,
             )
         await self.store.put(self._part_key(index), data)
 
@@ -58,7 +70,9 @@ class TempPartsWriter(PartWriter):
         if self._done:
             raise ValueError("writer is closed")
         meta = {**(self.options.metadata or {}), **(metadata or {})}
-        options = PutOptions(mode=self.options.mode, if_match=self.options.if_match, metadata=meta or None)
+        options = PutOptions(
+            mode=self.options.mode, if_match=self.options.if_match, metadata=meta or None
+        )
         n = part_count(self.size, self.part_size)
         async with await self.store.open_writer(self.key, options) as w:
             for i in range(n):
@@ -66,9 +80,17 @@ class TempPartsWriter(PartWriter):
                 try:
                     data = await self.store.get(self._part_key(i))
                 except NotFound:
-                    raise NotFound(f"part {i} of a pending write is missing", tier=self.store.tier, key=self.key) from None
+                    raise NotFound(
+                        f"part {i} of a pending write is missing",
+                        tier=self.store.tier,
+                        key=self.key,
+                    ) from None
                 if len(data) != end - start:
-                    raise InvalidRange(f"part {i} has {len(data)} bytes, expected {end - start}", tier=self.store.tier, key=self.key)
+                    raise InvalidRange(
+                        f"part {i} has {len(data)} bytes, expected {end - start}",
+                        tier=self.store.tier,
+                        key=self.key,
+                    )
                 await w.write(data)
         self._done = True
         await self.store.delete_many([self._part_key(i) for i in range(n)])

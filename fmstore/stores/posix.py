@@ -336,7 +336,10 @@ class PosixStore(Store):
                         off += len(chunk)
                     data = parts[0] if len(parts) == 1 else b"".join(parts)
                     meta = ObjectMeta(
-                        key=key, size=st.st_size, mtime=st.st_mtime, etag=_etag(st),
+                        key=key,
+                        size=st.st_size,
+                        mtime=st.st_mtime,
+                        etag=_etag(st),
                         metadata=_read_meta(fd),
                     )
                     return meta, data
@@ -640,8 +643,16 @@ class _PosixWriter(Writer):
 
 class _PosixPartWriter(PartWriter):
     def __init__(
-        self, store: PosixStore, key: str, path: str, tmp: str, fd: int, size: int,
-        part_size: int, resumed: bool, options: PutOptions,
+        self,
+        store: PosixStore,
+        key: str,
+        path: str,
+        tmp: str,
+        fd: int,
+        size: int,
+        part_size: int,
+        resumed: bool,
+        options: PutOptions,
     ) -> None:
         self.store, self.key, self.path, self.tmp, self.fd = store, key, path, tmp, fd
         self.size, self.part_size, self.options = size, part_size, options

@@ -89,7 +89,9 @@ class Journal:
 
     def _apply(self, rec: dict) -> None:
         if "f" in rec:
-            self.files[rec["f"]] = FileRecord(rec.get("s", -1), rec.get("v"), rec.get("c"), rec.get("d"))
+            self.files[rec["f"]] = FileRecord(
+                rec.get("s", -1), rec.get("v"), rec.get("c"), rec.get("d")
+            )
             self.pending.pop(rec["f"], None)
         elif "u" in rec:
             self.pending[rec["u"]] = PendingParts(rec["t"], rec.get("v"), int(rec["z"]))
@@ -126,7 +128,9 @@ class Journal:
 
     # ---- recording ------------------------------------------------------------------
 
-    def file_done(self, key: str, size: int, version: str | None, crc: int | None, dst_etag: str | None) -> None:
+    def file_done(
+        self, key: str, size: int, version: str | None, crc: int | None, dst_etag: str | None
+    ) -> None:
         """Record a finished file (buffered; :meth:`flush` writes it)."""
         rec = FileRecord(size, version, f"{crc:08x}" if crc is not None else None, dst_etag)
         self.files[key] = rec
@@ -137,7 +141,9 @@ class Journal:
         if self.files.pop(key, None) is not None or self.pending.pop(key, None) is not None:
             self._buffer.append(_line({"x": key}))
 
-    async def parts_started(self, key: str, token: str, version: str | None, part_size: int) -> PendingParts:
+    async def parts_started(
+        self, key: str, token: str, version: str | None, part_size: int
+    ) -> PendingParts:
         p = PendingParts(token, version, part_size)
         self.pending[key] = p
         self.files.pop(key, None)
@@ -149,7 +155,9 @@ class Journal:
         p = self.pending.get(key)
         if p is not None and p.token == token:
             p.parts[index] = (crc, length)
-        self._buffer.append(_line({"p": key, "t": token, "i": index, "c": f"{crc:08x}", "n": length}))
+        self._buffer.append(
+            _line({"p": key, "t": token, "i": index, "c": f"{crc:08x}", "n": length})
+        )
         await self.flush()
 
     async def flush(self) -> None:

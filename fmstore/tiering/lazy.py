@@ -142,7 +142,9 @@ def find_index(path: str) -> tuple[LazyIndex, str] | None:
         d = parent
 
 
-async def fetch_async(idx: LazyIndex, entries: Sequence[LazyEntry], options: TransferOptions = TransferOptions()) -> TransferReport:
+async def fetch_async(
+    idx: LazyIndex, entries: Sequence[LazyEntry], options: TransferOptions = TransferOptions()
+) -> TransferReport:
     """Copy ``entries`` from the index's source into its root (files already there are
     skipped); a file whose source changed size since the listing is reported as failed."""
     src = open_store(idx.source)
@@ -167,7 +169,9 @@ def open(path: str, mode: str = "rb", **kwargs: Any) -> IO[Any]:  # noqa: A001 (
     idx, key = found
     report = runtime.run(fetch_async(idx, [idx.entries[key]]))
     if report.failures:
-        raise FmstoreError(f"lazy fetch from {idx.source} failed: {report.failures[0].error}", key=key)
+        raise FmstoreError(
+            f"lazy fetch from {idx.source} failed: {report.failures[0].error}", key=key
+        )
     return builtins.open(local, mode, **kwargs)
 
 
@@ -175,7 +179,9 @@ def hydrate(path: str, options: TransferOptions = TransferOptions()) -> Transfer
     """Fetch every file of the lazy index under ``path`` that is not present yet."""
     found = find_index(path)
     if found is None:
-        raise NotFound("not inside a lazily staged directory (no .fmstore-lazy.jsonl above it)", key=path)
+        raise NotFound(
+            "not inside a lazily staged directory (no .fmstore-lazy.jsonl above it)", key=path
+        )
     idx, prefix = found
     entries = idx.under(prefix)
     if not entries:
@@ -193,7 +199,9 @@ class ReleaseResult:
 async def release_async(path: str, *, concurrency: int = 32) -> ReleaseResult:
     found = await runtime.to_io(find_index, path)
     if found is None:
-        raise NotFound("not inside a lazily staged directory (no .fmstore-lazy.jsonl above it)", key=path)
+        raise NotFound(
+            "not inside a lazily staged directory (no .fmstore-lazy.jsonl above it)", key=path
+        )
     idx, prefix = found
     src = open_store(idx.source)
     dst = open_store(idx.root)

@@ -77,7 +77,9 @@ def compile_glob(pattern: str) -> re.Pattern[str]:
         elif c == "[":
             j = pattern.find("]", i + 2 if pattern.startswith(("[!", "[^"), i) else i + 1)
             if j < 0:
-                raise ConfigError(f"malformed glob {pattern!r}: '[' at position {i} is never closed")
+                raise ConfigError(
+                    f"malformed glob {pattern!r}: '[' at position {i} is never closed"
+                )
             body = pattern[i + 1 : j]
             if body.startswith(("!", "^")):
                 body = "^" + body[1:]
@@ -204,7 +206,9 @@ def check_locations(src: Store, dst: Store, *, delete: bool) -> None:
 # ---- listing and planning ---------------------------------------------------------------
 
 
-async def list_tree(store: Store, *, parallel: int = 16, role: str = "location") -> dict[str, ObjectMeta]:
+async def list_tree(
+    store: Store, *, parallel: int = 16, role: str = "location"
+) -> dict[str, ObjectMeta]:
     """Every object under ``store``, listing each top-level directory concurrently."""
     try:
         top = [m async for m in store.list("", recursive=False)]
@@ -259,7 +263,9 @@ async def plan_stage(
     list_destination: bool = True,
 ) -> StagePlan:
     src_task = asyncio.ensure_future(list_tree(src, role="source"))
-    dst_task = asyncio.ensure_future(list_tree(dst, role="destination")) if list_destination else None
+    dst_task = (
+        asyncio.ensure_future(list_tree(dst, role="destination")) if list_destination else None
+    )
     try:
         src_all = await src_task
         dst_all = await dst_task if dst_task is not None else {}
@@ -275,7 +281,9 @@ async def plan_stage(
     ]
     deletes: list[str] = []
     if delete:
-        deletes = sorted(k for k in dst_all if k not in src_all and key_filter(k) and in_shard(k, shard))
+        deletes = sorted(
+            k for k in dst_all if k not in src_all and key_filter(k) and in_shard(k, shard)
+        )
     return StagePlan(items, deletes, dst_all, src_all)
 
 
@@ -329,7 +337,12 @@ async def run_plan(
     journal = await Journal.open(journal_path(src, dst, options.state_dir))
     try:
         report = await copy_items(
-            src, dst, plan.items, options.transfer, journal=journal, progress=progress,
+            src,
+            dst,
+            plan.items,
+            options.transfer,
+            journal=journal,
+            progress=progress,
             dst_existing=plan.dst_existing,
         )
         result = StageResult(report)
@@ -340,7 +353,9 @@ async def run_plan(
     return result
 
 
-async def _delete(dst: Store, keys: list[str], result: StageResult, journal: Journal, concurrency: int) -> None:
+async def _delete(
+    dst: Store, keys: list[str], result: StageResult, journal: Journal, concurrency: int
+) -> None:
     sem = asyncio.Semaphore(concurrency)
 
     async def one(key: str) -> None:
@@ -356,13 +371,17 @@ async def _delete(dst: Store, keys: list[str], result: StageResult, journal: Jou
     await asyncio.gather(*(one(k) for k in keys))
 
 
-async def stage_async(src_url: str, dst_url: str, options: StageOptions = StageOptions()) -> StageResult:
+async def stage_async(
+    src_url: str, dst_url: str, options: StageOptions = StageOptions()
+) -> StageResult:
     """Stage ``src_url`` into ``dst_url`` (any store URLs or ``TIER:path``)."""
     key_filter = KeyFilter.of(options.includes, options.excludes)
     src = open_source(src_url)
     dst = open_store(dst_url)
     check_locations(src, dst, delete=options.delete)
-    plan = await plan_stage(src, dst, key_filter=key_filter, shard=options.shard, delete=options.delete)
+    plan = await plan_stage(
+        src, dst, key_filter=key_filter, shard=options.shard, delete=options.delete
+    )
     return await run_plan(src, dst, plan, options, src_url=src_url)
 
 

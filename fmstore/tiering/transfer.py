@@ -249,7 +249,9 @@ class Transfer:
                 await self._one(item)
 
         try:
-            await gather_or_cancel(worker() for _ in range(min(self.opt.concurrency, len(items) or 1)))
+            await gather_or_cancel(
+                worker() for _ in range(min(self.opt.concurrency, len(items) or 1))
+            )
         finally:
             flusher.cancel()
             with contextlib.suppress(BaseException):
@@ -337,14 +339,23 @@ class Transfer:
                     return posixmeta.from_stat(await runtime.to_io(os.stat, path))
         return posixmeta.pick(src_meta.metadata)
 
-    def _dst_metadata(self, attrs: Mapping[str, str], crc: int, version: str | None) -> dict[str, str]:
+    def _dst_metadata(
+        self, attrs: Mapping[str, str], crc: int, version: str | None
+    ) -> dict[str, str]:
         md = dict(attrs)
         md[META_CRC] = to_hex(crc)
         if version:
             md[META_SRC_VERSION] = version
         return md
 
-    async def _finish(self, item: CopyItem, dmeta: ObjectMeta, attrs: Mapping[str, str], crc: int, version: str | None) -> None:
+    async def _finish(
+        self,
+        item: CopyItem,
+        dmeta: ObjectMeta,
+        attrs: Mapping[str, str],
+        crc: int,
+        version: str | None,
+    ) -> None:
         if self.dst_local and attrs:
             path = local_path(self.dst, item.dst_key)
             if path is not None:
@@ -380,7 +391,9 @@ class Transfer:
             self.progress.bytes_copied += len(data)
             del data
             if self.opt.verify:
-                self._check(item, "destination", crc, await self._crc(await self.dst.get(item.dst_key)))
+                self._check(
+                    item, "destination", crc, await self._crc(await self.dst.get(item.dst_key))
+                )
             await self._finish(item, dmeta, attrs, crc, version)
         finally:
             await self.budget.release(held)
@@ -388,10 +401,14 @@ class Transfer:
     async def _copy_big(self, item: CopyItem) -> None:
         smeta = await self.src.stat(item.src_key)
         size, version = smeta.size, version_of(smeta)
-        expected = item.crc32c if item.crc32c is not None else from_hex(smeta.metadata.get(META_CRC))
+        expected = (
+            item.crc32c if item.crc32c is not None else from_hex(smeta.metadata.get(META_CRC))
+        )
         part_size = self.opt.part_size
         pend = self.journal.pending.get(item.dst_key)
-        token = pend.token if pend and pend.version == version and pend.part_size == part_size else None
+        token = (
+            pend.token if pend and pend.version == version and pend.part_size == part_size else None
+        )
         w = await self.dst.open_part_writer(item.dst_key, size, part_size, token=token)
         if token is not None and w.resumed and pend is not None:
             done = dict(pend.parts)
@@ -427,7 +444,9 @@ class Transfer:
         if version_of(after) != version or after.size != size:
             await w.abort()
             self.journal.forget(item.dst_key)
-            raise StoreUnavailable("source changed while being copied", tier=self.src.tier, key=item.src_key)
+            raise StoreUnavailable(
+                "source changed while being copied", tier=self.src.tier, key=item.src_key
+            )
         try:
             self._check(item, "source", expected, whole)
         except CorruptData:
@@ -437,7 +456,9 @@ class Transfer:
         attrs = await self._attrs(item, smeta)
         dmeta = await w.commit(self._dst_metadata(attrs, whole, version))
         if self.opt.verify:
-            self._check(item, "destination", whole, await self._read_crc(self.dst, item.dst_key, size))
+            self._check(
+                item, "destination", whole, await self._read_crc(self.dst, item.dst_key, size)
+            )
         await self._finish(item, dmeta, attrs, whole, version)
 
     async def _read_crc(self, store: Store, key: str, size: int) -> int:
