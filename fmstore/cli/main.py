@@ -43,6 +43,7 @@ COMMAND_MODULES = (
     "store_cmds",  # ls, cp, rm, du
     "ckpt_cmds",  # ckpt inspect, verify, gc, convert
     "dataset_cmds",  # dataset write, inspect
+    "stage_cmds",  # stage, hydrate, release
 )
 
 
@@ -72,10 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         typer.echo("Interrupted.", err=True)
         sys.exit(130)
-    except Exception as e:  # click usage errors
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
+    except Exception as e:  # usage errors (typer vendors click, so match by duck type)
+        show, code = getattr(e, "show", None), getattr(e, "exit_code", None)
+        if callable(show) and isinstance(code, int):
+            show()
+            sys.exit(code)
         raise
