@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import difflib
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from .errors import ConfigError
 
@@ -136,7 +137,9 @@ def from_dict(data: Mapping[str, Any], *, source: str | None = None) -> Config:
     if not isinstance(state_dir, str):
         raise ConfigError(f"{where}: state_dir must be a string path")
     sections = {k: v for k, v in data.items() if k not in ("tiers", "state_dir")}
-    return Config(tiers=tiers, state_dir=os.path.expanduser(state_dir), sections=sections, source=source)
+    return Config(
+        tiers=tiers, state_dir=os.path.expanduser(state_dir), sections=sections, source=source
+    )
 
 
 def _tier(where: str, name: str, table: Any, s3_defaults: Mapping[str, Any]) -> TierConfig:
@@ -146,10 +149,14 @@ def _tier(where: str, name: str, table: Any, s3_defaults: Mapping[str, Any]) -> 
         raise ConfigError(f"{where}: [tiers.{name}] must be a table with at least 'url'")
     for key in table:
         if key not in TIER_KEYS:
-            raise ConfigError(f"{where}: [tiers.{name}] unknown key {key!r}{_suggest(key, TIER_KEYS)}")
+            raise ConfigError(
+                f"{where}: [tiers.{name}] unknown key {key!r}{_suggest(key, TIER_KEYS)}"
+            )
     url = table.get("url")
     if not isinstance(url, str) or not url:
-        raise ConfigError(f"{where}: [tiers.{name}] needs 'url' (a path, file://, s3:// or fsspec URL)")
+        raise ConfigError(
+            f"{where}: [tiers.{name}] needs 'url' (a path, file://, s3:// or fsspec URL)"
+        )
     options = {k: v for k, v in table.items() if k != "url"}
     if url.startswith("s3://"):
         options = {**dict(s3_defaults), **options}

@@ -71,4 +71,6 @@ def _check_segment(seg: str, key: str, tier: str | None) -> None:
     if seg in (".", ".."):
         raise InvalidKey(f"key has a {seg!r} segment", tier=tier, key=key)
     if len(seg.encode("utf-8")) > MAX_SEGMENT_BYTES:
-        raise InvalidKey(f"a key segment is longer than {MAX_SEGMENT_BYTES} bytes", tier=tier, key=key)
+        raise InvalidKey(
+            f"a key segment is longer than {MAX_SEGMENT_BYTES} bytes", tier=tier, key=key
+        )

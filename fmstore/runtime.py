@@ -73,7 +73,9 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
     """
     if in_loop_thread():
         coro.close()
-        raise RuntimeError("fmstore.runtime.run() called from the fmstore event loop; await instead")
+        raise RuntimeError(
+            "fmstore.runtime.run() called from the fmstore event loop; await instead"
+        )
     fut = asyncio.run_coroutine_threadsafe(coro, loop())
     try:
         return fut.result(timeout)

@@ -25,7 +25,11 @@ def test_no_valid_key_escapes_the_root(key):
     assert ".." not in key.split("/")
 
 
-@given(st.lists(st.sampled_from(["..", ".", "", "a", "b", "/", "\\", "\x00", "é"]), min_size=1, max_size=12))
+@given(
+    st.lists(
+        st.sampled_from(["..", ".", "", "a", "b", "/", "\\", "\x00", "é"]), min_size=1, max_size=12
+    )
+)
 @settings(max_examples=2000)
 def test_adversarial_segments(parts):
     key = "/".join(parts)

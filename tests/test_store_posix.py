@@ -64,7 +64,9 @@ def test_read_only_filesystem_is_permission_error(tmp_path):
     """A real read-only mount (tmpfs remounted ro), when this machine lets us mount."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount tmpfs here (needs root)")
     try:
         subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
@@ -79,7 +81,9 @@ def test_full_disk_is_tier_full_and_leaves_nothing(tmp_path):
     """ENOSPC on a small tmpfs: a clear TierFull, no temp file or partial object left."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount tmpfs here (needs root); see test_file_size_limit_is_tier_full")
     try:
         s = PosixStore(str(mnt))

@@ -51,14 +51,23 @@ def split_tier(url: str, config: Config | None = None) -> tuple[str | None, str]
     return None, url
 
 
-def open_store(url: str, *, tier: str | None = None, metered: bool = True, config: Config | None = None, **options: Any) -> Store:
+def open_store(
+    url: str,
+    *,
+    tier: str | None = None,
+    metered: bool = True,
+    config: Config | None = None,
+    **options: Any,
+) -> Store:
     """Open the store behind ``url``; ``options`` go to the backend (see each backend's options)."""
     if not isinstance(url, str) or not url:
         raise ConfigError(f"store URL must be a non-empty string, not {url!r}")
     name, rest = split_tier(url, config)
     if name is not None:
         t = (config or get_config()).tier(name)
-        base = open_store(t.url, tier=name, metered=metered, config=config, **{**t.options, **options})
+        base = open_store(
+            t.url, tier=name, metered=metered, config=config, **{**t.options, **options}
+        )
         return base.sub(rest) if rest.strip("/") else base
     store = _open_backend(url, tier, options)
     return MeteredStore(store) if metered else store

@@ -16,7 +16,14 @@ from typing import Any
 import fsspec
 
 from .. import runtime
-from ..errors import AlreadyExists, FmstoreError, NotFound, NotSupported, PermissionDenied, StoreUnavailable
+from ..errors import (
+    AlreadyExists,
+    FmstoreError,
+    NotFound,
+    NotSupported,
+    PermissionDenied,
+    StoreUnavailable,
+)
 from .base import Buffer, ObjectMeta, PutOptions, Store, Writer
 
 _OBJECT_PROTOCOLS = {"memory", "gs", "gcs", "az", "abfs", "abfss", "s3", "s3a", "oss"}
@@ -65,7 +72,9 @@ class FsspecStore(Store):
             if options.mode == "create" and self.fs.exists(path):
                 raise AlreadyExists("object already exists", tier=self.tier, key=key)
             if options.mode == "if_match":
-                raise NotSupported("conditional writes are not supported by fsspec stores", tier=self.tier, key=key)
+                raise NotSupported(
+                    "conditional writes are not supported by fsspec stores", tier=self.tier, key=key
+                )
             if self._atomic_put:
                 self.fs.pipe_file(path, data)
             else:
@@ -104,9 +113,13 @@ class FsspecStore(Store):
             return self._meta(key, info)
 
     def _meta(self, key: str, info: dict[str, Any]) -> ObjectMeta:
-        mtime = info.get("mtime") or info.get("created") or info.get("LastModified")
-        with contextlib.suppress(Exception):
-            mtime = float(mtime.timestamp()) if hasattr(mtime, "timestamp") else mtime
+        raw = info.get("mtime") or info.get("created") or info.get("LastModified")
+        mtime: float | None = None
+        stamp = getattr(raw, "timestamp", None)
+        if callable(stamp):
+            mtime = float(stamp())
+        elif isinstance(raw, (int, float)):
+            mtime = float(raw)
         etag = info.get("ETag") or info.get("etag") or info.get("md5")
         return ObjectMeta(key=key, size=int(info.get("size") or 0), mtime=mtime, etag=etag)
 
@@ -155,11 +168,8 @@ class FsspecStore(Store):
         path = self._path(key)
 
         def do() -> None:
-            with self._translate(key):
-                try:
-                    self.fs.rm_file(path)
-                except FileNotFoundError:
-                    pass
+            with self._translate(key), contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(path)
 
         await runtime.to_io(do)
 

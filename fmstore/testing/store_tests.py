@@ -121,7 +121,12 @@ class StoreConformance:
     def test_get_ranges_coalesces_correctly(self, store: Store) -> None:
         data = os.urandom(3 << 20)
         run(store.put("r", data))
-        ranges = [ByteRange(10, 20), ByteRange(0, 5), ByteRange(2 << 20, (2 << 20) + 100), ByteRange(15, 40)]
+        ranges = [
+            ByteRange(10, 20),
+            ByteRange(0, 5),
+            ByteRange(2 << 20, (2 << 20) + 100),
+            ByteRange(15, 40),
+        ]
         got = run(store.get_ranges("r", ranges, coalesce=1024))
         assert got == [data[r.start : r.end] for r in ranges]
 
@@ -161,7 +166,10 @@ class StoreConformance:
 
     def test_metadata_roundtrip(self, store: Store) -> None:
         run(store.put("m", b"x", PutOptions(metadata={"file-permissions": "0100644", "k": "v"})))
-        assert dict(run(store.stat("m")).metadata).items() >= {"file-permissions": "0100644", "k": "v"}.items()
+        assert (
+            dict(run(store.stat("m")).metadata).items()
+            >= {"file-permissions": "0100644", "k": "v"}.items()
+        )
 
     # ---- listing ----------------------------------------------------------------------
 
@@ -185,7 +193,9 @@ class StoreConformance:
         assert run(store.list_keys("many/")) == keys
 
         async def after() -> list[str]:
-            return [m.key async for m in store.list("many", start_after="many/01049", page_size=100)]
+            return [
+                m.key async for m in store.list("many", start_after="many/01049", page_size=100)
+            ]
 
         assert run(after()) == keys[1050:]
 
@@ -274,7 +284,19 @@ class StoreConformance:
     # ---- keys -------------------------------------------------------------------------
 
     @pytest.mark.parametrize(
-        "bad", ["../escape", "a/../../b", "/abs", "a//b", "a/", "", "a\x00b", "./a", "a\\..\\b", "x" * 1100]
+        "bad",
+        [
+            "../escape",
+            "a/../../b",
+            "/abs",
+            "a//b",
+            "a/",
+            "",
+            "a\x00b",
+            "./a",
+            "a\\..\\b",
+            "x" * 1100,
+        ],
     )
     def test_bad_keys_are_refused(self, store: Store, backdoor: Backdoor, bad: str) -> None:
         before = backdoor.keys()

@@ -1,0 +1,113 @@
+"""Shared benchmark plumbing: timing, cold caches, the machine, tables and JSON results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).parent / "out"
+
+
+def drop_caches() -> bool:
+    """Drop the page cache (cold reads); False when this machine does not allow it."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def timed(fn: Callable[[], Any], repeat: int = 1) -> float:
+    """Best wall time of ``repeat`` runs of ``fn`` (seconds)."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def machine() -> dict[str, Any]:
+    mem = 0
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) // (1024 * 1024)
+    except OSError:
+        pass
+    cpu = platform.processor() or ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpus": os.cpu_count(),
+        "cpu": cpu,
+        "mem_gib": mem,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+    }
+
+
+def mbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e6 if seconds > 0 else float("nan")
+
+
+def print_table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """Print rows as an aligned text table (also returned, for RESULTS.md)."""
+    cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [
+        max(len(c), *(len(row[i]) for row in cells)) if cells else len(c)
+        for i, c in enumerate(columns)
+    ]
+    lines = [
+        f"## {title}",
+        "",
+        "| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |",
+    ]
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in cells:
+        lines.append("| " + " | ".join(v.ljust(w) for v, w in zip(row, widths)) + " |")
+    text = "\n".join(lines)
+    print(text + "\n", flush=True)
+    return text
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.2f}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def save_json(name: str, payload: dict[str, Any]) -> Path:
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"{name}.json"
+    payload = {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M:%S"), **payload}
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    print(f"results: {path}")
+    return path
+
+
+def have(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def disk_of(path: str) -> str:
+    try:
+        return subprocess.run(
+            ["df", "-h", path], capture_output=True, text=True
+        ).stdout.splitlines()[-1]
+    except Exception:
+        return "?"
