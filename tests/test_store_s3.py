@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import crc32c
 import pytest
 
 from fmstore import runtime
@@ -109,8 +110,6 @@ def test_create_mode_multipart_on_existing_key_leaves_no_upload(s3_server, s3_bu
 def test_put_records_crc32c_and_sends_it(s3_server, s3_bucket, s3_store):
     data = os.urandom(50_000)
     runtime.run(s3_store.put("c", data))
-    import crc32c
-
     head = s3_server.boto3_client().head_object(
         Bucket=s3_bucket, Key="prefix/c", ChecksumMode="ENABLED"
     )
@@ -280,3 +279,66 @@ def test_store_works_in_a_forked_child(s3_server, s3_bucket):
         assert sum(retried) == 0
     finally:
         runtime.run(store.close())
+
+
+# ---- resumable part writer ------------------------------------------------------------------
+
+
+def test_part_writer_resumes_in_a_new_store_and_commits_with_late_metadata(s3_server, s3_bucket):
+    """Parts written by one store (process) are found by the token in another; commit adds
+    metadata known only at the end and makes the object appear at once."""
+    opts = s3_server.store_options()
+    size, part = (12 << 20) + 3, 5 << 20
+    data = os.urandom(size)
+    first = open_store(f"s3://{s3_bucket}/pw", **opts)
+    try:
+        w = runtime.run(first.open_part_writer("obj", size, part))
+        assert not w.resumed
+        runtime.run(w.write_part(2, data[10 << 20 :]))
+        runtime.run(w.write_part(0, data[: 5 << 20]))
+        token = w.token
+        assert runtime.run(first.list_keys("")) == []  # nothing visible, temp object hidden
+    finally:
+        runtime.run(first.close())
+    second = open_store(f"s3://{s3_bucket}/pw", **opts)
+    try:
+        w2 = runtime.run(second.open_part_writer("obj", size, part, token=token))
+        assert w2.resumed and w2.token == token
+        runtime.run(w2.write_part(1, data[5 << 20 : 10 << 20]))
+        meta = runtime.run(w2.commit({META_CRC: f"{crc32c.crc32c(data):08x}"}))
+        assert meta.size == size
+        assert runtime.run(second.get("obj")) == data  # checked against the late CRC32C
+        assert runtime.run(second.list_keys("")) == ["obj"]
+        client = s3_server.boto3_client()
+        assert client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+        keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])]
+        assert keys == ["pw/obj"]
+    finally:
+        runtime.run(second.close())
+
+
+def test_part_writer_missing_part_and_abort(s3_server, s3_bucket, s3_store):
+    size, part = 11 << 20, 5 << 20
+    w = runtime.run(s3_store.open_part_writer("obj", size, part))
+    runtime.run(w.write_part(0, os.urandom(part)))
+    with pytest.raises(NotFound, match="part 1"):
+        runtime.run(w.commit())
+    from fmstore.errors import InvalidRange
+
+    with pytest.raises(InvalidRange):
+        runtime.run(w.write_part(1, b"short"))
+    runtime.run(w.abort())
+    runtime.run(w.abort())  # twice is fine
+    assert (
+        s3_server.boto3_client().list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+    )
+    stale = runtime.run(s3_store.open_part_writer("obj", size, part, token=w.token))
+    assert not stale.resumed
+    runtime.run(stale.abort())
+
+
+def test_get_with_meta_is_one_consistent_read(s3_store):
+    data = os.urandom(11 << 20)
+    runtime.run(s3_store.put("m", data, PutOptions(metadata={"k": "v"})))
+    meta, got = runtime.run(s3_store.get_with_meta("m"))
+    assert got == data and meta.size == len(data) and meta.metadata["k"] == "v" and meta.etag
