@@ -318,3 +318,17 @@ def test_dropped_writer_is_aborted_when_collected(store, boto, s3_bucket):
         return False
 
     assert run(wait_for_abort())
+
+
+@pytest.mark.parametrize("fault", ["reset", "truncate", "stall"])
+def test_lost_create_upload_answer_leaves_no_stray_upload(
+    store, fault_proxy, fault, boto, s3_bucket
+):
+    """The server creates an upload but its answer is lost: the retry makes a second one,
+    and the first (whose id we never learnt) must not be orphaned."""
+    fault_proxy.set_plan([Rule(fault, method="POST", path=r"\?uploads", times=1, delay=30)])
+    data = os.urandom(11 << 20)
+    run(store.put("mp", data))
+    assert fault_proxy.injected[fault] == 1
+    assert boto.get_object(Bucket=s3_bucket, Key="data/mp")["Body"].read() == data
+    assert pending(boto, s3_bucket) == []

@@ -489,15 +489,49 @@ class S3Store(Store):
         extra: dict[str, Any] = dict(self._sse())
         if checksums and self.options.checksum == "crc32c":
             extra["ChecksumAlgorithm"] = "CRC32C"
-        resp = await self._call(
+        cli = await self._cli()
+        retried = False
+
+        def note(_: BaseException) -> None:
+            nonlocal retried
+            retried = True
+
+        started = time.time()
+        resp = await self.retrier.call(
             "open_writer",
             key,
-            "create_multipart_upload",
-            Key=full,
-            Metadata=dict(metadata),
-            **extra,
+            lambda: cli.create_multipart_upload(
+                Bucket=self.bucket, Key=full, Metadata=dict(metadata), **extra
+            ),
+            on_retry=note,
         )
-        return str(resp["UploadId"])
+        upload_id = str(resp["UploadId"])
+        if retried:
+            await self._abort_strays(key, full, upload_id, started)
+        return upload_id
+
+    async def _abort_strays(self, key: str, full: str, ours: str, since: float) -> None:
+        """Abort uploads an earlier, unacknowledged CreateMultipartUpload attempt made.
+
+        Such an attempt may have created an upload whose id never reached us; left alone it
+        would be orphaned.  Uploads of the same key begun while our attempts ran are taken
+        to be ours (a concurrent writer of the very same key in that window would see its
+        upload vanish and fail cleanly, never write wrong bytes).
+        """
+        slack = 2.0  # seconds of clock difference tolerated between client and server
+        try:
+            resp = await self._call("open_writer", key, "list_multipart_uploads", Prefix=full)
+            for u in resp.get("Uploads", []):
+                when = u.get("Initiated")
+                if (
+                    u.get("Key") == full
+                    and u.get("UploadId") != ours
+                    and when is not None
+                    and since - slack <= when.timestamp() <= time.time() + slack
+                ):
+                    await self._abort_upload(key, full, str(u["UploadId"]))
+        except FmstoreError as e:
+            log.warning("could not check for stray uploads of %s: %s", full, e)
 
     async def _upload_part(
         self, key: str, full: str, upload_id: str, number: int, body: bytes | bytearray

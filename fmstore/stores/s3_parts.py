@@ -89,14 +89,8 @@ class S3PartWriter(PartWriter):
                 else:
                     return cls(store, key, full, nonce, upload_id, size, part_size, True, options)
         nonce = uuid.uuid4().hex[:16]
-        resp = await store._call(
-            "open_part_writer",
-            key,
-            "create_multipart_upload",
-            Key=_tmp_key(full, nonce),
-            **store._sse(),
-        )
-        return cls(store, key, full, nonce, str(resp["UploadId"]), size, part_size, False, options)
+        upload_id = await store._create_upload(key, _tmp_key(full, nonce), {}, checksums=False)
+        return cls(store, key, full, nonce, upload_id, size, part_size, False, options)
 
     def _check_open(self) -> None:
         if self._done:
