@@ -55,7 +55,7 @@ from ..errors import (
     NotFound,
     PreconditionFailed,
 )
-from .base import Buffer, ObjectMeta, PutOptions, Store, Writer
+from .base import Buffer, ObjectMeta, PartWriter, PutOptions, Store, Writer
 from .s3_retry import AdaptiveLimiter, Restart, Retrier, RetryPolicy, error_code, translate
 
 log = logging.getLogger(__name__)
@@ -761,6 +761,26 @@ class S3Store(Store):
     async def stat(self, key: str) -> ObjectMeta:
         full = self._full(key)
         return self._meta(key, await self._head(key, full))
+
+    async def get_with_meta(self, key: str) -> tuple[ObjectMeta, bytes]:
+        """One GET for bytes and metadata (see :mod:`fmstore.stores.s3_parts`)."""
+        from .s3_parts import get_with_meta
+
+        return await get_with_meta(self, key)
+
+    async def open_part_writer(
+        self,
+        key: str,
+        size: int,
+        part_size: int,
+        *,
+        token: str | None = None,
+        options: PutOptions = PutOptions(),
+    ) -> PartWriter:
+        """A multipart upload whose upload id is the resume token."""
+        from .s3_parts import S3PartWriter
+
+        return await S3PartWriter.open(self, self._key(key), size, part_size, token, options)
 
     async def pending_uploads(self) -> list[tuple[str, str]]:
         """``(key, upload_id)`` of every multipart upload in progress under this store's root."""
