@@ -80,9 +80,9 @@ def test_small_files_posix_to_s3_and_back(dataset, s3env, s3_server, tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["files_copied"] == SUBSET_N
     head = s3_server.boto3_client().head_object(
-        Bucket=s3env["bucket"], Key="ds/small/d03/f00003.bin"
+        Bucket=s3env["bucket"], Key="ds/small/d02/f00002.bin"
     )
-    assert head["Metadata"]["fmstore-crc32c"] == f"{dataset['small_crcs']['d03/f00003.bin']:08x}"
+    assert head["Metadata"]["fmstore-crc32c"] == f"{dataset['small_crcs']['d02/f00002.bin']:08x}"
     assert head["Metadata"]["file-permissions"] == "0100644"
     r = fm("stage", dataset["small"], "s3:small", "--json", "--no-progress", *sub, env=env)
     assert json.loads(r.stdout)["files_skipped"] == SUBSET_N
