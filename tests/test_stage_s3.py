@@ -106,9 +106,10 @@ def test_small_files_posix_to_s3_and_back(dataset, s3env, s3_server, tmp_path):
     assert json.loads(r.stdout)["files_skipped"] == SUBSET_N
 
 
+@pytest.mark.slow
 def test_big_files_posix_to_s3_and_back_keep_fsx_metadata(dataset, s3env, s3_server, tmp_path):
     env = s3env["env"]
-    r = fm("stage", dataset["big"], "s3:big", "--json", "--no-progress", "--verify", env=env)
+    r = fm("stage", dataset["big"], "s3:big", "--json", "--no-progress", env=env)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["files_copied"] == BIG_N
     c = s3_server.boto3_client()
@@ -142,9 +143,12 @@ def _journal_parts(home: str) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 def test_kill9_during_upload_resumes_multipart_without_resending_parts(dataset, s3env, s3_server):
     env = s3env["env"]
+    # One 300 MiB file is enough to interrupt mid-upload (the others are the big test's).
     args = ["stage", dataset["big"], "s3:resume", "--part-size", "8MiB", "--no-progress"]
+    args += ["--include", "shard-0.bin"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "fmstore", *args, "--bwlimit", "150MiB/s", "--concurrency", "4"],
         stdout=subprocess.DEVNULL,
@@ -167,10 +171,9 @@ def test_kill9_during_upload_resumes_multipart_without_resending_parts(dataset, 
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
     assert s["bytes_resumed"] >= done
-    assert s["bytes_copied"] <= BIG_N * BIG_SIZE - done
+    assert s["bytes_copied"] <= BIG_SIZE - done
     store = _s3(s3_server, s3env["bucket"], "ds/resume")
-    for name, want in dataset["big_crcs"].items():
-        assert crc32c(runtime.run(store.get(name))) == want
+    assert crc32c(runtime.run(store.get("shard-0.bin"))) == dataset["big_crcs"]["shard-0.bin"]
     assert not c.list_multipart_uploads(Bucket=s3env["bucket"]).get("Uploads")
 
 
@@ -178,9 +181,9 @@ def test_s3_to_posix_through_faults(s3env, s3_server, tmp_path):
     src = _s3(s3_server, s3env["bucket"], "ds/faulty")
 
     async def fill():
-        for i in range(300):
+        for i in range(100):
             await src.put(f"f{i:03d}", os.urandom(3000))
-        await src.put("big.bin", os.urandom(40 << 20))
+        await src.put("big.bin", os.urandom(24 << 20))
 
     runtime.run(fill())
     want = {}
