@@ -7,13 +7,12 @@ import json
 import os
 
 import pytest
+from stage_data import file_crcs, fm
 
 import fmstore
 from fmstore.errors import NotFound
 from fmstore.tiering.crc import crc32c
 from fmstore.tiering.lazy import INDEX_NAME
-
-from stage_data import file_crcs, fm
 
 
 @pytest.fixture
