@@ -281,6 +281,8 @@ def test_lazy_load_fetches_on_access_and_keeps_ties(tmp_path):
     assert torch.equal(a, w) and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
     full = lz.materialize()
     assert torch.equal(full["model"]["c"], state["model"]["c"])
+    lz.close()
+    assert torch.equal(a, w)  # fetched tensors outlive the mapping's store
 
 
 def test_mmap_load_maps_raw_chunks_copy_on_write(tmp_path):

@@ -184,6 +184,7 @@ async def _load_core(
             )
             if lazy and isinstance(tree, dict) and ("dict" in tree or "odict" in tree):
                 keep_open = True
+                mat.owns_store = owned
                 return LazyDict(mat, tree)
             try:
                 return await mat.build(tree)
