@@ -63,15 +63,16 @@ async def find_checkpoints_async(store: Store) -> list[str]:
     return sorted(p for p, g in manifests.items() if g not in (None, "?"))
 
 
-def find_checkpoints(root: str) -> list[str]:
+def find_checkpoints(root: str | Store) -> list[str]:
     """Prefixes (relative to ``root``) of the committed checkpoints under ``root``."""
 
     async def go() -> list[str]:
-        store = open_store(root)
+        store = root if isinstance(root, Store) else open_store(os.fspath(root))
         try:
             return await find_checkpoints_async(store)
         finally:
-            await store.close()
+            if not isinstance(root, Store):
+                await store.close()
 
     return runtime.run(go())
 
