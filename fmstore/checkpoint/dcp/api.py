@@ -14,7 +14,7 @@ import torch
 from ... import runtime
 from ...errors import NotFound
 from ...format.checksum import crc32c
-from ...stores import Store, open_store
+from ...stores import Store
 from .manifest import DCP_FORMAT_NAME, MANIFEST_KEY, DcpManifest, sniff_format
 from .reader import Reader, read_manifest
 from .staging import Stager
@@ -65,11 +65,19 @@ def async_save(
     return upload
 
 
+def _open(uri: str, store_options: dict[str, Any]) -> Store:
+    """The store at ``uri`` for reading (a missing local directory is NotFound, not made)."""
+    return Reader(uri, store_options=store_options).store
+
+
 def is_dcp_checkpoint(uri: str, **store_options: Any) -> bool:
     """Whether ``uri`` holds a committed fmstore DCP checkpoint."""
 
     async def go() -> bool:
-        store = open_store(uri, **store_options)
+        try:
+            store = _open(uri, store_options)
+        except NotFound:
+            return False
         try:
             data = await store.get(MANIFEST_KEY)
         except NotFound:
@@ -99,7 +107,7 @@ def inspect_checkpoint(uri: str, **store_options: Any) -> tuple[DcpManifest, lis
     """The manifest and one row per state-dict entry (tensors and other values)."""
 
     async def go() -> DcpManifest:
-        store = open_store(uri, **store_options)
+        store = _open(uri, store_options)
         try:
             return await read_manifest(store)
         finally:
@@ -153,7 +161,7 @@ def verify_checkpoint(
     blob part.  Missing or short blobs count as bad, never raise."""
 
     async def go() -> VerifyResult:
-        store = open_store(uri, **store_options)
+        store = _open(uri, store_options)
         try:
             m = await read_manifest(store)
             return await _verify(store, m, progress, concurrency)

@@ -132,6 +132,12 @@ class Reader(StorageReader):
     @property
     def store(self) -> Store:
         if self._store is None:
+            from ..api import _local_dir
+
+            local = _local_dir(self.uri)
+            if local is not None and not os.path.isdir(local):
+                # Opening a POSIX store creates its directory; a load must not leave one.
+                raise NotFound(f"no checkpoint at {self.uri} (no such directory)", key=MANIFEST_KEY)
             self._store = open_store(self.uri, **self.store_options)
         return self._store
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -50,8 +49,9 @@ from ...format.codecs import choose_codec, encode
 from ...format.dtypes import dtype_name
 from ...format.manifest import ChunkEntry
 from ...stores import PutOptions, Store, open_store
+from ..layout import blob_name, new_generation
 from . import staging
-from .manifest import MANIFEST_KEY, DcpBlob, DcpItem, DcpManifest, sniff_format
+from .manifest import MANIFEST_KEY, DcpBlob, DcpItem, DcpManifest
 
 __all__ = ["WriteOptions", "Writer"]
 
@@ -92,6 +92,7 @@ class _RankPlan:
     generation: str
     rank: int
     world_size: int
+    streams: int
 
 
 @dataclass(frozen=True)
@@ -249,9 +250,10 @@ class Writer(StorageWriter):
                 tier=self.store.tier,
                 key=MANIFEST_KEY,
             )
-        generation = f"g-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:12]}"
+        generation = new_generation()
+        streams = self.options.streams
         out = [
-            replace(p, storage_data=_RankPlan(generation, i, len(plans)))
+            replace(p, storage_data=_RankPlan(generation, i, len(plans), streams))
             for i, p in enumerate(plans)
         ]
         self._plans = out
@@ -293,9 +295,10 @@ class Writer(StorageWriter):
     ) -> list[WriteResult]:
         store = self.store
         budget = _Budget(self.options.max_inflight)
+        # Blob numbers are unique across ranks: rank r owns [r * streams, (r + 1) * streams).
         blobs = [
-            _BlobOut(f"r{rp.rank:05d}-{i:03d}.bin", b)
-            for i, b in enumerate(_split(items, self.options.streams))
+            _BlobOut(blob_name(rp.rank * rp.streams + i), b)
+            for i, b in enumerate(_split(items, rp.streams))
         ]
         per_blob = await asyncio.gather(
             *(self._write_blob(store, rp, b, planner, budget) for b in blobs)
@@ -502,14 +505,15 @@ class Writer(StorageWriter):
 
     @staticmethod
     async def _old_generation(store: Store) -> str | None:
+        """The generation the committed manifest (of either format) names, if any."""
+        from ..gc import _generation_of
+
         try:
             data = await store.get(MANIFEST_KEY)
         except NotFound:
             return None
-        if sniff_format(data) != "fmstore-dcp":
-            return None
         try:
-            return DcpManifest.loads(data).generation
+            return _generation_of(data)
         except FmstoreError:
             return None
 
