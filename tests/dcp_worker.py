@@ -167,7 +167,12 @@ def scenario_main(out: str, roots: list[str]) -> dict[str, Any]:
         # collectives use their own group so they never interleave with training's.
         ckpt_pg = dist.new_group(backend="gloo")
         stager = Stager()
-        fut = async_save(state(model, opt), Writer(f"{root}/async-t", store_options=so), stager=stager, process_group=ckpt_pg)
+        fut = async_save(
+            state(model, opt),
+            Writer(f"{root}/async-t", store_options=so),
+            stager=stager,
+            process_group=ckpt_pg,
+        )
         train(model, opt, 1, 7)
         fut.result()
         after = full_state(model, opt)
@@ -177,7 +182,12 @@ def scenario_main(out: str, roots: list[str]) -> dict[str, Any]:
         changed = not torch.equal(after["model"]["0.weight"], ref["model"]["0.weight"])
         # A second save through the same stager reuses its buffers.
         nbuf = stager.staged_bytes
-        fut = async_save(state(model, opt), Writer(f"{root}/async-t2", store_options=so), stager=stager, process_group=ckpt_pg)
+        fut = async_save(
+            state(model, opt),
+            Writer(f"{root}/async-t2", store_options=so),
+            stager=stager,
+            process_group=ckpt_pg,
+        )
         train(model, opt, 1, 8)
         fut.result()
         m5, o5 = load_fresh(f"{root}/async-t2", 4)
@@ -188,7 +198,10 @@ def scenario_main(out: str, roots: list[str]) -> dict[str, Any]:
         snap = full_state(model, opt)
         pstager = Stager(share_memory=True)
         fut = async_save(
-            state(model, opt), Writer(f"{root}/async-p", store_options=so), stager=pstager, process=True,
+            state(model, opt),
+            Writer(f"{root}/async-p", store_options=so),
+            stager=pstager,
+            process=True,
             process_group=ckpt_pg,
         )
         train(model, opt, 1, 9)
@@ -235,7 +248,9 @@ def scenario_kill(out: str, roots: list[str]) -> dict[str, Any]:
 def main() -> None:
     import faulthandler
 
-    faulthandler.dump_traceback_later(float(os.environ.get("DCP_WORKER_HANG_DUMP", "600")), exit=True)
+    faulthandler.dump_traceback_later(
+        float(os.environ.get("DCP_WORKER_HANG_DUMP", "600")), exit=True
+    )
     scenario, out, *roots = sys.argv[1:]
     dist.init_process_group("gloo")
     try:
