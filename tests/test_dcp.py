@@ -340,29 +340,41 @@ def test_async_save_keeps_values_of_the_moment_and_reuses_buffers(tmp_path):
     assert torch.equal(out["w"], sd["w"]) and out["meta"]["step"] == 8
 
 
-def test_cli_inspect_verify_convert_understand_dcp(tmp_path):
+def test_cli_inspect_verify_convert_understand_dcp(tmp_path, capsys, monkeypatch):
+    from fmstore.cli.main import main
+
+    monkeypatch.setenv("COLUMNS", "200")
+
+    def fm(*args: str) -> tuple[int, str]:
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as e:
+            code = int(e.code or 0)
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
     uri = str(tmp_path / "cli")
     sd = _state()
     _save(sd, uri, compression="auto")
-    py = [sys.executable, "-m", "fmstore", "ckpt"]
-    r = subprocess.run([*py, "inspect", uri], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "DCP" in r.stdout and "bfloat16" in r.stdout, r.stderr
-    r = subprocess.run([*py, "verify", uri], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.startswith("ok:"), r.stdout + r.stderr
+    code, out = fm("ckpt", "inspect", uri)
+    assert code == 0 and "DCP" in out and "bfloat16" in out and "300x500" in out, out
+    code, out = fm("ckpt", "verify", uri)
+    assert code == 0 and "ok:" in out, out
     pt = str(tmp_path / "out.pt")
-    r = subprocess.run([*py, "convert", uri, pt], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    code, out = fm("ckpt", "convert", uri, pt)
+    assert code == 0, out
     loaded = torch.load(pt, weights_only=False)
     equal_trees(
         {k: v for k, v in loaded.items() if k != "meta"},
         {k: v for k, v in sd.items() if k != "meta"},
     )
-    fm = str(tmp_path / "single")
-    r = subprocess.run([*py, "convert", uri, fm], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    fm_dst = str(tmp_path / "single")
+    code, out = fm("ckpt", "convert", uri, fm_dst)
+    assert code == 0, out
     from fmstore import load
 
-    single = load(fm)
+    single = load(fm_dst)
     assert torch.equal(single["w"], sd["w"]) and single["meta"]["step"] == 7
 
 
