@@ -30,6 +30,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import drop_caches, have, machine, print_table, save_json  # noqa: E402
+from fmstore.testing.seaweed import free_ports  # noqa: E402
 
 
 def parse_size(s: str) -> int:
@@ -196,7 +197,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size", default="2GiB", help="total state over both ranks")
     ap.add_argument("--quick", action="store_true", help="128 MiB")
     ap.add_argument("--dir", default=None, help="directory for the POSIX runs")
@@ -234,7 +237,7 @@ def main() -> None:
     try:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-            "--master-addr=127.0.0.1", "--master-port=0", os.path.abspath(__file__),
+            "--master-addr=127.0.0.1", f"--master-port={free_ports(1)[0]}", os.path.abspath(__file__),
             "--worker", "--worker-out", out_json, "--size", str(args.size), "--methods", *methods,
         ]  # fmt: skip
         subprocess.run(cmd, env=env, check=True)
@@ -274,8 +277,14 @@ def main() -> None:
     cold = drop_caches()
     path = save_json(
         "dcp",
-        {"machine": machine(), "size": total, "results": res, "rows": rows, "skipped": skipped,
-         "cold_cache": cold},  # fmt: skip
+        {
+            "machine": machine(),
+            "size": total,
+            "results": res,
+            "rows": rows,
+            "skipped": skipped,
+            "cold_cache": cold,
+        },  # fmt: skip
     )
     print(f"wrote {path}")
 

@@ -31,6 +31,7 @@ from fmstore.checkpoint.dcp.api import (
 from fmstore.checkpoint.gc import gc
 from fmstore.errors import AlreadyExists, CorruptData, NotFound
 from fmstore.stores import open_store
+from fmstore.testing.seaweed import free_ports
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -45,7 +46,7 @@ def torchrun(scenario: str, out: str, roots: list[str], env: dict[str, str], tim
         "torch.distributed.run",
         "--nproc_per_node=2",
         "--master-addr=127.0.0.1",
-        "--master-port=0",
+        f"--master-port={free_ports(1)[0]}",
         WORKER,
         scenario,
         out,

@@ -199,7 +199,7 @@ class Reader(StorageReader):
                         _copy_box(t)
                     planner.commit_tensor(t.req, t.dest)
         except BaseException as e:
-            fut.set_exception(e)
+            fut.set_exception(e)  # type: ignore[arg-type]
         else:
             fut.set_result(None)
         return fut
@@ -232,7 +232,8 @@ class Reader(StorageReader):
             and dest.is_contiguous()
             and dest.numel() > 0
         ):
-            direct = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
+            arr: Any = dest.reshape(-1).view(torch.uint8).numpy()
+            direct = memoryview(arr)
         t = _Target(req, item, lo, hi, dest, direct)
         if direct is None:
             t.buf = bytearray(hi - lo)

@@ -161,7 +161,8 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    arr: Any = t.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(arr)
 
 
 class Writer(StorageWriter):
@@ -277,7 +278,7 @@ class Writer(StorageWriter):
         try:
             results = runtime.run(self._write_rank(plan.items, planner, rp))
         except BaseException as e:
-            fut.set_exception(e)
+            fut.set_exception(e)  # type: ignore[arg-type]
         else:
             fut.set_result(results)
         finally:
@@ -495,8 +496,8 @@ class Writer(StorageWriter):
         )
         manifest.validate(MANIFEST_KEY)
         old_gen = await self._old_generation(store) if self.options.overwrite else None
-        mode = "overwrite" if self.options.overwrite else "create"
-        await store.put(MANIFEST_KEY, manifest.dumps(), PutOptions(mode=mode))
+        opts = PutOptions(mode="overwrite") if self.options.overwrite else PutOptions(mode="create")
+        await store.put(MANIFEST_KEY, manifest.dumps(), opts)
         if old_gen and old_gen != gen:
             # Readers that opened the old manifest may still be reading; they see NotFound
             # after this, never mixed bytes.
