@@ -52,10 +52,19 @@ async def _scan(
     for prefix in manifests:
         key = f"{prefix}/{MANIFEST_KEY}" if prefix else MANIFEST_KEY
         try:
-            manifests[prefix] = Manifest.loads(await store.get(key)).generation
+            manifests[prefix] = _generation_of(await store.get(key))
         except Exception:
             manifests[prefix] = "?"  # unreadable: keep everything under it
     return manifests, gens
+
+
+def _generation_of(data: bytes) -> str:
+    """The generation a manifest names: single-process or multi-rank (DCP) checkpoint."""
+    from .dcp.manifest import DCP_FORMAT_NAME, DcpManifest, sniff_format
+
+    if sniff_format(data) == DCP_FORMAT_NAME:
+        return DcpManifest.loads(data).generation
+    return Manifest.loads(data).generation
 
 
 async def find_checkpoints_async(store: Store) -> list[str]:
