@@ -38,16 +38,28 @@ def _root(
     """fmstore: move checkpoints and datasets between NVMe, Lustre and S3."""
 
 
+#: Command modules; each registers its commands on ``app`` when imported.
+COMMAND_MODULES = (
+    "store_cmds",  # ls, cp, rm, du
+    "ckpt_cmds",  # ckpt inspect, verify, gc, convert
+    "dataset_cmds",  # dataset write, inspect
+    "stage_cmds",  # stage, hydrate, release
+)
+
+
 def _register() -> None:
-    from . import stage_cmds, store_cmds  # noqa: F401  (register stage, hydrate, release, cp, du, rm, ls)
+    import importlib
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"{__package__}.{name}")
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry: fmstore errors become one clear line and exit code 1."""
     _register()
     try:
+        # standalone_mode=False returns typer.Exit's code instead of raising it.
         rc = app(args=argv, standalone_mode=False)
-        # Without standalone mode click returns (not raises) the code of a typer.Exit.
         if isinstance(rc, int) and rc:
             sys.exit(rc)
     except FmstoreError as e:
