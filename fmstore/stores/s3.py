@@ -288,7 +288,11 @@ class S3Store(Store):
         style = o.addressing_style or ("path" if o.endpoint_url else "auto")
         config = AioConfig(
             region_name=o.region,
-            s3={"addressing_style": style},
+            # botocore SHA256-signs every body sent over plain http, on the event loop (about
+            # 1 s of CPU per GB).  When a checksum of ours covers the body (CRC32C or MD5,
+            # checked by the server) the signature need not cover it too: UNSIGNED-PAYLOAD,
+            # as botocore itself does over https.
+            s3={"addressing_style": style, "payload_signing_enabled": o.checksum == "off"},
             # Our own loop (s3_retry) retries whole requests including their bodies.
             retries={"total_max_attempts": 1, "mode": "standard"},
             max_pool_connections=o.max_concurrency + 4,
@@ -313,6 +317,7 @@ class S3Store(Store):
             region = o.region or session.get_config_variable("region")
             kwargs["region_name"] = region or "us-east-1"
             client = await stack.enter_async_context(session.create_client("s3", **kwargs))
+            _keep_bodies_as_bytes(client)
         except Exception as e:
             await stack.aclose()
             raise translate(e, tier=self.tier, key=None, bucket=self.bucket, op="connect") from e
@@ -1027,6 +1032,22 @@ class S3Store(Store):
             mtime=time.time(),
             etag=_unquote(resp.get("ETag")),
             metadata=metadata,
+        )
+
+
+def _keep_bodies_as_bytes(client: Any) -> None:
+    """Stop botocore wrapping ``bytes`` bodies in ``BytesIO``.
+
+    botocore does that so its own retries can rewind the body; ours resend the whole
+    request, so it only costs: aiohttp copies a ``BytesIO`` once more (``getbuffer``) and
+    then sends it in 256 KiB pieces with an event-loop round trip each, where ``bytes``
+    go to the socket in one write.
+    """
+    from botocore.handlers import convert_body_to_file_like_object
+
+    for op in ("PutObject", "UploadPart"):
+        client.meta.events.unregister(
+            f"before-parameter-build.s3.{op}", convert_body_to_file_like_object
         )
 
 
