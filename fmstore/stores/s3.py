@@ -73,6 +73,8 @@ MIN_PART = 5 * MiB
 MAX_PART = 5 * GiB
 #: Largest object a single CopyObject may copy.
 MAX_COPY = 5 * GiB
+#: Buffers up to this size are checksummed / joined on the event loop (tens of µs).
+INLINE_BYTES = 256 << 10
 #: User-metadata keys fmstore itself writes (``x-amz-meta-`` is added by S3).
 META_CRC = "fmstore-crc32c"
 META_PART_SIZE = "fmstore-part-size"
@@ -160,6 +162,14 @@ def put_part_size(base: int, size: int) -> int:
 
 def crc32c(data: Buffer, value: int = 0) -> int:
     return int(_crc32c.crc32c(data, value))
+
+
+async def _crc_off_loop(data: Buffer) -> int:
+    """CRC32C of ``data``: inline when small (the hand-off to the CPU pool and back costs
+    more than the CRC of a few hundred KiB), else in the CPU pool, off the event loop."""
+    if memoryview(data).nbytes <= INLINE_BYTES:
+        return crc32c(data)
+    return await runtime.to_cpu(crc32c, data)
 
 
 def _b64(n: int) -> str:
@@ -311,6 +321,11 @@ class S3Store(Store):
             # CRC32 on the event loop for every body.
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
+            # botocore's validation refuses memoryview bodies (only bytes, bytearray or
+            # files), so every part of a large put would need a copy (~1 s of CPU per GB
+            # here, mostly page faults on fresh memory).  Every request is built by this
+            # module from validated keys, so the check only costs time.
+            parameter_validation=False,
             connector_args={"socket_factory": functools.partial(_socket, o.socket_buffer)},
         )
         kwargs: dict[str, Any] = {"config": config}
@@ -430,7 +445,7 @@ class S3Store(Store):
         mode = self.options.checksum
         if mode == "off":
             return {}, None
-        n = known if known is not None else await runtime.to_cpu(crc32c, body)
+        n = known if known is not None else await _crc_off_loop(body)
         if mode == "md5":
             import hashlib
 
@@ -444,11 +459,11 @@ class S3Store(Store):
         await self._precheck(key, options)
         if view.nbytes > self.options.part_size:
             return await self._put_multipart(key, full, view, options)
-        body = data if isinstance(data, bytes | bytearray) else view.tobytes()
+        body = data if isinstance(data, bytes | bytearray) else view
         return await self._put_single(key, full, body, options)
 
     async def _put_single(
-        self, key: str, full: str, body: bytes | bytearray, options: PutOptions
+        self, key: str, full: str, body: bytes | bytearray | memoryview, options: PutOptions
     ) -> ObjectMeta:
         conds = self._conditions(key, options)
         sums, crc = await self._checksum_args(body, options.content_crc32c)
@@ -487,11 +502,11 @@ class S3Store(Store):
                 head = await self._head(key, full)
                 md5 = await runtime.to_cpu(lambda: hashlib.md5(body).hexdigest())
                 if _unquote(head.get("ETag")) == md5:
-                    return self._meta(key, head, len(body))
+                    return self._meta(key, head, memoryview(body).nbytes)
             raise
         return ObjectMeta(
             key=key,
-            size=len(body),
+            size=memoryview(body).nbytes,
             mtime=time.time(),
             etag=_unquote(resp.get("ETag")),
             metadata=metadata,
@@ -548,7 +563,7 @@ class S3Store(Store):
             log.warning("could not check for stray uploads of %s: %s", full, e)
 
     async def _upload_part(
-        self, key: str, full: str, upload_id: str, number: int, body: bytes | bytearray
+        self, key: str, full: str, upload_id: str, number: int, body: Buffer
     ) -> dict[str, Any]:
         sums, _ = await self._checksum_args(body)
         resp = await self._call(
@@ -637,10 +652,9 @@ class S3Store(Store):
         try:
 
             async def one(i: int) -> dict[str, Any]:
-                # The slice is copied (botocore wants bytes) only when its turn comes,
-                # so at most max_concurrency parts are duplicated at a time.
+                # Each part is sent straight from the caller's buffer, never copied.
                 async with sem:
-                    body = await runtime.to_cpu(bytes, view[i * psize : (i + 1) * psize])
+                    body = view[i * psize : (i + 1) * psize]
                     return await self._upload_part(key, full, upload_id, i + 1, body)
 
             sem = asyncio.Semaphore(self.options.max_concurrency)
@@ -829,7 +843,12 @@ class S3Store(Store):
             whole = out
         else:
             flat = [c for p in pieces for c in p]
-            whole = flat[0] if len(flat) == 1 else await runtime.to_cpu(b"".join, flat)
+            if len(flat) == 1:
+                whole = flat[0]
+            elif end - start <= INLINE_BYTES:
+                whole = b"".join(flat)
+            else:
+                whole = await runtime.to_cpu(b"".join, flat)
         if start == 0 and end == size and self.options.checksum != "off":
             await self._verify(key, full, resp, etag, whole)
         if out is not None:
@@ -844,7 +863,7 @@ class S3Store(Store):
         meta = resp.get("Metadata") or {}
         want = meta.get(META_CRC)
         if want is not None:
-            got = await runtime.to_cpu(crc32c, data)
+            got = await _crc_off_loop(data)
             if f"{got:08x}" != want.lower():
                 raise CorruptData(
                     f"CRC32C mismatch on read: object records {want}, bytes give {got:08x}",

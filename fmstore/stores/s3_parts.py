@@ -106,7 +106,7 @@ class S3PartWriter(PartWriter):
                 tier=self.store.tier,
                 key=self.key,
             )
-        body = data if isinstance(data, bytes | bytearray) else view.tobytes()
+        body = data if isinstance(data, bytes | bytearray) else view  # sent as is, not copied
         md5 = await runtime.to_cpu(lambda: hashlib.md5(body).digest())
         await self.store._call(
             "put_part",
