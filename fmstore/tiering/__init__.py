@@ -1,0 +1,1 @@
+"""When and where copies go: the catalog, policies, the checkpoint mover and the daemon."""
