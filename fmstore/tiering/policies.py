@@ -222,9 +222,9 @@ def from_dict(
             raise ConfigError(f"{rw} must be a table")
         _unknown(rw, r, _RETENTION_KEYS)
         keep_latest, keep_every = r.get("keep_latest"), r.get("keep_every")
-        for name, v, lo in (("keep_latest", keep_latest, 0), ("keep_every", keep_every, 1)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
-                raise ConfigError(f"{rw} {name} must be a whole number >= {lo}, not {v!r}")
+        for name, v, least in (("keep_latest", keep_latest, 0), ("keep_every", keep_every, 1)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < least):
+                raise ConfigError(f"{rw} {name} must be a whole number >= {least}, not {v!r}")
         keep_for = r.get("keep_for")
         retention[tier] = RetentionRule(
             keep_latest=keep_latest,
