@@ -66,8 +66,15 @@ def mbps(nbytes: int, seconds: float) -> float:
 def print_table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> str:
     """Print rows as an aligned text table (also returned, for RESULTS.md)."""
     cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
-    lines = [f"## {title}", "", "| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |"]
+    widths = [
+        max(len(c), *(len(row[i]) for row in cells)) if cells else len(c)
+        for i, c in enumerate(columns)
+    ]
+    lines = [
+        f"## {title}",
+        "",
+        "| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |",
+    ]
     lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in cells:
         lines.append("| " + " | ".join(v.ljust(w) for v, w in zip(row, widths)) + " |")
@@ -99,6 +106,8 @@ def have(module: str) -> bool:
 
 def disk_of(path: str) -> str:
     try:
-        return subprocess.run(["df", "-h", path], capture_output=True, text=True).stdout.splitlines()[-1]
+        return subprocess.run(
+            ["df", "-h", path], capture_output=True, text=True
+        ).stdout.splitlines()[-1]
     except Exception:
         return "?"

@@ -93,7 +93,9 @@ def posix_rows(root: str, total: int) -> list[dict[str, Any]]:
     for direct in (False, True):
         store = PosixStore(root, options=PosixOptions(direct_io=direct))
         tag = "O_DIRECT" if direct else "buffered+fdatasync"
-        one = measure(f"PosixStore {tag}, 1 object", lambda s=store: runtime.run(s.put("one", data)))
+        one = measure(
+            f"PosixStore {tag}, 1 object", lambda s=store: runtime.run(s.put("one", data))
+        )
 
         async def many(s=store) -> None:
             await asyncio.gather(*(s.put(f"part/{i:02d}", p) for i, p in enumerate(pieces)))
@@ -108,7 +110,9 @@ def posix_rows(root: str, total: int) -> list[dict[str, Any]]:
         t0 = time.perf_counter()
         fn()
         dt = time.perf_counter() - t0
-        rows.append({"op": "read" + ("" if cold_ok else " (warm!)"), "what": label, "MB/s": mbps(total, dt)})
+        rows.append(
+            {"op": "read" + ("" if cold_ok else " (warm!)"), "what": label, "MB/s": mbps(total, dt)}
+        )
         return dt
 
     store = PosixStore(root)
@@ -141,7 +145,9 @@ def s3_rows(total: int) -> list[dict[str, Any]]:
         opts = srv.store_options()
         store = open_store(f"s3://{bucket}/fm", **opts)
         client = boto3.client("s3", **srv.boto3_kwargs())
-        tcfg = TransferConfig(max_concurrency=8, multipart_chunksize=16 << 20, multipart_threshold=16 << 20)
+        tcfg = TransferConfig(
+            max_concurrency=8, multipart_chunksize=16 << 20, multipart_threshold=16 << 20
+        )
 
         results: dict[tuple[str, str, str], float] = {}
 
@@ -166,29 +172,69 @@ def s3_rows(total: int) -> list[dict[str, Any]]:
         # --- boto3 transfer manager, 8 threads
         from concurrent.futures import ThreadPoolExecutor
 
-        rec("upload", "1 object", "boto3", lambda: client.upload_fileobj(io.BytesIO(data), bucket, "b/one", Config=tcfg))
+        rec(
+            "upload",
+            "1 object",
+            "boto3",
+            lambda: client.upload_fileobj(io.BytesIO(data), bucket, "b/one", Config=tcfg),
+        )
 
         def b16(fn) -> None:
             with ThreadPoolExecutor(8) as ex:
                 list(ex.map(fn, range(16)))
 
-        rec("upload", "16 objects", "boto3", lambda: b16(lambda i: client.upload_fileobj(io.BytesIO(pieces[i]), bucket, f"b/p/{i}", Config=tcfg)))
-        rec("download", "1 object", "boto3", lambda: client.download_fileobj(bucket, "b/one", io.BytesIO(), Config=tcfg))
-        rec("download", "16 objects", "boto3", lambda: b16(lambda i: client.download_fileobj(bucket, f"b/p/{i}", io.BytesIO(), Config=tcfg)))
+        rec(
+            "upload",
+            "16 objects",
+            "boto3",
+            lambda: b16(
+                lambda i: client.upload_fileobj(
+                    io.BytesIO(pieces[i]), bucket, f"b/p/{i}", Config=tcfg
+                )
+            ),
+        )
+        rec(
+            "download",
+            "1 object",
+            "boto3",
+            lambda: client.download_fileobj(bucket, "b/one", io.BytesIO(), Config=tcfg),
+        )
+        rec(
+            "download",
+            "16 objects",
+            "boto3",
+            lambda: b16(
+                lambda i: client.download_fileobj(bucket, f"b/p/{i}", io.BytesIO(), Config=tcfg)
+            ),
+        )
 
         if have("s3fs"):
             import s3fs
 
             fs = s3fs.S3FileSystem(**srv.s3fs_kwargs())
             rec("upload", "1 object", "s3fs", lambda: fs.pipe_file(f"{bucket}/s/one", data))
-            rec("upload", "16 objects", "s3fs", lambda: fs.pipe({f"{bucket}/s/p/{i}": p for i, p in enumerate(pieces)}))
+            rec(
+                "upload",
+                "16 objects",
+                "s3fs",
+                lambda: fs.pipe({f"{bucket}/s/p/{i}": p for i, p in enumerate(pieces)}),
+            )
             rec("download", "1 object", "s3fs", lambda: fs.cat_file(f"{bucket}/s/one"))
-            rec("download", "16 objects", "s3fs", lambda: fs.cat([f"{bucket}/s/p/{i}" for i in range(16)]))
+            rec(
+                "download",
+                "16 objects",
+                "s3fs",
+                lambda: fs.cat([f"{bucket}/s/p/{i}" for i in range(16)]),
+            )
         if have("s3torchconnector"):
             os.environ.update(srv.env())
             from s3torchconnector._s3client import S3Client, S3ClientConfig
 
-            c = S3Client(region=srv.region, endpoint=srv.endpoint_url, s3client_config=S3ClientConfig(force_path_style=True))
+            c = S3Client(
+                region=srv.region,
+                endpoint=srv.endpoint_url,
+                s3client_config=S3ClientConfig(force_path_style=True),
+            )
 
             def st_put(key: str, blob: bytes) -> None:
                 w = c.put_object(bucket, key)
@@ -196,9 +242,24 @@ def s3_rows(total: int) -> list[dict[str, Any]]:
                 w.close()
 
             rec("upload", "1 object", "s3torchconnector", lambda: st_put("t/one", data))
-            rec("upload", "16 objects", "s3torchconnector", lambda: b16(lambda i: st_put(f"t/p/{i}", pieces[i])))
-            rec("download", "1 object", "s3torchconnector", lambda: c.get_object(bucket, "t/one").read())
-            rec("download", "16 objects", "s3torchconnector", lambda: b16(lambda i: c.get_object(bucket, f"t/p/{i}").read()))
+            rec(
+                "upload",
+                "16 objects",
+                "s3torchconnector",
+                lambda: b16(lambda i: st_put(f"t/p/{i}", pieces[i])),
+            )
+            rec(
+                "download",
+                "1 object",
+                "s3torchconnector",
+                lambda: c.get_object(bucket, "t/one").read(),
+            )
+            rec(
+                "download",
+                "16 objects",
+                "s3torchconnector",
+                lambda: b16(lambda i: c.get_object(bucket, f"t/p/{i}").read()),
+            )
         runtime.run(store.close())
 
     for op in ("upload", "download"):
@@ -215,9 +276,13 @@ def s3_rows(total: int) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--total-mib", type=int, default=1024)
-    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
+    ap.add_argument(
+        "--dir", default=None, help="directory on the disk to measure (default: a temp dir)"
+    )
     ap.add_argument("--no-s3", action="store_true")
     args = ap.parse_args()
     total = args.total_mib << 20
@@ -225,11 +290,23 @@ def main() -> None:
     out: dict[str, Any] = {"total_bytes": total}
     rows = posix_rows(os.path.join(root, "posix"), total)
     out["posix"] = rows
-    print_table(f"PosixStore vs floor ({args.total_mib} MiB)", rows, ["op", "what", "MB/s", "vs floor"])
+    print_table(
+        f"PosixStore vs floor ({args.total_mib} MiB)", rows, ["op", "what", "MB/s", "vs floor"]
+    )
     if not args.no_s3:
         srows = s3_rows(total)
         out["s3"] = srows
-        cols = ["op", "what", "fmstore MB/s", "boto3 MB/s", "x boto3", "s3fs MB/s", "x s3fs", "s3torchconnector MB/s", "x s3torchconnector"]
+        cols = [
+            "op",
+            "what",
+            "fmstore MB/s",
+            "boto3 MB/s",
+            "x boto3",
+            "s3fs MB/s",
+            "x s3fs",
+            "s3torchconnector MB/s",
+            "x s3torchconnector",
+        ]
         print_table(f"S3Store vs peers on SeaweedFS ({args.total_mib} MiB)", srows, cols)
     save_json("stores", out)
     shutil.rmtree(root, ignore_errors=True)

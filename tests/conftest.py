@@ -9,6 +9,7 @@ import pytest
 from fmstore import runtime
 from fmstore.testing.seaweed import SeaweedServer
 
+
 @pytest.fixture
 def posix_root(tmp_path):
     root = tmp_path / "tier"
