@@ -40,6 +40,7 @@ def _root(
 
 def _register() -> None:
     from . import store_cmds  # noqa: F401  (registers ls, cp, rm, du)
+    from . import daemon_cmds  # noqa: F401  (registers daemon)
 
 
 def main(argv: list[str] | None = None) -> None:
