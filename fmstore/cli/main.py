@@ -39,8 +39,10 @@ def _root(
 
 
 def _register() -> None:
-    from . import store_cmds  # noqa: F401  (registers ls, cp, rm, du)
-    from . import daemon_cmds  # noqa: F401  (registers daemon)
+    from . import (
+        daemon_cmds,  # noqa: F401  (registers daemon)
+        store_cmds,  # noqa: F401  (registers ls, cp, rm, du)
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
