@@ -19,6 +19,16 @@ def daemon(
         None, "--port", help="Port of /metrics and /healthz (overrides [daemon] port)."
     ),
     once: bool = typer.Option(False, "--once", help="Run one policy step and exit."),
+    drain: bool = typer.Option(
+        False,
+        "--drain",
+        help="Run until every policy is satisfied (all exports done), then exit 0 "
+        "(end-of-job export, Slurm epilog).",
+    ),
+    timeout: float = typer.Option(
+        None, "--timeout", help="With --drain: give up after this many seconds (exit 3)."
+    ),
+    no_http: bool = typer.Option(False, "--no-http", help="Serve no /metrics endpoint."),
     check: bool = typer.Option(
         False, "--check", help="Validate the configuration and policies, then exit."
     ),
@@ -27,6 +37,8 @@ def daemon(
 
     Serves Prometheus metrics on /metrics and a health check on /healthz.  SIGTERM lets
     the current copy finish (a second SIGTERM leaves it resumable), then exits 0.
+    Exit codes: 0 done, 1 bad configuration or another daemon holds the state directory,
+    3 --drain timed out with work left (resumable).
     """
     from ..tiering import daemon as d
     from ..tiering.policies import from_config
@@ -41,4 +53,6 @@ def daemon(
             f"release on {len(pol.release)} tier(s)"
         )
         return
-    sys.exit(d.main(cfg, port=port, once=once))
+    sys.exit(
+        d.main(cfg, port=port, once=once, drain=drain, timeout=timeout, http=not no_http)
+    )

@@ -231,8 +231,14 @@ class Daemon:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
 
-    def run(self, *, max_steps: int | None = None) -> int:
-        """Run until stopped; returns the exit code (0)."""
+    def run(
+        self, *, max_steps: int | None = None, drain: bool = False, timeout: float | None = None
+    ) -> int:
+        """Run until stopped; returns the exit code.
+
+        ``drain``: stop as soon as a step finds nothing to do (every policy satisfied; exit
+        0), or when ``timeout`` seconds pass first (exit 3: work remains, resumable).
+        """
         try:
             self.runner.lock.acquire(timeout=0)
         except filelock.Timeout:
@@ -248,6 +254,8 @@ class Daemon:
             state_dir=self.config.state_dir,
         )
         steps = 0
+        code = 0
+        deadline = time.monotonic() + timeout if timeout is not None else None
         try:
             while not self.stop.is_set():
                 try:
@@ -268,6 +276,11 @@ class Daemon:
                 m.BACKOFF.set(self.backoff)
                 if max_steps is not None and steps >= max_steps:
                     break
+                if drain and not rep.did_something and not rep.errors and not rep.pending:
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    code = 3 if (rep.pending or rep.errors) else 0
+                    break
                 if rep.did_something and not rep.errors:
                     continue  # more may be due (the plan changed while we acted)
                 self.stop.wait(self.backoff or self.settings.interval)
@@ -277,7 +290,7 @@ class Daemon:
             m.UP.set(0)
             event("daemon_stop", steps=steps)
             self.runner.lock.release()
-        return 0
+        return code
 
     def close(self) -> None:
         if self.server is not None:
@@ -287,7 +300,15 @@ class Daemon:
         self.catalog.close()
 
 
-def main(config: Config, *, port: int | None = None, once: bool = False) -> int:
+def main(
+    config: Config,
+    *,
+    port: int | None = None,
+    once: bool = False,
+    drain: bool = False,
+    timeout: float | None = None,
+    http: bool = True,
+) -> int:
     """Entry of ``fmstore daemon``."""
     setup_logging()
     settings = settings_from_config(config)
@@ -297,8 +318,9 @@ def main(config: Config, *, port: int | None = None, once: bool = False) -> int:
         settings = replace(settings, port=port)
     d = Daemon(config, settings=settings)
     d.install_signals()
-    d.start_http()
+    if http:
+        d.start_http()
     try:
-        return d.run(max_steps=1 if once else None)
+        return d.run(max_steps=1 if once else None, drain=drain, timeout=timeout)
     finally:
         d.close()
