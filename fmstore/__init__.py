@@ -19,8 +19,18 @@ from .errors import (  # noqa: E402
 )
 from .stores import open_store  # noqa: E402
 
+
+def open(path: str, mode: str = "rb", **kwargs):  # type: ignore[no-untyped-def]  # noqa: A001
+    """Open a local file; a file of a lazily staged dataset is fetched on first open and
+    kept (see :mod:`fmstore.tiering.lazy`)."""
+    from .tiering.lazy import open as _open
+
+    return _open(path, mode, **kwargs)
+
+
 __all__ = [
     "__version__",
+    "open",
     "open_store",
     "save",
     "load",

@@ -39,9 +39,10 @@ def _root(
 
 
 def _register() -> None:
-    from . import (
-        daemon_cmds,  # noqa: F401  (registers daemon)
-        store_cmds,  # noqa: F401  (registers ls, cp, rm, du)
+    from . import (  # noqa: F401  (each module registers its commands)
+        daemon_cmds,
+        stage_cmds,
+        store_cmds,
     )
 
 
@@ -49,7 +50,10 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry: fmstore errors become one clear line and exit code 1."""
     _register()
     try:
-        app(args=argv, standalone_mode=False)
+        rc = app(args=argv, standalone_mode=False)
+        # Without standalone mode click returns (not raises) the code of a typer.Exit.
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
     except FmstoreError as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         sys.exit(1)
@@ -61,10 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         typer.echo("Interrupted.", err=True)
         sys.exit(130)
-    except Exception as e:  # click usage errors
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
+    except Exception as e:  # usage errors (typer vendors click, so match by duck type)
+        show, code = getattr(e, "show", None), getattr(e, "exit_code", None)
+        if callable(show) and isinstance(code, int):
+            show()
+            sys.exit(code)
         raise
