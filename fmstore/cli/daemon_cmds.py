@@ -53,6 +53,4 @@ def daemon(
             f"release on {len(pol.release)} tier(s)"
         )
         return
-    sys.exit(
-        d.main(cfg, port=port, once=once, drain=drain, timeout=timeout, http=not no_http)
-    )
+    sys.exit(d.main(cfg, port=port, once=once, drain=drain, timeout=timeout, http=not no_http))

@@ -321,7 +321,13 @@ class BackgroundRunner:
             except Exception as e:  # keep the training process alive whatever happens here
                 log.exception("policy step failed: %s", e)
                 backoff = min(max(1.0, backoff * 2), 60.0)
-            if self.last is not None and not self.last.did_something and not self.last.errors:
+            last = self.last
+            if (
+                last is not None
+                and not last.skipped_locked
+                and not last.did_something
+                and not last.errors
+            ):
                 self._idle.set()
             self._wake.wait(backoff or self.interval)
 
