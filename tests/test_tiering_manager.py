@@ -11,14 +11,13 @@ import textwrap
 
 import pytest
 import torch
+from tiering_helpers import on_tier, posix_config, state
 
 import fmstore
 from fmstore import CheckpointManager
 from fmstore.errors import AlreadyExists, ConfigError, NotFound, TierFull
 from fmstore.tiering import catalog as cat
 from fmstore.tiering.runner import LOCK_NAME
-
-from tiering_helpers import on_tier, posix_config, state
 
 EXPORT_ALL = {
     "export": [{"to": "lustre", "every_saves": 1}, {"to": "s3", "every_saves": 2}],
