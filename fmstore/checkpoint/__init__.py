@@ -8,7 +8,16 @@ lazy mapping), :mod:`.gc` (leftovers of crashed saves).  The format is in ``docs
 
 from __future__ import annotations
 
-from .api import SaveHandle, aload, asave, async_save, load, save, wait_for_saves
+from .api import (
+    SaveHandle,
+    aload,
+    asave,
+    async_save,
+    load,
+    read_manifest_sync,
+    save,
+    wait_for_saves,
+)
 from .gc import GcReport, agc, find_checkpoints, gc
 from .loading import LazyDict
 from .reader import read_manifest
@@ -25,6 +34,7 @@ __all__ = [
     "gc",
     "load",
     "read_manifest",
+    "read_manifest_sync",
     "save",
     "wait_for_saves",
 ]

@@ -48,7 +48,7 @@ def _local_dir(url: str) -> str | None:
     return os.path.expanduser(url)
 
 
-def _open(uri: Uri, *, for_read: bool) -> tuple[Store, bool]:
+def open_location(uri: Uri, *, for_read: bool) -> tuple[Store, bool]:
     """The store rooted at the checkpoint prefix; True when we opened it (and close it)."""
     if isinstance(uri, Store):
         return uri, False
@@ -90,7 +90,7 @@ async def _in_runtime(coro: Any) -> Any:
 
 async def _save_core(obj: Any, uri: Uri, o: SaveOptions) -> Manifest:
     planned = _plan(obj, o)
-    store, owned = _open(uri, for_read=False)
+    store, owned = open_location(uri, for_read=False)
     staged = needs_staging(planned)
     try:
         if staged:  # device tensors go through the shared staging buffer
@@ -159,7 +159,7 @@ async def _load_core(
     mmap: bool,
     verify: bool,
 ) -> Any:
-    store, owned = _open(uri, for_read=True)
+    store, owned = open_location(uri, for_read=True)
     keep_open = False
     try:
         for attempt in range(3):
@@ -236,6 +236,20 @@ def load(
     return runtime.run(_load_core(uri, map_location, lazy, keys, weights_only, mmap, verify))
 
 
+def read_manifest_sync(uri: Uri) -> Manifest:
+    """The manifest of the checkpoint at ``uri`` (no tensor data is read)."""
+
+    async def go() -> Manifest:
+        store, owned = open_location(uri, for_read=True)
+        try:
+            return await read_manifest(store)
+        finally:
+            if owned:
+                await store.close()
+
+    return runtime.run(go())
+
+
 # ---- async_save ---------------------------------------------------------------------------
 
 
@@ -295,7 +309,7 @@ def async_save(
         if prev is not None:
             cf.wait([prev._future])
         planned = _plan(obj, o)
-        store, owned = _open(uri, for_read=False)
+        store, owned = open_location(uri, for_read=False)
         STAGING.lock.acquire()
         try:
             views = take_views(planned, copy_all=True)

@@ -40,6 +40,8 @@ def _root(
 
 def _register() -> None:
     from . import (  # noqa: F401  (each module registers its commands)
+        ckpt_cmds,
+        ckpt_tier_cmds,
         daemon_cmds,
         stage_cmds,
         store_cmds,
@@ -50,8 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry: fmstore errors become one clear line and exit code 1."""
     _register()
     try:
+        # standalone_mode=False returns typer.Exit's code instead of raising it.
         rc = app(args=argv, standalone_mode=False)
-        # Without standalone mode click returns (not raises) the code of a typer.Exit.
         if isinstance(rc, int) and rc:
             sys.exit(rc)
     except FmstoreError as e:
