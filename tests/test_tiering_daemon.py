@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -334,8 +335,12 @@ def test_kill_9_of_the_daemon_at_random_moments_loses_nothing(tmp_path):
 
 @pytest.mark.s3
 def test_s3_down_backs_off_grows_the_lag_and_catches_up(tmp_path, s3_server, s3_bucket):
+    from prometheus_client import REGISTRY
+
     from fmstore.testing.faultproxy import FaultProxy
-    from fmstore.tiering import metrics as m
+
+    def lag() -> float:
+        return REGISTRY.get_sample_value("fmstore_tier_export_lag_seconds") or 0.0
 
     with FaultProxy(s3_server.endpoint_url) as proxy:
         opts = {**s3_server.store_options(), "endpoint_url": proxy.endpoint_url}
@@ -363,14 +368,14 @@ def test_s3_down_backs_off_grows_the_lag_and_catches_up(tmp_path, s3_server, s3_
         t.start()
         try:
             poll(lambda: d.backoff > 0, timeout=60)
-            lag1 = poll(lambda: m.EXPORT_LAG._value.get(), timeout=30)
+            lag1 = poll(lag, timeout=30)
             save_some(cfg, [2])
-            lag2 = poll(lambda: (v := m.EXPORT_LAG._value.get()) > lag1 and v, timeout=30)
+            lag2 = poll(lambda: (v := lag()) > lag1 and v, timeout=30)
             assert lag2 > lag1
             with Catalog.for_state_dir(cfg.state_dir) as c:
                 assert c.copy("run", 1, "s3") is None or c.copy("run", 1, "s3").state != cat.PRESENT
             proxy.up()
-            poll(lambda: m.EXPORT_LAG._value.get() == 0 and d.backoff == 0, timeout=120)
+            poll(lambda: lag() == 0 and d.backoff == 0, timeout=120)
         finally:
             d.stop.set()
             t.join(60)
@@ -417,3 +422,59 @@ def test_ckpt_list_and_verify_all_tiers_report_a_corrupt_copy(tmp_path, capsys, 
         assert mgr.restore(2)["step"] == 2
     assert drain(config) == 0
     assert on_tier(config, "lustre", "run") == {1: True, 2: True}
+
+
+# ---- a real Prometheus server scrapes the daemon --------------------------------------------
+
+
+def test_a_real_prometheus_scrapes_the_daemon(tmp_path):
+    import shutil
+
+    prom = shutil.which("prometheus")
+    if prom is None:
+        pytest.skip("Prometheus is not installed (apt-get install -y prometheus; make setup-ci)")
+    cfg = posix_config(str(tmp_path), {"export": [{"to": "lustre", "every_saves": 1}]})
+    save_some(cfg, [1, 2])
+    d = Daemon(cfg, settings=DaemonSettings(port=0, interval=0.1))
+    port = d.start_http()
+    t = threading.Thread(target=d.run, daemon=True)
+    t.start()
+    (web,) = free_ports(1)
+    (tmp_path / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\n"
+        "scrape_configs:\n  - job_name: fmstore\n"
+        f"    static_configs:\n      - targets: ['127.0.0.1:{port}']\n"
+    )
+    server = subprocess.Popen(
+        [
+            prom,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{web}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+
+        def query(q: str):
+            url = f"http://127.0.0.1:{web}/api/v1/query?" + urllib.parse.urlencode({"query": q})
+            body = json.loads(urllib.request.urlopen(url, timeout=5).read())
+            return body["data"]["result"]
+
+        res = poll(
+            lambda: query('fmstore_tier_copies_total{src="nvme",dst="lustre",outcome="ok"} >= 2'),
+            timeout=90,
+            every=0.5,
+        )
+        assert res[0]["metric"]["job"] == "fmstore"
+        up = query('up{job="fmstore"}')
+        assert up and up[0]["value"][1] == "1"
+        lag = query("fmstore_tier_export_lag_seconds")
+        assert lag and float(lag[0]["value"][1]) == 0.0
+    finally:
+        server.terminate()
+        server.wait(30)
+        d.stop.set()
+        t.join(30)
+        d.close()
