@@ -38,14 +38,22 @@ def _root(
     """fmstore: move checkpoints and datasets between NVMe, Lustre and S3."""
 
 
+#: Command modules; each registers its commands on ``app`` when imported.
+COMMAND_MODULES = (
+    "store_cmds",  # ls, cp, rm, du
+    "ckpt_cmds",  # ckpt inspect, verify, gc, convert
+    "dataset_cmds",  # dataset write, inspect
+    "stage_cmds",  # stage, hydrate, release
+    "ckpt_tier_cmds",  # ckpt list (and verify --all-tiers); after ckpt_cmds
+    "daemon_cmds",  # daemon
+)
+
+
 def _register() -> None:
-    from . import (  # noqa: F401  (each module registers its commands)
-        ckpt_cmds,
-        ckpt_tier_cmds,
-        daemon_cmds,
-        stage_cmds,
-        store_cmds,
-    )
+    import importlib
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"{__package__}.{name}")
 
 
 def main(argv: list[str] | None = None) -> None:

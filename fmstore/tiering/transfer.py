@@ -356,12 +356,12 @@ class Transfer:
         crc: int,
         version: str | None,
     ) -> None:
+        etag = dmeta.etag
         if self.dst_local and attrs:
             path = local_path(self.dst, item.dst_key)
             if path is not None:
-                await runtime.to_io(posixmeta.apply, path, attrs)
-                dmeta = await self.dst.stat(item.dst_key)
-        self.journal.file_done(item.dst_key, dmeta.size, version, crc, dmeta.etag)
+                etag = await runtime.to_io(_apply_attrs, path, attrs)
+        self.journal.file_done(item.dst_key, dmeta.size, version, crc, etag)
 
     def _check(self, item: CopyItem, what: str, expected: int | None, got: int) -> None:
         if expected is not None and expected != got:
@@ -478,6 +478,14 @@ class Transfer:
         n = part_count(size, part_size)
         await gather_or_cancel(one(i) for i in range(n))
         return combine_all(out[i] for i in range(n))
+
+
+def _apply_attrs(path: str, attrs: Mapping[str, str]) -> str:
+    """Restore FSx attributes on a local file; returns its new etag (mtime changed)."""
+    from ..stores.posix import etag_of_stat
+
+    posixmeta.apply(path, attrs)
+    return etag_of_stat(os.stat(path))
 
 
 async def copy_items(

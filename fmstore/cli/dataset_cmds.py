@@ -1,0 +1,109 @@
+"""``fmstore dataset``: convert data into fmstore shards, and inspect any dataset."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .main import app
+from .util import human_bytes
+
+dataset_app = typer.Typer(
+    help="Write and inspect streaming datasets (fmstore shards, token streams, WebDataset, MDS).",
+    no_args_is_help=True,
+)
+app.add_typer(dataset_app, name="dataset")
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+@dataset_app.command("write")
+def write(
+    src: str = typer.Argument(..., help="A local JSONL / text / .npy / .bin file, or a directory of them."),
+    dst: str = typer.Argument(..., help="Where the dataset goes: a path, s3://…, memory://…, or TIER:path."),
+    shard_size: str = typer.Option("64MiB", "--shard-size", help="Target shard size (e.g. 64MiB)."),
+    compression: str = typer.Option("none", "--compression", help="none or zstd."),
+    input_format: str = typer.Option(
+        "auto", "--format", help="Input type: auto, jsonl, text (a sample per file), files, tokens."
+    ),
+    dtype: str | None = typer.Option(None, "--dtype", help="Token dtype of raw .bin files (uint16, uint32)."),
+) -> None:
+    """Convert SRC into an fmstore dataset at DST (shards first, index.json last)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    from ..loaders.writer import write_dataset
+
+    total = _src_bytes(src)
+    with Progress(
+        TextColumn("[bold]writing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        TextColumn("{task.fields[samples]} samples"), transient=True,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("write", total=total or None, samples=0)
+
+        def progress(read: int, samples: int) -> None:
+            bar.update(task, completed=read, samples=samples)
+
+        r = write_dataset(
+            src,
+            dst,
+            input_format=input_format,
+            shard_size=_size(shard_size),
+            compression=None if compression == "none" else compression,
+            dtype=dtype,
+            progress=progress,
+        )
+    noun = "tokens" if r.kind == "tokens" else "samples"
+    Console().print(f"wrote {r.shards} shards, {r.samples} {noun}, {human_bytes(r.bytes)} to {dst}")
+
+
+def _src_bytes(src: str) -> int:
+    if os.path.isfile(src):
+        return os.path.getsize(src)
+    total = 0
+    for root, _dirs, files in os.walk(src):
+        for f in files:
+            total += os.path.getsize(os.path.join(root, f))
+    return total
+
+
+@dataset_app.command("inspect")
+def inspect(
+    url: str = typer.Argument(..., help="Dataset location: a path, s3://…, memory://…, or TIER:path."),
+    format: str | None = typer.Option(None, "--format", help="fmstore, tokens, webdataset or mds (default: detect)."),
+    seq_len: int | None = typer.Option(None, "--seq-len", help="Sequence length, for token streams."),
+    dtype: str | None = typer.Option(None, "--dtype", help="Token dtype, for raw token files."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    shards: bool = typer.Option(False, "--shards", help="List every shard."),
+) -> None:
+    """Show a dataset's format, shards, samples and bytes."""
+    from ..loaders.formats import FormatOptions, load_format
+    from ..stores import open_store
+
+    fmt = load_format(open_store(url), FormatOptions(format, seq_len, dtype))
+    info = fmt.describe()
+    rows = [{"key": s.key, "samples": s.samples, "bytes": s.size, "compression": s.compression} for s in fmt.shards]
+    if as_json:
+        typer.echo(json.dumps({**info, **({"shard_list": rows} if shards else {})}, indent=1, default=str))
+        return
+    console = Console()
+    t = Table(box=None, show_header=False)
+    for k, v in info.items():
+        t.add_row(k, human_bytes(v) if k == "bytes" else str(v))
+    console.print(t)
+    if shards:
+        st = Table(box=None)
+        for col in ("key", "samples", "bytes", "compression"):
+            st.add_column(col, justify="right" if col in ("samples", "bytes") else "left")
+        for r in rows:
+            st.add_row(r["key"], str(r["samples"]), human_bytes(r["bytes"]), r["compression"] or "")
+        console.print(st)

@@ -1,0 +1,384 @@
+"""The node-local shard cache, shared by every rank and DataLoader worker on a node.
+
+Guarantees:
+
+* **one download per shard per node**: a download holds the shard's file lock; others wait
+  on it (readers) or skip it (prefetch) and then find the finished file;
+* **a half-downloaded shard is never read**: bytes go to a temp file that is renamed into
+  place after its checksum (and size) check;
+* **crashes recover**: locks are ``flock`` locks, which the kernel drops when a process dies;
+  temp files whose lock is free are removed as stale;
+* **the cache stays under ``limit`` bytes**: space is reserved (the temp file is sized to the
+  shard's full length) under a cache-wide lock before a download starts; eviction drops the
+  shard needed furthest in the future (the order is known), never one in use; a shard in use
+  holds a shared ``flock`` on its pin file, which the evictor must take exclusively;
+* **bad bytes are caught**: a checksum failure is re-fetched once, then :class:`CorruptData`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import time
+import uuid
+from collections.abc import Callable
+
+import xxhash
+import zstandard
+from filelock import FileLock, Timeout
+
+from .. import runtime
+from ..errors import CorruptData, FmstoreError, InvalidRange, NotFound, PermissionDenied, TierFull
+from ..stores import Store
+from . import metrics
+from .formats.base import ShardSpec
+
+#: ``next_use(name)``: how far in the future (in samples) a cached file is needed again.
+NextUse = Callable[[str], float]
+TMP = ".tmp."
+CHUNK = 16 << 20
+CONCURRENCY = 4
+
+
+class CacheFull(FmstoreError):
+    """The cache limit cannot hold the shards in use (raise ``cache_limit``)."""
+
+
+class ShardCache:
+    """A cache directory holding complete shard files by name."""
+
+    def __init__(self, root: str, limit: int | None = None, *, wait_timeout: float = 600.0) -> None:
+        self.root = os.path.abspath(root)
+        self.locks = os.path.join(self.root, ".locks")
+        self.limit = limit
+        self.wait_timeout = wait_timeout
+        self._pins: dict[str, tuple[int, int]] = {}
+        self._pid = os.getpid()
+        try:
+            os.makedirs(self.locks, exist_ok=True)
+            probe = os.path.join(self.root, f"{TMP}probe.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+            with open(probe, "wb"):
+                pass
+            os.unlink(probe)
+        except OSError as e:
+            raise PermissionDenied(
+                f"cache directory {self.root!r} is not writable: {e.strerror}",
+                tier="cache",
+                key=self.root,
+            ) from None
+
+    # ---- paths and pins ---------------------------------------------------------------
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def _lock(self, name: str) -> FileLock:
+        return FileLock(os.path.join(self.locks, name + ".lock"))
+
+    def _fork_check(self) -> None:
+        if os.getpid() != self._pid:  # inherited fds share the parent's locks; forget them
+            self._pins = {}
+            self._pid = os.getpid()
+
+    def pin(self, name: str) -> None:
+        """Mark ``name`` in use by this process (shared lock: it is never evicted)."""
+        self._fork_check()
+        fd, n = self._pins.get(name, (-1, 0))
+        if fd < 0:
+            fd = os.open(os.path.join(self.locks, name + ".use"), os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        self._pins[name] = (fd, n + 1)
+
+    def unpin(self, name: str) -> None:
+        self._fork_check()
+        fd, n = self._pins.get(name, (-1, 0))
+        if fd < 0:
+            return
+        if n <= 1:
+            del self._pins[name]
+            os.close(fd)  # drops the shared lock
+        else:
+            self._pins[name] = (fd, n - 1)
+
+    def unpin_all(self) -> None:
+        for name in list(self._pins):
+            self._pins[name] = (self._pins[name][0], 1)
+            self.unpin(name)
+
+    # ---- accounting and eviction ------------------------------------------------------
+
+    def entries(self) -> list[tuple[str, int]]:
+        """``(file name, size)`` of every file in the cache, temp files included."""
+        out = []
+        with os.scandir(self.root) as it:
+            for e in it:
+                if e.is_file(follow_symlinks=False):
+                    with contextlib.suppress(FileNotFoundError):
+                        out.append((e.name, e.stat().st_size))
+        return out
+
+    def usage(self) -> int:
+        return sum(size for _name, size in self.entries())
+
+    def _try_evict(self, name: str) -> bool:
+        fd = os.open(os.path.join(self.locks, name + ".use"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # someone reads it
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path(name))
+                metrics.EVICTIONS.inc()
+            return True
+        finally:
+            os.close(fd)
+
+    def _clean_stale_tmp(self, name: str) -> int:
+        """Remove a temp file whose downloader is gone; returns the bytes freed."""
+        base = name[len(TMP) :].rsplit(".", 2)[0] if name.startswith(TMP) else None
+        if base is None or base == "probe":
+            return 0
+        lock = self._lock(base)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            return 0
+        try:
+            try:
+                size = os.stat(self.path(name)).st_size
+                os.unlink(self.path(name))
+            except FileNotFoundError:
+                return 0
+            return size
+        finally:
+            lock.release()
+
+    def _reserve(self, name: str, size: int, next_use: NextUse, *, wait: bool) -> str | None:
+        """Create a temp file of ``size`` bytes for ``name`` once it fits under the limit.
+
+        Evicts complete shards needed later than ``name`` itself (a prefetch, ``wait=False``,
+        never pushes out something needed sooner; a reader may push out anything not in use).
+        Returns the temp path, or None when a prefetch does not fit now.
+        """
+        deadline = time.monotonic() + self.wait_timeout
+        mine = next_use(name)
+        while True:
+            with FileLock(os.path.join(self.locks, "space.lock")):
+                if self.limit is not None:
+                    ents = self.entries()
+                    used = sum(s for _n, s in ents)
+                    if used + size > self.limit:
+                        for n, _s in ents:
+                            if n.startswith(TMP) and used + size > self.limit:
+                                used -= self._clean_stale_tmp(n)
+                        victims = sorted(
+                            (
+                                (next_use(n), n, s)
+                                for n, s in ents
+                                if not n.startswith(TMP) and n != name
+                            ),
+                            reverse=True,
+                        )
+                        for when, n, s in victims:
+                            if used + size <= self.limit:
+                                break
+                            if not wait and when <= mine:
+                                break
+                            if n not in self._pins and self._try_evict(n):
+                                used -= s
+                    if used + size > self.limit:
+                        if not wait:
+                            return None
+                        if time.monotonic() > deadline:
+                            raise CacheFull(
+                                f"cache_limit {self.limit} bytes cannot hold shard {name} "
+                                f"({size} bytes) beside the {used} bytes in use",
+                                tier="cache",
+                                key=self.root,
+                            )
+                        pending = True
+                    else:
+                        pending = False
+                else:
+                    pending = False
+                if not pending:
+                    tmp = self.path(f"{TMP}{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+                    try:
+                        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                        try:
+                            os.ftruncate(fd, size)
+                        finally:
+                            os.close(fd)
+                    except OSError as e:
+                        with contextlib.suppress(OSError):
+                            os.unlink(tmp)
+                        cls = (
+                            TierFull
+                            if e.errno in (errno.ENOSPC, errno.EDQUOT)
+                            else PermissionDenied
+                        )
+                        raise cls(
+                            f"cannot write to the cache: {e.strerror}", tier="cache", key=tmp
+                        ) from None
+                    return tmp
+            time.sleep(0.05)  # wait for readers elsewhere on the node to release shards
+
+    # ---- fetching ---------------------------------------------------------------------
+
+    def get(self, name: str, store: Store, spec: ShardSpec, next_use: NextUse) -> str:
+        """Path of the complete, verified shard ``name``, pinned for this process.
+
+        Blocks while another process downloads it; downloads it when nobody does.
+        Call :meth:`unpin` when done with it.
+        """
+        self.pin(name)
+        try:
+            path = self.path(name)
+            if os.path.exists(path):
+                metrics.CACHE_HITS.inc()
+                return path
+            t0 = time.perf_counter()
+            with self._lock(name):
+                if not os.path.exists(path):
+                    metrics.CACHE_MISSES.inc()
+                    self._fetch(name, store, spec, next_use, wait=True)
+                else:
+                    metrics.CACHE_HITS.inc()
+            metrics.WAIT_SECONDS.inc(time.perf_counter() - t0)
+            return path
+        except BaseException:
+            self.unpin(name)
+            raise
+
+    def prefetch(self, name: str, store: Store, spec: ShardSpec, next_use: NextUse) -> bool:
+        """Download ``name`` unless present, being downloaded, or not fitting now."""
+        if os.path.exists(self.path(name)):
+            return True
+        lock = self._lock(name)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            return False
+        try:
+            if os.path.exists(self.path(name)):
+                return True
+            metrics.CACHE_MISSES.inc()
+            return self._fetch(name, store, spec, next_use, wait=False)
+        finally:
+            lock.release()
+
+    def _fetch(
+        self, name: str, store: Store, spec: ShardSpec, next_use: NextUse, *, wait: bool
+    ) -> bool:
+        # We hold the shard's lock: any temp file of this shard is a dead downloader's.
+        for n, _s in self.entries():
+            if n.startswith(f"{TMP}{name}."):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path(n))
+        for attempt in (1, 2):
+            tmp = self._reserve(name, spec.cached_size, next_use, wait=wait)
+            if tmp is None:
+                return False
+            try:
+                runtime.run(_download(store, spec, tmp))
+            except CorruptData:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                if attempt == 2:
+                    raise
+                metrics.REFETCHES.inc()
+                continue
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
+            os.replace(tmp, self.path(name))
+            return True
+        return False  # pragma: no cover
+
+
+async def _download(store: Store, spec: ShardSpec, tmp: str) -> None:
+    """Fetch ``spec``'s bytes into ``tmp`` (sized already) and verify them."""
+    try:
+        if spec.compression is not None:
+            if spec.compression != "zstd":
+                raise CorruptData(
+                    f"unknown shard compression {spec.compression!r}", tier=store.tier, key=spec.key
+                )
+            data = await store.get_range(spec.key, spec.start, spec.start + spec.size)
+            metrics.BYTES_DOWNLOADED.inc(len(data))
+            await runtime.to_cpu(_verify, store, spec, data)
+            await runtime.to_cpu(_decompress_to, store, spec, data, tmp)
+            return
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            import asyncio
+
+            sem = asyncio.Semaphore(CONCURRENCY)
+
+            async def part(lo: int) -> None:
+                hi = min(spec.size, lo + CHUNK)
+                async with sem:
+                    data = await store.get_range(spec.key, spec.start + lo, spec.start + hi)
+                    if len(data) != hi - lo:
+                        raise CorruptData(
+                            f"short read: {len(data)} of {hi - lo} bytes",
+                            tier=store.tier,
+                            key=spec.key,
+                        )
+                    await runtime.to_io(os.pwrite, fd, data, lo)
+                    metrics.BYTES_DOWNLOADED.inc(len(data))
+
+            await asyncio.gather(*(part(lo) for lo in range(0, spec.size, CHUNK)))
+        finally:
+            os.close(fd)
+        if spec.checksum:
+            await runtime.to_cpu(_verify_file, store, spec, tmp)
+    except InvalidRange:
+        raise CorruptData(
+            f"shard is shorter than the {spec.size} bytes the index lists",
+            tier=store.tier,
+            key=spec.key,
+        ) from None
+    except NotFound:
+        raise NotFound(
+            "shard listed in the dataset index is missing", tier=store.tier, key=spec.key
+        ) from None
+
+
+def _verify(store: Store, spec: ShardSpec, data: bytes) -> None:
+    if len(data) != spec.size:
+        raise CorruptData(
+            f"shard is {len(data)} bytes, the index lists {spec.size}",
+            tier=store.tier,
+            key=spec.key,
+        )
+    if spec.checksum and "xxh3_64:" + xxhash.xxh3_64_hexdigest(data) != spec.checksum:
+        raise CorruptData("shard fails its checksum", tier=store.tier, key=spec.key)
+
+
+def _verify_file(store: Store, spec: ShardSpec, path: str) -> None:
+    import mmap
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        _verify(store, spec, m)  # type: ignore[arg-type]
+
+
+def _decompress_to(store: Store, spec: ShardSpec, data: bytes, tmp: str) -> None:
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=spec.cached_size)
+    except zstandard.ZstdError as e:
+        raise CorruptData(
+            f"shard does not decompress: {e}", tier=store.tier, key=spec.key
+        ) from None
+    if len(raw) != spec.cached_size:
+        raise CorruptData(
+            f"shard decompresses to {len(raw)} bytes, the index lists {spec.cached_size}",
+            tier=store.tier,
+            key=spec.key,
+        )
+    with open(tmp, "r+b") as f:
+        f.write(raw)

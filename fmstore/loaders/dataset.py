@@ -1,0 +1,336 @@
+"""``StreamingDataset``: samples from shards on any tier, through the node-local cache.
+
+Call order: construct in the main process (reads every stream's index, builds the plan,
+checks the cache limit); optionally :meth:`~StreamingDataset.load_state_dict` and
+:meth:`~StreamingDataset.set_epoch`; iterate (each DataLoader worker iterates its copy and
+yields its share, see :mod:`.order`); :meth:`~StreamingDataset.state_dict` with the number
+of samples this rank consumed (or use :class:`StreamingDataLoader`, which counts them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch.utils.data as tud
+
+from ..config import get_config
+from ..errors import ConfigError
+from ..stores import Store, open_store
+from .cache import ShardCache
+from .formats import DatasetFormat, FormatOptions, ShardReader, ShardSpec, load_format
+from .order import Plan, ShuffleConfig, positions, rank_count, worker_indices
+from .prefetch import Prefetcher
+from .state import LoaderState
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One dataset in a mix: where it is, its weight, and how to read it."""
+
+    remote: str
+    weight: float = 1.0
+    format: str | None = None
+    seq_len: int | None = None
+    dtype: str | None = None
+    targets: bool = True
+    allow_pickle: bool = False
+    #: options for :func:`~fmstore.stores.open_store` (an S3 endpoint, credentials, ...)
+    storage_options: dict[str, Any] | None = None
+
+
+def default_cache_dir() -> str:
+    url = get_config().tier("nvme").url
+    if "://" in url and not url.startswith("file://"):
+        raise ConfigError(f"the nvme tier ({url}) is not a local directory: pass local= explicitly")
+    return os.path.join(url.removeprefix("file://"), "dataset-cache")
+
+
+def dist_rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class StreamingDataset(tud.IterableDataset):
+    """Stream samples from ``remote`` (any store URL or ``TIER:path``) or several ``streams``.
+
+    ``local``: cache directory shared by every process on the node (default: under the
+    ``nvme`` tier).  ``cache_limit``: bytes the cache may hold (None: no limit); it must hold
+    twice the shuffle window's shards, checked here.  ``shuffle``/``seed``/``shuffle_window``:
+    see :mod:`.order`.  ``batch_size``: the DataLoader's batch size, which makes the order a
+    rank sees the same for any number of workers.  ``prefetch``: shards each worker keeps
+    downloading ahead (default: the window), ``max_concurrency`` at once.  ``format``,
+    ``seq_len``, ``dtype``, ``targets``, ``allow_pickle``: see :class:`FormatOptions`; ``storage_options`` go to ``open_store``.
+    ``streams``/``samples_per_epoch``: weighted mixing (see :class:`~.order.Plan`).
+    ``rank``/``world_size``: default from ``torch.distributed``, else ``RANK``/``WORLD_SIZE``.
+    """
+
+    def __init__(
+        self,
+        remote: str | None = None,
+        local: str | None = None,
+        *,
+        streams: Sequence[Stream] | None = None,
+        cache_limit: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        batch_size: int | None = None,
+        shuffle_window: int = 4,
+        prefetch: int | None = None,
+        max_concurrency: int = 4,
+        format: str | None = None,
+        seq_len: int | None = None,
+        dtype: str | None = None,
+        targets: bool = True,
+        allow_pickle: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        shard_bytes: int = 64 << 20,
+        samples_per_epoch: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        transform: Callable[[Any], Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if (remote is None) == (streams is None):
+            raise ConfigError("pass either remote or streams")
+        if streams is None:
+            streams = [Stream(remote or "", 1.0, format, seq_len, dtype, targets, allow_pickle, storage_options)]
+        if not streams:
+            raise ConfigError("streams is empty")
+        if any(s.weight <= 0 for s in streams):
+            raise ConfigError("stream weights must be positive")
+        self.streams = list(streams)
+        self.local = os.path.abspath(local or default_cache_dir())
+        self.cache_limit = cache_limit
+        self.batch_size = batch_size
+        self.transform = transform
+        self.max_concurrency = max(1, max_concurrency)
+        self.window = max(1, shuffle_window)
+        self.prefetch_depth = self.window if prefetch is None else max(0, prefetch)
+        r, w = dist_rank_world()
+        self.rank = r if rank is None else rank
+        self.world_size = w if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside world size {self.world_size}")
+        self.cache = ShardCache(self.local, cache_limit)  # checks that the directory is writable
+        self.formats: list[DatasetFormat] = []
+        for s in self.streams:
+            opts = FormatOptions(
+                s.format, s.seq_len, s.dtype, s.targets, shard_bytes, s.allow_pickle
+            )
+            self.formats.append(load_format(open_store(s.remote, **(s.storage_options or {})), opts, index_dir=self.local))
+        self.specs: list[tuple[int, ShardSpec]] = [
+            (i, sp) for i, f in enumerate(self.formats) for sp in f.shards
+        ]
+        tags = [hashlib.sha1(s.remote.encode()).hexdigest()[:10] for s in self.streams]
+        self.names = [f"{tags[i]}-{sp.cache_name}" for i, sp in self.specs]
+        self.name_to_shard = {n: k for k, n in enumerate(self.names)}
+        self.seed = seed
+        self.plan = Plan(
+            [np.array([sp.samples for sp in f.shards], np.int64) for f in self.formats],
+            ShuffleConfig(shuffle, seed, self.window),
+            weights=[s.weight for s in self.streams] if len(self.streams) > 1 else None,
+            length=samples_per_epoch,
+        )
+        self._check_cache_limit()
+        self.epoch = 0
+        self._start = 0
+        self._start_epoch = 0
+        self._yielded = 0
+        self._stores: dict[int, Store] = {}
+        self._pid = os.getpid()
+
+    # ---- configuration checks -----------------------------------------------------------
+
+    def required_cache_bytes(self) -> int:
+        """What the cache must hold: per stream, twice the window's largest shards."""
+        need = 0
+        for f in self.formats:
+            sizes = sorted((sp.cached_size for sp in f.shards), reverse=True)
+            need += sum(sizes[: 2 * (self.window if self.plan.cfg.shuffle else 1)])
+        return need
+
+    def _check_cache_limit(self) -> None:
+        if self.cache_limit is None:
+            return
+        need = self.required_cache_bytes()
+        if self.cache_limit < need:
+            raise ConfigError(
+                f"cache_limit={self.cache_limit} bytes is below the {need} bytes this configuration "
+                f"needs (twice the shuffle window of {self.window} shards of the largest size); "
+                "raise cache_limit or lower shuffle_window"
+            )
+
+    # ---- epochs and resume ------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Iterate epoch ``epoch`` next (a resumed epoch keeps its position)."""
+        if epoch != self._start_epoch:
+            self._start = 0
+            self._start_epoch = epoch
+        self.epoch = epoch
+
+    def _begin(self) -> int:
+        return self._start if self._start_epoch == self.epoch else 0
+
+    def __len__(self) -> int:
+        """Samples this rank gets in the current epoch (from the resume position)."""
+        return rank_count(self.plan.length, self._begin(), self.world_size)
+
+    def state_dict(self, num_samples: int | None = None) -> dict[str, Any]:
+        """Where this job is: ``num_samples`` = samples this rank consumed in the current epoch
+        (default: what this process yielded, right for in-process iteration)."""
+        n = self._yielded if num_samples is None else num_samples
+        pos = min(self.plan.length, self._begin() + n * self.world_size)
+        return LoaderState(self.epoch, pos, self.seed, self.plan.length, self.world_size).to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        st = LoaderState.from_dict(state)
+        if st.seed != self.seed or st.length != self.plan.length:
+            raise ConfigError(
+                f"state is for seed {st.seed} and {st.length} samples per epoch; this dataset has "
+                f"seed {self.seed} and {self.plan.length}"
+            )
+        self.epoch = self._start_epoch = st.epoch
+        self._start = st.position
+
+    # ---- iteration --------------------------------------------------------------------
+
+    def _store(self, stream: int) -> Store:
+        if os.getpid() != self._pid:  # a forked worker opens its own clients on its own loop
+            self._stores, self._pid = {}, os.getpid()
+        st = self._stores.get(stream)
+        if st is None:
+            spec = self.streams[stream]
+            st = self._stores[stream] = open_store(spec.remote, **(spec.storage_options or {}))
+        return st
+
+    def sample_ids(self, worker: int = 0, num_workers: int = 1) -> np.ndarray:
+        """Global sample ids one worker of this rank yields this epoch, in order."""
+        start = self._begin()
+        count = rank_count(self.plan.length, start, self.world_size)
+        j = worker_indices(count, worker, num_workers, self.batch_size or 1)
+        pos = positions(self.plan.length, start, self.rank, self.world_size, j)
+        return self.plan.epoch(self.epoch)[pos]
+
+    def __iter__(self) -> Iterator[Any]:
+        info = tud.get_worker_info()
+        w, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        ids = self.sample_ids(w, nw)
+        shard = self.plan.shard_of(ids)
+        local = ids - self.plan.shard_start[shard]
+        return self._samples(shard, local, w, nw)
+
+    def _samples(self, shard: np.ndarray, local: np.ndarray, w: int, nw: int) -> Iterator[Any]:
+        self._yielded = 0
+        n = len(shard)
+        if n == 0:
+            return
+        uniq, first = np.unique(shard, return_index=True)
+        _u, last_rev = np.unique(shard[::-1], return_index=True)
+        last = n - 1 - last_rev
+        upcoming = uniq[np.argsort(first, kind="stable")].tolist()
+        rank_in_upcoming = {s: k for k, s in enumerate(upcoming)}
+        first_use = dict(zip(uniq.tolist(), first.tolist(), strict=True))
+        release_at: dict[int, list[int]] = {}
+        for s, e in zip(uniq.tolist(), last.tolist(), strict=True):
+            release_at.setdefault(e, []).append(s)
+        here = [0]
+        nxt: dict[int, int] | None = None
+
+        def next_use(name: str) -> float:
+            nonlocal nxt
+            s = self.name_to_shard.get(name)
+            if s is None:
+                return float("inf")
+            f = first_use.get(s)
+            if f is not None and int(last[np.searchsorted(uniq, s)]) >= here[0]:
+                return max(0, f - here[0])
+            if nxt is None:  # needed again next epoch: after the rest of this one
+                ids = self.plan.epoch(self.epoch + 1)
+                sh = self.plan.shard_of(ids)
+                u, fi = np.unique(sh, return_index=True)
+                nxt = dict(zip(u.tolist(), fi.tolist(), strict=True))
+            return (n - here[0]) + nxt.get(s, len(self.plan.shard_start)) * 1.0
+
+        def fetch(s: int) -> bool:
+            stream, spec = self.specs[s]
+            return self.cache.prefetch(self.names[s], self._store(stream), spec, next_use)
+
+        pre = Prefetcher(
+            upcoming, fetch, depth=self.prefetch_depth, concurrency=self.max_concurrency
+        )
+        readers: dict[int, ShardReader] = {}
+        shard_l, local_l = shard.tolist(), local.tolist()
+        transform = self.transform
+        try:
+            pre.advance(-1)
+            for i in range(n):
+                s = shard_l[i]
+                r = readers.get(s)
+                if r is None:
+                    here[0] = i
+                    pre.advance(rank_in_upcoming[s])
+                    r = readers[s] = self._open(s, next_use)
+                sample = r.get(local_l[i])
+                self._yielded += 1
+                yield sample if transform is None else transform(sample)
+                done = release_at.get(i)
+                if done:
+                    for d in done:
+                        readers.pop(d).close()
+                        self.cache.unpin(self.names[d])
+        finally:
+            pre.close()
+            for d, r in readers.items():
+                r.close()
+                self.cache.unpin(self.names[d])
+
+    def _open(self, s: int, next_use: Callable[[str], float]) -> ShardReader:
+        stream, spec = self.specs[s]
+        name = self.names[s]
+        path = self.cache.get(name, self._store(stream), spec, next_use)
+        try:
+            return self.formats[stream].open_shard(path, spec)
+        except BaseException:
+            self.cache.unpin(name)
+            raise
+
+
+class StreamingDataLoader(tud.DataLoader):
+    """A DataLoader that counts the batches it hands out, so :meth:`state_dict` is exact."""
+
+    dataset: StreamingDataset
+
+    def __init__(self, dataset: StreamingDataset, *args: Any, **kwargs: Any) -> None:
+        super().__init__(dataset, *args, **kwargs)
+        if self.batch_size is None:
+            raise ConfigError("StreamingDataLoader needs a batch_size")
+        if dataset.batch_size is None:
+            dataset.batch_size = self.batch_size
+        elif dataset.batch_size != self.batch_size:
+            raise ConfigError(
+                f"dataset batch_size {dataset.batch_size} differs from the loader's {self.batch_size}"
+            )
+        self._batches = 0
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        self._batches = 0
+        for batch in super().__iter__():
+            self._batches += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        ds = self.dataset
+        consumed = min(self._batches * int(self.batch_size or 1), len(ds))
+        return ds.state_dict(num_samples=consumed)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state)

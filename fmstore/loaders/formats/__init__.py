@@ -1,0 +1,185 @@
+"""Dataset formats behind one shard interface, and :func:`load_format` that detects them.
+
+Detection at the dataset's root: an ``index.json`` written by fmstore → :mod:`.fmstore`
+(samples) or :mod:`.tokens` (tokens); an MDS ``index.json`` → :mod:`.mds`; otherwise
+``*.tar`` objects → :mod:`.wds`, ``*.bin`` / ``*.npy`` objects → :mod:`.tokens`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ... import runtime
+from ...errors import ConfigError, CorruptData, NotFound
+from ...stores import Store
+from . import fmstore as fms
+from . import mds, tokens, wds
+from .base import DatasetFormat, ShardReader, ShardSpec
+
+__all__ = ["DatasetFormat", "FormatOptions", "ShardReader", "ShardSpec", "load_format"]
+
+FORMATS = ("fmstore", "tokens", "webdataset", "mds")
+
+
+@dataclass(frozen=True)
+class FormatOptions:
+    """How to read a dataset.
+
+    ``format``: one of ``fmstore``, ``tokens``, ``webdataset``, ``mds`` (``None``: detect).
+    ``seq_len`` / ``dtype`` / ``targets``: token streams (sample = ``seq_len`` tokens, plus one
+    for the targets when ``targets``).  ``shard_bytes``: size of the virtual shards a large
+    token file is cut into.  ``allow_pickle``: read MDS ``pkl`` columns.
+    """
+
+    format: str | None = None
+    seq_len: int | None = None
+    dtype: str | None = None
+    targets: bool = True
+    shard_bytes: int = 64 << 20
+    allow_pickle: bool = False
+
+    def __post_init__(self) -> None:
+        if self.format is not None and self.format not in FORMATS:
+            raise ConfigError(
+                f"unknown dataset format {self.format!r}; known: {', '.join(FORMATS)}"
+            )
+
+
+def load_format(
+    store: Store, options: FormatOptions, *, index_dir: str | None = None
+) -> DatasetFormat:
+    """Read the dataset's index (or list it) and return its format with every shard.
+
+    Raises :class:`NotFound` when there is no dataset at the root, :class:`CorruptData` when
+    the index does not parse, :class:`ConfigError` for options that do not fit the data.
+    """
+    fmt = _load(store, options, index_dir)
+    if not fmt.shards or fmt.num_samples == 0:
+        raise NotFound("dataset holds no samples", tier=store.tier, key=store.url)
+    return fmt
+
+
+def _load(store: Store, o: FormatOptions, index_dir: str | None) -> DatasetFormat:
+    doc = None
+    if o.format in (None, "fmstore", "mds", "tokens"):
+        try:
+            raw = runtime.run(store.get(fms.INDEX_KEY))
+        except NotFound:
+            raw = None
+        if raw is not None:
+            try:
+                doc = json.loads(raw)
+            except ValueError as e:
+                raise CorruptData(
+                    f"index.json is not valid JSON: {e}", tier=store.tier, key=fms.INDEX_KEY
+                ) from None
+    if isinstance(doc, dict) and doc.get("format") == fms.FORMAT_NAME:
+        doc = fms.parse_index(raw or b"", where=f"{store.url}/{fms.INDEX_KEY}")
+        if doc["kind"] == "tokens":
+            dtype, seq_len = tokens.check_options(o.dtype or doc.get("dtype"), o.seq_len)
+            extra = 1 if o.targets else 0
+            shards = []
+            for s in fms.shard_specs(doc, where=fms.INDEX_KEY):
+                n = max(0, (s.samples - extra) // seq_len)  # the index counts tokens
+                if n:
+                    shards.append(dataclasses.replace(s, samples=n))
+            return tokens.TokenFormat(shards, dtype, seq_len, o.targets)
+        if o.format not in (None, "fmstore"):
+            raise ConfigError(f"{store.url} is an fmstore dataset, not {o.format}")
+        return fms.from_index(doc, where=fms.INDEX_KEY)
+    if doc is not None and mds.is_mds_index(doc):
+        return mds.from_index(doc, allow_pickle=o.allow_pickle, where=fms.INDEX_KEY)
+    if doc is not None and o.format in ("fmstore", "mds"):
+        raise CorruptData(
+            f"index.json is not an {o.format} index", tier=store.tier, key=fms.INDEX_KEY
+        )
+    if o.format in ("fmstore", "mds"):
+        raise NotFound(
+            f"no index.json: not an {o.format} dataset", tier=store.tier, key=fms.INDEX_KEY
+        )
+
+    metas = [m for m in runtime.run(_list(store)) if not m.is_dir]
+    tars = [m for m in metas if m.key.endswith(".tar")]
+    toks = [m for m in metas if m.key.endswith((".bin", ".npy"))]
+    if o.format in (None, "webdataset") and tars:
+        return _wds(store, tars, index_dir)
+    if o.format in (None, "tokens") and toks:
+        return _tokens(store, toks, o)
+    if not metas:
+        raise NotFound(
+            "no dataset here: no index.json and no shards", tier=store.tier, key=store.url
+        )
+    raise NotFound(
+        "no index.json, no .tar shards and no .bin/.npy token files", tier=store.tier, key=store.url
+    )
+
+
+async def _list(store: Store) -> list[Any]:
+    return [m async for m in store.list("")]
+
+
+def _tokens(store: Store, metas: list[Any], o: FormatOptions) -> DatasetFormat:
+    dtype, seq_len = tokens.check_options(o.dtype, o.seq_len)
+    itemsize = np.dtype(dtype).itemsize
+    shards: list[ShardSpec] = []
+    for m in metas:
+        start = 0
+        if m.key.endswith(".npy"):
+            start, file_dtype = _npy_header(store, m.key)
+            if file_dtype.name != dtype:
+                raise ConfigError(f"{m.key} holds {file_dtype.name} tokens, not {dtype}")
+        shards += tokens.split_file(
+            m.key, data_start=start, data_bytes=m.size - start, itemsize=itemsize, seq_len=seq_len,
+            extra=1 if o.targets else 0, shard_bytes=o.shard_bytes,
+        )  # fmt: skip
+    return tokens.TokenFormat(shards, dtype, seq_len, o.targets)
+
+
+def _npy_header(store: Store, key: str) -> tuple[int, np.dtype]:
+    import io
+
+    head = runtime.run(store.get_range(key, 0, min(4096, runtime.run(store.stat(key)).size)))
+    f = io.BytesIO(head)
+    try:
+        version = np.lib.format.read_magic(f)
+        shape, fortran, dtype = np.lib.format._read_array_header(f, version)  # type: ignore[attr-defined]
+    except ValueError as e:
+        raise CorruptData(f"not a .npy file: {e}", tier=store.tier, key=key) from None
+    if len(shape) != 1:
+        raise ConfigError(f"{key}: token arrays must be 1-D, not shape {shape}")
+    return f.tell(), dtype
+
+
+def _wds(store: Store, metas: list[Any], index_dir: str | None) -> DatasetFormat:
+    cache_file = os.path.join(index_dir, "wds-index.json") if index_dir else None
+    known: dict[str, Any] = {}
+    if cache_file and os.path.exists(cache_file):
+        try:
+            with open(cache_file) as f:
+                known = json.load(f)
+        except (OSError, ValueError):
+            known = {}
+    todo = [m for m in metas if (known.get(m.key) or {}).get("tag") != [m.size, m.etag]]
+
+    def scan(m: Any) -> tuple[str, Any]:
+        return m.key, {"tag": [m.size, m.etag], "members": wds.scan_tar(store, m.key, m.size)}
+
+    if todo:
+        with ThreadPoolExecutor(8) as ex:
+            known.update(dict(ex.map(scan, todo)))
+        if cache_file:
+            os.makedirs(index_dir or ".", exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=index_dir, prefix=".wds-index.")
+            with os.fdopen(fd, "w") as f:
+                json.dump(known, f)
+            os.replace(tmp, cache_file)
+    shards = [wds.spec_for(m.key, m.size, known[m.key]["members"]) for m in metas]
+    return wds.WDSFormat([s for s in shards if s.samples])

@@ -1,0 +1,90 @@
+"""Pre-tokenized token streams read as fixed-length sequences.
+
+The input is one or more flat little-endian ``uint16`` / ``uint32`` arrays: nanoGPT's and
+Megatron's ``.bin`` files (no header), ``.npy`` files, or the tokens shards fmstore's writer
+produces.  Sample ``i`` of a file is ``tokens[i * seq_len : i * seq_len + seq_len + extra]``
+with ``extra = 1`` when ``targets=True`` (inputs plus the shifted targets), so consecutive
+samples share that one token.  A file's last ``< seq_len`` tokens are not read.
+
+Large files are cut into virtual shards of about ``shard_bytes`` each (on sequence
+boundaries), so the node cache holds pieces, not whole multi-GiB files.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import ConfigError
+from .base import DatasetFormat, ShardReader, ShardSpec
+
+DTYPES = ("uint16", "uint32", "int32", "int64", "uint8")
+
+
+class TokenShardReader(ShardReader):
+    def __init__(
+        self, path: str, spec: ShardSpec, dtype: np.dtype, seq_len: int, extra: int
+    ) -> None:
+        super().__init__(path)
+        n = len(self.buf) // dtype.itemsize
+        self.tokens = self.buf[: n * dtype.itemsize].view(dtype)
+        self.seq_len = seq_len
+        self.width = seq_len + extra
+        self.n = spec.samples
+
+    def __len__(self) -> int:
+        return self.n
+
+    def get(self, index: int) -> np.ndarray:
+        lo = index * self.seq_len
+        return self.tokens[lo : lo + self.width].copy()
+
+
+class TokenFormat(DatasetFormat):
+    name = "tokens"
+
+    def __init__(self, shards: list[ShardSpec], dtype: str, seq_len: int, targets: bool) -> None:
+        super().__init__(shards)
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.seq_len = seq_len
+        self.extra = 1 if targets else 0
+
+    def open_shard(self, path: str, spec: ShardSpec) -> ShardReader:
+        return TokenShardReader(path, spec, self.dtype, self.seq_len, self.extra)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "dtype": self.dtype.name, "seq_len": self.seq_len}
+
+
+def check_options(dtype: str | None, seq_len: int | None) -> tuple[str, int]:
+    if seq_len is None or int(seq_len) < 1:
+        raise ConfigError("a token-stream dataset needs seq_len (a positive int)")
+    if dtype is None or np.dtype(dtype).name not in DTYPES:
+        raise ConfigError(f"token dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    return np.dtype(dtype).name, int(seq_len)
+
+
+def split_file(
+    key: str,
+    *,
+    data_start: int,
+    data_bytes: int,
+    itemsize: int,
+    seq_len: int,
+    extra: int,
+    shard_bytes: int,
+) -> list[ShardSpec]:
+    """Virtual shards over one token file, cut on sequence boundaries."""
+    tokens = data_bytes // itemsize
+    total = max(0, (tokens - extra) // seq_len)
+    per = max(1, shard_bytes // (seq_len * itemsize))
+    out = []
+    for a in range(0, total, per):
+        b = min(total, a + per)
+        start = data_start + a * seq_len * itemsize
+        end = data_start + (b * seq_len + extra) * itemsize
+        out.append(
+            ShardSpec(
+                key=key, samples=b - a, size=end - start, start=start, extra={"virtual": True}
+            )
+        )
+    return out

@@ -1,0 +1,249 @@
+"""Streaming through the node cache: tiers, the cache limit, crashes, corruption, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+
+import pytest
+
+from fmstore import runtime
+from fmstore.errors import ConfigError, CorruptData, NotFound, PermissionDenied
+from fmstore.loaders import ShardCache, StreamingDataLoader, StreamingDataset, write_dataset
+from fmstore.loaders import metrics as lm
+from fmstore.loaders.formats import FormatOptions, load_format
+from fmstore.stores import open_store
+
+from loader_helpers import ids, make_dataset, write_jsonl
+
+
+def shard_files(remote: str) -> list[str]:
+    return sorted(f for f in os.listdir(remote) if f.startswith("shard-"))
+
+
+def test_streams_from_a_posix_tier_with_zstd_shards(tmp_path):
+    remote = make_dataset(tmp_path, 300, compression="zstd")
+    assert all(f.endswith(".zst") for f in shard_files(remote))
+    got = ids(remote, str(tmp_path / "cache"), workers=2)
+    assert sorted(got) == list(range(300))
+
+
+def test_streams_from_memory_store(tmp_path):
+    url = f"memory://loader-{uuid.uuid4().hex[:8]}/ds"
+    src = write_jsonl(tmp_path / "src.jsonl", 200)
+    write_dataset(src, url, shard_size=2000)
+    got = ids(url, str(tmp_path / "cache"), workers=2)
+    assert sorted(got) == list(range(200))
+
+
+def _has_s3() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("fmstore.stores.s3") is not None
+
+
+@pytest.mark.s3
+@pytest.mark.skipif(not _has_s3(), reason="fmstore.stores.s3 is not in this tree yet")
+def test_streams_from_s3(tmp_path, s3_server, s3_bucket):
+    opts = s3_server.store_options()
+    url = f"s3://{s3_bucket}/ds"
+    write_dataset(write_jsonl(tmp_path / "src.jsonl", 200), open_store(url, **opts), shard_size=2000)
+    got = ids(url, str(tmp_path / "cache"), workers=2, storage_options=opts)
+    assert sorted(got) == list(range(200))
+
+
+def test_cache_limit_is_never_exceeded_and_shards_are_reused(tmp_path):
+    remote = make_dataset(tmp_path, 1200, shard_size=3000)  # ~30 shards
+    sizes = [os.path.getsize(os.path.join(remote, f)) for f in shard_files(remote)]
+    limit = 6 * max(sizes)
+    cache = tmp_path / "cache"
+    ds = StreamingDataset(remote, str(cache), cache_limit=limit, shuffle_window=2, batch_size=16,
+                          transform=lambda s: s["i"])  # fmt: skip
+    peak = [0]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            total = 0
+            for e in os.scandir(cache):
+                if e.is_file():
+                    try:
+                        total += e.stat().st_size
+                    except FileNotFoundError:
+                        pass
+            peak[0] = max(peak[0], total)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    try:
+        got = [int(x) for b in StreamingDataLoader(ds, batch_size=16, num_workers=2) for x in b]
+    finally:
+        stop.set()
+        t.join()
+    assert sorted(got) == list(range(1200))
+    assert 0 < peak[0] <= limit
+    assert ShardCache(str(cache), limit).usage() <= limit
+
+
+def test_cache_limit_below_what_the_window_needs_is_refused_at_start(tmp_path):
+    remote = make_dataset(tmp_path, 300)
+    with pytest.raises(ConfigError, match="cache_limit"):
+        StreamingDataset(remote, str(tmp_path / "cache"), cache_limit=1000, shuffle_window=4)
+
+
+def test_a_dataset_that_fits_is_downloaded_once_across_epochs(tmp_path):
+    remote = make_dataset(tmp_path, 300)
+    cache = str(tmp_path / "cache")
+    before = lm.BYTES_DOWNLOADED._value.get()
+    ds = StreamingDataset(remote, cache, transform=lambda s: s["i"])
+    assert sorted(ds) == list(range(300))
+    first = lm.BYTES_DOWNLOADED._value.get() - before
+    ds.set_epoch(1)
+    assert sorted(ds) == list(range(300))
+    assert lm.BYTES_DOWNLOADED._value.get() - before == first == sum(
+        os.path.getsize(os.path.join(remote, f)) for f in shard_files(remote)
+    )
+
+
+_KILL_CHILD = r"""
+import sys
+from fmstore.loaders import ShardCache
+from fmstore.loaders.formats import FormatOptions, load_format
+from fmstore.stores import open_store
+remote, cache = sys.argv[1], sys.argv[2]
+store = open_store(remote)
+fmt = load_format(store, FormatOptions())
+spec = fmt.shards[0]
+ShardCache(cache).get("big", store, spec, lambda n: 0.0)
+"""
+
+
+def test_kill_9_during_a_download_then_a_restart_works(tmp_path):
+    src = tmp_path / "big.bin"
+    src.write_bytes(os.urandom(48 << 20))
+    remote = str(tmp_path / "ds")
+    write_dataset(src, remote, input_format="files", shard_size=1 << 30)
+    cache = str(tmp_path / "cache")
+    os.makedirs(cache)
+    for _attempt in range(5):  # the kill must land while the download is in progress
+        child = subprocess.Popen([sys.executable, "-c", _KILL_CHILD, remote, cache])
+        tmp_seen = False
+        while child.poll() is None:
+            if any(n.startswith(".tmp.big.") for n in os.listdir(cache)):
+                os.kill(child.pid, signal.SIGKILL)
+                tmp_seen = True
+                break
+        child.wait()
+        if tmp_seen and not os.path.exists(os.path.join(cache, "big")):
+            break
+        for n in os.listdir(cache):
+            if not n.startswith("."):
+                os.unlink(os.path.join(cache, n))
+    else:
+        pytest.fail("could not catch the child mid-download")
+    assert child.returncode == -signal.SIGKILL
+    store = open_store(remote)
+    spec = load_format(store, FormatOptions()).shards[0]
+    c = ShardCache(cache)
+    path = c.get("big", store, spec, lambda n: 0.0)  # the dead child's lock is free again
+    c.unpin("big")
+    assert [n for n in os.listdir(cache) if n != ".locks"] == ["big"]  # its temp file is gone
+    with open(path, "rb") as f:
+        assert f.read()[-1000:] == src.read_bytes()[-1000:]
+
+
+def test_corrupted_shard_is_refetched_once_then_reported(tmp_path):
+    remote = make_dataset(tmp_path, 200)
+    victim = os.path.join(remote, shard_files(remote)[0])
+    data = bytearray(open(victim, "rb").read())
+    data[-5] ^= 0xFF
+    open(victim, "wb").write(bytes(data))
+    before = lm.REFETCHES._value.get()
+    ds = StreamingDataset(remote, str(tmp_path / "cache"), shuffle=False, prefetch=0)
+    with pytest.raises(CorruptData, match="checksum") as e:
+        list(ds)
+    assert e.value.key == shard_files(remote)[0]
+    assert lm.REFETCHES._value.get() - before == 1
+    assert [n for n in os.listdir(tmp_path / "cache") if not n.startswith(".")] == []
+
+
+def test_refetch_recovers_when_the_second_download_is_good(tmp_path):
+    # The store's bytes are repaired while the first (bad) download is verified: the
+    # re-fetch gets good bytes and reading goes on.
+    remote = make_dataset(tmp_path, 200)
+    name = shard_files(remote)[0]
+    victim = os.path.join(remote, name)
+    good = open(victim, "rb").read()
+    bad = bytearray(good)
+    bad[-5] ^= 0xFF
+    open(victim, "wb").write(bytes(bad))
+    store = open_store(remote)
+    spec = load_format(store, FormatOptions()).shards[0]
+
+    calls = []
+
+    def next_use(n: str) -> float:
+        calls.append(n)
+        if len(calls) == 2:
+            open(victim, "wb").write(good)
+        return 0.0
+
+    c = ShardCache(str(tmp_path / "cache"), limit=10 << 20)
+    path = c.get(name, store, spec, next_use)
+    assert open(path, "rb").read() == good
+
+
+def test_empty_dataset_is_a_clear_error(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(NotFound, match="no dataset"):
+        StreamingDataset(str(empty), str(tmp_path / "cache"))
+    (tmp_path / "e.jsonl").write_text("")
+    with pytest.raises(NotFound, match="no samples"):
+        write_dataset(tmp_path / "e.jsonl", str(tmp_path / "out"))
+
+
+def test_missing_index_is_a_clear_error(tmp_path):
+    remote = make_dataset(tmp_path, 100)
+    os.unlink(os.path.join(remote, "index.json"))
+    with pytest.raises(NotFound, match="no index.json"):
+        StreamingDataset(remote, str(tmp_path / "cache"))
+    with pytest.raises(NotFound, match="index.json"):
+        StreamingDataset(remote, str(tmp_path / "cache"), format="fmstore")
+
+
+def test_shard_listed_but_missing_is_a_clear_error(tmp_path):
+    remote = make_dataset(tmp_path, 100)
+    gone = shard_files(remote)[1]
+    os.unlink(os.path.join(remote, gone))
+    ds = StreamingDataset(remote, str(tmp_path / "cache"), shuffle=False)
+    with pytest.raises(NotFound, match="listed in the dataset index is missing") as e:
+        list(ds)
+    assert e.value.key == gone
+
+
+def test_sample_count_mismatch_is_a_clear_error(tmp_path):
+    remote = make_dataset(tmp_path, 100)
+    index = json.loads(open(os.path.join(remote, "index.json")).read())
+    index["shards"][0]["samples"] += 1
+    open(os.path.join(remote, "index.json"), "w").write(json.dumps(index))
+    ds = StreamingDataset(remote, str(tmp_path / "cache"), shuffle=False)
+    with pytest.raises(CorruptData, match="index lists"):
+        list(ds)
+
+
+def test_unwritable_cache_dir_is_a_clear_error(tmp_path):
+    remote = make_dataset(tmp_path, 100)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(PermissionDenied, match="not writable"):
+        StreamingDataset(remote, str(blocker / "cache"))
+
+
+def test_runtime_is_usable_after_loader_errors(tmp_path):
+    assert runtime.run(open_store(str(tmp_path)).exists("nothing")) is False
