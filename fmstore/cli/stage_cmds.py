@@ -318,9 +318,7 @@ def stage_cmd(
     if k_n is not None:
         typer.echo(f"staging shard {k_n[0]}/{k_n[1]}", err=True)
     try:
-        plan = runtime.run(
-            plan_stage(source, dest, key_filter=key_filter, shard=k_n, delete=delete)
-        )
+        plan = runtime.run(plan_stage(source, dest, key_filter=key_filter, shard=k_n, delete=delete))
     finally:
         if missing:
             os.rmdir(dest.url[len("file://") :])
@@ -387,11 +385,7 @@ def stage_cmd(
 
 def _missing_local_dir(url: str) -> bool:
     tier, rest = split_tier(url)
-    if (
-        tier is not None
-        or re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", url)
-        and not url.startswith("file://")
-    ):
+    if tier is not None or re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", url) and not url.startswith("file://"):
         return False
     path = url[len("file://") :] if url.startswith("file://") else url
     return not os.path.exists(os.path.expanduser(path))
