@@ -94,7 +94,7 @@ def _writer(path: str, worker: int, n: int) -> None:
 def test_several_processes_write_at_once_without_losing_rows(tmp_path):
     path = str(tmp_path / cat.DB_NAME)
     Catalog(path).close()
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork")  # the children only touch SQLite
     procs = [ctx.Process(target=_writer, args=(path, w, 40)) for w in range(3)]
     for p in procs:
         p.start()

@@ -98,13 +98,13 @@ def list_checkpoints(
     for (r, s), copies in sorted(by_step.items()):
         cells = []
         for t in pol.ladder:
-            c = copies.get(t)
-            if c is None:
+            cp = copies.get(t)
+            if cp is None:
                 cells.append("")
                 continue
-            size = f" {human_bytes(c.bytes)}" if c.state in cat.HOLDS_BYTES and c.bytes else ""
-            mark = "✓" if c.state == cat.PRESENT and c.verified else ""
-            cells.append(f"[{_STYLE.get(c.state, '')}]{c.state}{mark}{size}[/]")
+            size = f" {human_bytes(cp.bytes)}" if cp.state in cat.HOLDS_BYTES and cp.bytes else ""
+            mark = "✓" if cp.state == cat.PRESENT and cp.verified else ""
+            cells.append(f"[{_STYLE.get(cp.state, '')}]{cp.state}{mark}{size}[/]")
         table.add_row(r, str(s), *cells)
     console = Console()
     console.print(table)
