@@ -88,6 +88,7 @@ class SeaweedServer:
         self.s3_port = 0
         self._log: Any = None
         self._stopped = False
+        self._owner = os.getpid()
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -232,8 +233,8 @@ class SeaweedServer:
 
     def stop(self) -> None:
         """Stop the server's whole process group and remove its data; idempotent."""
-        if self._stopped:
-            return
+        if self._stopped or os.getpid() != self._owner:
+            return  # a forked child never stops its parent's server
         self._stopped = True
         proc, self.proc = self.proc, None
         if proc is not None:
