@@ -46,18 +46,15 @@ class MoverOptions:
     copy (None: unlimited); ``verify_destination``: re-read every blob on the destination
     and check each chunk before committing (the engine already checks the bytes it read
     against the manifest on the way).  ``multipart_threshold``: blobs up to this size are
-    copied as one object (one ``put``: on S3 a parallel multipart upload by the store
-    itself); bigger ones in resumable parts of ``part_size``.  Checkpoint blobs are at most
-    256 MiB by default, so a killed copy redoes at most the blobs in flight; the engine's
-    resumable part writes on S3 currently stage parts as temporary objects and concatenate
-    them (measured ~1.5-2x slower), hence the high threshold.
+    copied as one object; bigger ones (checkpoint blobs are up to 256 MiB) in resumable parts
+    of ``part_size``, so a killed copy redoes at most the parts in flight.
     """
 
     concurrency: int = 16
     bwlimit: float | None = None
     verify_destination: bool = True
-    part_size: int = 32 << 20
-    multipart_threshold: int = 512 << 20
+    part_size: int = 16 << 20
+    multipart_threshold: int = 64 << 20
     max_inflight_bytes: int = 1 << 30
 
 
