@@ -141,6 +141,12 @@ class CheckpointManager:
         self.policies = (
             policies.validate(self.config.tiers) if policies else from_config(self.config)
         )
+        from ..tiering.daemon import settings_from_config
+        from ..tiering.mover import MoverOptions
+
+        # The same copy settings as the daemon ([daemon] concurrency, bwlimit, verify),
+        # validated, like the policies, before anything is created.
+        ds = settings_from_config(self.config)
         self.root = root.strip("/")
         checkpoint_key(self.root, 0)  # validates the root as a key
         self.async_save = async_save
@@ -153,7 +159,17 @@ class CheckpointManager:
         self._pins: list[int] = []
         self._discovered = False
         self.restored_step: int | None = None
-        self._runner = PolicyRunner(self.config, self.policies, self.catalog, tiers=self.tiers)
+        self._runner = PolicyRunner(
+            self.config,
+            self.policies,
+            self.catalog,
+            tiers=self.tiers,
+            mover=MoverOptions(
+                concurrency=ds.concurrency,
+                bwlimit=ds.bwlimit,
+                verify_destination=ds.verify_destination,
+            ),
+        )
         self._background = (
             BackgroundRunner(self._runner, interval=policy_interval) if run_policies else None
         )

@@ -18,7 +18,6 @@ process), so a daemon and a training process never race on the same copy.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import json
@@ -357,7 +356,3 @@ def log_record_json(record: logging.LogRecord) -> str:
     if record.exc_info:
         out["exc"] = logging.Formatter().formatException(record.exc_info)
     return json.dumps(out, default=str)
-
-
-async def _sleep_or_stop(stop: threading.Event, seconds: float) -> None:
-    await asyncio.get_running_loop().run_in_executor(None, stop.wait, seconds)
