@@ -164,7 +164,7 @@ def test_corrupted_shard_is_refetched_once_then_reported(tmp_path):
     data[-5] ^= 0xFF
     open(victim, "wb").write(bytes(data))
     before = lm.REFETCHES._value.get()
-    ds = StreamingDataset(remote, str(tmp_path / "cache"), shuffle=False, prefetch=0)
+    ds = StreamingDataset(remote, str(tmp_path / "cache"), shuffle=False, prefetch=0, direct_reads=0)
     with pytest.raises(CorruptData, match="checksum") as e:
         list(ds)
     assert e.value.key == shard_files(remote)[0]
@@ -247,3 +247,14 @@ def test_unwritable_cache_dir_is_a_clear_error(tmp_path):
 
 def test_runtime_is_usable_after_loader_errors(tmp_path):
     assert runtime.run(open_store(str(tmp_path)).exists("nothing")) is False
+
+
+def test_first_samples_come_by_ranged_reads_before_the_shard_lands(tmp_path):
+    remote = make_dataset(tmp_path, 300)
+    before = lm.DIRECT_BYTES._value.get()
+    got = ids(remote, str(tmp_path / "cache"), workers=0, batch=8)
+    assert sorted(got) == list(range(300))
+    assert lm.DIRECT_BYTES._value.get() > before  # the first batches did not wait for shards
+    again = lm.DIRECT_BYTES._value.get()
+    assert sorted(ids(remote, str(tmp_path / "cache"), workers=0, batch=8)) == list(range(300))
+    assert lm.DIRECT_BYTES._value.get() == again  # a warm cache serves everything from disk

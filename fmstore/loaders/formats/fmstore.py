@@ -106,6 +106,17 @@ class FmstoreFormat(DatasetFormat):
     def open_shard(self, path: str, spec: ShardSpec) -> ShardReader:
         return FmstoreShardReader(path, spec, self.encoding)
 
+    def header_size(self, spec: ShardSpec) -> int | None:
+        return None if spec.compression else header_size(spec.samples)
+
+    def sample_range(self, spec: ShardSpec, header: bytes, index: int) -> tuple[int, int]:
+        lo, hi = struct.unpack_from("<QQ", header, _HEAD.size + 8 * index)
+        base = header_size(spec.samples)
+        return base + lo, base + hi
+
+    def decode(self, spec: ShardSpec, data: bytes) -> Any:
+        return decode_sample(self.encoding, data)
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "encoding": self.encoding}
 
