@@ -21,7 +21,7 @@ import torch.utils.data as tud
 
 from .. import runtime
 from ..config import get_config
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptData, InvalidRange, NotFound
 from ..stores import Store, open_store
 from . import metrics
 from .cache import ShardCache
@@ -385,8 +385,6 @@ class StreamingDataset(tud.IterableDataset):
             )
             return s, data
 
-        heads = dict(await asyncio.gather(*(header(s) for s in shards)))
-
         async def one(j: int) -> tuple[int, Any]:
             s = shard_l[j]
             stream, spec = self.specs[s]
@@ -396,7 +394,21 @@ class StreamingDataset(tud.IterableDataset):
             metrics.DIRECT_BYTES.inc(len(data))
             return j, fmt.decode(spec, data)
 
-        return dict(await asyncio.gather(*(one(j) for j in want)))
+        try:
+            heads = dict(await asyncio.gather(*(header(s) for s in shards)))
+            for s, head in heads.items():
+                stream, spec = self.specs[s]
+                if head:
+                    self.formats[stream].check_header(spec, head)
+            return dict(await asyncio.gather(*(one(j) for j in want)))
+        except NotFound as e:
+            raise NotFound(
+                "shard listed in the dataset index is missing", tier=e.tier, key=e.key
+            ) from None
+        except InvalidRange as e:
+            raise CorruptData(
+                "shard is shorter than the index says", tier=e.tier, key=e.key
+            ) from None
 
     def _open(self, s: int, next_use: Callable[[str], float]) -> ShardReader:
         stream, spec = self.specs[s]

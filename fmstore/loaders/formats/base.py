@@ -113,6 +113,9 @@ class DatasetFormat(abc.ABC):
         """Bytes at the start of the shard needed to locate samples; None: no direct reads."""
         return None
 
+    def check_header(self, spec: ShardSpec, header: bytes) -> None:
+        """Raise :class:`~fmstore.errors.CorruptData` when the header does not match ``spec``."""
+
     def sample_range(self, spec: ShardSpec, header: bytes, index: int) -> tuple[int, int]:
         """``[start, end)`` of sample ``index`` within the shard's bytes."""
         raise NotImplementedError

@@ -160,6 +160,13 @@ class MDSFormat(DatasetFormat):
     def header_size(self, spec: ShardSpec) -> int | None:
         return None if spec.compression else 4 + 4 * (spec.samples + 1)
 
+    def check_header(self, spec: ShardSpec, header: bytes) -> None:
+        (n,) = struct.unpack_from("<I", header)
+        if n != spec.samples:
+            raise CorruptData(
+                f"MDS shard holds {n} samples but index.json lists {spec.samples}", key=spec.key
+            )
+
     def sample_range(self, spec: ShardSpec, header: bytes, index: int) -> tuple[int, int]:
         lo, hi = struct.unpack_from("<II", header, 4 + 4 * index)
         return lo, hi
