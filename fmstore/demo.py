@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> None:
         keys = [f"shard-{i:03d}.bin" for i in range(max(1, args.mib // 16))]
         total = len(keys) * len(blob)
         t0 = time.perf_counter()
-        runtime.run(asyncio.gather(*(tiers["nvme"].put(k, blob) for k in keys)))
+        async def fill() -> None:
+            await asyncio.gather(*(tiers["nvme"].put(k, blob) for k in keys))
+
+        runtime.run(fill())
         rows = [("write", "nvme", time.perf_counter() - t0)]
         for a, b in (("nvme", "lustre"), ("lustre", "s3"), ("s3", "nvme")):
             rows.append((f"{a} → {b}", b, runtime.run(_roundtrip(tiers[a], tiers[b], keys))))

@@ -38,16 +38,30 @@ def _root(
     """fmstore: move checkpoints and datasets between NVMe, Lustre and S3."""
 
 
+#: Command modules; each registers its commands on ``app`` when imported.
+COMMAND_MODULES = (
+    "store_cmds",  # ls, cp, rm, du
+    "ckpt_cmds",  # ckpt inspect, verify, gc, convert
+    "dataset_cmds",  # dataset write, inspect
+    "stage_cmds",  # stage, hydrate, release
+)
+
+
 def _register() -> None:
-    from . import store_cmds  # noqa: F401  (registers ls, cp, rm, du)
-    from . import dataset_cmds  # noqa: F401  (registers dataset write / inspect)
+    import importlib
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"{__package__}.{name}")
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry: fmstore errors become one clear line and exit code 1."""
     _register()
     try:
-        app(args=argv, standalone_mode=False)
+        # standalone_mode=False returns typer.Exit's code instead of raising it.
+        rc = app(args=argv, standalone_mode=False)
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
     except FmstoreError as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         sys.exit(1)
@@ -59,10 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         typer.echo("Interrupted.", err=True)
         sys.exit(130)
-    except Exception as e:  # click usage errors
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
+    except Exception as e:  # usage errors (typer vendors click, so match by duck type)
+        show, code = getattr(e, "show", None), getattr(e, "exit_code", None)
+        if callable(show) and isinstance(code, int):
+            show()
+            sys.exit(code)
         raise

@@ -4,7 +4,10 @@ A backend implements eight primitives, all ``async``: :meth:`Store.put`,
 :meth:`Store.open_writer`, :meth:`Store.get_range` (``get`` is built on it unless the
 backend has something better), :meth:`Store.stat`, :meth:`Store.list`,
 :meth:`Store.delete`, :meth:`Store.copy`.  Everything else (``exists``, ``get_ranges`` with
-range coalescing, ``delete_many``, ``sub``) is built once here, on top.
+range coalescing, ``delete_many``, ``sub``, ``get_with_meta``, the resumable
+``open_part_writer``) is built once here, on top; backends override a built-on call only
+where they have something cheaper (one GET that returns metadata, S3 multipart uploads,
+``pwrite`` into one temp file).
 
 Guarantees every backend keeps (the conformance suite in :mod:`fmstore.testing` checks them):
 
@@ -109,6 +112,50 @@ class Writer(abc.ABC):
             await self.abort()
 
 
+def part_count(size: int, part_size: int) -> int:
+    """How many parts of ``part_size`` bytes an object of ``size`` bytes has (at least 1)."""
+    return max(1, -(-size // part_size))
+
+
+def part_bounds(index: int, size: int, part_size: int) -> tuple[int, int]:
+    """``[start, end)`` of part ``index``."""
+    start = index * part_size
+    return start, min(size, start + part_size)
+
+
+class PartWriter(abc.ABC):
+    """A write of one object of known size in numbered parts, resumable across processes.
+
+    Part ``i`` covers ``[i * part_size, min(size, (i + 1) * part_size))`` of the final
+    object; parts may be written in any order and concurrently.  :attr:`token` names the pending write: a later
+    process passes it to :meth:`Store.open_part_writer` to continue, and parts written
+    before (and made durable by :meth:`write_part` returning) need not be written again.
+    :attr:`resumed` says whether the pending write was found; when False every part must
+    be written.  Nothing is visible at the key before :meth:`commit`; :meth:`abort` removes
+    everything.  A writer dropped without either (a crash, a cancelled copy) leaves its
+    parts for resumption; ``cleanup_temp`` on POSIX tiers removes old ones.
+    """
+
+    token: str
+    resumed: bool
+
+    @abc.abstractmethod
+    async def write_part(self, index: int, data: Buffer) -> None:
+        """Write part ``index`` (exactly its length); durable when this returns."""
+
+    @abc.abstractmethod
+    async def commit(self, metadata: Mapping[str, str] | None = None) -> ObjectMeta:
+        """Publish the object atomically, adding ``metadata`` to the options' metadata.
+
+        ``metadata`` exists because some values (a whole-object checksum) are only known
+        once every part is written.
+        """
+
+    @abc.abstractmethod
+    async def abort(self) -> None:
+        """Discard every part; safe to call more than once."""
+
+
 class Store(abc.ABC):
     """Async object store rooted at a URL; see the module docstring for the guarantees."""
 
@@ -181,6 +228,41 @@ class Store(abc.ABC):
         """
         data = await self.get_range(key, start, start + len(out))
         out[:] = data
+
+    async def get_with_meta(self, key: str) -> tuple[ObjectMeta, bytes]:
+        """The whole object and its metadata (user metadata included).
+
+        Backends whose GET returns metadata override this with one request; the default
+        stats, reads and re-checks the size, so a concurrent overwrite is reported rather
+        than pairing one version's metadata with another's bytes (etags are compared where
+        the backend has them).
+        """
+        from ..errors import StoreUnavailable
+
+        meta = await self.stat(key)
+        data = await self.get(key)
+        after = await self.stat(key)
+        if len(data) != after.size or meta.etag != after.etag:
+            raise StoreUnavailable("object changed while being read", tier=self.tier, key=key)
+        return meta, data
+
+    async def open_part_writer(
+        self,
+        key: str,
+        size: int,
+        part_size: int,
+        *,
+        token: str | None = None,
+        options: PutOptions = PutOptions(),
+    ) -> PartWriter:
+        """Start (or, with ``token``, continue) a resumable write of ``size`` bytes.
+
+        The default keeps each part as a hidden temporary object and concatenates them with
+        a streamed write on commit; POSIX writes parts into one temp file with ``pwrite``.
+        """
+        from .parts import TempPartsWriter
+
+        return await TempPartsWriter.open(self, self._key(key), size, part_size, token, options)
 
     async def exists(self, key: str) -> bool:
         try:

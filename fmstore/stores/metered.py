@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 from ..errors import FmstoreError
 from ..metrics import STORE_BYTES, STORE_ERRORS, STORE_INFLIGHT, STORE_LATENCY, STORE_OPS
-from .base import Buffer, ObjectMeta, PutOptions, Store, Writer
+from .base import Buffer, ObjectMeta, PartWriter, PutOptions, Store, Writer
 
 
 class MeteredStore(Store):
@@ -58,6 +58,27 @@ class MeteredStore(Store):
             data = await self.inner.get(key)
         self._bytes("get", len(data))
         return data
+
+    async def get_with_meta(self, key: str) -> tuple[ObjectMeta, bytes]:
+        with self._op("get"):
+            meta, data = await self.inner.get_with_meta(key)
+        self._bytes("get", len(data))
+        return meta, data
+
+    async def open_part_writer(
+        self,
+        key: str,
+        size: int,
+        part_size: int,
+        *,
+        token: str | None = None,
+        options: PutOptions = PutOptions(),
+    ) -> PartWriter:
+        with self._op("open_writer"):
+            inner = await self.inner.open_part_writer(
+                key, size, part_size, token=token, options=options
+            )
+        return _MeteredPartWriter(self, inner)
 
     async def get_range(self, key: str, start: int, end: int | None = None) -> bytes:
         with self._op("get_range"):
@@ -119,6 +140,24 @@ class _MeteredWriter(Writer):
     async def commit(self) -> ObjectMeta:
         with self.store._op("commit"):
             return await self.inner.commit()
+
+    async def abort(self) -> None:
+        await self.inner.abort()
+
+
+class _MeteredPartWriter(PartWriter):
+    def __init__(self, store: MeteredStore, inner: PartWriter) -> None:
+        self.store, self.inner = store, inner
+        self.token, self.resumed = inner.token, inner.resumed
+
+    async def write_part(self, index: int, data: Buffer) -> None:
+        with self.store._op("write"):
+            await self.inner.write_part(index, data)
+        self.store._bytes("put", memoryview(data).nbytes)
+
+    async def commit(self, metadata=None) -> ObjectMeta:  # type: ignore[no-untyped-def]
+        with self.store._op("commit"):
+            return await self.inner.commit(metadata)
 
     async def abort(self) -> None:
         await self.inner.abort()

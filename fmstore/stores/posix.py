@@ -18,8 +18,8 @@ import os
 import shutil
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass, replace
 
 from .. import runtime
 from ..errors import (
@@ -31,7 +31,7 @@ from ..errors import (
     StoreUnavailable,
     TierFull,
 )
-from .base import Buffer, ObjectMeta, PutOptions, Store, Writer
+from .base import Buffer, ObjectMeta, PartWriter, PutOptions, Store, Writer, part_bounds
 
 #: Temp files carry this marker; listings hide them and ``cleanup_temp`` removes them.
 TMP_MARK = ".fmstore-tmp."
@@ -62,6 +62,10 @@ class PosixOptions:
 
 def _etag(st: os.stat_result) -> str:
     return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
+
+
+#: The etag a POSIX tier reports for a file with this ``stat`` result.
+etag_of_stat = _etag
 
 
 def fsync_dir(path: str) -> None:
@@ -317,6 +321,37 @@ class PosixStore(Store):
             finally:
                 os.close(fd)
 
+    async def get_with_meta(self, key: str) -> tuple[ObjectMeta, bytes]:
+        """One open: fstat, read and the metadata xattr all come from the same file."""
+        path = self._path(key)
+
+        def do() -> tuple[ObjectMeta, bytes]:
+            with self._translate(key):
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    st = os.fstat(fd)
+                    parts = []
+                    off = 0
+                    while off < st.st_size:
+                        chunk = os.pread(fd, min(st.st_size - off, 1 << 30), off)
+                        if not chunk:
+                            raise OSError(errno.EIO, "file shrank while being read")
+                        parts.append(chunk)
+                        off += len(chunk)
+                    data = parts[0] if len(parts) == 1 else b"".join(parts)
+                    meta = ObjectMeta(
+                        key=key,
+                        size=st.st_size,
+                        mtime=st.st_mtime,
+                        etag=_etag(st),
+                        metadata=_read_meta(fd),
+                    )
+                    return meta, data
+                finally:
+                    os.close(fd)
+
+        return await runtime.to_io(do)
+
     async def get_into(self, key: str, start: int, out: memoryview) -> None:
         path = self._path(key)
         await runtime.to_io(self._read_into_sync, key, path, start, out)
@@ -451,6 +486,44 @@ class PosixStore(Store):
 
         return await runtime.to_io(do)
 
+    async def open_part_writer(
+        self,
+        key: str,
+        size: int,
+        part_size: int,
+        *,
+        token: str | None = None,
+        options: PutOptions = PutOptions(),
+    ) -> PartWriter:
+        """Parts are ``pwrite``-n into one preallocated temp file beside the key; the token
+        is the temp file's name, so a later process reopens it and writes only what is
+        missing.  Commit is the usual fsync + rename: no byte is copied twice."""
+        path = self._path(key)
+
+        def do() -> tuple[str, int, bool]:
+            with self._translate(key):
+                if token and token.startswith(TMP_MARK) and "/" not in token:
+                    tmp = os.path.join(os.path.dirname(path), token)
+                    try:
+                        fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+                    except FileNotFoundError:
+                        pass
+                    else:
+                        if os.fstat(fd).st_size == size:
+                            return tmp, fd, True
+                        os.close(fd)
+                tmp, fd = self._open_tmp(path)
+                try:
+                    os.ftruncate(fd, size)
+                except BaseException:
+                    os.close(fd)
+                    os.unlink(tmp)
+                    raise
+                return tmp, fd, False
+
+        tmp, fd, resumed = await runtime.to_io(do)
+        return _PosixPartWriter(self, key, path, tmp, fd, size, part_size, resumed, options)
+
     # ---- POSIX-only extras ------------------------------------------------------------
 
     def local_path(self, key: str) -> str:
@@ -499,7 +572,7 @@ def _copy_fd(src: int, dst: int) -> None:
             off += len(buf)
 
 
-def _read_meta(path: str) -> dict[str, str]:
+def _read_meta(path: str | int) -> dict[str, str]:
     try:
         raw = os.getxattr(path, _XATTR)
     except OSError:
@@ -551,6 +624,80 @@ class _PosixWriter(Writer):
                     finally:
                         os.close(self.fd)
                     return self.store._publish(self.key, self.tmp, self.path, self.options)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.tmp)
+                raise
+
+        return await runtime.to_io(do)
+
+    async def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+
+        def do() -> None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.tmp)
+
+        await runtime.to_io(do)
+
+
+class _PosixPartWriter(PartWriter):
+    def __init__(
+        self,
+        store: PosixStore,
+        key: str,
+        path: str,
+        tmp: str,
+        fd: int,
+        size: int,
+        part_size: int,
+        resumed: bool,
+        options: PutOptions,
+    ) -> None:
+        self.store, self.key, self.path, self.tmp, self.fd = store, key, path, tmp, fd
+        self.size, self.part_size, self.options = size, part_size, options
+        self.token = os.path.basename(tmp)
+        self.resumed = resumed
+        self._done = False
+
+    async def write_part(self, index: int, data: Buffer) -> None:
+        if self._done:
+            raise ValueError("writer is closed")
+        start, end = part_bounds(index, self.size, self.part_size)
+        view = memoryview(data).cast("B")
+        if len(view) != end - start:
+            raise ValueError(f"part {index} must be {end - start} bytes, not {len(view)}")
+
+        def do() -> None:
+            with self.store._translate(self.key):
+                off = 0
+                while off < len(view):
+                    off += os.pwrite(self.fd, view[off : off + BLOCK], start + off)
+                if self.store.options.fsync:
+                    # Durable before the caller journals the part as done.
+                    os.fdatasync(self.fd)
+
+        await runtime.to_io(do)
+
+    async def commit(self, metadata: Mapping[str, str] | None = None) -> ObjectMeta:
+        if self._done:
+            raise ValueError("writer is closed")
+        self._done = True
+        merged = {**(self.options.metadata or {}), **(metadata or {})}
+        options = replace(self.options, metadata=merged or None)
+
+        def do() -> ObjectMeta:
+            try:
+                with self.store._translate(self.key):
+                    try:
+                        self.store._finish_fd(self.fd, options)
+                    finally:
+                        os.close(self.fd)
+                    return self.store._publish(self.key, self.tmp, self.path, options)
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.tmp)

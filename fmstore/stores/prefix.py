@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable
 
 from .. import keys as _keys
-from .base import Buffer, ObjectMeta, PutOptions, Store, Writer
+from .base import Buffer, ObjectMeta, PartWriter, PutOptions, Store, Writer
 
 
 class PrefixStore(Store):
@@ -33,6 +33,27 @@ class PrefixStore(Store):
 
     async def get(self, key: str) -> bytes:
         return await self.inner.get(self._full(key))
+
+    async def get_with_meta(self, key: str) -> tuple[ObjectMeta, bytes]:
+        meta, data = await self.inner.get_with_meta(self._full(key))
+        return self._strip(meta), data
+
+    async def open_part_writer(
+        self,
+        key: str,
+        size: int,
+        part_size: int,
+        *,
+        token: str | None = None,
+        options: PutOptions = PutOptions(),
+    ) -> PartWriter:
+        return await self.inner.open_part_writer(
+            self._full(key), size, part_size, token=token, options=options
+        )
+
+    def local_path(self, key: str) -> str:
+        """The file behind ``key`` when the inner store is a POSIX tier."""
+        return self.inner.local_path(self._full(key))  # type: ignore[attr-defined]
 
     async def get_range(self, key: str, start: int, end: int | None = None) -> bytes:
         return await self.inner.get_range(self._full(key), start, end)

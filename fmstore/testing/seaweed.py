@@ -170,7 +170,7 @@ class SeaweedServer:
             # A missing bucket must be an error, never created behind the caller's back.
             "-s3.autoCreateBucket=false",
         ]
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the server
         self._stopped = False
         self.proc = subprocess.Popen(
             args,
@@ -183,6 +183,7 @@ class SeaweedServer:
         atexit.register(self.stop)
         try:
             self._wait_ready()
+            self._warm_up()
         except BaseException:
             self.stop()
             raise
@@ -211,6 +212,15 @@ class SeaweedServer:
                     f"{START_TIMEOUT:.0f} s:\n" + self.log_tail()
                 )
             time.sleep(0.1)
+
+    def _warm_up(self) -> None:
+        """Write once before handing the server out: the very first write makes SeaweedFS
+        grow its first volumes, which takes seconds and would trip a test's short timeout."""
+        name = self.create_bucket(f"warm-{uuid.uuid4().hex[:12]}")
+        try:
+            self.boto3_client().put_object(Bucket=name, Key="warm", Body=b"x")
+        finally:
+            self.delete_bucket(name)
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -309,10 +319,8 @@ def _terminate(proc: subprocess.Popen[bytes]) -> None:
     else:
         with contextlib.suppress(ProcessLookupError):
             proc.terminate()
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=STOP_GRACE)
-    except subprocess.TimeoutExpired:
-        pass
     if pgid is not None and pgid == proc.pid:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)

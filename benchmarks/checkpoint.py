@@ -1,0 +1,464 @@
+"""Checkpoint engine: fmstore.save / load / async_save against torch.save, DCP and the floors.
+
+    python -m benchmarks.checkpoint [--size 1GiB,4GiB] [--quick] [--dir PATH] [--no-s3]
+
+The state is a transformer's bf16 weights plus fp32 Adam moments (exp_avg, exp_avg_sq):
+10 bytes per parameter.  For each size, in one run:
+
+* sync save to a local directory: fmstore (compression auto and raw) vs torch.save + fsync
+  vs DCP save (FileSystemWriter, sync_files=True) vs the raw floor (the same bytes written
+  with large blocks into one file + fsync);
+* async stall (time the caller is blocked): fmstore.async_save (first call, and steady state
+  with the staging buffer reused) vs DCP async_save vs the memcpy floor (copying every tensor
+  once into preallocated memory);
+* cold load (page cache dropped): fmstore.load (auto, raw, raw+mmap) vs torch.load vs DCP
+  load vs the raw cold-read floor; a lazy load of 1% of the tensors;
+* compression ratio and single-core MB/s of raw / zstd / bytegroup+zstd on the bf16 weights
+  and the fp32 moments;
+* S3 (SeaweedFS started here) save and load, vs s3torchconnector's S3Checkpoint + torch.save
+  when it is installed.
+
+Peers that are not installed are skipped with a note.  Ratios: "vs floor" is floor time /
+our time (1.0 = at the floor); "vs peer" is peer time / our time (2.0 = twice as fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import torch
+
+import fmstore
+from benchmarks.common import disk_of, drop_caches, have, print_table, save_json
+from fmstore.format.codecs import decode_into, encode
+
+BLOCK = 64 << 20
+ROWS: list[dict[str, Any]] = []
+NOTES: list[str] = []
+
+
+def parse_size(s: str) -> int:
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?i?B?)\s*", s, re.I)
+    if not m:
+        raise SystemExit(f"bad size {s!r}: use e.g. 128MiB, 1GiB")
+    unit = m.group(2).upper().rstrip("B").rstrip("I")
+    return int(
+        float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
+    )
+
+
+def make_state(total: int) -> dict[str, Any]:
+    """bf16 weights + fp32 Adam moments, ~``total`` bytes (10 bytes per parameter)."""
+    params = total // 10
+    h = 1024 if params >= 24 * 1024 * 1024 else 512
+    per_layer = 12 * h * h
+    layers = max(1, (params - 8192 * h) // per_layer)
+    g = torch.Generator().manual_seed(0)
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (8192, h)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        shapes |= {
+            p + "attn.qkv.weight": (3 * h, h),
+            p + "attn.out.weight": (h, h),
+            p + "mlp.up.weight": (4 * h, h),
+            p + "mlp.down.weight": (h, 4 * h),
+            p + "ln1.weight": (h,),
+            p + "ln2.weight": (h,),
+        }
+    model = {k: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for k, s in shapes.items()}
+    optim = {
+        i: {
+            "step": torch.tensor(100.0),
+            "exp_avg": torch.randn(s, generator=g) * 1e-3,
+            "exp_avg_sq": (torch.randn(s, generator=g) * 1e-3) ** 2,
+        }
+        for i, s in enumerate(shapes.values())
+    }
+    return {
+        "model": model,
+        "optim": {
+            "state": optim,
+            "param_groups": [
+                {"lr": 1e-4, "betas": (0.9, 0.95), "params": list(range(len(shapes)))}
+            ],
+        },
+        "step": 100,
+    }
+
+
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in tensors_of(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors_of(v)]
+    return []
+
+
+def nbytes_of(obj: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors_of(obj))
+
+
+def row(
+    size: str, group: str, what: str, seconds: float, nbytes: int, **extra: Any
+) -> dict[str, Any]:
+    r = {
+        "size": size,
+        "group": group,
+        "what": what,
+        "s": seconds,
+        "GB/s": nbytes / seconds / 1e9 if seconds else math.nan,
+        **extra,
+    }
+    ROWS.append(r)
+    return r
+
+
+def clean(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.unlink(path)
+    os.sync()
+
+
+def timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# ---- floors --------------------------------------------------------------------------------
+
+
+def raw_views(state: Any) -> list[memoryview]:
+    out = []
+    for t in tensors_of(state):
+        u8 = t.detach().reshape(-1).view(torch.uint8)
+        out.append(memoryview(u8.numpy()))
+    return out
+
+
+def floor_write(path: str, views: list[memoryview]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for v in views:
+            for off in range(0, len(v), BLOCK):
+                os.write(fd, v[off : off + BLOCK])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def floor_read(path: str, into: torch.Tensor) -> None:
+    mv = memoryview(into.numpy())
+    with open(path, "rb", buffering=0) as f:
+        pos = 0
+        while pos < len(mv):
+            n = f.readinto(mv[pos : pos + BLOCK])
+            if not n:
+                break
+            pos += n
+
+
+# ---- sections ------------------------------------------------------------------------------
+
+
+def bench_save(tag: str, state: Any, root: str, n: int) -> dict[str, float]:
+    t: dict[str, float] = {}
+    views = raw_views(state)
+    clean(f"{root}/floor.bin")
+    t["floor"] = timed(lambda: floor_write(f"{root}/floor.bin", views))
+    row(tag, "sync save", "floor: raw write+fsync, 1 file", t["floor"], n)
+    for comp in ("raw", "auto"):
+        clean(f"{root}/fm-{comp}")
+        t[comp] = timed(lambda c=comp: fmstore.save(state, f"{root}/fm-{c}", compression=c))
+        row(
+            tag,
+            "sync save",
+            f"fmstore.save compression={comp}",
+            t[comp],
+            n,
+            **{"vs floor": t["floor"] / t[comp]},
+        )
+    clean(f"{root}/torch.pt")
+
+    def torch_save() -> None:
+        with open(f"{root}/torch.pt", "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    t["torch"] = timed(torch_save)
+    row(
+        tag,
+        "sync save",
+        "torch.save + fsync",
+        t["torch"],
+        n,
+        **{"vs floor": t["floor"] / t["torch"]},
+    )
+    for comp in ("raw", "auto"):
+        ROWS[-3 + (0 if comp == "raw" else 1)]["vs torch.save"] = t["torch"] / t[comp]
+    try:
+        import torch.distributed.checkpoint as dcp
+
+        clean(f"{root}/dcp")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t["dcp"] = timed(
+                lambda: dcp.save(
+                    state, storage_writer=dcp.FileSystemWriter(f"{root}/dcp", sync_files=True)
+                )
+            )
+        row(
+            tag,
+            "sync save",
+            "DCP save (FileSystemWriter, sync_files)",
+            t["dcp"],
+            n,
+            **{"vs floor": t["floor"] / t["dcp"]},
+        )
+    except Exception as e:  # pragma: no cover - depends on the torch build
+        NOTES.append(f"DCP save skipped: {e!r}")
+    return t
+
+
+def bench_async(tag: str, state: Any, root: str, n: int) -> None:
+    srcs = tensors_of(state)
+    dsts = [torch.empty_like(t) for t in srcs]
+    for d, s in zip(dsts, srcs):
+        d.copy_(s)  # touch the pages once: the floor is a warm memcpy
+
+    def memcpy() -> None:
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
+
+    floor = min(timed(memcpy) for _ in range(2))
+    dsts.clear()  # give the memory back before the saves
+    row(tag, "async stall", "floor: memcpy of every tensor", floor, n)
+    for label in ("first call", "steady state"):
+        clean(f"{root}/async")
+        t0 = time.perf_counter()
+        h = fmstore.async_save(state, f"{root}/async", compression="raw")
+        stall = time.perf_counter() - t0
+        h.result()
+        total = time.perf_counter() - t0
+        row(
+            tag,
+            "async stall",
+            f"fmstore.async_save ({label})",
+            stall,
+            n,
+            **{"vs floor": floor / stall, "commit s": total},
+        )
+    fmstore.checkpoint.snapshot.STAGING.release()
+    try:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        if not dist.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+            dist.init_process_group("gloo", rank=0, world_size=1)
+        clean(f"{root}/dcp-async")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t0 = time.perf_counter()
+            fut = dcp.async_save(
+                state, storage_writer=dcp.FileSystemWriter(f"{root}/dcp-async", sync_files=True)
+            )
+            stall = time.perf_counter() - t0
+            fut.result()
+        row(tag, "async stall", "DCP async_save", stall, n, **{"vs floor": floor / stall})
+    except Exception as e:  # pragma: no cover
+        NOTES.append(f"DCP async_save skipped: {e!r}")
+
+
+def bench_load(tag: str, state: Any, root: str, n: int) -> None:
+    bufs = [torch.empty(os.path.getsize(f"{root}/floor.bin"), dtype=torch.uint8)]
+    bufs[0].fill_(0)  # the floor reads into touched memory, the others allocate their own
+
+    def cold(what: str, fn: Any, **extra: Any) -> float:
+        ok = drop_caches()
+        dt = timed(fn)
+        return row(
+            tag, "cold load" if ok else "load (WARM: cannot drop caches)", what, dt, n, **extra
+        )["s"]
+
+    floor = cold("floor: raw large-block read", lambda: floor_read(f"{root}/floor.bin", bufs[0]))
+    bufs.clear()
+    full = {}
+    for comp, mm in (("raw", False), ("raw", True), ("auto", False)):
+        label = f"fmstore.load compression={comp}" + (" mmap" if mm else "")
+        full[(comp, mm)] = cold(label, lambda c=comp, m=mm: fmstore.load(f"{root}/fm-{c}", mmap=m))
+        ROWS[-1]["vs floor"] = floor / full[(comp, mm)]
+    tl = cold("torch.load", lambda: torch.load(f"{root}/torch.pt", weights_only=True))
+    ROWS[-1]["vs floor"] = floor / tl
+    for r in ROWS[-4:-1]:
+        r["vs torch.load"] = tl / r["s"]
+    with contextlib.suppress(Exception):
+        import torch.distributed.checkpoint as dcp
+
+        if os.path.isdir(f"{root}/dcp"):
+            target = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dl = cold(
+                    "DCP load (weights only)",
+                    lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(f"{root}/dcp")),
+                )
+            ROWS[-1]["note"] = "weights only"
+            del dl
+    names = [t.name for t in fmstore.checkpoint.read_manifest_sync(f"{root}/fm-raw").tensors]
+    pick = names[:: max(1, len(names) // max(1, math.ceil(len(names) / 100)))][
+        : max(1, math.ceil(len(names) / 100))
+    ]
+
+    def lazy() -> None:
+        lz = fmstore.load(f"{root}/fm-raw", lazy=True)
+        for name in pick:
+            node: Any = lz
+            parts = name.split(".")
+            # model.<dotted key> / optim.state.<i>.<field>
+            if parts[0] == "model":
+                node = node["model"][".".join(parts[1:])]
+            else:
+                node = node["optim"]["state"][int(parts[2])][parts[3]]
+
+    lz = cold(f"fmstore lazy load of 1% of tensors ({len(pick)} of {len(names)})", lazy)
+    ROWS[-1]["vs full load"] = lz / full[("raw", False)]
+
+
+def bench_codecs(tag: str, state: Any) -> None:
+    bf16 = torch.cat([t.reshape(-1) for t in state["model"].values()])[: 16 << 20]
+    fp32 = torch.cat([s["exp_avg"].reshape(-1) for s in state["optim"]["state"].values()])[
+        : 8 << 20
+    ]
+    for label, t in (("bf16 weights", bf16), ("fp32 exp_avg", fp32)):
+        raw = memoryview(t.view(torch.uint8).numpy())
+        for codec in ("raw", "zstd", "bytegroup+zstd"):
+            t0 = time.perf_counter()
+            used, stored = encode(codec, raw, t.element_size())
+            enc = time.perf_counter() - t0
+            out = bytearray(len(raw))
+            t0 = time.perf_counter()
+            decode_into(used, stored, memoryview(out), t.element_size())
+            dec = time.perf_counter() - t0
+            assert out == raw
+            ROWS.append(
+                {
+                    "size": tag,
+                    "group": "codec (1 core)",
+                    "what": f"{codec} on {label}",
+                    "ratio": len(raw) / len(stored),
+                    "enc MB/s": len(raw) / enc / 1e6 if enc else math.inf,
+                    "dec MB/s": len(raw) / dec / 1e6 if dec else math.inf,
+                }
+            )
+
+
+def bench_s3(tag: str, state: Any, n: int) -> None:
+    if not have("fmstore.stores.s3") or not have("fmstore.testing.seaweed"):
+        NOTES.append("S3 section skipped: fmstore.stores.s3 / SeaweedFS launcher not available")
+        return
+    from fmstore.testing.seaweed import SeaweedServer
+
+    with SeaweedServer() as server:
+        bucket = server.create_bucket("ckpt-bench")
+        opts = server.store_options()
+        from fmstore.stores import open_store
+
+        store = open_store(f"s3://{bucket}/fm", **opts)
+        t = timed(lambda: fmstore.save(state, store, compression="raw"))
+        row(tag, "S3", "fmstore.save to S3", t, n)
+        t = timed(lambda: fmstore.load(store))
+        row(tag, "S3", "fmstore.load from S3", t, n)
+        fmstore.runtime.run(store.close())
+        if not have("s3torchconnector"):
+            NOTES.append("s3torchconnector not installed: S3 peer skipped")
+            return
+        from s3torchconnector import S3Checkpoint  # pragma: no cover
+
+        ck = S3Checkpoint(region="us-east-1", endpoint=opts.get("endpoint_url"))
+        uri = f"s3://{bucket}/torch.pt"
+
+        def s3_save() -> None:
+            with ck.writer(uri) as w:
+                torch.save(state, w)
+
+        t = timed(s3_save)
+        row(tag, "S3", "s3torchconnector S3Checkpoint + torch.save", t, n)
+
+        def s3_load() -> None:
+            with ck.reader(uri) as r:
+                torch.load(r, weights_only=True)
+
+        t = timed(s3_load)
+        row(tag, "S3", "s3torchconnector S3Checkpoint + torch.load", t, n)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--size", default="1GiB,4GiB", help="comma-separated state sizes")
+    ap.add_argument("--quick", action="store_true", help="one small size (128MiB)")
+    ap.add_argument("--dir", default=None, help="local directory to write to (default: a temp dir)")
+    ap.add_argument("--no-s3", action="store_true")
+    args = ap.parse_args()
+    sizes = ["128MiB"] if args.quick else args.size.split(",")
+    base = args.dir or tempfile.mkdtemp(prefix="fmstore-ckpt-bench-")
+    os.makedirs(base, exist_ok=True)
+    print(f"writing under {base}: {disk_of(base)}")
+    try:
+        for s in sizes:
+            total = parse_size(s)
+            state = make_state(total)
+            n = nbytes_of(state)
+            tag = f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"
+            root = os.path.join(base, s)
+            os.makedirs(root, exist_ok=True)
+            bench_save(tag, state, root, n)
+            bench_async(tag, state, root, n)
+            bench_load(tag, state, root, n)
+            bench_codecs(tag, state)
+            if not args.no_s3:
+                bench_s3(tag, state, n)
+            shutil.rmtree(root, ignore_errors=True)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    cols = [
+        "size",
+        "group",
+        "what",
+        "s",
+        "GB/s",
+        "vs floor",
+        "vs torch.save",
+        "vs torch.load",
+        "vs full load",
+        "ratio",
+        "enc MB/s",
+        "dec MB/s",
+        "commit s",
+    ]
+    text = print_table("checkpoint", ROWS, cols)
+    for note in NOTES:
+        print("note:", note)
+    save_json("checkpoint", {"rows": ROWS, "notes": NOTES, "table": text, "sizes": sizes})
+
+
+if __name__ == "__main__":
+    main()

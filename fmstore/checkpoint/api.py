@@ -1,0 +1,339 @@
+"""The public checkpoint API: save / load / async_save and their async twins."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .. import runtime
+from ..errors import ConfigError, NotFound
+from ..format.manifest import MANIFEST_KEY, Manifest
+from ..stores import open_store
+from ..stores.base import Store
+from .loading import LazyDict, Materializer
+from .planner import DEFAULT_BLOB_SIZE, DEFAULT_CHUNK_SIZE, Planned, plan_save
+from .reader import MapLocation, ReadOptions, read_manifest
+from .select import prune
+from .snapshot import STAGING, needs_staging, take_views
+from .tree import UnsupportedValue
+from .writer import WriteOptions, write_checkpoint
+
+Uri = str | os.PathLike[str] | Store
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    compression: str = "auto"
+    overwrite: bool = False
+    pickle: bool = False
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    blob_size: int = DEFAULT_BLOB_SIZE
+    io_concurrency: int = 8
+    max_inflight: int = 1 << 30
+
+
+def _local_dir(url: str) -> str | None:
+    """The directory of a plain path or file:// URL (None for other URLs and TIER:path)."""
+    if url.startswith("file://"):
+        return url[len("file://") :]
+    if "://" in url:
+        return None
+    if ":" in url and not (os.path.isabs(url) or url.startswith((".", "~"))):
+        return None  # TIER:path
+    return os.path.expanduser(url)
+
+
+def open_location(uri: Uri, *, for_read: bool) -> tuple[Store, bool]:
+    """The store rooted at the checkpoint prefix; True when we opened it (and close it)."""
+    if isinstance(uri, Store):
+        return uri, False
+    url = os.fspath(uri)
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"checkpoint location must be a path or URL, not {uri!r}")
+    local = _local_dir(url)
+    if for_read and local is not None and not os.path.isdir(local):
+        # Opening a POSIX store creates its directory; a load must not leave one behind.
+        raise NotFound(f"no checkpoint at {url} (no such directory)", key=MANIFEST_KEY)
+    return open_store(url), True
+
+
+def _plan(obj: Any, o: SaveOptions) -> Planned:
+    try:
+        return plan_save(
+            obj,
+            compression=o.compression,
+            chunk_size=o.chunk_size,
+            blob_size=o.blob_size,
+            allow_pickle=o.pickle,
+        )
+    except UnsupportedValue as e:
+        raise TypeError(str(e)) from None
+
+
+def _wopts(o: SaveOptions) -> WriteOptions:
+    return WriteOptions(
+        overwrite=o.overwrite, io_concurrency=o.io_concurrency, max_inflight=o.max_inflight
+    )
+
+
+async def _in_runtime(coro: Any) -> Any:
+    """Run ``coro`` on fmstore's loop (stores are bound to it) and await it from any loop."""
+    if runtime.in_loop_thread():
+        return await coro
+    return await asyncio.wrap_future(runtime.submit(coro))
+
+
+async def _save_core(obj: Any, uri: Uri, o: SaveOptions) -> Manifest:
+    planned = _plan(obj, o)
+    store, owned = open_location(uri, for_read=False)
+    staged = needs_staging(planned)
+    try:
+        if staged:  # device tensors go through the shared staging buffer
+            await runtime.to_io(STAGING.lock.acquire)
+        try:
+            views = await runtime.to_cpu(take_views, planned, copy_all=False)
+            return await write_checkpoint(store, planned.plan, views, _wopts(o))
+        finally:
+            if staged:
+                STAGING.lock.release()
+    finally:
+        if owned:
+            await store.close()
+
+
+def _options(kw: dict[str, Any]) -> SaveOptions:
+    try:
+        return SaveOptions(**kw)
+    except TypeError as e:
+        raise TypeError(f"save(): {e}") from None
+
+
+async def asave(obj: Any, uri: Uri, **options: Any) -> Manifest:
+    """Async twin of :func:`save`.  Tensors must not change until it returns."""
+    return await _in_runtime(_save_core(obj, uri, _options(options)))
+
+
+def save(
+    obj: Any,
+    uri: Uri,
+    *,
+    compression: str = "auto",
+    overwrite: bool = False,
+    pickle: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    blob_size: int = DEFAULT_BLOB_SIZE,
+    io_concurrency: int = 8,
+    max_inflight: int = 1 << 30,
+) -> Manifest:
+    """Save ``obj`` (a state tree as given to ``torch.save``) as a checkpoint at ``uri``.
+
+    Returns once the checkpoint is committed (its manifest written; durable on POSIX).
+    ``compression``: ``auto`` (byte-grouping + zstd for floats, zstd otherwise, raw where a
+    chunk does not shrink), ``raw``, ``zstd`` or ``bytegroup+zstd``.  ``overwrite=True``
+    replaces an existing checkpoint atomically (readers see the old or the new one); without
+    it an existing checkpoint raises AlreadyExists.  ``pickle=True`` stores values the
+    format cannot hold natively as pickles (loading them needs ``weights_only=False``);
+    without it such a value raises TypeError naming its path.  A failed save leaves nothing
+    visible.
+    """
+    o = SaveOptions(
+        compression, overwrite, pickle, chunk_size, blob_size, io_concurrency, max_inflight
+    )
+    return runtime.run(_save_core(obj, uri, o))
+
+
+# ---- load ---------------------------------------------------------------------------------
+
+
+async def _load_core(
+    uri: Uri,
+    map_location: MapLocation,
+    lazy: bool,
+    keys: str | Sequence[str] | None,
+    weights_only: bool,
+    mmap: bool,
+    verify: bool,
+) -> Any:
+    store, owned = open_location(uri, for_read=True)
+    keep_open = False
+    try:
+        for attempt in range(3):
+            manifest = await read_manifest(store)
+            tree = manifest.tree
+            if keys is not None:
+                pats = [keys] if isinstance(keys, str) else list(keys)
+                tree, matched = prune(tree, pats)
+                missing = [p for p in pats if p not in matched]
+                if missing:
+                    raise NotFound(
+                        f"no entry of checkpoint {store.url} matches {', '.join(map(repr, missing))}",
+                        tier=store.tier,
+                        key=MANIFEST_KEY,
+                    )
+            mat = Materializer(
+                store,
+                manifest,
+                map_location=map_location,
+                weights_only=weights_only,
+                read=ReadOptions(mmap=mmap, verify=verify),
+            )
+            if lazy and isinstance(tree, dict) and ("dict" in tree or "odict" in tree):
+                keep_open = True
+                return LazyDict(mat, tree)
+            try:
+                return await mat.build(tree)
+            except NotFound:
+                # An overwrite may have switched generations under us: retry on the new one.
+                if attempt == 2 or (await read_manifest(store)).generation == manifest.generation:
+                    raise
+        raise AssertionError("unreachable")
+    finally:
+        if owned and not keep_open:
+            await store.close()
+
+
+async def aload(
+    uri: Uri,
+    *,
+    map_location: MapLocation = None,
+    lazy: bool = False,
+    keys: str | Sequence[str] | None = None,
+    weights_only: bool = True,
+    mmap: bool = False,
+    verify: bool = True,
+) -> Any:
+    """Async twin of :func:`load`."""
+    return await _in_runtime(_load_core(uri, map_location, lazy, keys, weights_only, mmap, verify))
+
+
+def load(
+    uri: Uri,
+    *,
+    map_location: MapLocation = None,
+    lazy: bool = False,
+    keys: str | Sequence[str] | None = None,
+    weights_only: bool = True,
+    mmap: bool = False,
+    verify: bool = True,
+) -> Any:
+    """Load the checkpoint at ``uri``.
+
+    Reads the manifest, then only the chunks needed, in parallel, checking every chunk's
+    CRC32C (``verify=False`` skips that).  ``map_location`` works as in ``torch.load``
+    (str, torch.device, dict of location -> location, or callable(storage, location)).
+    ``keys``: names or glob patterns of entries to load (``"model.*"``, ``"optim"``): the
+    result keeps only those.  ``lazy=True``: a read-only mapping whose tensors are fetched on
+    first access.  ``mmap=True``: on POSIX, uncompressed storages are memory-mapped
+    (copy-on-write) instead of read.  Pickled values (saved with ``pickle=True``) need
+    ``weights_only=False``.  Errors: NotFound (no checkpoint), CorruptData (bad manifest or
+    chunk: names the tensor, blob and store), VersionError (written by a newer fmstore).
+    """
+    return runtime.run(_load_core(uri, map_location, lazy, keys, weights_only, mmap, verify))
+
+
+def read_manifest_sync(uri: Uri) -> Manifest:
+    """The manifest of the checkpoint at ``uri`` (no tensor data is read)."""
+
+    async def go() -> Manifest:
+        store, owned = open_location(uri, for_read=True)
+        try:
+            return await read_manifest(store)
+        finally:
+            if owned:
+                await store.close()
+
+    return runtime.run(go())
+
+
+# ---- async_save ---------------------------------------------------------------------------
+
+
+class SaveHandle:
+    """A checkpoint being written in the background by :func:`async_save`."""
+
+    def __init__(self, future: cf.Future[Manifest], uri: Uri) -> None:
+        self._future = future
+        self.uri = uri
+
+    def result(self, timeout: float | None = None) -> Manifest:
+        """Wait until the checkpoint is committed; raises the save's error if it failed."""
+        return self._future.result(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "writing"
+        return f"SaveHandle({os.fspath(self.uri) if not isinstance(self.uri, Store) else self.uri.url!r}, {state})"
+
+
+_inflight_lock = threading.Lock()
+_inflight: SaveHandle | None = None
+
+
+def async_save(
+    obj: Any,
+    uri: Uri,
+    *,
+    compression: str = "auto",
+    overwrite: bool = False,
+    pickle: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    blob_size: int = DEFAULT_BLOB_SIZE,
+    io_concurrency: int = 8,
+    max_inflight: int = 1 << 30,
+) -> SaveHandle:
+    """Snapshot ``obj`` and write it in the background; returns a :class:`SaveHandle`.
+
+    Returns once every tensor has been copied into a reusable host staging buffer (pinned,
+    through a side stream, for CUDA tensors): from then on the caller may change its tensors
+    freely, the checkpoint keeps the values of the moment of the call.  The non-tensor parts
+    of the tree are captured at call time too.  At most one save is in flight per process:
+    a second call first waits for the previous save to finish (its error, if any, stays on
+    its own handle), so host memory for staging stays bounded by the largest state saved.
+    """
+    global _inflight
+    o = SaveOptions(
+        compression, overwrite, pickle, chunk_size, blob_size, io_concurrency, max_inflight
+    )
+    with _inflight_lock:
+        prev = _inflight
+        if prev is not None:
+            cf.wait([prev._future])
+        planned = _plan(obj, o)
+        store, owned = open_location(uri, for_read=False)
+        STAGING.lock.acquire()
+        try:
+            views = take_views(planned, copy_all=True)
+        except BaseException:
+            STAGING.lock.release()
+            raise
+
+        async def write() -> Manifest:
+            try:
+                try:
+                    return await write_checkpoint(store, planned.plan, views, _wopts(o))
+                finally:
+                    if owned:
+                        await store.close()
+            finally:
+                STAGING.lock.release()
+
+        handle = SaveHandle(runtime.submit(write()), uri)
+        _inflight = handle
+        return handle
+
+
+def wait_for_saves(timeout: float | None = None) -> None:
+    """Wait until the in-flight :func:`async_save` (if any) is finished."""
+    h = _inflight
+    if h is not None:
+        cf.wait([h._future], timeout=timeout)

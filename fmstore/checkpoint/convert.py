@@ -1,0 +1,92 @@
+"""Converting weights between fmstore checkpoints, ``torch.save`` files and safetensors.
+
+The kind of each side is told by its name: ``*.safetensors`` is safetensors, ``*.pt``,
+``*.pth``, ``*.bin`` and ``*.ckpt`` are ``torch.save`` files (read with
+``weights_only=True``), anything else is an fmstore checkpoint location.  Safetensors holds a
+flat mapping of tensors: nested dicts are flattened with dotted names on the way in, and
+tensors sharing storage are copied apart (safetensors refuses shared tensors).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .api import load, save
+
+TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def kind_of(location: str) -> str:
+    low = location.lower()
+    if low.endswith(".safetensors"):
+        return "safetensors"
+    if low.endswith(TORCH_EXT):
+        return "torch"
+    return "fmstore"
+
+
+def read_any(location: str) -> Any:
+    kind = kind_of(location)
+    if kind == "safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(location)
+    if kind == "torch":
+        return torch.load(location, map_location="cpu", weights_only=True)
+    return load(location, map_location="cpu")
+
+
+def flatten_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Tensors of a nested dict/list tree under dotted names; other values are dropped."""
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flatten_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(flatten_tensors(v, f"{prefix}.{i}" if prefix else str(i)))
+    return out
+
+
+def write_any(
+    obj: Any, location: str, *, overwrite: bool = False, compression: str = "auto"
+) -> None:
+    kind = kind_of(location)
+    if kind in ("safetensors", "torch") and os.path.exists(location) and not overwrite:
+        raise FileExistsError(f"{location} exists; pass --overwrite to replace it")
+    if kind == "safetensors":
+        from safetensors.torch import save_file
+
+        flat = flatten_tensors(obj)
+        seen: set[int] = set()
+        tensors = {}
+        for k, t in flat.items():
+            ptr = t.untyped_storage().data_ptr()
+            tensors[k] = (
+                t.detach().clone().contiguous()
+                if ptr in seen or not t.is_contiguous()
+                else t.detach()
+            )
+            seen.add(ptr)
+        save_file(tensors, location)
+        return
+    if kind == "torch":
+        tmp = location + ".tmp"
+        torch.save(obj, tmp)
+        os.replace(tmp, location)
+        return
+    save(obj, location, overwrite=overwrite, compression=compression)
+
+
+def convert(src: str, dst: str, *, overwrite: bool = False, compression: str = "auto") -> int:
+    """Copy the weights at ``src`` to ``dst``; returns the number of tensors written."""
+    obj = read_any(src)
+    if kind_of(dst) == "safetensors":
+        obj = flatten_tensors(obj)
+    write_any(obj, dst, overwrite=overwrite, compression=compression)
+    return len(flatten_tensors(obj))

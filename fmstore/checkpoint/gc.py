@@ -1,0 +1,126 @@
+"""Garbage collection: remove what crashed or superseded saves left behind.
+
+Under a root, an object ``P/GEN/NNNNNN.bin`` (generation and blob names as in
+:mod:`.layout`) belongs to the checkpoint at prefix ``P`` only while ``P/manifest.json``
+names ``GEN``.  Everything else of that shape is garbage: blobs of a save that never
+committed (no manifest at ``P``), and generations an overwrite superseded.  Other objects
+are never touched; a manifest that does not parse keeps its prefix untouched.  POSIX temp
+files of interrupted writes are removed too.
+
+``older_than`` protects saves still running: a generation is removed only when it was
+started, and last written, at least that many seconds ago.  Never run gc with a small
+``older_than`` while a save under the same root may be in progress.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from .. import runtime
+from ..format.manifest import MANIFEST_KEY, Manifest
+from ..stores import open_store
+from ..stores.base import Store
+from .layout import BLOB_RE, GENERATION_RE, generation_age
+
+
+@dataclass
+class GcReport:
+    checkpoints: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    removed_bytes: int = 0
+    young: list[str] = field(default_factory=list)
+    unreadable: list[str] = field(default_factory=list)
+    temp_files: int = 0
+    dry_run: bool = False
+
+
+async def _scan(
+    store: Store,
+) -> tuple[dict[str, str | None], dict[tuple[str, str], list[tuple[str, int, float | None]]]]:
+    manifests: dict[str, str | None] = {}
+    gens: dict[tuple[str, str], list[tuple[str, int, float | None]]] = {}
+    async for m in store.list("", recursive=True):
+        if m.is_dir:
+            continue
+        parts = m.key.split("/")
+        if parts[-1] == MANIFEST_KEY:
+            manifests["/".join(parts[:-1])] = None
+        elif len(parts) >= 2 and BLOB_RE.match(parts[-1]) and GENERATION_RE.match(parts[-2]):
+            gens.setdefault(("/".join(parts[:-2]), parts[-2]), []).append((m.key, m.size, m.mtime))
+    for prefix in manifests:
+        key = f"{prefix}/{MANIFEST_KEY}" if prefix else MANIFEST_KEY
+        try:
+            manifests[prefix] = Manifest.loads(await store.get(key)).generation
+        except Exception:
+            manifests[prefix] = "?"  # unreadable: keep everything under it
+    return manifests, gens
+
+
+async def find_checkpoints_async(store: Store) -> list[str]:
+    manifests, _ = await _scan(store)
+    return sorted(p for p, g in manifests.items() if g not in (None, "?"))
+
+
+def find_checkpoints(root: str) -> list[str]:
+    """Prefixes (relative to ``root``) of the committed checkpoints under ``root``."""
+
+    async def go() -> list[str]:
+        store = open_store(root)
+        try:
+            return await find_checkpoints_async(store)
+        finally:
+            await store.close()
+
+    return runtime.run(go())
+
+
+async def agc(root: str | Store, *, older_than: float = 3600.0, dry_run: bool = False) -> GcReport:
+    """Async twin of :func:`gc`."""
+    store = root if isinstance(root, Store) else open_store(os.fspath(root))
+    try:
+        return await _gc(store, older_than, dry_run)
+    finally:
+        if not isinstance(root, Store):
+            await store.close()
+
+
+async def _gc(store: Store, older_than: float, dry_run: bool) -> GcReport:
+    rep = GcReport(dry_run=dry_run)
+    manifests, gens = await _scan(store)
+    rep.checkpoints = sorted(p for p, g in manifests.items() if g not in (None, "?"))
+    rep.unreadable = sorted(p for p, g in manifests.items() if g == "?")
+    now = time.time()
+    doomed: list[str] = []
+    for (prefix, gen), objs in sorted(gens.items()):
+        current = manifests.get(prefix)
+        if current == gen or current == "?":
+            continue
+        mtimes = [t for _, _, t in objs if t is not None]
+        age = (
+            min(generation_age(gen, now), now - max(mtimes)) if mtimes else generation_age(gen, now)
+        )
+        where = f"{prefix}/{gen}" if prefix else gen
+        if age < older_than:
+            rep.young.append(where)
+            continue
+        for key, size, _ in objs:
+            doomed.append(key)
+            rep.removed_bytes += size
+    rep.removed = doomed
+    if not dry_run:
+        await store.delete_many(doomed)
+        cleanup = getattr(store, "cleanup_temp", None)
+        if cleanup is not None:
+            rep.temp_files = await cleanup(older_than)
+    return rep
+
+
+def gc(root: str | Store, *, older_than: float = 3600.0, dry_run: bool = False) -> GcReport:
+    """Remove leftovers of crashed or superseded saves under ``root``; see the module doc.
+
+    Returns what was (or, with ``dry_run``, would be) removed and the committed checkpoints
+    found.  Committed checkpoints are never touched.
+    """
+    return runtime.run(agc(root, older_than=older_than, dry_run=dry_run))

@@ -1,0 +1,266 @@
+"""Reading a checkpoint: manifest first, then only the chunks needed, in parallel.
+
+Neighbouring chunks of one blob are fetched with one ranged read (fewer round trips on S3);
+a lone raw chunk is read straight into the destination tensor's memory
+(``Store.get_into``: ``preadv`` on POSIX).  Every chunk's CRC32C is checked before it is
+decoded or used; a mismatch raises :class:`~fmstore.errors.CorruptData` naming the tensor,
+the blob and the store.  With ``mmap=True`` on a store that exposes ``local_path`` (POSIX),
+storages held as raw contiguous chunks are memory-mapped copy-on-write instead of read:
+zero copies, pages fault in on first touch (checksums, when verified, touch them once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap as _mmap
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import runtime
+from ..errors import CorruptData, NotFound
+from ..format.checksum import crc32c
+from ..format.codecs import decode_into
+from ..format.manifest import MANIFEST_KEY, ChunkEntry, Manifest
+from ..stores.base import Store
+from .snapshot import as_memoryview
+
+#: Chunks of one blob closer than this are fetched with one ranged read.
+COALESCE_GAP = 1 << 20
+#: ... as long as the merged read stays below this.
+COALESCE_MAX = 16 << 20
+
+
+async def read_manifest(store: Store) -> Manifest:
+    """The committed manifest; NotFound when the prefix holds no checkpoint."""
+    try:
+        data = await store.get(MANIFEST_KEY)
+    except NotFound:
+        raise NotFound(
+            f"no checkpoint at {store.url} (no {MANIFEST_KEY})", tier=store.tier, key=MANIFEST_KEY
+        ) from None
+    return Manifest.loads(data, where=store.url)
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    mmap: bool = False
+    verify: bool = True
+    concurrency: int = 16
+
+
+class StorageReader:
+    """Loads storages of one manifest into CPU uint8 tensors (thread-safe, async)."""
+
+    def __init__(
+        self, store: Store, manifest: Manifest, options: ReadOptions = ReadOptions()
+    ) -> None:
+        self.store = store
+        self.manifest = manifest
+        self.options = options
+        self._names: dict[int, str] = {}
+        for t in manifest.tensors:
+            self._names.setdefault(t.storage, t.name)
+        self._maps: dict[int, _mmap.mmap] = {}
+
+    def storage_name(self, si: int) -> str:
+        return self._names.get(si, f"<storage {si}>")
+
+    def _corrupt(self, si: int, c: ChunkEntry, why: str) -> CorruptData:
+        key = self.manifest.blob_key(c.blob)
+        return CorruptData(
+            f"corrupt chunk of tensor {self.storage_name(si)!r} (bytes {c.raw_offset}..{c.raw_offset + c.raw}) "
+            f"in blob {key!r} of {self.store.url}: {why}",
+            tier=self.store.tier,
+            key=key,
+        )
+
+    async def load(self, indices: list[int]) -> dict[int, torch.Tensor]:
+        out: dict[int, torch.Tensor] = {}
+        work: list[tuple[int, ChunkEntry, memoryview]] = []
+        local = getattr(self.store, "local_path", None) if self.options.mmap else None
+        for si in indices:
+            s = self.manifest.storages[si]
+            if local is not None and self._mappable(si):
+                out[si] = await runtime.to_io(self._map_storage, si, local)
+                continue
+            dest = torch.empty(s.nbytes, dtype=torch.uint8)
+            out[si] = dest
+            view = as_memoryview(dest)
+            for c in s.chunks:
+                work.append((si, c, view[c.raw_offset : c.raw_offset + c.raw]))
+        gate = asyncio.Semaphore(max(1, self.options.concurrency))
+        await asyncio.gather(*(self._read_group(g, gate) for g in _coalesce(work)))
+        return out
+
+    # ---- ranged reads ----------------------------------------------------------------
+
+    async def _read_group(
+        self, group: list[tuple[int, ChunkEntry, memoryview]], gate: asyncio.Semaphore
+    ) -> None:
+        async with gate:
+            key = self.manifest.blob_key(group[0][1].blob)
+            if len(group) == 1 and group[0][1].codec == "raw":
+                si, c, dest = group[0]
+                if c.length != c.raw:
+                    raise self._corrupt(si, c, "raw chunk length does not match its size")
+                await self._get_into(key, c.offset, dest)
+                await self._check(si, c, dest)
+                return
+            lo = min(c.offset for _, c, _ in group)
+            hi = max(c.offset + c.length for _, c, _ in group)
+            data = memoryview(await self._get_range(key, lo, hi))
+        for si, c, dest in group:
+            stored = data[c.offset - lo : c.offset - lo + c.length]
+            await self._check(si, c, stored)
+            try:
+                await runtime.to_cpu(decode_into, c.codec, stored, dest, c.group)
+            except CorruptData as e:
+                raise self._corrupt(si, c, e.message) from None
+
+    async def _get_into(self, key: str, start: int, dest: memoryview) -> None:
+        try:
+            await self.store.get_into(key, start, dest)
+        except NotFound:
+            raise NotFound(
+                f"blob missing from checkpoint {self.store.url}", tier=self.store.tier, key=key
+            ) from None
+        except ValueError as e:  # InvalidRange: the blob is shorter than the manifest says
+            raise CorruptData(f"blob is truncated ({e})", tier=self.store.tier, key=key) from None
+
+    async def _get_range(self, key: str, lo: int, hi: int) -> bytes:
+        try:
+            return await self.store.get_range(key, lo, hi)
+        except NotFound:
+            raise NotFound(
+                f"blob missing from checkpoint {self.store.url}", tier=self.store.tier, key=key
+            ) from None
+        except ValueError as e:
+            raise CorruptData(f"blob is truncated ({e})", tier=self.store.tier, key=key) from None
+
+    async def _check(self, si: int, c: ChunkEntry, stored: memoryview) -> None:
+        if not self.options.verify:
+            return
+        if len(stored) != c.length:
+            raise self._corrupt(si, c, f"read {len(stored)} bytes, expected {c.length}")
+        got = await runtime.to_cpu(crc32c, stored)
+        if got != c.crc32c:
+            raise self._corrupt(
+                si, c, f"checksum mismatch (crc32c {got:08x}, expected {c.crc32c:08x})"
+            )
+
+    # ---- memory-mapped storages ------------------------------------------------------
+
+    def _mappable(self, si: int) -> bool:
+        chunks = self.manifest.storages[si].chunks
+        if not chunks:
+            return False
+        pos = chunks[0].offset
+        for c in chunks:
+            if c.codec != "raw" or c.blob != chunks[0].blob or c.offset != pos:
+                return False
+            pos += c.length
+        return True
+
+    def _map_storage(self, si: int, local_path: Callable[[str], str]) -> torch.Tensor:
+        chunks = self.manifest.storages[si].chunks
+        bi = chunks[0].blob
+        mm = self._maps.get(bi)
+        if mm is None:
+            path = local_path(self.manifest.blob_key(bi))
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise NotFound(
+                    "blob missing from checkpoint",
+                    tier=self.store.tier,
+                    key=self.manifest.blob_key(bi),
+                ) from None
+            try:
+                # ACCESS_COPY: tensors are writable, writes never reach the file.
+                mm = _mmap.mmap(fd, 0, access=_mmap.ACCESS_COPY)
+            finally:
+                os.close(fd)
+            self._maps[bi] = mm
+        s = self.manifest.storages[si]
+        start = chunks[0].offset
+        if start + s.nbytes > len(mm):
+            raise self._corrupt(si, chunks[0], "blob is shorter than the manifest says")
+        if self.options.verify:
+            view = memoryview(mm)
+            try:
+                for c in chunks:
+                    got = crc32c(view[c.offset : c.offset + c.length])
+                    if got != c.crc32c:
+                        raise self._corrupt(
+                            si, c, f"checksum mismatch (crc32c {got:08x}, expected {c.crc32c:08x})"
+                        )
+            finally:
+                view.release()
+        return torch.frombuffer(mm, dtype=torch.uint8, count=s.nbytes, offset=start)
+
+
+def _coalesce(
+    work: list[tuple[int, ChunkEntry, memoryview]],
+) -> list[list[tuple[int, ChunkEntry, memoryview]]]:
+    work = sorted(work, key=lambda w: (w[1].blob, w[1].offset))
+    groups: list[list[tuple[int, ChunkEntry, memoryview]]] = []
+    for w in work:
+        c = w[1]
+        if groups:
+            g = groups[-1]
+            first, last = g[0][1], g[-1][1]
+            if (
+                last.blob == c.blob
+                and c.offset - (last.offset + last.length) <= COALESCE_GAP
+                and c.offset + c.length - first.offset <= COALESCE_MAX
+            ):
+                g.append(w)
+                continue
+        groups.append([w])
+    return groups
+
+
+# ---- from storages to tensors ------------------------------------------------------------
+
+MapLocation = Any
+
+
+def target_device(map_location: MapLocation, saved: str) -> str | None:
+    """Where a storage saved on ``saved`` goes (None: the callable decides)."""
+    if map_location is None:
+        return saved
+    if isinstance(map_location, (str, torch.device)):
+        return str(map_location)
+    if isinstance(map_location, dict):
+        return str(map_location.get(saved, saved))
+    if callable(map_location):
+        return None
+    raise TypeError(
+        f"map_location must be None, a str, a torch.device, a dict or a callable, not {map_location!r}"
+    )
+
+
+def place_storage(u8: torch.Tensor, saved: str, map_location: MapLocation) -> torch.Tensor:
+    """Move a loaded CPU storage (uint8 tensor) where ``map_location`` says, as torch.load does."""
+    dev = target_device(map_location, saved)
+    if dev is None:
+        result = map_location(u8.untyped_storage(), saved)
+        if result is None:
+            dev = saved
+        else:
+            if isinstance(result, torch.TypedStorage):
+                result = result._untyped_storage
+            return torch.empty(0, dtype=torch.uint8, device=result.device).set_(
+                result, 0, (result.nbytes(),), (1,)
+            )
+    device = torch.device(dev)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"the checkpoint holds tensors saved on {saved} but CUDA is not available here; "
+            "pass map_location='cpu' (or another device) to load()"
+        )
+    return u8 if device.type == "cpu" else u8.to(device)

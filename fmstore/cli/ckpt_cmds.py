@@ -1,0 +1,155 @@
+"""``fmstore ckpt``: inspect, verify, gc and convert checkpoints."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.table import Table
+
+from .. import runtime
+from ..checkpoint.api import open_location
+from ..checkpoint.reader import read_manifest
+from ..format.manifest import Manifest
+from ..stores.base import Store
+from .main import app
+from .util import human_bytes
+
+ckpt = typer.Typer(
+    help="Inspect, verify, garbage-collect and convert checkpoints.", no_args_is_help=True
+)
+app.add_typer(ckpt, name="ckpt")
+
+
+def _manifest(uri: str) -> tuple[Store, Manifest]:
+    store, _ = open_location(uri, for_read=True)
+    return store, runtime.run(read_manifest(store))
+
+
+@ckpt.command("inspect")
+def inspect(
+    uri: str = typer.Argument(..., help="Checkpoint location (path, file://, s3://, TIER:path)."),
+    limit: int = typer.Option(0, "--limit", "-n", help="Show at most N tensors (0: all)."),
+) -> None:
+    """Tensor table: name, dtype, shape, bytes, codec and compression ratio; totals."""
+    store, m = _manifest(uri)
+    console = Console()
+    t = Table(title=f"{store.url}  (format v{m.version}, {m.writer}, generation {m.generation})")
+    for col, just in (
+        ("name", "left"),
+        ("dtype", "left"),
+        ("shape", "left"),
+        ("bytes", "right"),
+        ("codec", "left"),
+        ("ratio", "right"),
+    ):
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    shown = m.tensors if limit <= 0 else m.tensors[:limit]
+    seen: set[int] = set()
+    for e in shown:
+        s = m.storages[e.storage]
+        codecs = sorted({c.codec for c in s.chunks}) or ["-"]
+        stored = sum(c.length for c in s.chunks)
+        ratio = f"{s.nbytes / stored:.2f}" if stored else "-"
+        shared = e.storage in seen
+        seen.add(e.storage)
+        nbytes = e.numel * _itemsize(e.dtype)
+        t.add_row(
+            e.name + (" (shares storage)" if shared else ""),
+            e.dtype,
+            "x".join(map(str, e.shape)) or "scalar",
+            human_bytes(nbytes),
+            "+".join(codecs) if len(codecs) > 1 else codecs[0],
+            ratio if not shared else "",
+        )
+    console.print(t)
+    raw, stored = m.nbytes, m.stored_bytes
+    ratio = f"{raw / stored:.2f}" if stored else "-"
+    console.print(
+        f"{len(m.tensors)} tensors in {len(m.storages)} storages, {len(m.blobs)} blobs: "
+        f"{human_bytes(raw)} raw, {human_bytes(stored)} stored (ratio {ratio})"
+    )
+
+
+def _itemsize(name: str) -> int:
+    from ..format.dtypes import dtype_from_name
+
+    try:
+        return dtype_from_name(name).itemsize
+    except KeyError:
+        return 1
+
+
+@ckpt.command("verify")
+def verify(uri: str = typer.Argument(..., help="Checkpoint location.")) -> None:
+    """Check every chunk's checksum; exit 1 naming the bad chunks."""
+    from ..checkpoint.verify import verify_checkpoint
+
+    store, m = _manifest(uri)
+    console = Console(stderr=True)
+    with Progress(
+        TextColumn("verifying"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task("verify", total=m.stored_bytes)
+        bad = runtime.run(verify_checkpoint(store, m, progress=lambda n: progress.advance(task, n)))
+    out = Console()
+    if bad:
+        for b in bad:
+            out.print(
+                f"[red]BAD[/red] tensor {b.tensor!r} blob {b.blob} offset {b.offset}: {b.reason}",
+                highlight=False,
+            )
+        out.print(f"{len(bad)} bad chunk(s) in {store.url}")
+        raise typer.Exit(1)
+    chunks = sum(len(s.chunks) for s in m.storages)
+    out.print(f"ok: {chunks} chunks, {human_bytes(m.stored_bytes)} verified in {store.url}")
+
+
+@ckpt.command("gc")
+def gc_cmd(
+    root: str = typer.Argument(..., help="Directory or prefix holding checkpoints."),
+    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Only show what would be removed."),
+    older_than: float = typer.Option(
+        3600.0,
+        "--older-than",
+        help="Leave leftovers younger than this many seconds (saves may still be running).",
+    ),
+) -> None:
+    """Remove leftovers of crashed or superseded saves; committed checkpoints are kept."""
+    from ..checkpoint.gc import gc
+
+    rep = gc(root, older_than=older_than, dry_run=dry_run)
+    console = Console()
+    verb = "would remove" if dry_run else "removed"
+    for key in rep.removed:
+        console.print(f"{verb} {key}", highlight=False)
+    for y in rep.young:
+        console.print(f"[dim]kept (younger than {older_than:.0f} s): {y}[/dim]", highlight=False)
+    for u in rep.unreadable:
+        console.print(
+            f"[yellow]unreadable manifest, left alone: {u or '.'}[/yellow]", highlight=False
+        )
+    console.print(
+        f"{len(rep.checkpoints)} committed checkpoints; {verb} {len(rep.removed)} objects "
+        f"({human_bytes(rep.removed_bytes)}), {rep.temp_files} temp files"
+    )
+
+
+@ckpt.command("convert")
+def convert_cmd(
+    src: str = typer.Argument(
+        ..., help="fmstore checkpoint, torch.save file (.pt/.pth/.bin) or .safetensors."
+    ),
+    dst: str = typer.Argument(..., help="Destination, same kinds (told by the name)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing destination."),
+    compression: str = typer.Option("auto", "--compression", help="For fmstore destinations."),
+) -> None:
+    """Convert weights between fmstore, torch.save files and safetensors."""
+    from ..checkpoint.convert import convert
+
+    n = convert(src, dst, overwrite=overwrite, compression=compression)
+    Console().print(f"converted {n} tensors: {src} -> {dst}", highlight=False)

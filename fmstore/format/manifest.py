@@ -1,0 +1,267 @@
+"""The checkpoint manifest: versioned dataclasses <-> JSON.
+
+A checkpoint is a prefix holding data blobs (``GEN/NNNNNN.bin``) and one ``manifest.json``
+written last; the manifest *is* the commit.  See ``docs/format.md`` for the full layout.
+
+Compatibility rule: a reader accepts every ``version <= FORMAT_VERSION`` and raises
+:class:`~fmstore.errors.VersionError` for newer ones; anything that does not parse as a
+manifest raises :class:`~fmstore.errors.CorruptData` ("not a valid checkpoint").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CorruptData, VersionError
+
+FORMAT_NAME = "fmstore-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST_KEY = "manifest.json"
+
+
+@dataclass(frozen=True)
+class ChunkEntry:
+    """One chunk of a storage: ``raw`` bytes at ``raw_offset`` of the storage, stored as
+    ``length`` bytes at ``offset`` of blob ``blob`` with ``codec`` (``group``: element size for
+    byte grouping); ``crc32c`` is the checksum of the stored bytes."""
+
+    blob: int
+    offset: int
+    length: int
+    raw_offset: int
+    raw: int
+    codec: str
+    crc32c: int
+    group: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "blob": self.blob,
+            "offset": self.offset,
+            "length": self.length,
+            "raw_offset": self.raw_offset,
+            "raw": self.raw,
+            "codec": self.codec,
+            "crc32c": self.crc32c,
+        }
+        if self.group != 1:
+            d["group"] = self.group
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ChunkEntry:
+        return cls(
+            blob=int(d["blob"]),
+            offset=int(d["offset"]),
+            length=int(d["length"]),
+            raw_offset=int(d["raw_offset"]),
+            raw=int(d["raw"]),
+            codec=str(d["codec"]),
+            crc32c=int(d["crc32c"]),
+            group=int(d.get("group", 1)),
+        )
+
+
+@dataclass(frozen=True)
+class StorageEntry:
+    """A span of bytes shared by one or more tensors (tied weights, views): saved once."""
+
+    nbytes: int
+    device: str
+    chunks: tuple[ChunkEntry, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "nbytes": self.nbytes,
+            "device": self.device,
+            "chunks": [c.to_json() for c in self.chunks],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> StorageEntry:
+        return cls(
+            nbytes=int(d["nbytes"]),
+            device=str(d["device"]),
+            chunks=tuple(ChunkEntry.from_json(c) for c in d["chunks"]),
+        )
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor: a view (byte ``offset``, ``shape``, ``stride`` in elements) of a storage."""
+
+    name: str
+    storage: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    requires_grad: bool = False
+    parameter: bool = False
+    numpy: bool = False
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "name": self.name,
+            "storage": self.storage,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "stride": list(self.stride),
+            "offset": self.offset,
+        }
+        if self.requires_grad:
+            d["requires_grad"] = True
+        if self.parameter:
+            d["parameter"] = True
+        if self.numpy:
+            d["numpy"] = True
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TensorEntry:
+        return cls(
+            name=str(d["name"]),
+            storage=int(d["storage"]),
+            dtype=str(d["dtype"]),
+            shape=tuple(int(x) for x in d["shape"]),
+            stride=tuple(int(x) for x in d["stride"]),
+            offset=int(d["offset"]),
+            requires_grad=bool(d.get("requires_grad", False)),
+            parameter=bool(d.get("parameter", False)),
+            numpy=bool(d.get("numpy", False)),
+        )
+
+
+@dataclass(frozen=True)
+class BlobEntry:
+    """A data object of the checkpoint, at key ``GENERATION/name``."""
+
+    name: str
+    size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "size": self.size}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> BlobEntry:
+        return cls(name=str(d["name"]), size=int(d["size"]))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a reader needs, in one JSON document written last."""
+
+    generation: str
+    tree: Any
+    tensors: tuple[TensorEntry, ...]
+    storages: tuple[StorageEntry, ...]
+    blobs: tuple[BlobEntry, ...]
+    created: float = 0.0
+    writer: str = ""
+    pickled: bool = False
+    version: int = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def blob_key(self, blob: int) -> str:
+        return f"{self.generation}/{self.blobs[blob].name}"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.storages)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(b.size for b in self.blobs)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "generation": self.generation,
+            "created": self.created,
+            "writer": self.writer,
+            "pickled": self.pickled,
+            "tree": self.tree,
+            "tensors": [t.to_json() for t in self.tensors],
+            "storages": [s.to_json() for s in self.storages],
+            "blobs": [b.to_json() for b in self.blobs],
+            "extra": self.extra,
+        }
+
+    def dumps(self) -> bytes:
+        # allow_nan=False: non-finite floats are tagged in the tree, never bare NaN tokens.
+        return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def loads(cls, data: bytes, *, where: str = "") -> Manifest:
+        """Parse a manifest; CorruptData / VersionError with ``where`` in the message."""
+        suffix = f" at {where}" if where else ""
+        try:
+            d = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CorruptData(
+                f"not a valid checkpoint{suffix}: manifest is not JSON ({e})"
+            ) from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
+            raise CorruptData(
+                f"not a valid checkpoint{suffix}: manifest lacks format {FORMAT_NAME!r}"
+            )
+        version = d.get("version")
+        if not isinstance(version, int) or version < 1:
+            raise CorruptData(f"not a valid checkpoint{suffix}: bad format version {version!r}")
+        if version > FORMAT_VERSION:
+            raise VersionError(
+                f"checkpoint{suffix} has format version {version}, newer than the {FORMAT_VERSION} "
+                "this fmstore reads; upgrade fmstore to load it"
+            )
+        try:
+            m = cls(
+                generation=str(d["generation"]),
+                tree=d["tree"],
+                tensors=tuple(TensorEntry.from_json(t) for t in d["tensors"]),
+                storages=tuple(StorageEntry.from_json(s) for s in d["storages"]),
+                blobs=tuple(BlobEntry.from_json(b) for b in d["blobs"]),
+                created=float(d.get("created", 0.0)),
+                writer=str(d.get("writer", "")),
+                pickled=bool(d.get("pickled", False)),
+                version=version,
+                extra=dict(d.get("extra") or {}),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CorruptData(
+                f"not a valid checkpoint{suffix}: manifest is malformed ({e!r})"
+            ) from None
+        m.validate(where)
+        return m
+
+    def validate(self, where: str = "") -> None:
+        """Cross-check indices so a reader never indexes out of range."""
+        suffix = f" at {where}" if where else ""
+        for t in self.tensors:
+            if not 0 <= t.storage < len(self.storages):
+                raise CorruptData(
+                    f"not a valid checkpoint{suffix}: tensor {t.name!r} has a bad storage index"
+                )
+            if len(t.shape) != len(t.stride):
+                raise CorruptData(
+                    f"not a valid checkpoint{suffix}: tensor {t.name!r} has mismatched shape/stride"
+                )
+        for s in self.storages:
+            pos = 0
+            for c in s.chunks:
+                if not 0 <= c.blob < len(self.blobs) or c.raw_offset != pos:
+                    raise CorruptData(f"not a valid checkpoint{suffix}: a chunk has bad offsets")
+                pos += c.raw
+            if pos != s.nbytes:
+                raise CorruptData(
+                    f"not a valid checkpoint{suffix}: chunks do not cover their storage"
+                )

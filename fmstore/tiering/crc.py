@@ -1,0 +1,83 @@
+"""CRC32C of copied bytes: computed per part, combined into the whole object's checksum.
+
+Parts of a big object are checksummed concurrently; :func:`combine` joins two CRCs the
+way zlib's ``crc32_combine`` does (GF(2) matrix powers, cost logarithmic in the length),
+so the whole-object CRC never needs the bytes in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import crc32c as _crc32c
+
+from ..stores.base import Buffer
+
+#: Reflected Castagnoli polynomial.
+_POLY = 0x82F63B78
+
+
+def crc32c(data: Buffer, value: int = 0) -> int:
+    """CRC32C of ``data`` (continuing from ``value``); releases the GIL on big buffers."""
+    return _crc32c.crc32c(data, value)
+
+
+def to_hex(crc: int) -> str:
+    return f"{crc:08x}"
+
+
+def from_hex(text: str | None) -> int | None:
+    """The CRC recorded as 8 hex digits, or None when absent or malformed."""
+    if not text:
+        return None
+    try:
+        value = int(text, 16)
+    except ValueError:
+        return None
+    return value if 0 <= value <= 0xFFFFFFFF and len(text) <= 8 else None
+
+
+def _times(mat: list[int], vec: int) -> int:
+    out = 0
+    i = 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _square(mat: list[int]) -> list[int]:
+    return [_times(mat, mat[n]) for n in range(32)]
+
+
+def combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32C of ``a + b`` from ``crc32c(a)``, ``crc32c(b)`` and ``len(b)``."""
+    if len2 <= 0:
+        return crc1
+    odd = [_POLY] + [1 << n for n in range(31)]  # operator for one zero bit
+    even = _square(odd)  # two zero bits
+    odd = _square(even)  # four zero bits
+    while True:
+        even = _square(odd)
+        if len2 & 1:
+            crc1 = _times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = _square(even)
+        if len2 & 1:
+            crc1 = _times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+def combine_all(parts: Iterable[tuple[int, int]]) -> int:
+    """CRC32C of the concatenation of parts given as ``(crc, length)`` in order."""
+    total = 0
+    for crc, length in parts:
+        total = combine(total, crc, length)
+    return total

@@ -1,0 +1,194 @@
+"""The resume journal of a copy: which files and which parts of big files are done.
+
+An append-only JSON-lines file in the state directory, one record per line, each line
+written with a single ``write`` on an ``O_APPEND`` descriptor, so a process killed at any
+moment leaves at most one torn last line, which loading ignores.  Part records are
+written (and, with ``fsync``, synced) before the copy moves on, so a resumed copy never
+writes a journaled part again; file records are batched, because a finished file is also
+recognisable at the destination by its recorded checksum.
+
+Records::
+
+    {"f": DST_KEY, "s": SIZE, "v": SRC_VERSION, "c": CRC_HEX, "d": DST_ETAG}   a file is done
+    {"u": DST_KEY, "t": TOKEN, "v": SRC_VERSION, "z": PART_SIZE}                a part write started
+    {"p": DST_KEY, "t": TOKEN, "i": INDEX, "c": CRC_HEX, "n": LENGTH}           a part is durable
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+
+from .. import runtime
+
+
+@dataclass
+class FileRecord:
+    size: int
+    version: str | None
+    crc: str | None
+    dst_etag: str | None
+
+
+@dataclass
+class PendingParts:
+    token: str
+    version: str | None
+    part_size: int
+    parts: dict[int, tuple[int, int]] = field(default_factory=dict)  # index -> (crc, length)
+
+
+class Journal:
+    """Open with :meth:`open` (loads what a previous run recorded); :meth:`close` at the end."""
+
+    def __init__(self, path: str | None, *, fsync: bool = False) -> None:
+        self.path = path
+        self.fsync = fsync
+        self.files: dict[str, FileRecord] = {}
+        self.pending: dict[str, PendingParts] = {}
+        self._fd: int | None = None
+        self._buffer: list[bytes] = []
+        self._lines = 0
+
+    @staticmethod
+    def path_for(state_dir: str, src_url: str, dst_url: str) -> str:
+        digest = hashlib.sha256(f"{src_url}\0{dst_url}".encode()).hexdigest()[:24]
+        return os.path.join(state_dir, "transfers", f"{digest}.jsonl")
+
+    @classmethod
+    async def open(cls, path: str | None, *, fsync: bool = False) -> Journal:
+        j = cls(path, fsync=fsync)
+        if path is not None:
+            await runtime.to_io(j._load)
+        return j
+
+    def _load(self) -> None:
+        assert self.path is not None
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        try:
+            with open(self.path, "rb") as f:
+                lines = f.read().split(b"\n")
+        except FileNotFoundError:
+            lines = []
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a torn last line from a killed run
+            self._apply(rec)
+            self._lines += 1
+        live = len(self.files) + sum(1 + len(p.parts) for p in self.pending.values())
+        if self._lines > 2 * live + 1000:
+            self._compact()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+
+    def _apply(self, rec: dict) -> None:
+        if "f" in rec:
+            self.files[rec["f"]] = FileRecord(
+                rec.get("s", -1), rec.get("v"), rec.get("c"), rec.get("d")
+            )
+            self.pending.pop(rec["f"], None)
+        elif "u" in rec:
+            self.pending[rec["u"]] = PendingParts(rec["t"], rec.get("v"), int(rec["z"]))
+            self.files.pop(rec["u"], None)
+        elif "p" in rec:
+            p = self.pending.get(rec["p"])
+            if p is not None and p.token == rec["t"]:
+                p.parts[int(rec["i"])] = (int(rec["c"], 16), int(rec["n"]))
+        elif "x" in rec:  # forget a key (deleted, or its pending write abandoned)
+            self.files.pop(rec["x"], None)
+            self.pending.pop(rec["x"], None)
+
+    def _compact(self) -> None:
+        assert self.path is not None
+        tmp = self.path + ".compact"
+        with open(tmp, "wb") as f:
+            for line in self._snapshot():
+                f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        self._lines = len(self.files)
+
+    def _snapshot(self) -> list[bytes]:
+        out = [
+            _line({"f": k, "s": r.size, "v": r.version, "c": r.crc, "d": r.dst_etag})
+            for k, r in self.files.items()
+        ]
+        for k, p in self.pending.items():
+            out.append(_line({"u": k, "t": p.token, "v": p.version, "z": p.part_size}))
+            for i, (crc, n) in p.parts.items():
+                out.append(_line({"p": k, "t": p.token, "i": i, "c": f"{crc:08x}", "n": n}))
+        return out
+
+    # ---- recording ------------------------------------------------------------------
+
+    def file_done(
+        self, key: str, size: int, version: str | None, crc: int | None, dst_etag: str | None
+    ) -> None:
+        """Record a finished file (buffered; :meth:`flush` writes it)."""
+        rec = FileRecord(size, version, f"{crc:08x}" if crc is not None else None, dst_etag)
+        self.files[key] = rec
+        self.pending.pop(key, None)
+        self._buffer.append(_line({"f": key, "s": size, "v": version, "c": rec.crc, "d": dst_etag}))
+
+    def forget(self, key: str) -> None:
+        if self.files.pop(key, None) is not None or self.pending.pop(key, None) is not None:
+            self._buffer.append(_line({"x": key}))
+
+    async def parts_started(
+        self, key: str, token: str, version: str | None, part_size: int
+    ) -> PendingParts:
+        p = PendingParts(token, version, part_size)
+        self.pending[key] = p
+        self.files.pop(key, None)
+        self._buffer.append(_line({"u": key, "t": token, "v": version, "z": part_size}))
+        await self.flush()
+        return p
+
+    async def part_done(self, key: str, token: str, index: int, crc: int, length: int) -> None:
+        p = self.pending.get(key)
+        if p is not None and p.token == token:
+            p.parts[index] = (crc, length)
+        self._buffer.append(
+            _line({"p": key, "t": token, "i": index, "c": f"{crc:08x}", "n": length})
+        )
+        await self.flush()
+
+    async def flush(self) -> None:
+        if not self._buffer:
+            return
+        data, self._buffer = b"".join(self._buffer), []
+        if self._fd is not None:
+            await runtime.to_io(self._write, data)
+
+    def _write(self, data: bytes) -> None:
+        assert self._fd is not None
+        view = memoryview(data)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+        if self.fsync:
+            os.fdatasync(self._fd)
+
+    def flush_sync(self) -> None:
+        """Write what is buffered from any thread (used on interruption)."""
+        if self._buffer and self._fd is not None:
+            data, self._buffer = b"".join(self._buffer), []
+            self._write(data)
+
+    async def close(self) -> None:
+        await self.flush()
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _line(rec: dict) -> bytes:
+    return json.dumps(rec, separators=(",", ":")).encode() + b"\n"

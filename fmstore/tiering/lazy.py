@@ -1,0 +1,253 @@
+"""Lazy staging, like FSx for Lustre's lazy loading: the listing now, the bytes on first read.
+
+``fmstore stage --lazy SRC DST`` writes only an index, ``DST/.fmstore-lazy.jsonl``: the
+source location, then one line per file with its key, size, source version and checksum
+(when known).  No stub files are created, so nothing can read a placeholder as data.
+
+* :func:`open` (``fmstore.open``) opens a file below a lazily staged directory; when it is
+  not there yet it is fetched from the source (verified, atomically) and kept.
+* :func:`hydrate` (``fmstore hydrate PATH``) fetches everything under ``PATH`` that is
+  missing, with the parallel copy engine.
+* :func:`release` (``fmstore release PATH``) drops local copies under ``PATH`` but keeps
+  the index, and only where that is safe: the local bytes still match the checksum recorded
+  when they were fetched, and the source still holds the same version of the file.
+
+Index format (JSON lines)::
+
+    {"fmstore_lazy": 1, "source": "s3://bucket/ds"}
+    {"k": "train/000.tar", "s": 4096, "v": "etag-or-version", "c": "1a2b3c4d"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from .. import runtime
+from ..config import get_config
+from ..errors import ConfigError, CorruptData, FmstoreError, NotFound
+from ..stores import open_store, split_tier
+from ..stores.base import PutOptions, Store
+from .crc import crc32c, from_hex, to_hex
+from .transfer import META_CRC, CopyItem, TransferOptions, TransferReport, copy_items, version_of
+
+INDEX_NAME = ".fmstore-lazy.jsonl"
+
+
+@dataclass(frozen=True)
+class LazyEntry:
+    key: str
+    size: int
+    version: str | None = None
+    crc: int | None = None
+
+    def item(self) -> CopyItem:
+        return CopyItem(self.key, self.key, self.size, self.version, self.crc)
+
+
+@dataclass
+class LazyIndex:
+    root: str  # local directory holding the index
+    source: str
+    entries: dict[str, LazyEntry] = field(default_factory=dict)
+
+    def under(self, prefix: str) -> list[LazyEntry]:
+        if not prefix:
+            return list(self.entries.values())
+        p = prefix.rstrip("/")
+        return [e for k, e in self.entries.items() if k == p or k.startswith(p + "/")]
+
+
+async def write_index(dst: Store, source: str, items: Sequence[CopyItem]) -> int:
+    """Write the lazy index of ``items`` (from ``source``) at ``dst``'s root; returns its size."""
+    lines = [json.dumps({"fmstore_lazy": 1, "source": source})]
+    for i in items:
+        rec: dict[str, Any] = {"k": i.dst_key, "s": i.size, "v": i.version}
+        if i.crc32c is not None:
+            rec["c"] = to_hex(i.crc32c)
+        lines.append(json.dumps(rec, separators=(",", ":")))
+    await dst.put(INDEX_NAME, ("\n".join(lines) + "\n").encode(), PutOptions())
+    return len(items)
+
+
+def _parse(root: str, raw: bytes) -> LazyIndex:
+    lines = raw.decode("utf-8").splitlines()
+    try:
+        head = json.loads(lines[0]) if lines else {}
+    except ValueError:
+        head = {}
+    if not isinstance(head, dict) or head.get("fmstore_lazy") != 1 or not head.get("source"):
+        raise CorruptData("not an fmstore lazy index", key=os.path.join(root, INDEX_NAME))
+    idx = LazyIndex(root, str(head["source"]))
+    for line in lines[1:]:
+        if line.strip():
+            r = json.loads(line)
+            idx.entries[r["k"]] = LazyEntry(r["k"], int(r["s"]), r.get("v"), from_hex(r.get("c")))
+    return idx
+
+
+_cache: dict[str, tuple[int, LazyIndex]] = {}
+
+
+def load_index(root: str) -> LazyIndex | None:
+    """The index at directory ``root`` (cached while the file is unchanged), or None."""
+    path = os.path.join(root, INDEX_NAME)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    hit = _cache.get(root)
+    if hit is not None and hit[0] == st.st_mtime_ns:
+        return hit[1]
+    with builtins.open(path, "rb") as f:
+        idx = _parse(root, f.read())
+    _cache[root] = (st.st_mtime_ns, idx)
+    return idx
+
+
+def local_dir(path: str) -> str:
+    """A path, ``file://`` URL or ``TIER:path`` on a POSIX tier as an absolute local path."""
+    tier, rest = split_tier(path)
+    if tier is not None:
+        url = get_config().tier(tier).url
+        if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", url) and not url.startswith("file://"):
+            raise ConfigError(f"{path!r}: lazy staging works on POSIX tiers, and {tier} is {url}")
+        base = url[len("file://") :] if url.startswith("file://") else url
+        path = os.path.join(base, rest)
+    elif path.startswith("file://"):
+        path = path[len("file://") :]
+    elif re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path):
+        raise ConfigError(f"{path!r}: lazy staging works on local paths (POSIX tiers)")
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def find_index(path: str) -> tuple[LazyIndex, str] | None:
+    """The lazy index governing ``path`` and the key of ``path`` below it, or None."""
+    path = local_dir(path)
+    d = path if os.path.isdir(path) else os.path.dirname(path)
+    while True:
+        idx = load_index(d)
+        if idx is not None:
+            rel = os.path.relpath(path, d)
+            return idx, "" if rel == "." else rel.replace(os.sep, "/")
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None
+        d = parent
+
+
+async def fetch_async(
+    idx: LazyIndex, entries: Sequence[LazyEntry], options: TransferOptions = TransferOptions()
+) -> TransferReport:
+    """Copy ``entries`` from the index's source into its root (files already there are
+    skipped); a file whose source changed size since the listing is reported as failed."""
+    src = open_store(idx.source)
+    dst = open_store(idx.root)
+    existing = {}
+    for e in entries:
+        p = os.path.join(idx.root, e.key)
+        if os.path.exists(p):
+            existing[e.key] = await dst.stat(e.key)
+    return await copy_items(src, dst, [e.item() for e in entries], options, dst_existing=existing)
+
+
+def open(path: str, mode: str = "rb", **kwargs: Any) -> IO[Any]:  # noqa: A001 (mirrors builtins.open)
+    """Open a local file, fetching it first when it belongs to a lazily staged directory
+    and is not present yet.  Other files open as with ``builtins.open``."""
+    local = local_dir(path)
+    if any(c in mode for c in "wx") or os.path.exists(local):
+        return builtins.open(local, mode, **kwargs)
+    found = find_index(local)
+    if found is None or found[1] not in found[0].entries:
+        raise NotFound("no such file (and not in a lazy index)", key=local)
+    idx, key = found
+    report = runtime.run(fetch_async(idx, [idx.entries[key]]))
+    if report.failures:
+        raise FmstoreError(
+            f"lazy fetch from {idx.source} failed: {report.failures[0].error}", key=key
+        )
+    return builtins.open(local, mode, **kwargs)
+
+
+def hydrate(path: str, options: TransferOptions = TransferOptions()) -> TransferReport:
+    """Fetch every file of the lazy index under ``path`` that is not present yet."""
+    found = find_index(path)
+    if found is None:
+        raise NotFound(
+            "not inside a lazily staged directory (no .fmstore-lazy.jsonl above it)", key=path
+        )
+    idx, prefix = found
+    entries = idx.under(prefix)
+    if not entries:
+        raise NotFound("nothing in the lazy index under this path", key=path)
+    return runtime.run(fetch_async(idx, entries, options))
+
+
+@dataclass
+class ReleaseResult:
+    released: list[str] = field(default_factory=list)
+    bytes_released: int = 0
+    kept: list[tuple[str, str]] = field(default_factory=list)  # (key, why it is not safe)
+
+
+async def release_async(path: str, *, concurrency: int = 32) -> ReleaseResult:
+    found = await runtime.to_io(find_index, path)
+    if found is None:
+        raise NotFound(
+            "not inside a lazily staged directory (no .fmstore-lazy.jsonl above it)", key=path
+        )
+    idx, prefix = found
+    src = open_store(idx.source)
+    dst = open_store(idx.root)
+    out = ReleaseResult()
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(e: LazyEntry) -> None:
+        async with sem:
+            try:
+                local = await dst.stat(e.key)
+            except NotFound:
+                return  # not present: nothing to release
+            reason = await _unsafe(src, dst, e, local.metadata.get(META_CRC))
+            if reason:
+                out.kept.append((e.key, reason))
+                return
+            await dst.delete(e.key)
+            out.released.append(e.key)
+            out.bytes_released += e.size
+
+    await asyncio.gather(*(one(e) for e in idx.under(prefix)))
+    out.released.sort()
+    out.kept.sort()
+    return out
+
+
+async def _unsafe(src: Store, dst: Store, e: LazyEntry, recorded: str | None) -> str | None:
+    """Why dropping the local copy of ``e`` could lose data, or None when it cannot."""
+    want = from_hex(recorded)
+    if want is None:
+        return "no checksum recorded with the local copy"
+    data = await dst.get(e.key)
+    got = await runtime.to_cpu(crc32c, data)
+    if got != want or len(data) != e.size:
+        return "local copy differs from what was fetched (modified?)"
+    try:
+        smeta = await src.stat(e.key)
+    except NotFound:
+        return "not present on the source"
+    except FmstoreError as err:
+        return f"source unreachable: {err}"
+    if smeta.size != e.size or (e.version is not None and version_of(smeta) != e.version):
+        return "source changed since staging"
+    return None
+
+
+def release(path: str) -> ReleaseResult:
+    """Drop local copies under ``path`` that are safe on the source (see module docstring)."""
+    return runtime.run(release_async(path))

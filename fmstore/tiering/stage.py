@@ -1,0 +1,390 @@
+"""Dataset staging: plan what to copy between two locations, then run the copy engine.
+
+Planning is separate from I/O: :func:`plan_stage` lists both sides (in parallel, one
+listing per top-level directory), applies ``include``/``exclude`` globs and the shard, and
+returns a :class:`StagePlan`: the items to copy (identical files are skipped later by the
+engine, cheaply), the totals, and — for sync semantics — the destination keys to delete.
+:func:`stage` / :func:`stage_async` run a plan through :mod:`fmstore.tiering.transfer`
+with a resume journal in the state directory.
+
+Glob syntax: ``*`` matches within one path segment, ``**`` across segments, ``?`` one
+character, ``[abc]`` / ``[!abc]`` a character class.  A pattern without ``/`` matches a
+file's name at any depth (``*.json``); one with ``/`` matches the whole key relative to the
+source (``train/**/*.tar``).  With includes, a key must match one; a key matching any
+exclude is left out.
+
+Shards: ``shard=(k, n)`` keeps the keys whose stable hash (CRC32C of the UTF-8 key) is
+``k`` modulo ``n``, so ``n`` processes given ``0/n`` … ``n-1/n`` stage disjoint parts that
+together cover everything exactly once; :func:`shard_from_env` reads Slurm's
+``SLURM_PROCID``/``SLURM_NTASKS`` or torchrun's ``RANK``/``WORLD_SIZE``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .. import runtime
+from ..config import get_config
+from ..errors import ConfigError, FmstoreError, NotFound
+from ..stores import open_store, split_tier
+from ..stores.base import ObjectMeta, Store
+from .crc import crc32c
+from .journal import Journal
+from .transfer import (
+    CopyItem,
+    TransferOptions,
+    TransferProgress,
+    TransferReport,
+    copy_items,
+    local_path,
+    version_of,
+)
+
+#: Names fmstore keeps for itself at a location (temp files, locks, the lazy index).
+RESERVED_PREFIX = ".fmstore"
+
+
+# ---- globs ------------------------------------------------------------------------------
+
+
+def compile_glob(pattern: str) -> re.Pattern[str]:
+    """Translate a glob (syntax in the module docstring) to a regex; :class:`ConfigError`
+    names the pattern and the problem when it is malformed."""
+    if not pattern or pattern.strip() != pattern:
+        raise ConfigError(f"malformed glob {pattern!r}: empty or surrounded by spaces")
+    if pattern.startswith("/"):
+        raise ConfigError(f"malformed glob {pattern!r}: patterns are relative to the source")
+    anchored = "/" in pattern
+    i, out = 0, []
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "*":
+            if pattern.startswith("**", i):
+                i += 2
+                if pattern.startswith("/", i):  # '**/' also matches no directory at all
+                    out.append("(?:.*/)?")
+                    i += 1
+                else:
+                    out.append(".*")
+                continue
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[":
+            j = pattern.find("]", i + 2 if pattern.startswith(("[!", "[^"), i) else i + 1)
+            if j < 0:
+                raise ConfigError(
+                    f"malformed glob {pattern!r}: '[' at position {i} is never closed"
+                )
+            body = pattern[i + 1 : j]
+            if body.startswith(("!", "^")):
+                body = "^" + body[1:]
+            if not body or body == "^":
+                raise ConfigError(f"malformed glob {pattern!r}: empty character class")
+            out.append("[" + body.replace("\\", "\\\\") + "]")
+            i = j
+        elif c == "]":
+            raise ConfigError(f"malformed glob {pattern!r}: ']' at position {i} without '['")
+        else:
+            out.append(re.escape(c))
+        i += 1
+    body = "".join(out)
+    try:
+        return re.compile(body if anchored else f"(?:.*/)?{body}", re.DOTALL)
+    except re.error as e:
+        raise ConfigError(f"malformed glob {pattern!r}: {e}") from None
+
+
+@dataclass(frozen=True)
+class KeyFilter:
+    includes: tuple[str, ...] = ()
+    excludes: tuple[str, ...] = ()
+    _inc: tuple[re.Pattern[str], ...] = field(default=(), repr=False, compare=False)
+    _exc: tuple[re.Pattern[str], ...] = field(default=(), repr=False, compare=False)
+
+    @classmethod
+    def of(cls, includes: Sequence[str] = (), excludes: Sequence[str] = ()) -> KeyFilter:
+        return cls(
+            tuple(includes),
+            tuple(excludes),
+            tuple(compile_glob(p) for p in includes),
+            tuple(compile_glob(p) for p in excludes),
+        )
+
+    def __call__(self, key: str) -> bool:
+        if any(seg.startswith(RESERVED_PREFIX) for seg in key.split("/")):
+            return False
+        if self._inc and not any(p.fullmatch(key) for p in self._inc):
+            return False
+        return not any(p.fullmatch(key) for p in self._exc)
+
+
+# ---- shards -----------------------------------------------------------------------------
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"K/N"`` → ``(K, N)`` with ``0 <= K < N``."""
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text or "")
+    if not m:
+        raise ConfigError(f"bad shard {text!r}: use K/N, for example 0/4")
+    k, n = int(m.group(1)), int(m.group(2))
+    if n < 1 or not 0 <= k < n:
+        raise ConfigError(f"bad shard {text!r}: need 0 <= K < N")
+    return k, n
+
+
+def shard_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """``(K, N)`` from ``SLURM_PROCID``/``SLURM_NTASKS`` or ``RANK``/``WORLD_SIZE``."""
+    env = os.environ if env is None else env
+    for k_var, n_var in (("SLURM_PROCID", "SLURM_NTASKS"), ("RANK", "WORLD_SIZE")):
+        if k_var in env and n_var in env:
+            shard = parse_shard(f"{env[k_var]}/{env[n_var]}")
+            return shard if shard[1] > 1 else None
+    return None
+
+
+def in_shard(key: str, shard: tuple[int, int] | None) -> bool:
+    if shard is None or shard[1] == 1:
+        return True
+    return crc32c(key.encode("utf-8")) % shard[1] == shard[0]
+
+
+# ---- locations --------------------------------------------------------------------------
+
+
+def resolve_url(url: str) -> str:
+    """A location as it can be opened later from anywhere: plain paths made absolute."""
+    tier, _rest = split_tier(url)
+    if tier is not None or re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", url):
+        return url
+    return os.path.abspath(os.path.expanduser(url))
+
+
+def open_source(url: str) -> Store:
+    """Open a location that must already exist (a missing POSIX directory is an error,
+    not something to create)."""
+    tier, rest = split_tier(url)
+    cfg_url = get_config().tier(tier).url if tier else url
+    is_path = not re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", cfg_url) or cfg_url.startswith("file://")
+    if is_path:
+        base = cfg_url[len("file://") :] if cfg_url.startswith("file://") else cfg_url
+        path = os.path.join(os.path.expanduser(base), rest) if tier else os.path.expanduser(base)
+        if os.path.isfile(path):
+            raise ConfigError(f"source {url!r} is a file: use 'fmstore cp' for single objects")
+        if not os.path.isdir(path):
+            raise NotFound(f"source {url!r} does not exist")
+        if not os.access(path, os.R_OK | os.X_OK):
+            from ..errors import PermissionDenied
+
+            raise PermissionDenied(f"source {url!r} is not readable")
+    return open_store(url)
+
+
+def _root_of(store: Store) -> str:
+    path = local_path(store, "x")
+    if path is not None:
+        return "file://" + os.path.realpath(os.path.dirname(path))
+    return store.url.rstrip("/")
+
+
+def check_locations(src: Store, dst: Store, *, delete: bool) -> None:
+    """Refuse copies of a location into itself or below itself (the copy would feed on
+    its own output), and ``delete`` when the source lies inside the destination."""
+    s, d = _root_of(src), _root_of(dst)
+    if s == d:
+        raise ConfigError(f"source and destination are the same location ({s})")
+    if d.startswith(s + "/"):
+        raise ConfigError(f"destination {d} is inside source {s}")
+    if delete and s.startswith(d + "/"):
+        raise ConfigError(f"source {s} is inside destination {d}: --delete would remove it")
+
+
+# ---- listing and planning ---------------------------------------------------------------
+
+
+async def list_tree(
+    store: Store, *, parallel: int = 16, role: str = "location"
+) -> dict[str, ObjectMeta]:
+    """Every object under ``store``, listing each top-level directory concurrently."""
+    try:
+        top = [m async for m in store.list("", recursive=False)]
+    except NotFound as e:
+        raise NotFound(f"{role} {store.url} does not exist ({e.message})", tier=e.tier) from None
+    out = {m.key: m for m in top if not m.is_dir}
+    sem = asyncio.Semaphore(parallel)
+
+    async def sub(prefix: str) -> list[ObjectMeta]:
+        async with sem:
+            return [m async for m in store.list(prefix, recursive=True) if not m.is_dir]
+
+    dirs = [m.key for m in top if m.is_dir and not m.key.startswith(RESERVED_PREFIX)]
+    for metas in await asyncio.gather(*(sub(d) for d in dirs)):
+        out.update((m.key, m) for m in metas)
+    return out
+
+
+@dataclass
+class StagePlan:
+    items: list[CopyItem]
+    delete: list[str]
+    dst_existing: dict[str, ObjectMeta]
+    src_listing: dict[str, ObjectMeta]
+
+    @property
+    def files(self) -> int:
+        return len(self.items)
+
+    @property
+    def bytes(self) -> int:
+        return sum(i.size for i in self.items)
+
+    def to_copy(self) -> list[CopyItem]:
+        """Items whose destination is missing or differs in size (the dry-run estimate;
+        same-size files are checked against recorded checksums during the run)."""
+        out = []
+        for i in self.items:
+            d = self.dst_existing.get(i.dst_key)
+            if d is None or d.size != i.size:
+                out.append(i)
+        return out
+
+
+async def plan_stage(
+    src: Store,
+    dst: Store,
+    *,
+    key_filter: KeyFilter = KeyFilter(),
+    shard: tuple[int, int] | None = None,
+    delete: bool = False,
+    list_destination: bool = True,
+) -> StagePlan:
+    src_task = asyncio.ensure_future(list_tree(src, role="source"))
+    dst_task = (
+        asyncio.ensure_future(list_tree(dst, role="destination")) if list_destination else None
+    )
+    try:
+        src_all = await src_task
+        dst_all = await dst_task if dst_task is not None else {}
+    except BaseException:
+        for t in (src_task, dst_task):
+            if t is not None:
+                t.cancel()
+        raise
+    items = [
+        CopyItem(k, k, m.size, version_of(m))
+        for k, m in sorted(src_all.items())
+        if key_filter(k) and in_shard(k, shard)
+    ]
+    deletes: list[str] = []
+    if delete:
+        deletes = sorted(
+            k for k in dst_all if k not in src_all and key_filter(k) and in_shard(k, shard)
+        )
+    return StagePlan(items, deletes, dst_all, src_all)
+
+
+# ---- running ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    includes: tuple[str, ...] = ()
+    excludes: tuple[str, ...] = ()
+    delete: bool = False
+    shard: tuple[int, int] | None = None
+    lazy: bool = False
+    transfer: TransferOptions = TransferOptions()
+    state_dir: str | None = None  # journals go to <state_dir>/transfers
+
+
+@dataclass
+class StageResult:
+    report: TransferReport
+    deleted: int = 0
+    delete_failures: list[tuple[str, str]] = field(default_factory=list)
+    lazy_entries: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.report.ok and not self.delete_failures
+
+
+def journal_path(src: Store, dst: Store, state_dir: str | None = None) -> str:
+    """Where the resume journal of copies from ``src`` to ``dst`` lives."""
+    return Journal.path_for(state_dir or get_config().state_dir, src.url, dst.url)
+
+
+async def run_plan(
+    src: Store,
+    dst: Store,
+    plan: StagePlan,
+    options: StageOptions,
+    *,
+    progress: TransferProgress | None = None,
+    src_url: str | None = None,
+) -> StageResult:
+    progress = progress or TransferProgress()
+    if options.lazy:
+        from .lazy import write_index
+
+        n = await write_index(dst, resolve_url(src_url) if src_url else src.url, plan.items)
+        progress.files_total = progress.files_skipped = n
+        return StageResult(TransferReport(progress, [], 0.0), lazy_entries=n)
+    journal = await Journal.open(journal_path(src, dst, options.state_dir))
+    try:
+        report = await copy_items(
+            src,
+            dst,
+            plan.items,
+            options.transfer,
+            journal=journal,
+            progress=progress,
+            dst_existing=plan.dst_existing,
+        )
+        result = StageResult(report)
+        if plan.delete:
+            await _delete(dst, plan.delete, result, journal, options.transfer.concurrency)
+    finally:
+        await asyncio.shield(journal.close())
+    return result
+
+
+async def _delete(
+    dst: Store, keys: list[str], result: StageResult, journal: Journal, concurrency: int
+) -> None:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(key: str) -> None:
+        async with sem:
+            try:
+                await dst.delete(key)
+            except FmstoreError as e:
+                result.delete_failures.append((key, str(e)))
+                return
+            journal.forget(key)
+            result.deleted += 1
+
+    await asyncio.gather(*(one(k) for k in keys))
+
+
+async def stage_async(
+    src_url: str, dst_url: str, options: StageOptions = StageOptions()
+) -> StageResult:
+    """Stage ``src_url`` into ``dst_url`` (any store URLs or ``TIER:path``)."""
+    key_filter = KeyFilter.of(options.includes, options.excludes)
+    src = open_source(src_url)
+    dst = open_store(dst_url)
+    check_locations(src, dst, delete=options.delete)
+    plan = await plan_stage(
+        src, dst, key_filter=key_filter, shard=options.shard, delete=options.delete
+    )
+    return await run_plan(src, dst, plan, options, src_url=src_url)
+
+
+def stage(src_url: str, dst_url: str, options: StageOptions = StageOptions()) -> StageResult:
+    """Sync facade of :func:`stage_async`."""
+    return runtime.run(stage_async(src_url, dst_url, options))

@@ -1,0 +1,508 @@
+"""The copy engine: many objects from one store to another, parallel, verified, resumable.
+
+Shared by ``fmstore stage`` / ``cp`` and the tiering mover.  Input is a list of
+:class:`CopyItem` (what to copy where) and :class:`TransferOptions`; :func:`copy_items`
+returns a :class:`TransferReport`.  Guarantees:
+
+* **Bounded.**  At most ``concurrency`` files and ``concurrency`` parts are in flight and at
+  most ``max_inflight_bytes`` are held in memory; ``bwlimit`` (bytes/s) is one token bucket
+  shared by every transfer.
+* **Verified.**  The CRC32C of every byte read is computed while copying (per part for big
+  objects, combined into the whole object's CRC), compared with the checksum the source
+  recorded (``fmstore-crc32c`` metadata) when there is one, handed to the destination
+  (``PutOptions.content_crc32c``) and recorded there as metadata with the source's version.
+  ``verify=True`` re-reads the destination and compares.  A mismatch is retried, then
+  reported as a failed file.
+* **Atomic.**  Small objects are one ``put``; big ones go through
+  :meth:`~fmstore.stores.base.Store.open_part_writer`: nothing is visible at the final key
+  before every part is written and the whole checksum matched.
+* **Cheap re-runs.**  A destination object with the same size and a recorded checksum or
+  source version equal to the source's is skipped (the journal answers without a request
+  when it recorded the file).
+* **Resumable.**  With a :class:`~fmstore.tiering.journal.Journal`, a run killed at any
+  point (Ctrl-C, ``kill -9``) resumes without rewriting finished files or the finished
+  parts of big ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import time
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .. import runtime
+from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
+from ..stores.base import ObjectMeta, PutOptions, Store, part_bounds, part_count
+from . import posixmeta
+from .crc import combine_all, crc32c, from_hex, to_hex
+from .journal import Journal
+
+#: Metadata keys fmstore records on every object it writes (``x-amz-meta-…`` on S3).
+META_CRC = "fmstore-crc32c"
+META_SRC_VERSION = "fmstore-src-version"
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class CopyItem:
+    """One object to copy.  ``version`` identifies the source's content (its etag, or size
+    and mtime) and ``crc32c`` is its checksum when already known (from a manifest or
+    metadata); both are optional."""
+
+    src_key: str
+    dst_key: str
+    size: int
+    version: str | None = None
+    crc32c: int | None = None
+
+
+@dataclass(frozen=True)
+class TransferOptions:
+    concurrency: int = 32
+    part_size: int = 32 * MiB
+    multipart_threshold: int = 64 * MiB
+    max_inflight_bytes: int = 1024 * MiB
+    bwlimit: float | None = None
+    verify: bool = False
+    retries: int = 3
+    skip_identical: bool = True
+    posix_attrs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if self.part_size < 1 * MiB // 16:
+            raise ValueError("part_size must be at least 64 KiB")
+        if self.bwlimit is not None and self.bwlimit <= 0:
+            raise ValueError("bwlimit must be positive")
+
+
+@dataclass
+class TransferProgress:
+    """Live counters, updated on the event loop and read from any thread."""
+
+    files_total: int = 0
+    bytes_total: int = 0
+    files_copied: int = 0
+    files_skipped: int = 0
+    files_failed: int = 0
+    bytes_copied: int = 0  # bytes moved by this run
+    bytes_skipped: int = 0  # bytes of files found identical
+    bytes_resumed: int = 0  # bytes of parts a previous run had finished
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def files_done(self) -> int:
+        return self.files_copied + self.files_skipped + self.files_failed
+
+    @property
+    def bytes_done(self) -> int:
+        return self.bytes_copied + self.bytes_skipped + self.bytes_resumed
+
+
+@dataclass(frozen=True)
+class Failure:
+    key: str
+    error: str
+
+
+@dataclass
+class TransferReport:
+    progress: TransferProgress
+    failures: list[Failure]
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def as_dict(self) -> dict[str, object]:
+        p = self.progress
+        return {
+            "files_total": p.files_total,
+            "bytes_total": p.bytes_total,
+            "files_copied": p.files_copied,
+            "files_skipped": p.files_skipped,
+            "files_failed": p.files_failed,
+            "bytes_copied": p.bytes_copied,
+            "bytes_skipped": p.bytes_skipped,
+            "bytes_resumed": p.bytes_resumed,
+            "seconds": round(self.seconds, 3),
+            "failures": [{"key": f.key, "error": f.error} for f in self.failures],
+        }
+
+
+def version_of(meta: ObjectMeta) -> str | None:
+    """What identifies an object's content cheaply: its etag, else size and mtime."""
+    if meta.etag:
+        return meta.etag.strip('"')
+    if meta.mtime is not None:
+        return f"{meta.size}:{meta.mtime!r}"
+    return None
+
+
+def local_path(store: Store, key: str) -> str | None:
+    """The local file behind ``key`` on a POSIX tier, else None."""
+    fn = getattr(store, "local_path", None)
+    if fn is None:
+        return None
+    try:
+        return fn(key)
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+class TokenBucket:
+    """A bandwidth limit shared by every transfer: ``acquire(n)`` waits until ``n`` bytes
+    may pass at ``rate`` bytes/s (a burst of up to ``burst`` bytes goes at once)."""
+
+    def __init__(self, rate: float, burst: float | None = None) -> None:
+        self.rate = rate
+        self.burst = burst if burst is not None else max(rate / 10, 1.0)
+        self._next = time.monotonic()
+
+    async def acquire(self, n: int) -> None:
+        now = time.monotonic()
+        # Virtual clock: each grant pushes the next free moment by n / rate; an idle
+        # bucket lets the clock lag by at most one burst.
+        self._next = max(self._next, now - self.burst / self.rate) + n / self.rate
+        delay = self._next - now
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+class ByteBudget:
+    """At most ``limit`` bytes held by copies at once (a single bigger request is let
+    through alone, so nothing waits forever)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, n: int) -> int:
+        n = min(n, self.limit)
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+        return n
+
+    async def release(self, n: int) -> None:
+        async with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+async def gather_or_cancel(aws: Iterable[Awaitable[object]]) -> None:
+    """Await all; on the first failure cancel the rest and re-raise it."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    if not tasks:
+        return
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+class Transfer:
+    """One run of the engine over a list of items (see :func:`copy_items`)."""
+
+    def __init__(
+        self,
+        src: Store,
+        dst: Store,
+        options: TransferOptions,
+        *,
+        journal: Journal | None = None,
+        progress: TransferProgress | None = None,
+        dst_existing: Mapping[str, ObjectMeta] | None = None,
+    ) -> None:
+        self.src, self.dst, self.opt = src, dst, options
+        self.journal = journal or Journal(None)
+        self.progress = progress or TransferProgress()
+        self.dst_existing = dst_existing
+        self.failures: list[Failure] = []
+        self.bucket = TokenBucket(options.bwlimit) if options.bwlimit else None
+        self.budget = ByteBudget(options.max_inflight_bytes)
+        self.part_sem = asyncio.Semaphore(options.concurrency)
+        self.src_local = local_path(src, "x") is not None
+        self.dst_local = local_path(dst, "x") is not None
+
+    async def run(self, items: Sequence[CopyItem]) -> TransferReport:
+        t0 = time.monotonic()
+        p = self.progress
+        p.files_total += len(items)
+        p.bytes_total += sum(i.size for i in items)
+        queue = iter(items)
+        flusher = asyncio.ensure_future(self._flush_loop())
+
+        async def worker() -> None:
+            for item in queue:
+                await self._one(item)
+
+        try:
+            await gather_or_cancel(
+                worker() for _ in range(min(self.opt.concurrency, len(items) or 1))
+            )
+        finally:
+            flusher.cancel()
+            with contextlib.suppress(BaseException):
+                await flusher
+            await asyncio.shield(self.journal.flush())
+        return TransferReport(p, list(self.failures), time.monotonic() - t0)
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            await self.journal.flush()
+
+    # ---- one file -------------------------------------------------------------------
+
+    async def _one(self, item: CopyItem) -> None:
+        p = self.progress
+        try:
+            if self.opt.skip_identical and await self._identical(item):
+                p.files_skipped += 1
+                p.bytes_skipped += item.size
+                return
+            attempt = 0
+            while True:
+                try:
+                    if item.size > self.opt.multipart_threshold:
+                        await self._copy_big(item)
+                    else:
+                        await self._copy_small(item)
+                    break
+                except (StoreUnavailable, CorruptData) as e:
+                    attempt += 1
+                    if attempt > self.opt.retries:
+                        raise
+                    await asyncio.sleep(min(5.0, 0.2 * 2**attempt) * (0.5 + random.random()))
+                    del e
+            p.files_copied += 1
+        except asyncio.CancelledError:
+            raise
+        except FmstoreError as e:
+            p.files_failed += 1
+            self.failures.append(Failure(item.src_key, str(e)))
+        except Exception as e:  # a bug or an unexpected OS error: report it, keep going
+            p.files_failed += 1
+            self.failures.append(Failure(item.src_key, f"{type(e).__name__}: {e}"))
+
+    async def _identical(self, item: CopyItem) -> bool:
+        if self.dst_existing is not None:
+            dmeta = self.dst_existing.get(item.dst_key)
+        else:
+            try:
+                dmeta = await self.dst.stat(item.dst_key)
+            except NotFound:
+                dmeta = None
+        if dmeta is None or dmeta.size != item.size:
+            return False
+        rec = self.journal.files.get(item.dst_key)
+        if (
+            rec is not None
+            and rec.size == item.size
+            and rec.version is not None
+            and rec.version == item.version
+            and (rec.dst_etag is None or rec.dst_etag == dmeta.etag)
+        ):
+            return True
+        if not dmeta.metadata:
+            try:
+                dmeta = await self.dst.stat(item.dst_key)
+            except NotFound:
+                return False
+        recorded_crc = from_hex(dmeta.metadata.get(META_CRC))
+        if item.crc32c is not None and recorded_crc == item.crc32c:
+            return True
+        recorded_version = dmeta.metadata.get(META_SRC_VERSION)
+        return item.version is not None and recorded_version == item.version
+
+    async def _attrs(self, item: CopyItem, src_meta: ObjectMeta) -> dict[str, str]:
+        """FSx-convention POSIX attributes to carry: from the source file on a POSIX tier,
+        else whatever the source object recorded."""
+        if not self.opt.posix_attrs:
+            return {}
+        if self.src_local:
+            path = local_path(self.src, item.src_key)
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    return posixmeta.from_stat(await runtime.to_io(os.stat, path))
+        return posixmeta.pick(src_meta.metadata)
+
+    def _dst_metadata(
+        self, attrs: Mapping[str, str], crc: int, version: str | None
+    ) -> dict[str, str]:
+        md = dict(attrs)
+        md[META_CRC] = to_hex(crc)
+        if version:
+            md[META_SRC_VERSION] = version
+        return md
+
+    async def _finish(
+        self,
+        item: CopyItem,
+        dmeta: ObjectMeta,
+        attrs: Mapping[str, str],
+        crc: int,
+        version: str | None,
+    ) -> None:
+        etag = dmeta.etag
+        if self.dst_local and attrs:
+            path = local_path(self.dst, item.dst_key)
+            if path is not None:
+                etag = await runtime.to_io(_apply_attrs, path, attrs)
+        self.journal.file_done(item.dst_key, dmeta.size, version, crc, etag)
+
+    def _check(self, item: CopyItem, what: str, expected: int | None, got: int) -> None:
+        if expected is not None and expected != got:
+            raise CorruptData(
+                f"checksum mismatch ({what}): expected crc32c {to_hex(expected)}, got {to_hex(got)}",
+                tier=self.src.tier if what == "source" else self.dst.tier,
+                key=item.src_key if what == "source" else item.dst_key,
+            )
+
+    async def _crc(self, data: bytes | memoryview) -> int:
+        n = memoryview(data).nbytes
+        return crc32c(data) if n < MiB else await runtime.to_cpu(crc32c, data)
+
+    async def _copy_small(self, item: CopyItem) -> None:
+        held = await self.budget.acquire(max(item.size, 1))
+        try:
+            smeta, data = await self.src.get_with_meta(item.src_key)
+            if self.bucket:
+                await self.bucket.acquire(len(data))
+            crc = await self._crc(data)
+            self._check(item, "source", item.crc32c, crc)
+            self._check(item, "source", from_hex(smeta.metadata.get(META_CRC)), crc)
+            version = version_of(smeta)
+            attrs = await self._attrs(item, smeta)
+            opts = PutOptions(metadata=self._dst_metadata(attrs, crc, version), content_crc32c=crc)
+            dmeta = await self.dst.put(item.dst_key, data, opts)
+            self.progress.bytes_copied += len(data)
+            del data
+            if self.opt.verify:
+                self._check(
+                    item, "destination", crc, await self._crc(await self.dst.get(item.dst_key))
+                )
+            await self._finish(item, dmeta, attrs, crc, version)
+        finally:
+            await self.budget.release(held)
+
+    async def _copy_big(self, item: CopyItem) -> None:
+        smeta = await self.src.stat(item.src_key)
+        size, version = smeta.size, version_of(smeta)
+        expected = (
+            item.crc32c if item.crc32c is not None else from_hex(smeta.metadata.get(META_CRC))
+        )
+        part_size = self.opt.part_size
+        pend = self.journal.pending.get(item.dst_key)
+        token = (
+            pend.token if pend and pend.version == version and pend.part_size == part_size else None
+        )
+        w = await self.dst.open_part_writer(item.dst_key, size, part_size, token=token)
+        if token is not None and w.resumed and pend is not None:
+            done = dict(pend.parts)
+            resumed = sum(n for _c, n in done.values())
+            self.progress.bytes_resumed += resumed
+        else:
+            done = {}
+            await self.journal.parts_started(item.dst_key, w.token, version, part_size)
+        n = part_count(size, part_size)
+        crcs: dict[int, tuple[int, int]] = dict(done)
+
+        async def one(i: int) -> None:
+            start, end = part_bounds(i, size, part_size)
+            async with self.part_sem:
+                held = await self.budget.acquire(end - start)
+                try:
+                    data = await self.src.get_range(item.src_key, start, end)
+                    if self.bucket:
+                        await self.bucket.acquire(len(data))
+                    c = await self._crc(data)
+                    await w.write_part(i, data)
+                    del data
+                finally:
+                    await self.budget.release(held)
+            crcs[i] = (c, end - start)
+            self.progress.bytes_copied += end - start
+            await self.journal.part_done(item.dst_key, w.token, i, c, end - start)
+
+        # Parts stay on a failure or interruption: the next attempt resumes from them.
+        await gather_or_cancel(one(i) for i in range(n) if i not in done)
+        whole = combine_all(crcs[i] for i in range(n))
+        after = await self.src.stat(item.src_key)
+        if version_of(after) != version or after.size != size:
+            await w.abort()
+            self.journal.forget(item.dst_key)
+            raise StoreUnavailable(
+                "source changed while being copied", tier=self.src.tier, key=item.src_key
+            )
+        try:
+            self._check(item, "source", expected, whole)
+        except CorruptData:
+            await w.abort()
+            self.journal.forget(item.dst_key)
+            raise
+        attrs = await self._attrs(item, smeta)
+        dmeta = await w.commit(self._dst_metadata(attrs, whole, version))
+        if self.opt.verify:
+            self._check(
+                item, "destination", whole, await self._read_crc(self.dst, item.dst_key, size)
+            )
+        await self._finish(item, dmeta, attrs, whole, version)
+
+    async def _read_crc(self, store: Store, key: str, size: int) -> int:
+        """CRC32C of a stored object, read in parts concurrently."""
+        part_size = self.opt.part_size
+        out: dict[int, tuple[int, int]] = {}
+
+        async def one(i: int) -> None:
+            start, end = part_bounds(i, size, part_size)
+            async with self.part_sem:
+                held = await self.budget.acquire(end - start)
+                try:
+                    out[i] = (await self._crc(await store.get_range(key, start, end)), end - start)
+                finally:
+                    await self.budget.release(held)
+
+        n = part_count(size, part_size)
+        await gather_or_cancel(one(i) for i in range(n))
+        return combine_all(out[i] for i in range(n))
+
+
+def _apply_attrs(path: str, attrs: Mapping[str, str]) -> str:
+    """Restore FSx attributes on a local file; returns its new etag (mtime changed)."""
+    from ..stores.posix import etag_of_stat
+
+    posixmeta.apply(path, attrs)
+    return etag_of_stat(os.stat(path))
+
+
+async def copy_items(
+    src: Store,
+    dst: Store,
+    items: Sequence[CopyItem],
+    options: TransferOptions = TransferOptions(),
+    *,
+    journal: Journal | None = None,
+    progress: TransferProgress | None = None,
+    dst_existing: Mapping[str, ObjectMeta] | None = None,
+) -> TransferReport:
+    """Copy ``items`` from ``src`` to ``dst``; see the module docstring for the guarantees.
+
+    ``dst_existing`` (the destination's listing, when the caller has it) saves one ``stat``
+    per item when deciding what to skip.  Failed files are reported, not raised; an
+    interruption (cancellation) leaves the journal and pending parts for the next run.
+    """
+    t = Transfer(src, dst, options, journal=journal, progress=progress, dst_existing=dst_existing)
+    return await t.run(items)

@@ -1,0 +1,119 @@
+"""``fmstore ckpt`` inspect / verify / gc / convert, through the console-script entry point
+in-process (tests/test_cli.py covers starting the real command)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import fmstore
+from fmstore.cli.main import main
+from fmstore.format.manifest import Manifest
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def fm(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+
+    def run(*args: str) -> Result:
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as e:
+            code = int(e.code or 0)
+        out = capsys.readouterr()
+        return Result(code, out.out, out.err)
+
+    return run
+
+
+def _state():
+    w = torch.randn(64, 32)
+    return {"model": {"w": w.bfloat16(), "b": torch.zeros(32), "tied": w}, "w": w, "step": 3}
+
+
+def test_inspect_shows_tensor_table_and_totals(tmp_path, fm):
+    fmstore.save(_state(), tmp_path / "c")
+    r = fm("ckpt", "inspect", str(tmp_path / "c"))
+    assert r.returncode == 0, r.stderr
+    for word in (
+        "model.w",
+        "bfloat16",
+        "64x32",
+        "bytegroup+zstd",
+        "shares storage",
+        "4 tensors",
+        "ratio",
+    ):
+        assert word in r.stdout, word
+
+
+def test_verify_passes_then_fails_naming_the_bad_chunk(tmp_path, fm):
+    m = fmstore.save(_state(), tmp_path / "c", compression="raw")
+    r = fm("ckpt", "verify", str(tmp_path / "c"))
+    assert r.returncode == 0 and "ok:" in r.stdout, r.stdout + r.stderr
+    blob = tmp_path / "c" / m.generation / m.blobs[0].name
+    data = bytearray(blob.read_bytes())
+    data[10] ^= 1
+    blob.write_bytes(bytes(data))
+    r = fm("ckpt", "verify", str(tmp_path / "c"))
+    assert r.returncode == 1
+    assert "BAD" in r.stdout and "model.w" in r.stdout and m.blobs[0].name in r.stdout
+
+
+def test_gc_removes_leftovers_and_dry_run_only_reports(tmp_path, fm):
+    fmstore.save(_state(), tmp_path / "good")
+    m = fmstore.save(_state(), tmp_path / "crashed")
+    (tmp_path / "crashed" / "manifest.json").unlink()  # as if killed before the commit
+    leftover = tmp_path / "crashed" / m.generation / m.blobs[0].name
+    r = fm("ckpt", "gc", str(tmp_path), "--older-than", "0", "--dry-run")
+    assert r.returncode == 0 and "would remove" in r.stdout and leftover.exists()
+    r = fm("ckpt", "gc", str(tmp_path))  # default age limit: a fresh leftover is kept
+    assert r.returncode == 0 and leftover.exists()
+    r = fm("ckpt", "gc", str(tmp_path), "--older-than", "0")
+    assert r.returncode == 0 and "1 committed checkpoints" in r.stdout
+    assert not leftover.exists()
+    assert torch.equal(
+        fmstore.load(tmp_path / "good")["w"], fmstore.load(tmp_path / "good")["model"]["tied"]
+    )
+
+
+def test_convert_between_fmstore_torch_and_safetensors(tmp_path, fm):
+    st = _state()
+    torch.save(st, tmp_path / "a.pt")
+    assert fm("ckpt", "convert", str(tmp_path / "a.pt"), str(tmp_path / "c")).returncode == 0
+    out = fmstore.load(tmp_path / "c")
+    assert torch.equal(out["w"], st["w"]) and out["step"] == 3
+    r = fm("ckpt", "convert", str(tmp_path / "c"), str(tmp_path / "b.safetensors"))
+    assert r.returncode == 0, r.stderr
+    from safetensors.torch import load_file
+
+    flat = load_file(tmp_path / "b.safetensors")
+    assert torch.equal(flat["model.tied"], st["w"]) and torch.equal(
+        flat["model.w"], st["model"]["w"]
+    )
+    assert (
+        fm("ckpt", "convert", str(tmp_path / "b.safetensors"), str(tmp_path / "d.pt")).returncode
+        == 0
+    )
+    back = torch.load(tmp_path / "d.pt", weights_only=True)
+    assert torch.equal(back["w"], st["w"])
+    Manifest.loads((tmp_path / "c" / "manifest.json").read_bytes())
+
+
+def test_inspect_of_missing_checkpoint_is_one_clear_error(tmp_path, fm):
+    r = fm("ckpt", "inspect", str(tmp_path / "nothing"))
+    assert (
+        r.returncode == 1
+        and r.stderr.startswith("error: no checkpoint")
+        and "Traceback" not in r.stderr
+    )

@@ -1,0 +1,411 @@
+"""fmstore stage between POSIX tiers and memory://: correctness, skip, resume, delete,
+shards, dry runs, metadata, bad input.
+
+One generated dataset per module (10,000 × 4 KiB files and 3 × 300 MiB files, the sizes
+of the staging issue) is shared by the tests; each test stages into its own directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from fmstore import runtime
+from fmstore.errors import ConfigError
+from fmstore.stores import PutOptions, open_store
+from fmstore.tiering.crc import crc32c
+from fmstore.tiering.stage import KeyFilter, compile_glob, in_shard, plan_stage, shard_from_env
+from fmstore.tiering.transfer import CopyItem, TransferOptions, copy_items
+
+SMALL_N, SMALL_SIZE = 10_000, 4096
+BIG_N, BIG_SIZE = 3, 300 << 20
+
+
+def fm(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fmstore", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+        **kw,
+    )
+
+
+def file_crcs(root: str) -> dict[str, int]:
+    out = {}
+    for d, _dirs, files in os.walk(root):
+        for f in files:
+            if f.startswith(".fmstore"):
+                continue
+            p = os.path.join(d, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, root)] = crc32c(fh.read())
+    return out
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dataset")
+    small = root / "small"
+    for i in range(SMALL_N):
+        d = small / f"d{i % 50:02d}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i:05d}.bin").write_bytes(i.to_bytes(4, "little") * (SMALL_SIZE // 4))
+    big = root / "big"
+    big.mkdir()
+    block = os.urandom(1 << 20)
+    for i in range(BIG_N):
+        with open(big / f"shard-{i}.bin", "wb") as f:
+            for j in range(BIG_SIZE >> 20):
+                f.write(j.to_bytes(8, "little") + bytes([i]) + block[9:])
+    return {"small": str(small), "big": str(big), "small_crcs": file_crcs(str(small)), "big_crcs": file_crcs(str(big))}
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """An isolated FMSTORE_HOME (state dir, default tiers) for in-process and CLI runs."""
+    h = tmp_path / "home"
+    monkeypatch.setenv("FMSTORE_HOME", str(h))
+    monkeypatch.delenv("FMSTORE_CONFIG", raising=False)
+    for var in ("SLURM_PROCID", "SLURM_NTASKS", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    from fmstore.config import set_config
+
+    set_config(None)
+    yield str(h)
+    set_config(None)
+
+
+def journal_files(home: str) -> list[str]:
+    d = os.path.join(home, "state", "transfers")
+    return [os.path.join(d, f) for f in os.listdir(d)] if os.path.isdir(d) else []
+
+
+# ---- correctness, skip, dry run -----------------------------------------------------------
+
+
+def test_small_files_are_copied_exactly_and_rerun_skips_them(dataset, tmp_path, home):
+    dst = str(tmp_path / "dst")
+    r = fm("stage", dataset["small"], dst, "--json", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["files_copied"] == SMALL_N and s["files_failed"] == 0
+    assert file_crcs(dst) == dataset["small_crcs"]
+    # Every file records its checksum (xattr on POSIX) for cheap identity checks.
+    meta = runtime.run(open_store(dst).stat("d07/f00007.bin")).metadata
+    assert meta["fmstore-crc32c"] == f"{dataset['small_crcs']['d07/f00007.bin']:08x}"
+    r = fm("stage", dataset["small"], dst, "--json", "--no-progress")
+    s = json.loads(r.stdout)
+    assert r.returncode == 0 and s["files_copied"] == 0 and s["files_skipped"] == SMALL_N
+    assert s["bytes_copied"] == 0
+
+
+def test_rerun_without_journal_skips_by_recorded_checksum_and_recopies_changed(dataset, tmp_path, home):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(20):
+        (src / f"f{i}").write_bytes(os.urandom(1000))
+    dst = str(tmp_path / "dst")
+    assert fm("stage", str(src), dst, "--no-progress").returncode == 0
+    for j in journal_files(home):
+        os.unlink(j)  # another node, or a lost state dir: identity comes from the destination
+    (src / "f3").write_bytes(os.urandom(1000))  # same size, new content
+    r = fm("stage", str(src), dst, "--json", "--no-progress")
+    s = json.loads(r.stdout)
+    assert s["files_copied"] == 1 and s["files_skipped"] == 19
+    assert file_crcs(dst) == file_crcs(str(src))
+
+
+def test_big_files_copied_in_parts_and_verified(dataset, tmp_path, home):
+    dst = str(tmp_path / "dst")
+    r = fm("stage", dataset["big"], dst, "--json", "--no-progress", "--verify", "--part-size", "16MiB")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["files_copied"] == BIG_N
+    assert file_crcs(dst) == dataset["big_crcs"]
+    assert not [f for f in os.listdir(dst) if f.startswith(".fmstore-tmp")]
+
+
+def test_dry_run_changes_nothing(dataset, tmp_path, home):
+    dst = tmp_path / "dst"
+    r = fm("stage", dataset["small"], str(dst), "--dry-run", "--json", "--include", "d01/*")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["to_copy_files"] == SMALL_N // 50 and plan["to_copy_bytes"] == SMALL_N // 50 * SMALL_SIZE
+    assert not dst.exists()
+    dst.mkdir()
+    (dst / "stale").write_bytes(b"x")
+    r = fm("stage", dataset["small"], str(dst), "--dry-run", "--delete", "--include", "d01/*", "--include", "stale")
+    assert r.returncode == 0 and "to delete: 1 files" in r.stdout
+    assert os.listdir(dst) == ["stale"]
+    assert journal_files(home) == []
+
+
+# ---- delete semantics ---------------------------------------------------------------------
+
+
+def test_delete_removes_only_extra_files_matching_the_filter(tmp_path, home):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "keep.txt").write_bytes(b"1")
+    (dst / "a").mkdir(parents=True)
+    (dst / "a" / "extra.txt").write_bytes(b"2")
+    (dst / "other.log").write_bytes(b"3")  # outside --include: never deleted
+    r = fm("stage", str(src), str(dst), "--delete", "--include", "*.txt", stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and "without --yes" in r.stderr
+    assert (dst / "a" / "extra.txt").exists()
+    r = fm("stage", str(src), str(dst), "--delete", "--include", "*.txt", "--yes", "--json", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["deleted"] == 1
+    assert sorted(file_crcs(str(dst))) == ["a/keep.txt", "other.log"]
+
+
+# ---- shards -------------------------------------------------------------------------------
+
+
+def test_shards_partition_the_keys_exactly_once(dataset, home):
+    src = open_store(dataset["small"])
+    dst = open_store(os.path.join(home, "empty"))
+    seen: list[str] = []
+    sizes = []
+    for k in range(4):
+        plan = runtime.run(plan_stage(src, dst, shard=(k, 4)))
+        sizes.append(plan.files)
+        seen += [i.src_key for i in plan.items]
+    assert sorted(seen) == sorted(dataset["small_crcs"]) and len(seen) == len(set(seen))
+    assert min(sizes) > SMALL_N // 4 * 0.9  # a stable hash spreads keys evenly
+    assert shard_from_env({"SLURM_PROCID": "2", "SLURM_NTASKS": "4"}) == (2, 4)
+    assert shard_from_env({"RANK": "1", "WORLD_SIZE": "2"}) == (1, 2)
+    assert shard_from_env({"RANK": "0", "WORLD_SIZE": "1"}) is None
+    assert all(in_shard(k, None) for k in seen[:10])
+
+
+def test_cli_shards_from_rank_env_together_cover_the_source(tmp_path, home):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(60):
+        (src / f"f{i:02d}").write_bytes(os.urandom(100))
+    dst = tmp_path / "dst"
+    copied = 0
+    for rank in range(3):
+        r = fm("stage", str(src), str(dst), "--json", "--no-progress", env={"RANK": str(rank), "WORLD_SIZE": "3"})
+        assert r.returncode == 0, r.stderr
+        assert f"shard {rank}/3" in r.stderr
+        copied += json.loads(r.stdout)["files_copied"]
+    assert copied == 60 and file_crcs(str(dst)) == file_crcs(str(src))
+
+
+# ---- interrupt and resume -----------------------------------------------------------------
+
+
+def _wait_for(pred, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)
+
+
+def _journal_records(home: str) -> list[dict]:
+    recs = []
+    for j in journal_files(home):
+        with open(j, "rb") as f:
+            for line in f.read().split(b"\n"):
+                try:
+                    recs.append(json.loads(line))
+                except ValueError:
+                    pass
+    return recs
+
+
+def test_kill9_mid_big_files_resumes_without_rewriting_finished_parts(dataset, tmp_path, home):
+    dst = tmp_path / "dst"
+    args = ["stage", dataset["big"], str(dst), "--part-size", "8MiB", "--no-progress"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fmstore", *args, "--bwlimit", "200MiB/s", "--concurrency", "4"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=os.environ.copy(),
+    )
+    try:
+        _wait_for(lambda: sum(1 for r in _journal_records(home) if "p" in r) >= 30)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    parts_done = [r for r in _journal_records(home) if "p" in r]
+    done_bytes = sum(r["n"] for r in parts_done)
+    assert done_bytes < BIG_N * BIG_SIZE
+    # Nothing half-written is visible under a final name.
+    for name in os.listdir(dst):
+        if not name.startswith(".fmstore"):
+            assert file_crcs(str(dst))[name] == dataset["big_crcs"][name]
+    r = fm(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["bytes_resumed"] >= done_bytes
+    assert s["bytes_copied"] <= BIG_N * BIG_SIZE - done_bytes
+    assert file_crcs(str(dst)) == dataset["big_crcs"]
+    assert not [f for f in os.listdir(dst) if f.startswith(".fmstore-tmp")]
+
+
+def test_kill9_mid_small_files_resumes_without_recopying_finished_files(dataset, tmp_path, home):
+    dst = tmp_path / "dst"
+    args = ["stage", dataset["small"], str(dst), "--include", "d0*/*", "--no-progress"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fmstore", *args, "--bwlimit", "2MiB/s"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=os.environ.copy(),
+    )
+    try:
+        _wait_for(lambda: sum(1 for r in _journal_records(home) if "f" in r) >= 100)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    done = {r["f"] for r in _journal_records(home) if "f" in r}
+    inodes = {k: os.stat(dst / k).st_ino for k in done}
+    r = fm(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["files_skipped"] >= len(done)
+    assert s["files_copied"] + s["files_skipped"] == 10 * (SMALL_N // 50)
+    assert all(os.stat(dst / k).st_ino == ino for k, ino in inodes.items())  # not rewritten
+    want = {k: v for k, v in dataset["small_crcs"].items() if k.startswith("d0")}
+    assert file_crcs(str(dst)) == want
+
+
+# ---- verification and failures ------------------------------------------------------------
+
+
+def test_checksum_mismatch_with_recorded_source_checksum_fails_that_file_only(tmp_path, home):
+    src = open_store(str(tmp_path / "src"))
+    runtime.run(src.put("good", b"a" * 100))
+    runtime.run(src.put("bad", b"b" * 100, PutOptions(metadata={"fmstore-crc32c": "deadbeef"})))
+    r = fm("stage", str(tmp_path / "src"), str(tmp_path / "dst"), "--json", "--no-progress")
+    assert r.returncode == 3
+    s = json.loads(r.stdout)
+    assert s["files_copied"] == 1 and [f["key"] for f in s["failures"]] == ["bad"]
+    assert "checksum mismatch" in r.stderr and "FAILED bad" in r.stderr
+    assert not (tmp_path / "dst" / "bad").exists()
+
+
+def test_source_file_vanishing_after_planning_is_reported_and_others_copied(tmp_path, home):
+    src = open_store(str(tmp_path / "src"))
+    dst = open_store(str(tmp_path / "dst"))
+    for i in range(10):
+        runtime.run(src.put(f"f{i}", os.urandom(10)))
+    plan = runtime.run(plan_stage(src, dst))
+    runtime.run(src.delete("f4"))
+    report = runtime.run(copy_items(src, dst, plan.items, TransferOptions(retries=0)))
+    assert [f.key for f in report.failures] == ["f4"]
+    assert report.progress.files_copied == 9
+
+
+def test_posix_attributes_travel_in_fsx_convention(tmp_path, home):
+    src = tmp_path / "src"
+    src.mkdir()
+    f = src / "script.sh"
+    f.write_bytes(b"#!/bin/sh\n")
+    os.chmod(f, 0o750)
+    os.utime(f, ns=(1_600_000_000_123_456_789, 1_600_000_000_123_456_789))
+    mem = f"memory://stage-{uuid.uuid4().hex}"
+    assert fm("stage", str(src), str(tmp_path / "dst"), "--no-progress").returncode == 0
+    st = os.stat(tmp_path / "dst" / "script.sh")
+    assert stat.S_IMODE(st.st_mode) == 0o750 and st.st_mtime_ns == 1_600_000_000_123_456_789
+    meta = runtime.run(open_store(str(tmp_path / "dst")).stat("script.sh")).metadata
+    assert meta["file-permissions"] == "0100750"
+    assert meta["file-mtime"] == "1600000000123456789ns"
+    assert meta["file-owner"] == str(os.getuid()) and meta["file-group"] == str(os.getgid())
+    del mem
+
+
+def test_memory_store_round_trip(tmp_path, home):
+    src = tmp_path / "src"
+    (src / "x").mkdir(parents=True)
+    for i in range(30):
+        (src / "x" / f"{i}").write_bytes(os.urandom(i * 100))
+    (src / "big").write_bytes(os.urandom(3 << 20))
+    mem_url = f"memory://stage-{uuid.uuid4().hex}"
+
+    async def go():
+        s, m = open_store(str(src)), open_store(mem_url)
+        plan = await plan_stage(s, m)
+        opts = TransferOptions(part_size=1 << 20, multipart_threshold=1 << 20, verify=True)
+        r1 = await copy_items(s, m, plan.items, opts)
+        back = open_store(str(tmp_path / "back"))
+        plan2 = await plan_stage(m, back)
+        r2 = await copy_items(m, back, plan2.items, opts)
+        return r1, r2
+
+    r1, r2 = runtime.run(go())
+    assert r1.ok and r2.ok and r1.progress.files_copied == 31
+    assert file_crcs(str(tmp_path / "back")) == file_crcs(str(src))
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+
+def test_bad_input_gives_clear_errors_and_documented_exit_codes(tmp_path, home):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"1")
+    r = fm("stage", str(tmp_path / "nope"), str(tmp_path / "d"))
+    assert r.returncode == 1 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    r = fm("stage", str(src), str(src / "inner"))
+    assert r.returncode == 1 and "inside source" in r.stderr
+    r = fm("stage", str(src), str(src))
+    assert r.returncode == 1 and "same location" in r.stderr
+    r = fm("stage", str(src), str(tmp_path / "d"), "--include", "a[b")
+    assert r.returncode == 2 and "malformed glob" in r.stderr
+    r = fm("stage", str(src), "nosuchtier:x")
+    assert r.returncode == 1 and "unknown tier 'nosuchtier'" in r.stderr
+    r = fm("stage", str(src / "f"), str(tmp_path / "d"))
+    assert r.returncode == 1 and "fmstore cp" in r.stderr
+    r = fm("stage", str(src), str(tmp_path / "d"), "--shard", "3/2")
+    assert r.returncode == 2 and "shard" in r.stderr
+    r = fm("stage", str(src), str(tmp_path / "d"), "--bwlimit", "fast")
+    assert r.returncode == 2 and "not a size" in r.stderr
+    assert not (tmp_path / "d").exists()
+
+
+def test_globs():
+    assert compile_glob("*.txt").fullmatch("a/b/c.txt")
+    assert not compile_glob("a/*.txt").fullmatch("a/b/c.txt")
+    assert compile_glob("a/**/*.txt").fullmatch("a/b/c/d.txt")
+    assert compile_glob("a/**/*.txt").fullmatch("a/d.txt")
+    assert compile_glob("f[0-9]").fullmatch("x/f7") and not compile_glob("f[!0-9]").fullmatch("f7")
+    for bad in ("a[b", "x]", "", "/abs", "[]"):
+        with pytest.raises(ConfigError, match="malformed glob"):
+            compile_glob(bad)
+    f = KeyFilter.of(["*.bin"], ["skip/**"])
+    assert f("a/x.bin") and not f("skip/x.bin") and not f("a/x.txt") and not f(".fmstore-lazy.jsonl")
+
+
+def test_cp_du_rm(tmp_path, home):
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "a.bin").write_bytes(os.urandom(5000))
+    (src / "b.bin").write_bytes(os.urandom(100))
+    r = fm("cp", str(src / "d" / "a.bin"), str(tmp_path / "out") + "/")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "out" / "a.bin").read_bytes() == (src / "d" / "a.bin").read_bytes()
+    r = fm("cp", str(src / "d" / "a.bin"), str(tmp_path / "out" / "a.bin"))
+    assert r.returncode == 0 and "identical" in r.stderr
+    r = fm("cp", str(src / "missing"), str(tmp_path / "out") + "/")
+    assert r.returncode == 1 and "no such object" in r.stderr
+    r = fm("du", str(src), "-b")
+    assert r.returncode == 0 and "5100" in r.stdout and "d/" in r.stdout
+    r = fm("rm", "-r", str(src / "d"), stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and (src / "d" / "a.bin").exists()
+    r = fm("rm", "-r", str(src / "d"), "--yes")
+    assert r.returncode == 0 and not (src / "d" / "a.bin").exists()
+    r = fm("rm", str(src / "b.bin"), "-y")
+    assert r.returncode == 0 and not (src / "b.bin").exists()
