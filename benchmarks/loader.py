@@ -16,7 +16,7 @@ Peers that are not installed are skipped with a note.
 from __future__ import annotations
 
 import argparse
-import io
+import contextlib
 import json
 import os
 import resource
@@ -184,8 +184,13 @@ def make_loader(lib: str, case: str, cfg: dict[str, Any], cache: str, epoch: int
             "aws_secret_access_key": opts["secret_key"],
             "region_name": opts.get("region") or "us-east-1",
         }
+        # litdata yields bytes items as memoryviews, which workers cannot pickle back.
         ds = litdata.StreamingDataset(
-            f"s3://{bucket}/lit", cache_dir=cache, shuffle=True, storage_options=storage
+            f"s3://{bucket}/lit",
+            cache_dir=cache,
+            shuffle=True,
+            storage_options=storage,
+            transform=None if case == "a" else bytes,
         )
         return litdata.StreamingDataLoader(ds, batch_size=batch, num_workers=workers)
     if lib == "webdataset":
@@ -225,10 +230,8 @@ def dir_bytes(path: str) -> int:
     total = 0
     for root, _dirs, files in os.walk(path):
         for f in files:
-            try:
+            with contextlib.suppress(OSError):  # a file evicted meanwhile
                 total += os.path.getsize(os.path.join(root, f))
-            except OSError:
-                pass
     return total
 
 
@@ -303,6 +306,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--quick", action="store_true", help="(a) 64 MiB, (b) 1000 samples")
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per reader run")
     ap.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--run-one", nargs=3, metavar=("LIB", "CASE", "CFG"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -335,6 +339,7 @@ def main() -> None:
                     "size": args.size,
                     "b_samples": args.b_samples,
                     "work": case_work,
+                    "timeout": args.timeout,
                 }
                 libs = ["floor", *[p for p in peers if case == "b" or p != "webdataset"]]
                 for lib in libs:
@@ -367,9 +372,14 @@ def main() -> None:
 def _subprocess(lib: str, case: str, cfg: dict[str, Any]) -> dict[str, Any]:
     print(f"case {case}: {lib} ...", flush=True)
     cmd = [sys.executable, "-m", "benchmarks.loader", "--run-one", lib, case, json.dumps(cfg)]
-    p = subprocess.run(
-        cmd, capture_output=True, text=True, cwd=str(Path(__file__).resolve().parent.parent)
-    )
+    try:
+        p = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=cfg["timeout"],
+            cwd=str(Path(__file__).resolve().parent.parent),
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        print(f"  timed out after {cfg['timeout']} s", flush=True)
+        return {"library": lib, "case": case, "error": f"timed out after {cfg['timeout']} s"}
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             r = json.loads(line[len("RESULT ") :])

@@ -97,7 +97,7 @@ def test_webdataset_tars_written_by_webdataset_read_back_exactly(tmp_path):
             and json.loads(s["json"]) == e["json"]
             and s["bin"] == e["bin"]
         )
-    assert os.path.exists(os.path.join(cache, "wds-index.json"))  # the tar scan is kept
+    assert os.path.exists(os.path.join(cache, ".meta", "wds-index.json"))  # the tar scan is kept
 
 
 def test_nanogpt_token_bin_read_as_sequences_with_targets(tmp_path):

@@ -148,3 +148,21 @@ def test_plan_shuffles_samples_within_windows_of_shards():
         assert pos == sum(int(counts[g]) for g in group | seen)
         seen |= group
     assert pos == len(order)
+
+
+def test_spawned_workers_give_the_same_order(dataset):
+    import torch.utils.data as tud
+
+    from fmstore.loaders import StreamingDataLoader
+
+    remote, cache = dataset
+    ds = StreamingDataset(remote, cache, batch_size=8, seed=2)
+    want = [int(i) for i in ds.sample_ids()]
+    dl = StreamingDataLoader(ds, batch_size=8, num_workers=1, multiprocessing_context="spawn")
+    got = [int(s["i"]) for b in dl for s in _unbatch(b)]
+    assert got == want
+    assert isinstance(dl, tud.DataLoader)
+
+
+def _unbatch(batch):
+    return [{"i": i} for i in batch["i"]]

@@ -221,6 +221,12 @@ class StreamingDataset(tud.IterableDataset):
         self.epoch = self._start_epoch = st.epoch
         self._start = st.position
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Store clients belong to the process that opened them (spawned workers open theirs).
+        state = self.__dict__.copy()
+        state["_stores"] = {}
+        return state
+
     # ---- iteration --------------------------------------------------------------------
 
     def _store(self, stream: int) -> Store:
