@@ -40,3 +40,12 @@ def s3_store(s3_server, s3_bucket):
     store = open_store(f"s3://{s3_bucket}/prefix", **s3_server.store_options())
     yield store
     runtime.run(store.close(), timeout=30)
+
+
+@pytest.fixture
+def fault_proxy(s3_server):
+    """A fault-injecting proxy in front of the test server (no faults until a plan is set)."""
+    from fmstore.testing.faultproxy import FaultProxy
+
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        yield proxy

@@ -7,6 +7,7 @@ of the staging issue) is shared by the tests; each test stages into its own dire
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,57 +18,18 @@ import time
 import uuid
 
 import pytest
+from stage_data import BIG_N, BIG_SIZE, SMALL_N, SMALL_SIZE, file_crcs, fm, make_dataset
 
 from fmstore import runtime
 from fmstore.errors import ConfigError
 from fmstore.stores import PutOptions, open_store
-from fmstore.tiering.crc import crc32c
 from fmstore.tiering.stage import KeyFilter, compile_glob, in_shard, plan_stage, shard_from_env
-from fmstore.tiering.transfer import CopyItem, TransferOptions, copy_items
-
-SMALL_N, SMALL_SIZE = 10_000, 4096
-BIG_N, BIG_SIZE = 3, 300 << 20
-
-
-def fm(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "fmstore", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **(env or {})},
-        **kw,
-    )
-
-
-def file_crcs(root: str) -> dict[str, int]:
-    out = {}
-    for d, _dirs, files in os.walk(root):
-        for f in files:
-            if f.startswith(".fmstore"):
-                continue
-            p = os.path.join(d, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = crc32c(fh.read())
-    return out
+from fmstore.tiering.transfer import TransferOptions, copy_items
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dataset")
-    small = root / "small"
-    for i in range(SMALL_N):
-        d = small / f"d{i % 50:02d}"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"f{i:05d}.bin").write_bytes(i.to_bytes(4, "little") * (SMALL_SIZE // 4))
-    big = root / "big"
-    big.mkdir()
-    block = os.urandom(1 << 20)
-    for i in range(BIG_N):
-        with open(big / f"shard-{i}.bin", "wb") as f:
-            for j in range(BIG_SIZE >> 20):
-                f.write(j.to_bytes(8, "little") + bytes([i]) + block[9:])
-    return {"small": str(small), "big": str(big), "small_crcs": file_crcs(str(small)), "big_crcs": file_crcs(str(big))}
+    return make_dataset(tmp_path_factory.mktemp("dataset"))
 
 
 @pytest.fixture
@@ -109,7 +71,9 @@ def test_small_files_are_copied_exactly_and_rerun_skips_them(dataset, tmp_path, 
     assert s["bytes_copied"] == 0
 
 
-def test_rerun_without_journal_skips_by_recorded_checksum_and_recopies_changed(dataset, tmp_path, home):
+def test_rerun_without_journal_skips_by_recorded_checksum_and_recopies_changed(
+    dataset, tmp_path, home
+):
     src = tmp_path / "src"
     src.mkdir()
     for i in range(20):
@@ -127,7 +91,9 @@ def test_rerun_without_journal_skips_by_recorded_checksum_and_recopies_changed(d
 
 def test_big_files_copied_in_parts_and_verified(dataset, tmp_path, home):
     dst = str(tmp_path / "dst")
-    r = fm("stage", dataset["big"], dst, "--json", "--no-progress", "--verify", "--part-size", "16MiB")
+    r = fm(
+        "stage", dataset["big"], dst, "--json", "--no-progress", "--verify", "--part-size", "16MiB"
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["files_copied"] == BIG_N
     assert file_crcs(dst) == dataset["big_crcs"]
@@ -139,11 +105,24 @@ def test_dry_run_changes_nothing(dataset, tmp_path, home):
     r = fm("stage", dataset["small"], str(dst), "--dry-run", "--json", "--include", "d01/*")
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
-    assert plan["to_copy_files"] == SMALL_N // 50 and plan["to_copy_bytes"] == SMALL_N // 50 * SMALL_SIZE
+    assert (
+        plan["to_copy_files"] == SMALL_N // 50
+        and plan["to_copy_bytes"] == SMALL_N // 50 * SMALL_SIZE
+    )
     assert not dst.exists()
     dst.mkdir()
     (dst / "stale").write_bytes(b"x")
-    r = fm("stage", dataset["small"], str(dst), "--dry-run", "--delete", "--include", "d01/*", "--include", "stale")
+    r = fm(
+        "stage",
+        dataset["small"],
+        str(dst),
+        "--dry-run",
+        "--delete",
+        "--include",
+        "d01/*",
+        "--include",
+        "stale",
+    )
     assert r.returncode == 0 and "to delete: 1 files" in r.stdout
     assert os.listdir(dst) == ["stale"]
     assert journal_files(home) == []
@@ -162,7 +141,17 @@ def test_delete_removes_only_extra_files_matching_the_filter(tmp_path, home):
     r = fm("stage", str(src), str(dst), "--delete", "--include", "*.txt", stdin=subprocess.DEVNULL)
     assert r.returncode == 2 and "without --yes" in r.stderr
     assert (dst / "a" / "extra.txt").exists()
-    r = fm("stage", str(src), str(dst), "--delete", "--include", "*.txt", "--yes", "--json", "--no-progress")
+    r = fm(
+        "stage",
+        str(src),
+        str(dst),
+        "--delete",
+        "--include",
+        "*.txt",
+        "--yes",
+        "--json",
+        "--no-progress",
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["deleted"] == 1
     assert sorted(file_crcs(str(dst))) == ["a/keep.txt", "other.log"]
@@ -196,7 +185,14 @@ def test_cli_shards_from_rank_env_together_cover_the_source(tmp_path, home):
     dst = tmp_path / "dst"
     copied = 0
     for rank in range(3):
-        r = fm("stage", str(src), str(dst), "--json", "--no-progress", env={"RANK": str(rank), "WORLD_SIZE": "3"})
+        r = fm(
+            "stage",
+            str(src),
+            str(dst),
+            "--json",
+            "--no-progress",
+            env={"RANK": str(rank), "WORLD_SIZE": "3"},
+        )
         assert r.returncode == 0, r.stderr
         assert f"shard {rank}/3" in r.stderr
         copied += json.loads(r.stdout)["files_copied"]
@@ -219,10 +215,8 @@ def _journal_records(home: str) -> list[dict]:
     for j in journal_files(home):
         with open(j, "rb") as f:
             for line in f.read().split(b"\n"):
-                try:
+                with contextlib.suppress(ValueError):
                     recs.append(json.loads(line))
-                except ValueError:
-                    pass
     return recs
 
 
@@ -386,7 +380,9 @@ def test_globs():
         with pytest.raises(ConfigError, match="malformed glob"):
             compile_glob(bad)
     f = KeyFilter.of(["*.bin"], ["skip/**"])
-    assert f("a/x.bin") and not f("skip/x.bin") and not f("a/x.txt") and not f(".fmstore-lazy.jsonl")
+    assert (
+        f("a/x.bin") and not f("skip/x.bin") and not f("a/x.txt") and not f(".fmstore-lazy.jsonl")
+    )
 
 
 def test_cp_du_rm(tmp_path, home):
@@ -409,3 +405,39 @@ def test_cp_du_rm(tmp_path, home):
     assert r.returncode == 0 and not (src / "d" / "a.bin").exists()
     r = fm("rm", str(src / "b.bin"), "-y")
     assert r.returncode == 0 and not (src / "b.bin").exists()
+
+
+def test_ctrl_c_exits_130_and_the_rerun_resumes(dataset, tmp_path, home):
+    dst = tmp_path / "dst"
+    args = [
+        "stage",
+        dataset["big"],
+        str(dst),
+        "--part-size",
+        "8MiB",
+        "--no-progress",
+        "--include",
+        "shard-2.bin",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fmstore", *args, "--bwlimit", "100MiB/s"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ.copy(),
+    )
+    try:
+        _wait_for(lambda: sum(1 for r in _journal_records(home) if "p" in r) >= 5)
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "run the same command again to resume" in err
+    assert not (dst / "shard-2.bin").exists()
+    r = fm(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["bytes_resumed"] >= 5 * (8 << 20)
+    assert file_crcs(str(dst)) == {"shard-2.bin": dataset["big_crcs"]["shard-2.bin"]}

@@ -318,7 +318,9 @@ def stage_cmd(
     if k_n is not None:
         typer.echo(f"staging shard {k_n[0]}/{k_n[1]}", err=True)
     try:
-        plan = runtime.run(plan_stage(source, dest, key_filter=key_filter, shard=k_n, delete=delete))
+        plan = runtime.run(
+            plan_stage(source, dest, key_filter=key_filter, shard=k_n, delete=delete)
+        )
     finally:
         if missing:
             os.rmdir(dest.url[len("file://") :])
@@ -335,6 +337,55 @@ def stage_cmd(
         if len(plan.delete) > 10:
             out.print(f"  … and {len(plan.delete) - 10} more")
         _confirm(f"Delete {len(plan.delete)} file(s) from {dst}?", yes)
+    try:
+        _stage_run(
+            src,
+            dst,
+            source,
+            dest,
+            plan,
+            include,
+            exclude,
+            delete,
+            k_n,
+            lazy,
+            topts,
+            progress,
+            interval,
+            json_out,
+        )
+    finally:
+        _close(source, dest)
+
+
+def _close(*stores: Any) -> None:
+    """Close stores (connection pools) so the process exits cleanly."""
+    import asyncio
+    import contextlib
+
+    async def go() -> None:
+        await asyncio.gather(*(s.close() for s in stores), return_exceptions=True)
+
+    with contextlib.suppress(Exception):
+        runtime.run(go(), timeout=30)
+
+
+def _stage_run(
+    src: str,
+    dst: str,
+    source: Any,
+    dest: Any,
+    plan: Any,
+    include: list[str],
+    exclude: list[str],
+    delete: bool,
+    k_n: tuple[int, int] | None,
+    lazy: bool,
+    topts: TransferOptions,
+    progress: bool,
+    interval: float,
+    json_out: bool,
+) -> None:
     prog = TransferProgress()
     opts = StageOptions(
         includes=tuple(include),
@@ -385,7 +436,11 @@ def stage_cmd(
 
 def _missing_local_dir(url: str) -> bool:
     tier, rest = split_tier(url)
-    if tier is not None or re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", url) and not url.startswith("file://"):
+    if (
+        tier is not None
+        or re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", url)
+        and not url.startswith("file://")
+    ):
         return False
     path = url[len("file://") :] if url.startswith("file://") else url
     return not os.path.exists(os.path.expanduser(path))

@@ -1,13 +1,16 @@
-"""Object-level commands: ls (a fuller stage / cp / rm / du arrive with the staging engine)."""
+"""Object-level commands: ls (stage, cp, rm, du, hydrate and release are in stage_cmds)."""
 
 from __future__ import annotations
+
+import datetime as dt
+import os
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from .. import runtime
-from ..stores import open_store
+from ..stores.base import ObjectMeta
 from .main import app
 from .util import human_bytes
 
@@ -17,29 +20,82 @@ def ls(
     url: str = typer.Argument(..., help="Store URL or TIER:path to list."),
     recursive: bool = typer.Option(False, "--recursive", "-r", help="List every object below URL."),
     long: bool = typer.Option(False, "--long", "-l", help="Show size and modification time."),
+    in_bytes: bool = typer.Option(
+        False, "--bytes", "-b", help="Exact sizes in bytes, not human units."
+    ),
 ) -> None:
-    """List objects under URL (directories end in '/'), with a total."""
-    store = open_store(url)
+    """List objects under URL (directories end in '/'), with a total.
 
-    async def go():
+    In a lazily staged directory, files listed but not fetched yet are shown too, marked
+    'lazy' in the long format.
+    """
+    from ..tiering.stage import RESERVED_PREFIX, open_source
+
+    store = open_source(url, role="location")
+
+    async def go() -> list[ObjectMeta]:
         return [m async for m in store.list("", recursive=recursive)]
 
-    entries = runtime.run(go())
-    console = Console()
-    total = sum(m.size for m in entries)
+    entries = [
+        m
+        for m in runtime.run(go())
+        if not m.key.rstrip("/").rsplit("/", 1)[-1].startswith(RESERVED_PREFIX)
+    ]
+    lazy = _lazy_entries(url, {m.key for m in entries}, recursive)
+    fmt = (lambda n: str(n)) if in_bytes else human_bytes
+    console = Console(highlight=False)
     if long:
         t = Table(box=None, show_header=True)
         t.add_column("size", justify="right")
         t.add_column("modified")
         t.add_column("key")
-        import datetime as dt
-
-        for m in entries:
+        rows = [(m.key, m) for m in entries] + [(k, None) for k in lazy]
+        for key, m in sorted(rows, key=lambda r: r[0].encode()):
+            if m is None:
+                t.add_row(fmt(lazy[key]), "lazy", key)
+                continue
             when = dt.datetime.fromtimestamp(m.mtime).strftime("%Y-%m-%d %H:%M") if m.mtime else ""
-            t.add_row("" if m.is_dir else human_bytes(m.size), when, m.key)
+            t.add_row("" if m.is_dir else fmt(m.size), when, m.key)
         console.print(t)
     else:
-        for m in entries:
-            console.print(m.key, highlight=False)
+        for key in sorted([m.key for m in entries] + list(lazy), key=str.encode):
+            console.print(key)
     files = sum(1 for m in entries if not m.is_dir)
-    console.print(f"[dim]{files} objects, {human_bytes(total)}[/dim]")
+    total = sum(m.size for m in entries)
+    dirs = sum(1 for m in entries if m.is_dir)
+    line = f"{files} objects, {fmt(total)}"
+    if in_bytes:
+        line += " bytes"
+    elif total >= 1024:
+        line += f" ({total} bytes)"
+    if dirs:
+        line += f", {dirs} directories"
+    if lazy:
+        line += f"; {len(lazy)} more listed lazily ({fmt(sum(lazy.values()))}, not fetched yet)"
+    console.print(f"[dim]{line}[/dim]")
+
+
+def _lazy_entries(url: str, present: set[str], recursive: bool) -> dict[str, int]:
+    """Keys (relative to ``url``) of a lazy index that are not present locally."""
+    from ..errors import ConfigError
+    from ..tiering import lazy
+
+    try:
+        path = lazy.local_dir(url)
+    except ConfigError:
+        return {}
+    if not os.path.isdir(path):
+        return {}
+    found = lazy.find_index(path)
+    if found is None:
+        return {}
+    idx, prefix = found
+    out: dict[str, int] = {}
+    cut = len(prefix) + 1 if prefix else 0
+    for e in idx.under(prefix):
+        rel = e.key[cut:]
+        if not recursive and "/" in rel:
+            continue
+        if rel not in present:
+            out[rel] = e.size
+    return out

@@ -55,7 +55,9 @@ from ..errors import (
     NotFound,
     PreconditionFailed,
 )
-from .base import Buffer, ObjectMeta, PutOptions, Store, Writer
+from ..metrics import STORE_RETRIES
+from .base import Buffer, ObjectMeta, PartWriter, PutOptions, Store, Writer, part_count
+from .parts import TMP_MARK
 from .s3_retry import AdaptiveLimiter, Restart, Retrier, RetryPolicy, error_code, translate
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,8 @@ MAX_COPY = 5 * GiB
 #: User-metadata keys fmstore itself writes (``x-amz-meta-`` is added by S3).
 META_CRC = "fmstore-crc32c"
 META_PART_SIZE = "fmstore-part-size"
+#: A forked child's inherited clients, kept alive and untouched (see ``S3Store._reset``).
+_FORK_LEFTOVERS: list[Any] = []
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
@@ -210,6 +214,9 @@ class S3Store(Store):
         self.tier = tier
         self.options = options or S3Options()
         self.url = f"s3://{bucket}/{self.root}".rstrip("/")
+        self._pid = os.getpid()
+        self._client: Any = None
+        self._stack: AsyncExitStack | None = None
         self._reset()
 
     @classmethod
@@ -225,10 +232,15 @@ class S3Store(Store):
 
     def _reset(self) -> None:
         """Forget every loop- and process-bound object (after fork, or a dead loop)."""
+        if self._client is not None and self._pid != os.getpid():
+            # Never let a forked child close (or garbage-collect) the parent's client: its
+            # transports would unregister their sockets from the epoll instance the child
+            # shares with the parent, and the parent's next response would never arrive.
+            _FORK_LEFTOVERS.append((self._client, self._stack))
         o = self.options
         self._pid = os.getpid()
-        self._client: Any = None
-        self._stack: AsyncExitStack | None = None
+        self._client = None
+        self._stack = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client_lock: asyncio.Lock | None = None
         self._bucket_ok = False
@@ -471,19 +483,55 @@ class S3Store(Store):
             metadata=metadata,
         )
 
-    async def _create_upload(self, key: str, full: str, metadata: Mapping[str, str]) -> str:
+    async def _create_upload(
+        self, key: str, full: str, metadata: Mapping[str, str], *, checksums: bool = True
+    ) -> str:
         extra: dict[str, Any] = dict(self._sse())
-        if self.options.checksum == "crc32c":
+        if checksums and self.options.checksum == "crc32c":
             extra["ChecksumAlgorithm"] = "CRC32C"
-        resp = await self._call(
+        cli = await self._cli()
+        retried = False
+
+        def note(_: BaseException) -> None:
+            nonlocal retried
+            retried = True
+
+        started = time.time()
+        resp = await self.retrier.call(
             "open_writer",
             key,
-            "create_multipart_upload",
-            Key=full,
-            Metadata=dict(metadata),
-            **extra,
+            lambda: cli.create_multipart_upload(
+                Bucket=self.bucket, Key=full, Metadata=dict(metadata), **extra
+            ),
+            on_retry=note,
         )
-        return str(resp["UploadId"])
+        upload_id = str(resp["UploadId"])
+        if retried:
+            await self._abort_strays(key, full, upload_id, started)
+        return upload_id
+
+    async def _abort_strays(self, key: str, full: str, ours: str, since: float) -> None:
+        """Abort uploads an earlier, unacknowledged CreateMultipartUpload attempt made.
+
+        Such an attempt may have created an upload whose id never reached us; left alone it
+        would be orphaned.  Uploads of the same key begun while our attempts ran are taken
+        to be ours (a concurrent writer of the very same key in that window would see its
+        upload vanish and fail cleanly, never write wrong bytes).
+        """
+        slack = 2.0  # seconds of clock difference tolerated between client and server
+        try:
+            resp = await self._call("open_writer", key, "list_multipart_uploads", Prefix=full)
+            for u in resp.get("Uploads", []):
+                when = u.get("Initiated")
+                if (
+                    u.get("Key") == full
+                    and u.get("UploadId") != ours
+                    and when is not None
+                    and since - slack <= when.timestamp() <= time.time() + slack
+                ):
+                    await self._abort_upload(key, full, str(u["UploadId"]))
+        except FmstoreError as e:
+            log.warning("could not check for stray uploads of %s: %s", full, e)
 
     async def _upload_part(
         self, key: str, full: str, upload_id: str, number: int, body: bytes | bytearray
@@ -597,6 +645,30 @@ class S3Store(Store):
             metadata=metadata,
         )
 
+    async def open_part_writer(
+        self,
+        key: str,
+        size: int,
+        part_size: int,
+        *,
+        token: str | None = None,
+        options: PutOptions = PutOptions(),
+    ) -> PartWriter:
+        """A resumable multipart upload (see :mod:`.s3_parts`); part layouts S3 cannot take
+        (parts under 5 MiB, more than 10,000 parts) fall back to temporary part objects."""
+        full = self._full(key)
+        if size < 0 or part_size <= 0:
+            raise InvalidRange(f"bad size {size} / part size {part_size}", tier=self.tier, key=key)
+        n = part_count(size, part_size)
+        if (n > 1 and part_size < MIN_PART) or n > MAX_PARTS or part_size > MAX_PART:
+            return await super().open_part_writer(
+                key, size, part_size, token=token, options=options
+            )
+        await self._precheck(key, options)
+        from .s3_parts import S3PartWriter
+
+        return await S3PartWriter.open(self, key, full, size, part_size, token, options)
+
     async def open_writer(self, key: str, options: PutOptions = PutOptions()) -> Writer:
         full = self._full(key)
         await self._precheck(key, options)
@@ -647,17 +719,24 @@ class S3Store(Store):
         return await self.retrier.call("get", key, attempt)
 
     async def get_range(self, key: str, start: int, end: int | None = None) -> bytes:
-        out = await self._read(key, start, end, None)
-        assert out is not None
-        return out
+        _, data = await self._read(key, start, end, None)
+        assert data is not None
+        return data
 
     async def get_into(self, key: str, start: int, out: memoryview) -> None:
         out = memoryview(out).cast("B")
         await self._read(key, start, start + out.nbytes, out)
 
+    async def get_with_meta(self, key: str) -> tuple[ObjectMeta, bytes]:
+        """Whole object and metadata from the same GETs (every range pinned to one ETag)."""
+        meta, data = await self._read(key, 0, None, None)
+        assert data is not None
+        return meta, data
+
     async def _read(
         self, key: str, start: int, end: int | None, out: memoryview | None
-    ) -> bytes | None:
+    ) -> tuple[ObjectMeta, bytes | None]:
+        """Bytes ``[start, end)`` (into ``out`` when given) and the version they come from."""
         full = self._full(key)
         if start < 0 or (end is not None and end < start):
             raise InvalidRange(f"bad range [{start}, {end})", tier=self.tier, key=key)
@@ -671,31 +750,34 @@ class S3Store(Store):
                 verify_failures += 1
                 if verify_failures > 1:
                     raise
+                STORE_RETRIES.labels(self.tier, "checksum").inc()
         raise FmstoreError(
             "object kept changing while it was read (8 attempts)", tier=self.tier, key=key
         )
 
     async def _read_once(
         self, key: str, full: str, start: int, end: int | None, out: memoryview | None
-    ) -> bytes | None:
+    ) -> tuple[ObjectMeta, bytes | None]:
         chunk = self.options.part_size
+        empty = None if out is not None else b""
         if end is not None and end == start:
-            size = (await self.stat(key)).size
-            self._check_range(key, size, start, end)
-            return None if out is not None else b""
+            meta = await self.stat(key)
+            self._check_range(key, meta.size, start, end)
+            return meta, empty
         first_end = start + chunk if end is None else min(end, start + chunk)
         try:
             # The first range tells the size, ETag and metadata; the rest go in parallel.
             resp, data = await self._get(key, full, start, first_end)
         except InvalidRange:
-            size = (await self.stat(key)).size
-            self._check_range(key, size, start, end)
-            return None if out is not None else b""
+            meta = await self.stat(key)
+            self._check_range(key, meta.size, start, end)
+            return meta, empty
         size, got_start = _total_size(resp, len(data))
         if got_start != start:
             data = data[start - got_start :]
         end = self._check_range(key, size, start, end)
         etag = _unquote(resp.get("ETag"))
+        meta = self._meta(key, resp, size)
         data = data[: end - start]
         pieces: list[bytes] = [data]
         if out is not None:
@@ -723,7 +805,9 @@ class S3Store(Store):
             whole = await runtime.to_cpu(b"".join, pieces)
         if start == 0 and end == size and self.options.checksum != "off":
             await self._verify(key, full, resp, etag, whole)
-        return None if out is not None else bytes(whole) if not isinstance(whole, bytes) else whole
+        if out is not None:
+            return meta, None
+        return meta, whole if isinstance(whole, bytes) else bytes(whole)
 
     async def _verify(
         self, key: str, full: str, resp: Mapping[str, Any], etag: str | None, data: Buffer
@@ -808,6 +892,8 @@ class S3Store(Store):
                     etag=_unquote(o.get("ETag")),
                 )
                 for o in resp.get("Contents", [])
+                # Temporary objects of pending part writes are not objects yet.
+                if not o["Key"].rpartition("/")[2].startswith(TMP_MARK)
             ]
             entries += [
                 ObjectMeta(key=c["Prefix"][cut:], size=0, is_dir=True)
@@ -857,16 +943,25 @@ class S3Store(Store):
         fsrc, fdst = self._full(src), self._full(dst)
         head = await self._head(src, fsrc)
         await self._precheck(dst, options)
-        size = int(head.get("ContentLength", 0))
-        source = {"Bucket": self.bucket, "Key": fsrc}
         metadata = dict(head.get("Metadata") or {})
         if options.metadata is not None:
             kept = {k: v for k, v in metadata.items() if k.startswith("fmstore-")}
             metadata = {**kept, **options.metadata}
+        return await self._copy_from(fsrc, head, dst, fdst, metadata, options)
+
+    async def _copy_from(
+        self,
+        fsrc: str,
+        head: Mapping[str, Any],
+        dst: str,
+        fdst: str,
+        metadata: dict[str, str],
+        options: PutOptions,
+    ) -> ObjectMeta:
+        """Copy the object ``fsrc`` (as ``head`` describes it) to ``dst`` with ``metadata``."""
+        size = int(head.get("ContentLength", 0))
+        source = {"Bucket": self.bucket, "Key": fsrc}
         if size <= self.options.copy_threshold:
-            extra: dict[str, Any] = {}
-            if options.metadata is not None:
-                extra = {"MetadataDirective": "REPLACE", "Metadata": metadata}
             resp = await self._call(
                 "copy",
                 dst,
@@ -875,7 +970,8 @@ class S3Store(Store):
                 Key=fdst,
                 CopySource=source,
                 CopySourceIfMatch=_quote(head["ETag"]),
-                **extra,
+                MetadataDirective="REPLACE",
+                Metadata=metadata,
                 **self._conditions(dst, options),
                 **self._sse(),
             )
@@ -898,7 +994,8 @@ class S3Store(Store):
         psize = put_part_size(
             max(self.options.part_size, min(self.options.copy_threshold, 512 * MiB)), size
         )
-        upload_id = await self._create_upload(dst, fdst, metadata)
+        # UploadPartCopy parts carry no checksum of ours, so the upload must not ask for one.
+        upload_id = await self._create_upload(dst, fdst, metadata, checksums=False)
         done = False
         try:
 

@@ -88,6 +88,7 @@ class SeaweedServer:
         self.s3_port = 0
         self._log: Any = None
         self._stopped = False
+        self._owner = os.getpid()
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -232,8 +233,8 @@ class SeaweedServer:
 
     def stop(self) -> None:
         """Stop the server's whole process group and remove its data; idempotent."""
-        if self._stopped:
-            return
+        if self._stopped or os.getpid() != self._owner:
+            return  # a forked child never stops its parent's server
         self._stopped = True
         proc, self.proc = self.proc, None
         if proc is not None:
@@ -277,6 +278,17 @@ class SeaweedServer:
         import boto3
 
         return boto3.client("s3", **self.client_kwargs(readonly=readonly))
+
+    def env(self) -> dict[str, str]:
+        """Environment variables that point AWS SDKs and CLIs at this server."""
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_REGION": self.region,
+            "AWS_DEFAULT_REGION": self.region,
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ENDPOINT_URL_S3": self.endpoint_url,
+        }
 
     def store_options(self) -> dict[str, Any]:
         """Options for ``open_store("s3://bucket/...", **options)`` against this server."""

@@ -164,7 +164,7 @@ def resolve_url(url: str) -> str:
     return os.path.abspath(os.path.expanduser(url))
 
 
-def open_source(url: str) -> Store:
+def open_source(url: str, *, role: str = "source") -> Store:
     """Open a location that must already exist (a missing POSIX directory is an error,
     not something to create)."""
     tier, rest = split_tier(url)
@@ -174,13 +174,13 @@ def open_source(url: str) -> Store:
         base = cfg_url[len("file://") :] if cfg_url.startswith("file://") else cfg_url
         path = os.path.join(os.path.expanduser(base), rest) if tier else os.path.expanduser(base)
         if os.path.isfile(path):
-            raise ConfigError(f"source {url!r} is a file: use 'fmstore cp' for single objects")
+            raise ConfigError(f"{role} {url!r} is a file: use 'fmstore cp' for single objects")
         if not os.path.isdir(path):
-            raise NotFound(f"source {url!r} does not exist")
+            raise NotFound(f"{role} {url!r} does not exist")
         if not os.access(path, os.R_OK | os.X_OK):
             from ..errors import PermissionDenied
 
-            raise PermissionDenied(f"source {url!r} is not readable")
+            raise PermissionDenied(f"{role} {url!r} is not readable")
     return open_store(url)
 
 

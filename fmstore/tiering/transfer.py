@@ -404,12 +404,23 @@ class Transfer:
         expected = (
             item.crc32c if item.crc32c is not None else from_hex(smeta.metadata.get(META_CRC))
         )
-        part_size = self.opt.part_size
+        # No store takes more than 10,000 parts (S3's limit).
+        part_size = max(self.opt.part_size, -(-size // 10_000))
         pend = self.journal.pending.get(item.dst_key)
         token = (
             pend.token if pend and pend.version == version and pend.part_size == part_size else None
         )
-        w = await self.dst.open_part_writer(item.dst_key, size, part_size, token=token)
+        attrs = await self._attrs(item, smeta)
+        # What is known up front goes in at open: stores that fix metadata when an upload
+        # starts (S3 multipart) keep it even if they cannot add the checksum at commit.
+        early = dict(attrs)
+        if version:
+            early[META_SRC_VERSION] = version
+        if expected is not None:
+            early[META_CRC] = to_hex(expected)
+        w = await self.dst.open_part_writer(
+            item.dst_key, size, part_size, token=token, options=PutOptions(metadata=early)
+        )
         if token is not None and w.resumed and pend is not None:
             done = dict(pend.parts)
             resumed = sum(n for _c, n in done.values())
@@ -453,7 +464,6 @@ class Transfer:
             await w.abort()
             self.journal.forget(item.dst_key)
             raise
-        attrs = await self._attrs(item, smeta)
         dmeta = await w.commit(self._dst_metadata(attrs, whole, version))
         if self.opt.verify:
             self._check(

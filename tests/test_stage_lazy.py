@@ -1,0 +1,77 @@
+"""Lazy staging: only the listing is staged; fmstore.open fetches on first read and keeps
+the file; hydrate preloads; release drops content only where that is safe."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from stage_data import file_crcs, fm
+
+import fmstore
+from fmstore.errors import NotFound
+from fmstore.tiering.crc import crc32c
+from fmstore.tiering.lazy import INDEX_NAME
+
+
+@pytest.fixture
+def lazy_tree(tmp_path, monkeypatch):
+    monkeypatch.setenv("FMSTORE_HOME", str(tmp_path / "home"))
+    src = tmp_path / "src"
+    (src / "train").mkdir(parents=True)
+    (src / "val").mkdir()
+    for i in range(20):
+        (src / "train" / f"{i:02d}.bin").write_bytes(os.urandom(1000 + i))
+    (src / "val" / "big.bin").write_bytes(os.urandom(70 << 20))  # parts, even when lazy
+    dst = tmp_path / "dst"
+    r = fm("stage", str(src), str(dst), "--lazy", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["lazy_entries"] == 21
+    return src, dst
+
+
+def test_lazy_stage_writes_only_the_listing(lazy_tree):
+    _src, dst = lazy_tree
+    assert os.listdir(dst) == [INDEX_NAME]
+    lines = (dst / INDEX_NAME).read_text().splitlines()
+    assert len(lines) == 22 and json.loads(lines[0])["fmstore_lazy"] == 1
+
+
+def test_first_read_fetches_and_keeps_the_file(lazy_tree):
+    src, dst = lazy_tree
+    with fmstore.open(str(dst / "train" / "03.bin")) as f:
+        assert f.read() == (src / "train" / "03.bin").read_bytes()
+    assert (dst / "train" / "03.bin").exists()
+    assert not (dst / "train" / "04.bin").exists()
+    with fmstore.open(str(dst / "val" / "big.bin")) as f:
+        assert crc32c(f.read()) == crc32c((src / "val" / "big.bin").read_bytes())
+    with pytest.raises(NotFound):
+        fmstore.open(str(dst / "train" / "nope.bin"))
+
+
+def test_hydrate_then_release_round_trip(lazy_tree):
+    src, dst = lazy_tree
+    r = fm("hydrate", str(dst / "train"), "--json", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["files_copied"] == 20
+    assert not (dst / "val" / "big.bin").exists()
+    assert file_crcs(str(dst / "train")) == file_crcs(str(src / "train"))
+    # A locally modified file and a file changed on the source are not safe to drop.
+    (dst / "train" / "00.bin").write_bytes(b"local edit")
+    (src / "train" / "01.bin").write_bytes(os.urandom(1001))
+    r = fm("release", str(dst / "train"), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert sorted(out["kept"]) == ["train/00.bin", "train/01.bin"]
+    assert len(out["released"]) == 18
+    assert sorted(os.listdir(dst / "train")) == ["00.bin", "01.bin"]
+    assert (dst / INDEX_NAME).exists()
+    # Released files come back on the next read.
+    with fmstore.open(str(dst / "train" / "05.bin")) as f:
+        assert f.read() == (src / "train" / "05.bin").read_bytes()
+
+
+def test_hydrate_outside_a_lazy_tree_is_a_clear_error(tmp_path):
+    r = fm("hydrate", str(tmp_path))
+    assert r.returncode == 1 and "not inside a lazily staged directory" in r.stderr

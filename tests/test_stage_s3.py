@@ -1,0 +1,234 @@
+"""fmstore stage between POSIX and S3 (a real SeaweedFS server), both ways: checksums,
+skip on re-run, FSx metadata, kill -9 and resume of multipart uploads, faults through
+the fault proxy, a missing bucket."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+from stage_data import BIG_N, BIG_SIZE, SMALL_N, file_crcs, fm, make_dataset
+
+from fmstore import runtime
+from fmstore.stores import open_store
+from fmstore.testing.faultproxy import FaultProxy, Rule
+from fmstore.tiering.crc import crc32c
+
+pytestmark = pytest.mark.s3
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("dataset"), small_dirs=3)
+
+
+def _config(path, endpoint: str, bucket: str, extra: str = "") -> None:
+    path.write_text(
+        f"""
+[tiers.s3]
+url = "s3://{bucket}/ds"
+endpoint_url = "{endpoint}"
+addressing_style = "path"
+region = "us-east-1"
+{extra}
+[tiers.proxied]
+url = "s3://{bucket}/ds"
+endpoint_url = "PROXY"
+addressing_style = "path"
+region = "us-east-1"
+max_attempts = 20
+"""
+    )
+
+
+@pytest.fixture
+def s3env(s3_server, s3_bucket, tmp_path):
+    """Environment for CLI runs: a config whose ``s3`` tier is the test bucket."""
+    cfg = tmp_path / "fmstore.toml"
+    _config(cfg, s3_server.endpoint_url, s3_bucket)
+    env = {
+        "FMSTORE_CONFIG": str(cfg),
+        "FMSTORE_HOME": str(tmp_path / "home"),
+        "AWS_ACCESS_KEY_ID": s3_server.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+    }
+    for var in ("SLURM_PROCID", "SLURM_NTASKS", "RANK", "WORLD_SIZE"):
+        os.environ.pop(var, None)
+    return {"env": env, "bucket": s3_bucket, "cfg": cfg, "home": str(tmp_path / "home")}
+
+
+def _s3(s3_server, bucket: str, prefix: str = "ds"):
+    return open_store(f"s3://{bucket}/{prefix}", **s3_server.store_options())
+
+
+#: SeaweedFS on a small shared machine takes about 100 small PUTs a second, so the S3 test
+#: stages 600 of the 10,000 small files (the POSIX tests and the benchmark use them all).
+SUBSET = "d0[0-2]/*"
+SUBSET_N = 3 * SMALL_N // 50
+
+
+def test_small_files_posix_to_s3_and_back(dataset, s3env, s3_server, tmp_path):
+    env = s3env["env"]
+    sub = ["--include", SUBSET]
+    r = fm("stage", dataset["small"], "s3:small", "--json", "--no-progress", *sub, env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["files_copied"] == SUBSET_N
+    head = s3_server.boto3_client().head_object(
+        Bucket=s3env["bucket"], Key="ds/small/d02/f00002.bin"
+    )
+    assert head["Metadata"]["fmstore-crc32c"] == f"{dataset['small_crcs']['d02/f00002.bin']:08x}"
+    assert head["Metadata"]["file-permissions"] == "0100644"
+    r = fm("stage", dataset["small"], "s3:small", "--json", "--no-progress", *sub, env=env)
+    assert json.loads(r.stdout)["files_skipped"] == SUBSET_N
+    back = tmp_path / "back"
+    r = fm("stage", "s3:small", str(back), "--json", "--no-progress", env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["files_copied"] == SUBSET_N
+    want = {
+        k: v for k, v in dataset["small_crcs"].items() if k.split("/")[0] in ("d00", "d01", "d02")
+    }
+    assert file_crcs(str(back)) == want
+    # Another node (no journal here) still skips: identity comes from recorded metadata.
+    r = fm(
+        "stage",
+        "s3:small",
+        str(back),
+        "--json",
+        "--no-progress",
+        env={**env, "FMSTORE_HOME": str(tmp_path / "h2")},
+    )
+    assert json.loads(r.stdout)["files_skipped"] == SUBSET_N
+
+
+@pytest.mark.slow
+def test_big_files_posix_to_s3_and_back_keep_fsx_metadata(dataset, s3env, s3_server, tmp_path):
+    env = s3env["env"]
+    r = fm("stage", dataset["big"], "s3:big", "--json", "--no-progress", env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["files_copied"] == BIG_N
+    c = s3_server.boto3_client()
+    head = c.head_object(Bucket=s3env["bucket"], Key="ds/big/shard-1.bin")
+    st = os.stat(os.path.join(dataset["big"], "shard-1.bin"))
+    assert head["Metadata"]["file-permissions"] == "0100640"
+    assert head["Metadata"]["file-mtime"] == f"{st.st_mtime_ns}ns"
+    assert head["ContentLength"] == BIG_SIZE
+    back = tmp_path / "back"
+    r = fm("stage", "s3:big", str(back), "--json", "--no-progress", "--verify", env=env)
+    assert r.returncode == 0, r.stderr
+    assert file_crcs(str(back)) == dataset["big_crcs"]
+    got = os.stat(back / "shard-1.bin")
+    assert stat.S_IMODE(got.st_mode) == 0o640 and got.st_mtime_ns == st.st_mtime_ns
+    r = fm("stage", dataset["big"], "s3:big", "--json", "--no-progress", env=env)
+    assert json.loads(r.stdout)["files_skipped"] == BIG_N
+
+
+def _journal_parts(home: str) -> list[dict]:
+    d = os.path.join(home, "state", "transfers")
+    out = []
+    for f in os.listdir(d) if os.path.isdir(d) else []:
+        with open(os.path.join(d, f), "rb") as fh:
+            for line in fh.read().split(b"\n"):
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if "p" in rec:
+                    out.append(rec)
+    return out
+
+
+@pytest.mark.slow
+def test_kill9_during_upload_resumes_multipart_without_resending_parts(dataset, s3env, s3_server):
+    env = s3env["env"]
+    # One 300 MiB file is enough to interrupt mid-upload (the others are the big test's).
+    args = ["stage", dataset["big"], "s3:resume", "--part-size", "8MiB", "--no-progress"]
+    args += ["--include", "shard-0.bin"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fmstore", *args, "--bwlimit", "150MiB/s", "--concurrency", "4"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **env},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(_journal_parts(s3env["home"])) < 20:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    done = sum(r["n"] for r in _journal_parts(s3env["home"]))
+    c = s3_server.boto3_client()
+    listed = c.list_objects_v2(Bucket=s3env["bucket"], Prefix="ds/resume/").get("Contents", [])
+    assert all(o["Size"] == BIG_SIZE for o in listed)  # nothing partial is visible
+    r = fm(*args, "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["bytes_resumed"] >= done
+    assert s["bytes_copied"] <= BIG_SIZE - done
+    store = _s3(s3_server, s3env["bucket"], "ds/resume")
+    assert crc32c(runtime.run(store.get("shard-0.bin"))) == dataset["big_crcs"]["shard-0.bin"]
+    assert not c.list_multipart_uploads(Bucket=s3env["bucket"]).get("Uploads")
+
+
+def test_s3_to_posix_through_faults(s3env, s3_server, tmp_path):
+    src = _s3(s3_server, s3env["bucket"], "ds/faulty")
+
+    async def fill():
+        for i in range(100):
+            await src.put(f"f{i:03d}", os.urandom(3000))
+        await src.put("big.bin", os.urandom(24 << 20))
+
+    runtime.run(fill())
+    want = {}
+
+    async def crcs():
+        async for m in src.list(""):
+            want[m.key] = crc32c(await src.get(m.key))
+
+    runtime.run(crcs())
+    with FaultProxy(s3_server.endpoint_url, seed=7) as proxy:
+        proxy.set_plan(
+            [
+                Rule("slowdown", method="GET", rate=0.1),
+                Rule("reset", method="GET", rate=0.05),
+                Rule("truncate", method="GET", rate=0.03),
+            ]
+        )
+        cfg = s3env["cfg"]
+        cfg.write_text(cfg.read_text().replace("PROXY", proxy.endpoint_url))
+        dst = tmp_path / "dst"
+        r = fm(
+            "stage",
+            "proxied:faulty",
+            str(dst),
+            "--json",
+            "--no-progress",
+            "--part-size",
+            "8MiB",
+            env=s3env["env"],
+        )
+        assert r.returncode == 0, r.stderr
+        assert sum(proxy.injected.values()) > 0
+        assert file_crcs(str(dst)) == want
+        proxy.down()
+        r = fm("stage", "proxied:faulty", str(tmp_path / "dst2"), "--no-progress", env=s3env["env"])
+        assert r.returncode == 1 and "error:" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_missing_bucket_is_a_clear_error(s3env, s3_server, tmp_path):
+    cfg = tmp_path / "missing.toml"
+    _config(cfg, s3_server.endpoint_url, "no-such-bucket-here")
+    env = {**s3env["env"], "FMSTORE_CONFIG": str(cfg)}
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_bytes(b"x")
+    r = fm("stage", str(tmp_path / "src"), "s3:x", env=env)
+    assert r.returncode == 1 and "does not exist" in r.stderr, r.stderr
+    r = fm("stage", "s3:x", str(tmp_path / "dst"), env=env)
+    assert r.returncode == 1 and "does not exist" in r.stderr, r.stderr
