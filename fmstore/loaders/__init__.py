@@ -14,7 +14,7 @@ from typing import Any
 _WHERE = {
     "CacheFull": "cache",
     "ShardCache": "cache",
-    "Stream": "dataset",
+    "Stream": "mix",
     "StreamingDataLoader": "dataset",
     "StreamingDataset": "dataset",
     "FormatOptions": "formats",

@@ -13,7 +13,6 @@ import hashlib
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,24 +25,10 @@ from ..stores import ByteRange, Store, open_store
 from . import metrics
 from .cache import ShardCache
 from .formats import DatasetFormat, FormatOptions, ShardReader, ShardSpec, load_format
+from .mix import Stream
 from .order import Plan, ShuffleConfig, positions, rank_count, worker_indices
 from .prefetch import Prefetcher
 from .state import LoaderState
-
-
-@dataclass(frozen=True)
-class Stream:
-    """One dataset in a mix: where it is, its weight, and how to read it."""
-
-    remote: str
-    weight: float = 1.0
-    format: str | None = None
-    seq_len: int | None = None
-    dtype: str | None = None
-    targets: bool = True
-    allow_pickle: bool = False
-    #: options for :func:`~fmstore.stores.open_store` (an S3 endpoint, credentials, ...)
-    storage_options: dict[str, Any] | None = None
 
 
 def default_cache_dir() -> str:
