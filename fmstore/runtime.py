@@ -140,8 +140,9 @@ def close_at_exit(obj: Any) -> None:
 def _after_fork_in_child() -> None:
     # The loop thread and pool threads do not survive fork; the lock may be held by a
     # thread that no longer exists.  Start afresh on first use in the child.
-    global _lock, _loop, _thread, _io_pool, _cpu_pool
+    global _lock, _loop, _thread, _io_pool, _cpu_pool, _closables
     _lock = threading.Lock()
+    _closables = weakref.WeakSet()  # the parent's clients share its sockets: never close them here
     _loop = _thread = None
     _io_pool = _cpu_pool = None
 
