@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +53,13 @@ def tokens(size: int) -> np.ndarray:
     return np.random.default_rng(0).integers(0, 50_000, n, dtype=np.uint16)
 
 
-def blobs(n: int) -> list[bytes]:
+def blobs(n: int) -> Iterator[bytes]:
+    """The (b) samples, regenerated identically on every call (never all held at once)."""
     rng = np.random.default_rng(1)
-    return [
-        rng.integers(0, 256, B_SIZE + int(rng.integers(-2000, 2000)), dtype=np.uint8).tobytes()
-        for _ in range(n)
-    ]
+    for _ in range(n):
+        yield rng.integers(
+            0, 256, B_SIZE + int(rng.integers(-2000, 2000)), dtype=np.uint8
+        ).tobytes()
 
 
 def upload_dir(client: Any, local: str, bucket: str, prefix: str) -> None:
@@ -79,8 +81,12 @@ def write_all(
 
     client = srv.boto3_client()
     opts = srv.store_options()
-    data: Any = tokens(args.size) if case == "a" else blobs(args.b_samples)
+    data: Any = tokens(args.size) if case == "a" else None
     seqs = data.reshape(-1, SEQ) if case == "a" else None
+
+    def samples() -> Any:
+        return seqs if case == "a" else blobs(args.b_samples)
+
     t0 = time.perf_counter()
     if "fmstore" in peers:
         from fmstore.loaders import write_dataset, write_samples
@@ -89,35 +95,39 @@ def write_all(
         if case == "a":
             np.save(os.path.join(work, "tok.npy"), data)
             write_dataset(os.path.join(work, "tok.npy"), dst, shard_size=SHARD)
+            os.unlink(os.path.join(work, "tok.npy"))
         else:
-            write_samples(data, dst, shard_size=SHARD)
+            write_samples(samples(), dst, shard_size=SHARD)
     if "mosaic" in peers:
         mds_writer = _mds_writer()
         out = os.path.join(work, "mds")
         cols = {"tokens": f"ndarray:uint16:{SEQ}"} if case == "a" else {"data": "bytes"}
         with mds_writer(out=out, columns=cols, size_limit=SHARD) as w:
-            for x in seqs if case == "a" else data:
+            for x in samples():
                 w.write({"tokens": x} if case == "a" else {"data": x})
         upload_dir(client, out, bucket, "mds")
+        shutil.rmtree(out)  # the local copy is only the writer's staging
     if "litdata" in peers:
         from litdata.streaming.writer import BinaryWriter
 
         out = os.path.join(work, "lit")
         w = BinaryWriter(out, chunk_bytes=SHARD)
-        for i, x in enumerate(seqs if case == "a" else data):
+        for i, x in enumerate(samples()):
             w[i] = x
         w.done()
         w.merge()
         upload_dir(client, out, bucket, "lit")
+        shutil.rmtree(out)
     if "webdataset" in peers and case == "b":
         import webdataset as wds
 
         out = os.path.join(work, "wds")
         os.makedirs(out)
         with wds.ShardWriter(os.path.join(out, "shard-%05d.tar"), maxsize=SHARD, verbose=0) as w:
-            for i, x in enumerate(data):
+            for i, x in enumerate(samples()):
                 w.write({"__key__": f"{i:08d}", "bin": x})
         upload_dir(client, out, bucket, "wds")
+        shutil.rmtree(out)
     print(
         f"case {case}: data written by {', '.join(peers)} in {time.perf_counter() - t0:.1f} s",
         flush=True,
@@ -139,7 +149,9 @@ def make_loader(lib: str, case: str, cfg: dict[str, Any], cache: str, epoch: int
 
     bucket, opts, batch, workers = cfg["bucket"], cfg["opts"], cfg["batch"], cfg["workers"]
     if lib == "floor":
-        data = tokens(cfg["size"]).reshape(-1, SEQ) if case == "a" else blobs(cfg["b_samples"])
+        data = (
+            tokens(cfg["size"]).reshape(-1, SEQ) if case == "a" else list(blobs(cfg["b_samples"]))
+        )
 
         class Mem(tud.Dataset):
             def __len__(self) -> int:
