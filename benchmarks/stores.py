@@ -144,7 +144,7 @@ def s3_rows(total: int) -> list[dict[str, Any]]:
         srv.create_bucket(bucket)
         opts = srv.store_options()
         store = open_store(f"s3://{bucket}/fm", **opts)
-        client = boto3.client("s3", **srv.boto3_kwargs())
+        client = boto3.client("s3", **srv.client_kwargs())
         tcfg = TransferConfig(
             max_concurrency=8, multipart_chunksize=16 << 20, multipart_threshold=16 << 20
         )
@@ -211,7 +211,12 @@ def s3_rows(total: int) -> list[dict[str, Any]]:
         if have("s3fs"):
             import s3fs
 
-            fs = s3fs.S3FileSystem(**srv.s3fs_kwargs())
+            fs = s3fs.S3FileSystem(
+                key=srv.access_key,
+                secret=srv.secret_key,
+                endpoint_url=srv.endpoint_url,
+                client_kwargs={"region_name": srv.region},
+            )
             rec("upload", "1 object", "s3fs", lambda: fs.pipe_file(f"{bucket}/s/one", data))
             rec(
                 "upload",

@@ -281,6 +281,8 @@ def test_lazy_load_fetches_on_access_and_keeps_ties(tmp_path):
     assert torch.equal(a, w) and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
     full = lz.materialize()
     assert torch.equal(full["model"]["c"], state["model"]["c"])
+    lz.close()
+    assert torch.equal(a, w)  # fetched tensors outlive the mapping's store
 
 
 def test_mmap_load_maps_raw_chunks_copy_on_write(tmp_path):
@@ -363,3 +365,19 @@ def test_large_tensor_spans_several_chunks_and_blobs(tmp_path):
     assert len(m.storages[0].chunks) > 4 and len(m.blobs) > 1
     assert torch.equal(fmstore.load(tmp_path / "c")["w"], w)
     assert torch.equal(fmstore.load(tmp_path / "c", mmap=True)["w"], w)
+
+
+def test_tier_paths_work_and_mmap_through_the_tier_prefix(tmp_path):
+    from fmstore.config import from_dict, get_config, set_config
+
+    old = get_config()
+    set_config(from_dict({"tiers": {"nvme": {"url": str(tmp_path / "nvme")}}}))
+    try:
+        state = {"w": torch.randn(100, 10)}
+        fmstore.save(state, "nvme:run/step-1", compression="raw")
+        assert (tmp_path / "nvme" / "run" / "step-1" / "manifest.json").exists()
+        out = fmstore.load("nvme:run/step-1", mmap=True)
+        assert torch.equal(out["w"], state["w"])
+        assert not out["w"].untyped_storage().resizable()  # a mapped buffer, not a fresh allocation
+    finally:
+        set_config(old)

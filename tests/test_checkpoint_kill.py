@@ -34,7 +34,7 @@ def assert_same_state(got: dict, want: dict) -> None:
     assert torch.equal(got["optim"]["state"][0]["step"], want["optim"]["state"][0]["step"])
 
 
-def check_after_kill(root: str) -> int:
+def check_after_kill(root: str, scale: int = 1) -> int:
     """Verify every committed checkpoint, run gc, check only committed data is left."""
     committed = find_checkpoints(root)
     steps = sorted(int(p.split("-")[1]) for p in committed if p.startswith("step-"))
@@ -42,11 +42,11 @@ def check_after_kill(root: str) -> int:
         newest = steps[-1]
         assert steps == list(range(newest + 1)), "a save committed out of order"
         assert_same_state(
-            fmstore.load(os.path.join(root, f"step-{newest:06d}")), tie(make_state(newest))
+            fmstore.load(os.path.join(root, f"step-{newest:06d}")), tie(make_state(newest, scale))
         )
     if "latest" in committed:
         got = fmstore.load(os.path.join(root, "latest"))
-        assert_same_state(got, tie(make_state(got["step"])))
+        assert_same_state(got, tie(make_state(got["step"], scale)))
         assert steps and got["step"] in (steps[-1] - 1, steps[-1])
     gc(root, older_than=0)
     assert find_checkpoints(root) == committed

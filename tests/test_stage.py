@@ -405,3 +405,39 @@ def test_cp_du_rm(tmp_path, home):
     assert r.returncode == 0 and not (src / "d" / "a.bin").exists()
     r = fm("rm", str(src / "b.bin"), "-y")
     assert r.returncode == 0 and not (src / "b.bin").exists()
+
+
+def test_ctrl_c_exits_130_and_the_rerun_resumes(dataset, tmp_path, home):
+    dst = tmp_path / "dst"
+    args = [
+        "stage",
+        dataset["big"],
+        str(dst),
+        "--part-size",
+        "8MiB",
+        "--no-progress",
+        "--include",
+        "shard-2.bin",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fmstore", *args, "--bwlimit", "100MiB/s"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ.copy(),
+    )
+    try:
+        _wait_for(lambda: sum(1 for r in _journal_records(home) if "p" in r) >= 5)
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "run the same command again to resume" in err
+    assert not (dst / "shard-2.bin").exists()
+    r = fm(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["bytes_resumed"] >= 5 * (8 << 20)
+    assert file_crcs(str(dst)) == {"shard-2.bin": dataset["big_crcs"]["shard-2.bin"]}

@@ -184,6 +184,7 @@ async def _load_core(
             )
             if lazy and isinstance(tree, dict) and ("dict" in tree or "odict" in tree):
                 keep_open = True
+                mat.owns_store = owned
                 return LazyDict(mat, tree)
             try:
                 return await mat.build(tree)
@@ -309,7 +310,6 @@ def async_save(
         if prev is not None:
             cf.wait([prev._future])
         planned = _plan(obj, o)
-        store, owned = open_location(uri, for_read=False)
         STAGING.lock.acquire()
         try:
             views = take_views(planned, copy_all=True)
@@ -319,6 +319,9 @@ def async_save(
 
         async def write() -> Manifest:
             try:
+                # Opened here, not in the caller: a POSIX store creates and fsyncs its
+                # directories, which must not count towards the caller's stall.
+                store, owned = await runtime.to_io(open_location, uri, for_read=False)
                 try:
                     return await write_checkpoint(store, planned.plan, views, _wopts(o))
                 finally:

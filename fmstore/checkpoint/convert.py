@@ -36,6 +36,11 @@ def read_any(location: str) -> Any:
         return load_file(location)
     if kind == "torch":
         return torch.load(location, map_location="cpu", weights_only=True)
+    from .dcp.api import is_dcp_checkpoint, load_full_state_dict
+
+    if is_dcp_checkpoint(location):
+        # A multi-rank (torch.distributed.checkpoint) checkpoint: gathered whole, on CPU.
+        return load_full_state_dict(location)
     return load(location, map_location="cpu")
 
 

@@ -52,10 +52,19 @@ async def _scan(
     for prefix in manifests:
         key = f"{prefix}/{MANIFEST_KEY}" if prefix else MANIFEST_KEY
         try:
-            manifests[prefix] = Manifest.loads(await store.get(key)).generation
+            manifests[prefix] = _generation_of(await store.get(key))
         except Exception:
             manifests[prefix] = "?"  # unreadable: keep everything under it
     return manifests, gens
+
+
+def _generation_of(data: bytes) -> str:
+    """The generation a manifest names: single-process or multi-rank (DCP) checkpoint."""
+    from .dcp.manifest import DCP_FORMAT_NAME, DcpManifest, sniff_format
+
+    if sniff_format(data) == DCP_FORMAT_NAME:
+        return DcpManifest.loads(data).generation
+    return Manifest.loads(data).generation
 
 
 async def find_checkpoints_async(store: Store) -> list[str]:
@@ -63,15 +72,16 @@ async def find_checkpoints_async(store: Store) -> list[str]:
     return sorted(p for p, g in manifests.items() if g not in (None, "?"))
 
 
-def find_checkpoints(root: str) -> list[str]:
+def find_checkpoints(root: str | Store) -> list[str]:
     """Prefixes (relative to ``root``) of the committed checkpoints under ``root``."""
 
     async def go() -> list[str]:
-        store = open_store(root)
+        store = root if isinstance(root, Store) else open_store(os.fspath(root))
         try:
             return await find_checkpoints_async(store)
         finally:
-            await store.close()
+            if not isinstance(root, Store):
+                await store.close()
 
     return runtime.run(go())
 

@@ -43,6 +43,8 @@ class Materializer:
         self.reader = StorageReader(store, manifest, read)
         self._placed: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
+        #: True when load() opened the store for this lazy mapping (LazyDict.close closes it).
+        self.owns_store = False
 
     async def fetch(self, tensor_ids: list[int]) -> None:
         """Load the storages behind ``tensor_ids`` that are not loaded yet."""
@@ -150,6 +152,13 @@ class LazyDict(Mapping[Any, Any]):
     @property
     def manifest(self) -> Manifest:
         return self._mat.manifest
+
+    def close(self) -> None:
+        """Release the store connection held for later fetches (when load() opened it);
+        tensors already fetched stay valid."""
+        if self._mat.owns_store:
+            self._mat.owns_store = False
+            runtime.run(self._mat.store.close())
 
 
 def _no_tensor(i: int) -> Any:

@@ -32,6 +32,8 @@ from .snapshot import as_memoryview
 COALESCE_GAP = 1 << 20
 #: ... as long as the merged read stays below this.
 COALESCE_MAX = 16 << 20
+#: Raw chunks are read and checksummed in pieces of this size (cache-sized).
+CRC_PIECE = 4 << 20
 
 
 async def read_manifest(store: Store) -> Manifest:
@@ -65,6 +67,7 @@ class StorageReader:
         for t in manifest.tensors:
             self._names.setdefault(t.storage, t.name)
         self._maps: dict[int, _mmap.mmap] = {}
+        self._local = getattr(store, "local_path", None) is not None
 
     def storage_name(self, si: int) -> str:
         return self._names.get(si, f"<storage {si}>")
@@ -107,8 +110,7 @@ class StorageReader:
                 si, c, dest = group[0]
                 if c.length != c.raw:
                     raise self._corrupt(si, c, "raw chunk length does not match its size")
-                await self._get_into(key, c.offset, dest)
-                await self._check(si, c, dest)
+                await self._read_raw_checked(si, c, key, dest)
                 return
             lo = min(c.offset for _, c, _ in group)
             hi = max(c.offset + c.length for _, c, _ in group)
@@ -120,6 +122,25 @@ class StorageReader:
                 await runtime.to_cpu(decode_into, c.codec, stored, dest, c.group)
             except CorruptData as e:
                 raise self._corrupt(si, c, e.message) from None
+
+    async def _read_raw_checked(self, si: int, c: ChunkEntry, key: str, dest: memoryview) -> None:
+        """Read a raw chunk straight into ``dest`` in pieces, checksumming each piece while
+        it is still in the CPU cache (one pass over memory instead of two)."""
+        if not self.options.verify:
+            await self._get_into(key, c.offset, dest)
+            return
+        # Pieces only where a read is a cheap local syscall; on S3 one ranged GET per chunk
+        # (split into parallel part-sized GETs by the store) beats sequential small ones.
+        piece_size = CRC_PIECE if self._local else len(dest)
+        crc = 0
+        for pos in range(0, len(dest), max(1, piece_size)):
+            piece = dest[pos : pos + piece_size]
+            await self._get_into(key, c.offset + pos, piece)
+            crc = await runtime.to_cpu(crc32c, piece, crc)
+        if crc != c.crc32c:
+            raise self._corrupt(
+                si, c, f"checksum mismatch (crc32c {crc:08x}, expected {c.crc32c:08x})"
+            )
 
     async def _get_into(self, key: str, start: int, dest: memoryview) -> None:
         try:

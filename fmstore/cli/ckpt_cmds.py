@@ -32,6 +32,11 @@ def inspect(
     limit: int = typer.Option(0, "--limit", "-n", help="Show at most N tensors (0: all)."),
 ) -> None:
     """Tensor table: name, dtype, shape, bytes, codec and compression ratio; totals."""
+    from ..checkpoint.dcp.api import is_dcp_checkpoint
+
+    if is_dcp_checkpoint(uri):
+        _inspect_dcp(uri, limit)
+        return
     store, m = _manifest(uri)
     console = Console()
     t = Table(title=f"{store.url}  (format v{m.version}, {m.writer}, generation {m.generation})")
@@ -92,12 +97,16 @@ def verify(
     ),
 ) -> None:
     """Check every chunk's checksum; exit 1 naming the bad chunks."""
+    from ..checkpoint.dcp.api import is_dcp_checkpoint
     from ..checkpoint.verify import verify_checkpoint
 
     if all_tiers:
         from .ckpt_tier_cmds import verify_all_tiers
 
         raise typer.Exit(verify_all_tiers(uri))
+    if is_dcp_checkpoint(uri):
+        _verify_dcp(uri)
+        return
 
     store, m = _manifest(uri)
     console = Console(stderr=True)
@@ -121,6 +130,66 @@ def verify(
         raise typer.Exit(1)
     chunks = sum(len(s.chunks) for s in m.storages)
     out.print(f"ok: {chunks} chunks, {human_bytes(m.stored_bytes)} verified in {store.url}")
+
+
+def _inspect_dcp(uri: str, limit: int) -> None:
+    """The table for a multi-rank (torch.distributed.checkpoint) checkpoint."""
+    from ..checkpoint.dcp.api import inspect_checkpoint
+
+    m, rows = inspect_checkpoint(uri)
+    console = Console()
+    t = Table(
+        title=f"{uri}  (DCP, {m.world_size} ranks, format v{m.version}, generation {m.generation})"
+    )
+    for col, just in (
+        ("name", "left"),
+        ("dtype", "left"),
+        ("shape", "left"),
+        ("shards", "right"),
+        ("bytes", "right"),
+        ("codec", "left"),
+        ("ratio", "right"),
+    ):
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    for r in rows if limit <= 0 else rows[:limit]:
+        t.add_row(
+            r.fqn,
+            r.dtype if r.kind == "tensor" else "(object)",
+            "x".join(map(str, r.shape)) or ("scalar" if r.kind == "tensor" else "-"),
+            str(r.shards),
+            human_bytes(r.nbytes),
+            "+".join(r.codecs) or "-",
+            f"{r.nbytes / r.stored:.2f}" if r.stored else "-",
+        )
+    console.print(t)
+    raw, stored = m.nbytes, m.stored_bytes
+    ratio = f"{raw / stored:.2f}" if stored else "-"
+    console.print(
+        f"{len(rows)} entries in {len(m.items)} saved items, {len(m.blobs)} blobs from "
+        f"{m.world_size} ranks: {human_bytes(raw)} raw, {human_bytes(stored)} stored (ratio {ratio})"
+    )
+
+
+def _verify_dcp(uri: str) -> None:
+    from ..checkpoint.dcp.api import inspect_checkpoint, verify_checkpoint
+
+    m, _ = inspect_checkpoint(uri)
+    with Progress(
+        TextColumn("verifying"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=Console(stderr=True),
+    ) as progress:
+        task = progress.add_task("verify", total=m.stored_bytes)
+        res = verify_checkpoint(uri, progress=lambda n: progress.advance(task, n))
+    out = Console()
+    if not res.ok:
+        for b in res.bad:
+            out.print(f"[red]BAD[/red] {b}", highlight=False)
+        out.print(f"{len(res.bad)} bad chunk(s) in {uri}")
+        raise typer.Exit(1)
+    out.print(f"ok: {res.chunks} chunks, {human_bytes(res.bytes)} verified in {uri}")
 
 
 @ckpt.command("gc")
@@ -156,7 +225,9 @@ def gc_cmd(
 @ckpt.command("convert")
 def convert_cmd(
     src: str = typer.Argument(
-        ..., help="fmstore checkpoint, torch.save file (.pt/.pth/.bin) or .safetensors."
+        ...,
+        help="fmstore checkpoint (single-process or multi-rank DCP), torch.save file "
+        "(.pt/.pth/.bin) or .safetensors.",
     ),
     dst: str = typer.Argument(..., help="Destination, same kinds (told by the name)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing destination."),

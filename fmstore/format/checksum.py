@@ -7,6 +7,7 @@ import crc32c as _crc32c
 from ..stores.base import Buffer
 
 
-def crc32c(data: Buffer) -> int:
-    """CRC32C (Castagnoli) of ``data`` as an unsigned 32-bit int."""
-    return int(_crc32c.crc32c(data))
+def crc32c(data: Buffer, value: int = 0) -> int:
+    """CRC32C (Castagnoli) of ``data`` as an unsigned 32-bit int; pass the CRC of the bytes
+    before ``data`` as ``value`` to continue a running checksum."""
+    return int(_crc32c.crc32c(data, value))

@@ -90,3 +90,16 @@ class PrefixStore(Store):
 
     async def close(self) -> None:
         await self.inner.close()
+
+    def __getattr__(self, name: str):
+        # Key-addressed backend extras pass through with the prefix applied (the POSIX
+        # memory-map fast path uses ``local_path``); other extras are not forwarded, since
+        # they would act on the whole inner store.
+        if name == "local_path":
+            inner_local = self.inner.local_path  # type: ignore[attr-defined]  # AttributeError when absent
+
+            def local_path(key: str) -> str:
+                return inner_local(self._full(key))
+
+            return local_path
+        raise AttributeError(name)

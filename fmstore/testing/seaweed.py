@@ -279,6 +279,17 @@ class SeaweedServer:
 
         return boto3.client("s3", **self.client_kwargs(readonly=readonly))
 
+    def env(self) -> dict[str, str]:
+        """Environment variables that point AWS SDKs and CLIs at this server."""
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_REGION": self.region,
+            "AWS_DEFAULT_REGION": self.region,
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ENDPOINT_URL_S3": self.endpoint_url,
+        }
+
     def store_options(self) -> dict[str, Any]:
         """Options for ``open_store("s3://bucket/...", **options)`` against this server."""
         return {

@@ -43,7 +43,7 @@ def main() -> None:
             time.sleep(rng.uniform(0, args.max_delay))
             os.kill(proc.pid, signal.SIGKILL)
             proc.join(10)
-            committed += check_after_kill(root)
+            committed += check_after_kill(root, args.scale)
             if (trial + 1) % 10 == 0:
                 print(
                     f"{trial + 1} trials ok, {committed} checkpoints verified, {time.time() - t0:.0f} s",

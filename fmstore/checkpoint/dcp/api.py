@@ -1,0 +1,242 @@
+"""Helpers around DCP checkpoints: ``async_save`` with fmstore staging, inspection,
+verification and conversion to a whole (unsharded) state dict."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ... import runtime
+from ...errors import NotFound
+from ...format.checksum import crc32c
+from ...stores import Store
+from .manifest import DCP_FORMAT_NAME, MANIFEST_KEY, DcpManifest, sniff_format
+from .reader import Reader, read_manifest
+from .staging import Stager
+from .writer import Writer
+
+__all__ = [
+    "async_save",
+    "inspect_checkpoint",
+    "is_dcp_checkpoint",
+    "load_full_state_dict",
+    "to_torch_save",
+    "verify_checkpoint",
+]
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    writer: Writer,
+    *,
+    stager: Stager | None = None,
+    process: bool = False,
+    **kwargs: Any,
+) -> Future[Any]:
+    """``dcp.async_save`` through ``writer``, staged by ``stager`` (reused across calls).
+
+    Returns once the state is staged: the caller may change its tensors; the checkpoint
+    keeps the values of this moment.  The returned future completes when the checkpoint is
+    committed.  ``process=True`` runs the save in DCP's checkpoint process (the stager should
+    then be made with ``share_memory=True``).  A later call with the same stager waits for
+    this save to finish before it overwrites the buffers.  ``kwargs`` go to
+    ``dcp.async_save`` (``process_group``, ``planner``, ...).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    if stager is None:
+        stager = Stager(share_memory=process)
+    kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
+    fut = dcp.async_save(
+        state_dict,
+        storage_writer=writer,
+        async_stager=stager,
+        async_checkpointer_type=kind,
+        **kwargs,
+    )
+    upload = fut.upload_completion if hasattr(fut, "upload_completion") else fut
+    stager.track(upload)
+    return upload
+
+
+def _open(uri: str, store_options: dict[str, Any]) -> Store:
+    """The store at ``uri`` for reading (a missing local directory is NotFound, not made)."""
+    return Reader(uri, store_options=store_options).store
+
+
+def is_dcp_checkpoint(uri: str, **store_options: Any) -> bool:
+    """Whether ``uri`` holds a committed fmstore DCP checkpoint."""
+
+    async def go() -> bool:
+        try:
+            store = _open(uri, store_options)
+        except NotFound:
+            return False
+        try:
+            data = await store.get(MANIFEST_KEY)
+        except NotFound:
+            return False
+        finally:
+            await store.close()
+        return sniff_format(data) == DCP_FORMAT_NAME
+
+    return runtime.run(go())
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """One state-dict entry of a DCP checkpoint, summed over its saved shards."""
+
+    fqn: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    shards: int
+    nbytes: int
+    stored: int
+    codecs: tuple[str, ...]
+
+
+def inspect_checkpoint(uri: str, **store_options: Any) -> tuple[DcpManifest, list[EntryInfo]]:
+    """The manifest and one row per state-dict entry (tensors and other values)."""
+
+    async def go() -> DcpManifest:
+        store = _open(uri, store_options)
+        try:
+            return await read_manifest(store)
+        finally:
+            await store.close()
+
+    m = runtime.run(go())
+    rows: dict[str, dict[str, Any]] = {}
+    for it in m.items:
+        r = rows.setdefault(it.fqn, {"shards": 0, "nbytes": 0, "stored": 0, "codecs": set()})
+        r["shards"] += 1
+        r["nbytes"] += it.nbytes
+        r["stored"] += it.stored_bytes
+        r["codecs"].update(c.codec for c in it.chunks)
+    out = []
+    for fqn, md in m.state_dict_metadata.items():
+        r = rows.get(fqn, {"shards": 0, "nbytes": 0, "stored": 0, "codecs": set()})
+        out.append(
+            EntryInfo(
+                fqn=fqn,
+                kind=md["type"],
+                dtype=md.get("dtype", ""),
+                shape=tuple(md.get("size", ())),
+                shards=r["shards"],
+                nbytes=r["nbytes"],
+                stored=r["stored"],
+                codecs=tuple(sorted(r["codecs"])),
+            )
+        )
+    return m, out
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    chunks: int
+    bytes: int
+    bad: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad
+
+
+def verify_checkpoint(
+    uri: str,
+    *,
+    progress: Callable[[int], None] | None = None,
+    concurrency: int = 8,
+    **store_options: Any,
+) -> VerifyResult:
+    """Read every chunk of every blob and check its CRC32C; ``progress(nbytes)`` after each
+    blob part.  Missing or short blobs count as bad, never raise."""
+
+    async def go() -> VerifyResult:
+        store = _open(uri, store_options)
+        try:
+            m = await read_manifest(store)
+            return await _verify(store, m, progress, concurrency)
+        finally:
+            await store.close()
+
+    return runtime.run(go())
+
+
+async def _verify(
+    store: Store, m: DcpManifest, progress: Callable[[int], None] | None, concurrency: int
+) -> VerifyResult:
+    bad: list[str] = []
+    nchunks = 0
+    nbytes = 0
+    sem = asyncio.Semaphore(concurrency)
+    by_blob: dict[int, list[tuple[str, Any]]] = {}
+    for it in m.items:
+        for c in it.chunks:
+            by_blob.setdefault(c.blob, []).append((it.fqn, c))
+
+    async def one(blob: int, entries: list[tuple[str, Any]]) -> None:
+        nonlocal nchunks, nbytes
+        key = m.blob_key(blob)
+        entries.sort(key=lambda e: e[1].offset)
+        # Read in pieces of ~64 MiB so memory stays bounded on large blobs.
+        i = 0
+        while i < len(entries):
+            j, start = i, entries[i][1].offset
+            while (
+                j < len(entries) and entries[j][1].offset + entries[j][1].length - start <= 64 << 20
+            ):
+                j += 1
+            j = max(j, i + 1)
+            end = entries[j - 1][1].offset + entries[j - 1][1].length
+            async with sem:
+                try:
+                    data = memoryview(await store.get_range(key, start, end))
+                except Exception as e:  # a missing or short blob: report, keep going
+                    for fqn, _c in entries[i:j]:
+                        bad.append(f"{fqn}: {key} unreadable ({e})")
+                    i = j
+                    continue
+            for fqn, c in entries[i:j]:
+                got = await runtime.to_cpu(
+                    crc32c, data[c.offset - start : c.offset - start + c.length]
+                )
+                nchunks += 1
+                nbytes += c.length
+                if got != c.crc32c:
+                    bad.append(f"{fqn}: chunk at bytes {c.offset}..{c.offset + c.length} of {key}")
+            if progress is not None:
+                progress(end - start)
+            i = j
+
+    await asyncio.gather(*(one(b, e) for b, e in by_blob.items()))
+    return VerifyResult(nchunks, nbytes, tuple(sorted(bad)))
+
+
+def load_full_state_dict(uri: str, **store_options: Any) -> dict[str, Any]:
+    """The whole state dict of a DCP checkpoint in this process, unsharded, on CPU."""
+    # The same private helpers torch's own dcp_to_torch_save uses.
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    sd: dict[str, Any] = {}
+    _load_state_dict(
+        sd,
+        storage_reader=Reader(uri, store_options=store_options),
+        planner=_EmptyStateDictLoadPlanner(),
+        no_dist=True,
+    )
+    return sd
+
+
+def to_torch_save(uri: str, path: str, **store_options: Any) -> None:
+    """Write a DCP checkpoint as one ``torch.save`` file (like ``dcp_to_torch_save``)."""
+    torch.save(load_full_state_dict(uri, **store_options), path)

@@ -1,0 +1,445 @@
+"""The manifest of a multi-rank (``torch.distributed.checkpoint``) checkpoint, as JSON.
+
+DCP's own ``FileSystemWriter`` pickles its ``Metadata`` object; fmstore writes it as JSON
+instead (no pickle on the load path), in ``manifest.json`` like every fmstore checkpoint, so
+the one commit convention holds: the coordinator writes it last, and a prefix without it is
+garbage.  ``"format": "fmstore-dcp"`` tells it apart from a single-process checkpoint.
+
+Layout::
+
+    PREFIX/manifest.json                  the commit (this module)
+    PREFIX/GENERATION/r00000-000.bin      data blobs: rank 0's first stream, ...
+
+Each saved item (a tensor chunk of one rank, or a pickled-by-DCP ``BYTE_IO`` value) is split
+into chunks of a few MiB, each with its codec and CRC32C (the single-process format's
+:class:`~fmstore.format.ChunkEntry`; ``raw_offset`` counts from the item's first byte).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ...errors import CorruptData, VersionError
+from ...format.dtypes import dtype_from_name, dtype_name
+from ...format.manifest import MANIFEST_KEY, ChunkEntry
+
+__all__ = [
+    "DCP_FORMAT_NAME",
+    "DCP_FORMAT_VERSION",
+    "MANIFEST_KEY",
+    "DcpBlob",
+    "DcpItem",
+    "DcpManifest",
+]
+
+DCP_FORMAT_NAME = "fmstore-dcp"
+DCP_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DcpBlob:
+    """A data object of the checkpoint, at key ``GENERATION/name``, written by ``rank``."""
+
+    name: str
+    size: int
+    rank: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "size": self.size, "rank": self.rank}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> DcpBlob:
+        return cls(name=str(d["name"]), size=int(d["size"]), rank=int(d["rank"]))
+
+
+@dataclass(frozen=True)
+class DcpItem:
+    """Where one saved item lives.
+
+    ``kind`` is ``"tensor"`` (row-major bytes of a tensor of ``dtype`` and ``shape``) or
+    ``"bytes"`` (a ``BYTE_IO`` value).  ``chunks`` cover ``[0, nbytes)`` in order; all of
+    them are in one blob, back to back.
+    """
+
+    fqn: str
+    offset: tuple[int, ...] | None
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    chunks: tuple[ChunkEntry, ...]
+    index: int | None = None
+
+    @property
+    def md_index(self) -> MetadataIndex:
+        return MetadataIndex(self.fqn, self.offset, self.index)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "fqn": self.fqn,
+            "offset": None if self.offset is None else list(self.offset),
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "nbytes": self.nbytes,
+            "chunks": [c.to_json() for c in self.chunks],
+        }
+        if self.index is not None:
+            d["index"] = self.index
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> DcpItem:
+        off = d.get("offset")
+        return cls(
+            fqn=str(d["fqn"]),
+            offset=None if off is None else tuple(int(x) for x in off),
+            kind=str(d["kind"]),
+            dtype=str(d.get("dtype", "")),
+            shape=tuple(int(x) for x in d.get("shape", ())),
+            nbytes=int(d["nbytes"]),
+            chunks=tuple(ChunkEntry.from_json(c) for c in d["chunks"]),
+            index=None if d.get("index") is None else int(d["index"]),
+        )
+
+    def with_blob(self, blob: int) -> DcpItem:
+        chunks = tuple(
+            ChunkEntry(
+                blob=blob,
+                offset=c.offset,
+                length=c.length,
+                raw_offset=c.raw_offset,
+                raw=c.raw,
+                codec=c.codec,
+                crc32c=c.crc32c,
+                group=c.group,
+            )
+            for c in self.chunks
+        )
+        return DcpItem(
+            self.fqn,
+            self.offset,
+            self.kind,
+            self.dtype,
+            self.shape,
+            self.nbytes,
+            chunks,
+            self.index,
+        )
+
+
+# ---- planner_data and other free-form values: tagged JSON ------------------------------
+
+
+class _Unencodable(Exception):
+    pass
+
+
+def _enc(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        if v != v or v in (float("inf"), float("-inf")):
+            return {"__float__": repr(v)}
+        return v
+    if isinstance(v, torch.Size):
+        return {"__size__": [int(x) for x in v]}
+    if isinstance(v, tuple):
+        return {"__tuple__": [_enc(x) for x in v]}
+    if isinstance(v, list):
+        return [_enc(x) for x in v]
+    if isinstance(v, dict):
+        if all(isinstance(k, str) for k in v) and not any(k.startswith("__") for k in v):
+            return {k: _enc(x) for k, x in v.items()}
+        return {"__dict__": [[_enc(k), _enc(x)] for k, x in v.items()]}
+    raise _Unencodable(type(v).__name__)
+
+
+def _dec(v: Any) -> Any:
+    if isinstance(v, list):
+        return [_dec(x) for x in v]
+    if isinstance(v, dict):
+        if "__tuple__" in v:
+            return tuple(_dec(x) for x in v["__tuple__"])
+        if "__size__" in v:
+            return torch.Size(v["__size__"])
+        if "__float__" in v:
+            return float(v["__float__"])
+        if "__dict__" in v:
+            return {_dec(k): _dec(x) for k, x in v["__dict__"]}
+        if "__pickle__" in v:
+            raise _Unencodable("pickle")
+        return {k: _dec(x) for k, x in v.items()}
+    return v
+
+
+def encode_value(v: Any, *, allow_pickle: bool, what: str) -> Any:
+    """JSON for ``v``; values JSON cannot hold are pickled only when ``allow_pickle``."""
+    try:
+        return _enc(v)
+    except _Unencodable as e:
+        if not allow_pickle:
+            raise TypeError(
+                f"{what} holds a {e} that fmstore stores only as pickle; pass "
+                "allow_pickle=True to the Writer to save it anyway"
+            ) from None
+        return {"__pickle__": base64.b64encode(pickle.dumps(v)).decode()}
+
+
+def decode_value(v: Any, *, allow_pickle: bool, what: str) -> Any:
+    if isinstance(v, dict) and "__pickle__" in v:
+        if not allow_pickle:
+            raise CorruptData(
+                f"{what} was saved as pickle; pass allow_pickle=True to the Reader to load it"
+            )
+        return pickle.loads(base64.b64decode(v["__pickle__"]))
+    try:
+        return _dec(v)
+    except _Unencodable:
+        raise CorruptData(f"{what} holds pickled values; pass allow_pickle=True") from None
+
+
+# ---- DCP Metadata <-> JSON --------------------------------------------------------------
+
+
+def _sd_md_to_json(md: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for fqn, m in md.items():
+        if isinstance(m, TensorStorageMetadata):
+            name = dtype_name(m.properties.dtype)
+            if name is None:
+                raise TypeError(
+                    f"tensor {fqn!r} has dtype {m.properties.dtype}, unknown to fmstore"
+                )
+            d: dict[str, Any] = {
+                "type": "tensor",
+                "dtype": name,
+                "size": list(m.size),
+                "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in m.chunks],
+            }
+            if m.properties.requires_grad:
+                d["requires_grad"] = True
+            out[fqn] = d
+        elif isinstance(m, BytesStorageMetadata):
+            out[fqn] = {"type": "bytes"}
+        else:
+            raise TypeError(f"state_dict_metadata[{fqn!r}] is a {type(m).__name__}")
+    return out
+
+
+def _sd_md_from_json(d: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for fqn, m in d.items():
+        if m["type"] == "tensor":
+            out[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(
+                    dtype=dtype_from_name(m["dtype"]),
+                    requires_grad=bool(m.get("requires_grad", False)),
+                ),
+                size=torch.Size(m["size"]),
+                chunks=[
+                    ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"]))
+                    for c in m["chunks"]
+                ],
+            )
+        elif m["type"] == "bytes":
+            out[fqn] = BytesStorageMetadata()
+        else:
+            raise ValueError(f"unknown entry type {m['type']!r} for {fqn!r}")
+    return out
+
+
+@dataclass
+class DcpManifest:
+    """Everything a reader needs: DCP's ``Metadata`` plus where every item's bytes are."""
+
+    generation: str
+    world_size: int
+    state_dict_metadata: dict[str, Any]
+    items: list[DcpItem]
+    blobs: list[DcpBlob]
+    planner_data: Any = None
+    dcp_version: str | None = None
+    storage_meta: dict[str, Any] = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    writer: str = ""
+    version: int = DCP_FORMAT_VERSION
+
+    def blob_key(self, blob: int) -> str:
+        return f"{self.generation}/{self.blobs[blob].name}"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.items)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(b.size for b in self.blobs)
+
+    # -- DCP objects --
+
+    def to_metadata(self, *, allow_pickle: bool = False) -> Metadata:
+        """DCP's ``Metadata``; ``storage_data`` maps each ``MetadataIndex`` to its item."""
+        sm = self.storage_meta
+        return Metadata(
+            state_dict_metadata=_sd_md_from_json(self.state_dict_metadata),
+            planner_data=decode_value(
+                self.planner_data, allow_pickle=allow_pickle, what="the checkpoint's planner data"
+            ),
+            storage_data={it.md_index: it for it in self.items},
+            storage_meta=StorageMeta(
+                checkpoint_id=sm.get("checkpoint_id"),
+                save_id=sm.get("save_id"),
+                modules=list(sm.get("modules", [])),
+            ),
+            version=self.dcp_version,
+        )
+
+    @classmethod
+    def from_metadata(
+        cls,
+        md: Metadata,
+        *,
+        generation: str,
+        world_size: int,
+        items: list[DcpItem],
+        blobs: list[DcpBlob],
+        allow_pickle: bool,
+        writer: str,
+    ) -> DcpManifest:
+        sm = md.storage_meta
+        return cls(
+            generation=generation,
+            world_size=world_size,
+            state_dict_metadata=_sd_md_to_json(md.state_dict_metadata),
+            items=items,
+            blobs=blobs,
+            planner_data=encode_value(
+                md.planner_data, allow_pickle=allow_pickle, what="the save planner's planner_data"
+            ),
+            dcp_version=md.version,
+            storage_meta={}
+            if sm is None
+            else {
+                "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
+                "save_id": sm.save_id,
+                "modules": list(sm.modules),
+            },
+            writer=writer,
+        )
+
+    # -- JSON --
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": DCP_FORMAT_NAME,
+            "version": self.version,
+            "generation": self.generation,
+            "created": self.created,
+            "writer": self.writer,
+            "world_size": self.world_size,
+            "dcp_version": self.dcp_version,
+            "storage_meta": self.storage_meta,
+            "planner_data": self.planner_data,
+            "state_dict_metadata": self.state_dict_metadata,
+            "blobs": [b.to_json() for b in self.blobs],
+            "items": [i.to_json() for i in self.items],
+        }
+
+    def dumps(self) -> bytes:
+        return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def loads(cls, data: bytes, *, where: str = "") -> DcpManifest:
+        """Parse a manifest; :class:`CorruptData` / :class:`VersionError` naming ``where``."""
+        suffix = f" at {where}" if where else ""
+        try:
+            d = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CorruptData(
+                f"not a valid checkpoint{suffix}: manifest is not JSON ({e})"
+            ) from None
+        if not isinstance(d, dict) or d.get("format") != DCP_FORMAT_NAME:
+            fmt = d.get("format") if isinstance(d, dict) else None
+            raise CorruptData(
+                f"not a multi-rank (DCP) checkpoint{suffix}: manifest format is {fmt!r}, "
+                f"expected {DCP_FORMAT_NAME!r}"
+            )
+        version = d.get("version")
+        if not isinstance(version, int) or version < 1:
+            raise CorruptData(f"not a valid checkpoint{suffix}: bad format version {version!r}")
+        if version > DCP_FORMAT_VERSION:
+            raise VersionError(
+                f"checkpoint{suffix} has {DCP_FORMAT_NAME} version {version}, newer than the "
+                f"{DCP_FORMAT_VERSION} this fmstore reads; upgrade fmstore to load it"
+            )
+        try:
+            m = cls(
+                generation=str(d["generation"]),
+                world_size=int(d["world_size"]),
+                state_dict_metadata=dict(d["state_dict_metadata"]),
+                items=[DcpItem.from_json(i) for i in d["items"]],
+                blobs=[DcpBlob.from_json(b) for b in d["blobs"]],
+                planner_data=d.get("planner_data"),
+                dcp_version=d.get("dcp_version"),
+                storage_meta=dict(d.get("storage_meta") or {}),
+                created=float(d.get("created", 0.0)),
+                writer=str(d.get("writer", "")),
+                version=version,
+            )
+            _sd_md_from_json(m.state_dict_metadata)  # parses, or raises below
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CorruptData(
+                f"not a valid checkpoint{suffix}: manifest is malformed ({e!r})"
+            ) from None
+        m.validate(where)
+        return m
+
+    def validate(self, where: str = "") -> None:
+        """Cross-check offsets so a reader never indexes out of range."""
+        suffix = f" at {where}" if where else ""
+        for it in self.items:
+            pos = 0
+            for c in it.chunks:
+                if not 0 <= c.blob < len(self.blobs) or c.raw_offset != pos:
+                    raise CorruptData(
+                        f"not a valid checkpoint{suffix}: item {it.fqn!r} has bad chunk offsets"
+                    )
+                if c.offset + c.length > self.blobs[c.blob].size:
+                    raise CorruptData(
+                        f"not a valid checkpoint{suffix}: item {it.fqn!r} points past its blob"
+                    )
+                pos += c.raw
+            if pos != it.nbytes:
+                raise CorruptData(
+                    f"not a valid checkpoint{suffix}: chunks of {it.fqn!r} do not cover it"
+                )
+
+
+def sniff_format(data: bytes) -> str | None:
+    """The ``format`` field of a manifest's bytes, or None when it is not a JSON object."""
+    try:
+        d = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return d.get("format") if isinstance(d, dict) else None

@@ -1,0 +1,411 @@
+"""``Reader``: fmstore as DCP's ``StorageReader``, on every store.
+
+Call order (from ``torch.distributed.checkpoint.load``):
+
+0. (all) ``reset(checkpoint_id)`` when the caller passes one
+1. (all) ``read_metadata()``: ``manifest.json`` -> DCP ``Metadata``
+2. (all) ``set_up_storage_reader(metadata, is_coordinator)``
+3. (all) ``prepare_local_plan`` / (coordinator) ``prepare_global_plan``: unchanged plans
+4. (all) ``read_data(plan, planner)``
+
+``read_data`` fetches only the chunks that hold the bytes the rank's plan asks for (a
+resharded load reads a slice of each saved shard), merges neighbouring chunks of one blob
+into one ranged request (``coalesce`` bytes of gap at most, ``max_request`` bytes per
+request), runs the requests concurrently with at most ``max_inflight`` bytes held, checks
+every chunk's CRC32C, and decodes straight into the destination tensor where its bytes are
+one contiguous run of it (large raw chunks are read into it with no copy at all).  A chunk
+that fails its checksum raises :class:`~fmstore.errors.CorruptData` naming the tensor, the
+blob and the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import math
+import os
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ... import runtime
+from ...errors import CorruptData, FmstoreError, NotFound
+from ...format.checksum import crc32c
+from ...format.codecs import decode_into
+from ...format.dtypes import dtype_from_name
+from ...format.manifest import ChunkEntry
+from ...stores import Store, open_store
+from .manifest import MANIFEST_KEY, DcpItem, DcpManifest
+from .writer import _Budget
+
+__all__ = ["ReadOptions", "Reader", "read_manifest"]
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """``coalesce``: merge chunks of one blob separated by at most this many bytes into one
+    request; ``max_request``: bytes per merged request; ``max_inflight``: fetched bytes held
+    at once; ``direct_min``: raw chunks at least this large are read straight into the
+    destination tensor; ``verify``: check CRC32C of every chunk (default on);
+    ``allow_pickle``: accept planner data stored as pickle."""
+
+    coalesce: int = 1 << 20
+    max_request: int = 64 << 20
+    max_inflight: int = 512 << 20
+    direct_min: int = 1 << 20
+    verify: bool = True
+    allow_pickle: bool = False
+
+
+async def read_manifest(store: Store) -> DcpManifest:
+    """The committed manifest of the DCP checkpoint in ``store``."""
+    try:
+        data = await store.get(MANIFEST_KEY)
+    except NotFound:
+        raise NotFound(
+            "no committed checkpoint here (manifest.json is missing)",
+            tier=store.tier,
+            key=MANIFEST_KEY,
+        ) from None
+    return DcpManifest.loads(data, where=f"{store.url}/{MANIFEST_KEY}")
+
+
+@dataclass
+class _Target:
+    """One read item: where its bytes go."""
+
+    req: ReadItem
+    item: DcpItem
+    lo: int  # first raw byte of the item this read needs
+    hi: int  # one past the last
+    dest: torch.Tensor | None  # the destination tensor (None for BYTE_IO)
+    direct: memoryview | None  # dest's bytes when they equal the item's [lo, hi)
+    buf: bytearray | None = None  # staging for [lo, hi) otherwise
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A chunk's contribution to one target: raw bytes [a, b) of the item."""
+
+    target: int
+    a: int
+    b: int
+
+
+class Reader(StorageReader):
+    """Reads a DCP checkpoint written by :class:`~fmstore.checkpoint.dcp.Writer` at ``uri``."""
+
+    def __init__(
+        self,
+        uri: str | os.PathLike[str],
+        options: ReadOptions | None = None,
+        *,
+        store_options: dict[str, Any] | None = None,
+        **overrides: Any,
+    ) -> None:
+        super().__init__()
+        self.uri = os.fspath(uri)
+        self.options = replace(options or ReadOptions(), **overrides)
+        self.store_options = dict(store_options or {})
+        self._store: Store | None = None
+        self.manifest: DcpManifest | None = None
+        self.storage_data: dict[Any, DcpItem] = {}
+        self.load_id = str(uuid.uuid4())
+        self.is_coordinator = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        d = self.__dict__.copy()
+        d["_store"] = None
+        return d
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.uri
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            from ..api import _local_dir
+
+            local = _local_dir(self.uri)
+            if local is not None and not os.path.isdir(local):
+                # Opening a POSIX store creates its directory; a load must not leave one.
+                raise NotFound(f"no checkpoint at {self.uri} (no such directory)", key=MANIFEST_KEY)
+            self._store = open_store(self.uri, **self.store_options)
+        return self._store
+
+    # ---- StorageReader ----------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.uri:
+            self.uri = os.fspath(checkpoint_id)
+            self._store = None
+        self.manifest = None
+        self.storage_data = {}
+        self.load_id = str(uuid.uuid4())
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        from .writer import Writer
+
+        return Writer.validate_checkpoint_id(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise NotFound("fmstore DCP checkpoints have no rank-local metadata", key=MANIFEST_KEY)
+        self.manifest = runtime.run(read_manifest(self.store))
+        md = self.manifest.to_metadata(allow_pickle=self.options.allow_pickle)
+        if md.storage_meta is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.is_coordinator = is_coordinator
+        sd = metadata.storage_data
+        if not isinstance(sd, dict) or not all(isinstance(v, DcpItem) for v in sd.values()):
+            raise FmstoreError("metadata was not read by fmstore's Reader")
+        self.storage_data = sd
+        if self.manifest is None:
+            # Metadata read elsewhere (another Reader instance): load the blob table too.
+            self.manifest = runtime.run(read_manifest(self.store))
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        fut: Future[None] = Future()
+        try:
+            targets = [self._target(req, planner) for req in plan.items]
+            runtime.run(self._read(targets))
+            for t in targets:
+                if t.dest is None:
+                    assert t.buf is not None
+                    planner.load_bytes(t.req, io.BytesIO(bytes(t.buf)))
+                else:
+                    if t.direct is None:
+                        _copy_box(t)
+                    planner.commit_tensor(t.req, t.dest)
+        except BaseException as e:
+            fut.set_exception(e)  # type: ignore[arg-type]
+        else:
+            fut.set_result(None)
+        return fut
+
+    # ---- planning a read ----------------------------------------------------------------
+
+    def _target(self, req: ReadItem, planner: LoadPlanner) -> _Target:
+        item = self.storage_data.get(req.storage_index)
+        if item is None:
+            raise CorruptData(
+                f"checkpoint has no data for {req.storage_index.fqn!r} "
+                f"(offset {tuple(req.storage_index.offset or ())})",
+                tier=self.store.tier,
+                key=MANIFEST_KEY,
+            )
+        if req.type == LoadItemType.BYTE_IO:
+            return _Target(req, item, 0, item.nbytes, None, None, bytearray(item.nbytes))
+        dtype = dtype_from_name(item.dtype)
+        dest = planner.resolve_tensor(req).detach()
+        if tuple(dest.shape) != tuple(req.lengths):
+            raise FmstoreError(
+                f"{item.fqn}: destination has shape {tuple(dest.shape)}, plan asks {tuple(req.lengths)}"
+            )
+        lo, hi, contiguous = _box_span(item.shape, req.storage_offsets, req.lengths, dtype.itemsize)
+        direct = None
+        if (
+            contiguous
+            and dest.device.type == "cpu"
+            and dest.dtype == dtype
+            and dest.is_contiguous()
+            and dest.numel() > 0
+        ):
+            arr: Any = dest.reshape(-1).view(torch.uint8).numpy()
+            direct = memoryview(arr)
+        t = _Target(req, item, lo, hi, dest, direct)
+        if direct is None:
+            t.buf = bytearray(hi - lo)
+        return t
+
+    # ---- fetching ----------------------------------------------------------------------
+
+    async def _read(self, targets: list[_Target]) -> None:
+        assert self.manifest is not None
+        manifest = self.manifest
+        opts = self.options
+        store = self.store
+        # Which chunks each target needs, and which part of each chunk it takes.
+        needs: dict[tuple[int, int], list[_Part]] = {}
+        chunk_of: dict[tuple[int, int], tuple[ChunkEntry, DcpItem]] = {}
+        direct_jobs: list[tuple[_Target, ChunkEntry]] = []
+        for ti, t in enumerate(targets):
+            for c in t.item.chunks:
+                a, b = max(t.lo, c.raw_offset), min(t.hi, c.raw_offset + c.raw)
+                if a >= b:
+                    continue
+                whole = a == c.raw_offset and b == c.raw_offset + c.raw
+                if t.direct is not None and c.codec == "raw" and whole and c.raw >= opts.direct_min:
+                    direct_jobs.append((t, c))
+                    continue
+                key = (c.blob, c.offset)
+                needs.setdefault(key, []).append(_Part(ti, a, b))
+                chunk_of[key] = (c, t.item)
+        budget = _Budget(opts.max_inflight)
+        sem = asyncio.Semaphore(64)
+
+        async def direct(t: _Target, c: ChunkEntry) -> None:
+            assert t.direct is not None
+            out = t.direct[c.raw_offset - t.lo : c.raw_offset - t.lo + c.raw]
+            key = manifest.blob_key(c.blob)
+            async with sem:
+                await store.get_into(key, c.offset, out)
+            if opts.verify:
+                got = await runtime.to_cpu(crc32c, out)
+                if got != c.crc32c:
+                    raise self._corrupt(t.item, c, key)
+
+        async def fetch(group: list[tuple[int, int]]) -> None:
+            chunks = [chunk_of[k] for k in group]
+            blob = group[0][0]
+            start = chunks[0][0].offset
+            end = chunks[-1][0].offset + chunks[-1][0].length
+            key = manifest.blob_key(blob)
+            await budget.acquire(end - start)
+            try:
+                async with sem:
+                    data = memoryview(await store.get_range(key, start, end))
+                jobs = []
+                for k, (c, item) in zip(group, chunks, strict=True):
+                    stored = data[c.offset - start : c.offset - start + c.length]
+                    jobs.append(
+                        runtime.to_cpu(self._deliver, targets, needs[k], c, item, stored, key)
+                    )
+                await asyncio.gather(*jobs)
+            finally:
+                await budget.release(end - start)
+
+        groups = _coalesce(sorted(chunk_of), chunk_of, opts.coalesce, opts.max_request)
+        await asyncio.gather(*(direct(t, c) for t, c in direct_jobs), *(fetch(g) for g in groups))
+
+    def _deliver(
+        self,
+        targets: list[_Target],
+        parts: list[_Part],
+        c: ChunkEntry,
+        item: DcpItem,
+        stored: memoryview,
+        key: str,
+    ) -> None:
+        """Check and decode one chunk into every target that needs part of it (CPU pool)."""
+        if self.options.verify and crc32c(stored) != c.crc32c:
+            raise self._corrupt(item, c, key)
+        # Decode straight into the destination when one target takes the whole chunk.
+        if len(parts) == 1 and parts[0].a == c.raw_offset and parts[0].b == c.raw_offset + c.raw:
+            t = targets[parts[0].target]
+            out = _out_view(t, c.raw_offset, c.raw_offset + c.raw)
+            try:
+                decode_into(c.codec, stored, out, c.group)
+            except CorruptData as e:
+                raise self._corrupt(item, c, key, str(e)) from None
+            return
+        raw = memoryview(bytearray(c.raw))
+        try:
+            decode_into(c.codec, stored, raw, c.group)
+        except CorruptData as e:
+            raise self._corrupt(item, c, key, str(e)) from None
+        for p in parts:
+            t = targets[p.target]
+            _out_view(t, p.a, p.b)[:] = raw[p.a - c.raw_offset : p.b - c.raw_offset]
+
+    def _corrupt(self, item: DcpItem, c: ChunkEntry, key: str, why: str = "") -> CorruptData:
+        what = why or "checksum mismatch"
+        return CorruptData(
+            f"corrupt chunk of {item.fqn!r} (offset {list(item.offset or ())}, bytes "
+            f"{c.offset}..{c.offset + c.length} of blob {key}) in {self.store.url}: {what}",
+            tier=self.store.tier,
+            key=key,
+        )
+
+
+def _out_view(t: _Target, a: int, b: int) -> memoryview:
+    """Where item bytes [a, b) of target ``t`` go."""
+    if t.direct is not None:
+        return t.direct[a - t.lo : b - t.lo]
+    assert t.buf is not None
+    return memoryview(t.buf)[a - t.lo : b - t.lo]
+
+
+def _coalesce(
+    keys: list[tuple[int, int]],
+    chunk_of: dict[tuple[int, int], tuple[ChunkEntry, DcpItem]],
+    gap: int,
+    max_request: int,
+) -> list[list[tuple[int, int]]]:
+    """Group chunk keys (sorted by blob, offset) into ranged requests."""
+    groups: list[list[tuple[int, int]]] = []
+    for k in keys:
+        c = chunk_of[k][0]
+        if groups:
+            g = groups[-1]
+            first, last = chunk_of[g[0]][0], chunk_of[g[-1]][0]
+            if (
+                g[0][0] == k[0]
+                and c.offset - (last.offset + last.length) <= gap
+                and c.offset + c.length - first.offset <= max_request
+            ):
+                g.append(k)
+                continue
+        groups.append([k])
+    return groups
+
+
+def _box_span(
+    shape: tuple[int, ...],
+    offsets: Iterable[int],
+    lengths: Iterable[int],
+    itemsize: int,
+) -> tuple[int, int, bool]:
+    """Byte span ``[lo, hi)`` of a box inside a row-major tensor of ``shape``, and whether
+    the box is exactly that span (contiguous)."""
+    offs, lens = list(offsets), list(lengths)
+    if not shape:
+        return 0, itemsize, True
+    if any(n == 0 for n in lens):
+        return 0, 0, True
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    first = sum(o * s for o, s in zip(offs, strides, strict=True))
+    last = sum((o + n - 1) * s for o, n, s in zip(offs, lens, strides, strict=True))
+    lo, hi = first * itemsize, (last + 1) * itemsize
+    return lo, hi, (hi - lo) == math.prod(lens) * itemsize
+
+
+def _copy_box(t: _Target) -> None:
+    """Copy the box from the staged span into the destination (non-contiguous cases)."""
+    assert t.dest is not None and t.buf is not None
+    item, req = t.item, t.req
+    dtype = dtype_from_name(item.dtype)
+    shape = item.shape
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    if t.hi == t.lo:
+        return
+    flat = torch.frombuffer(t.buf, dtype=torch.uint8).view(dtype)
+    start = sum(o * s for o, s in zip(req.storage_offsets, strides, strict=True))
+    base = t.lo // dtype.itemsize
+    src = flat.as_strided(tuple(req.lengths), tuple(strides), start - base)
+    t.dest.copy_(src)

@@ -1,0 +1,528 @@
+"""``Writer``: fmstore as DCP's ``StorageWriter``, on every store.
+
+Call order (from ``torch.distributed.checkpoint.save``; "all" means every rank):
+
+0. (all) ``reset(checkpoint_id)`` when the caller passes a ``checkpoint_id``;
+   ``storage_meta()``
+1. (all) ``set_up_storage_writer(is_coordinator, rank=...)``
+2. (all) ``prepare_local_plan(plan)``: nothing to add
+3. (coordinator) ``prepare_global_plan(plans)``: picks a fresh *generation* (a sub-prefix
+   for this save's blobs) and gives every rank its number and the world size; refuses to
+   replace a committed checkpoint unless ``overwrite=True``
+4. (all) ``write_data(plan, planner)``: the rank's items go to ``streams`` blobs written
+   concurrently (multipart on S3), each item split into chunks that are encoded and
+   checksummed in the CPU pool, with at most ``max_inflight`` bytes of encoded data held;
+   returns one ``WriteResult`` per item, once every blob is committed
+5. (coordinator) ``finish(metadata, results)``: DCP calls it only when every rank's
+   ``write_data`` succeeded; it checks anyway that every rank answered for every item of its
+   plan and that every blob is present with its size, and only then writes ``manifest.json``
+   (the commit).  A missing rank or blob raises and nothing is committed.
+
+Guarantees: a checkpoint is visible only once complete; ``overwrite=True`` replaces a
+committed one atomically (the old generation is deleted after the new manifest is in place);
+the leftovers of a failed save (a generation no manifest names) are garbage for ``gc``.
+
+A ``Writer`` pickles to its URI and options (DCP's process-based ``async_save`` sends it to
+a checkpoint process); the store is reopened there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ... import runtime
+from ...errors import AlreadyExists, CorruptData, FmstoreError, NotFound
+from ...format.checksum import crc32c
+from ...format.codecs import choose_codec, encode
+from ...format.dtypes import dtype_name
+from ...format.manifest import ChunkEntry
+from ...stores import PutOptions, Store, open_store
+from ..layout import blob_name, new_generation
+from . import staging
+from .manifest import MANIFEST_KEY, DcpBlob, DcpItem, DcpManifest
+
+__all__ = ["WriteOptions", "Writer"]
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """How a :class:`Writer` lays out and sends bytes.
+
+    ``compression``: ``"none"`` (default: DCP checkpoints are written at disk speed),
+    ``"auto"``, ``"zstd"`` or ``"bytegroup+zstd"``, per chunk; chunks that do not shrink stay
+    raw.  ``chunk_size``: bytes per checksummed chunk (also the granularity of partial reads
+    on load).  ``streams``: blobs each rank writes concurrently.  ``max_inflight``: encoded
+    bytes a rank holds at once.  ``overwrite``: replace a committed checkpoint at the URI.
+    ``allow_pickle``: store planner data JSON cannot represent as pickle.
+    """
+
+    compression: str = "none"
+    chunk_size: int = 8 << 20
+    streams: int = 4
+    max_inflight: int = 256 << 20
+    overwrite: bool = False
+    allow_pickle: bool = False
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 4096:
+            raise ValueError("chunk_size must be at least 4096 bytes")
+        if self.streams < 1:
+            raise ValueError("streams must be at least 1")
+        if self.max_inflight < self.chunk_size:
+            raise ValueError("max_inflight must be at least chunk_size")
+        choose_codec(self.compression, torch.float32)  # validates the name
+
+
+@dataclass(frozen=True)
+class _RankPlan:
+    """What the coordinator tells each rank in ``SavePlan.storage_data``."""
+
+    generation: str
+    rank: int
+    world_size: int
+    streams: int
+
+
+@dataclass(frozen=True)
+class _ItemResult:
+    """``WriteResult.storage_data``: an item's record and its blob's final size."""
+
+    item: DcpItem
+    blob: str
+    blob_size: int
+    rank: int
+
+
+@dataclass
+class _BlobOut:
+    name: str
+    items: list[WriteItem] = field(default_factory=list)
+    size: int = 0
+
+
+class _Budget:
+    """Bytes in flight, bounded: ``acquire(n)`` waits until ``n`` more fit."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+        self.cond = asyncio.Condition()
+
+    async def acquire(self, n: int) -> None:
+        n = min(n, self.limit)
+        async with self.cond:
+            await self.cond.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+
+    async def release(self, n: int) -> None:
+        n = min(n, self.limit)
+        async with self.cond:
+            self.used -= n
+            self.cond.notify_all()
+
+
+def _split(items: Sequence[WriteItem], n: int) -> list[list[WriteItem]]:
+    """Spread items over ``n`` streams, largest first onto the least-loaded one."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for it in sorted(items, key=_item_bytes, reverse=True):
+        i = loads.index(min(loads))
+        buckets[i].append(it)
+        loads[i] += max(_item_bytes(it), 1)
+    return [b for b in buckets if b]
+
+
+def _item_bytes(item: WriteItem) -> int:
+    if item.type == WriteItemType.BYTE_IO:
+        return item.bytes_io_data.nbytes if item.bytes_io_data is not None else 0
+    return item.tensor_storage_size() or 0
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The row-major bytes of ``t`` (copied to CPU / made contiguous only when needed)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    arr: Any = t.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(arr)
+
+
+class Writer(StorageWriter):
+    """Writes a DCP checkpoint to ``uri`` (a path, ``file://``, ``s3://``, ``memory://``, a
+    tier name) through an fmstore Store.
+
+    ``Writer(uri, compression="auto")`` sets :class:`WriteOptions` fields by keyword;
+    ``store_options`` go to :func:`fmstore.stores.open_store` (endpoint, credentials, ...).
+    """
+
+    def __init__(
+        self,
+        uri: str | os.PathLike[str],
+        options: WriteOptions | None = None,
+        *,
+        store_options: dict[str, Any] | None = None,
+        **overrides: Any,
+    ) -> None:
+        super().__init__()
+        self.uri = os.fspath(uri)
+        self.options = replace(options or WriteOptions(), **overrides)
+        self.store_options = dict(store_options or {})
+        self._store: Store | None = None
+        self.is_coordinator = False
+        self.rank = 0
+        self.save_id = str(uuid.uuid4())
+        self._plans: list[SavePlan] | None = None
+        self._used_generations: set[str] = set()
+
+    # ---- pickling (process-based async_save) ------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        d = self.__dict__.copy()
+        d["_store"] = None
+        return d
+
+    # ---- StorageWriter ----------------------------------------------------------------
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.uri
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = open_store(self.uri, **self.store_options)
+        return self._store
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.uri:
+            self.uri = os.fspath(checkpoint_id)
+            self._store = None
+        self.save_id = str(uuid.uuid4())
+        self._plans = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Any URI :func:`~fmstore.stores.open_store` can open (nothing is contacted)."""
+        try:
+            from ...stores import split_tier
+
+            split_tier(os.fspath(checkpoint_id))
+        except (FmstoreError, TypeError):
+            return False
+        return bool(os.fspath(checkpoint_id))
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.uri, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0) or 0)
+        if kwargs.get("use_collectives", True) is False:
+            raise FmstoreError(
+                "fmstore's DCP Writer needs use_collectives=True: the coordinator commits "
+                "only after every rank's writes succeeded"
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if not self.options.overwrite and runtime.run(self.store.exists(MANIFEST_KEY)):
+            raise AlreadyExists(
+                "a checkpoint is already committed here; pass overwrite=True to replace it",
+                tier=self.store.tier,
+                key=MANIFEST_KEY,
+            )
+        generation = new_generation()
+        streams = self.options.streams
+        out = [
+            replace(p, storage_data=_RankPlan(generation, i, len(plans), streams))
+            for i, p in enumerate(plans)
+        ]
+        self._plans = out
+        return out
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        rp = plan.storage_data
+        if not isinstance(rp, _RankPlan):
+            raise FmstoreError(
+                "the save plan carries no fmstore storage data: was it made by another "
+                "StorageWriter, or cached by the planner?"
+            )
+        if rp.generation in self._used_generations:
+            raise FmstoreError(
+                "this save plan's generation was already written (planner plan caching is "
+                "not supported by fmstore's Writer)"
+            )
+        self._used_generations.add(rp.generation)
+        fut: Future[list[WriteResult]] = Future()
+        leases = staging.claim_leases(planner)
+        try:
+            results = runtime.run(self._write_rank(plan.items, planner, rp))
+        except BaseException as e:
+            fut.set_exception(e)  # type: ignore[arg-type]
+        else:
+            fut.set_result(results)
+        finally:
+            # The rank's bytes are durable (or the save failed): staging buffers may be reused.
+            staging.release_leases(leases)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        runtime.run(self._finish(metadata, results))
+
+    # ---- the write pipeline ------------------------------------------------------------
+
+    async def _write_rank(
+        self, items: list[WriteItem], planner: SavePlanner, rp: _RankPlan
+    ) -> list[WriteResult]:
+        store = self.store
+        budget = _Budget(self.options.max_inflight)
+        # Blob numbers are unique across ranks: rank r owns [r * streams, (r + 1) * streams).
+        blobs = [
+            _BlobOut(blob_name(rp.rank * rp.streams + i), b)
+            for i, b in enumerate(_split(items, rp.streams))
+        ]
+        per_blob = await asyncio.gather(
+            *(self._write_blob(store, rp, b, planner, budget) for b in blobs)
+        )
+        results: list[WriteResult] = []
+        for b, recs in zip(blobs, per_blob, strict=True):
+            for wi, item in recs:
+                results.append(
+                    WriteResult(
+                        index=wi.index,
+                        size_in_bytes=item.stored_bytes,
+                        storage_data=_ItemResult(item, b.name, b.size, rp.rank),
+                    )
+                )
+        return results
+
+    async def _write_blob(
+        self,
+        store: Store,
+        rp: _RankPlan,
+        blob: _BlobOut,
+        planner: SavePlanner,
+        budget: _Budget,
+    ) -> list[tuple[WriteItem, DcpItem]]:
+        """One blob: items in order, chunks encoded ahead (bounded), written in order."""
+        opts = self.options
+        key = f"{rp.generation}/{blob.name}"
+        queue: asyncio.Queue[tuple[asyncio.Future[tuple[str, Any, int]], int] | None] = (
+            asyncio.Queue()
+        )
+        records: list[tuple[WriteItem, DcpItem]] = []
+
+        async def produce() -> None:
+            try:
+                for wi in blob.items:
+                    data, kind, dt, shape = await runtime.to_cpu(self._resolve, planner, wi)
+                    codec = "raw"
+                    group = 1
+                    if kind == "tensor":
+                        tdt = wi.tensor_data.properties.dtype  # type: ignore[union-attr]
+                        codec = choose_codec(opts.compression, tdt)
+                        group = tdt.itemsize if codec == "bytegroup+zstd" else 1
+                    elif opts.compression not in ("none", "raw"):
+                        codec = "zstd"
+                    n = len(data)
+                    spans = [(o, min(o + opts.chunk_size, n)) for o in range(0, n, opts.chunk_size)]
+                    recs: list[tuple[int, int, asyncio.Future[tuple[str, Any, int]]]] = []
+                    for lo, hi in spans:
+                        await budget.acquire(hi - lo)
+                        task = asyncio.ensure_future(
+                            runtime.to_cpu(_encode_chunk, codec, data[lo:hi], group)
+                        )
+                        recs.append((lo, hi, task))
+                        await queue.put((task, hi - lo))
+                    records.append((wi, DcpItem(wi.index.fqn, _off(wi), kind, dt, shape, n, ())))
+                    pending_chunks.append(recs)
+                await queue.put(None)
+            except BaseException:
+                await queue.put(None)
+                raise
+
+        pending_chunks: list[list[tuple[int, int, asyncio.Future[tuple[str, Any, int]]]]] = []
+        writer = await store.open_writer(key)
+        pos = 0
+        try:
+            producer = asyncio.ensure_future(produce())
+            written: list[ChunkEntry] = []
+            while True:
+                entry = await queue.get()
+                if entry is None:
+                    break
+                task, n = entry
+                codec, stored, crc = await task
+                await writer.write(stored)
+                written.append(ChunkEntry(0, pos, len(stored), 0, n, codec, crc, 1))
+                pos += len(stored)
+                await budget.release(n)
+            await producer  # re-raises a resolve/encode failure
+            await writer.commit()
+        except BaseException:
+            await writer.abort()
+            raise
+        blob.size = pos
+        # Attach chunk entries (in write order) to their items.
+        out: list[tuple[WriteItem, DcpItem]] = []
+        k = 0
+        for (wi, it), recs in zip(records, pending_chunks, strict=True):
+            chunks = []
+            for lo, hi, task in recs:
+                w = written[k]
+                k += 1
+                codec, _stored, _crc = task.result()
+                group = 1
+                if codec == "bytegroup+zstd":
+                    group = wi.tensor_data.properties.dtype.itemsize  # type: ignore[union-attr]
+                chunks.append(
+                    ChunkEntry(0, w.offset, w.length, lo, hi - lo, w.codec, w.crc32c, group)
+                )
+            out.append((wi, replace(it, chunks=tuple(chunks))))
+        return out
+
+    @staticmethod
+    def _resolve(
+        planner: SavePlanner, wi: WriteItem
+    ) -> tuple[memoryview, str, str, tuple[int, ...]]:
+        data = planner.resolve_data(wi)
+        if wi.type == WriteItemType.BYTE_IO:
+            if not isinstance(data, io.BytesIO):
+                raise TypeError(f"{wi.index.fqn}: planner gave {type(data).__name__} for BYTE_IO")
+            return memoryview(data.getbuffer()).cast("B"), "bytes", "", ()
+        if not isinstance(data, torch.Tensor):
+            raise TypeError(f"{wi.index.fqn}: planner gave {type(data).__name__} for a tensor")
+        td = wi.tensor_data
+        assert td is not None
+        name = dtype_name(td.properties.dtype)
+        if name is None:
+            raise TypeError(f"{wi.index.fqn}: dtype {td.properties.dtype} is unknown to fmstore")
+        if data.dtype != td.properties.dtype or tuple(data.shape) != tuple(td.chunk.sizes):
+            raise ValueError(
+                f"{wi.index.fqn}: planner resolved a {data.dtype} {tuple(data.shape)} tensor for "
+                f"a {td.properties.dtype} {tuple(td.chunk.sizes)} write item"
+            )
+        return _tensor_bytes(data), "tensor", name, tuple(int(s) for s in td.chunk.sizes)
+
+    # ---- the commit -------------------------------------------------------------------
+
+    async def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        store = self.store
+        plans = self._plans
+        if plans is None:
+            raise FmstoreError("finish() called on a Writer that did not plan this save")
+        rp0 = plans[0].storage_data
+        assert isinstance(rp0, _RankPlan)
+        if len(results) != len(plans):
+            raise FmstoreError(
+                f"{len(results)} of {len(plans)} ranks reported their writes; not committing",
+                tier=store.tier,
+                key=MANIFEST_KEY,
+            )
+        items: list[DcpItem] = []
+        blobs: list[DcpBlob] = []
+        blob_ids: dict[str, int] = {}
+        for rank, (plan, res) in enumerate(zip(plans, results, strict=True)):
+            want = {wi.index for wi in plan.items}
+            got: set[Any] = set()
+            for wr in res:
+                sd = wr.storage_data
+                if not isinstance(sd, _ItemResult) or sd.rank != rank:
+                    raise FmstoreError(
+                        f"rank {rank} reported a write result fmstore did not make; not committing",
+                        tier=store.tier,
+                        key=MANIFEST_KEY,
+                    )
+                got.add(wr.index)
+                if sd.blob not in blob_ids:
+                    blob_ids[sd.blob] = len(blobs)
+                    blobs.append(DcpBlob(sd.blob, sd.blob_size, rank))
+                items.append(sd.item.with_blob(blob_ids[sd.blob]))
+            if got != want:
+                missing = sorted(i.fqn for i in want - got)
+                raise FmstoreError(
+                    f"rank {rank} did not write {len(want - got)} item(s) of its plan "
+                    f"(e.g. {missing[:3]}); not committing",
+                    tier=store.tier,
+                    key=MANIFEST_KEY,
+                )
+        gen = rp0.generation
+
+        async def check(b: DcpBlob) -> None:
+            key = f"{gen}/{b.name}"
+            try:
+                meta = await store.stat(key)
+            except NotFound:
+                raise NotFound(
+                    f"rank {b.rank}'s blob is missing; not committing", tier=store.tier, key=key
+                ) from None
+            if meta.size != b.size:
+                raise CorruptData(
+                    f"rank {b.rank}'s blob has {meta.size} bytes, expected {b.size}; not committing",
+                    tier=store.tier,
+                    key=key,
+                )
+
+        await asyncio.gather(*(check(b) for b in blobs))
+        metadata.storage_meta = self.storage_meta()
+        manifest = DcpManifest.from_metadata(
+            metadata,
+            generation=gen,
+            world_size=len(plans),
+            items=items,
+            blobs=blobs,
+            allow_pickle=self.options.allow_pickle,
+            writer=f"fmstore (torch {torch.__version__})",
+        )
+        manifest.validate(MANIFEST_KEY)
+        old_gen = await self._old_generation(store) if self.options.overwrite else None
+        opts = PutOptions(mode="overwrite") if self.options.overwrite else PutOptions(mode="create")
+        await store.put(MANIFEST_KEY, manifest.dumps(), opts)
+        if old_gen and old_gen != gen:
+            # Readers that opened the old manifest may still be reading; they see NotFound
+            # after this, never mixed bytes.
+            keys = await store.list_keys(f"{old_gen}/")
+            await store.delete_many(keys)
+
+    @staticmethod
+    async def _old_generation(store: Store) -> str | None:
+        """The generation the committed manifest (of either format) names, if any."""
+        from ..gc import _generation_of
+
+        try:
+            data = await store.get(MANIFEST_KEY)
+        except NotFound:
+            return None
+        try:
+            return _generation_of(data)
+        except FmstoreError:
+            return None
+
+
+def _off(wi: WriteItem) -> tuple[int, ...] | None:
+    return None if wi.index.offset is None else tuple(int(x) for x in wi.index.offset)
+
+
+def _encode_chunk(codec: str, data: memoryview, group: int) -> tuple[str, Any, int]:
+    used, stored = encode(codec, data, group)
+    return used, stored, crc32c(stored)

@@ -1,0 +1,416 @@
+"""Multi-rank checkpoints through torch.distributed.checkpoint with fmstore's Writer/Reader.
+
+Two ``torchrun --nproc_per_node=2`` launches (gloo, CPU) cover the sharded scenarios
+(tests/dcp_worker.py); everything a single process can check runs here directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+from fmstore import runtime
+from fmstore.checkpoint.dcp import Reader, Stager, Writer, async_save, read_manifest
+from fmstore.checkpoint.dcp.api import (
+    inspect_checkpoint,
+    is_dcp_checkpoint,
+    load_full_state_dict,
+    verify_checkpoint,
+)
+from fmstore.checkpoint.gc import gc
+from fmstore.errors import AlreadyExists, CorruptData, NotFound
+from fmstore.stores import open_store
+from fmstore.testing.seaweed import free_ports
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "dcp_worker.py")
+
+
+def torchrun(scenario: str, out: str, roots: list[str], env: dict[str, str], timeout: float) -> int:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_ports(1)[0]}",
+        WORKER,
+        scenario,
+        out,
+        *roots,
+    ]
+    full_env = {**os.environ, **env, "DCP_WORKER_HANG_DUMP": str(int(timeout - 10))}
+    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    with open(os.path.join(out, f"{scenario}.log"), "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    return proc.returncode
+
+
+def equal_trees(a: Any, b: Any, path: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert set(a) == set(b), path
+        for k in a:
+            equal_trees(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            equal_trees(x, y, f"{path}.{i}")
+    else:
+        assert a == b, path
+
+
+# ---- the 2-rank launch -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, s3_server):
+    """One torchrun launch running every sharded scenario on POSIX and on S3."""
+    base = tmp_path_factory.mktemp("dcp")
+    out = base / "out"
+    out.mkdir()
+    bucket = s3_server.create_bucket()
+    roots = [str(base / "root"), f"s3://{bucket}/run"]
+    env = {"FMSTORE_TEST_S3_OPTIONS": json.dumps(s3_server.store_options())}
+    rc = torchrun("main", str(out), roots, env, timeout=420)
+    log = (out / "main.log").read_text()
+    assert rc == 0, log[-6000:]
+    report = json.loads((out / "main.json").read_text())
+    yield {"out": str(out), "roots": roots, "report": report, "s3": s3_server.store_options()}
+    s3_server.delete_bucket(bucket)
+
+
+def _so(sharded: dict[str, Any], root: str) -> dict[str, Any]:
+    return sharded["s3"] if root.startswith("s3://") else {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", [0, 1], ids=["posix", "s3"])
+def test_sharded_saves_load_back_bit_exact_on_two_ranks(sharded, which):
+    # The worker asserts bit-exactness of 2->2, 1->2 and both async_save kinds itself;
+    # it only writes its report when every assertion held.
+    rep = sharded["report"][sharded["roots"][which]]
+    assert rep["changed"], "training did not change the weights during async_save"
+    assert rep["reused"], "the stager allocated new buffers for the second save"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", [0, 1], ids=["posix", "s3"])
+def test_two_rank_checkpoint_loads_resharded_on_one_rank(sharded, which):
+    root = sharded["roots"][which]
+    so = _so(sharded, root)
+    ref = torch.load(os.path.join(sharded["out"], f"ref-{which}.pt"), weights_only=False)
+    m = runtime.run(read_manifest(open_store(f"{root}/a", **so)))
+    assert m.world_size == 2
+    # Into plain full-size tensors: each rank's shard lands in a slice of the target.
+    target = {
+        "model": {k: torch.zeros_like(v) for k, v in ref["model"].items()},
+        "optim": {
+            "state": {
+                p: {k: torch.zeros_like(v) for k, v in st.items()}
+                for p, st in ref["optim"]["state"].items()
+            },
+            "param_groups": ref["optim"]["param_groups"],
+        },
+    }
+    dcp.load(target, storage_reader=Reader(f"{root}/a", store_options=so), no_dist=True)
+    equal_trees(target["model"], ref["model"])
+    equal_trees(target["optim"]["state"], ref["optim"]["state"])
+    # And whole, without a template (what convert uses).
+    full = load_full_state_dict(f"{root}/a", **so)
+    equal_trees(full["model"], ref["model"])
+    equal_trees(full["optim"], ref["optim"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", [0, 1], ids=["posix", "s3"])
+def test_rank_failing_mid_save_commits_nothing(sharded, which):
+    root = sharded["roots"][which]
+    rep = sharded["report"][root]
+    assert rep["fail_error"] and "injected write failure" in rep["fail_error"]
+    store = open_store(f"{root}/fail", **_so(sharded, root))
+    keys = runtime.run(store.list_keys(""))
+    assert "manifest.json" not in keys
+    assert not is_dcp_checkpoint(f"{root}/fail", **_so(sharded, root))
+
+
+@pytest.mark.slow
+def test_rank_killed_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
+    out, root = tmp_path / "out", tmp_path / "root"
+    out.mkdir()
+    rc = torchrun("kill", str(out), [str(root)], {}, timeout=240)
+    log = (out / "kill.log").read_text()
+    assert rc != 0 and "SIGKILL" in log, log[-4000:]
+    assert (out / "kill-started").exists(), log[-4000:]
+    ref = torch.load(out / "ref-kill.pt", weights_only=False)
+    m = runtime.run(read_manifest(open_store(str(root / "k"))))
+    # The interrupted save left a generation that no manifest names ...
+    gens = sorted(p.name for p in (root / "k").iterdir() if p.is_dir())
+    assert len(gens) == 2 and m.generation in gens
+    # ... the committed checkpoint still loads bit-exact ...
+    full = load_full_state_dict(str(root / "k"))
+    equal_trees(full["model"], ref["model"])
+    equal_trees(full["optim"], ref["optim"])
+    # ... and gc removes only the leftover.
+    rep = gc(str(root), older_than=0)
+    assert rep.checkpoints == ["k"]
+    assert rep.removed and all(m.generation not in k for k in rep.removed)
+    left = runtime.run(open_store(str(root / "k")).list_keys(""))
+    assert left and all(k == "manifest.json" or k.startswith(m.generation + "/") for k in left)
+
+
+# ---- single process ---------------------------------------------------------------------
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(300, 500, generator=g),
+        "bf": torch.randn(4096, generator=g).bfloat16(),
+        "i": torch.arange(1000, dtype=torch.int32),
+        "flag": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 3),
+        "meta": {"step": 7, "name": "run-1", "lrs": [0.1, 0.01]},
+    }
+
+
+def _zeros_like(sd: dict[str, Any]) -> dict[str, Any]:
+    out = {k: torch.zeros_like(v) for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    out["meta"] = {"step": 0, "name": "", "lrs": []}
+    return out
+
+
+def _save(sd: dict[str, Any], uri: str, **kw: Any) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=Writer(uri, **kw), no_dist=True)
+
+
+def _load(sd: dict[str, Any], uri: str, **kw: Any) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(sd, storage_reader=Reader(uri, **kw), no_dist=True)
+
+
+@pytest.mark.parametrize("compression", ["none", "auto", "zstd"])
+def test_round_trip_every_codec_bit_exact(tmp_path, compression):
+    sd = _state()
+    _save(sd, str(tmp_path / "c"), compression=compression, chunk_size=64 << 10)
+    out = _zeros_like(sd)
+    _load(out, str(tmp_path / "c"), direct_min=4096)
+    equal_trees(out, sd)
+    m, rows = inspect_checkpoint(str(tmp_path / "c"))
+    codecs = {c for r in rows for c in r.codecs}
+    assert codecs == {"raw"} if compression == "none" else codecs - {"raw"}
+
+
+def test_round_trip_on_memory_store():
+    uri = "memory://dcp-test/round-trip"
+    sd = _state(1)
+    _save(sd, uri, streams=2)
+    out = _zeros_like(sd)
+    _load(out, uri)
+    equal_trees(out, sd)
+
+
+def test_partial_box_reads_fetch_only_needed_chunks(tmp_path):
+    """A read of a sub-box (here a non-contiguous one) of a saved tensor."""
+    uri = str(tmp_path / "box")
+    w = torch.arange(64 * 1000, dtype=torch.float32).reshape(64, 1000)
+    _save({"w": w}, uri, chunk_size=16 << 10)
+    reader = Reader(uri)
+    md = reader.read_metadata()
+    reader.set_up_storage_reader(md, True)
+    dest = {"w": torch.zeros(10, 7)}
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(dest, md, True)
+    req = ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex("w", (0, 0)),
+        dest_offsets=torch.Size((0, 0)),
+        storage_index=MetadataIndex("w", (0, 0)),
+        storage_offsets=torch.Size((40, 300)),
+        lengths=torch.Size((10, 7)),
+    )
+    store = reader.store
+    gets: list[tuple[int, int]] = []
+    orig = store.get_range
+
+    async def spy(key: str, start: int, end: int | None = None) -> bytes:
+        gets.append((start, end or 0))
+        return await orig(key, start, end)
+
+    store.get_range = spy  # type: ignore[method-assign]
+    reader.read_data(LoadPlan([req]), planner).wait()
+    assert torch.equal(dest["w"], w[40:50, 300:307])
+    fetched = sum(e - s for s, e in gets)
+    assert 0 < fetched < w.numel() * 4 // 2  # a slice of the tensor, not all of it
+
+
+def test_corrupt_chunk_is_named_on_load_and_by_verify(tmp_path):
+    uri = str(tmp_path / "bad")
+    sd = _state()
+    _save(sd, uri, chunk_size=64 << 10)
+    m = runtime.run(read_manifest(open_store(uri)))
+    item = next(i for i in m.items if i.fqn == "w")
+    c = item.chunks[3]
+    path = tmp_path / "bad" / m.blob_key(c.blob)
+    data = bytearray(path.read_bytes())
+    data[c.offset + 100] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(BaseException) as ei:  # DCP wraps rank errors in CheckpointException
+        _load(_zeros_like(sd), uri)
+    msg = str(ei.value)
+    assert "CorruptData" in msg and "corrupt chunk of 'w'" in msg and m.blob_key(c.blob) in msg
+    # Straight through the Reader (no DCP wrapping) it is a CorruptData.
+    reader = Reader(uri)
+    md = reader.read_metadata()
+    reader.set_up_storage_reader(md, True)
+    target = _zeros_like(sd)
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(target, md, True)
+    with pytest.raises(CorruptData):
+        reader.read_data(planner.create_local_plan(), planner).wait()
+    res = verify_checkpoint(uri)
+    assert not res.ok and len(res.bad) == 1 and res.bad[0].startswith("w:")
+
+
+def test_existing_checkpoint_is_kept_unless_overwrite(tmp_path):
+    uri = str(tmp_path / "ow")
+    a, b = _state(1), _state(2)
+    _save(a, uri)
+    with pytest.raises(BaseException) as ei:  # DCP wraps it in a CheckpointException
+        _save(b, uri)
+    assert "AlreadyExists" in repr(ei.value) or isinstance(ei.value, AlreadyExists)
+    out = _zeros_like(a)
+    _load(out, uri)
+    equal_trees(out, a)
+    old = runtime.run(read_manifest(open_store(uri))).generation
+    _save(b, uri, overwrite=True)
+    out = _zeros_like(b)
+    _load(out, uri)
+    equal_trees(out, b)
+    # The superseded generation is gone.
+    assert not (tmp_path / "ow" / old).exists()
+
+
+def test_missing_checkpoint_is_not_found_and_creates_nothing(tmp_path):
+    with pytest.raises(BaseException) as ei:
+        _load(_zeros_like(_state()), str(tmp_path / "nothing"))
+    assert "no checkpoint" in str(ei.value) or isinstance(ei.value, NotFound)
+    assert not (tmp_path / "nothing").exists()
+
+
+def test_async_save_keeps_values_of_the_moment_and_reuses_buffers(tmp_path):
+    sd = _state()
+    snap = {k: v.clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    stager = Stager()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fut = async_save(sd, Writer(str(tmp_path / "a1")), stager=stager, no_dist=True)
+        sd["w"].add_(1.0)  # training goes on
+        sd["meta"]["step"] = 8
+        fut.result()
+        size = stager.staged_bytes
+        fut = async_save(sd, Writer(str(tmp_path / "a2")), stager=stager, no_dist=True)
+        fut.result()
+    assert stager.staged_bytes == size
+    out = _zeros_like(sd)
+    _load(out, str(tmp_path / "a1"))
+    for k, v in snap.items():
+        assert torch.equal(out[k], v), k
+    assert out["meta"]["step"] == 7
+    out = _zeros_like(sd)
+    _load(out, str(tmp_path / "a2"))
+    assert torch.equal(out["w"], sd["w"]) and out["meta"]["step"] == 8
+
+
+def test_cli_inspect_verify_convert_understand_dcp(tmp_path, capsys, monkeypatch):
+    from fmstore.cli.main import main
+
+    monkeypatch.setenv("COLUMNS", "200")
+
+    def fm(*args: str) -> tuple[int, str]:
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as e:
+            code = int(e.code or 0)
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    uri = str(tmp_path / "cli")
+    sd = _state()
+    _save(sd, uri, compression="auto")
+    code, out = fm("ckpt", "inspect", uri)
+    assert code == 0 and "DCP" in out and "bfloat16" in out and "300x500" in out, out
+    code, out = fm("ckpt", "verify", uri)
+    assert code == 0 and "ok:" in out, out
+    pt = str(tmp_path / "out.pt")
+    code, out = fm("ckpt", "convert", uri, pt)
+    assert code == 0, out
+    loaded = torch.load(pt, weights_only=False)
+    equal_trees(
+        {k: v for k, v in loaded.items() if k != "meta"},
+        {k: v for k, v in sd.items() if k != "meta"},
+    )
+    fm_dst = str(tmp_path / "single")
+    code, out = fm("ckpt", "convert", uri, fm_dst)
+    assert code == 0, out
+    from fmstore import load
+
+    single = load(fm_dst)
+    assert torch.equal(single["w"], sd["w"]) and single["meta"]["step"] == 7
+
+
+@pytest.mark.s3
+def test_s3_faults_are_retried_and_load_bit_exact(s3_server, s3_bucket):
+    from fmstore.testing.faultproxy import FaultProxy, Rule
+
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        so = {**s3_server.store_options(), "endpoint_url": proxy.endpoint_url}
+        uri = f"s3://{s3_bucket}/faulty"
+        proxy.set_plan(
+            [
+                Rule("slowdown", method="PUT", times=3),
+                Rule("reset", method="GET", times=2),
+                Rule("slowdown", method="GET", times=2),
+            ]
+        )
+        sd = _state()
+        _save(sd, uri, store_options=so, chunk_size=64 << 10)
+        out = _zeros_like(sd)
+        _load(out, uri, store_options=so)
+        equal_trees(out, sd)
+        assert sum(proxy.injected.values()) >= 5
+
+
+@pytest.mark.s3
+def test_s3_outage_is_a_clear_error_and_commits_nothing(s3_server, s3_bucket):
+    from fmstore.testing.faultproxy import FaultProxy, Rule
+
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        so = {**s3_server.store_options(), "endpoint_url": proxy.endpoint_url}
+        uri = f"s3://{s3_bucket}/down"
+        proxy.set_plan([Rule("error", method="PUT", path=r".*manifest\.json")])
+        with pytest.raises(BaseException) as ei:
+            _save(_state(), uri, store_options=so)
+        assert "manifest.json" in str(ei.value)
+    assert not is_dcp_checkpoint(uri, **s3_server.store_options())
