@@ -20,6 +20,7 @@ _WHERE = {
     "FormatOptions": "formats",
     "load_format": "formats",
     "write_dataset": "writer",
+    "write_samples": "writer",
 }
 
 __all__ = sorted(_WHERE)
