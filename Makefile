@@ -8,7 +8,7 @@ BSTAMP  := $(VENV)/.installed-bench
 PIP     := $(BIN)/python -m pip
 TORCH   := torch==2.13.0
 
-.PHONY: setup setup-bench demo test test-fast lint format bench clean
+.PHONY: setup setup-bench setup-prometheus demo test test-fast lint format bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,13 @@ $(BSTAMP): $(STAMP)
 setup: $(STAMP)
 
 setup-bench: $(BSTAMP)
+
+# A real Prometheus for the daemon's scrape test (Debian's package, ~100 MB); the test
+# skips cleanly where it cannot be installed.
+setup-prometheus:
+	command -v prometheus >/dev/null 2>&1 || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus) || \
+	  echo "prometheus could not be installed: tests/test_tiering_daemon.py will skip its scrape test"
 
 demo: $(STAMP)
 	$(BIN)/python -m fmstore.demo

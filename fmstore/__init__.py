@@ -5,6 +5,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .checkpoint import SaveHandle, aload, asave, async_save, load, save  # noqa: E402
+from .checkpoint.manager import CheckpointManager  # noqa: E402
 from .errors import (  # noqa: E402
     AlreadyExists,
     ConfigError,
@@ -29,6 +30,7 @@ def open(path: str, mode: str = "rb", **kwargs):  # type: ignore[no-untyped-def]
 
 
 __all__ = [
+    "CheckpointManager",
     "__version__",
     "open",
     "open_store",
