@@ -123,6 +123,23 @@ class Demo:
             time.sleep(0.5)
         return text
 
+    def watch_lag(self, port: int) -> None:
+        """Sample the daemon's export lag while training runs (for the summary)."""
+        import threading
+
+        self.lags: list[float] = []
+        self._stop_watch = threading.Event()
+
+        def loop() -> None:
+            while not self._stop_watch.wait(0.5):
+                try:
+                    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                except OSError:
+                    continue
+                self.lags.append(report.metric(text, "fmstore_tier_export_lag_seconds"))
+
+        threading.Thread(target=loop, daemon=True).start()
+
     def stop_all(self) -> None:
         for p in self.procs:
             if p.poll() is None:
@@ -159,15 +176,17 @@ class Demo:
         console.print(f"corpus: {len(tokens):,} tokens")
         self.fm("dataset", "write", str(self.work / "corpus.npy"), "nvme:datasets/corpus", "--shard-size", "256KiB")
         self.fm("stage", "nvme:datasets/corpus", "s3:datasets/corpus", "--no-progress")
+        self.lags = []
         if not a.no_daemon:
             console.rule("tiering daemon")
             self.start_daemon(port)
+            self.watch_lag(port)
         console.rule(f"training: {a.steps} steps, checkpoint every {a.ckpt_every}")
-        t0 = time.time()
         rc = self.train("runs/demo")
         if rc != 0:
             return rc
         metrics = self.drain(port) if not a.no_daemon else ""
+        result: dict[str, object] = {"steps": a.steps}
         ok = True
         if a.crash:
             console.rule("crash and resume")
@@ -178,13 +197,17 @@ class Demo:
                 shutil.rmtree(self.work / "nvme" / "runs" / "crash", ignore_errors=True)
                 console.print("nvme copy of runs/crash wiped (a replaced node): restore must come from lustre or S3")
             rc = self.train("runs/crash")
-            ok = report.same_final(self.log, console)
+            ok = rc == 0 and report.same_final(self.log, console)
+            result.update(kill_at=kill_at, bit_identical=ok, restore=report.last_restore(self.log))
             if not a.no_daemon:
                 metrics = self.drain(port)
         console.rule("summary")
-        report.summarize(self.work, self.log, metrics, t0, console)
+        if not a.no_daemon:
+            self._stop_watch.set()
+        report.summarize(self.work, self.log, metrics, self.lags, console)
         png = report.plot(self.work, self.log, console)
         console.print(f"plot: {png}")
+        (self.work / "result.json").write_text(json.dumps(result, indent=2))
         return 0 if ok else 1
 
 

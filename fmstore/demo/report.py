@@ -42,9 +42,8 @@ def same_final(log: Path, console: Console) -> bool:
         console.print("[red]resume check: a run did not finish[/red]")
         return False
     ref, resumed = done[0]["hash"], done[-1]["hash"]
-    restores = [r for r in read_log(log) if r.get("event") == "restore"]
-    if restores:
-        r = restores[-1]
+    r = last_restore(log)
+    if r:
         console.print(f"resumed from step {r['step']} on tier {r['tier'][0] if r['tier'] else '?'} in {r['seconds']:.2f} s")
     if ref == resumed:
         console.print(f"[green]bit-identical[/green]: final weights and optimizer state of the killed-and-resumed run equal the uninterrupted run's (sha256 {ref[:16]}…)")
@@ -53,7 +52,12 @@ def same_final(log: Path, console: Console) -> bool:
     return False
 
 
-def summarize(work: Path, log: Path, metrics: str, t0: float, console: Console) -> None:
+def last_restore(log: Path) -> dict[str, Any] | None:
+    restores = [r for r in read_log(log) if r.get("event") == "restore"]
+    return restores[-1] if restores else None
+
+
+def summarize(work: Path, log: Path, metrics: str, lags: list[float], console: Console) -> None:
     recs = read_log(log)
     steps = [r for r in recs if r.get("event") == "step"]
     first_run = [r for r in steps if r["pid"] == steps[0]["pid"]] if steps else []
@@ -91,7 +95,9 @@ def summarize(work: Path, log: Path, metrics: str, t0: float, console: Console) 
         t.add_column("value", justify="right")
         for labels, value in _samples(metrics, "fmstore_tier_copy_bytes_total"):
             t.add_row(f"bytes copied {labels.get('src')} → {labels.get('dst')}", human_bytes(value))
-        t.add_row("export lag now", f"{metric(metrics, 'fmstore_tier_export_lag_seconds'):.1f} s")
+        if lags:
+            t.add_row("export lag while training (mean / max)", f"{statistics.mean(lags):.1f} / {max(lags):.1f} s")
+        t.add_row("export lag at the end", f"{metric(metrics, 'fmstore_tier_export_lag_seconds'):.1f} s")
         n = metric(metrics, "fmstore_tier_copy_seconds_count")
         if n:
             t.add_row("copies / mean copy time", f"{n:.0f} / {metric(metrics, 'fmstore_tier_copy_seconds_sum') / n:.2f} s")

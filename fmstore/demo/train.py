@@ -75,7 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(args.config)
     cache = os.path.join(cfg.tier("nvme").url, "cache")
     ds = StreamingDataset(args.data, cache, seq_len=args.ctx, shuffle=True, seed=args.seed, batch_size=args.batch)
-    loader = StreamingDataLoader(ds, batch_size=args.batch, num_workers=args.workers)
+    # The loader draws its workers' base seed from its own generator, not from the global
+    # RNG that dropout uses: otherwise re-creating the iterator on resume would shift it.
+    loader = StreamingDataLoader(
+        ds, batch_size=args.batch, num_workers=args.workers, generator=torch.Generator().manual_seed(args.seed)
+    )
     model = GPT(VOCAB, args.ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.steps))
