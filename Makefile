@@ -35,7 +35,12 @@ setup-prometheus:
 	  echo "prometheus could not be installed: tests/test_tiering_daemon.py will skip its scrape test"
 
 demo: $(STAMP)
-	$(BIN)/python -m fmstore.demo
+	$(BIN)/python -m fmstore.demo $(DEMO_ARGS)
+
+# The demo plus a second run killed with SIGKILL, its nvme copies wiped, resumed and
+# compared bit for bit with the uninterrupted run.
+demo-crash: $(STAMP)
+	$(BIN)/python -m fmstore.demo --crash --wipe-nvme $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
@@ -54,6 +59,9 @@ format: $(STAMP)
 
 bench: $(BSTAMP)
 	$(BIN)/python -m benchmarks.run_all
+
+bench-quick: $(BSTAMP)
+	$(BIN)/python -m benchmarks.run_all --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
