@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from .checkpoint import SaveHandle, aload, asave, async_save, load, save  # noqa: E402
-from .checkpoint.manager import CheckpointManager  # noqa: E402
 from .errors import (  # noqa: E402
     AlreadyExists,
     ConfigError,
@@ -19,6 +19,29 @@ from .errors import (  # noqa: E402
     VersionError,
 )
 from .stores import open_store  # noqa: E402
+
+if TYPE_CHECKING:
+    from .checkpoint import SaveHandle, aload, asave, async_save, load, save
+    from .checkpoint.manager import CheckpointManager
+
+#: Names served by :mod:`fmstore.checkpoint`, imported on first use: it loads torch, which
+#: the storage layer and the CLI's staging commands do not need (seconds at start-up).
+_CHECKPOINT_NAMES = frozenset({"SaveHandle", "aload", "asave", "async_save", "load", "save"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CHECKPOINT_NAMES:
+        from . import checkpoint
+
+        value = getattr(checkpoint, name)
+        globals()[name] = value
+        return value
+    if name == "CheckpointManager":
+        from .checkpoint.manager import CheckpointManager
+
+        globals()[name] = CheckpointManager
+        return CheckpointManager
+    raise AttributeError(f"module 'fmstore' has no attribute {name!r}")
 
 
 def open(path: str, mode: str = "rb", **kwargs):  # type: ignore[no-untyped-def]  # noqa: A001

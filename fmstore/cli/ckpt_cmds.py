@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
 from .. import runtime
-from ..checkpoint.api import open_location
-from ..checkpoint.reader import read_manifest
-from ..format.manifest import Manifest
 from ..stores.base import Store
 from .main import app
 from .util import human_bytes
+
+if TYPE_CHECKING:
+    from ..format.manifest import Manifest
 
 ckpt = typer.Typer(
     help="Inspect, verify, garbage-collect and convert checkpoints.", no_args_is_help=True
@@ -22,6 +24,11 @@ app.add_typer(ckpt, name="ckpt")
 
 
 def _manifest(uri: str) -> tuple[Store, Manifest]:
+    # Imported here: the checkpoint package loads torch, which every other command
+    # (stage, ls, cp) would otherwise pay for at start-up (seconds).
+    from ..checkpoint.api import open_location
+    from ..checkpoint.reader import read_manifest
+
     store, _ = open_location(uri, for_read=True)
     return store, runtime.run(read_manifest(store))
 

@@ -32,9 +32,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import logging
 import os
 import re
+import socket
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
@@ -94,7 +96,11 @@ class S3Options:
     ``connect_timeout`` / ``read_timeout`` bound one attempt's connect and each socket
     read.  ``checksum``: ``crc32c`` (``x-amz-checksum-crc32c`` on every upload and checks
     on full reads), ``md5`` (``Content-MD5`` for servers without flexible checksums, and
-    the same checks on reads) or ``off``.
+    the same checks on reads) or ``off``.  ``socket_buffer`` sets each connection's
+    kernel send and receive buffers (capped by ``net.core.wmem_max`` / ``rmem_max``; 0
+    leaves them to the kernel's autotuning): with the small default buffers most of a part
+    is first copied into asyncio's own buffer, then trickled out one event-loop wake-up at
+    a time.
     """
 
     endpoint_url: str | None = None
@@ -117,6 +123,7 @@ class S3Options:
     checksum: Literal["crc32c", "md5", "off"] = "crc32c"
     conditional_writes: bool = True
     copy_threshold: int = MAX_COPY
+    socket_buffer: int = 8 * MiB
 
     def __post_init__(self) -> None:
         if self.part_size < MIN_PART or self.part_size > MAX_PART:
@@ -125,6 +132,8 @@ class S3Options:
             raise ConfigError("S3 max_concurrency and writer_parts_in_flight must be at least 1")
         if self.checksum not in ("crc32c", "md5", "off"):
             raise ConfigError(f"S3 checksum must be crc32c, md5 or off, not {self.checksum!r}")
+        if self.socket_buffer < 0:
+            raise ConfigError("S3 socket_buffer must be 0 (kernel default) or a size in bytes")
         if self.max_attempts < 1:
             raise ConfigError("S3 max_attempts must be at least 1")
         if not MIN_PART <= self.copy_threshold <= MAX_COPY:
@@ -288,7 +297,11 @@ class S3Store(Store):
         style = o.addressing_style or ("path" if o.endpoint_url else "auto")
         config = AioConfig(
             region_name=o.region,
-            s3={"addressing_style": style},
+            # botocore SHA256-signs every body sent over plain http, on the event loop (about
+            # 1 s of CPU per GB).  When a checksum of ours covers the body (CRC32C or MD5,
+            # checked by the server) the signature need not cover it too: UNSIGNED-PAYLOAD,
+            # as botocore itself does over https.
+            s3={"addressing_style": style, "payload_signing_enabled": o.checksum == "off"},
             # Our own loop (s3_retry) retries whole requests including their bodies.
             retries={"total_max_attempts": 1, "mode": "standard"},
             max_pool_connections=o.max_concurrency + 4,
@@ -298,7 +311,7 @@ class S3Store(Store):
             # CRC32 on the event loop for every body.
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
-            tcp_keepalive=True,
+            connector_args={"socket_factory": functools.partial(_socket, o.socket_buffer)},
         )
         kwargs: dict[str, Any] = {"config": config}
         if o.endpoint_url:
@@ -313,6 +326,7 @@ class S3Store(Store):
             region = o.region or session.get_config_variable("region")
             kwargs["region_name"] = region or "us-east-1"
             client = await stack.enter_async_context(session.create_client("s3", **kwargs))
+            _keep_bodies_as_bytes(client)
         except Exception as e:
             await stack.aclose()
             raise translate(e, tier=self.tier, key=None, bucket=self.bucket, op="connect") from e
@@ -688,8 +702,14 @@ class S3Store(Store):
         end: int | None,
         *,
         if_match: str | None = None,
-    ) -> tuple[dict[str, Any], bytes]:
-        """One GET (retried as a whole, body included); ``end`` None means to the end."""
+    ) -> tuple[dict[str, Any], list[bytes], int]:
+        """One GET (retried as a whole, body included); ``end`` None means to the end.
+
+        The body comes back as the pieces the connection delivered, unjoined: the caller
+        copies them once, into its buffer or into the one ``bytes`` it returns.  (Joining
+        per request, then again per object, cost two more passes over fresh memory, about
+        1 s of CPU per GB on a machine where page faults are dear.)
+        """
         cli = await self._cli()
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": full}
         if start or end is not None:
@@ -697,7 +717,7 @@ class S3Store(Store):
         if if_match:
             kwargs["IfMatch"] = _quote(if_match)
 
-        async def attempt() -> tuple[dict[str, Any], bytes]:
+        async def attempt() -> tuple[dict[str, Any], list[bytes], int]:
             from .s3_retry import ShortBody
 
             try:
@@ -708,13 +728,20 @@ class S3Store(Store):
                     raise Restart() from e
                 raise
             body = resp.pop("Body")
+            chunks: list[bytes] = []
+            n = 0
             try:
-                data = await body.read()
+                # Timeouts and broken bodies raise asyncio / aiohttp errors here, which
+                # the retrier treats like botocore's.
+                content = body.raw_stream.content
+                while chunk := await content.readany():
+                    chunks.append(chunk)
+                    n += len(chunk)
             finally:
                 body.close()
-            if len(data) != int(resp.get("ContentLength", len(data))):
-                raise ShortBody(f"got {len(data)} of {resp.get('ContentLength')} bytes")
-            return resp, data
+            if n != int(resp.get("ContentLength", n)):
+                raise ShortBody(f"got {n} of {resp.get('ContentLength')} bytes")
+            return resp, chunks, n
 
         return await self.retrier.call("get", key, attempt)
 
@@ -767,42 +794,42 @@ class S3Store(Store):
         first_end = start + chunk if end is None else min(end, start + chunk)
         try:
             # The first range tells the size, ETag and metadata; the rest go in parallel.
-            resp, data = await self._get(key, full, start, first_end)
+            resp, first, n = await self._get(key, full, start, first_end)
         except InvalidRange:
             meta = await self.stat(key)
             self._check_range(key, meta.size, start, end)
             return meta, empty
-        size, got_start = _total_size(resp, len(data))
-        if got_start != start:
-            data = data[start - got_start :]
+        size, got_start = _total_size(resp, n)
         end = self._check_range(key, size, start, end)
         etag = _unquote(resp.get("ETag"))
         meta = self._meta(key, resp, size)
-        data = data[: end - start]
-        pieces: list[bytes] = [data]
+        if got_start != start or got_start + n > end:
+            # The server sent more than asked (a range it ignored): cut to [start, end).
+            joined = b"".join(first)[start - got_start : end - got_start]
+            first, n = [joined], len(joined)
+        pieces: list[list[bytes]] = [first]
         if out is not None:
-            out[: len(data)] = data
-        pos = start + len(data)
+            _copy_chunks(out, 0, first)
+        pos = start + n
         if pos < end:
             bounds = [(a, min(a + chunk, end)) for a in range(pos, end, chunk)]
 
-            async def fetch(a: int, b: int) -> bytes:
-                _, d = await self._get(key, full, a, b, if_match=etag)
-                if len(d) != b - a:
+            async def fetch(a: int, b: int) -> list[bytes]:
+                _, got, m = await self._get(key, full, a, b, if_match=etag)
+                if m != b - a:
                     raise Restart()
                 if out is not None:
-                    out[a - start : b - start] = d
-                    return b""
-                return d
+                    _copy_chunks(out, a - start, got)
+                    return []
+                return got
 
             pieces += await _all_or_cancel(fetch(a, b) for a, b in bounds)
         whole: Buffer
         if out is not None:
             whole = out
-        elif len(pieces) == 1:
-            whole = pieces[0]
         else:
-            whole = await runtime.to_cpu(b"".join, pieces)
+            flat = [c for p in pieces for c in p]
+            whole = flat[0] if len(flat) == 1 else await runtime.to_cpu(b"".join, flat)
         if start == 0 and end == size and self.options.checksum != "off":
             await self._verify(key, full, resp, etag, whole)
         if out is not None:
@@ -1027,6 +1054,44 @@ class S3Store(Store):
             mtime=time.time(),
             etag=_unquote(resp.get("ETag")),
             metadata=metadata,
+        )
+
+
+def _socket(buffer: int, addr_info: Any) -> socket.socket:
+    """A connection's socket: keep-alive on (aiobotocore ignores ``tcp_keepalive``) and
+    ``buffer`` bytes of kernel send / receive buffer when non-zero."""
+    family, type_, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=type_, proto=proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if buffer:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _copy_chunks(out: memoryview, pos: int, chunks: list[bytes]) -> None:
+    for c in chunks:
+        out[pos : pos + len(c)] = c
+        pos += len(c)
+
+
+def _keep_bodies_as_bytes(client: Any) -> None:
+    """Stop botocore wrapping ``bytes`` bodies in ``BytesIO``.
+
+    botocore does that so its own retries can rewind the body; ours resend the whole
+    request, so it only costs: aiohttp copies a ``BytesIO`` once more (``getbuffer``) and
+    then sends it in 256 KiB pieces with an event-loop round trip each, where ``bytes``
+    go to the socket in one write.
+    """
+    from botocore.handlers import convert_body_to_file_like_object
+
+    for op in ("PutObject", "UploadPart"):
+        client.meta.events.unregister(
+            f"before-parameter-build.s3.{op}", convert_body_to_file_like_object
         )
 
 
