@@ -395,3 +395,13 @@ def test_tier_paths_work_and_mmap_through_the_tier_prefix(tmp_path):
         assert not out["w"].untyped_storage().resizable()  # a mapped buffer, not a fresh allocation
     finally:
         set_config(old)
+
+
+def test_big_storage_loads_bit_exact_and_writable(tmp_path):
+    # Above reader.HUGE_MIN the destination is advised into huge pages: still plain memory.
+    w = torch.randn(3 << 20)  # 12 MiB, 3 chunks
+    fmstore.save({"w": w}, tmp_path / "c", chunk_size=4 << 20)
+    out = fmstore.load(tmp_path / "c")["w"]
+    assert torch.equal(out, w)
+    out.add_(1)
+    assert torch.equal(out, w + 1)
