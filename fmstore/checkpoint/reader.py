@@ -12,10 +12,8 @@ zero copies, pages fault in on first touch (checksums, when verified, touch them
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import mmap as _mmap
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +26,7 @@ from ..format.checksum import crc32c
 from ..format.codecs import decode_into
 from ..format.manifest import MANIFEST_KEY, ChunkEntry, Manifest
 from ..stores.base import Store
+from .memory import empty_bytes
 from .snapshot import as_memoryview
 
 #: Chunks of one blob closer than this are fetched with one ranged read.
@@ -92,7 +91,7 @@ class StorageReader:
             if local is not None and self._mappable(si):
                 out[si] = await runtime.to_io(self._map_storage, si, local)
                 continue
-            dest = _alloc(s.nbytes)
+            dest = empty_bytes(s.nbytes)
             out[si] = dest
             view = as_memoryview(dest)
             for c in s.chunks:
@@ -260,36 +259,6 @@ class StorageReader:
             finally:
                 view.release()
         return torch.frombuffer(mm, dtype=torch.uint8, count=s.nbytes, offset=start)
-
-
-#: Storages at least this big get transparent huge pages (Linux, where THP is ``madvise``).
-HUGE_MIN = 8 << 20
-_MADV_HUGEPAGE = 14
-_libc: Any = None
-
-
-def _alloc(nbytes: int) -> torch.Tensor:
-    """An uninitialised CPU byte tensor for a loaded storage.
-
-    A big one is advised into transparent huge pages before its first touch: reading into
-    fresh memory costs a page fault per 4 KiB (0.37 s of CPU per 440 MiB measured, most of
-    the gap between a load and a read into warm memory); with 2 MiB pages it is 0.16 s.  The
-    tensor stays an ordinary (resizable) torch storage.
-    """
-    t = torch.empty(nbytes, dtype=torch.uint8)
-    if nbytes >= HUGE_MIN and sys.platform == "linux":
-        global _libc
-        try:
-            if _libc is None:
-                _libc = ctypes.CDLL(None, use_errno=True)
-                _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            addr = t.data_ptr()
-            lo = (addr + _mmap.PAGESIZE - 1) & ~(_mmap.PAGESIZE - 1)
-            hi = (addr + nbytes) & ~(_mmap.PAGESIZE - 1)
-            _libc.madvise(lo, hi - lo, _MADV_HUGEPAGE)  # advice only: failure is harmless
-        except (OSError, AttributeError):
-            pass
-    return t
 
 
 def _coalesce(
