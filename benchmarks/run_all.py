@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 import time
@@ -59,7 +58,9 @@ def tables(text: str) -> list[tuple[str, list[str]]]:
 def chart(name: str, idx: int, title: str, rows: list[str]) -> Path | None:
     cells = [[c.strip() for c in r.strip().strip("|").split("|")] for r in rows]
     head, body = cells[0], [r for r in cells[2:] if len(r) == len(cells[0])]
-    ratio_cols = [k for k, h in enumerate(head) if h.startswith("x ") or "vs" in h or "ratio" in h.lower()]
+    ratio_cols = [
+        k for k, h in enumerate(head) if h.startswith("x ") or "vs" in h or "ratio" in h.lower()
+    ]
     if not ratio_cols or not body:
         return None
     import matplotlib
@@ -79,7 +80,9 @@ def chart(name: str, idx: int, title: str, rows: list[str]) -> Path | None:
                 vals.append(0.0)
         ax.barh([y + n * height for y in range(len(body))], vals, height=height, label=head[k])
     ax.axvline(1.0, color="black", lw=0.8)
-    ax.set_yticks([y + height * (len(ratio_cols) - 1) / 2 for y in range(len(body))], labels, fontsize=7)
+    ax.set_yticks(
+        [y + height * (len(ratio_cols) - 1) / 2 for y in range(len(body))], labels, fontsize=7
+    )
     ax.invert_yaxis()
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
@@ -92,7 +95,9 @@ def chart(name: str, idx: int, title: str, rows: list[str]) -> Path | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="")
     ap.add_argument("--skip", default="")
@@ -119,7 +124,13 @@ def main() -> None:
         print(f"==> {' '.join(cmd[1:])}", flush=True)
         t0 = time.time()
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            r = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=args.timeout,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
             out, rc = r.stdout, r.returncode
             err = r.stderr
         except subprocess.TimeoutExpired as e:
@@ -128,7 +139,9 @@ def main() -> None:
         print(out[-3000:], flush=True)
         sections.append(f"## {name}")
         sections.append("")
-        sections.append(f"`python -m benchmarks.{name} {' '.join(extra)}` — {time.time() - t0:.0f} s, exit {rc}")
+        sections.append(
+            f"`python -m benchmarks.{name} {' '.join(extra)}` — {time.time() - t0:.0f} s, exit {rc}"
+        )
         sections.append("")
         if rc != 0:
             sections.append("```\n" + "\n".join(err.strip().splitlines()[-15:]) + "\n```\n")
@@ -141,7 +154,9 @@ def main() -> None:
             if png:
                 sections.append(f"![{title}](charts/{png.name})")
                 sections.append("")
-        notes = [ln for ln in out.splitlines() if ln.lower().startswith(("note", "skipped", "peer"))]
+        notes = [
+            ln for ln in out.splitlines() if ln.lower().startswith(("note", "skipped", "peer"))
+        ]
         if notes:
             sections.extend(["Notes printed by the run:", ""] + [f"- {n}" for n in notes] + [""])
     (HERE / "RESULTS.md").write_text("\n".join(sections) + "\n")

@@ -14,9 +14,24 @@ import pytest
 def test_demo_kill_resume_wiped_nvme_is_bit_identical(tmp_path):
     work = tmp_path / "demo"
     r = subprocess.run(
-        [sys.executable, "-m", "fmstore.demo", "--steps", "30", "--ckpt-every", "5", "--sentences", "4000",
-         "--crash", "--wipe-nvme", "--workdir", str(work)],
-        capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "fmstore.demo",
+            "--steps",
+            "30",
+            "--ckpt-every",
+            "5",
+            "--sentences",
+            "4000",
+            "--crash",
+            "--wipe-nvme",
+            "--workdir",
+            str(work),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     result = json.loads((work / "result.json").read_text())

@@ -84,26 +84,55 @@ class Demo:
 
     def train(self, root: str, kill_at: int = -1) -> int:
         a = self.args
-        cmd = [sys.executable, "-m", "fmstore.demo.train", "--config", str(self.work / "fmstore.toml"),
-               "--root", root, "--steps", str(a.steps), "--ckpt-every", str(a.ckpt_every),
-               "--log", str(self.log), "--kill-at", str(kill_at)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fmstore.demo.train",
+            "--config",
+            str(self.work / "fmstore.toml"),
+            "--root",
+            root,
+            "--steps",
+            str(a.steps),
+            "--ckpt-every",
+            str(a.ckpt_every),
+            "--log",
+            str(self.log),
+            "--kill-at",
+            str(kill_at),
+        ]
         if a.no_daemon:
             cmd.append("--policies")
         t0 = time.perf_counter()
         rc = subprocess.run(cmd, env=self._env).returncode
-        console.print(f"  training {root}: exit {rc} after {time.perf_counter() - t0:.1f} s"
-                      + (" (SIGKILL, as planned)" if rc == -signal.SIGKILL else ""))
+        console.print(
+            f"  training {root}: exit {rc} after {time.perf_counter() - t0:.1f} s"
+            + (" (SIGKILL, as planned)" if rc == -signal.SIGKILL else "")
+        )
         return rc
 
     def start_daemon(self, port: int) -> None:
-        p = subprocess.Popen([sys.executable, "-m", "fmstore", "daemon", "--config", str(self.work / "fmstore.toml")],
-                             env=self._env, stdout=open(self.work / "daemon.log", "ab"), stderr=subprocess.STDOUT,
-                             start_new_session=True)
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fmstore",
+                "daemon",
+                "--config",
+                str(self.work / "fmstore.toml"),
+            ],
+            env=self._env,
+            stdout=open(self.work / "daemon.log", "ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.procs.append(p)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if p.poll() is not None:
-                raise SystemExit(f"the daemon exited with {p.returncode}; see {self.work / 'daemon.log'}")
+                raise SystemExit(
+                    f"the daemon exited with {p.returncode}; see {self.work / 'daemon.log'}"
+                )
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2).read()
                 console.print(f"daemon up: http://127.0.0.1:{port}/metrics")
@@ -117,8 +146,15 @@ class Demo:
         deadline = time.monotonic() + 120
         text = ""
         while time.monotonic() < deadline:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-            if report.metric(text, "fmstore_tier_queue_depth") == 0 and report.metric(text, "fmstore_tier_export_lag_seconds") == 0:
+            text = (
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+                .read()
+                .decode()
+            )
+            if (
+                report.metric(text, "fmstore_tier_queue_depth") == 0
+                and report.metric(text, "fmstore_tier_export_lag_seconds") == 0
+            ):
                 break
             time.sleep(0.5)
         return text
@@ -133,7 +169,11 @@ class Demo:
         def loop() -> None:
             while not self._stop_watch.wait(0.5):
                 try:
-                    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                    text = (
+                        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+                        .read()
+                        .decode()
+                    )
                 except OSError:
                     continue
                 self.lags.append(report.metric(text, "fmstore_tier_export_lag_seconds"))
@@ -151,7 +191,6 @@ class Demo:
                     p.wait()
 
     def run(self) -> int:
-        a = self.args
         console.rule("[bold]fmstore demo")
         console.print(f"working directory: {self.work}")
         bucket = "fmstore-demo"
@@ -174,7 +213,14 @@ class Demo:
 
         np.save(self.work / "corpus.npy", tokens)
         console.print(f"corpus: {len(tokens):,} tokens")
-        self.fm("dataset", "write", str(self.work / "corpus.npy"), "nvme:datasets/corpus", "--shard-size", "256KiB")
+        self.fm(
+            "dataset",
+            "write",
+            str(self.work / "corpus.npy"),
+            "nvme:datasets/corpus",
+            "--shard-size",
+            "256KiB",
+        )
         self.fm("stage", "nvme:datasets/corpus", "s3:datasets/corpus", "--no-progress")
         self.lags = []
         if not a.no_daemon:
@@ -195,7 +241,9 @@ class Demo:
             rc = self.train("runs/crash", kill_at=kill_at)
             if a.wipe_nvme:
                 shutil.rmtree(self.work / "nvme" / "runs" / "crash", ignore_errors=True)
-                console.print("nvme copy of runs/crash wiped (a replaced node): restore must come from lustre or S3")
+                console.print(
+                    "nvme copy of runs/crash wiped (a replaced node): restore must come from lustre or S3"
+                )
             rc = self.train("runs/crash")
             ok = rc == 0 and report.same_final(self.log, console)
             result.update(kill_at=kill_at, bit_identical=ok, restore=report.last_restore(self.log))
@@ -216,10 +264,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--ckpt-every", type=int, default=25)
     ap.add_argument("--sentences", type=int, default=20000, help="corpus size")
-    ap.add_argument("--crash", action="store_true", help="also kill a run with SIGKILL and check the resume")
-    ap.add_argument("--wipe-nvme", action="store_true", help="with --crash: wipe its nvme copies before restarting")
-    ap.add_argument("--no-daemon", action="store_true", help="run the policies in the training process instead")
-    ap.add_argument("--workdir", default=None, help="where the tiers live (default: a new temp dir)")
+    ap.add_argument(
+        "--crash", action="store_true", help="also kill a run with SIGKILL and check the resume"
+    )
+    ap.add_argument(
+        "--wipe-nvme",
+        action="store_true",
+        help="with --crash: wipe its nvme copies before restarting",
+    )
+    ap.add_argument(
+        "--no-daemon", action="store_true", help="run the policies in the training process instead"
+    )
+    ap.add_argument(
+        "--workdir", default=None, help="where the tiers live (default: a new temp dir)"
+    )
     args = ap.parse_args(argv)
     sys.exit(Demo(args).run())
 

@@ -6,14 +6,58 @@ import random
 
 import numpy as np
 
-_SUBJECTS = ["the model", "a checkpoint", "the optimizer", "each rank", "the loader", "a shard",
-             "the daemon", "the cluster", "every tier", "the manifest", "a node", "the gradient"]
-_VERBS = ["writes", "reads", "streams", "exports", "verifies", "restores", "shards", "caches",
-          "compresses", "releases", "commits", "averages"]
-_OBJECTS = ["the weights", "a manifest", "its chunks", "the tokens", "every blob", "the state",
-            "a copy to S3", "the next batch", "the moments", "its checksum", "the learning rate"]
-_TAILS = ["before the step ends", "in the background", "on the fast tier", "without pickle",
-          "after the commit", "when the node fails", "at every epoch", "in parallel", ""]
+_SUBJECTS = [
+    "the model",
+    "a checkpoint",
+    "the optimizer",
+    "each rank",
+    "the loader",
+    "a shard",
+    "the daemon",
+    "the cluster",
+    "every tier",
+    "the manifest",
+    "a node",
+    "the gradient",
+]
+_VERBS = [
+    "writes",
+    "reads",
+    "streams",
+    "exports",
+    "verifies",
+    "restores",
+    "shards",
+    "caches",
+    "compresses",
+    "releases",
+    "commits",
+    "averages",
+]
+_OBJECTS = [
+    "the weights",
+    "a manifest",
+    "its chunks",
+    "the tokens",
+    "every blob",
+    "the state",
+    "a copy to S3",
+    "the next batch",
+    "the moments",
+    "its checksum",
+    "the learning rate",
+]
+_TAILS = [
+    "before the step ends",
+    "in the background",
+    "on the fast tier",
+    "without pickle",
+    "after the commit",
+    "when the node fails",
+    "at every epoch",
+    "in parallel",
+    "",
+]
 
 #: Byte-level tokens: vocabulary of 256 (stored as uint16 like nanoGPT's token files).
 VOCAB = 256
@@ -25,7 +69,9 @@ def make_text(n_sentences: int, seed: int = 0) -> str:
     out = []
     for _ in range(n_sentences):
         tail = rng.choice(_TAILS)
-        words = [rng.choice(_SUBJECTS), rng.choice(_VERBS), rng.choice(_OBJECTS)] + ([tail] if tail else [])
+        words = [rng.choice(_SUBJECTS), rng.choice(_VERBS), rng.choice(_OBJECTS)] + (
+            [tail] if tail else []
+        )
         out.append(" ".join(words).capitalize() + ".")
     return "\n".join(out) + "\n"
 

@@ -13,7 +13,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(d)
         self.attn = nn.MultiheadAttention(d, heads, dropout=dropout, batch_first=True)
         self.ln2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(dropout)
+        )
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = self.ln1(x)
@@ -22,7 +24,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int, ctx: int, d: int = 96, layers: int = 2, heads: int = 4, dropout: float = 0.1) -> None:
+    def __init__(
+        self,
+        vocab: int,
+        ctx: int,
+        d: int = 96,
+        layers: int = 2,
+        heads: int = 4,
+        dropout: float = 0.1,
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.zeros(1, ctx, d))
@@ -33,7 +43,9 @@ class GPT(nn.Module):
         self.head.weight = self.tok.weight  # tied embeddings: saved once, loaded back shared
         nn.init.normal_(self.tok.weight, std=0.02)  # small logits at start (the head is tied to it)
         nn.init.normal_(self.pos, std=0.02)
-        self.register_buffer("mask", torch.triu(torch.full((ctx, ctx), float("-inf")), 1), persistent=False)
+        self.register_buffer(
+            "mask", torch.triu(torch.full((ctx, ctx), float("-inf")), 1), persistent=False
+        )
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         t = idx.shape[1]

@@ -29,7 +29,12 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 
 def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
-    return [(s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name]
+    return [
+        (s.labels, s.value)
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == name
+    ]
 
 
 def read_log(log: Path) -> list[dict[str, Any]]:
@@ -44,9 +49,13 @@ def same_final(log: Path, console: Console) -> bool:
     ref, resumed = done[0]["hash"], done[-1]["hash"]
     r = last_restore(log)
     if r:
-        console.print(f"resumed from step {r['step']} on tier {r['tier'][0] if r['tier'] else '?'} in {r['seconds']:.2f} s")
+        console.print(
+            f"resumed from step {r['step']} on tier {r['tier'][0] if r['tier'] else '?'} in {r['seconds']:.2f} s"
+        )
     if ref == resumed:
-        console.print(f"[green]bit-identical[/green]: final weights and optimizer state of the killed-and-resumed run equal the uninterrupted run's (sha256 {ref[:16]}…)")
+        console.print(
+            f"[green]bit-identical[/green]: final weights and optimizer state of the killed-and-resumed run equal the uninterrupted run's (sha256 {ref[:16]}…)"
+        )
         return True
     console.print(f"[red]MISMATCH[/red]: uninterrupted {ref[:16]}… vs resumed {resumed[:16]}…")
     return False
@@ -70,8 +79,11 @@ def summarize(work: Path, log: Path, metrics: str, lags: list[float], console: C
     if times:
         t.add_row("step time (median)", f"{statistics.median(times) * 1000:.1f} ms")
     if stalls:
-        t.add_row("checkpoint stall (median / max)", f"{statistics.median(stalls) * 1000:.1f} / {max(stalls) * 1000:.1f} ms"
-                  f"  = {statistics.median(stalls) / statistics.median(times):.2f} step times")
+        t.add_row(
+            "checkpoint stall (median / max)",
+            f"{statistics.median(stalls) * 1000:.1f} / {max(stalls) * 1000:.1f} ms"
+            f"  = {statistics.median(stalls) / statistics.median(times):.2f} step times",
+        )
     console.print(t)
 
     cfg = load_config(work / "fmstore.toml")
@@ -96,11 +108,19 @@ def summarize(work: Path, log: Path, metrics: str, lags: list[float], console: C
         for labels, value in _samples(metrics, "fmstore_tier_copy_bytes_total"):
             t.add_row(f"bytes copied {labels.get('src')} → {labels.get('dst')}", human_bytes(value))
         if lags:
-            t.add_row("export lag while training (mean / max)", f"{statistics.mean(lags):.1f} / {max(lags):.1f} s")
-        t.add_row("export lag at the end", f"{metric(metrics, 'fmstore_tier_export_lag_seconds'):.1f} s")
+            t.add_row(
+                "export lag while training (mean / max)",
+                f"{statistics.mean(lags):.1f} / {max(lags):.1f} s",
+            )
+        t.add_row(
+            "export lag at the end", f"{metric(metrics, 'fmstore_tier_export_lag_seconds'):.1f} s"
+        )
         n = metric(metrics, "fmstore_tier_copy_seconds_count")
         if n:
-            t.add_row("copies / mean copy time", f"{n:.0f} / {metric(metrics, 'fmstore_tier_copy_seconds_sum') / n:.2f} s")
+            t.add_row(
+                "copies / mean copy time",
+                f"{n:.0f} / {metric(metrics, 'fmstore_tier_copy_seconds_sum') / n:.2f} s",
+            )
         console.print(t)
 
 
@@ -139,7 +159,9 @@ def plot(work: Path, log: Path, console: Console) -> Path:
         ax2.annotate(str(c.step), (born, y + 0.18), fontsize=7)
     ax2.set_yticks(list(rows.values()), list(rows.keys()))
     ax2.set_ylim(-0.5, 2.7)
-    ax2.set_xlabel("seconds since the first step (each bar: a checkpoint's copy on a tier, from complete to deleted)")
+    ax2.set_xlabel(
+        "seconds since the first step (each bar: a checkpoint's copy on a tier, from complete to deleted)"
+    )
     fig.tight_layout()
     png = work / "demo.png"
     fig.savefig(png, dpi=110)

@@ -74,11 +74,16 @@ def main(argv: list[str] | None = None) -> None:
     np.random.seed(args.seed)
     cfg = load_config(args.config)
     cache = os.path.join(cfg.tier("nvme").url, "cache")
-    ds = StreamingDataset(args.data, cache, seq_len=args.ctx, shuffle=True, seed=args.seed, batch_size=args.batch)
+    ds = StreamingDataset(
+        args.data, cache, seq_len=args.ctx, shuffle=True, seed=args.seed, batch_size=args.batch
+    )
     # The loader draws its workers' base seed from its own generator, not from the global
     # RNG that dropout uses: otherwise re-creating the iterator on resume would shift it.
     loader = StreamingDataLoader(
-        ds, batch_size=args.batch, num_workers=args.workers, generator=torch.Generator().manual_seed(args.seed)
+        ds,
+        batch_size=args.batch,
+        num_workers=args.workers,
+        generator=torch.Generator().manual_seed(args.seed),
     )
     model = GPT(VOCAB, args.ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
@@ -104,7 +109,12 @@ def main(argv: list[str] | None = None) -> None:
             ds.set_epoch(epoch)
             loader.load_state_dict(state["data"])
             start = state["step"] + 1
-            emit(event="restore", step=state["step"], tier=mgr.tiers_of(state["step"])[:1], seconds=time.perf_counter() - t0)
+            emit(
+                event="restore",
+                step=state["step"],
+                tier=mgr.tiers_of(state["step"])[:1],
+                seconds=time.perf_counter() - t0,
+            )
         else:
             ds.set_epoch(epoch)
         it = iter(loader)
@@ -118,7 +128,11 @@ def main(argv: list[str] | None = None) -> None:
                 ds.set_epoch(epoch)
                 it = iter(loader)
                 batch = next(it)
-            x = torch.as_tensor(np.asarray(batch)).long() if not torch.is_tensor(batch) else batch.long()
+            x = (
+                torch.as_tensor(np.asarray(batch)).long()
+                if not torch.is_tensor(batch)
+                else batch.long()
+            )
             _, loss = model(x[:, :-1], x[:, 1:])
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -126,13 +140,22 @@ def main(argv: list[str] | None = None) -> None:
             opt.step()
             sched.step()
             step_time = time.perf_counter() - t0
-            rec: dict[str, Any] = {"event": "step", "step": step, "loss": loss.item(), "step_time": step_time}
+            rec: dict[str, Any] = {
+                "event": "step",
+                "step": step,
+                "loss": loss.item(),
+                "step_time": step_time,
+            }
             if (step + 1) % args.ckpt_every == 0 or step == args.steps - 1:
                 state = {
                     "model": model.state_dict(),
                     "optim": opt.state_dict(),
                     "sched": sched.state_dict(),
-                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+                    "rng": {
+                        "torch": torch.get_rng_state(),
+                        "python": random.getstate(),
+                        "numpy": np.random.get_state(),
+                    },
                     "data": loader.state_dict(),
                     "epoch": epoch,
                     "step": step,
