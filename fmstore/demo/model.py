@@ -24,6 +24,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    mask: torch.Tensor  # causal mask buffer
+
     def __init__(
         self,
         vocab: int,
