@@ -411,8 +411,15 @@ def bench_s3(tag: str, state: Any, n: int) -> None:
             NOTES.append("s3torchconnector not installed: S3 peer skipped")
             return
         from s3torchconnector import S3Checkpoint  # pragma: no cover
+        from s3torchconnector._s3client import S3ClientConfig
 
-        ck = S3Checkpoint(region="us-east-1", endpoint=opts.get("endpoint_url"))
+        # Credentials through the environment; SeaweedFS needs path-style addressing.
+        os.environ.update(server.env())
+        ck = S3Checkpoint(
+            region=server.region,
+            endpoint=server.endpoint_url,
+            s3client_config=S3ClientConfig(force_path_style=True),
+        )
         uri = f"s3://{bucket}/torch.pt"
 
         def s3_save() -> None:
