@@ -8,7 +8,7 @@ BSTAMP  := $(VENV)/.installed-bench
 PIP     := $(BIN)/python -m pip
 TORCH   := torch==2.13.0
 
-.PHONY: setup setup-bench demo test test-fast lint format bench clean
+.PHONY: setup setup-bench setup-prometheus demo test test-fast lint format bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,8 +27,20 @@ setup: $(STAMP)
 
 setup-bench: $(BSTAMP)
 
+# A real Prometheus for the daemon's scrape test (Debian's package, ~100 MB); the test
+# skips cleanly where it cannot be installed.
+setup-prometheus:
+	command -v prometheus >/dev/null 2>&1 || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus) || \
+	  echo "prometheus could not be installed: tests/test_tiering_daemon.py will skip its scrape test"
+
 demo: $(STAMP)
-	$(BIN)/python -m fmstore.demo
+	$(BIN)/python -m fmstore.demo $(DEMO_ARGS)
+
+# The demo plus a second run killed with SIGKILL, its nvme copies wiped, resumed and
+# compared bit for bit with the uninterrupted run.
+demo-crash: $(STAMP)
+	$(BIN)/python -m fmstore.demo --crash --wipe-nvme $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
@@ -47,6 +59,9 @@ format: $(STAMP)
 
 bench: $(BSTAMP)
 	$(BIN)/python -m benchmarks.run_all
+
+bench-quick: $(BSTAMP)
+	$(BIN)/python -m benchmarks.run_all --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -22,6 +22,7 @@ from .stores import open_store  # noqa: E402
 
 if TYPE_CHECKING:
     from .checkpoint import SaveHandle, aload, asave, async_save, load, save
+    from .checkpoint.manager import CheckpointManager
 
 #: Names served by :mod:`fmstore.checkpoint`, imported on first use: it loads torch, which
 #: the storage layer and the CLI's staging commands do not need (seconds at start-up).
@@ -35,6 +36,11 @@ def __getattr__(name: str) -> Any:
         value = getattr(checkpoint, name)
         globals()[name] = value
         return value
+    if name == "CheckpointManager":
+        from .checkpoint.manager import CheckpointManager
+
+        globals()[name] = CheckpointManager
+        return CheckpointManager
     raise AttributeError(f"module 'fmstore' has no attribute {name!r}")
 
 
@@ -47,6 +53,7 @@ def open(path: str, mode: str = "rb", **kwargs):  # type: ignore[no-untyped-def]
 
 
 __all__ = [
+    "CheckpointManager",
     "__version__",
     "open",
     "open_store",

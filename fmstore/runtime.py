@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures as cf
+import contextlib
 import contextvars
 import functools
 import os
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -26,6 +28,10 @@ _loop: asyncio.AbstractEventLoop | None = None
 _thread: threading.Thread | None = None
 _io_pool: cf.ThreadPoolExecutor | None = None
 _cpu_pool: cf.ThreadPoolExecutor | None = None
+
+#: Objects with an ``async close()`` to run on the loop before it stops at exit (S3 clients:
+#: their connection pools would otherwise be torn down by garbage collection, with warnings).
+_closables: weakref.WeakSet[Any] = weakref.WeakSet()
 
 #: Threads for blocking file I/O: enough to keep a parallel file system busy.
 IO_THREADS = int(os.environ.get("FMSTORE_IO_THREADS", "32"))
@@ -126,11 +132,17 @@ async def to_cpu(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return await _in(cpu_pool(), fn, *args, **kwargs)
 
 
+def close_at_exit(obj: Any) -> None:
+    """Have ``await obj.close()`` run on the loop when the process exits (held weakly)."""
+    _closables.add(obj)
+
+
 def _after_fork_in_child() -> None:
     # The loop thread and pool threads do not survive fork; the lock may be held by a
     # thread that no longer exists.  Start afresh on first use in the child.
-    global _lock, _loop, _thread, _io_pool, _cpu_pool
+    global _lock, _loop, _thread, _io_pool, _cpu_pool, _closables
     _lock = threading.Lock()
+    _closables = weakref.WeakSet()  # the parent's clients share its sockets: never close them here
     _loop = _thread = None
     _io_pool = _cpu_pool = None
 
@@ -144,6 +156,14 @@ def shutdown() -> None:
         pools = [p for p in (_io_pool, _cpu_pool) if p is not None]
         _io_pool = _cpu_pool = None
     if lp is not None and th is not None and th.is_alive():
+        closables = list(_closables)
+        if closables:
+
+            async def close_all() -> None:
+                await asyncio.gather(*(o.close() for o in closables), return_exceptions=True)
+
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(close_all(), lp).result(timeout=5)
         lp.call_soon_threadsafe(lp.stop)
         th.join(timeout=5)
     for p in pools:

@@ -22,7 +22,9 @@ def make_dataset(tmp: Path, n: int = 600, shard_size: int = 4000, **kw) -> str:
     return dst
 
 
-def ids(remote: str, cache: str, *, workers: int = 0, batch: int = 8, state=None, stop_after=None, **kw):
+def ids(
+    remote: str, cache: str, *, workers: int = 0, batch: int = 8, state=None, stop_after=None, **kw
+):
     """Sample ids one rank sees through a StreamingDataLoader; optionally stop after
     ``stop_after`` batches and return the loader's state as well."""
     ds = StreamingDataset(remote, cache, batch_size=batch, transform=lambda s: s["i"], **kw)

@@ -74,6 +74,16 @@ def test_s3_round_trip_partial_lazy_overwrite_and_gc(s3_url):
     _check(fmstore.load(store), st2)
 
 
+def test_auto_compression_on_s3_groups_bf16_and_keeps_fp32_raw(s3_url):
+    st = _state(4)
+    store = s3_url("auto/step-1")
+    m = fmstore.save(st, store, **CHUNKING)
+    codec_of = {t.name: {c.codec for c in m.storages[t.storage].chunks} for t in m.tensors}
+    assert codec_of["model.w"] == {"bytegroup+zstd"}
+    assert codec_of["optim.state.0.exp_avg"] == {"raw"}
+    _check(fmstore.load(store), st)
+
+
 def test_s3_no_checkpoint_is_not_found(s3_url):
     with pytest.raises(NotFound, match="no checkpoint"):
         fmstore.load(s3_url("nothing/here"))

@@ -42,7 +42,7 @@ def _state():
 
 
 def test_inspect_shows_tensor_table_and_totals(tmp_path, fm):
-    fmstore.save(_state(), tmp_path / "c")
+    fmstore.save(_state(), tmp_path / "c", compression="bytegroup+zstd")
     r = fm("ckpt", "inspect", str(tmp_path / "c"))
     assert r.returncode == 0, r.stderr
     for word in (

@@ -8,7 +8,9 @@ import sys
 
 
 def fm(*args: str):
-    return subprocess.run([sys.executable, "-m", "fmstore", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "fmstore", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_write_then_inspect(tmp_path):
@@ -33,7 +35,16 @@ def test_inspect_token_files_and_errors(tmp_path):
 
     (tmp_path / "tok").mkdir()
     np.arange(4097, dtype=np.uint16).tofile(tmp_path / "tok" / "train.bin")
-    r = fm("dataset", "inspect", str(tmp_path / "tok"), "--seq-len", "1024", "--dtype", "uint16", "--json")
+    r = fm(
+        "dataset",
+        "inspect",
+        str(tmp_path / "tok"),
+        "--seq-len",
+        "1024",
+        "--dtype",
+        "uint16",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["samples"] == 4
     r = fm("dataset", "inspect", str(tmp_path / "tok"))

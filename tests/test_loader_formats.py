@@ -7,13 +7,12 @@ import os
 
 import numpy as np
 import pytest
+from peer_libs import import_mds_writer
 
 from fmstore.errors import NotSupported
 from fmstore.loaders import StreamingDataset, write_dataset
 from fmstore.loaders.formats import FormatOptions, load_format
 from fmstore.stores import open_store
-
-from peer_libs import import_mds_writer
 
 
 def _mds_samples(n: int) -> list[dict]:
@@ -93,8 +92,12 @@ def test_webdataset_tars_written_by_webdataset_read_back_exactly(tmp_path):
     assert sorted(s["__key__"] for s in got) == sorted(expected)
     for s in got:
         e = expected[s["__key__"]]
-        assert s["txt"] == e["txt"].encode() and json.loads(s["json"]) == e["json"] and s["bin"] == e["bin"]
-    assert os.path.exists(os.path.join(cache, "wds-index.json"))  # the tar scan is kept
+        assert (
+            s["txt"] == e["txt"].encode()
+            and json.loads(s["json"]) == e["json"]
+            and s["bin"] == e["bin"]
+        )
+    assert os.path.exists(os.path.join(cache, ".meta", "wds-index.json"))  # the tar scan is kept
 
 
 def test_nanogpt_token_bin_read_as_sequences_with_targets(tmp_path):
@@ -130,7 +133,9 @@ def test_npy_token_files_are_read_directly(tmp_path):
     np.save(root / "a.npy", arr)
     fmt = load_format(open_store(str(root)), FormatOptions(seq_len=100, dtype="uint32"))
     assert fmt.num_samples == 29
-    ds = StreamingDataset(str(root), str(tmp_path / "cache"), shuffle=False, seq_len=100, dtype="uint32")
+    ds = StreamingDataset(
+        str(root), str(tmp_path / "cache"), shuffle=False, seq_len=100, dtype="uint32"
+    )
     np.testing.assert_array_equal(next(iter(ds)), arr[:101])
 
 
@@ -140,10 +145,16 @@ def test_writer_text_and_file_directories(tmp_path):
     (src / "a.txt").write_text("alpha")
     (src / "sub" / "b.txt").write_text("beta")
     write_dataset(src, str(tmp_path / "text"))
-    assert sorted(StreamingDataset(str(tmp_path / "text"), str(tmp_path / "c1"))) == ["alpha", "beta"]
+    assert sorted(StreamingDataset(str(tmp_path / "text"), str(tmp_path / "c1"))) == [
+        "alpha",
+        "beta",
+    ]
     (src / "c.png").write_bytes(b"\x89PNG")
     write_dataset(src, str(tmp_path / "files"))
-    got = {s["__key__"]: s["data"] for s in StreamingDataset(str(tmp_path / "files"), str(tmp_path / "c2"))}
+    got = {
+        s["__key__"]: s["data"]
+        for s in StreamingDataset(str(tmp_path / "files"), str(tmp_path / "c2"))
+    }
     assert got == {"a.txt": b"alpha", "sub/b.txt": b"beta", "c.png": b"\x89PNG"}
 
 

@@ -7,11 +7,10 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from loader_helpers import ids, make_dataset
 
 from fmstore.loaders import Stream, StreamingDataset
 from fmstore.loaders.order import Plan, ShuffleConfig, rank_count
-
-from loader_helpers import ids, make_dataset
 
 N = 600
 
@@ -39,7 +38,10 @@ def test_order_does_not_depend_on_the_number_of_workers(dataset, workers):
 def test_ranks_interleave_the_one_rank_order_and_cover_it_exactly(dataset, world):
     remote, cache = dataset
     one = ids(remote, cache)
-    per_rank = [ids(remote, cache, rank=r, world_size=world, workers=2 if r == 0 else 0) for r in range(world)]
+    per_rank = [
+        ids(remote, cache, rank=r, world_size=world, workers=2 if r == 0 else 0)
+        for r in range(world)
+    ]
     count = rank_count(N, 0, world)
     assert all(len(p) == count for p in per_rank)  # equal samples per rank: no DDP hang
     merged = [per_rank[p % world][p // world] for p in range(count * world)]
@@ -108,7 +110,9 @@ def test_mix_follows_weights_and_is_reproducible_and_resumable(tmp_path):
     streams = [Stream(a, weight=3.0), Stream(b, weight=1.0)]
 
     def run(**kw):
-        ds = StreamingDataset(streams=streams, local=cache, batch_size=8, samples_per_epoch=400, seed=5, **kw)
+        ds = StreamingDataset(
+            streams=streams, local=cache, batch_size=8, samples_per_epoch=400, seed=5, **kw
+        )
         return ds
 
     ds = run()
@@ -144,3 +148,21 @@ def test_plan_shuffles_samples_within_windows_of_shards():
         assert pos == sum(int(counts[g]) for g in group | seen)
         seen |= group
     assert pos == len(order)
+
+
+def test_spawned_workers_give_the_same_order(dataset):
+    import torch.utils.data as tud
+
+    from fmstore.loaders import StreamingDataLoader
+
+    remote, cache = dataset
+    ds = StreamingDataset(remote, cache, batch_size=8, seed=2)
+    want = [int(i) for i in ds.sample_ids()]
+    dl = StreamingDataLoader(ds, batch_size=8, num_workers=1, multiprocessing_context="spawn")
+    got = [int(s["i"]) for b in dl for s in _unbatch(b)]
+    assert got == want
+    assert isinstance(dl, tud.DataLoader)
+
+
+def _unbatch(batch):
+    return [{"i": i} for i in batch["i"]]

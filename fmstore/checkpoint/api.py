@@ -16,7 +16,7 @@ from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores import open_store
 from ..stores.base import Store
 from .loading import LazyDict, Materializer
-from .planner import DEFAULT_BLOB_SIZE, DEFAULT_CHUNK_SIZE, Planned, plan_save
+from .planner import DEFAULT_BLOB_SIZE, DEFAULT_CHUNK_SIZE, Planned, plan_save, resolve_auto
 from .reader import MapLocation, ReadOptions, read_manifest
 from .select import prune
 from .snapshot import STAGING, needs_staging, take_views
@@ -97,6 +97,8 @@ async def _save_core(obj: Any, uri: Uri, o: SaveOptions) -> Manifest:
             await runtime.to_io(STAGING.lock.acquire)
         try:
             views = await runtime.to_cpu(take_views, planned, copy_all=False)
+            if o.compression == "auto":
+                planned = resolve_auto(planned, store.url)
             return await write_checkpoint(store, planned.plan, views, _wopts(o))
         finally:
             if staged:
@@ -133,8 +135,10 @@ def save(
     """Save ``obj`` (a state tree as given to ``torch.save``) as a checkpoint at ``uri``.
 
     Returns once the checkpoint is committed (its manifest written; durable on POSIX).
-    ``compression``: ``auto`` (byte-grouping + zstd for floats, zstd otherwise, raw where a
-    chunk does not shrink), ``raw``, ``zstd`` or ``bytegroup+zstd``.  ``overwrite=True``
+    ``compression``: ``auto`` (raw on local file systems and memory; on object stores
+    byte-grouping + zstd for 16- and 64-bit floats, raw for fp32, zstd for the rest; see
+    docs/checkpoint.md), ``raw``, ``zstd`` or ``bytegroup+zstd``; a chunk that does not
+    shrink is stored raw.  ``overwrite=True``
     replaces an existing checkpoint atomically (readers see the old or the new one); without
     it an existing checkpoint raises AlreadyExists.  ``pickle=True`` stores values the
     format cannot hold natively as pickles (loading them needs ``weights_only=False``);
@@ -323,7 +327,10 @@ def async_save(
                 # directories, which must not count towards the caller's stall.
                 store, owned = await runtime.to_io(open_location, uri, for_read=False)
                 try:
-                    return await write_checkpoint(store, planned.plan, views, _wopts(o))
+                    plan = planned.plan
+                    if o.compression == "auto":
+                        plan = resolve_auto(planned, store.url).plan
+                    return await write_checkpoint(store, plan, views, _wopts(o))
                 finally:
                     if owned:
                         await store.close()

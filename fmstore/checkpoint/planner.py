@@ -11,7 +11,7 @@ several.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -76,6 +76,33 @@ class Planned:
 
     plan: SavePlan
     sources: list[torch.Tensor]
+
+
+#: URL schemes of stores where writing bytes is cheaper than compressing them.
+LOCAL_SCHEMES = ("file", "memory")
+
+
+def auto_compresses(url: str) -> bool:
+    """Whether ``compression="auto"`` compresses on the store at ``url``.
+
+    Not on local file systems (the ``nvme`` / ``lustre`` tiers, ``file://``) or memory: a
+    local disk takes bytes at 0.6-7 GB/s while byte-grouped zstd encodes ~0.5 GB/s per core,
+    so compressing makes a save several times slower (measured: 0.41x the raw-write floor
+    vs 0.75x raw on a 2-core machine).  On object stores and other remote URLs, where every
+    byte crosses a network and is billed, ``auto`` compresses the dtypes that pay
+    (:func:`fmstore.format.codecs.choose_codec`).
+    """
+    scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
+    return scheme not in LOCAL_SCHEMES
+
+
+def resolve_auto(planned: Planned, url: str) -> Planned:
+    """``planned`` for the store at ``url``: chunks planned with ``compression="auto"``
+    become ``raw`` where :func:`auto_compresses` says no.  Call only for ``auto`` plans."""
+    if auto_compresses(url):
+        return planned
+    chunks = tuple(c if c.codec == "raw" else replace(c, codec="raw") for c in planned.plan.chunks)
+    return Planned(plan=replace(planned.plan, chunks=chunks), sources=planned.sources)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

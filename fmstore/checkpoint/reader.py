@@ -1,8 +1,9 @@
 """Reading a checkpoint: manifest first, then only the chunks needed, in parallel.
 
-Neighbouring chunks of one blob are fetched with one ranged read (fewer round trips on S3);
-a lone raw chunk is read straight into the destination tensor's memory
-(``Store.get_into``: ``preadv`` on POSIX).  Every chunk's CRC32C is checked before it is
+On object stores neighbouring chunks of one blob are fetched with one ranged read (fewer
+round trips); a lone raw chunk is read straight into the destination tensor's memory
+(``Store.get_into``).  On stores with local files every raw chunk is read straight into
+its tensor (``preadv``), one open file per chunk.  Every chunk's CRC32C is checked before it is
 decoded or used; a mismatch raises :class:`~fmstore.errors.CorruptData` naming the tensor,
 the blob and the store.  With ``mmap=True`` on a store that exposes ``local_path`` (POSIX),
 storages held as raw contiguous chunks are memory-mapped copy-on-write instead of read:
@@ -21,11 +22,12 @@ from typing import Any
 import torch
 
 from .. import runtime
-from ..errors import CorruptData, NotFound
+from ..errors import CorruptData, NotFound, StoreUnavailable
 from ..format.checksum import crc32c
 from ..format.codecs import decode_into
 from ..format.manifest import MANIFEST_KEY, ChunkEntry, Manifest
 from ..stores.base import Store
+from .memory import empty_bytes
 from .snapshot import as_memoryview
 
 #: Chunks of one blob closer than this are fetched with one ranged read.
@@ -90,13 +92,20 @@ class StorageReader:
             if local is not None and self._mappable(si):
                 out[si] = await runtime.to_io(self._map_storage, si, local)
                 continue
-            dest = torch.empty(s.nbytes, dtype=torch.uint8)
+            dest = empty_bytes(s.nbytes)
             out[si] = dest
             view = as_memoryview(dest)
             for c in s.chunks:
                 work.append((si, c, view[c.raw_offset : c.raw_offset + c.raw]))
         gate = asyncio.Semaphore(max(1, self.options.concurrency))
-        await asyncio.gather(*(self._read_group(g, gate) for g in _coalesce(work)))
+        if self._local:
+            # Local reads cost a syscall, not a round trip: every chunk is read on its own,
+            # raw ones straight into their tensor (coalescing would read neighbours into a
+            # temporary and copy them out: twice the memory traffic and page faults).
+            groups = [[w] for w in sorted(work, key=lambda w: (w[1].blob, w[1].offset))]
+        else:
+            groups = _coalesce(work)
+        await asyncio.gather(*(self._read_group(g, gate) for g in groups))
         return out
 
     # ---- ranged reads ----------------------------------------------------------------
@@ -124,23 +133,59 @@ class StorageReader:
                 raise self._corrupt(si, c, e.message) from None
 
     async def _read_raw_checked(self, si: int, c: ChunkEntry, key: str, dest: memoryview) -> None:
-        """Read a raw chunk straight into ``dest`` in pieces, checksumming each piece while
-        it is still in the CPU cache (one pass over memory instead of two)."""
-        if not self.options.verify:
+        """Read a raw chunk straight into ``dest``, checksumming it in pieces while each piece
+        is still in the CPU cache (one pass over memory instead of two)."""
+        local = getattr(self.store, "local_path", None)
+        if local is not None:
+            # One blocking call per chunk: one open file (the kernel's readahead follows it
+            # through the whole chunk), reads and CRC in the same thread, no hop per piece.
+            crc = await runtime.to_io(self._read_local, local(key), key, c.offset, dest)
+        elif not self.options.verify:
             await self._get_into(key, c.offset, dest)
             return
-        # Pieces only where a read is a cheap local syscall; on S3 one ranged GET per chunk
-        # (split into parallel part-sized GETs by the store) beats sequential small ones.
-        piece_size = CRC_PIECE if self._local else len(dest)
-        crc = 0
-        for pos in range(0, len(dest), max(1, piece_size)):
-            piece = dest[pos : pos + piece_size]
-            await self._get_into(key, c.offset + pos, piece)
-            crc = await runtime.to_cpu(crc32c, piece, crc)
-        if crc != c.crc32c:
+        else:
+            # On S3 one ranged GET per chunk (split into parallel part-sized GETs by the
+            # store) beats sequential small ones.
+            await self._get_into(key, c.offset, dest)
+            crc = await runtime.to_cpu(crc32c, dest)
+        if self.options.verify and crc != c.crc32c:
             raise self._corrupt(
                 si, c, f"checksum mismatch (crc32c {crc:08x}, expected {c.crc32c:08x})"
             )
+
+    def _read_local(self, path: str, key: str, start: int, dest: memoryview) -> int:
+        """``pread`` ``dest`` from ``path`` at ``start``; the CRC32C of what was read."""
+        n = len(dest)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise NotFound(
+                f"blob missing from checkpoint {self.store.url}", tier=self.store.tier, key=key
+            ) from None
+        except OSError as e:
+            raise StoreUnavailable(f"cannot open blob: {e}", tier=self.store.tier, key=key) from e
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, start, n, os.POSIX_FADV_SEQUENTIAL)
+            crc = 0
+            pos = 0
+            while pos < n:
+                piece = dest[pos : pos + CRC_PIECE]
+                got = os.preadv(fd, [piece], start + pos)
+                if got == 0:
+                    raise CorruptData(
+                        f"blob is truncated (ends before byte {start + n})",
+                        tier=self.store.tier,
+                        key=key,
+                    )
+                if self.options.verify:
+                    crc = crc32c(piece[:got], crc)
+                pos += got
+            return crc
+        except OSError as e:
+            raise StoreUnavailable(f"cannot read blob: {e}", tier=self.store.tier, key=key) from e
+        finally:
+            os.close(fd)
 
     async def _get_into(self, key: str, start: int, dest: memoryview) -> None:
         try:

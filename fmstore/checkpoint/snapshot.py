@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .memory import advise_huge
 from .planner import ALIGN, Planned
 
 
@@ -45,6 +46,8 @@ class Staging:
             self._buf = None  # free the old one before allocating the new one
             size = max(nbytes, 1)
             buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+            if not pinned:
+                advise_huge(buf)
             self._buf, self._pinned = buf, pinned
         return buf[:nbytes]
 

@@ -93,11 +93,24 @@ def _itemsize(name: str) -> int:
 
 
 @ckpt.command("verify")
-def verify(uri: str = typer.Argument(..., help="Checkpoint location.")) -> None:
+def verify(
+    uri: str = typer.Argument(
+        ..., help="Checkpoint location; with --all-tiers, a run root (like runs/llama)."
+    ),
+    all_tiers: bool = typer.Option(
+        False,
+        "--all-tiers",
+        help="Verify every checkpoint of the run root URI on every tier of fmstore.toml.",
+    ),
+) -> None:
     """Check every chunk's checksum; exit 1 naming the bad chunks."""
     from ..checkpoint.dcp.api import is_dcp_checkpoint
     from ..checkpoint.verify import verify_checkpoint
 
+    if all_tiers:
+        from .ckpt_tier_cmds import verify_all_tiers
+
+        raise typer.Exit(verify_all_tiers(uri))
     if is_dcp_checkpoint(uri):
         _verify_dcp(uri)
         return

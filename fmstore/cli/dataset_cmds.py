@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -29,14 +30,20 @@ def _size(text: str) -> int:
 
 @dataset_app.command("write")
 def write(
-    src: str = typer.Argument(..., help="A local JSONL / text / .npy / .bin file, or a directory of them."),
-    dst: str = typer.Argument(..., help="Where the dataset goes: a path, s3://…, memory://…, or TIER:path."),
+    src: str = typer.Argument(
+        ..., help="A local JSONL / text / .npy / .bin file, or a directory of them."
+    ),
+    dst: str = typer.Argument(
+        ..., help="Where the dataset goes: a path, s3://…, memory://…, or TIER:path."
+    ),
     shard_size: str = typer.Option("64MiB", "--shard-size", help="Target shard size (e.g. 64MiB)."),
     compression: str = typer.Option("none", "--compression", help="none or zstd."),
     input_format: str = typer.Option(
         "auto", "--format", help="Input type: auto, jsonl, text (a sample per file), files, tokens."
     ),
-    dtype: str | None = typer.Option(None, "--dtype", help="Token dtype of raw .bin files (uint16, uint32)."),
+    dtype: str | None = typer.Option(
+        None, "--dtype", help="Token dtype of raw .bin files (uint16, uint32)."
+    ),
 ) -> None:
     """Convert SRC into an fmstore dataset at DST (shards first, index.json last)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
@@ -78,9 +85,15 @@ def _src_bytes(src: str) -> int:
 
 @dataset_app.command("inspect")
 def inspect(
-    url: str = typer.Argument(..., help="Dataset location: a path, s3://…, memory://…, or TIER:path."),
-    format: str | None = typer.Option(None, "--format", help="fmstore, tokens, webdataset or mds (default: detect)."),
-    seq_len: int | None = typer.Option(None, "--seq-len", help="Sequence length, for token streams."),
+    url: str = typer.Argument(
+        ..., help="Dataset location: a path, s3://…, memory://…, or TIER:path."
+    ),
+    format: str | None = typer.Option(
+        None, "--format", help="fmstore, tokens, webdataset or mds (default: detect)."
+    ),
+    seq_len: int | None = typer.Option(
+        None, "--seq-len", help="Sequence length, for token streams."
+    ),
     dtype: str | None = typer.Option(None, "--dtype", help="Token dtype, for raw token files."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     shards: bool = typer.Option(False, "--shards", help="List every shard."),
@@ -91,9 +104,14 @@ def inspect(
 
     fmt = load_format(open_store(url), FormatOptions(format, seq_len, dtype))
     info = fmt.describe()
-    rows = [{"key": s.key, "samples": s.samples, "bytes": s.size, "compression": s.compression} for s in fmt.shards]
+    rows: list[dict[str, Any]] = [
+        {"key": s.key, "samples": s.samples, "bytes": s.size, "compression": s.compression}
+        for s in fmt.shards
+    ]
     if as_json:
-        typer.echo(json.dumps({**info, **({"shard_list": rows} if shards else {})}, indent=1, default=str))
+        typer.echo(
+            json.dumps({**info, **({"shard_list": rows} if shards else {})}, indent=1, default=str)
+        )
         return
     console = Console()
     t = Table(box=None, show_header=False)
@@ -105,5 +123,10 @@ def inspect(
         for col in ("key", "samples", "bytes", "compression"):
             st.add_column(col, justify="right" if col in ("samples", "bytes") else "left")
         for r in rows:
-            st.add_row(r["key"], str(r["samples"]), human_bytes(r["bytes"]), r["compression"] or "")
+            st.add_row(
+                str(r["key"]),
+                str(r["samples"]),
+                human_bytes(r["bytes"]),
+                str(r["compression"] or ""),
+            )
         console.print(st)

@@ -44,6 +44,8 @@ COMMAND_MODULES = (
     "ckpt_cmds",  # ckpt inspect, verify, gc, convert
     "dataset_cmds",  # dataset write, inspect
     "stage_cmds",  # stage, hydrate, release
+    "ckpt_tier_cmds",  # ckpt list (and verify --all-tiers); after ckpt_cmds
+    "daemon_cmds",  # daemon
 )
 
 

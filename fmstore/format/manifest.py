@@ -205,24 +205,13 @@ class Manifest:
     def loads(cls, data: bytes, *, where: str = "") -> Manifest:
         """Parse a manifest; CorruptData / VersionError with ``where`` in the message."""
         suffix = f" at {where}" if where else ""
-        try:
-            d = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CorruptData(
-                f"not a valid checkpoint{suffix}: manifest is not JSON ({e})"
-            ) from None
-        if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
-            raise CorruptData(
-                f"not a valid checkpoint{suffix}: manifest lacks format {FORMAT_NAME!r}"
-            )
-        version = d.get("version")
-        if not isinstance(version, int) or version < 1:
-            raise CorruptData(f"not a valid checkpoint{suffix}: bad format version {version!r}")
-        if version > FORMAT_VERSION:
-            raise VersionError(
-                f"checkpoint{suffix} has format version {version}, newer than the {FORMAT_VERSION} "
-                "this fmstore reads; upgrade fmstore to load it"
-            )
+        d, version = parse_header(
+            data,
+            where=where,
+            format_name=FORMAT_NAME,
+            max_version=FORMAT_VERSION,
+            kind="valid checkpoint",
+        )
         try:
             m = cls(
                 generation=str(d["generation"]),
@@ -265,3 +254,29 @@ class Manifest:
                 raise CorruptData(
                     f"not a valid checkpoint{suffix}: chunks do not cover their storage"
                 )
+
+
+def parse_header(
+    data: bytes, *, where: str, format_name: str, max_version: int, kind: str
+) -> tuple[dict[str, Any], int]:
+    """Parse a manifest's JSON and check its format name and version, for every manifest
+    kind: ``CorruptData`` ("not a KIND") or ``VersionError`` past ``max_version``."""
+    suffix = f" at {where}" if where else ""
+    try:
+        d = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptData(f"not a valid checkpoint{suffix}: manifest is not JSON ({e})") from None
+    if not isinstance(d, dict) or d.get("format") != format_name:
+        fmt = d.get("format") if isinstance(d, dict) else None
+        raise CorruptData(
+            f"not a {kind}{suffix}: manifest format is {fmt!r}, expected {format_name!r}"
+        )
+    version = d.get("version")
+    if not isinstance(version, int) or version < 1:
+        raise CorruptData(f"not a valid checkpoint{suffix}: bad format version {version!r}")
+    if version > max_version:
+        raise VersionError(
+            f"checkpoint{suffix} has {format_name} version {version}, newer than the "
+            f"{max_version} this fmstore reads; upgrade fmstore to load it"
+        )
+    return d, version

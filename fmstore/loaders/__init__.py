@@ -14,12 +14,13 @@ from typing import Any
 _WHERE = {
     "CacheFull": "cache",
     "ShardCache": "cache",
-    "Stream": "dataset",
+    "Stream": "mix",
     "StreamingDataLoader": "dataset",
     "StreamingDataset": "dataset",
     "FormatOptions": "formats",
     "load_format": "formats",
     "write_dataset": "writer",
+    "write_samples": "writer",
 }
 
 __all__ = sorted(_WHERE)

@@ -38,8 +38,8 @@ from .formats.base import ShardSpec
 #: ``next_use(name)``: how far in the future (in samples) a cached file is needed again.
 NextUse = Callable[[str], float]
 TMP = ".tmp."
-CHUNK = 16 << 20
-CONCURRENCY = 4
+CHUNK = 8 << 20
+CONCURRENCY = 8
 
 
 class CacheFull(FmstoreError):

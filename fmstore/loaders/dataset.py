@@ -11,36 +11,24 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch.utils.data as tud
 
+from .. import runtime
 from ..config import get_config
-from ..errors import ConfigError
-from ..stores import Store, open_store
+from ..errors import ConfigError, CorruptData, InvalidRange, NotFound
+from ..stores import ByteRange, Store, open_store
+from . import metrics
 from .cache import ShardCache
 from .formats import DatasetFormat, FormatOptions, ShardReader, ShardSpec, load_format
+from .mix import Stream
 from .order import Plan, ShuffleConfig, positions, rank_count, worker_indices
 from .prefetch import Prefetcher
 from .state import LoaderState
-
-
-@dataclass(frozen=True)
-class Stream:
-    """One dataset in a mix: where it is, its weight, and how to read it."""
-
-    remote: str
-    weight: float = 1.0
-    format: str | None = None
-    seq_len: int | None = None
-    dtype: str | None = None
-    targets: bool = True
-    allow_pickle: bool = False
-    #: options for :func:`~fmstore.stores.open_store` (an S3 endpoint, credentials, ...)
-    storage_options: dict[str, Any] | None = None
 
 
 def default_cache_dir() -> str:
@@ -66,7 +54,10 @@ class StreamingDataset(tud.IterableDataset):
     twice the shuffle window's shards, checked here.  ``shuffle``/``seed``/``shuffle_window``:
     see :mod:`.order`.  ``batch_size``: the DataLoader's batch size, which makes the order a
     rank sees the same for any number of workers.  ``prefetch``: shards each worker keeps
-    downloading ahead (default: the window), ``max_concurrency`` at once.  ``format``,
+    downloading ahead (default: the window), ``max_concurrency`` at once.
+    ``direct_reads``: samples each worker may fetch by byte range at the start of an epoch
+    while their shards are still downloading, so the first batch does not wait for whole
+    shards (default: one batch; 0 turns it off).  ``format``,
     ``seq_len``, ``dtype``, ``targets``, ``allow_pickle``: see :class:`FormatOptions`; ``storage_options`` go to ``open_store``.
     ``streams``/``samples_per_epoch``: weighted mixing (see :class:`~.order.Plan`).
     ``rank``/``world_size``: default from ``torch.distributed``, else ``RANK``/``WORLD_SIZE``.
@@ -85,6 +76,7 @@ class StreamingDataset(tud.IterableDataset):
         shuffle_window: int = 4,
         prefetch: int | None = None,
         max_concurrency: int = 4,
+        direct_reads: int | None = None,
         format: str | None = None,
         seq_len: int | None = None,
         dtype: str | None = None,
@@ -101,7 +93,18 @@ class StreamingDataset(tud.IterableDataset):
         if (remote is None) == (streams is None):
             raise ConfigError("pass either remote or streams")
         if streams is None:
-            streams = [Stream(remote or "", 1.0, format, seq_len, dtype, targets, allow_pickle, storage_options)]
+            streams = [
+                Stream(
+                    remote or "",
+                    1.0,
+                    format,
+                    seq_len,
+                    dtype,
+                    targets,
+                    allow_pickle,
+                    storage_options,
+                )
+            ]
         if not streams:
             raise ConfigError("streams is empty")
         if any(s.weight <= 0 for s in streams):
@@ -114,6 +117,7 @@ class StreamingDataset(tud.IterableDataset):
         self.max_concurrency = max(1, max_concurrency)
         self.window = max(1, shuffle_window)
         self.prefetch_depth = self.window if prefetch is None else max(0, prefetch)
+        self.direct_reads = direct_reads
         r, w = dist_rank_world()
         self.rank = r if rank is None else rank
         self.world_size = w if world_size is None else world_size
@@ -121,11 +125,14 @@ class StreamingDataset(tud.IterableDataset):
             raise ConfigError(f"rank {self.rank} is outside world size {self.world_size}")
         self.cache = ShardCache(self.local, cache_limit)  # checks that the directory is writable
         self.formats: list[DatasetFormat] = []
-        for s in self.streams:
+        self._stores: dict[int, Store] = {}
+        self._pid = os.getpid()
+        for i, s in enumerate(self.streams):
             opts = FormatOptions(
                 s.format, s.seq_len, s.dtype, s.targets, shard_bytes, s.allow_pickle
             )
-            self.formats.append(load_format(open_store(s.remote, **(s.storage_options or {})), opts, index_dir=self.local))
+            store = self._stores[i] = open_store(s.remote, **(s.storage_options or {}))
+            self.formats.append(load_format(store, opts, index_dir=self.local))
         self.specs: list[tuple[int, ShardSpec]] = [
             (i, sp) for i, f in enumerate(self.formats) for sp in f.shards
         ]
@@ -144,8 +151,6 @@ class StreamingDataset(tud.IterableDataset):
         self._start = 0
         self._start_epoch = 0
         self._yielded = 0
-        self._stores: dict[int, Store] = {}
-        self._pid = os.getpid()
 
     # ---- configuration checks -----------------------------------------------------------
 
@@ -200,6 +205,12 @@ class StreamingDataset(tud.IterableDataset):
             )
         self.epoch = self._start_epoch = st.epoch
         self._start = st.position
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Store clients belong to the process that opened them (spawned workers open theirs).
+        state = self.__dict__.copy()
+        state["_stores"] = {}
+        return state
 
     # ---- iteration --------------------------------------------------------------------
 
@@ -270,28 +281,127 @@ class StreamingDataset(tud.IterableDataset):
         readers: dict[int, ShardReader] = {}
         shard_l, local_l = shard.tolist(), local.tolist()
         transform = self.transform
+        budget = (self.batch_size or 32) if self.direct_reads is None else self.direct_reads
+        direct: dict[int, Any] = {}
         try:
-            pre.advance(-1)
+            if budget <= 0:
+                pre.advance(-1)
             for i in range(n):
-                s = shard_l[i]
-                r = readers.get(s)
-                if r is None:
-                    here[0] = i
-                    pre.advance(rank_in_upcoming[s])
-                    r = readers[s] = self._open(s, next_use)
-                sample = r.get(local_l[i])
+                if i in direct:
+                    sample = direct.pop(i)
+                else:
+                    s = shard_l[i]
+                    r = readers.get(s)
+                    if r is None and budget > 0:
+                        got = self._read_direct(
+                            i, min(n, i + budget), shard_l, local_l, readers, pre
+                        )
+                        budget -= len(got)
+                        direct.update(got)
+                        pre.advance(-1)
+                    if i in direct:
+                        sample = direct.pop(i)
+                    else:
+                        if r is None:
+                            here[0] = i
+                            pre.advance(rank_in_upcoming[s])
+                            r = readers[s] = self._open(s, next_use)
+                        sample = r.get(local_l[i])
                 self._yielded += 1
                 yield sample if transform is None else transform(sample)
                 done = release_at.get(i)
                 if done:
                     for d in done:
-                        readers.pop(d).close()
-                        self.cache.unpin(self.names[d])
+                        rd = readers.pop(d, None)
+                        if rd is not None:
+                            rd.close()
+                            self.cache.unpin(self.names[d])
         finally:
             pre.close()
             for d, r in readers.items():
                 r.close()
                 self.cache.unpin(self.names[d])
+
+    def _read_direct(
+        self,
+        lo: int,
+        hi: int,
+        shard_l: list[int],
+        local_l: list[int],
+        readers: dict[int, ShardReader],
+        pre: Prefetcher,
+    ) -> dict[int, Any]:
+        """Samples ``lo..hi`` whose shards are neither open nor cached, by ranged reads;
+        their shards are queued for download meanwhile."""
+        want: list[int] = []
+        ready: dict[int, bool] = {}
+        for j in range(lo, hi):
+            s = shard_l[j]
+            if s in readers:
+                continue
+            ok = ready.get(s)
+            if ok is None:
+                stream, spec = self.specs[s]
+                ok = ready[s] = self.formats[stream].header_size(
+                    spec
+                ) is not None and not os.path.exists(self.cache.path(self.names[s]))
+            if ok:
+                want.append(j)
+        if not want:
+            return {}
+        t0 = time.perf_counter()
+        out = runtime.run(self._fetch_ranges(want, shard_l, local_l))
+        metrics.WAIT_SECONDS.inc(time.perf_counter() - t0)
+        # Downloads start after the ranged reads so that they do not compete with them.
+        pre.ensure(sorted({shard_l[j] for j in want}))
+        return out
+
+    async def _fetch_ranges(
+        self, want: list[int], shard_l: list[int], local_l: list[int]
+    ) -> dict[int, Any]:
+        import asyncio
+
+        shards = sorted({shard_l[j] for j in want})
+
+        async def header(s: int) -> tuple[int, bytes]:
+            stream, spec = self.specs[s]
+            size = self.formats[stream].header_size(spec) or 0
+            data = (
+                await self._store(stream).get_range(spec.key, spec.start, spec.start + size)
+                if size
+                else b""
+            )
+            return s, data
+
+        async def from_shard(s: int) -> list[tuple[int, Any]]:
+            # One shard's samples in one call: neighbours are merged into one request.
+            stream, spec = self.specs[s]
+            fmt = self.formats[stream]
+            js = [j for j in want if shard_l[j] == s]
+            ranges = []
+            for j in js:
+                a, b = fmt.sample_range(spec, heads[s], local_l[j])
+                ranges.append(ByteRange(spec.start + a, spec.start + b))
+            datas = await self._store(stream).get_ranges(spec.key, ranges, coalesce=256 << 10)
+            metrics.DIRECT_BYTES.inc(sum(len(d) for d in datas))
+            return [(j, fmt.decode(spec, d)) for j, d in zip(js, datas, strict=True)]
+
+        try:
+            heads = dict(await asyncio.gather(*(header(s) for s in shards)))
+            for s, head in heads.items():
+                stream, spec = self.specs[s]
+                if head:
+                    self.formats[stream].check_header(spec, head)
+            parts = await asyncio.gather(*(from_shard(s) for s in shards))
+            return {j: x for part in parts for j, x in part}
+        except NotFound as e:
+            raise NotFound(
+                "shard listed in the dataset index is missing", tier=e.tier, key=e.key
+            ) from None
+        except InvalidRange as e:
+            raise CorruptData(
+                "shard is shorter than the index says", tier=e.tier, key=e.key
+            ) from None
 
     def _open(self, s: int, next_use: Callable[[str], float]) -> ShardReader:
         stream, spec = self.specs[s]

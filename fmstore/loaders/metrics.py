@@ -18,3 +18,7 @@ EVICTIONS = Counter("fmstore_loader_evictions_total", "Shards evicted from the n
 REFETCHES = Counter(
     "fmstore_loader_refetches_total", "Shards downloaded again after a failed checksum"
 )
+DIRECT_BYTES = Counter(
+    "fmstore_loader_direct_read_bytes_total",
+    "Sample bytes read by range while their shard was downloading",
+)

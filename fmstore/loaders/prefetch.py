@@ -35,6 +35,7 @@ class Prefetcher:
         self.next = 0
         self.lock = threading.Lock()
         self.futures: list[cf.Future[bool]] = []
+        self.submitted: set[int] = set()
         self.closed = False
 
     def advance(self, reached: int) -> None:
@@ -46,8 +47,20 @@ class Prefetcher:
             while self.next < want:
                 shard = self.upcoming[self.next]
                 self.next += 1
-                self.futures.append(self.pool.submit(self._one, shard))
+                self._submit(shard)
             self.futures = [f for f in self.futures if not f.done()]
+
+    def ensure(self, shards: list[int]) -> None:
+        """Start downloading ``shards`` now (the reader is about to need them)."""
+        with self.lock:
+            if not self.closed:
+                for s in shards:
+                    self._submit(s)
+
+    def _submit(self, shard: int) -> None:
+        if shard not in self.submitted:
+            self.submitted.add(shard)
+            self.futures.append(self.pool.submit(self._one, shard))
 
     def _one(self, shard: int) -> bool:
         if self.closed:

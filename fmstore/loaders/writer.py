@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -111,6 +112,54 @@ def write_dataset(
     }
     runtime.run(store.put(fms.INDEX_KEY, json.dumps(index, indent=1).encode()))
     return WriteResult(shards=len(w.entries), samples=w.samples, bytes=w.bytes, kind=doc["kind"])
+
+
+def write_samples(
+    samples: Iterable[Any],
+    dst: str | Store,
+    *,
+    encoding: str = "bytes",
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    compression: str | None = None,
+    progress: Progress | None = None,
+) -> WriteResult:
+    """Write samples from Python into an fmstore dataset at ``dst``.
+
+    ``encoding``: ``bytes`` (each sample ``bytes``), ``text`` (``str``) or ``json`` (any
+    JSON-serialisable value); samples read back the same way.
+    """
+    if encoding not in ("bytes", "text", "json"):
+        raise ConfigError(f"encoding must be bytes, text or json, not {encoding!r}")
+    if compression not in (None, "zstd"):
+        raise ConfigError(f"unknown compression {compression!r}: use zstd or none")
+
+    def encoded() -> Iterator[tuple[bytes, int]]:
+        for x in samples:
+            b = (
+                x
+                if encoding == "bytes"
+                else x.encode()
+                if encoding == "text"
+                else json.dumps(x).encode()
+            )
+            yield bytes(b), len(b)
+
+    store = open_store(dst) if isinstance(dst, str) else dst
+    w = _ShardWriter(store, shard_size, compression, progress)
+    w.write_samples(encoded())
+    if not w.entries:
+        raise NotFound("no samples to write")
+    index = {
+        "format": fms.FORMAT_NAME,
+        "version": fms.VERSION,
+        "kind": "samples",
+        "encoding": encoding,
+        "samples": w.samples,
+        "bytes": w.bytes,
+        "shards": w.entries,
+    }
+    runtime.run(store.put(fms.INDEX_KEY, json.dumps(index, indent=1).encode()))
+    return WriteResult(shards=len(w.entries), samples=w.samples, bytes=w.bytes, kind="samples")
 
 
 def _samples(src: Path, kind: str) -> Iterator[tuple[bytes, int]]:

@@ -1,1 +1,2 @@
-"""When and where copies go: the copy engine, dataset staging and lazy staging."""
+"""When and where copies go: the copy engine, dataset staging and lazy staging; the catalog,
+policies, the checkpoint mover and the daemon."""

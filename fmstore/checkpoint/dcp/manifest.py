@@ -35,9 +35,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ...errors import CorruptData, VersionError
+from ...errors import CorruptData
 from ...format.dtypes import dtype_from_name, dtype_name
-from ...format.manifest import MANIFEST_KEY, ChunkEntry
+from ...format.manifest import MANIFEST_KEY, ChunkEntry, parse_header
 
 __all__ = [
     "DCP_FORMAT_NAME",
@@ -373,26 +373,13 @@ class DcpManifest:
     def loads(cls, data: bytes, *, where: str = "") -> DcpManifest:
         """Parse a manifest; :class:`CorruptData` / :class:`VersionError` naming ``where``."""
         suffix = f" at {where}" if where else ""
-        try:
-            d = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CorruptData(
-                f"not a valid checkpoint{suffix}: manifest is not JSON ({e})"
-            ) from None
-        if not isinstance(d, dict) or d.get("format") != DCP_FORMAT_NAME:
-            fmt = d.get("format") if isinstance(d, dict) else None
-            raise CorruptData(
-                f"not a multi-rank (DCP) checkpoint{suffix}: manifest format is {fmt!r}, "
-                f"expected {DCP_FORMAT_NAME!r}"
-            )
-        version = d.get("version")
-        if not isinstance(version, int) or version < 1:
-            raise CorruptData(f"not a valid checkpoint{suffix}: bad format version {version!r}")
-        if version > DCP_FORMAT_VERSION:
-            raise VersionError(
-                f"checkpoint{suffix} has {DCP_FORMAT_NAME} version {version}, newer than the "
-                f"{DCP_FORMAT_VERSION} this fmstore reads; upgrade fmstore to load it"
-            )
+        d, version = parse_header(
+            data,
+            where=where,
+            format_name=DCP_FORMAT_NAME,
+            max_version=DCP_FORMAT_VERSION,
+            kind="multi-rank (DCP) checkpoint",
+        )
         try:
             m = cls(
                 generation=str(d["generation"]),

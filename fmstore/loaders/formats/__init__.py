@@ -159,7 +159,9 @@ def _npy_header(store: Store, key: str) -> tuple[int, np.dtype]:
 
 
 def _wds(store: Store, metas: list[Any], index_dir: str | None) -> DatasetFormat:
-    cache_file = os.path.join(index_dir, "wds-index.json") if index_dir else None
+    # Kept beside the cache's shards but outside its accounting and eviction.
+    meta_dir = os.path.join(index_dir, ".meta") if index_dir else None
+    cache_file = os.path.join(meta_dir, "wds-index.json") if meta_dir else None
     known: dict[str, Any] = {}
     if cache_file and os.path.exists(cache_file):
         try:
@@ -176,8 +178,8 @@ def _wds(store: Store, metas: list[Any], index_dir: str | None) -> DatasetFormat
         with ThreadPoolExecutor(8) as ex:
             known.update(dict(ex.map(scan, todo)))
         if cache_file:
-            os.makedirs(index_dir or ".", exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=index_dir, prefix=".wds-index.")
+            os.makedirs(meta_dir or ".", exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=meta_dir, prefix=".wds-index.")
             with os.fdopen(fd, "w") as f:
                 json.dump(known, f)
             os.replace(tmp, cache_file)

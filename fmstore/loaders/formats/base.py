@@ -107,6 +107,23 @@ class DatasetFormat(abc.ABC):
     def open_shard(self, path: str, spec: ShardSpec) -> ShardReader:
         """A reader over the cached file of ``spec``."""
 
+    # ---- direct reads: samples fetched by byte range while their shard downloads ----------
+
+    def header_size(self, spec: ShardSpec) -> int | None:
+        """Bytes at the start of the shard needed to locate samples; None: no direct reads."""
+        return None
+
+    def check_header(self, spec: ShardSpec, header: bytes) -> None:
+        """Raise :class:`~fmstore.errors.CorruptData` when the header does not match ``spec``."""
+
+    def sample_range(self, spec: ShardSpec, header: bytes, index: int) -> tuple[int, int]:
+        """``[start, end)`` of sample ``index`` within the shard's bytes."""
+        raise NotImplementedError
+
+    def decode(self, spec: ShardSpec, data: bytes) -> Any:
+        """A sample from the bytes of :meth:`sample_range`."""
+        raise NotImplementedError
+
     def describe(self) -> dict[str, Any]:
         return {
             "format": self.name,

@@ -106,6 +106,26 @@ class FmstoreFormat(DatasetFormat):
     def open_shard(self, path: str, spec: ShardSpec) -> ShardReader:
         return FmstoreShardReader(path, spec, self.encoding)
 
+    def header_size(self, spec: ShardSpec) -> int | None:
+        return None if spec.compression else header_size(spec.samples)
+
+    def check_header(self, spec: ShardSpec, header: bytes) -> None:
+        magic, n = _HEAD.unpack_from(header)
+        if magic != MAGIC:
+            raise CorruptData("not an fmstore shard (bad magic)", key=spec.key)
+        if n != spec.samples:
+            raise CorruptData(
+                f"shard holds {n} samples but the index lists {spec.samples}", key=spec.key
+            )
+
+    def sample_range(self, spec: ShardSpec, header: bytes, index: int) -> tuple[int, int]:
+        lo, hi = struct.unpack_from("<QQ", header, _HEAD.size + 8 * index)
+        base = header_size(spec.samples)
+        return base + lo, base + hi
+
+    def decode(self, spec: ShardSpec, data: bytes) -> Any:
+        return decode_sample(self.encoding, data)
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "encoding": self.encoding}
 

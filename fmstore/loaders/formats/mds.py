@@ -9,6 +9,7 @@ Image encodings (``jpeg``, ``png``, ``pil``) come back as their raw bytes.
 from __future__ import annotations
 
 import json
+import struct
 from typing import Any
 
 import numpy as np
@@ -111,19 +112,24 @@ class MDSShardReader(ShardReader):
         return self.n
 
     def get(self, index: int) -> dict[str, Any]:
-        data = self.buf[self.offsets[index] : self.offsets[index + 1]].tobytes()
-        sizes = []
-        i = 0
-        for _name, _dec, size in self.columns:
-            if size is None:
-                size = int.from_bytes(data[i : i + 4], "little")
-                i += 4
-            sizes.append(size)
-        out = {}
-        for (name, dec, _), size in zip(self.columns, sizes, strict=True):
-            out[name] = dec(data[i : i + size])
-            i += size
-        return out
+        return decode_sample(
+            self.columns, self.buf[self.offsets[index] : self.offsets[index + 1]].tobytes()
+        )
+
+
+def decode_sample(columns: list[tuple[str, Any, int | None]], data: bytes) -> dict[str, Any]:
+    sizes = []
+    i = 0
+    for _name, _dec, size in columns:
+        if size is None:
+            size = int.from_bytes(data[i : i + 4], "little")
+            i += 4
+        sizes.append(size)
+    out = {}
+    for (name, dec, _), size in zip(columns, sizes, strict=True):
+        out[name] = dec(data[i : i + size])
+        i += size
+    return out
 
 
 class MDSFormat(DatasetFormat):
@@ -150,6 +156,23 @@ class MDSFormat(DatasetFormat):
 
     def open_shard(self, path: str, spec: ShardSpec) -> ShardReader:
         return MDSShardReader(path, spec, self._layout(spec))
+
+    def header_size(self, spec: ShardSpec) -> int | None:
+        return None if spec.compression else 4 + 4 * (spec.samples + 1)
+
+    def check_header(self, spec: ShardSpec, header: bytes) -> None:
+        (n,) = struct.unpack_from("<I", header)
+        if n != spec.samples:
+            raise CorruptData(
+                f"MDS shard holds {n} samples but index.json lists {spec.samples}", key=spec.key
+            )
+
+    def sample_range(self, spec: ShardSpec, header: bytes, index: int) -> tuple[int, int]:
+        lo, hi = struct.unpack_from("<II", header, 4 + 4 * index)
+        return lo, hi
+
+    def decode(self, spec: ShardSpec, data: bytes) -> Any:
+        return decode_sample(self._layout(spec), data)
 
     def describe(self) -> dict[str, Any]:
         cols = (

@@ -51,6 +51,16 @@ class TokenFormat(DatasetFormat):
     def open_shard(self, path: str, spec: ShardSpec) -> ShardReader:
         return TokenShardReader(path, spec, self.dtype, self.seq_len, self.extra)
 
+    def header_size(self, spec: ShardSpec) -> int | None:
+        return None if spec.compression else 0
+
+    def sample_range(self, spec: ShardSpec, header: bytes, index: int) -> tuple[int, int]:
+        lo = index * self.seq_len * self.dtype.itemsize
+        return lo, lo + (self.seq_len + self.extra) * self.dtype.itemsize
+
+    def decode(self, spec: ShardSpec, data: bytes) -> np.ndarray:
+        return np.frombuffer(data, self.dtype).copy()
+
     def describe(self) -> dict:
         return {**super().describe(), "dtype": self.dtype.name, "seq_len": self.seq_len}
 

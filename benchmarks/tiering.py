@@ -1,0 +1,284 @@
+"""Tiering benchmark: export throughput, time to durable on S3, training slowdown.
+
+Same run, same checkpoint, same SeaweedFS:
+
+1. export nvme→lustre: the checkpoint mover (verified: source checked against the manifest
+   while copying, destination re-read before the commit; and with the re-read off) vs
+   ``cp -r`` + ``sync``;
+2. export nvme→S3: the mover vs ``s5cmd cp`` of the same directory;
+3. time from ``CheckpointManager.save()`` returning to the checkpoint being committed on S3
+   (policies in the training process), next to a plain ``fmstore.save`` straight to S3;
+4. training-step slowdown: a CPU training loop alone, then saving every few steps with
+   exports to lustre and S3 running in the background.
+
+"nvme" and "lustre" are directories on this machine's disk (``--dir``); the page cache is
+dropped before each copy where the machine allows it.  Prints one table and writes
+``benchmarks/out/tiering.json``.  ``--quick`` (64 MiB) checks that the script works.
+
+    python -m benchmarks.tiering --size 1024          # MiB of checkpoint
+    python -m benchmarks.tiering --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+import fmstore
+from fmstore import runtime
+from fmstore.config import Config, TierConfig
+from fmstore.stores import open_store
+from fmstore.testing.seaweed import SeaweedServer
+from fmstore.tiering import catalog as cat
+from fmstore.tiering.mover import MoverOptions, copy_checkpoint
+
+from .common import drop_caches, mbps, print_table, save_json
+
+MiB = 1 << 20
+
+
+def make_state(nbytes: int) -> dict[str, Any]:
+    """A transformer-like state: bf16 weights and fp32 moments in 16 MiB-ish tensors."""
+    g = torch.Generator().manual_seed(0)
+    state: dict[str, Any] = {"model": {}, "optim": {}, "step": 0}
+    per = 4 * MiB  # elements of fp32 per moment tensor
+    i = 0
+    total = 0
+    while total < nbytes:
+        w = torch.randn(per, generator=g).to(torch.bfloat16)
+        m = torch.randn(per, generator=g)
+        state["model"][f"layer{i}.w"] = w
+        state["optim"][f"layer{i}.exp_avg"] = m
+        total += w.nbytes + m.nbytes
+        i += 1
+    return state
+
+
+def du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def run_cmd(cmd: list[str], env: dict[str, str] | None = None) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", type=int, default=1024, help="checkpoint size in MiB")
+    ap.add_argument("--quick", action="store_true", help="64 MiB, fewer training steps")
+    ap.add_argument("--dir", default=None, help="where the nvme and lustre directories go")
+    ap.add_argument("--steps", type=int, default=200, help="training steps per phase")
+    args = ap.parse_args()
+    size = 64 * MiB if args.quick else args.size * MiB
+    steps = 40 if args.quick else args.steps
+    base = tempfile.mkdtemp(prefix="fmstore-bench-tiering-", dir=args.dir)
+    import sys
+
+    here = os.path.join(os.path.dirname(sys.executable), "s5cmd")
+    s5cmd = here if os.access(here, os.X_OK) else shutil.which("s5cmd")
+    results: dict[str, Any] = {"size_bytes": size}
+    rows: list[dict[str, Any]] = []
+    try:
+        with SeaweedServer() as s3:
+            bucket = s3.create_bucket("bench-tiering")
+            s3opts = s3.store_options()
+            nvme, lustre = os.path.join(base, "nvme"), os.path.join(base, "lustre")
+            config = Config(
+                tiers={
+                    "nvme": TierConfig("nvme", nvme),
+                    "lustre": TierConfig("lustre", lustre),
+                    "s3": TierConfig("s3", f"s3://{bucket}/fm", s3opts),
+                },
+                state_dir=os.path.join(base, "state"),
+                sections={
+                    "policies": {
+                        "export": [
+                            {"to": "lustre", "every_saves": 1},
+                            {"to": "s3", "every_saves": 1},
+                        ]
+                    }
+                },
+            )
+            state = make_state(size)
+            src_dir = os.path.join(nvme, "bench", "ckpt")
+            fmstore.save(state, src_dir, compression="raw")
+            stored = du(src_dir)
+            results["stored_bytes"] = stored
+            src = open_store(src_dir, tier="nvme")
+
+            # 1. nvme -> lustre
+            for verify in (True, False):
+                dst_dir = os.path.join(lustre, f"mover-{verify}")
+                dst = open_store(dst_dir, tier="lustre")
+                drop_caches()
+                t0 = time.perf_counter()
+                runtime.run(
+                    copy_checkpoint(src, dst, options=MoverOptions(verify_destination=verify))
+                )
+                os.sync()
+                t = time.perf_counter() - t0
+                name = "fmstore mover" + (" (dest re-read)" if verify else "")
+                rows.append(row("nvme→lustre", name, stored, t))
+            drop_caches()
+            t = run_cmd(["sh", "-c", f"cp -r {src_dir} {os.path.join(lustre, 'cp')} && sync"])
+            rows.append(row("nvme→lustre", "cp -r + sync", stored, t))
+
+            # 2. nvme -> S3
+            for verify in (True, False):
+                dst = open_store(f"s3://{bucket}/mover-{verify}", tier="s3", **s3opts)
+                drop_caches()
+                t0 = time.perf_counter()
+                runtime.run(
+                    copy_checkpoint(src, dst, options=MoverOptions(verify_destination=verify))
+                )
+                t = time.perf_counter() - t0
+                name = "fmstore mover" + (" (dest re-read)" if verify else "")
+                rows.append(row("nvme→s3", name, stored, t))
+                runtime.run(dst.close())
+            if s5cmd:
+                env = {
+                    **os.environ,
+                    "AWS_ACCESS_KEY_ID": s3.access_key,
+                    "AWS_SECRET_ACCESS_KEY": s3.secret_key,
+                    "AWS_REGION": s3.region,
+                }
+                drop_caches()
+                t = run_cmd(
+                    [
+                        s5cmd,
+                        "--endpoint-url",
+                        s3.endpoint_url,
+                        "cp",
+                        src_dir + "/",
+                        f"s3://{bucket}/s5cmd/",
+                    ],
+                    env=env,
+                )
+                rows.append(row("nvme→s3", "s5cmd cp", stored, t))
+            else:
+                rows.append({"case": "nvme→s3", "tool": "s5cmd cp", "note": "s5cmd not found"})
+
+            # 3. save() -> durable on S3
+            t0 = time.perf_counter()
+            fmstore.save(
+                state, open_store(f"s3://{bucket}/direct", tier="s3", **s3opts), compression="raw"
+            )
+            direct = time.perf_counter() - t0
+            with fmstore.CheckpointManager(
+                "bench/run",
+                config=config,
+                policy_interval=0.05,
+                save_options={"compression": "raw"},
+            ) as mgr:
+                t0 = time.perf_counter()
+                mgr.save(1, state)
+                returned = time.perf_counter() - t0
+                while True:
+                    cp = mgr.catalog.copy("bench/run", 1, "s3")
+                    if cp is not None and cp.state == cat.PRESENT:
+                        break
+                    time.sleep(0.02)
+                durable = time.perf_counter() - t0
+            results["save_to_durable_s3"] = {
+                "save_returned_s": returned,
+                "durable_on_s3_s": durable,
+                "after_return_s": durable - returned,
+                "direct_save_to_s3_s": direct,
+            }
+
+            # 4. training slowdown
+            results["training"] = training(config, steps, size)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    _ratios(rows)
+    results["copies"] = rows
+    print_table(
+        f"export throughput, {size // MiB} MiB state ({results.get('stored_bytes', 0) / MiB:.0f} MiB stored)",
+        rows,
+        ["case", "tool", "seconds", "MB/s", "vs peer"],
+    )
+    d = results["save_to_durable_s3"]
+    tr = results["training"]
+    print_table(
+        "time to durable and training slowdown",
+        [
+            {"what": "save() returned (s)", "value": d["save_returned_s"]},
+            {"what": "committed on S3 after save() started (s)", "value": d["durable_on_s3_s"]},
+            {"what": "plain fmstore.save straight to S3 (s)", "value": d["direct_save_to_s3_s"]},
+            {"what": "step time, no checkpoints (ms)", "value": tr["baseline_ms"]},
+            {"what": "step time, saves + background exports (ms)", "value": tr["with_exports_ms"]},
+            {"what": "slowdown (%)", "value": tr["slowdown_pct"]},
+        ],
+        ["what", "value"],
+    )
+    save_json("tiering", results)
+
+
+def row(case: str, tool: str, nbytes: int, seconds: float) -> dict[str, Any]:
+    return {"case": case, "tool": tool, "seconds": seconds, "MB/s": mbps(nbytes, seconds)}
+
+
+def training(config: Config, steps: int, size: int) -> dict[str, Any]:
+    """Median step time of a small CPU MLP, alone and with saves + background exports."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(64, 512)
+    ballast = make_state(max(size // 4, 16 * MiB))  # makes each checkpoint worth exporting
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    for _ in range(5):
+        step()
+    base = [step() for _ in range(steps)]
+    every = max(steps // 4, 1)
+    times = []
+    with fmstore.CheckpointManager(
+        "bench/train", config=config, policy_interval=0.05, save_options={"compression": "raw"}
+    ) as mgr:
+        for i in range(steps):
+            times.append(step())
+            if i % every == 0:
+                mgr.save(
+                    i, {"model": model.state_dict(), "opt": opt.state_dict(), "ballast": ballast}
+                )
+        mgr.wait_for_policies(600)
+    b, w = statistics.median(base) * 1e3, statistics.median(times) * 1e3
+    return {
+        "steps": steps,
+        "save_every": every,
+        "baseline_ms": b,
+        "with_exports_ms": w,
+        "slowdown_pct": (w / b - 1) * 100,
+        "note": "median step time; the save steps themselves are included",
+    }
+
+
+def _ratios(rows: list[dict[str, Any]]) -> None:
+    for case, peer in (("nvme→lustre", "cp -r + sync"), ("nvme→s3", "s5cmd cp")):
+        ref = next((r for r in rows if r["case"] == case and r["tool"] == peer), None)
+        for r in rows:
+            if r["case"] == case and ref is not None and "MB/s" in r and "MB/s" in ref:
+                r["vs peer"] = r["MB/s"] / ref["MB/s"]
+
+
+if __name__ == "__main__":
+    main()

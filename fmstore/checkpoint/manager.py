@@ -1,0 +1,507 @@
+"""``CheckpointManager``: save every N steps to the fast tier, let policies carry copies down,
+restore the newest complete checkpoint from the fastest tier that holds it.
+
+::
+
+    with fmstore.CheckpointManager("runs/llama-7b") as mgr:      # tiers + [policies] from fmstore.toml
+        state = mgr.restore() if mgr.latest_step() is not None else init()
+        for step in range(start, steps):
+            train_step(state)
+            if step % 100 == 0:
+                mgr.save(step, state)       # returns once snapshotted; written in the background
+
+Checkpoint ``(root, step)`` lives at ``ROOT/step_SSSSSSSSSSSS`` on every tier (see
+:mod:`fmstore.tiering.tiers`); every save and every copy is recorded in the catalog of the
+config's ``state_dir``.
+
+**Policies.**  Without an ``fmstore daemon`` on the node, a background thread of this
+process runs them (:class:`~fmstore.tiering.runner.BackgroundRunner`).  With a daemon, the
+daemon holds the runner lock, the thread stays idle and this process only records its saves
+in the catalog.  ``run_policies=False`` never runs them here.
+
+**Write tier full** (``[policies] on_full``): before writing, the manager compares the
+tier's free space with the checkpoint's raw size (compression only shrinks it).  ``"fail"``
+(default) raises :class:`~fmstore.errors.TierFull` at once, naming the tier and the sizes;
+``"fallback"`` writes to the next tier of the ladder that has room (the catalog records
+where).  A tier that fills up *during* a write fails that save (the engine removes the
+partial data; nothing committed is touched); a synchronous save then falls back too, an
+asynchronous one reports the error from :meth:`wait` (its snapshot is gone by then).
+
+**Restore** tries the newest complete checkpoint first, each tier holding it fastest first;
+a copy that is missing or fails its checksums is marked in the catalog and the next tier is
+tried; when every copy of a step fails and no step was asked for, the next older step is
+tried.  With ``[policies.restore] cache_tier`` set, a copy on a slower tier is brought to
+the cache tier: ``eager`` copies it whole (verified) and loads from there; ``lazy`` loads it
+lazily, fetching blobs on first access and keeping them on the cache tier.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .. import runtime
+from ..config import Config, get_config, load_config
+from ..errors import AlreadyExists, CorruptData, FmstoreError, NotFound, StoreUnavailable, TierFull
+from ..format.checksum import crc32c
+from ..format.manifest import Manifest
+from ..tiering import catalog as cat
+from ..tiering.cache import ReadThroughStore
+from ..tiering.catalog import Catalog
+from ..tiering.mover import copy_checkpoint, read_manifest_bytes
+from ..tiering.policies import Policies, from_config
+from ..tiering.runner import BackgroundRunner, PolicyRunner, event
+from ..tiering.tiers import Tiers, checkpoint_key
+
+log = logging.getLogger("fmstore.checkpoint")
+
+#: Bytes added to a checkpoint's raw size when checking free space (manifest, padding).
+_SLACK = 1 << 20
+
+
+class PendingSave:
+    """A save in progress: :meth:`result` waits until it is committed and recorded."""
+
+    def __init__(self, step: int, tier: str, future: cf.Future[Manifest]) -> None:
+        self.step = step
+        self.tier = tier
+        self._future = future
+
+    def result(self, timeout: float | None = None) -> Manifest:
+        return self._future.result(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def __repr__(self) -> str:
+        return f"PendingSave(step={self.step}, tier={self.tier!r}, done={self.done()})"
+
+
+def _state_nbytes(obj: Any) -> int:
+    """Raw bytes of the tensors (and numpy arrays) in a state tree, each storage once."""
+    import numpy as np
+    import torch
+
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            st = x.untyped_storage()
+            key = (st.data_ptr(), st.nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += st.nbytes()
+        elif isinstance(x, np.ndarray):
+            total += x.nbytes
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, list | tuple):
+            stack.extend(x)
+    return total
+
+
+class CheckpointManager:
+    """Tiered checkpoints of one run (``root``: a key prefix on every tier, like ``runs/a``).
+
+    ``config``: a :class:`~fmstore.config.Config`, a path to ``fmstore.toml`` or None (the
+    usual lookup).  ``policies``: overrides the config's ``[policies]``.  ``async_save``:
+    :meth:`save` returns once the state is snapshotted (default) or once committed.
+    ``run_policies``: run export / retention / release in a background thread unless a
+    daemon does.  ``save_on_sigterm``: a callable returning ``(step, state)``; on SIGTERM
+    (preemption) that state is saved synchronously before the previous handler runs.
+    ``save_options``: passed to :func:`fmstore.save` (compression, chunk_size…).
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        config: Config | str | os.PathLike[str] | None = None,
+        policies: Policies | None = None,
+        async_save: bool = True,
+        run_policies: bool = True,
+        policy_interval: float = 5.0,
+        save_on_sigterm: Callable[[], tuple[int, Any]] | None = None,
+        save_options: dict[str, Any] | None = None,
+    ) -> None:
+        if isinstance(config, Config):
+            self.config = config
+        elif config is None:
+            self.config = get_config()
+        else:
+            self.config = load_config(config)
+        self.policies = (
+            policies.validate(self.config.tiers) if policies else from_config(self.config)
+        )
+        from ..tiering.daemon import settings_from_config
+        from ..tiering.mover import MoverOptions
+
+        # The same copy settings as the daemon ([daemon] concurrency, bwlimit, verify),
+        # validated, like the policies, before anything is created.
+        ds = settings_from_config(self.config)
+        self.root = root.strip("/")
+        checkpoint_key(self.root, 0)  # validates the root as a key
+        self.async_save = async_save
+        self.save_options = dict(save_options or {})
+        self.catalog = Catalog.for_state_dir(self.config.state_dir)
+        self.tiers = Tiers(self.config)
+        self._finisher = cf.ThreadPoolExecutor(1, thread_name_prefix="fmstore-ckpt-commit")
+        self._pending: list[PendingSave] = []
+        self._lock = threading.Lock()
+        self._pins: list[int] = []
+        self._discovered = False
+        self.restored_step: int | None = None
+        self._runner = PolicyRunner(
+            self.config,
+            self.policies,
+            self.catalog,
+            tiers=self.tiers,
+            mover=MoverOptions(
+                concurrency=ds.concurrency,
+                bwlimit=ds.bwlimit,
+                verify_destination=ds.verify_destination,
+            ),
+        )
+        self._background = (
+            BackgroundRunner(self._runner, interval=policy_interval) if run_policies else None
+        )
+        self._sigterm_state = save_on_sigterm
+        self._prev_handler: Any = None
+        if save_on_sigterm is not None and threading.current_thread() is threading.main_thread():
+            self._prev_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    # ---- saving ----------------------------------------------------------------------
+
+    def _choose_tier(self, state: Any) -> str:
+        need = _state_nbytes(state) + _SLACK
+        ladder = self.policies.ladder
+        start = self.policies.rank(self.policies.write_tier)
+        first = ladder[start]
+        free = self.tiers.free_bytes(first)
+        if free is None or free >= need:
+            return first
+        if self.policies.on_full == "fail":
+            raise TierFull(
+                f"the write tier has {free} bytes free but this checkpoint needs about {need}; "
+                "free space (release policies, retention) or set [policies] on_full = 'fallback'",
+                tier=first,
+                key=checkpoint_key(self.root, 0).rsplit("/", 1)[0],
+            )
+        for tier in ladder[start + 1 :]:
+            f = self.tiers.free_bytes(tier)
+            if f is None or f >= need:
+                event("save_fallback", root=self.root, tier=tier, skipped=first, need=need)
+                return tier
+        raise TierFull(f"no tier of {list(ladder)} has {need} bytes free", tier=first)
+
+    def save(self, step: int, state: Any, *, overwrite: bool = False) -> PendingSave:
+        """Save ``state`` as checkpoint ``step`` on the write tier.
+
+        Asynchronous by default: returns once the state is snapshotted; :meth:`wait` (or the
+        returned handle's ``result()``) waits for the commit.  Raises
+        :class:`AlreadyExists` when ``step`` is already saved (unless ``overwrite``),
+        :class:`TierFull` per ``on_full``.
+        """
+        from . import api
+
+        tier = self._choose_tier(state)
+        existing = self.catalog.copy(self.root, step, tier)
+        if existing is not None and existing.state == cat.PRESENT and not overwrite:
+            raise AlreadyExists(
+                f"checkpoint step {step} already exists",
+                tier=tier,
+                key=checkpoint_key(self.root, step),
+            )
+        self.catalog.record_checkpoint(self.root, step)
+        self.catalog.set_copy(self.root, step, tier, cat.WRITING, error=None)
+        store = self.tiers.checkpoint(tier, self.root, step)
+        opts = {**self.save_options, "overwrite": overwrite}
+        if not self.async_save:
+            try:
+                manifest = api.save(state, store, **opts)
+            except TierFull:
+                self._abandon(step, tier)
+                if self.policies.on_full != "fallback":
+                    raise
+                nxt = self._next_tier(tier)
+                event("save_fallback", root=self.root, tier=nxt, skipped=tier, step=step)
+                self.catalog.record_checkpoint(self.root, step)
+                self.catalog.set_copy(self.root, step, nxt, cat.WRITING)
+                tier, store = nxt, self.tiers.checkpoint(nxt, self.root, step)
+                manifest = api.save(state, store, **opts)
+            except BaseException:
+                self._abandon(step, tier)
+                raise
+            fut: cf.Future[Manifest] = cf.Future()
+            try:
+                fut.set_result(self._committed(step, tier, manifest))
+            except BaseException as e:
+                fut.set_exception(e)
+            pending = PendingSave(step, tier, fut)
+            pending.result()
+            return pending
+        try:
+            handle = api.async_save(state, store, **opts)
+        except BaseException:
+            self._abandon(step, tier)
+            raise
+
+        def finish() -> Manifest:
+            try:
+                manifest = handle.result()
+            except BaseException:
+                self._abandon(step, tier)
+                raise
+            return self._committed(step, tier, manifest)
+
+        pending = PendingSave(step, tier, self._finisher.submit(finish))
+        with self._lock:
+            self._pending.append(pending)
+        return pending
+
+    def _next_tier(self, tier: str) -> str:
+        ladder = self.policies.ladder
+        i = ladder.index(tier)
+        if i + 1 >= len(ladder):
+            raise TierFull("no tier left to fall back to", tier=tier)
+        return ladder[i + 1]
+
+    def _abandon(self, step: int, tier: str) -> None:
+        with contextlib.suppress(FmstoreError):
+            self.catalog.set_copy(
+                self.root, step, tier, cat.DELETED, error="save failed", expect=[cat.WRITING]
+            )
+
+    def _committed(self, step: int, tier: str, manifest: Manifest) -> Manifest:
+        store = self.tiers.checkpoint(tier, self.root, step)
+        data, _ = runtime.run(read_manifest_bytes(store))
+        self.catalog.record_checkpoint(
+            self.root, step, bytes=manifest.stored_bytes, manifest_crc32c=crc32c(data)
+        )
+        # Freshly written with freshly computed checksums: counts as verified.
+        self.catalog.set_copy(
+            self.root,
+            step,
+            tier,
+            cat.PRESENT,
+            bytes=manifest.stored_bytes,
+            verified=self.catalog.now(),
+        )
+        event("saved", root=self.root, step=step, tier=tier, bytes=manifest.stored_bytes)
+        if self._background is not None:
+            self._background.poke()
+        return manifest
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for every save in flight; raises the first failure."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        errors = []
+        for p in pending:
+            try:
+                p.result(timeout)
+            except BaseException as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def wait_for_policies(self, timeout: float | None = None) -> bool:
+        """Wait until the background policies have nothing left to do (tests, shutdown).
+        Returns False on timeout or when no background runner is active."""
+        self.wait()
+        if self._background is None:
+            return False
+        return self._background.wait_idle(timeout)
+
+    # ---- what exists -----------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Record in the catalog every committed checkpoint of this root found on the tiers
+        (a new node, a lost catalog); known ones are left as they are."""
+
+        async def scan() -> dict[str, list[int]]:
+            found: dict[str, list[int]] = {}
+            for tier in self.policies.ladder:
+                try:
+                    found[tier] = await self.tiers.steps_on(tier, self.root)
+                except StoreUnavailable as e:
+                    event("refresh_skipped", tier=tier, error=str(e))
+            return found
+
+        for tier, steps in runtime.run(scan()).items():
+            for step in steps:
+                cp = self.catalog.copy(self.root, step, tier)
+                if cp is None or cp.state in (cat.DELETED, cat.RELEASED, cat.MISSING):
+                    self.catalog.record_checkpoint(self.root, step)
+                    self.catalog.set_copy(self.root, step, tier, cat.PRESENT)
+        self._discovered = True
+
+    def _ensure_discovered(self) -> None:
+        if not self._discovered:
+            self.refresh()
+
+    def steps(self, tier: str | None = None) -> list[int]:
+        """Steps with a complete copy (on ``tier``, or anywhere), ascending."""
+        self._ensure_discovered()
+        if tier is not None:
+            self.config.tier(tier)
+        copies = self.catalog.copies(self.root, tier=tier, states=[cat.PRESENT])
+        return sorted({c.step for c in copies})
+
+    def latest_step(self) -> int | None:
+        s = self.steps()
+        return s[-1] if s else None
+
+    def tiers_of(self, step: int) -> list[str]:
+        """Tiers holding a complete copy of ``step``, fastest first."""
+        have = {c.tier for c in self.catalog.copies(self.root, step=step, states=[cat.PRESENT])}
+        return [t for t in self.policies.ladder if t in have]
+
+    # ---- restoring ---------------------------------------------------------------------
+
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        map_location: Any = None,
+        keys: str | Sequence[str] | None = None,
+        lazy: bool | None = None,
+        weights_only: bool = True,
+    ) -> Any:
+        """Load checkpoint ``step`` (default: the newest complete one); see the module
+        docstring for the tier order and fallbacks.  ``lazy``: default from
+        ``[policies.restore] mode``.  Raises :class:`NotFound` when no complete copy of
+        the step (or of any step) could be read; the step restored is in
+        :attr:`restored_step`."""
+        self.wait()
+        self._ensure_discovered()
+        lazy = self.policies.restore.mode == "lazy" if lazy is None else lazy
+        candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
+        if not candidates:
+            raise NotFound(f"no checkpoint under {self.root!r} on any tier")
+        failures: list[str] = []
+        for s in candidates:
+            pin = self.catalog.pin(
+                self.root, s, reason="restore", owner=f"pid {os.getpid()}", ttl=3600
+            )
+            keep_pin = False
+            try:
+                for tier in self.tiers_of(s):
+                    try:
+                        out = self._load_from(s, tier, map_location, keys, lazy, weights_only)
+                    except (CorruptData, NotFound) as e:
+                        bad = cat.CORRUPT if isinstance(e, CorruptData) else cat.MISSING
+                        self.catalog.set_copy(self.root, s, tier, bad, error=str(e))
+                        failures.append(f"step {s} on {tier}: {e}")
+                        event("restore_fallback", root=self.root, step=s, tier=tier, error=str(e))
+                        continue
+                    except StoreUnavailable as e:
+                        failures.append(f"step {s} on {tier}: {e}")
+                        event("restore_fallback", root=self.root, step=s, tier=tier, error=str(e))
+                        continue
+                    self.restored_step = s
+                    self.catalog.touch(self.root, s, tier)
+                    keep_pin = lazy
+                    event("restored", root=self.root, step=s, tier=tier, lazy=lazy)
+                    return out
+            finally:
+                if keep_pin:
+                    self._pins.append(pin)  # a lazy state still reads from the tiers
+                else:
+                    self.catalog.unpin(pin)
+        what = f"step {step}" if step is not None else "any checkpoint"
+        raise NotFound(
+            f"could not restore {what} of {self.root!r}: " + "; ".join(failures or ["no copy"])
+        )
+
+    def _load_from(
+        self,
+        step: int,
+        tier: str,
+        map_location: Any,
+        keys: str | Sequence[str] | None,
+        lazy: bool,
+        weights_only: bool,
+    ) -> Any:
+        from . import api
+
+        store = self.tiers.checkpoint(tier, self.root, step)
+        cache = self.policies.restore.cache_tier
+        kw = {"map_location": map_location, "keys": keys, "weights_only": weights_only}
+        if cache is not None and self.policies.rank(tier) > self.policies.rank(cache):
+            fast = self.tiers.checkpoint(cache, self.root, step)
+            if not lazy:
+                res = runtime.run(copy_checkpoint(store, fast))
+                self.catalog.set_copy(
+                    self.root,
+                    step,
+                    cache,
+                    cat.PRESENT,
+                    bytes=res.manifest.stored_bytes,
+                    verified=self.catalog.now(),
+                )
+                event("restore_cached", root=self.root, step=step, src=tier, dst=cache)
+                return api.load(fast, **kw)
+
+            def complete(manifest: Manifest, data: bytes) -> None:
+                self.catalog.set_copy(
+                    self.root, step, cache, cat.PRESENT, bytes=manifest.stored_bytes
+                )
+
+            rt = ReadThroughStore(fast, store, on_complete=complete)
+            return api.load(rt, lazy=True, **kw)
+        return api.load(store, lazy=lazy, **kw)
+
+    # ---- lifetime --------------------------------------------------------------------
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        fn = self._sigterm_state
+        if fn is not None:
+            try:
+                step, state = fn()
+                existing = self.catalog.copy(self.root, step, self.policies.write_tier)
+                if existing is None or existing.state != cat.PRESENT:
+                    self.save(step, state).result()
+                self.wait()
+                event("preemption_save", root=self.root, step=step)
+            except Exception as e:  # the process is going down anyway: say why, go on
+                log.error("save on SIGTERM failed: %s", e)
+        prev = self._prev_handler
+        signal.signal(signal.SIGTERM, prev if prev is not None else signal.SIG_DFL)
+        if callable(prev):
+            prev(signum, frame)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def close(self) -> None:
+        """Wait for saves, stop the background policies (after the current copy)."""
+        try:
+            self.wait()
+        finally:
+            if self._background is not None:
+                self._background.close()
+            for pin in self._pins:
+                with contextlib.suppress(FmstoreError):
+                    self.catalog.unpin(pin)
+            self._pins.clear()
+            self._finisher.shutdown(wait=True)
+            if self._sigterm_state is not None and self._prev_handler is not None:
+                with contextlib.suppress(ValueError):
+                    signal.signal(signal.SIGTERM, self._prev_handler)
+            with contextlib.suppress(Exception):
+                runtime.run(self.tiers.close(), timeout=30)
+            self.catalog.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

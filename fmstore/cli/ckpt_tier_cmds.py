@@ -1,0 +1,158 @@
+"""``fmstore ckpt list`` and ``fmstore ckpt verify --all-tiers``: checkpoints across tiers.
+
+Both read the catalog of the config's ``state_dir`` and look at the tiers themselves, so
+they also work on a node whose catalog is new or lost.
+"""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .. import runtime
+from ..config import Config, load_config
+from ..tiering import catalog as cat
+from ..tiering.catalog import Catalog
+from ..tiering.mover import verify_checkpoint
+from ..tiering.policies import from_config
+from ..tiering.tiers import Tiers
+from .ckpt_cmds import ckpt
+from .util import human_bytes
+
+_STYLE = {
+    cat.PRESENT: "green",
+    cat.CORRUPT: "bold red",
+    cat.MISSING: "red",
+    cat.EXPORTING: "yellow",
+    cat.WRITING: "yellow",
+    cat.DELETING: "yellow",
+    cat.RELEASED: "dim",
+    cat.DELETED: "dim",
+}
+
+
+def _discover(config: Config, catalog: Catalog, ladder: tuple[str, ...], roots: list[str]) -> None:
+    """Record committed checkpoints found on the tiers that the catalog does not know."""
+    tiers = Tiers(config)
+
+    async def scan() -> list[tuple[str, str, int]]:
+        found = []
+        for tier in ladder:
+            for root in roots:
+                try:
+                    for step in await tiers.steps_on(tier, root):
+                        found.append((tier, root, step))
+                except Exception:  # an unreachable tier is reported by verify, not here
+                    continue
+        await tiers.close()
+        return found
+
+    for tier, root, step in runtime.run(scan()):
+        cp = catalog.copy(root, step, tier)
+        if cp is None or cp.state in (cat.DELETED, cat.RELEASED, cat.MISSING):
+            catalog.record_checkpoint(root, step)
+            catalog.set_copy(root, step, tier, cat.PRESENT)
+
+
+@ckpt.command("list")
+def list_checkpoints(
+    root: str = typer.Argument(None, help="Run root (like runs/llama); default: every root."),
+    config: str = typer.Option(None, "--config", "-c", help="fmstore.toml to use."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """A table of steps × tiers with each copy's state and size."""
+    cfg = load_config(config)
+    pol = from_config(cfg)
+    with Catalog.for_state_dir(cfg.state_dir) as catalog:
+        roots = [root.strip("/")] if root else catalog.roots()
+        if roots:
+            _discover(cfg, catalog, pol.ladder, roots)
+        rows = [c for r in roots for c in catalog.copies(r)]
+        ckpts = {(c.root, c.step): c for r in roots for c in catalog.checkpoints(r)}
+    by_step: dict[tuple[str, int], dict[str, cat.Copy]] = {}
+    for c in rows:
+        by_step.setdefault((c.root, c.step), {})[c.tier] = c
+    if as_json:
+        out = [
+            {
+                "root": r,
+                "step": s,
+                "bytes": ckpts[(r, s)].bytes if (r, s) in ckpts else None,
+                "tiers": {
+                    t: {"state": c.state, "bytes": c.bytes, "verified": c.verified}
+                    for t, c in copies.items()
+                },
+            }
+            for (r, s), copies in sorted(by_step.items())
+        ]
+        typer.echo(json.dumps(out, indent=2))
+        return
+    table = Table(box=None, show_header=True)
+    table.add_column("root")
+    table.add_column("step", justify="right")
+    for t in pol.ladder:
+        table.add_column(t)
+    for (r, s), copies in sorted(by_step.items()):
+        cells = []
+        for t in pol.ladder:
+            cp = copies.get(t)
+            if cp is None:
+                cells.append("")
+                continue
+            size = f" {human_bytes(cp.bytes)}" if cp.state in cat.HOLDS_BYTES and cp.bytes else ""
+            mark = "✓" if cp.state == cat.PRESENT and cp.verified else ""
+            cells.append(f"[{_STYLE.get(cp.state, '')}]{cp.state}{mark}{size}[/]")
+        table.add_row(r, str(s), *cells)
+    console = Console()
+    console.print(table)
+    console.print(f"[dim]{len(by_step)} checkpoints; ✓ = verified[/dim]")
+
+
+def verify_all_tiers(root: str, config: str | None = None) -> int:
+    """Verify every committed copy of every checkpoint of ``root`` on every tier; marks bad
+    copies ``corrupt`` in the catalog and good ones verified.  Returns the exit code."""
+    cfg = load_config(config)
+    pol = from_config(cfg)
+    root = root.strip("/")
+    tiers = Tiers(cfg)
+
+    async def run() -> list[tuple[str, int, bool, list[str], int]]:
+        out = []
+        for tier in pol.ladder:
+            try:
+                steps = await tiers.steps_on(tier, root)
+            except Exception as e:
+                out.append((tier, -1, False, [f"tier unreachable: {e}"], 0))
+                continue
+            for step in steps:
+                res = await verify_checkpoint(tiers.checkpoint(tier, root, step))
+                out.append((tier, step, res.ok, res.problems, res.bytes))
+        await tiers.close()
+        return out
+
+    results = runtime.run(run())
+    console = Console()
+    bad = 0
+    with Catalog.for_state_dir(cfg.state_dir) as catalog:
+        for tier, step, ok, problems, nbytes in results:
+            if step < 0:
+                bad += 1
+                console.print(f"[red]{tier}: {problems[0]}[/red]", highlight=False)
+                continue
+            catalog.record_checkpoint(root, step)
+            if ok:
+                catalog.set_copy(
+                    root, step, tier, cat.PRESENT, bytes=nbytes, verified=catalog.now()
+                )
+                console.print(f"[green]ok[/green]  {tier:<8} step {step}", highlight=False)
+            else:
+                bad += 1
+                catalog.set_copy(root, step, tier, cat.CORRUPT, error="; ".join(problems)[:2000])
+                console.print(
+                    f"[red]BAD[/red] {tier:<8} step {step}: {'; '.join(problems)}", highlight=False
+                )
+    console.print(f"{len(results) - bad} good, {bad} bad copies of {root!r}")
+    return 1 if bad else 0

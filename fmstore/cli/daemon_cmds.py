@@ -1,0 +1,56 @@
+"""``fmstore daemon``: run the tiering policies continuously (see fmstore.tiering.daemon)."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from ..config import load_config
+from .main import app
+
+
+@app.command("daemon")
+def daemon(
+    config: str = typer.Option(
+        None, "--config", "-c", help="fmstore.toml to use (default: the usual lookup)."
+    ),
+    port: int = typer.Option(
+        None, "--port", help="Port of /metrics and /healthz (overrides [daemon] port)."
+    ),
+    once: bool = typer.Option(False, "--once", help="Run one policy step and exit."),
+    drain: bool = typer.Option(
+        False,
+        "--drain",
+        help="Run until every policy is satisfied (all exports done), then exit 0 "
+        "(end-of-job export, Slurm epilog).",
+    ),
+    timeout: float = typer.Option(
+        None, "--timeout", help="With --drain: give up after this many seconds (exit 3)."
+    ),
+    no_http: bool = typer.Option(False, "--no-http", help="Serve no /metrics endpoint."),
+    check: bool = typer.Option(
+        False, "--check", help="Validate the configuration and policies, then exit."
+    ),
+) -> None:
+    """Export, retain and release checkpoints by the [policies] of fmstore.toml.
+
+    Serves Prometheus metrics on /metrics and a health check on /healthz.  SIGTERM lets
+    the current copy finish (a second SIGTERM leaves it resumable), then exits 0.
+    Exit codes: 0 done, 1 bad configuration or another daemon holds the state directory,
+    3 --drain timed out with work left (resumable).
+    """
+    from ..tiering import daemon as d
+    from ..tiering.policies import from_config
+
+    cfg = load_config(config)
+    if check:
+        pol = from_config(cfg)
+        d.settings_from_config(cfg)
+        typer.echo(
+            f"ok: tiers {', '.join(pol.ladder)}; write tier {pol.write_tier}; "
+            f"{len(pol.exports)} export rule(s), retention on {len(pol.retention)} tier(s), "
+            f"release on {len(pol.release)} tier(s)"
+        )
+        return
+    sys.exit(d.main(cfg, port=port, once=once, drain=drain, timeout=timeout, http=not no_http))

@@ -1,0 +1,326 @@
+"""``fmstore daemon``: export, retention and release, continuously, with metrics.
+
+Start-up validates the whole configuration (tiers, policies, the ``[daemon]`` section)
+before any data moves, takes the runner lock of the state directory (one daemon per
+catalog), and starts the HTTP endpoint:
+
+* ``/metrics``: Prometheus text format (every ``fmstore_*`` metric of the process);
+* ``/healthz``: ``200`` and a JSON status while the loop runs.
+
+The loop runs one :class:`~fmstore.tiering.runner.PolicyRunner` step every ``interval``
+seconds.  A step that meets an unreachable or full tier stops early; the daemon then backs
+off (doubling up to ``max_backoff``) while the export-lag metric keeps growing, and catches
+up once the tier answers again.  SIGTERM (or SIGINT) lets the current copy finish, or —
+on a second signal — cancels it, leaving it resumable from its journal; either way the
+process exits 0.  Logs are one JSON object per line on stderr.
+
+``[daemon]`` keys: ``host`` (default ``127.0.0.1``), ``port`` (``9464``; ``0`` picks a free
+one), ``interval`` (seconds, ``10``), ``max_backoff`` (``60``), ``concurrency`` (``16``),
+``bwlimit`` (bytes/s or a string like ``"200MB"``), ``verify_destination`` (``true``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import filelock
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .. import runtime
+from ..config import Config
+from ..errors import ConfigError, FmstoreError
+from . import metrics as m
+from .catalog import Catalog
+from .mover import MoverOptions
+from .policies import Policies, from_config, parse_duration
+from .runner import PolicyRunner, StepReport, event, log_record_json
+
+_KEYS = {
+    "host",
+    "port",
+    "interval",
+    "max_backoff",
+    "concurrency",
+    "bwlimit",
+    "verify_destination",
+}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+}
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    host: str = "127.0.0.1"
+    port: int = 9464
+    interval: float = 10.0
+    max_backoff: float = 60.0
+    concurrency: int = 16
+    bwlimit: float | None = None
+    verify_destination: bool = True
+
+
+def parse_size(value: Any, where: str) -> float:
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    if isinstance(value, str):
+        s = value.strip().upper().replace(" ", "").removesuffix("/S")
+        num = s.rstrip("KMGIB")
+        unit = s[len(num) :]
+        if unit in _SIZE_UNITS:
+            try:
+                v = float(num) * _SIZE_UNITS[unit]
+            except ValueError:
+                v = -1
+            if v > 0:
+                return v
+    raise ConfigError(f"{where}: {value!r} is not a positive size (bytes, or like '200MB')")
+
+
+def settings_from_config(config: Config) -> DaemonSettings:
+    raw = config.section("daemon")
+    w = f"{config.source or 'config'}: [daemon]"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{w} must be a table")
+    for key in raw:
+        if key not in _KEYS:
+            raise ConfigError(f"{w} unknown key {key!r}; allowed: {', '.join(sorted(_KEYS))}")
+    s = DaemonSettings()
+    port = raw.get("port", s.port)
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ConfigError(f"{w} port must be 0..65535, not {port!r}")
+    conc = raw.get("concurrency", s.concurrency)
+    if not isinstance(conc, int) or isinstance(conc, bool) or conc < 1:
+        raise ConfigError(f"{w} concurrency must be a whole number >= 1, not {conc!r}")
+    verify = raw.get("verify_destination", True)
+    if not isinstance(verify, bool):
+        raise ConfigError(f"{w} verify_destination must be true or false")
+    return DaemonSettings(
+        host=str(raw.get("host", s.host)),
+        port=port,
+        interval=parse_duration(raw.get("interval", s.interval), f"{w} interval"),
+        max_backoff=parse_duration(raw.get("max_backoff", s.max_backoff), f"{w} max_backoff"),
+        concurrency=conc,
+        bwlimit=parse_size(raw["bwlimit"], f"{w} bwlimit") if "bwlimit" in raw else None,
+        verify_destination=verify,
+    )
+
+
+class _JsonHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(log_record_json(record) + "\n")
+            sys.stderr.flush()
+        except Exception:
+            self.handleError(record)
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    root = logging.getLogger("fmstore")
+    if not any(isinstance(h, _JsonHandler) for h in root.handlers):
+        root.addHandler(_JsonHandler())
+    root.setLevel(level)
+    root.propagate = False
+
+
+class Daemon:
+    """The daemon's pieces, usable in-process (tests) or from :func:`main`."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        policies: Policies | None = None,
+        settings: DaemonSettings | None = None,
+    ) -> None:
+        # Everything is validated here, before any data moves.
+        self.config = config
+        self.policies = policies or from_config(config)
+        self.settings = settings or settings_from_config(config)
+        for tier in self.policies.ladder:
+            config.tier(tier)
+        self.catalog = Catalog.for_state_dir(config.state_dir)
+        self.runner = PolicyRunner(
+            config,
+            self.policies,
+            self.catalog,
+            mover=MoverOptions(
+                concurrency=self.settings.concurrency,
+                bwlimit=self.settings.bwlimit,
+                verify_destination=self.settings.verify_destination,
+            ),
+        )
+        self.stop = self.runner.stop
+        self.server: ThreadingHTTPServer | None = None
+        self.port: int | None = None
+        self.last_step: float | None = None
+        self.last_report: StepReport | None = None
+        self.backoff = 0.0
+        self._signals = 0
+
+    # ---- HTTP ------------------------------------------------------------------------
+
+    def start_http(self) -> int:
+        daemon = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                if self.path.split("?")[0] == "/metrics":
+                    body = generate_latest()
+                    self._send(200, CONTENT_TYPE_LATEST, body)
+                elif self.path.split("?")[0] == "/healthz":
+                    body = json.dumps(daemon.health()).encode()
+                    self._send(200, "application/json", body)
+                else:
+                    self._send(404, "text/plain", b"not found\n")
+
+            def _send(self, code: int, ctype: str, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # scrapes every few seconds would flood the log
+
+        self.server = ThreadingHTTPServer((self.settings.host, self.settings.port), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, name="fmstore-http", daemon=True).start()
+        return self.port
+
+    def health(self) -> dict[str, Any]:
+        rep = self.last_report
+        return {
+            "status": "ok",
+            "pid": os.getpid(),
+            "last_step": self.last_step,
+            "backoff_seconds": self.backoff,
+            "pending": rep.pending if rep else None,
+            "last_errors": rep.errors[-3:] if rep else [],
+        }
+
+    # ---- the loop --------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._signals += 1
+        event("signal", signal=signal.Signals(signum).name, count=self._signals)
+        self.stop.set()
+        if self._signals >= 2:
+            # Second signal: stop the current copy now; its journal keeps it resumable.
+            raise KeyboardInterrupt
+
+    def install_signals(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def run(
+        self, *, max_steps: int | None = None, drain: bool = False, timeout: float | None = None
+    ) -> int:
+        """Run until stopped; returns the exit code.
+
+        ``drain``: stop as soon as a step finds nothing to do (every policy satisfied; exit
+        0), or when ``timeout`` seconds pass first (exit 3: work remains, resumable).
+        """
+        try:
+            self.runner.lock.acquire(timeout=0)
+        except filelock.Timeout:
+            raise ConfigError(
+                f"another fmstore daemon already runs on state directory {self.config.state_dir!r}"
+            ) from None
+        m.UP.set(1)
+        event(
+            "daemon_start",
+            pid=os.getpid(),
+            port=self.port,
+            tiers=list(self.policies.ladder),
+            state_dir=self.config.state_dir,
+        )
+        steps = 0
+        code = 0
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        try:
+            while not self.stop.is_set():
+                try:
+                    rep = runtime.run(self.runner.astep())
+                except FmstoreError as e:
+                    rep = StepReport(errors=[str(e)])
+                    m.ERRORS.labels("step", type(e).__name__).inc()
+                    event("step_error", error=str(e))
+                self.last_report = rep
+                self.last_step = time.time()
+                steps += 1
+                if rep.errors:
+                    m.STEPS.labels("error").inc()
+                    self.backoff = min(max(1.0, self.backoff * 2), self.settings.max_backoff)
+                else:
+                    m.STEPS.labels("ok").inc()
+                    self.backoff = 0.0
+                m.BACKOFF.set(self.backoff)
+                if max_steps is not None and steps >= max_steps:
+                    break
+                if drain and not rep.did_something and not rep.errors and not rep.pending:
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    code = 3 if (rep.pending or rep.errors) else 0
+                    break
+                if rep.did_something and not rep.errors:
+                    continue  # more may be due (the plan changed while we acted)
+                self.stop.wait(self.backoff or self.settings.interval)
+        except KeyboardInterrupt:
+            event("daemon_interrupted")
+        finally:
+            m.UP.set(0)
+            event("daemon_stop", steps=steps)
+            self.runner.lock.release()
+        return code
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+        runtime.run(self.runner.tiers.close())
+        self.catalog.close()
+
+
+def main(
+    config: Config,
+    *,
+    port: int | None = None,
+    once: bool = False,
+    drain: bool = False,
+    timeout: float | None = None,
+    http: bool = True,
+) -> int:
+    """Entry of ``fmstore daemon``."""
+    setup_logging()
+    settings = settings_from_config(config)
+    if port is not None:
+        from dataclasses import replace
+
+        settings = replace(settings, port=port)
+    d = Daemon(config, settings=settings)
+    d.install_signals()
+    if http:
+        d.start_http()
+    try:
+        return d.run(max_steps=1 if once else None, drain=drain, timeout=timeout)
+    finally:
+        d.close()

@@ -1,0 +1,36 @@
+"""Prometheus metrics of tiering (the daemon serves them on ``/metrics``), all ``fmstore_*``."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_COPY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+
+COPY_BYTES = Counter(
+    "fmstore_tier_copy_bytes_total",
+    "Checkpoint bytes copied between tiers",
+    ["src", "dst"],
+)
+COPIES = Counter(
+    "fmstore_tier_copies_total", "Checkpoint copies between tiers", ["src", "dst", "outcome"]
+)
+COPY_SECONDS = Histogram(
+    "fmstore_tier_copy_seconds",
+    "Duration of one checkpoint copy between tiers",
+    ["src", "dst"],
+    buckets=_COPY_BUCKETS,
+)
+EXPORT_LAG = Gauge(
+    "fmstore_tier_export_lag_seconds",
+    "Age of the oldest committed checkpoint that still waits for an export",
+)
+QUEUE_DEPTH = Gauge("fmstore_tier_queue_depth", "Actions planned and not yet done", ["action"])
+TIER_BYTES = Gauge("fmstore_tier_bytes", "Checkpoint bytes held per tier (catalog)", ["tier"])
+TIER_FS_USED = Gauge(
+    "fmstore_tier_filesystem_used_ratio", "Used fraction of a POSIX tier's file system", ["tier"]
+)
+DELETIONS = Counter("fmstore_tier_deletions_total", "Copies removed by policy", ["tier", "reason"])
+ERRORS = Counter("fmstore_tier_errors_total", "Errors of tiering steps", ["action", "error"])
+STEPS = Counter("fmstore_daemon_steps_total", "Policy steps run", ["outcome"])
+BACKOFF = Gauge("fmstore_daemon_backoff_seconds", "Current back-off after a failing step")
+UP = Gauge("fmstore_daemon_up", "1 while the daemon runs")

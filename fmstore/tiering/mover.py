@@ -1,0 +1,328 @@
+"""The checkpoint mover: copy, verify and delete whole checkpoints between tiers.
+
+A checkpoint is a prefix holding data blobs and one ``manifest.json`` (see
+:mod:`fmstore.format.manifest`).  :func:`copy_checkpoint` plans the copy from the source's
+manifest (its blobs, each with the CRC32C its chunks imply) and hands the plan to the copy
+engine of :mod:`fmstore.tiering.transfer` (the one ``fmstore stage`` uses: parallel, bounded,
+resumable through its journal, bandwidth-limited); only after every blob is copied and
+verified does it write the manifest on the destination, with the same bytes: the same
+commit convention on every tier.
+
+Guarantees:
+
+* a destination never holds a manifest whose blobs are not all there and verified, so a
+  copy killed at any moment is either not a checkpoint yet or a complete one;
+* re-running a copy after a crash does not rewrite blobs the journal (or the destination's
+  recorded checksums) already shows as done;
+* :func:`delete_checkpoint` removes the manifest first (the copy stops being a checkpoint
+  at once), then the blobs, so a crash half-way leaves garbage, never a torn checkpoint;
+  it is idempotent;
+* every check compares each chunk's bytes with the CRC32C the manifest recorded, so a copy
+  made from a corrupt source fails instead of spreading the damage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable, TierFull
+from ..format.checksum import crc32c
+from ..format.manifest import MANIFEST_KEY, Manifest
+from ..stores.base import PutOptions, Store
+from .crc import combine_all
+from .journal import Journal
+from .transfer import CopyItem, TransferOptions, copy_items
+
+
+@dataclass(frozen=True)
+class MoverOptions:
+    """How checkpoints are copied.
+
+    ``concurrency``: blobs (and parts) in flight; ``bwlimit``: bytes/s shared by the whole
+    copy (None: unlimited); ``verify_destination``: re-read every blob on the destination
+    and check each chunk before committing (the engine already checks the bytes it read
+    against the manifest on the way).  ``multipart_threshold``: blobs up to this size are
+    copied as one object; bigger ones (checkpoint blobs are up to 256 MiB) in resumable parts
+    of ``part_size``, so a killed copy redoes at most the parts in flight.
+    """
+
+    concurrency: int = 16
+    bwlimit: float | None = None
+    verify_destination: bool = True
+    part_size: int = 16 << 20
+    multipart_threshold: int = 64 << 20
+    max_inflight_bytes: int = 1 << 30
+
+
+@dataclass
+class CopyResult:
+    manifest: Manifest
+    manifest_crc32c: int
+    bytes_copied: int
+    bytes_skipped: int
+    seconds: float
+    already_there: bool = False
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of :func:`verify_checkpoint`: ``problems`` is empty when every chunk of every
+    blob matched its checksum."""
+
+    url: str
+    tier: str
+    ok: bool
+    bytes: int = 0
+    manifest_crc32c: int | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+async def read_manifest_bytes(store: Store) -> tuple[bytes, Manifest]:
+    """The committed manifest of the checkpoint at ``store``'s root (NotFound / CorruptData)."""
+    try:
+        data = await store.get(MANIFEST_KEY)
+    except NotFound:
+        raise NotFound(
+            f"no checkpoint at {store.url} (no {MANIFEST_KEY})", tier=store.tier, key=MANIFEST_KEY
+        ) from None
+    return data, Manifest.loads(data, where=store.url)
+
+
+def blob_checksums(m: Manifest) -> list[int | None]:
+    """Each blob's whole-object CRC32C, combined from its chunks' CRCs.
+
+    Chunks start at aligned offsets; the writer fills the gaps with zero bytes, whose CRC is
+    known, so the whole blob's checksum follows from the manifest without reading it.  The
+    copy engine checks every byte it reads against it: a copy is verified against the
+    manifest end to end.  None for a blob whose chunks overlap or overrun it (not written by
+    this format), which then gets only the chunk-wise check of ``verify_destination``.
+    """
+    spans: list[list[tuple[int, int, int]]] = [[] for _ in m.blobs]
+    for s in m.storages:
+        for c in s.chunks:
+            spans[c.blob].append((c.offset, c.length, c.crc32c))
+    out: list[int | None] = []
+    for i, parts in enumerate(spans):
+        parts.sort()
+        pieces: list[tuple[int, int]] = []
+        pos = 0
+        ok = True
+        for off, length, crc in parts:
+            if off < pos:
+                ok = False
+                break
+            if off > pos:
+                pieces.append((_zeros_crc(off - pos), off - pos))
+            pieces.append((crc, length))
+            pos = off + length
+        size = m.blobs[i].size
+        if not ok or pos > size:
+            out.append(None)
+            continue
+        if pos < size:
+            pieces.append((_zeros_crc(size - pos), size - pos))
+        out.append(combine_all(pieces))
+    return out
+
+
+_MiB_ZEROS_CRC = crc32c(bytes(1 << 20))
+
+
+def _zeros_crc(n: int) -> int:
+    """CRC32C of ``n`` zero bytes, without allocating more than 1 MiB."""
+    whole, rest = divmod(n, 1 << 20)
+    pieces = [(_MiB_ZEROS_CRC, 1 << 20)] * whole
+    if rest:
+        pieces.append((crc32c(bytes(rest)), rest))
+    return combine_all(pieces)
+
+
+async def verify_checkpoint(
+    store: Store, *, manifest: Manifest | None = None, concurrency: int = 8
+) -> VerifyResult:
+    """Check every blob's size and every chunk's CRC32C against the manifest.
+
+    Never raises for bad data: problems are listed in the result (a missing manifest is a
+    problem too); store outages raise :class:`StoreUnavailable`.
+    """
+    res = VerifyResult(url=store.url, tier=store.tier, ok=False)
+    if manifest is None:
+        try:
+            data, manifest = await read_manifest_bytes(store)
+        except (NotFound, CorruptData) as e:
+            res.problems.append(str(e))
+            return res
+        res.manifest_crc32c = crc32c(data)
+    chunks: list[list[tuple[int, int, int]]] = [[] for _ in manifest.blobs]
+    for s in manifest.storages:
+        for c in s.chunks:
+            chunks[c.blob].append((c.offset, c.length, c.crc32c))
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        key = manifest.blob_key(i)
+        async with sem:
+            try:
+                meta = await store.stat(key)
+            except NotFound:
+                res.problems.append(f"blob {key} is missing")
+                return
+            if meta.size != manifest.blobs[i].size:
+                res.problems.append(
+                    f"blob {key} has {meta.size} bytes, the manifest says {manifest.blobs[i].size}"
+                )
+                return
+            for off, length, want in sorted(chunks[i]):
+                data = await store.get_range(key, off, off + length)
+                if crc32c(data) != want:
+                    res.problems.append(
+                        f"blob {key}: chunk at offset {off} ({length} bytes) fails its checksum"
+                    )
+                    return
+            res.bytes += meta.size
+
+    await asyncio.gather(*(one(i) for i in range(len(manifest.blobs))))
+    res.problems.sort()
+    res.ok = not res.problems
+    return res
+
+
+async def copy_checkpoint(
+    src: Store,
+    dst: Store,
+    *,
+    options: MoverOptions = MoverOptions(),
+    journal_path: str | None = None,
+) -> CopyResult:
+    """Copy the checkpoint at ``src``'s root to ``dst``'s root; see the module guarantees.
+
+    Raises :class:`NotFound` (no checkpoint at ``src``), :class:`CorruptData` (the source
+    fails its checksums: the copy is not committed), :class:`TierFull`,
+    :class:`StoreUnavailable` (after the engine's retries).  The journal at ``journal_path``
+    makes a killed copy resume without rewriting finished blobs or parts.
+    """
+    t0 = time.monotonic()
+    data, manifest = await read_manifest_bytes(src)
+    mcrc = crc32c(data)
+    try:
+        existing = await dst.get(MANIFEST_KEY)
+    except NotFound:
+        existing = None
+    if existing is not None and crc32c(existing) == mcrc:
+        # Committed on the destination already (a run killed after the commit): re-check
+        # the blobs so "already there" never means "half there".
+        check = await verify_checkpoint(dst, manifest=manifest)
+        if check.ok:
+            return CopyResult(manifest, mcrc, 0, manifest.stored_bytes, 0.0, already_there=True)
+        # The destination's blobs are damaged: remove the copy (manifest first) and copy
+        # again from scratch; the engine would otherwise trust the checksums it recorded
+        # on the damaged blobs and skip them.
+        await delete_checkpoint(dst)
+    elif existing is not None:
+        # A different checkpoint under the same name (a crashed overwrite, a re-used step):
+        # it is replaced atomically by the manifest written at the end.
+        pass
+
+    crcs = blob_checksums(manifest)
+    items = [
+        CopyItem(
+            src_key=manifest.blob_key(i),
+            dst_key=manifest.blob_key(i),
+            size=b.size,
+            crc32c=crcs[i],
+        )
+        for i, b in enumerate(manifest.blobs)
+    ]
+    journal = await Journal.open(journal_path, fsync=True) if journal_path else None
+    try:
+        report = await copy_items(
+            src,
+            dst,
+            items,
+            TransferOptions(
+                concurrency=options.concurrency,
+                part_size=options.part_size,
+                multipart_threshold=options.multipart_threshold,
+                max_inflight_bytes=options.max_inflight_bytes,
+                bwlimit=options.bwlimit,
+                verify=False,
+            ),
+            journal=journal,
+        )
+    finally:
+        if journal is not None:
+            with contextlib.suppress(Exception):
+                await journal.close()
+    if report.failures:
+        _raise_for(report.failures, src, dst)
+    if options.verify_destination:
+        check = await verify_checkpoint(dst, manifest=manifest)
+        if not check.ok:
+            # Find out whose fault it is: a bad source must not be copied again and again.
+            src_check = await verify_checkpoint(src, manifest=manifest)
+            if not src_check.ok:
+                raise CorruptData(
+                    "source copy fails its checksums: " + "; ".join(src_check.problems[:3]),
+                    tier=src.tier,
+                    key=src.url,
+                )
+            # Bad bytes landed on the destination: remove them so the next attempt does not
+            # skip them as already copied.
+            await delete_checkpoint(dst)
+            raise CorruptData(
+                "copy fails its checksums on the destination: " + "; ".join(check.problems[:3]),
+                tier=dst.tier,
+                key=dst.url,
+            )
+    # The commit: the manifest, byte for byte, written last.
+    await dst.put(MANIFEST_KEY, data, PutOptions(content_crc32c=mcrc))
+    p = report.progress
+    return CopyResult(
+        manifest,
+        mcrc,
+        p.bytes_copied,
+        p.bytes_skipped + p.bytes_resumed,
+        time.monotonic() - t0,
+    )
+
+
+def _raise_for(failures: Sequence[object], src: Store, dst: Store) -> None:
+    text = "; ".join(f"{getattr(f, 'key', '?')}: {getattr(f, 'error', '?')}" for f in failures[:3])
+    lowered = text.lower()
+    if "checksum" in lowered or "crc" in lowered or "corrupt" in lowered:
+        raise CorruptData(f"copy failed verification: {text}", tier=src.tier, key=src.url)
+    if "no space" in lowered or "full" in lowered:
+        raise TierFull(f"copy failed: {text}", tier=dst.tier, key=dst.url)
+    if "not found" in lowered or "no such" in lowered:
+        raise NotFound(f"copy failed, source blob missing: {text}", tier=src.tier, key=src.url)
+    raise StoreUnavailable(f"copy failed: {text}", tier=dst.tier, key=dst.url)
+
+
+async def delete_checkpoint(store: Store) -> int:
+    """Remove the checkpoint at ``store``'s root: manifest first, then everything under the
+    prefix.  Idempotent; returns the bytes removed."""
+    await store.delete(MANIFEST_KEY)
+    removed = 0
+    keys = []
+    async for meta in store.list(""):
+        if not meta.is_dir:
+            keys.append(meta.key)
+            removed += meta.size
+    if keys:
+        await store.delete_many(keys)
+    return removed
+
+
+async def has_checkpoint(store: Store) -> bool:
+    """Whether a committed manifest is there (cheap: one stat)."""
+    try:
+        await store.stat(MANIFEST_KEY)
+    except NotFound:
+        return False
+    except FmstoreError:
+        raise
+    return True

@@ -1,0 +1,358 @@
+"""Carry out the policies: one idempotent step at a time.
+
+:class:`PolicyRunner` is what both the daemon and a training process without a daemon run.
+One :meth:`PolicyRunner.step`:
+
+1. **reconciles** the catalog with the tiers: a copy left ``writing`` whose manifest is on
+   the tier is ``present`` (the save committed, its process died before recording it); a
+   copy left ``deleting`` is deleted to the end;
+2. **plans** with :func:`fmstore.tiering.policies.plan` (pure: catalog in, actions out);
+3. **acts**, one action at a time, re-checking on the tiers before anything destructive
+   that another complete copy really exists.
+
+Crash anywhere → the next step finds the same plan minus what was finished, so running it
+again repairs everything.  Only one runner works at a time per state directory: a file lock
+(``runner.lock``) held for the runner's lifetime (the daemon) or for one step (a training
+process), so a daemon and a training process never race on the same copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import filelock
+
+from .. import runtime
+from ..config import Config
+from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable, TierFull
+from . import catalog as cat
+from . import metrics as m
+from .catalog import Catalog
+from .mover import MoverOptions, copy_checkpoint, delete_checkpoint, has_checkpoint
+from .mover import read_manifest_bytes as _read_manifest
+from .policies import Delete, Export, Policies, Release, State, TierUsage, export_lag, plan
+from .tiers import Tiers
+
+log = logging.getLogger("fmstore.tiering")
+
+LOCK_NAME = "runner.lock"
+_RELEASE_NOTE = "pending:released"
+
+
+@dataclass
+class StepReport:
+    """What one step did (counts per action) and the errors it met."""
+
+    exported: int = 0
+    deleted: int = 0
+    released: int = 0
+    repaired: int = 0
+    pending: int = 0
+    errors: list[str] = field(default_factory=list)
+    skipped_locked: bool = False
+
+    @property
+    def did_something(self) -> bool:
+        return bool(self.exported or self.deleted or self.released or self.repaired)
+
+
+def event(kind: str, **fields: object) -> None:
+    """One structured log line (the daemon formats records as JSON)."""
+    log.info(kind, extra={"event": kind, "fields": fields})
+
+
+class PolicyRunner:
+    """Applies ``policies`` to the checkpoints in ``catalog`` on the tiers of ``config``."""
+
+    def __init__(
+        self,
+        config: Config,
+        policies: Policies,
+        catalog: Catalog,
+        *,
+        mover: MoverOptions = MoverOptions(),
+        tiers: Tiers | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.config = config
+        self.policies = policies
+        self.catalog = catalog
+        self.mover = mover
+        self.tiers = tiers or Tiers(config)
+        self.clock = clock or catalog.now
+        self.lock = filelock.FileLock(os.path.join(config.state_dir, LOCK_NAME))
+        #: Checked between actions: set it to stop after the current copy.
+        self.stop = threading.Event()
+
+    # ---- the step --------------------------------------------------------------------
+
+    def step(self, *, blocking_lock: bool = False) -> StepReport:
+        """Run one step (sync facade).  Without the lock (another runner holds it) it
+        returns a report with ``skipped_locked`` set and does nothing."""
+        try:
+            self.lock.acquire(timeout=-1 if blocking_lock else 0)
+        except filelock.Timeout:
+            return StepReport(skipped_locked=True)
+        try:
+            return runtime.run(self.astep())
+        finally:
+            self.lock.release()
+
+    async def astep(self) -> StepReport:
+        """One step; the caller holds the lock."""
+        rep = StepReport()
+        await self._reconcile(rep)
+        state = self.state()
+        actions = plan(self.policies, state)
+        self._gauges(state, actions)
+        rep.pending = len(actions)
+        for action in actions:
+            if self.stop.is_set():
+                break
+            try:
+                if isinstance(action, Export):
+                    await self._export(action, rep)
+                elif isinstance(action, Delete):
+                    await self._remove(action.root, action.step, action.tier, "retention", rep)
+                elif isinstance(action, Release):
+                    await self._remove(action.root, action.step, action.tier, "release", rep)
+            except (StoreUnavailable, TierFull) as e:
+                # The tier is down or full: stop this step (the daemon backs off); all the
+                # copies stay resumable.
+                m.ERRORS.labels(type(action).__name__.lower(), type(e).__name__).inc()
+                rep.errors.append(str(e))
+                event("step_error", action=repr(action), error=str(e))
+                break
+        self._gauges(self.state(), None)
+        return rep
+
+    def state(self) -> State:
+        usage: dict[str, TierUsage] = {}
+        for tier in self.policies.release:
+            u = self.tiers.usage(tier)
+            if u is not None:
+                usage[tier] = u
+        return State(
+            checkpoints=self.catalog.checkpoints(),
+            copies=self.catalog.copies(),
+            pins=self.catalog.pins(),
+            now=self.clock(),
+            usage=usage,
+        )
+
+    def _gauges(self, state: State, actions: list | None) -> None:
+        m.EXPORT_LAG.set(export_lag(self.policies, state))
+        if actions is not None:
+            for kind in ("export", "delete", "release"):
+                m.QUEUE_DEPTH.labels(kind).set(
+                    sum(1 for a in actions if type(a).__name__.lower() == kind)
+                )
+        held = self.catalog.tier_bytes()
+        for tier in self.policies.ladder:
+            m.TIER_BYTES.labels(tier).set(held.get(tier, 0))
+            u = state.usage.get(tier) or self.tiers.usage(tier)
+            if u is not None:
+                m.TIER_FS_USED.labels(tier).set(u.fraction)
+
+    # ---- reconcile -------------------------------------------------------------------
+
+    async def _reconcile(self, rep: StepReport) -> None:
+        for cp in self.catalog.copies(states=[cat.WRITING, cat.DELETING]):
+            store = self.tiers.checkpoint(cp.tier, cp.root, cp.step)
+            if cp.state == cat.WRITING:
+                try:
+                    data, manifest = await _read_manifest(store)
+                except (NotFound, CorruptData):
+                    continue
+                from ..format.checksum import crc32c
+
+                self.catalog.record_checkpoint(
+                    cp.root, cp.step, bytes=manifest.stored_bytes, manifest_crc32c=crc32c(data)
+                )
+                self.catalog.set_copy(
+                    cp.root,
+                    cp.step,
+                    cp.tier,
+                    cat.PRESENT,
+                    bytes=manifest.stored_bytes,
+                    expect=[cat.WRITING],
+                )
+                rep.repaired += 1
+                event("repaired", root=cp.root, step=cp.step, tier=cp.tier, state="present")
+            else:
+                final = cat.RELEASED if cp.error == _RELEASE_NOTE else cat.DELETED
+                await delete_checkpoint(store)
+                self.catalog.set_copy(cp.root, cp.step, cp.tier, final, expect=[cat.DELETING])
+                rep.repaired += 1
+                event("repaired", root=cp.root, step=cp.step, tier=cp.tier, state=final)
+
+    # ---- actions ---------------------------------------------------------------------
+
+    def journal_path(self, root: str, step: int, src: str, dst: str) -> str:
+        h = hashlib.sha256(f"{root}\0{step}\0{src}\0{dst}".encode()).hexdigest()[:24]
+        return os.path.join(self.config.state_dir, "transfers", f"ckpt-{h}.jsonl")
+
+    async def _export(self, a: Export, rep: StepReport) -> None:
+        c = self.catalog
+        c.set_copy(a.root, a.step, a.dest, cat.EXPORTING, count_attempt=True)
+        src = self.tiers.checkpoint(a.source, a.root, a.step)
+        dst = self.tiers.checkpoint(a.dest, a.root, a.step)
+        jpath = self.journal_path(a.root, a.step, a.source, a.dest)
+        t0 = time.monotonic()
+        event("export_start", root=a.root, step=a.step, src=a.source, dst=a.dest)
+        try:
+            res = await copy_checkpoint(src, dst, options=self.mover, journal_path=jpath)
+        except CorruptData as e:
+            bad = a.dest if e.tier == dst.tier else a.source
+            m.COPIES.labels(a.source, a.dest, "corrupt").inc()
+            m.ERRORS.labels("export", "CorruptData").inc()
+            c.set_copy(a.root, a.step, bad, cat.CORRUPT, error=str(e))
+            rep.errors.append(str(e))
+            event("export_corrupt", root=a.root, step=a.step, tier=bad, error=str(e))
+            return
+        except NotFound as e:
+            m.ERRORS.labels("export", "NotFound").inc()
+            c.set_copy(a.root, a.step, a.source, cat.MISSING, error=str(e))
+            rep.errors.append(str(e))
+            event("export_source_missing", root=a.root, step=a.step, tier=a.source)
+            return
+        except (StoreUnavailable, TierFull) as e:
+            m.COPIES.labels(a.source, a.dest, "error").inc()
+            c.set_copy(a.root, a.step, a.dest, cat.EXPORTING, error=str(e))
+            raise
+        seconds = time.monotonic() - t0
+        c.record_checkpoint(
+            a.root, a.step, bytes=res.manifest.stored_bytes, manifest_crc32c=res.manifest_crc32c
+        )
+        c.set_copy(
+            a.root,
+            a.step,
+            a.dest,
+            cat.PRESENT,
+            bytes=res.manifest.stored_bytes,
+            verified=c.now() if self.mover.verify_destination or res.already_there else None,
+        )
+        with contextlib.suppress(OSError):
+            os.unlink(jpath)
+        m.COPY_BYTES.labels(a.source, a.dest).inc(res.bytes_copied)
+        m.COPY_SECONDS.labels(a.source, a.dest).observe(seconds)
+        m.COPIES.labels(a.source, a.dest, "ok").inc()
+        rep.exported += 1
+        event(
+            "export_done",
+            root=a.root,
+            step=a.step,
+            src=a.source,
+            dst=a.dest,
+            bytes=res.bytes_copied,
+            seconds=round(seconds, 3),
+        )
+
+    async def _remove(self, root: str, step: int, tier: str, reason: str, rep: StepReport) -> None:
+        c = self.catalog
+        # Never trust the catalog alone before deleting: another complete copy must really
+        # be on its tier now.
+        others = [cp for cp in c.copies(root, step=step, states=[cat.PRESENT]) if cp.tier != tier]
+        confirmed = False
+        for cp in others:
+            if await has_checkpoint(self.tiers.checkpoint(cp.tier, root, step)):
+                confirmed = True
+                break
+            c.set_copy(root, step, cp.tier, cat.MISSING, error="manifest not found on the tier")
+        if not confirmed:
+            event("remove_refused", root=root, step=step, tier=tier, reason="no other copy")
+            return
+        note = _RELEASE_NOTE if reason == "release" else None
+        if not c.set_copy(
+            root, step, tier, cat.DELETING, error=note, expect=[cat.PRESENT, cat.CORRUPT]
+        ):
+            return
+        freed = await delete_checkpoint(self.tiers.checkpoint(tier, root, step))
+        final = cat.RELEASED if reason == "release" else cat.DELETED
+        c.set_copy(root, step, tier, final, expect=[cat.DELETING])
+        m.DELETIONS.labels(tier, reason).inc()
+        if reason == "release":
+            rep.released += 1
+        else:
+            rep.deleted += 1
+        event("removed", root=root, step=step, tier=tier, reason=reason, bytes=freed)
+
+
+class BackgroundRunner:
+    """Runs a :class:`PolicyRunner` in a daemon thread of the training process.
+
+    It wakes every ``interval`` seconds or when :meth:`poke` is called (after a save), and
+    runs a step only when it gets the runner lock, so with an ``fmstore daemon`` on the node
+    it stays idle.  :meth:`close` stops it after the current copy.
+    """
+
+    def __init__(self, runner: PolicyRunner, *, interval: float = 5.0) -> None:
+        self.runner = runner
+        self.interval = interval
+        self._wake = threading.Event()
+        self._idle = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="fmstore-policies", daemon=True)
+        self.last: StepReport | None = None
+        self._thread.start()
+
+    def poke(self) -> None:
+        self._idle.clear()
+        self._wake.set()
+
+    def _main(self) -> None:
+        backoff = 0.0
+        while not self.runner.stop.is_set():
+            self._wake.clear()
+            try:
+                self.last = self.runner.step()
+                backoff = 0.0 if not self.last.errors else min(max(1.0, backoff * 2), 60.0)
+            except FmstoreError as e:
+                event("step_error", error=str(e))
+                backoff = min(max(1.0, backoff * 2), 60.0)
+            except Exception as e:  # keep the training process alive whatever happens here
+                log.exception("policy step failed: %s", e)
+                backoff = min(max(1.0, backoff * 2), 60.0)
+            last = self.last
+            if (
+                last is not None
+                and not last.skipped_locked
+                and not last.did_something
+                and not last.errors
+            ):
+                self._idle.set()
+            self._wake.wait(backoff or self.interval)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until a step finds nothing to do (every policy satisfied)."""
+        self.poke()
+        return self._idle.wait(timeout)
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        self.runner.stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+
+def log_record_json(record: logging.LogRecord) -> str:
+    """Format a record as one JSON object (used by the daemon's log handler)."""
+    out: dict[str, object] = {
+        "ts": round(record.created, 3),
+        "level": record.levelname.lower(),
+        "logger": record.name,
+        "msg": record.getMessage(),
+    }
+    ev = getattr(record, "event", None)
+    if ev:
+        out["event"] = ev
+        out.update(getattr(record, "fields", {}) or {})
+    if record.exc_info:
+        out["exc"] = logging.Formatter().formatException(record.exc_info)
+    return json.dumps(out, default=str)
