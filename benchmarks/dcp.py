@@ -110,15 +110,21 @@ def writers(kind: str, uri: str, s3: dict[str, Any]) -> tuple[Any, Any]:
     if kind == "dcp-fs":
         return FileSystemWriter(uri, sync_files=True), FileSystemReader(uri)
     if kind == "s3torchconnector":
-        from s3torchconnector import S3ClientConfig  # noqa: F401
+        from s3torchconnector import S3ClientConfig
+        from s3torchconnector._s3client import S3Client
         from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
 
         os.environ.setdefault("AWS_ACCESS_KEY_ID", s3["access_key"])
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", s3["secret_key"])
-        return (
-            S3StorageWriter(region=s3["region"], path=uri, endpoint=s3["endpoint_url"]),
-            S3StorageReader(region=s3["region"], path=uri, endpoint=s3["endpoint_url"]),
-        )
+        cfg = S3ClientConfig(force_path_style=True)
+        sw = S3StorageWriter(region=s3["region"], path=uri, s3client_config=cfg)
+        sr = S3StorageReader(region=s3["region"], path=uri, s3client_config=cfg)
+        # Its DCP classes take no endpoint: give their file system a client for this server.
+        for x in (sw, sr):
+            x.fs._client = S3Client(
+                region=s3["region"], endpoint=s3["endpoint_url"], s3client_config=cfg
+            )
+        return sw, sr
     if kind == "dcp-fsspec":
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 

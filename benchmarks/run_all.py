@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -100,6 +101,19 @@ def chart(name: str, idx: int, title: str, rows: list[str]) -> Path | None:
     return path
 
 
+def _split(text: str) -> tuple[str, dict[str, str]]:
+    parts = re.split(r"(?m)^## ", text)
+    return parts[0], {p.split("\n", 1)[0].strip(): "## " + p for p in parts[1:]}
+
+
+def merge_sections(old: str, new: str, names: list[str]) -> str:
+    """``old`` with the sections of ``names`` taken from ``new`` (order of BENCHMARKS)."""
+    head, old_s = _split(old)
+    _, new_s = _split(new)
+    merged = {**old_s, **{n: new_s[n] for n in names if n in new_s}}
+    return head + "".join(merged[n] for n in BENCHMARKS if n in merged)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -165,7 +179,11 @@ def main() -> None:
         ]
         if notes:
             sections.extend(["Notes printed by the run:", ""] + [f"- {n}" for n in notes] + [""])
-    (HERE / "RESULTS.md").write_text("\n".join(sections) + "\n")
+    text = "\n".join(sections) + "\n"
+    old = HERE / "RESULTS.md"
+    if only and old.exists():  # keep the other benchmarks' sections of the last full run
+        text = merge_sections(old.read_text(), text, only)
+    old.write_text(text)
     print(f"wrote {HERE / 'RESULTS.md'}")
 
 
