@@ -297,6 +297,7 @@ class S3Store(Store):
             if self._client is None:
                 self._client = await self._make_client()
                 self._loop = running
+                runtime.close_at_exit(self)  # close the pool at exit, not at garbage collection
         return self._client
 
     async def _make_client(self) -> Any:
