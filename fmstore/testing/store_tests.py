@@ -30,9 +30,6 @@ class Backdoor(abc.ABC):
     def keys(self) -> list[str]:
         """Every object key visible in the raw storage (sorted), temp artefacts included."""
 
-    def write(self, key: str, data: bytes) -> None:  # optional
-        raise NotImplementedError
-
 
 class PosixBackdoor(Backdoor):
     """Reads a POSIX tier's directory directly; ignores the per-directory lock files."""
