@@ -386,8 +386,8 @@ class S3Store(Store):
             return None
 
     async def _object_call(self, method: str, **kwargs: Any) -> Any:
-        """PutObject / GetObject / HeadObject (botocore names), on the lean path while it
-        serves this store, else on botocore."""
+        """PutObject / GetObject / HeadObject / ListObjectsV2 (botocore names), on the lean
+        path while it serves this store, else on botocore."""
         cli = await self._cli()
         http = self._http
         if http is not None:
@@ -983,7 +983,11 @@ class S3Store(Store):
             req = dict(base)
             if token:
                 req["ContinuationToken"] = token
-            resp = await self._call("list", p or None, "list_objects_v2", **req)
+            resp = await self.retrier.call(
+                "list",
+                p or None,
+                functools.partial(self._object_call, "list_objects_v2", **req),
+            )
             entries = [
                 ObjectMeta(
                     key=o["Key"][cut:],

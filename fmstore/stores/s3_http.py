@@ -1,10 +1,10 @@
-"""A lean request path for S3's three hot object calls: PutObject, GetObject, HeadObject.
+"""A lean request path for S3's hot calls: PutObject, GetObject, HeadObject, ListObjectsV2.
 
 botocore spends about 2 ms of CPU on every request (event hooks, model-driven
 serialisation and parsing) where signing and sending it take about 0.5 ms.  For objects of a
 few KiB that overhead *is* the cost of a copy, and on a training node the cores it burns
-are shared with everything else.  :class:`S3Http` signs (SigV4) and sends those three calls
-itself on aiohttp, with the endpoint, region and credentials botocore resolved, and answers
+are shared with everything else.  :class:`S3Http` signs (SigV4) and sends those calls
+itself on aiohttp (and listings, whose XML botocore parses slowly), with the endpoint, region and credentials botocore resolved, and answers
 in botocore's shapes: the same response dict keys, and botocore ``ClientError`` for error
 responses, so retries and error translation (:mod:`.s3_retry`) stay one code path.
 Everything else — listings, multipart uploads, copies, deletes — stays on botocore.
@@ -28,7 +28,8 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote_plus
+from xml.etree import ElementTree
 
 import aiohttp
 import botocore.exceptions as bx
@@ -74,6 +75,14 @@ class _Body:
         self.raw_stream.release()
 
 
+def canonical_query(params: Mapping[str, str]) -> str:
+    """SigV4's canonical query string, which is also what we send: names sorted, names and
+    values percent-encoded except for RFC 3986's unreserved characters."""
+    return "&".join(
+        f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, v in sorted(params.items())
+    )
+
+
 class Signer:
     """SigV4 for S3 requests without a query string, as botocore's ``S3SigV4Auth`` signs
     them: every header given is signed, the payload hash is the caller's."""
@@ -90,9 +99,11 @@ class Signer:
         payload_hash: str,
         creds: Credentials,
         now: float | None = None,
+        query: str = "",
     ) -> None:
-        """Add SigV4 headers (``x-amz-date``, ``x-amz-content-sha256``, ``Authorization``)
-        for a request without a query string; every header in ``headers`` is signed."""
+        """Add SigV4 headers (``x-amz-date``, ``x-amz-content-sha256``, ``Authorization``);
+        every header in ``headers`` is signed.  ``query``: the canonical query string (see
+        :func:`canonical_query`), sent exactly so."""
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
         day = stamp[:8]
         headers["host"] = self.host
@@ -105,7 +116,7 @@ class Signer:
             (
                 method,
                 path,
-                "",
+                query,
                 "".join(f"{k}:{' '.join(str(headers[k]).split())}\n" for k in names),
                 ";".join(names),
                 payload_hash,
@@ -134,7 +145,8 @@ class Signer:
 
 
 class S3Http:
-    """Signs and sends PutObject / GetObject / HeadObject; see the module docstring.
+    """Signs and sends PutObject / GetObject / HeadObject / ListObjectsV2; see the module
+    docstring.
 
     ``credentials`` returns the current frozen credentials (refreshed by botocore's
     providers as they expire).
@@ -189,7 +201,7 @@ class S3Http:
     async def close(self) -> None:
         await self._session.close()
 
-    # ---- the three calls (botocore's parameter and response names) ----------------------
+    # ---- the calls (botocore's parameter and response names) ----------------------------
 
     async def put_object(
         self,
@@ -276,6 +288,33 @@ class S3Http:
         finally:
             resp.release()
 
+    async def list_objects_v2(
+        self,
+        *,
+        Bucket: str,
+        Prefix: str = "",
+        MaxKeys: int = 1000,
+        Delimiter: str | None = None,
+        StartAfter: str | None = None,
+        ContinuationToken: str | None = None,
+    ) -> dict[str, Any]:
+        del Bucket
+        query = {"list-type": "2", "prefix": Prefix, "max-keys": str(MaxKeys)}
+        query["encoding-type"] = "url"  # keys XML cannot carry come back escaped
+        if Delimiter is not None:
+            query["delimiter"] = Delimiter
+        if StartAfter is not None:
+            query["start-after"] = StartAfter
+        if ContinuationToken is not None:
+            query["continuation-token"] = ContinuationToken
+        resp = await self._send("GET", "ListObjectsV2", "", {}, EMPTY_SHA256, None, query)
+        try:
+            await self._raise_for(resp, "ListObjectsV2")
+            text = await resp.read()
+        finally:
+            resp.release()
+        return _parse_listing(text)
+
     # ---- signing and sending --------------------------------------------------------------
 
     async def _send(
@@ -286,11 +325,13 @@ class S3Http:
         headers: dict[str, str],
         payload_hash: str,
         body: bytes | bytearray | memoryview | None,
+        query: Mapping[str, str] | None = None,
     ) -> aiohttp.ClientResponse:
         path = self._prefix + quote(key, safe="/~")
+        qs = canonical_query(query) if query else ""
         creds = await self._frozen()
-        self.signer.sign(method, path, headers, payload_hash, creds)
-        url = yarl.URL(self._origin + path, encoded=True)
+        self.signer.sign(method, path, headers, payload_hash, creds, query=qs)
+        url = yarl.URL(self._origin + path + (f"?{qs}" if qs else ""), encoded=True)
         return await self._session.request(
             method, url, headers=headers, data=body, allow_redirects=False, proxy=self._proxy
         )
@@ -324,6 +365,36 @@ class S3Http:
             },
             op,
         )
+
+
+def _parse_listing(text: bytes) -> dict[str, Any]:
+    """A ListObjectsV2 answer (``encoding-type=url``) in botocore's shape."""
+    root = ElementTree.fromstring(text)
+    for el in root.iter():  # drop the S3 namespace from every tag
+        el.tag = el.tag.rpartition("}")[2]
+    contents = []
+    for c in root.iterfind("Contents"):
+        lm = c.findtext("LastModified")
+        contents.append(
+            {
+                "Key": unquote_plus(c.findtext("Key") or ""),
+                "Size": int(c.findtext("Size") or 0),
+                "ETag": c.findtext("ETag"),
+                "LastModified": datetime.fromisoformat(lm.replace("Z", "+00:00")) if lm else None,
+            }
+        )
+    out: dict[str, Any] = {
+        "Contents": contents,
+        "CommonPrefixes": [
+            {"Prefix": unquote_plus(p.findtext("Prefix") or "")}
+            for p in root.iterfind("CommonPrefixes")
+        ],
+        "IsTruncated": (root.findtext("IsTruncated") or "").lower() == "true",
+    }
+    token = root.findtext("NextContinuationToken")
+    if token:
+        out["NextContinuationToken"] = token
+    return out
 
 
 def _opt(headers: dict[str, str], name: str, value: str | None) -> None:
