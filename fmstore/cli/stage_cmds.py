@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import typer
 from rich.console import Console
@@ -221,17 +221,20 @@ def _transfer_options(
         multipart_threshold=max(part, 2 * part),
         max_inflight_bytes=max(4 * part, min(concurrency * part, 2 << 30)),
         verify=verify,
-        sync_every=_sync_every(fsync),
+        fsync=_fsync_mode(fsync),
     )
 
 
-def _sync_every(fsync: str) -> float | None:
-    mode = fsync.strip().lower()
-    if mode == "each":
-        return None
-    if mode == "batch":
-        return 5.0
-    raise typer.BadParameter(f"{fsync!r}: use batch or each", param_hint="--fsync")
+def _fsync_mode(fsync: str) -> Literal["batch", "each", "none"]:
+    modes: dict[str, Literal["batch", "each", "none"]] = {
+        "batch": "batch",
+        "each": "each",
+        "none": "none",
+    }
+    mode = modes.get(fsync.strip().lower())
+    if mode is not None:
+        return mode
+    raise typer.BadParameter(f"{fsync!r}: use batch, each or none", param_hint="--fsync")
 
 
 def _shard(text: str) -> tuple[int, int] | None:
@@ -289,7 +292,7 @@ def stage_cmd(
         "--fsync",
         help="Local destinations: 'batch' syncs every 5 s and before exiting (after a power "
         "cut the next run re-checks what the last sync did not cover); 'each' fsyncs every "
-        "file and part (slower with many small files).",
+        "file and part (slower with many small files); 'none' never syncs (scratch data).",
     ),
     json_out: bool = typer.Option(
         False, "--json", help="Print the final summary as JSON on stdout."

@@ -26,8 +26,10 @@ returns a :class:`TransferReport`.  Guarantees:
   parts are written without an fsync each; the destination is synced every
   ``sync_every`` seconds and before the run returns, and the journal records each sync,
   so after a power loss only what was written since the last sync is checked again
-  (files re-read and compared with their journaled checksum, parts rewritten).
-  ``sync_every=None`` fsyncs every file and part instead.
+  (files and parts re-read and compared with their journaled checksums).
+  ``fsync="each"`` fsyncs every file and part instead; ``fsync="none"`` never syncs
+  (scratch data: the run returns before its bytes are on disk, and a resumed run re-reads
+  everything it journaled).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import random
 import time
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from .. import runtime
 from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
@@ -78,7 +81,8 @@ class TransferOptions:
     retries: int = 3
     skip_identical: bool = True
     posix_attrs: bool = True
-    sync_every: float | None = 5.0
+    fsync: Literal["batch", "each", "none"] = "batch"
+    sync_every: float = 5.0
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -87,8 +91,10 @@ class TransferOptions:
             raise ValueError("part_size must be at least 64 KiB")
         if self.bwlimit is not None and self.bwlimit <= 0:
             raise ValueError("bwlimit must be positive")
-        if self.sync_every is not None and self.sync_every <= 0:
-            raise ValueError("sync_every must be positive (or None: fsync every file)")
+        if self.fsync not in ("batch", "each", "none"):
+            raise ValueError(f"fsync must be batch, each or none, not {self.fsync!r}")
+        if self.sync_every <= 0:
+            raise ValueError("sync_every must be positive")
 
 
 @dataclass
@@ -245,7 +251,7 @@ class Transfer:
         self.src_local = local_path(src, "x") is not None
         self.dst_local = local_path(dst, "x") is not None
         # Batch durability: writes skip their own fsync, the flusher syncs the destination.
-        self.batch_sync = self.dst_local and options.sync_every is not None
+        self.batch_sync = self.dst_local and options.fsync != "each"
         self._unsynced_writes = False
 
     async def run(self, items: Sequence[CopyItem]) -> TransferReport:
@@ -277,14 +283,13 @@ class Transfer:
         while True:
             await asyncio.sleep(0.25)
             await self.journal.flush()
-            every = self.opt.sync_every
-            if every is not None and time.monotonic() - last_sync >= every:
+            if time.monotonic() - last_sync >= self.opt.sync_every:
                 await self._sync()
                 last_sync = time.monotonic()
 
     async def _sync(self) -> None:
         """Make the writes so far durable and say so in the journal."""
-        if self.batch_sync and self._unsynced_writes:
+        if self.batch_sync and self._unsynced_writes and self.opt.fsync == "batch":
             self._unsynced_writes = False
             await self.journal.synced(self.dst.sync)
 
