@@ -508,3 +508,16 @@ def test_a_finished_run_syncs_once_and_leaves_every_record_synced(tmp_path, home
     j = runtime.run(Journal.open(path))
     assert len(j.files) == 50 and all(r.synced for r in j.files.values())
     runtime.run(j.close())
+
+
+def test_crc_combine_equals_the_crc_of_the_concatenation():
+    import random
+
+    from fmstore.tiering.crc import combine, combine_all, crc32c
+
+    rng = random.Random(7)
+    for _ in range(100):
+        a, b = rng.randbytes(rng.randint(0, 5000)), rng.randbytes(rng.randint(0, 5000))
+        assert combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b)
+    parts = [rng.randbytes(rng.choice([0, 1, 4096, 10_000])) for _ in range(12)]
+    assert combine_all((crc32c(p), len(p)) for p in parts) == crc32c(b"".join(parts))
