@@ -332,7 +332,22 @@ def test_posix_attributes_travel_in_fsx_convention(tmp_path, home):
     assert meta["file-permissions"] == "0100750"
     assert meta["file-mtime"] == "1600000000123456789ns"
     assert meta["file-owner"] == str(os.getuid()) and meta["file-group"] == str(os.getgid())
+    atime = meta["file-atime"]
+    assert atime.endswith("ns") and st.st_atime_ns == int(atime[:-2])
     del mem
+
+
+def test_fsx_times_without_ns_suffix_are_milliseconds(tmp_path):
+    from fmstore.tiering import posixmeta
+
+    assert posixmeta.parse_time_ns("1600000000123ns") == 1600000000123
+    assert posixmeta.parse_time_ns("1600000000123") == 1600000000123000000
+    assert posixmeta.parse_time_ns("garbage") is None
+    f = tmp_path / "f"
+    f.write_bytes(b"x")
+    posixmeta.apply(str(f), {"file-mtime": "1600000000500", "file-permissions": "0100600"})
+    st = os.stat(f)
+    assert st.st_mtime_ns == 1_600_000_000_500_000_000 and stat.S_IMODE(st.st_mode) == 0o600
 
 
 def test_memory_store_round_trip(tmp_path, home):
