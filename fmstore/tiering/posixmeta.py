@@ -19,6 +19,7 @@ is imported with its attributes by the other:
 from __future__ import annotations
 
 import contextlib
+import decimal
 import os
 import stat as _stat
 from collections.abc import Mapping
@@ -66,8 +67,8 @@ def parse_time_ns(text: str | None) -> int | None:
     try:
         if t.endswith("ns"):
             return int(t[:-2])
-        return int(float(t) * 1e6)
-    except ValueError:
+        return int(decimal.Decimal(t) * 1_000_000)
+    except (ValueError, decimal.InvalidOperation):
         return None
 
 
