@@ -27,7 +27,8 @@ returns a :class:`TransferReport`.  Guarantees:
   ``sync_every`` seconds and before the run returns, and the journal records each sync,
   so after a power loss only what was written since the last sync is checked again
   (files and parts re-read and compared with their journaled checksums).
-  ``fsync="each"`` fsyncs every file and part instead; ``fsync="none"`` never syncs
+  A run of a single file fsyncs that file instead (a file system sync would flush
+  everyone's writes).  ``fsync="each"`` fsyncs every file and part; ``fsync="none"`` never syncs
   (scratch data: the run returns before its bytes are on disk, and a resumed run re-reads
   everything it journaled).
 """
@@ -250,7 +251,8 @@ class Transfer:
         self.part_sem = asyncio.Semaphore(options.concurrency)
         self.src_local = local_path(src, "x") is not None
         self.dst_local = local_path(dst, "x") is not None
-        # Batch durability: writes skip their own fsync, the flusher syncs the destination.
+        # Batch durability: writes skip their own fsync, the flusher syncs the destination
+        # (set per run: a run of one file fsyncs it rather than the whole file system).
         self.batch_sync = self.dst_local and options.fsync != "each"
         self._unsynced_writes = False
 
@@ -259,6 +261,8 @@ class Transfer:
         p = self.progress
         p.files_total += len(items)
         p.bytes_total += sum(i.size for i in items)
+        if len(items) == 1 and self.opt.fsync == "batch":
+            self.batch_sync = False
         queue = iter(items)
         flusher = asyncio.ensure_future(self._flush_loop())
 
