@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 
 import typer
@@ -96,3 +98,30 @@ def main(argv: list[str] | None = None) -> None:
             show()
             sys.exit(code)
         raise
+
+
+def entry() -> None:
+    """Console-script and ``python -m fmstore`` entry: :func:`main`, then exit without
+    tearing the interpreter down.
+
+    Exit handlers still run (the runtime closes its clients and stops its threads) and
+    output is flushed; what is skipped is freeing every module and object one by one,
+    about 0.3 s after a copy that loaded botocore and aiohttp.
+    """
+    import atexit
+
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
