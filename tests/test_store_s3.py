@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import crc32c
@@ -348,3 +349,27 @@ def test_get_with_meta_is_one_consistent_read(s3_store):
     runtime.run(s3_store.put("m", data, PutOptions(metadata={"k": "v"})))
     meta, got = runtime.run(s3_store.get_with_meta("m"))
     assert got == data and meta.size == len(data) and meta.metadata["k"] == "v" and meta.etag
+
+
+def test_a_store_dropped_without_close_leaves_no_unclosed_pool_warning(s3_server, s3_bucket):
+    """Its pools stay open until exit, where the runtime closes them: no aiohttp warning
+    at garbage collection, none at exit."""
+    import subprocess
+    import sys
+
+    code = f"""
+import gc, json
+from fmstore import runtime
+from fmstore.stores import open_store
+opts = json.loads({json.dumps(json.dumps(s3_server.store_options()))})
+store = open_store("s3://{s3_bucket}/drop", **opts)
+runtime.run(store.put("k", b"v"))
+assert runtime.run(store.get("k")) == b"v"
+del store
+gc.collect()
+print("dropped")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "dropped" in r.stdout
+    assert "Unclosed" not in r.stderr, r.stderr

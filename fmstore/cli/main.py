@@ -124,4 +124,3 @@ def entry() -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
-

@@ -80,6 +80,27 @@ META_CRC = "fmstore-crc32c"
 META_PART_SIZE = "fmstore-part-size"
 #: A forked child's inherited clients, kept alive and untouched (see ``S3Store._reset``).
 _FORK_LEFTOVERS: list[Any] = []
+
+
+class _Pools:
+    """One store's clients and connection pools, closed by the store's close() or, if the
+    store was dropped without it, by the runtime at exit (aiohttp warns about an open pool
+    that is garbage-collected, and closing one needs the loop)."""
+
+    #: Pools not closed yet: held here so a dropped store's pools live until exit.
+    open: set[_Pools] = set()
+
+    def __init__(self, stack: AsyncExitStack) -> None:
+        self.stack = stack
+        _Pools.open.add(self)
+        runtime.close_at_exit(self)
+
+    async def close(self) -> None:
+        if self in _Pools.open:
+            _Pools.open.discard(self)
+            await self.stack.aclose()
+
+
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
@@ -239,7 +260,7 @@ class S3Store(Store):
         self._pid = os.getpid()
         self._client: Any = None
         self._http: Any = None
-        self._stack: AsyncExitStack | None = None
+        self._stack: _Pools | None = None
         self._reset()
 
     @classmethod
@@ -302,7 +323,6 @@ class S3Store(Store):
             if self._client is None:
                 self._client = await self._make_client()
                 self._loop = running
-                runtime.close_at_exit(self)  # close the pool at exit, not at garbage collection
         return self._client
 
     async def _make_client(self) -> Any:
@@ -356,7 +376,7 @@ class S3Store(Store):
         except Exception as e:
             await stack.aclose()
             raise translate(e, tier=self.tier, key=None, bucket=self.bucket, op="connect") from e
-        self._stack = stack
+        self._stack = _Pools(stack)
         return client
 
     def _lean(self, client: Any) -> Any:
@@ -412,7 +432,7 @@ class S3Store(Store):
         stack, self._stack, self._client, self._loop = self._stack, None, None, None
         self._http = None
         if stack is not None:
-            await stack.aclose()
+            await stack.close()
 
     # ---- helpers ------------------------------------------------------------------------
 
