@@ -338,7 +338,7 @@ def test_posix_attributes_travel_in_fsx_convention(tmp_path, home):
 
 
 def test_fsx_times_without_ns_suffix_are_milliseconds(tmp_path):
-    from fmstore.tiering import posixmeta
+    from fmstore.stores import posixmeta
 
     assert posixmeta.parse_time_ns("1600000000123ns") == 1600000000123
     assert posixmeta.parse_time_ns("1600000000123") == 1600000000123000000

@@ -32,6 +32,7 @@ from ..errors import (
     StoreUnavailable,
     TierFull,
 )
+from . import posixmeta
 from .base import Buffer, ObjectMeta, PartWriter, PutOptions, Store, Writer, part_bounds
 
 #: Temp files carry this marker; listings hide them and ``cleanup_temp`` removes them.
@@ -253,6 +254,7 @@ class PosixStore(Store):
         if options.metadata:
             payload = json.dumps(dict(options.metadata), sort_keys=True).encode()
             os.setxattr(fd, _XATTR, payload)
+            posixmeta.apply(fd, options.metadata)  # FSx-convention owner, mode and times
         if self.options.fsync and options.durable:
             os.fdatasync(fd)
 

@@ -46,8 +46,8 @@ from typing import Literal
 
 from .. import runtime
 from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
+from ..stores import posixmeta
 from ..stores.base import ObjectMeta, PartWriter, PutOptions, Store, part_bounds, part_count
-from . import posixmeta
 from .crc import combine_all, crc32c, from_hex, to_hex
 from .journal import Journal, PendingParts
 
@@ -422,12 +422,8 @@ class Transfer:
         crc: int,
         version: str | None,
     ) -> None:
-        etag = dmeta.etag
-        if self.dst_local and attrs:
-            path = local_path(self.dst, item.dst_key)
-            if path is not None:
-                etag = await runtime.to_io(_apply_attrs, path, attrs)
-        self.journal.file_done(item.dst_key, dmeta.size, version, crc, etag)
+        # A POSIX destination applied the FSx attributes in ``attrs`` when it wrote the file.
+        self.journal.file_done(item.dst_key, dmeta.size, version, crc, dmeta.etag)
 
     def _check(self, item: CopyItem, what: str, expected: int | None, got: int) -> None:
         if expected is not None and expected != got:
@@ -571,14 +567,6 @@ class Transfer:
         n = part_count(size, part_size)
         await gather_or_cancel(one(i) for i in range(n))
         return combine_all(out[i] for i in range(n))
-
-
-def _apply_attrs(path: str, attrs: Mapping[str, str]) -> str:
-    """Restore FSx attributes on a local file; returns its new etag (mtime changed)."""
-    from ..stores.posix import etag_of_stat
-
-    posixmeta.apply(path, attrs)
-    return etag_of_stat(os.stat(path))
 
 
 async def copy_items(

@@ -14,6 +14,8 @@ is imported with its attributes by the other:
 ``x-amz-meta-file-mtime``        modification time, the same way
 
 (Store metadata keys are given without the ``x-amz-meta-`` prefix; the S3 backend adds it.)
+A POSIX tier applies these keys to the file it writes, so a file copied from S3 appears
+under its final name with its owner, mode and times already set.
 """
 
 from __future__ import annotations
@@ -72,25 +74,28 @@ def parse_time_ns(text: str | None) -> int | None:
         return None
 
 
-def apply(path: str, metadata: Mapping[str, str]) -> None:
-    """Restore permissions, times and (when allowed) ownership on a local file.
+def apply(target: str | int, metadata: Mapping[str, str]) -> None:
+    """Restore permissions, times and (when allowed) ownership on a local file (a path
+    or an open descriptor); a no-op when ``metadata`` has none of the keys.
 
     Ownership is changed only when the process may (root, or the owner already matches);
     a failed ``chown`` is not an error, like ``cp -p`` run by an ordinary user.
     """
     meta = pick(metadata)
+    if not meta:
+        return
     mode = parse_mode(meta.get(PERMISSIONS))
     if mode is not None:
-        os.chmod(path, mode)
+        os.chmod(target, mode)
     uid = _int(meta.get(OWNER))
     gid = _int(meta.get(GROUP))
     if uid is not None or gid is not None:
         with contextlib.suppress(PermissionError, OSError):
-            os.chown(path, -1 if uid is None else uid, -1 if gid is None else gid)
+            os.chown(target, -1 if uid is None else uid, -1 if gid is None else gid)
     mtime = parse_time_ns(meta.get(MTIME))
     if mtime is not None:
         atime = parse_time_ns(meta.get(ATIME))
-        os.utime(path, ns=(mtime if atime is None else atime, mtime))
+        os.utime(target, ns=(mtime if atime is None else atime, mtime))
 
 
 def _int(text: str | None) -> int | None:
