@@ -292,6 +292,7 @@ def test_partial_box_reads_fetch_only_needed_chunks(tmp_path, direct_min):
 
 @pytest.mark.parametrize("direct_min", [4096, 1 << 30], ids=["own-blob", "packed"])
 def test_corrupt_chunk_is_named_on_load_and_by_verify(tmp_path, direct_min):
+    """direct_min (both sides): "own-blob" reads runs of chunks straight into the tensor."""
     uri = str(tmp_path / "bad")
     sd = _state()
     _save(sd, uri, chunk_size=64 << 10, direct_min=direct_min)
@@ -303,11 +304,11 @@ def test_corrupt_chunk_is_named_on_load_and_by_verify(tmp_path, direct_min):
     data[c.offset + 100] ^= 0x40
     path.write_bytes(bytes(data))
     with pytest.raises(BaseException) as ei:  # DCP wraps rank errors in CheckpointException
-        _load(_zeros_like(sd), uri)
+        _load(_zeros_like(sd), uri, direct_min=direct_min)
     msg = str(ei.value)
     assert "CorruptData" in msg and "corrupt chunk of 'w'" in msg and m.blob_key(c.blob) in msg
     # Straight through the Reader (no DCP wrapping) it is a CorruptData.
-    reader = Reader(uri)
+    reader = Reader(uri, direct_min=direct_min)
     md = reader.read_metadata()
     reader.set_up_storage_reader(md, True)
     target = _zeros_like(sd)
