@@ -241,7 +241,10 @@ class _SharedClient:
     async def close(self) -> None:
         """Close every store still using the client (their writers are aborted), then it."""
         for store in list(self.users):
-            await store.close()
+            try:
+                await store.close()
+            except Exception as e:  # one store's failed abort must not keep the pool open
+                log.warning("closing %r: %s", store, e)
         if self.closed:
             return
         self.closed = True
