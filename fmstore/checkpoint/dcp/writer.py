@@ -20,7 +20,8 @@ Call order (from ``torch.distributed.checkpoint.save``; "all" means every rank):
 5. (coordinator) ``finish(metadata, results)``: DCP calls it only when every rank's
    ``write_data`` succeeded; it checks anyway that every rank answered for every item of its
    plan and that every blob is present with its size (one listing of the generation), and
-   only then writes ``manifest.json`` (the commit).  A missing rank or blob raises and nothing is committed.
+   only then writes ``manifest.json`` (the commit).  A missing rank or blob raises and
+   nothing is committed.
 
 Guarantees: a checkpoint is visible only once complete; ``overwrite=True`` replaces a
 committed one atomically (the old generation is deleted after the new manifest is in place);
@@ -103,9 +104,10 @@ class _RankPlan:
     rank: int
     world_size: int
     streams: int
-    #: the rank's blobs are numbered from here (``blob_base + len(items) + streams`` is the
-    #: next rank's base), so names are unique without the ranks talking to each other
+    #: the rank's blobs are numbered ``blob_base`` .. ``blob_base + blob_count - 1`` (its
+    #: item count plus ``streams``), so names are unique without the ranks talking
     blob_base: int = 0
+    blob_count: int = 0
 
 
 @dataclass(frozen=True)
@@ -281,8 +283,10 @@ class Writer(StorageWriter):
         out = []
         base = 0
         for i, p in enumerate(plans):
-            out.append(replace(p, storage_data=_RankPlan(generation, i, len(plans), streams, base)))
-            base += len(p.items) + streams
+            count = len(p.items) + streams
+            rp = _RankPlan(generation, i, len(plans), streams, base, count)
+            out.append(replace(p, storage_data=rp))
+            base += count
         self._plans = out
         return out
 
@@ -342,6 +346,11 @@ class Writer(StorageWriter):
                     return await self._write_direct(store, rp, b, planner)
                 return await self._write_blob(store, rp, b, planner, budget)
 
+        if len(blobs) > rp.blob_count:
+            raise FmstoreError(
+                f"rank {rp.rank} has {len(items)} items to write, more than its plan held at "
+                "global planning (was the plan changed after prepare_global_plan?)"
+            )
         per_blob = await _all_or_cancel([one(b) for b in blobs])
         results: list[WriteResult] = []
         for b, recs in zip(blobs, per_blob, strict=True):
