@@ -109,6 +109,12 @@ def writers(kind: str, uri: str, s3: dict[str, Any]) -> tuple[Any, Any]:
 
     if kind == "fmstore":
         so = s3 if uri.startswith("s3://") else {}
+        if so:
+            # Import the S3 backend's client library here, as the peers' packages are
+            # imported below, so no method's first save is charged with its imports.
+            import aiobotocore.session  # noqa: F401
+
+            import fmstore.stores.s3  # noqa: F401
         return Writer(uri, store_options=so, overwrite=True), Reader(uri, store_options=so)
     if kind == "dcp-fs":
         return FileSystemWriter(uri, sync_files=True), FileSystemReader(uri)
