@@ -1,3 +1,3 @@
-from .cli.main import main
+from .cli.main import entry
 
-main()
+entry()

@@ -33,7 +33,7 @@ def daemon(
         False, "--check", help="Validate the configuration and policies, then exit."
     ),
 ) -> None:
-    """Export, retain and release checkpoints by the [policies] of fmstore.toml.
+    """Export, retain and release checkpoints by the policies in fmstore.toml.
 
     Serves Prometheus metrics on /metrics and a health check on /healthz.  SIGTERM lets
     the current copy finish (a second SIGTERM leaves it resumable), then exits 0.

@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import typer
 from rich.console import Console
@@ -207,7 +207,7 @@ def _confirm(question: str, yes: bool) -> None:
 
 
 def _transfer_options(
-    concurrency: int, bwlimit: str | None, part_size: str, verify: bool
+    concurrency: int, bwlimit: str | None, part_size: str, verify: bool, fsync: str = "batch"
 ) -> TransferOptions:
     if concurrency < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--concurrency")
@@ -221,7 +221,20 @@ def _transfer_options(
         multipart_threshold=max(part, 2 * part),
         max_inflight_bytes=max(4 * part, min(concurrency * part, 2 << 30)),
         verify=verify,
+        fsync=_fsync_mode(fsync),
     )
+
+
+def _fsync_mode(fsync: str) -> Literal["batch", "each", "none"]:
+    modes: dict[str, Literal["batch", "each", "none"]] = {
+        "batch": "batch",
+        "each": "each",
+        "none": "none",
+    }
+    mode = modes.get(fsync.strip().lower())
+    if mode is not None:
+        return mode
+    raise typer.BadParameter(f"{fsync!r}: use batch, each or none", param_hint="--fsync")
 
 
 def _shard(text: str) -> tuple[int, int] | None:
@@ -274,6 +287,13 @@ def stage_cmd(
         "--verify",
         help="Re-read every copied file at the destination and compare checksums.",
     ),
+    fsync: str = typer.Option(
+        "batch",
+        "--fsync",
+        help="Local destinations: 'batch' syncs every 5 s and before exiting (after a power "
+        "cut the next run re-checks what the last sync did not cover); 'each' fsyncs every "
+        "file and part (slower with many small files); 'none' never syncs (scratch data).",
+    ),
     json_out: bool = typer.Option(
         False, "--json", help="Print the final summary as JSON on stdout."
     ),
@@ -291,7 +311,7 @@ def stage_cmd(
     stopped, big files included.  Exit codes: 0 ok, 1 error, 2 usage, 3 some files
     failed, 130 interrupted.
     """
-    topts = _transfer_options(concurrency, bwlimit, part_size, verify)
+    topts = _transfer_options(concurrency, bwlimit, part_size, verify, fsync)
     try:
         key_filter = KeyFilter.of(include, exclude)
     except ConfigError as e:

@@ -34,7 +34,10 @@ def ls(
     store = open_source(url, role="location")
 
     async def go() -> list[ObjectMeta]:
-        return [m async for m in store.list("", recursive=recursive)]
+        try:
+            return [m async for m in store.list("", recursive=recursive)]
+        finally:
+            await store.close()
 
     entries = [
         m

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import builtins
+import os
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -46,6 +47,8 @@ class ObjectMeta:
     etag: str | None = None
     metadata: Mapping[str, str] = field(default_factory=dict)
     is_dir: bool = False
+    #: The file's ``os.stat`` on POSIX tiers (mode, owner, times), where the backend had it.
+    stat: os.stat_result | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -58,13 +61,18 @@ class PutOptions:
     :class:`~fmstore.errors.PreconditionFailed`).  ``metadata``: user metadata stored with the
     object (S3 ``x-amz-meta-*``; POSIX keeps it in a sidecar-free xattr where possible).
     ``content_crc32c``: the CRC32C of the whole object when the caller already has it, so a
-    backend that can have the server verify it does.
+    backend that can have the server verify it does.  ``durable=False`` lets a backend that
+    caches writes (POSIX: the page cache) return before the bytes are on stable storage;
+    :meth:`Store.sync` makes every such earlier write durable.  Bulk copies use it to pay
+    one sync per batch instead of one per file; a crash before the sync may lose those
+    writes (not corrupt other objects), so their callers must be able to tell.
     """
 
     mode: Literal["overwrite", "create", "if_match"] = "overwrite"
     if_match: str | None = None
     metadata: Mapping[str, str] | None = None
     content_crc32c: int | None = None
+    durable: bool = True
 
 
 @dataclass(frozen=True)
@@ -144,16 +152,30 @@ class PartWriter(abc.ABC):
         """Write part ``index`` (exactly its length); durable when this returns."""
 
     @abc.abstractmethod
-    async def commit(self, metadata: Mapping[str, str] | None = None) -> ObjectMeta:
+    async def commit(
+        self,
+        metadata: Mapping[str, str] | None = None,
+        *,
+        part_crc32c: Mapping[int, int] | None = None,
+    ) -> ObjectMeta:
         """Publish the object atomically, adding ``metadata`` to the options' metadata.
 
         ``metadata`` exists because some values (a whole-object checksum) are only known
-        once every part is written.
+        once every part is written; backends that fix metadata when the write opens (S3)
+        pay a server-side copy for it, so pass what is known at open.  ``part_crc32c``:
+        the CRC32C of parts by index, for backends whose commit names each part's checksum
+        (S3) when earlier processes wrote some of them.
         """
 
     @abc.abstractmethod
     async def abort(self) -> None:
         """Discard every part; safe to call more than once."""
+
+    async def read_part(self, index: int) -> bytes | None:
+        """The bytes part ``index`` holds now, where the backend can read a pending write
+        back (POSIX); None elsewhere.  Lets a resumed copy check parts written without a
+        sync instead of writing them again."""
+        return None
 
 
 class Store(abc.ABC):
@@ -210,6 +232,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def copy(self, src: str, dst: str, options: PutOptions = PutOptions()) -> ObjectMeta:
         """Copy ``src`` to ``dst`` within this store (server-side where possible)."""
+
+    async def sync(self) -> None:
+        """Make every earlier ``durable=False`` write durable (a no-op where writes are
+        durable when they return, as on S3)."""
 
     async def close(self) -> None:
         """Release connections and pools; the store is unusable afterwards."""

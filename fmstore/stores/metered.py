@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 from ..errors import FmstoreError
@@ -121,6 +121,9 @@ class MeteredStore(Store):
         with self._op("copy"):
             return await self.inner.copy(src, dst, options)
 
+    async def sync(self) -> None:
+        await self.inner.sync()
+
     async def close(self) -> None:
         await self.inner.close()
 
@@ -155,9 +158,17 @@ class _MeteredPartWriter(PartWriter):
             await self.inner.write_part(index, data)
         self.store._bytes("put", memoryview(data).nbytes)
 
-    async def commit(self, metadata=None) -> ObjectMeta:  # type: ignore[no-untyped-def]
+    async def read_part(self, index: int) -> bytes | None:
+        return await self.inner.read_part(index)
+
+    async def commit(
+        self,
+        metadata: Mapping[str, str] | None = None,
+        *,
+        part_crc32c: Mapping[int, int] | None = None,
+    ) -> ObjectMeta:
         with self.store._op("commit"):
-            return await self.inner.commit(metadata)
+            return await self.inner.commit(metadata, part_crc32c=part_crc32c)
 
     async def abort(self) -> None:
         await self.inner.abort()

@@ -66,7 +66,12 @@ class TempPartsWriter(PartWriter):
             )
         await self.store.put(self._part_key(index), data)
 
-    async def commit(self, metadata: Mapping[str, str] | None = None) -> ObjectMeta:
+    async def commit(
+        self,
+        metadata: Mapping[str, str] | None = None,
+        *,
+        part_crc32c: Mapping[int, int] | None = None,
+    ) -> ObjectMeta:
         if self._done:
             raise ValueError("writer is closed")
         meta = {**(self.options.metadata or {}), **(metadata or {})}

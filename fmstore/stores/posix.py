@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import ctypes
 import errno
 import fcntl
 import json
@@ -151,8 +152,9 @@ class PosixStore(Store):
     def _path(self, key: str) -> str:
         return os.path.join(self.root, self._key(key))
 
-    def _makedirs(self, path: str) -> None:
-        """Create ``path`` and missing parents, fsync each new entry's parent, stripe on Lustre."""
+    def _makedirs(self, path: str, *, sync: bool = True) -> None:
+        """Create ``path`` and missing parents, fsync each new entry's parent (with ``sync``),
+        stripe on Lustre."""
         missing = []
         p = path
         while not os.path.isdir(p):
@@ -168,7 +170,7 @@ class PosixStore(Store):
                 continue
             if self._lfs:
                 self._setstripe(d)
-            if self.options.fsync:
+            if sync and self.options.fsync:
                 fsync_dir(os.path.dirname(d))
 
     def _setstripe(self, d: str) -> None:
@@ -181,10 +183,10 @@ class PosixStore(Store):
         d, name = os.path.split(final)
         return os.path.join(d, f"{TMP_MARK}{uuid.uuid4().hex}.{name[:100]}")
 
-    def _open_tmp(self, final: str) -> tuple[str, int]:
+    def _open_tmp(self, final: str, *, sync: bool = True) -> tuple[str, int]:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         for attempt in range(3):
-            self._makedirs(os.path.dirname(final))
+            self._makedirs(os.path.dirname(final), sync=sync)
             tmp = self._tmp_for(final)
             try:
                 return tmp, os.open(tmp, flags, 0o644)
@@ -202,7 +204,7 @@ class PosixStore(Store):
 
     def _put_sync(self, key: str, path: str, data: memoryview, options: PutOptions) -> ObjectMeta:
         with self._translate(key):
-            tmp, fd = self._open_tmp(path)
+            tmp, fd = self._open_tmp(path, sync=options.durable)
             try:
                 try:
                     self._write_all(fd, tmp, data)
@@ -251,11 +253,11 @@ class PosixStore(Store):
         if options.metadata:
             payload = json.dumps(dict(options.metadata), sort_keys=True).encode()
             os.setxattr(fd, _XATTR, payload)
-        if self.options.fsync:
+        if self.options.fsync and options.durable:
             os.fdatasync(fd)
 
     def _publish(self, key: str, tmp: str, path: str, options: PutOptions) -> ObjectMeta:
-        sync = self.options.fsync
+        sync = self.options.fsync and options.durable
         if options.mode == "create":
             try:
                 commit_file(tmp, path, create_only=True, sync=sync)
@@ -289,13 +291,18 @@ class PosixStore(Store):
     def _meta(self, key: str, path: str, st: os.stat_result | None = None) -> ObjectMeta:
         st = st or os.stat(path)
         return ObjectMeta(
-            key=key, size=st.st_size, mtime=st.st_mtime, etag=_etag(st), metadata=_read_meta(path)
+            key=key,
+            size=st.st_size,
+            mtime=st.st_mtime,
+            etag=_etag(st),
+            metadata=_read_meta(path),
+            stat=st,
         )
 
     async def open_writer(self, key: str, options: PutOptions = PutOptions()) -> Writer:
         path = self._path(key)
         with self._translate(key):
-            tmp, fd = await runtime.to_io(self._open_tmp, path)
+            tmp, fd = await runtime.to_io(self._open_tmp, path, sync=options.durable)
         return _PosixWriter(self, key, path, tmp, fd, options)
 
     async def get_range(self, key: str, start: int, end: int | None = None) -> bytes:
@@ -345,6 +352,7 @@ class PosixStore(Store):
                         mtime=st.st_mtime,
                         etag=_etag(st),
                         metadata=_read_meta(fd),
+                        stat=st,
                     )
                     return meta, data
                 finally:
@@ -427,7 +435,11 @@ class PosixStore(Store):
                             st = e.stat()
                             out.append(
                                 ObjectMeta(
-                                    key=key, size=st.st_size, mtime=st.st_mtime, etag=_etag(st)
+                                    key=key,
+                                    size=st.st_size,
+                                    mtime=st.st_mtime,
+                                    etag=_etag(st),
+                                    stat=st,
                                 )
                             )
         out.sort(key=lambda m: m.key.encode("utf-8"))
@@ -512,7 +524,7 @@ class PosixStore(Store):
                         if os.fstat(fd).st_size == size:
                             return tmp, fd, True
                         os.close(fd)
-                tmp, fd = self._open_tmp(path)
+                tmp, fd = self._open_tmp(path, sync=options.durable)
                 try:
                     os.ftruncate(fd, size)
                 except BaseException:
@@ -523,6 +535,12 @@ class PosixStore(Store):
 
         tmp, fd, resumed = await runtime.to_io(do)
         return _PosixPartWriter(self, key, path, tmp, fd, size, part_size, resumed, options)
+
+    async def sync(self) -> None:
+        """``syncfs`` of the file system under the root: one flush for every earlier
+        ``durable=False`` write (and whatever else is dirty there)."""
+        if self.options.fsync:
+            await runtime.to_io(_syncfs, self.root)
 
     # ---- POSIX-only extras ------------------------------------------------------------
 
@@ -548,6 +566,19 @@ class PosixStore(Store):
             return n
 
         return await runtime.to_io(do)
+
+
+def _syncfs(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+    except AttributeError:  # no syncfs in this libc
+        os.sync()
+    finally:
+        os.close(fd)
 
 
 def _copy_fd(src: int, dst: int) -> None:
@@ -677,13 +708,31 @@ class _PosixPartWriter(PartWriter):
                 off = 0
                 while off < len(view):
                     off += os.pwrite(self.fd, view[off : off + BLOCK], start + off)
-                if self.store.options.fsync:
+                if self.store.options.fsync and self.options.durable:
                     # Durable before the caller journals the part as done.
                     os.fdatasync(self.fd)
 
         await runtime.to_io(do)
 
-    async def commit(self, metadata: Mapping[str, str] | None = None) -> ObjectMeta:
+    async def read_part(self, index: int) -> bytes | None:
+        start, end = part_bounds(index, self.size, self.part_size)
+
+        def do() -> bytes:
+            with self.store._translate(self.key):
+                fd = os.open(self.tmp, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    return os.pread(fd, end - start, start)
+                finally:
+                    os.close(fd)
+
+        return await runtime.to_io(do)
+
+    async def commit(
+        self,
+        metadata: Mapping[str, str] | None = None,
+        *,
+        part_crc32c: Mapping[int, int] | None = None,
+    ) -> ObjectMeta:
         if self._done:
             raise ValueError("writer is closed")
         self._done = True

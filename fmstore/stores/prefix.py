@@ -88,6 +88,9 @@ class PrefixStore(Store):
     async def copy(self, src: str, dst: str, options: PutOptions = PutOptions()) -> ObjectMeta:
         return self._strip(await self.inner.copy(self._full(src), self._full(dst), options))
 
+    async def sync(self) -> None:
+        await self.inner.sync()
+
     async def close(self) -> None:
         await self.inner.close()
 

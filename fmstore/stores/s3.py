@@ -24,8 +24,8 @@ Guarantees beyond the :class:`~fmstore.stores.base.Store` contract:
   best-effort HEAD check that a concurrent writer can race.
 
 The aiobotocore client is created lazily on the running loop (the fmstore runtime loop for
-sync callers) and shared by every store of the process with the same :class:`S3Options` on
-that loop: creating one costs 0.1-0.3 s of CPU (botocore parses its service models), which
+sync callers) and shared, with its lean request path, by every store of the process with the
+same :class:`S3Options` and bucket on that loop: creating one costs 0.1-0.3 s of CPU (botocore parses its service models), which
 code that opens a store per checkpoint (DCP's writers and readers) would otherwise pay on
 every save and load, with a fresh connection pool each time.  The last
 :meth:`S3Store.close` of the stores using a client closes it (a store dropped without
@@ -86,6 +86,8 @@ META_CRC = "fmstore-crc32c"
 META_PART_SIZE = "fmstore-part-size"
 #: A forked child's inherited clients, kept alive and untouched (see ``S3Store._reset``).
 _FORK_LEFTOVERS: list[Any] = []
+
+
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
@@ -108,7 +110,9 @@ class S3Options:
     kernel send and receive buffers (capped by ``net.core.wmem_max`` / ``rmem_max``; 0
     leaves them to the kernel's autotuning): with the small default buffers most of a part
     is first copied into asyncio's own buffer, then trickled out one event-loop wake-up at
-    a time.
+    a time.  ``lean_requests``: send PutObject, GetObject and HeadObject through fmstore's
+    own signer on aiohttp (:mod:`.s3_http`, a quarter of botocore's CPU per request);
+    False keeps every call on botocore.
     """
 
     endpoint_url: str | None = None
@@ -132,6 +136,7 @@ class S3Options:
     conditional_writes: bool = True
     copy_threshold: int = MAX_COPY
     socket_buffer: int = 8 * MiB
+    lean_requests: bool = True
 
     def __post_init__(self) -> None:
         if self.part_size < MIN_PART or self.part_size > MAX_PART:
@@ -227,8 +232,8 @@ class _SharedClient:
     """One aiobotocore client and its connection pool, shared by the stores of this process
     with equal options on one loop (see the module docstring)."""
 
-    def __init__(self, key: tuple[Any, ...], client: Any, stack: AsyncExitStack) -> None:
-        self.key, self.client, self.stack = key, client, stack
+    def __init__(self, key: tuple[Any, ...], client: Any, http: Any, stack: AsyncExitStack) -> None:
+        self.key, self.client, self.http, self.stack = key, client, http, stack
         self.users: weakref.WeakSet[S3Store] = weakref.WeakSet()
         self.closed = False
 
@@ -253,7 +258,7 @@ class _SharedClient:
         await self.stack.aclose()
 
 
-#: (pid, loop, options) -> the shared client; creations in progress in ``_CREATING``.
+#: (pid, loop, options, bucket) -> the shared client; creations in progress in ``_CREATING``.
 _SHARED: dict[tuple[Any, ...], _SharedClient] = {}
 _CREATING: dict[tuple[Any, ...], asyncio.Future[_SharedClient]] = {}
 #: One botocore session per profile: it caches the parsed service models.
@@ -278,6 +283,7 @@ class S3Store(Store):
         self.url = f"s3://{bucket}/{self.root}".rstrip("/")
         self._pid = os.getpid()
         self._client: Any = None
+        self._http: Any = None
         self._shared: _SharedClient | None = None
         self._reset()
 
@@ -302,6 +308,7 @@ class S3Store(Store):
         o = self.options
         self._pid = os.getpid()
         self._client = None
+        self._http = None
         self._shared = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bucket_ok = False
@@ -333,7 +340,8 @@ class S3Store(Store):
             self._reset()
         if self._client is not None:
             return self._client
-        key = (self._pid, running, self.options)
+        # The lean request path is bound to one bucket, so the bucket is part of the key.
+        key = (self._pid, running, self.options, self.bucket)
         shared = _SHARED.get(key)
         if shared is None:
             pending = _CREATING.get(key)
@@ -343,14 +351,14 @@ class S3Store(Store):
                 pending = running.create_future()
                 _CREATING[key] = pending
                 try:
-                    client, stack = await self._make_client()
+                    client, http, stack = await self._make_client()
                 except BaseException as e:
                     pending.set_exception(e)
                     pending.exception()  # retrieved: no "never retrieved" warning
                     raise
                 finally:
                     del _CREATING[key]
-                shared = _SharedClient(key, client, stack)
+                shared = _SharedClient(key, client, http, stack)
                 _SHARED[key] = shared
                 pending.set_result(shared)
                 runtime.close_at_exit(shared)  # close the pool at exit, not at garbage collection
@@ -359,9 +367,10 @@ class S3Store(Store):
         if self._client is None:
             shared.users.add(self)
             self._shared, self._client, self._loop = shared, shared.client, running
+            self._http = shared.http
         return self._client
 
-    async def _make_client(self) -> tuple[Any, AsyncExitStack]:
+    async def _make_client(self) -> tuple[Any, Any, AsyncExitStack]:
         from aiobotocore.config import AioConfig
         from aiobotocore.session import AioSession
 
@@ -393,6 +402,8 @@ class S3Store(Store):
         kwargs: dict[str, Any] = {"config": config}
         if o.endpoint_url:
             kwargs["endpoint_url"] = o.endpoint_url
+            if o.endpoint_url.startswith("http://"):
+                kwargs["verify"] = False  # no TLS: skip loading the CA bundle (~0.1 s)
         if o.access_key or o.secret_key:
             kwargs["aws_access_key_id"] = o.access_key
             kwargs["aws_secret_access_key"] = o.secret_key
@@ -407,10 +418,54 @@ class S3Store(Store):
             kwargs["region_name"] = region or "us-east-1"
             client = await stack.enter_async_context(session.create_client("s3", **kwargs))
             _keep_bodies_as_bytes(client)
+            http = self._lean(client)
+            if http is not None:
+                stack.push_async_callback(http.close)
         except Exception as e:
             await stack.aclose()
             raise translate(e, tier=self.tier, key=None, bucket=self.bucket, op="connect") from e
-        return client, stack
+        return client, http, stack
+
+    def _lean(self, client: Any) -> Any:
+        """The lean request path (:mod:`.s3_http`) for ``client``'s endpoint, region and
+        credentials, or None where it cannot serve them."""
+        o = self.options
+        creds = getattr(getattr(client, "_request_signer", None), "_credentials", None)
+        if not o.lean_requests or creds is None:
+            return None
+        from .s3_http import LeanUnsupported, S3Http
+
+        style = o.addressing_style or ("path" if o.endpoint_url else "auto")
+        try:
+            return S3Http(
+                endpoint_url=client.meta.endpoint_url,
+                region=client.meta.region_name,
+                bucket=self.bucket,
+                path_style=style == "path",
+                credentials=creds.get_frozen_credentials,
+                sign_payload=o.checksum == "off",
+                pool=o.max_concurrency + 4,
+                connect_timeout=o.connect_timeout,
+                read_timeout=o.read_timeout,
+                socket_factory=functools.partial(_socket, o.socket_buffer),
+            )
+        except LeanUnsupported:
+            return None
+
+    async def _object_call(self, method: str, **kwargs: Any) -> Any:
+        """PutObject / GetObject / HeadObject / ListObjectsV2 (botocore names), on the lean
+        path while it serves this store, else on botocore."""
+        cli = await self._cli()
+        http = self._http
+        if http is not None:
+            from .s3_http import LeanUnsupported
+
+            try:
+                return await getattr(http, method)(Bucket=self.bucket, **kwargs)
+            except LeanUnsupported as e:
+                log.info("S3 %s: %s; using botocore for every call", self.url, e)
+                self._http = None
+        return await getattr(cli, method)(Bucket=self.bucket, **kwargs)
 
     async def close(self) -> None:
         """Abort open writers, then let go of the client: its connection pool is closed
@@ -423,6 +478,7 @@ class S3Store(Store):
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         shared, self._shared, self._client, self._loop = self._shared, None, None, None
+        self._http = None
         if shared is not None:
             await shared.release(self)
 
@@ -496,7 +552,11 @@ class S3Store(Store):
 
     async def _head(self, key: str, full: str, **extra: Any) -> dict[str, Any]:
         try:
-            return dict(await self._call("stat", key, "head_object", Key=full, **extra))
+            return dict(
+                await self.retrier.call(
+                    "stat", key, lambda: self._object_call("head_object", Key=full, **extra)
+                )
+            )
         except NotFound:
             await self._check_bucket(key)
             raise
@@ -541,11 +601,9 @@ class S3Store(Store):
             nonlocal retried
             retried = True
 
-        cli = await self._cli()
-
         async def send() -> Any:
-            return await cli.put_object(
-                Bucket=self.bucket,
+            return await self._object_call(
+                "put_object",
                 Key=full,
                 Body=body,
                 Metadata=metadata,
@@ -789,8 +847,7 @@ class S3Store(Store):
         per request, then again per object, cost two more passes over fresh memory, about
         1 s of CPU per GB on a machine where page faults are dear.)
         """
-        cli = await self._cli()
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": full}
+        kwargs: dict[str, Any] = {"Key": full}
         if start or end is not None:
             kwargs["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
         if if_match:
@@ -800,7 +857,7 @@ class S3Store(Store):
             from .s3_retry import ShortBody
 
             try:
-                resp = await cli.get_object(**kwargs)
+                resp = await self._object_call("get_object", **kwargs)
             except Exception as e:
                 code, status = error_code(e)
                 if if_match and (status == 412 or code == "PreconditionFailed"):
@@ -994,7 +1051,11 @@ class S3Store(Store):
             req = dict(base)
             if token:
                 req["ContinuationToken"] = token
-            resp = await self._call("list", p or None, "list_objects_v2", **req)
+            resp = await self.retrier.call(
+                "list",
+                p or None,
+                functools.partial(self._object_call, "list_objects_v2", **req),
+            )
             entries = [
                 ObjectMeta(
                     key=o["Key"][cut:],

@@ -1,14 +1,17 @@
 """The resumable part writer of the S3 backend: one multipart upload, the token names it.
 
-Parts go straight into a multipart upload of a hidden temporary key (``TMP_MARK`` in its
-name, so listings skip it); the token carries the part size, the temporary key's nonce and
-the upload id, so a later process continues the same upload and ``ListParts`` tells which
-parts are already there.  Commit completes the upload at the temporary key and copies it
-server-side to the final key with the metadata known only then (a whole-object checksum),
-under the write's conditions (create-only, if-match); no byte crosses the network twice.
-Each part carries its ``Content-MD5``, which S3 checks on every upload whatever the
-upload's checksum settings (a resumed upload cannot re-send CRC32C part checksums, which
-``ListParts`` does not return on every server).
+Parts go straight into a multipart upload of the final key (S3 shows nothing there before
+the upload completes); the token carries the part size and the upload id, so a later
+process continues the same upload and ``ListParts`` tells which parts are already there.
+With ``checksum="crc32c"`` (the default) the upload asks for CRC32C and every part carries
+its own, so the server refuses a part damaged on the way; completing such an upload must
+name every part's checksum, which some servers' ``ListParts`` does not return: a resumed
+write gets those of earlier parts from its caller (``commit(part_crc32c=...)``, the copy
+engine keeps them in its journal).  ``checksum="md5"`` sends ``Content-MD5`` instead.
+
+Metadata is fixed when the upload starts.  Metadata known only at commit (a whole-object
+checksum the caller could not compute up front) is applied by a server-side copy of the
+completed object onto itself, so callers that know it early should pass it at open.
 
 A writer dropped without commit or abort leaves its upload for resumption, as the
 interface asks; a bucket lifecycle rule (``AbortIncompleteMultipartUpload``) bounds how
@@ -19,25 +22,18 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import uuid
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .. import runtime
 from ..errors import FmstoreError, InvalidRange, NotFound
 from .base import Buffer, ObjectMeta, PartWriter, PutOptions, part_bounds, part_count
-from .parts import TMP_MARK
 
 if TYPE_CHECKING:
     from .s3 import S3Store
 
-_PREFIX = "s3mp"
-
-
-def _tmp_key(full: str, nonce: str) -> str:
-    d, _, name = full.rpartition("/")
-    tmp = f"{TMP_MARK}mp.{nonce}.{name[:80]}"
-    return f"{d}/{tmp}" if d else tmp
+_PREFIX = "s3mp2"
 
 
 class S3PartWriter(PartWriter):
@@ -46,7 +42,6 @@ class S3PartWriter(PartWriter):
         store: S3Store,
         key: str,
         full: str,
-        nonce: str,
         upload_id: str,
         size: int,
         part_size: int,
@@ -54,10 +49,11 @@ class S3PartWriter(PartWriter):
         options: PutOptions,
     ) -> None:
         self.store, self.key, self.full = store, key, full
-        self.tmp = _tmp_key(full, nonce)
         self.upload_id, self.size, self.part_size = upload_id, size, part_size
-        self.token = f"{_PREFIX}.{part_size:x}.{nonce}.{upload_id}"
+        self.token = f"{_PREFIX}.{part_size:x}.{upload_id}"
         self.resumed, self.options = resumed, options
+        self.crc_parts = store.options.checksum == "crc32c"
+        self._crcs: dict[int, int] = {}  # part index -> CRC32C of the parts sent here
         self._done = False
 
     @classmethod
@@ -72,25 +68,26 @@ class S3PartWriter(PartWriter):
         options: PutOptions,
     ) -> S3PartWriter:
         if token:
-            bits = token.split(".", 3)
-            if len(bits) == 4 and bits[0] == _PREFIX and bits[1] == f"{part_size:x}":
-                nonce, upload_id = bits[2], bits[3]
+            bits = token.split(".", 2)
+            if len(bits) == 3 and bits[0] == _PREFIX and bits[1] == f"{part_size:x}":
+                upload_id = bits[2]
                 try:
                     await store._call(
                         "open_part_writer",
                         key,
                         "list_parts",
-                        Key=_tmp_key(full, nonce),
+                        Key=full,
                         UploadId=upload_id,
                         MaxParts=1,
                     )
                 except NotFound:
                     pass  # gone (aborted, completed or expired): start afresh
                 else:
-                    return cls(store, key, full, nonce, upload_id, size, part_size, True, options)
-        nonce = uuid.uuid4().hex[:16]
-        upload_id = await store._create_upload(key, _tmp_key(full, nonce), {}, checksums=False)
-        return cls(store, key, full, nonce, upload_id, size, part_size, False, options)
+                    return cls(store, key, full, upload_id, size, part_size, True, options)
+        upload_id = await store._create_upload(
+            key, full, dict(options.metadata or {}), checksums=store.options.checksum == "crc32c"
+        )
+        return cls(store, key, full, upload_id, size, part_size, False, options)
 
     def _check_open(self) -> None:
         if self._done:
@@ -107,17 +104,25 @@ class S3PartWriter(PartWriter):
                 key=self.key,
             )
         body = data if isinstance(data, bytes | bytearray) else view  # sent as is, not copied
-        md5 = await runtime.to_cpu(lambda: hashlib.md5(body).digest())
+        sums: dict[str, Any] = {}
+        if self.crc_parts:
+            crc = await _crc_off_loop(body)
+            sums["ChecksumCRC32C"] = _b64(crc)
+        elif self.store.options.checksum == "md5":
+            md5 = await runtime.to_cpu(lambda: hashlib.md5(body).digest())
+            sums["ContentMD5"] = base64.b64encode(md5).decode()
         await self.store._call(
             "put_part",
             self.key,
             "upload_part",
-            Key=self.tmp,
+            Key=self.full,
             UploadId=self.upload_id,
             PartNumber=index + 1,
             Body=body,
-            ContentMD5=base64.b64encode(md5).decode(),
+            **sums,
         )
+        if self.crc_parts:
+            self._crcs[index] = crc
 
     async def _parts(self) -> dict[int, dict[str, Any]]:
         out: dict[int, dict[str, Any]] = {}
@@ -127,7 +132,7 @@ class S3PartWriter(PartWriter):
                 "commit",
                 self.key,
                 "list_parts",
-                Key=self.tmp,
+                Key=self.full,
                 UploadId=self.upload_id,
                 PartNumberMarker=marker,
             )
@@ -137,10 +142,16 @@ class S3PartWriter(PartWriter):
                 return out
             marker = int(resp["NextPartNumberMarker"])
 
-    async def commit(self, metadata: Mapping[str, str] | None = None) -> ObjectMeta:
+    async def commit(
+        self,
+        metadata: Mapping[str, str] | None = None,
+        *,
+        part_crc32c: Mapping[int, int] | None = None,
+    ) -> ObjectMeta:
         self._check_open()
         n = part_count(self.size, self.part_size)
         have = await self._parts()
+        known = {**(part_crc32c or {}), **self._crcs}
         parts = []
         for i in range(n):
             start, end = part_bounds(i, self.size, self.part_size)
@@ -155,19 +166,56 @@ class S3PartWriter(PartWriter):
                     tier=self.store.tier,
                     key=self.key,
                 )
-            parts.append({"PartNumber": i + 1, "ETag": p["ETag"]})
-        head = await self.store._complete(self.key, self.tmp, self.upload_id, parts, PutOptions())
+            entry = {"PartNumber": i + 1, "ETag": p["ETag"]}
+            if self.crc_parts:
+                crc = p.get("ChecksumCRC32C") or (_b64(known[i]) if i in known else None)
+                if crc is None:
+                    raise FmstoreError(
+                        f"cannot complete the upload: the CRC32C of part {i}, written by an "
+                        "earlier process, is unknown (pass part_crc32c to commit)",
+                        tier=self.store.tier,
+                        key=self.key,
+                    )
+                entry["ChecksumCRC32C"] = crc
+            parts.append(entry)
+        head = await self.store._complete(self.key, self.full, self.upload_id, parts, self.options)
         self._done = True
-        try:
-            head = await self.store._head(self.key, self.tmp)
-            meta = {**(self.options.metadata or {}), **(metadata or {})}
-            await self.store._copy_from(self.tmp, head, self.key, self.full, meta, self.options)
-        finally:
-            await self.store._call("delete", self.key, "delete_object", Key=self.tmp)
-        return await self.store.stat(self.key)
+        opened = dict(self.options.metadata or {})
+        final = {**opened, **(metadata or {})}
+        if final == opened:
+            etag = head.get("ETag")
+            return ObjectMeta(
+                key=self.key,
+                size=self.size,
+                mtime=time.time(),
+                etag=etag.strip('"') if etag else None,
+                metadata=final,
+            )
+        # Metadata only known now: rewrite it in place, pinned to the object just completed.
+        head = await self.store._head(self.key, self.full)
+        return await self.store._copy_from(
+            self.full,
+            head,
+            self.key,
+            self.full,
+            final,
+            PutOptions(mode="if_match", if_match=self.store._meta(self.key, head).etag),
+        )
 
     async def abort(self) -> None:
         if self._done:
             return
         self._done = True
-        await self.store._abort_upload(self.key, self.tmp, self.upload_id)
+        await self.store._abort_upload(self.key, self.full, self.upload_id)
+
+
+async def _crc_off_loop(data: Buffer) -> int:
+    from .s3 import _crc_off_loop as crc
+
+    return await crc(data)
+
+
+def _b64(n: int) -> str:
+    from .s3 import _b64 as b64
+
+    return b64(n)

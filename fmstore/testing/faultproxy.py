@@ -5,6 +5,8 @@ forwards requests and responses byte for byte, except where its *plan* says othe
 
 * ``slowdown`` / ``error``: answer ``503 SlowDown`` (or ``500 InternalError``) with a
   proper S3 XML error body, without contacting the server;
+* ``redirect``: answer ``301 PermanentRedirect`` (the bucket lives in another region, as
+  AWS says it), likewise;
 * ``reset``: forward the request, then send the response head and part of its body and
   reset the connection (RST);
 * ``truncate``: the same, but end with an orderly close, so ``Content-Length`` promised
@@ -42,6 +44,7 @@ from types import TracebackType
 FAULTS = (
     "slowdown",
     "error",
+    "redirect",
     "reset",
     "truncate",
     "stall",
@@ -279,7 +282,7 @@ class FaultProxy:
                 parts = head.first.decode("latin-1").split(" ")
                 method, path = parts[0].upper(), parts[1] if len(parts) > 1 else "/"
                 rule = self._pick(method, path)
-                if rule is not None and rule.fault in ("slowdown", "error"):
+                if rule is not None and rule.fault in ("slowdown", "error", "redirect"):
                     await self._answer_error(writer, rule.fault, path)
                     return
                 if (head.get("expect") or "").lower() == "100-continue":
@@ -327,13 +330,23 @@ class FaultProxy:
                 writer.close()
 
     async def _answer_error(self, writer: asyncio.StreamWriter, fault: str, path: str) -> None:
-        status, code, msg = (
-            (503, "SlowDown", "Please reduce your request rate.")
-            if fault == "slowdown"
-            else (500, "InternalError", "We encountered an internal error. Please try again.")
-        )
+        status, reason, code, msg = {
+            "slowdown": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
+            "error": (
+                500,
+                "Internal Server Error",
+                "InternalError",
+                "We encountered an internal error. Please try again.",
+            ),
+            "redirect": (
+                301,
+                "Moved Permanently",
+                "PermanentRedirect",
+                "The bucket you are attempting to access must be addressed using the "
+                "specified endpoint.",
+            ),
+        }[fault]
         body = _slowdown_body(code, msg, path.split("?")[0])
-        reason = "Slow Down" if status == 503 else "Internal Server Error"
         writer.write(
             f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()

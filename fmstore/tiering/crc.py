@@ -7,6 +7,7 @@ so the whole-object CRC never needs the bytes in order.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import crc32c as _crc32c
@@ -56,23 +57,31 @@ def combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC32C of ``a + b`` from ``crc32c(a)``, ``crc32c(b)`` and ``len(b)``."""
     if len2 <= 0:
         return crc1
+    return _times(_zeros_operator(len2), crc1) ^ crc2
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros_operator(len2: int) -> list[int]:
+    """The GF(2) matrix that advances a CRC over ``len2`` zero bytes (parts mostly share
+    one length, so each is built once)."""
+    op = [1 << n for n in range(32)]  # identity
     odd = [_POLY] + [1 << n for n in range(31)]  # operator for one zero bit
     even = _square(odd)  # two zero bits
     odd = _square(even)  # four zero bits
     while True:
         even = _square(odd)
         if len2 & 1:
-            crc1 = _times(even, crc1)
+            op = [_times(even, v) for v in op]
         len2 >>= 1
         if not len2:
             break
         odd = _square(even)
         if len2 & 1:
-            crc1 = _times(odd, crc1)
+            op = [_times(odd, v) for v in op]
         len2 >>= 1
         if not len2:
             break
-    return crc1 ^ crc2
+    return op
 
 
 def combine_all(parts: Iterable[tuple[int, int]]) -> int:

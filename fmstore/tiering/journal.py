@@ -3,15 +3,24 @@
 An append-only JSON-lines file in the state directory, one record per line, each line
 written with a single ``write`` on an ``O_APPEND`` descriptor, so a process killed at any
 moment leaves at most one torn last line, which loading ignores.  Part records are
-written (and, with ``fsync``, synced) before the copy moves on, so a resumed copy never
-writes a journaled part again; file records are batched, because a finished file is also
-recognisable at the destination by its recorded checksum.
+written before the copy moves on, so a resumed copy never writes a journaled part again;
+file records are batched, because a finished file is also recognisable at the
+destination by its recorded checksum.
+
+Destinations that cache writes (POSIX) are written without a sync per file; the copy
+syncs the destination now and then and brackets each sync with markers: ``{"b": N}``
+before it starts, ``{"y": N}`` once it returned.  On load, every record before the
+``b`` of the last completed sync describes bytes known to be on stable storage
+(:attr:`FileRecord.synced`, :attr:`PendingParts.unsynced`); the rest survived a process
+crash but maybe not a power loss, so the copy re-checks them.  A process killed by
+``kill -9`` loses nothing: its writes are in the page cache.
 
 Records::
 
     {"f": DST_KEY, "s": SIZE, "v": SRC_VERSION, "c": CRC_HEX, "d": DST_ETAG}   a file is done
     {"u": DST_KEY, "t": TOKEN, "v": SRC_VERSION, "z": PART_SIZE}                a part write started
-    {"p": DST_KEY, "t": TOKEN, "i": INDEX, "c": CRC_HEX, "n": LENGTH}           a part is durable
+    {"p": DST_KEY, "t": TOKEN, "i": INDEX, "c": CRC_HEX, "n": LENGTH}           a part is written
+    {"b": N} / {"y": N}                                                        sync N began / ended
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from .. import runtime
@@ -31,6 +41,7 @@ class FileRecord:
     version: str | None
     crc: str | None
     dst_etag: str | None
+    synced: bool = True  # False: recorded after the last completed sync of the destination
 
 
 @dataclass
@@ -39,6 +50,7 @@ class PendingParts:
     version: str | None
     part_size: int
     parts: dict[int, tuple[int, int]] = field(default_factory=dict)  # index -> (crc, length)
+    unsynced: set[int] = field(default_factory=set)  # parts recorded after the last sync
 
 
 class Journal:
@@ -52,6 +64,7 @@ class Journal:
         self._fd: int | None = None
         self._buffer: list[bytes] = []
         self._lines = 0
+        self._syncs = 0
 
     @staticmethod
     def path_for(state_dir: str, src_url: str, dst_url: str) -> str:
@@ -73,15 +86,32 @@ class Journal:
                 lines = f.read().split(b"\n")
         except FileNotFoundError:
             lines = []
-        for line in lines:
+        file_line: dict[str, int] = {}
+        part_line: dict[tuple[str, int], int] = {}
+        began: dict[int, int] = {}
+        cutoff = 0  # records before this line are on stable storage
+        for n, line in enumerate(lines):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except ValueError:
                 continue  # a torn last line from a killed run
+            if "b" in rec:
+                began[rec["b"]] = n
+            elif "y" in rec:
+                cutoff = max(cutoff, began.get(rec["y"], 0))
+                self._syncs = max(self._syncs, int(rec["y"]) + 1)
+            elif "f" in rec:
+                file_line[rec["f"]] = n
+            elif "p" in rec:
+                part_line[(rec["p"], int(rec["i"]))] = n
             self._apply(rec)
             self._lines += 1
+        for key, rec in self.files.items():
+            rec.synced = file_line.get(key, 0) < cutoff
+        for key, p in self.pending.items():
+            p.unsynced = {i for i in p.parts if part_line.get((key, i), 0) >= cutoff}
         live = len(self.files) + sum(1 + len(p.parts) for p in self.pending.values())
         if self._lines > 2 * live + 1000:
             self._compact()
@@ -116,15 +146,20 @@ class Journal:
         self._lines = len(self.files)
 
     def _snapshot(self) -> list[bytes]:
-        out = [
-            _line({"f": k, "s": r.size, "v": r.version, "c": r.crc, "d": r.dst_etag})
-            for k, r in self.files.items()
-        ]
+        """The live records: those known durable first, then one completed sync, then the
+        rest, so a compacted journal keeps what is known about durability."""
+        synced: list[bytes] = []
+        rest: list[bytes] = []
+        for k, r in self.files.items():
+            (synced if r.synced else rest).append(
+                _line({"f": k, "s": r.size, "v": r.version, "c": r.crc, "d": r.dst_etag})
+            )
         for k, p in self.pending.items():
-            out.append(_line({"u": k, "t": p.token, "v": p.version, "z": p.part_size}))
+            synced.append(_line({"u": k, "t": p.token, "v": p.version, "z": p.part_size}))
             for i, (crc, n) in p.parts.items():
-                out.append(_line({"p": k, "t": p.token, "i": i, "c": f"{crc:08x}", "n": n}))
-        return out
+                rec = _line({"p": k, "t": p.token, "i": i, "c": f"{crc:08x}", "n": n})
+                (rest if i in p.unsynced else synced).append(rec)
+        return [*synced, _line({"b": 0}), _line({"y": 0}), *rest]
 
     # ---- recording ------------------------------------------------------------------
 
@@ -175,6 +210,17 @@ class Journal:
             view = view[n:]
         if self.fsync:
             os.fdatasync(self._fd)
+
+    async def synced(self, sync: Callable[[], Awaitable[None]]) -> None:
+        """Run ``sync`` (the destination's :meth:`~fmstore.stores.base.Store.sync`) between
+        markers, so the next load knows every record written before it is durable."""
+        n = self._syncs
+        self._syncs += 1
+        self._buffer.append(_line({"b": n}))
+        await self.flush()
+        await sync()
+        self._buffer.append(_line({"y": n}))
+        await self.flush()
 
     def flush_sync(self) -> None:
         """Write what is buffered from any thread (used on interruption)."""

@@ -8,8 +8,10 @@ is imported with its attributes by the other:
                                  in stat(2), e.g. ``0100644`` (setuid/setgid bits dropped)
 ``x-amz-meta-file-owner``        the owner's UID, an integer
 ``x-amz-meta-file-group``        the group's GID, an integer
-``x-amz-meta-file-mtime``        modification time in nanoseconds since the epoch, suffixed
-                                 ``ns``, e.g. ``1700000000123456789ns``
+``x-amz-meta-file-atime``        last access time in nanoseconds since the epoch, suffixed
+                                 ``ns``, e.g. ``1700000000123456789ns`` (without the suffix
+                                 FSx reads the number as milliseconds, and so does fmstore)
+``x-amz-meta-file-mtime``        modification time, the same way
 
 (Store metadata keys are given without the ``x-amz-meta-`` prefix; the S3 backend adds it.)
 """
@@ -17,6 +19,7 @@ is imported with its attributes by the other:
 from __future__ import annotations
 
 import contextlib
+import decimal
 import os
 import stat as _stat
 from collections.abc import Mapping
@@ -24,8 +27,9 @@ from collections.abc import Mapping
 PERMISSIONS = "file-permissions"
 OWNER = "file-owner"
 GROUP = "file-group"
+ATIME = "file-atime"
 MTIME = "file-mtime"
-KEYS = (PERMISSIONS, OWNER, GROUP, MTIME)
+KEYS = (PERMISSIONS, OWNER, GROUP, ATIME, MTIME)
 
 
 def from_stat(st: os.stat_result) -> dict[str, str]:
@@ -35,6 +39,7 @@ def from_stat(st: os.stat_result) -> dict[str, str]:
         PERMISSIONS: f"0{mode:o}",
         OWNER: str(st.st_uid),
         GROUP: str(st.st_gid),
+        ATIME: f"{st.st_atime_ns}ns",
         MTIME: f"{st.st_mtime_ns}ns",
     }
 
@@ -54,20 +59,21 @@ def parse_mode(text: str | None) -> int | None:
         return None
 
 
-def parse_mtime_ns(text: str | None) -> int | None:
+def parse_time_ns(text: str | None) -> int | None:
+    """``<n>ns`` is nanoseconds; a bare number is milliseconds, as FSx reads it."""
     if not text:
         return None
     t = text.strip()
     try:
         if t.endswith("ns"):
             return int(t[:-2])
-        return int(float(t) * 1e9)  # tolerate plain seconds
-    except ValueError:
+        return int(decimal.Decimal(t) * 1_000_000)
+    except (ValueError, decimal.InvalidOperation):
         return None
 
 
 def apply(path: str, metadata: Mapping[str, str]) -> None:
-    """Restore permissions, mtime and (when allowed) ownership on a local file.
+    """Restore permissions, times and (when allowed) ownership on a local file.
 
     Ownership is changed only when the process may (root, or the owner already matches);
     a failed ``chown`` is not an error, like ``cp -p`` run by an ordinary user.
@@ -81,9 +87,10 @@ def apply(path: str, metadata: Mapping[str, str]) -> None:
     if uid is not None or gid is not None:
         with contextlib.suppress(PermissionError, OSError):
             os.chown(path, -1 if uid is None else uid, -1 if gid is None else gid)
-    mtime = parse_mtime_ns(meta.get(MTIME))
+    mtime = parse_time_ns(meta.get(MTIME))
     if mtime is not None:
-        os.utime(path, ns=(mtime, mtime))
+        atime = parse_time_ns(meta.get(ATIME))
+        os.utime(path, ns=(mtime if atime is None else atime, mtime))
 
 
 def _int(text: str | None) -> int | None:

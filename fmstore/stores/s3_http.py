@@ -1,0 +1,434 @@
+"""A lean request path for S3's hot calls: PutObject, GetObject, HeadObject, ListObjectsV2.
+
+botocore spends about 2 ms of CPU on every request (event hooks, model-driven
+serialisation and parsing) where signing and sending it take about 0.5 ms.  For objects of a
+few KiB that overhead *is* the cost of a copy, and on a training node the cores it burns
+are shared with everything else.  :class:`S3Http` signs (SigV4) and sends those calls
+itself on aiohttp (and listings, whose XML botocore parses slowly), with the endpoint, region and credentials botocore resolved, and answers
+in botocore's shapes: the same response dict keys, and botocore ``ClientError`` for error
+responses, so retries and error translation (:mod:`.s3_retry`) stay one code path.
+Everything else — listings, multipart uploads, copies, deletes — stays on botocore.
+
+Where the lean path cannot follow S3 (a redirect to another region, an endpoint that
+rejects our signature shape), it raises :class:`LeanUnsupported` and the store falls back
+to botocore for good; ``S3Options(lean_requests=False)`` never uses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import html
+import os
+import re
+import ssl
+import time
+import urllib.request
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from email.utils import parsedate_to_datetime
+from typing import Any
+from urllib.parse import quote, unquote_plus
+from xml.etree import ElementTree
+
+import aiohttp
+import botocore.exceptions as bx
+import yarl
+
+from .. import runtime
+
+#: SHA-256 of an empty payload (GET and HEAD).
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+#: Bodies up to this size are hashed on the event loop when the payload must be signed.
+_INLINE = 256 << 10
+_META = "x-amz-meta-"
+_DNS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
+#: Answers that mean "not the request botocore would have sent": fall back to botocore.
+_FALLBACK_CODES = {
+    "PermanentRedirect",
+    "AuthorizationHeaderMalformed",
+    "IllegalLocationConstraintException",
+    "TemporaryRedirect",
+}
+
+
+class LeanUnsupported(Exception):
+    """The lean path cannot serve this store; use botocore instead."""
+
+
+class Credentials:
+    """Frozen credentials for one request: what botocore's providers resolved."""
+
+    __slots__ = ("access_key", "secret_key", "token")
+
+    def __init__(self, access_key: str, secret_key: str, token: str | None) -> None:
+        self.access_key, self.secret_key, self.token = access_key, secret_key, token
+
+
+class _Body:
+    """botocore's ``StreamingBody`` as far as :class:`~.s3.S3Store` uses it."""
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self.raw_stream = resp
+
+    def close(self) -> None:
+        self.raw_stream.release()
+
+
+def canonical_query(params: Mapping[str, str]) -> str:
+    """SigV4's canonical query string, which is also what we send: names sorted, names and
+    values percent-encoded except for RFC 3986's unreserved characters."""
+    return "&".join(
+        f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, v in sorted(params.items())
+    )
+
+
+class Signer:
+    """SigV4 for S3 requests without a query string, as botocore's ``S3SigV4Auth`` signs
+    them: every header given is signed, the payload hash is the caller's."""
+
+    def __init__(self, host: str, region: str) -> None:
+        self.host, self.region = host, region
+        self._keys: dict[tuple[str, str], bytes] = {}
+
+    def sign(
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        payload_hash: str,
+        creds: Credentials,
+        now: float | None = None,
+        query: str = "",
+    ) -> None:
+        """Add SigV4 headers (``x-amz-date``, ``x-amz-content-sha256``, ``Authorization``);
+        every header in ``headers`` is signed.  ``query``: the canonical query string (see
+        :func:`canonical_query`), sent exactly so."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+        day = stamp[:8]
+        headers["host"] = self.host
+        headers["x-amz-date"] = stamp
+        headers["x-amz-content-sha256"] = payload_hash
+        if creds.token:
+            headers["x-amz-security-token"] = creds.token
+        names = sorted(headers)
+        canonical = "\n".join(
+            (
+                method,
+                path,
+                query,
+                "".join(f"{k}:{' '.join(str(headers[k]).split())}\n" for k in names),
+                ";".join(names),
+                payload_hash,
+            )
+        )
+        scope = f"{day}/{self.region}/s3/aws4_request"
+        to_sign = "\n".join(
+            ("AWS4-HMAC-SHA256", stamp, scope, hashlib.sha256(canonical.encode()).hexdigest())
+        )
+        signature = hmac.new(
+            self._signing_key(creds.secret_key, day), to_sign.encode(), hashlib.sha256
+        ).hexdigest()
+        headers["authorization"] = (
+            f"AWS4-HMAC-SHA256 Credential={creds.access_key}/{scope}, "
+            f"SignedHeaders={';'.join(names)}, Signature={signature}"
+        )
+
+    def _signing_key(self, secret: str, day: str) -> bytes:
+        k = self._keys.get((secret, day))
+        if k is None:
+            k = f"AWS4{secret}".encode()
+            for part in (day, self.region, "s3", "aws4_request"):
+                k = hmac.new(k, part.encode(), hashlib.sha256).digest()
+            self._keys = {(secret, day): k}  # keys of other days are never needed again
+        return k
+
+
+class S3Http:
+    """Signs and sends PutObject / GetObject / HeadObject / ListObjectsV2; see the module
+    docstring.
+
+    ``credentials`` returns the current frozen credentials (refreshed by botocore's
+    providers as they expire).
+    """
+
+    def __init__(
+        self,
+        *,
+        endpoint_url: str,
+        region: str,
+        bucket: str,
+        path_style: bool,
+        credentials: Callable[[], Any],
+        sign_payload: bool,
+        pool: int,
+        connect_timeout: float,
+        read_timeout: float,
+        socket_factory: Callable[[Any], Any] | None = None,
+    ) -> None:
+        url = yarl.URL(endpoint_url)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise LeanUnsupported(f"endpoint {endpoint_url!r}")
+        if not path_style and not _DNS_BUCKET.match(bucket):
+            path_style = True  # what botocore does for names DNS cannot carry
+        host = url.host if path_style else f"{bucket}.{url.host}"
+        self.host = host if url.explicit_port is None else f"{host}:{url.explicit_port}"
+        base = url.path.rstrip("/")
+        self._prefix = f"{base}/{quote(bucket, safe='')}/" if path_style else f"{base}/"
+        self._origin = f"{url.scheme}://{self.host}"
+        # HTTP(S)_PROXY / NO_PROXY, as botocore honours them; looked up once (aiohttp's
+        # trust_env would read them, and ~/.netrc, on every request).
+        proxy = urllib.request.getproxies().get(url.scheme)
+        self._proxy = None if not proxy or urllib.request.proxy_bypass(url.host) else proxy
+        self.signer = Signer(self.host, region)
+        self.credentials = credentials
+        self.sign_payload = sign_payload
+        ssl_ctx: ssl.SSLContext | bool = False
+        if url.scheme == "https":
+            ssl_ctx = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
+        kwargs: dict[str, Any] = {"limit": pool, "ssl": ssl_ctx}
+        if socket_factory is not None:
+            kwargs["socket_factory"] = socket_factory
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(**kwargs),
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=connect_timeout, sock_read=read_timeout
+            ),
+            auto_decompress=False,
+            skip_auto_headers=("Accept-Encoding", "Content-Type", "User-Agent"),
+        )
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    # ---- the calls (botocore's parameter and response names) ----------------------------
+
+    async def put_object(
+        self,
+        *,
+        Bucket: str,
+        Key: str,
+        Body: bytes | bytearray | memoryview,
+        Metadata: Mapping[str, str] | None = None,
+        IfNoneMatch: str | None = None,
+        IfMatch: str | None = None,
+        ChecksumCRC32C: str | None = None,
+        ContentMD5: str | None = None,
+        ServerSideEncryption: str | None = None,
+        SSEKMSKeyId: str | None = None,
+    ) -> dict[str, Any]:
+        del Bucket  # bound at construction
+        headers: dict[str, str] = {}
+        for k, v in (Metadata or {}).items():
+            headers[_META + k.lower()] = v
+        _opt(headers, "if-none-match", IfNoneMatch)
+        _opt(headers, "if-match", IfMatch)
+        _opt(headers, "x-amz-checksum-crc32c", ChecksumCRC32C)
+        _opt(headers, "content-md5", ContentMD5)
+        _opt(headers, "x-amz-server-side-encryption", ServerSideEncryption)
+        _opt(headers, "x-amz-server-side-encryption-aws-kms-key-id", SSEKMSKeyId)
+        if self.sign_payload:
+            n = memoryview(Body).nbytes
+            digest = (
+                hashlib.sha256(Body).hexdigest()
+                if n <= _INLINE
+                else await runtime.to_cpu(lambda: hashlib.sha256(Body).hexdigest())
+            )
+        else:
+            digest = "UNSIGNED-PAYLOAD"
+        resp = await self._send("PUT", "PutObject", Key, headers, digest, Body)
+        try:
+            await self._raise_for(resp, "PutObject")
+            out: dict[str, Any] = {"ETag": resp.headers.get("ETag")}
+            crc = resp.headers.get("x-amz-checksum-crc32c")
+            if crc:
+                out["ChecksumCRC32C"] = crc
+            return out
+        finally:
+            resp.release()
+
+    async def get_object(
+        self,
+        *,
+        Bucket: str,
+        Key: str,
+        Range: str | None = None,
+        IfMatch: str | None = None,
+    ) -> dict[str, Any]:
+        del Bucket
+        headers: dict[str, str] = {}
+        _opt(headers, "range", Range)
+        _opt(headers, "if-match", IfMatch)
+        resp = await self._send("GET", "GetObject", Key, headers, EMPTY_SHA256, None)
+        try:
+            await self._raise_for(resp, "GetObject")
+        except BaseException:
+            resp.release()
+            raise
+        out = _object_fields(resp.headers)
+        out["Body"] = _Body(resp)
+        return out
+
+    async def head_object(
+        self,
+        *,
+        Bucket: str,
+        Key: str,
+        IfMatch: str | None = None,
+        ChecksumMode: str | None = None,
+    ) -> dict[str, Any]:
+        del Bucket
+        headers: dict[str, str] = {}
+        _opt(headers, "if-match", IfMatch)
+        _opt(headers, "x-amz-checksum-mode", ChecksumMode)
+        resp = await self._send("HEAD", "HeadObject", Key, headers, EMPTY_SHA256, None)
+        try:
+            await self._raise_for(resp, "HeadObject")
+            return _object_fields(resp.headers)
+        finally:
+            resp.release()
+
+    async def list_objects_v2(
+        self,
+        *,
+        Bucket: str,
+        Prefix: str = "",
+        MaxKeys: int = 1000,
+        Delimiter: str | None = None,
+        StartAfter: str | None = None,
+        ContinuationToken: str | None = None,
+    ) -> dict[str, Any]:
+        del Bucket
+        query = {"list-type": "2", "prefix": Prefix, "max-keys": str(MaxKeys)}
+        query["encoding-type"] = "url"  # keys XML cannot carry come back escaped
+        if Delimiter is not None:
+            query["delimiter"] = Delimiter
+        if StartAfter is not None:
+            query["start-after"] = StartAfter
+        if ContinuationToken is not None:
+            query["continuation-token"] = ContinuationToken
+        resp = await self._send("GET", "ListObjectsV2", "", {}, EMPTY_SHA256, None, query)
+        try:
+            await self._raise_for(resp, "ListObjectsV2")
+            text = await resp.read()
+        finally:
+            resp.release()
+        return _parse_listing(text)
+
+    # ---- signing and sending --------------------------------------------------------------
+
+    async def _send(
+        self,
+        method: str,
+        op: str,
+        key: str,
+        headers: dict[str, str],
+        payload_hash: str,
+        body: bytes | bytearray | memoryview | None,
+        query: Mapping[str, str] | None = None,
+    ) -> aiohttp.ClientResponse:
+        path = self._prefix + quote(key, safe="/~")
+        qs = canonical_query(query) if query else ""
+        creds = await self._frozen()
+        self.signer.sign(method, path, headers, payload_hash, creds, query=qs)
+        url = yarl.URL(self._origin + path + (f"?{qs}" if qs else ""), encoded=True)
+        return await self._session.request(
+            method, url, headers=headers, data=body, allow_redirects=False, proxy=self._proxy
+        )
+
+    async def _frozen(self) -> Credentials:
+        creds = self.credentials()
+        if hasattr(creds, "__await__"):
+            creds = await creds
+        if creds is None:
+            raise bx.NoCredentialsError()
+        if isinstance(creds, Credentials):
+            return creds
+        return Credentials(creds.access_key, creds.secret_key, getattr(creds, "token", None))
+
+    async def _raise_for(self, resp: aiohttp.ClientResponse, op: str) -> None:
+        status = resp.status
+        if status < 300:
+            return
+        text = "" if resp.method == "HEAD" else (await resp.read()).decode("utf-8", "replace")
+        code = _xml(text, "Code") or str(status)
+        if status in (301, 307) or code in _FALLBACK_CODES:
+            raise LeanUnsupported(f"{op}: HTTP {status} {code}")
+        message = _xml(text, "Message") or resp.reason or ""
+        raise bx.ClientError(
+            {
+                "Error": {"Code": code, "Message": message},
+                "ResponseMetadata": {
+                    "HTTPStatusCode": status,
+                    "HTTPHeaders": {k.lower(): v for k, v in resp.headers.items()},
+                },
+            },
+            op,
+        )
+
+
+def _parse_listing(text: bytes) -> dict[str, Any]:
+    """A ListObjectsV2 answer (``encoding-type=url``) in botocore's shape."""
+    root = ElementTree.fromstring(text)
+    for el in root.iter():  # drop the S3 namespace from every tag
+        el.tag = el.tag.rpartition("}")[2]
+    contents = []
+    for c in root.iterfind("Contents"):
+        lm = c.findtext("LastModified")
+        contents.append(
+            {
+                "Key": unquote_plus(c.findtext("Key") or ""),
+                "Size": int(c.findtext("Size") or 0),
+                "ETag": c.findtext("ETag"),
+                "LastModified": datetime.fromisoformat(lm.replace("Z", "+00:00")) if lm else None,
+            }
+        )
+    out: dict[str, Any] = {
+        "Contents": contents,
+        "CommonPrefixes": [
+            {"Prefix": unquote_plus(p.findtext("Prefix") or "")}
+            for p in root.iterfind("CommonPrefixes")
+        ],
+        "IsTruncated": (root.findtext("IsTruncated") or "").lower() == "true",
+    }
+    token = root.findtext("NextContinuationToken")
+    if token:
+        out["NextContinuationToken"] = token
+    return out
+
+
+def _opt(headers: dict[str, str], name: str, value: str | None) -> None:
+    if value is not None:
+        headers[name] = value
+
+
+def _xml(text: str, tag: str) -> str | None:
+    m = re.search(f"<{tag}>(.*?)</{tag}>", text, re.DOTALL)
+    return html.unescape(m.group(1)) if m else None
+
+
+def _object_fields(h: Mapping[str, str]) -> dict[str, Any]:
+    """The response fields of GetObject / HeadObject that fmstore reads, botocore-named."""
+    out: dict[str, Any] = {
+        "ETag": h.get("ETag"),
+        "ContentLength": int(h.get("Content-Length", 0)),
+        "Metadata": {
+            k[len(_META) :].lower(): v for k, v in h.items() if k.lower().startswith(_META)
+        },
+    }
+    if "Content-Range" in h:
+        out["ContentRange"] = h["Content-Range"]
+    lm = h.get("Last-Modified")
+    if lm:
+        out["LastModified"] = _http_date(lm)
+    crc = h.get("x-amz-checksum-crc32c")
+    if crc:
+        out["ChecksumCRC32C"] = crc
+    return out
+
+
+def _http_date(text: str) -> datetime | None:
+    try:
+        return parsedate_to_datetime(text)
+    except (TypeError, ValueError):
+        return None
