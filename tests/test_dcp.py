@@ -221,6 +221,31 @@ def test_round_trip_every_codec_bit_exact(tmp_path, compression):
     assert codecs == {"raw"} if compression == "none" else codecs - {"raw"}
 
 
+def test_large_raw_items_are_blobs_of_their_own(tmp_path):
+    """Raw items of at least direct_min bytes get one blob each (written from the tensor's
+    memory); the rest share packed blobs; everything loads bit-exact."""
+    uri = str(tmp_path / "own")
+    sd = _state()
+    _save(sd, uri, chunk_size=64 << 10, direct_min=8192, streams=2)
+    m = runtime.run(read_manifest(open_store(uri)))
+    users: dict[int, list[str]] = {}
+    for it in m.items:
+        for b in {c.blob for c in it.chunks}:
+            users.setdefault(b, []).append(it.fqn)
+    own = {it.fqn for it in m.items if it.kind == "tensor" and it.nbytes >= 8192}
+    assert own == {"w", "bf"}
+    for it in m.items:
+        blobs = {c.blob for c in it.chunks}
+        if it.fqn in own:
+            (b,) = blobs
+            assert users[b] == [it.fqn] and m.blobs[b].size == it.nbytes
+            assert len(it.chunks) == -(-it.nbytes // (64 << 10))
+    out = _zeros_like(sd)
+    _load(out, uri)
+    equal_trees(out, sd)
+    assert verify_checkpoint(uri).ok
+
+
 def test_round_trip_on_memory_store():
     uri = "memory://dcp-test/round-trip"
     sd = _state(1)
@@ -230,11 +255,12 @@ def test_round_trip_on_memory_store():
     equal_trees(out, sd)
 
 
-def test_partial_box_reads_fetch_only_needed_chunks(tmp_path):
+@pytest.mark.parametrize("direct_min", [4096, 1 << 30], ids=["own-blob", "packed"])
+def test_partial_box_reads_fetch_only_needed_chunks(tmp_path, direct_min):
     """A read of a sub-box (here a non-contiguous one) of a saved tensor."""
     uri = str(tmp_path / "box")
     w = torch.arange(64 * 1000, dtype=torch.float32).reshape(64, 1000)
-    _save({"w": w}, uri, chunk_size=16 << 10)
+    _save({"w": w}, uri, chunk_size=16 << 10, direct_min=direct_min)
     reader = Reader(uri)
     md = reader.read_metadata()
     reader.set_up_storage_reader(md, True)
@@ -264,10 +290,12 @@ def test_partial_box_reads_fetch_only_needed_chunks(tmp_path):
     assert 0 < fetched < w.numel() * 4 // 2  # a slice of the tensor, not all of it
 
 
-def test_corrupt_chunk_is_named_on_load_and_by_verify(tmp_path):
+@pytest.mark.parametrize("direct_min", [4096, 1 << 30], ids=["own-blob", "packed"])
+def test_corrupt_chunk_is_named_on_load_and_by_verify(tmp_path, direct_min):
+    """direct_min (both sides): "own-blob" reads runs of chunks straight into the tensor."""
     uri = str(tmp_path / "bad")
     sd = _state()
-    _save(sd, uri, chunk_size=64 << 10)
+    _save(sd, uri, chunk_size=64 << 10, direct_min=direct_min)
     m = runtime.run(read_manifest(open_store(uri)))
     item = next(i for i in m.items if i.fqn == "w")
     c = item.chunks[3]
@@ -276,11 +304,11 @@ def test_corrupt_chunk_is_named_on_load_and_by_verify(tmp_path):
     data[c.offset + 100] ^= 0x40
     path.write_bytes(bytes(data))
     with pytest.raises(BaseException) as ei:  # DCP wraps rank errors in CheckpointException
-        _load(_zeros_like(sd), uri)
+        _load(_zeros_like(sd), uri, direct_min=direct_min)
     msg = str(ei.value)
     assert "CorruptData" in msg and "corrupt chunk of 'w'" in msg and m.blob_key(c.blob) in msg
     # Straight through the Reader (no DCP wrapping) it is a CorruptData.
-    reader = Reader(uri)
+    reader = Reader(uri, direct_min=direct_min)
     md = reader.read_metadata()
     reader.set_up_storage_reader(md, True)
     target = _zeros_like(sd)
@@ -400,6 +428,21 @@ def test_s3_faults_are_retried_and_load_bit_exact(s3_server, s3_bucket):
         _load(out, uri, store_options=so)
         equal_trees(out, sd)
         assert sum(proxy.injected.values()) >= 5
+
+
+@pytest.mark.s3
+def test_s3_large_item_is_one_multipart_upload_from_its_memory(s3_server, s3_bucket):
+    so = s3_server.store_options()
+    uri = f"s3://{s3_bucket}/large"
+    g = torch.Generator().manual_seed(3)
+    sd = {"big": torch.randn(3 << 20, generator=g), "small": torch.arange(100)}  # 12 MiB
+    _save(sd, uri, store_options=so)
+    m = runtime.run(read_manifest(open_store(uri, **so)))
+    big = next(it for it in m.items if it.fqn == "big")
+    assert len({c.blob for c in big.chunks}) == 1 and m.blobs[big.chunks[0].blob].size == 12 << 20
+    out = {"big": torch.zeros(3 << 20), "small": torch.zeros(100, dtype=torch.int64)}
+    _load(out, uri, store_options=so)
+    assert torch.equal(out["big"], sd["big"]) and torch.equal(out["small"], sd["small"])
 
 
 @pytest.mark.s3

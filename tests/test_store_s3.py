@@ -351,6 +351,29 @@ def test_get_with_meta_is_one_consistent_read(s3_store):
     assert got == data and meta.size == len(data) and meta.metadata["k"] == "v" and meta.etag
 
 
+def test_stores_with_equal_options_share_one_client_until_the_last_closes(s3_server, s3_bucket):
+    so = s3_server.store_options()
+    a = open_store(f"s3://{s3_bucket}/share-a", **so)
+    b = open_store(f"s3://{s3_bucket}/share-b", **so)
+    other = open_store(f"s3://{s3_bucket}/share-c", **{**so, "max_concurrency": 3})
+    runtime.run(a.put("k", b"a"))
+    runtime.run(b.put("k", b"b"))
+    runtime.run(other.put("k", b"c"))
+    ca, cb, cc = (runtime.run(s.inner._cli()) for s in (a, b, other))
+    assert ca is cb and cc is not ca
+    shared = a.inner._shared
+    runtime.run(a.close())
+    assert runtime.run(b.get("k")) == b"b"  # still open for b
+    runtime.run(b.close())
+    assert shared.closed  # the last user closed the client and its pool
+    # A store opened afterwards gets a fresh client.
+    d = open_store(f"s3://{s3_bucket}/share-a", **so)
+    assert runtime.run(d.get("k")) == b"a"
+    assert runtime.run(d.inner._cli()) is not ca
+    for s in (d, other):
+        runtime.run(s.close())
+
+
 def test_a_store_dropped_without_close_leaves_no_unclosed_pool_warning(s3_server, s3_bucket):
     """Its pools stay open until exit, where the runtime closes them: no aiohttp warning
     at garbage collection, none at exit."""

@@ -14,7 +14,7 @@ import time
 from ..format.manifest import MANIFEST_KEY
 
 GENERATION_RE = re.compile(r"^g([0-9a-f]{12})-[0-9a-f]{8}$")
-BLOB_RE = re.compile(r"^[0-9]{6}\.bin$")
+BLOB_RE = re.compile(r"^[0-9]{6,}\.bin$")
 
 __all__ = [
     "BLOB_RE",

@@ -24,7 +24,13 @@ Guarantees beyond the :class:`~fmstore.stores.base.Store` contract:
   best-effort HEAD check that a concurrent writer can race.
 
 The aiobotocore client is created lazily on the running loop (the fmstore runtime loop for
-sync callers), closed by :meth:`S3Store.close`, and created afresh in a forked child.
+sync callers) and shared, with its lean request path, by every store of the process with the
+same :class:`S3Options` and bucket on that loop: creating one costs 0.1-0.3 s of CPU (botocore parses its service models), which
+code that opens a store per checkpoint (DCP's writers and readers) would otherwise pay on
+every save and load, with a fresh connection pool each time.  The last
+:meth:`S3Store.close` of the stores using a client closes it (a store dropped without
+``close`` leaves it open for the next store); whatever is open at exit is closed then.  A
+forked child creates its own.
 """
 
 from __future__ import annotations
@@ -80,25 +86,6 @@ META_CRC = "fmstore-crc32c"
 META_PART_SIZE = "fmstore-part-size"
 #: A forked child's inherited clients, kept alive and untouched (see ``S3Store._reset``).
 _FORK_LEFTOVERS: list[Any] = []
-
-
-class _Pools:
-    """One store's clients and connection pools, closed by the store's close() or, if the
-    store was dropped without it, by the runtime at exit (aiohttp warns about an open pool
-    that is garbage-collected, and closing one needs the loop)."""
-
-    #: Pools not closed yet: held here so a dropped store's pools live until exit.
-    open: set[_Pools] = set()
-
-    def __init__(self, stack: AsyncExitStack) -> None:
-        self.stack = stack
-        _Pools.open.add(self)
-        runtime.close_at_exit(self)
-
-    async def close(self) -> None:
-        if self in _Pools.open:
-            _Pools.open.discard(self)
-            await self.stack.aclose()
 
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
@@ -241,6 +228,43 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     return bucket, _keys.validate_prefix(prefix, tier="s3") if prefix.strip("/") else ""
 
 
+class _SharedClient:
+    """One aiobotocore client and its connection pool, shared by the stores of this process
+    with equal options on one loop (see the module docstring)."""
+
+    def __init__(self, key: tuple[Any, ...], client: Any, http: Any, stack: AsyncExitStack) -> None:
+        self.key, self.client, self.http, self.stack = key, client, http, stack
+        self.users: weakref.WeakSet[S3Store] = weakref.WeakSet()
+        self.closed = False
+
+    async def release(self, store: S3Store) -> None:
+        """``store`` is closed: close the client when no open store uses it any more."""
+        self.users.discard(store)
+        if not self.users:
+            await self.close()
+
+    async def close(self) -> None:
+        """Close every store still using the client (their writers are aborted), then it."""
+        for store in list(self.users):
+            try:
+                await store.close()
+            except Exception as e:  # one store's failed abort must not keep the pool open
+                log.warning("closing %r: %s", store, e)
+        if self.closed:
+            return
+        self.closed = True
+        if _SHARED.get(self.key) is self:
+            del _SHARED[self.key]
+        await self.stack.aclose()
+
+
+#: (pid, loop, options, bucket) -> the shared client; creations in progress in ``_CREATING``.
+_SHARED: dict[tuple[Any, ...], _SharedClient] = {}
+_CREATING: dict[tuple[Any, ...], asyncio.Future[_SharedClient]] = {}
+#: One botocore session per profile: it caches the parsed service models.
+_SESSIONS: dict[tuple[int, str | None], Any] = {}
+
+
 class S3Store(Store):
     """One bucket (and optionally a prefix inside it) as a :class:`Store`."""
 
@@ -260,7 +284,7 @@ class S3Store(Store):
         self._pid = os.getpid()
         self._client: Any = None
         self._http: Any = None
-        self._stack: _Pools | None = None
+        self._shared: _SharedClient | None = None
         self._reset()
 
     @classmethod
@@ -280,14 +304,13 @@ class S3Store(Store):
             # Never let a forked child close (or garbage-collect) the parent's client: its
             # transports would unregister their sockets from the epoll instance the child
             # shares with the parent, and the parent's next response would never arrive.
-            _FORK_LEFTOVERS.append((self._client, self._stack))
+            _FORK_LEFTOVERS.append((self._client, self._shared))
         o = self.options
         self._pid = os.getpid()
         self._client = None
         self._http = None
-        self._stack = None
+        self._shared = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._client_lock: asyncio.Lock | None = None
         self._bucket_ok = False
         self.limiter = AdaptiveLimiter(o.max_concurrency)
         self.retrier = Retrier(
@@ -317,15 +340,37 @@ class S3Store(Store):
             self._reset()
         if self._client is not None:
             return self._client
-        if self._client_lock is None:
-            self._client_lock = asyncio.Lock()
-        async with self._client_lock:
-            if self._client is None:
-                self._client = await self._make_client()
-                self._loop = running
+        # The lean request path is bound to one bucket, so the bucket is part of the key.
+        key = (self._pid, running, self.options, self.bucket)
+        shared = _SHARED.get(key)
+        if shared is None:
+            pending = _CREATING.get(key)
+            if pending is None:
+                for k in [k for k in _SHARED if k[1].is_closed()]:
+                    _FORK_LEFTOVERS.append(_SHARED.pop(k))  # a dead loop's: unusable, left as is
+                pending = running.create_future()
+                _CREATING[key] = pending
+                try:
+                    client, http, stack = await self._make_client()
+                except BaseException as e:
+                    pending.set_exception(e)
+                    pending.exception()  # retrieved: no "never retrieved" warning
+                    raise
+                finally:
+                    del _CREATING[key]
+                shared = _SharedClient(key, client, http, stack)
+                _SHARED[key] = shared
+                pending.set_result(shared)
+                runtime.close_at_exit(shared)  # close the pool at exit, not at garbage collection
+            else:
+                shared = await asyncio.shield(pending)
+        if self._client is None:
+            shared.users.add(self)
+            self._shared, self._client, self._loop = shared, shared.client, running
+            self._http = shared.http
         return self._client
 
-    async def _make_client(self) -> Any:
+    async def _make_client(self) -> tuple[Any, Any, AsyncExitStack]:
         from aiobotocore.config import AioConfig
         from aiobotocore.session import AioSession
 
@@ -365,19 +410,21 @@ class S3Store(Store):
             kwargs["aws_session_token"] = o.session_token
         stack = AsyncExitStack()
         try:
-            session = AioSession(profile=o.profile) if o.profile else AioSession()
+            session = _SESSIONS.get((self._pid, o.profile))
+            if session is None:
+                session = AioSession(profile=o.profile) if o.profile else AioSession()
+                _SESSIONS[(self._pid, o.profile)] = session
             region = o.region or session.get_config_variable("region")
             kwargs["region_name"] = region or "us-east-1"
             client = await stack.enter_async_context(session.create_client("s3", **kwargs))
             _keep_bodies_as_bytes(client)
-            self._http = self._lean(client)
-            if self._http is not None:
-                stack.push_async_callback(self._http.close)
+            http = self._lean(client)
+            if http is not None:
+                stack.push_async_callback(http.close)
         except Exception as e:
             await stack.aclose()
             raise translate(e, tier=self.tier, key=None, bucket=self.bucket, op="connect") from e
-        self._stack = _Pools(stack)
-        return client
+        return client, http, stack
 
     def _lean(self, client: Any) -> Any:
         """The lean request path (:mod:`.s3_http`) for ``client``'s endpoint, region and
@@ -421,7 +468,8 @@ class S3Store(Store):
         return await getattr(cli, method)(Bucket=self.bucket, **kwargs)
 
     async def close(self) -> None:
-        """Abort open writers, then close the client and its connection pool."""
+        """Abort open writers, then let go of the client: its connection pool is closed
+        once no other open store of this process uses it."""
         if self._pid != os.getpid():
             self._reset()
             return
@@ -429,10 +477,10 @@ class S3Store(Store):
             await w.abort()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-        stack, self._stack, self._client, self._loop = self._stack, None, None, None
+        shared, self._shared, self._client, self._loop = self._shared, None, None, None
         self._http = None
-        if stack is not None:
-            await stack.close()
+        if shared is not None:
+            await shared.release(self)
 
     # ---- helpers ------------------------------------------------------------------------
 

@@ -9,14 +9,19 @@ Call order (from ``torch.distributed.checkpoint.save``; "all" means every rank):
 3. (coordinator) ``prepare_global_plan(plans)``: picks a fresh *generation* (a sub-prefix
    for this save's blobs) and gives every rank its number and the world size; refuses to
    replace a committed checkpoint unless ``overwrite=True``
-4. (all) ``write_data(plan, planner)``: the rank's items go to ``streams`` blobs written
-   concurrently (multipart on S3), each item split into chunks that are encoded and
-   checksummed in the CPU pool, with at most ``max_inflight`` bytes of encoded data held;
-   returns one ``WriteResult`` per item, once every blob is committed
+4. (all) ``write_data(plan, planner)``: every item is cut into ``chunk_size`` chunks, each
+   checksummed (and encoded, when compressing) in the CPU pool.  An item stored raw of at
+   least ``direct_min`` bytes is a blob of its own, written with one ``put`` straight from
+   the tensor's memory (on S3 a multipart upload whose parts are views of the tensor: the
+   bytes are never copied); the other items are packed into up to ``streams`` blobs written
+   as streams, with at most ``max_inflight`` bytes of encoded data held.  At most
+   ``streams`` blobs of a rank are in flight at once.  Returns one ``WriteResult`` per item,
+   once every blob is committed
 5. (coordinator) ``finish(metadata, results)``: DCP calls it only when every rank's
    ``write_data`` succeeded; it checks anyway that every rank answered for every item of its
-   plan and that every blob is present with its size, and only then writes ``manifest.json``
-   (the commit).  A missing rank or blob raises and nothing is committed.
+   plan and that every blob is present with its size (one listing of the generation), and
+   only then writes ``manifest.json`` (the commit).  A missing rank or blob raises and
+   nothing is committed.
 
 Guarantees: a checkpoint is visible only once complete; ``overwrite=True`` replaces a
 committed one atomically (the old generation is deleted after the new manifest is in place);
@@ -32,9 +37,9 @@ import asyncio
 import io
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -55,6 +60,8 @@ from .manifest import MANIFEST_KEY, DcpBlob, DcpItem, DcpManifest
 
 __all__ = ["WriteOptions", "Writer"]
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class WriteOptions:
@@ -63,14 +70,18 @@ class WriteOptions:
     ``compression``: ``"none"`` (default: DCP checkpoints are written at disk speed),
     ``"auto"``, ``"zstd"`` or ``"bytegroup+zstd"``, per chunk; chunks that do not shrink stay
     raw.  ``chunk_size``: bytes per checksummed chunk (also the granularity of partial reads
-    on load).  ``streams``: blobs each rank writes concurrently.  ``max_inflight``: encoded
-    bytes a rank holds at once.  ``overwrite``: replace a committed checkpoint at the URI.
-    ``allow_pickle``: store planner data JSON cannot represent as pickle.
+    on load).  ``streams``: blobs each rank writes concurrently.  ``direct_min``: items
+    stored raw of at least this many bytes get a blob of their own, written from the
+    tensor's memory with no copy (smaller ones are packed into shared blobs).
+    ``max_inflight``: encoded bytes a rank holds at once.  ``overwrite``: replace a
+    committed checkpoint at the URI.  ``allow_pickle``: store planner data JSON cannot
+    represent as pickle.
     """
 
     compression: str = "none"
     chunk_size: int = 8 << 20
     streams: int = 4
+    direct_min: int = 4 << 20
     max_inflight: int = 256 << 20
     overwrite: bool = False
     allow_pickle: bool = False
@@ -93,6 +104,10 @@ class _RankPlan:
     rank: int
     world_size: int
     streams: int
+    #: the rank's blobs are numbered ``blob_base`` .. ``blob_base + blob_count - 1`` (its
+    #: item count plus ``streams``), so names are unique without the ranks talking
+    blob_base: int = 0
+    blob_count: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,6 +124,7 @@ class _ItemResult:
 class _BlobOut:
     name: str
     items: list[WriteItem] = field(default_factory=list)
+    direct: bool = False
     size: int = 0
 
 
@@ -130,6 +146,17 @@ class _Budget:
         async with self.cond:
             self.used -= n
             self.cond.notify_all()
+
+
+async def _all_or_cancel(aws: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Like ``gather``, but the first failure cancels (and awaits) the rest, then raises."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _split(items: Sequence[WriteItem], n: int) -> list[list[WriteItem]]:
@@ -253,10 +280,13 @@ class Writer(StorageWriter):
             )
         generation = new_generation()
         streams = self.options.streams
-        out = [
-            replace(p, storage_data=_RankPlan(generation, i, len(plans), streams))
-            for i, p in enumerate(plans)
-        ]
+        out = []
+        base = 0
+        for i, p in enumerate(plans):
+            count = len(p.items) + streams
+            rp = _RankPlan(generation, i, len(plans), streams, base, count)
+            out.append(replace(p, storage_data=rp))
+            base += count
         self._plans = out
         return out
 
@@ -296,14 +326,32 @@ class Writer(StorageWriter):
     ) -> list[WriteResult]:
         store = self.store
         budget = _Budget(self.options.max_inflight)
-        # Blob numbers are unique across ranks: rank r owns [r * streams, (r + 1) * streams).
+        gate = asyncio.Semaphore(rp.streams)
+        direct = [wi for wi in items if self._is_direct(wi)]
+        packed = [wi for wi in items if not self._is_direct(wi)]
+        # Largest first, so the longest uploads start early.
+        direct.sort(key=_item_bytes, reverse=True)
         blobs = [
-            _BlobOut(blob_name(rp.rank * rp.streams + i), b)
-            for i, b in enumerate(_split(items, rp.streams))
+            _BlobOut(blob_name(rp.blob_base + i), [wi], direct=True) for i, wi in enumerate(direct)
         ]
-        per_blob = await asyncio.gather(
-            *(self._write_blob(store, rp, b, planner, budget) for b in blobs)
-        )
+        n = len(blobs)
+        blobs += [
+            _BlobOut(blob_name(rp.blob_base + n + i), b)
+            for i, b in enumerate(_split(packed, rp.streams))
+        ]
+
+        async def one(b: _BlobOut) -> list[tuple[WriteItem, DcpItem]]:
+            async with gate:
+                if b.direct:
+                    return await self._write_direct(store, rp, b, planner)
+                return await self._write_blob(store, rp, b, planner, budget)
+
+        if len(blobs) > rp.blob_count:
+            raise FmstoreError(
+                f"rank {rp.rank} has {len(items)} items to write, more than its plan held at "
+                "global planning (was the plan changed after prepare_global_plan?)"
+            )
+        per_blob = await _all_or_cancel([one(b) for b in blobs])
         results: list[WriteResult] = []
         for b, recs in zip(blobs, per_blob, strict=True):
             for wi, item in recs:
@@ -315,6 +363,31 @@ class Writer(StorageWriter):
                     )
                 )
         return results
+
+    def _is_direct(self, wi: WriteItem) -> bool:
+        """Whether ``wi`` is written as a blob of its own, straight from its memory."""
+        if wi.type == WriteItemType.BYTE_IO or wi.tensor_data is None:
+            return False
+        codec = choose_codec(self.options.compression, wi.tensor_data.properties.dtype)
+        return codec == "raw" and _item_bytes(wi) >= self.options.direct_min
+
+    async def _write_direct(
+        self, store: Store, rp: _RankPlan, blob: _BlobOut, planner: SavePlanner
+    ) -> list[tuple[WriteItem, DcpItem]]:
+        """One raw item, one ``put`` of its bytes as they lie in memory (no copy)."""
+        wi = blob.items[0]
+        data, kind, dt, shape = await runtime.to_cpu(self._resolve, planner, wi)
+        n = len(data)
+        size = self.options.chunk_size
+        spans = [(o, min(o + size, n)) for o in range(0, n, size)]
+        crcs = await runtime.to_cpu(lambda: [crc32c(data[lo:hi]) for lo, hi in spans])
+        await store.put(f"{rp.generation}/{blob.name}", data)
+        blob.size = n
+        chunks = tuple(
+            ChunkEntry(0, lo, hi - lo, lo, hi - lo, "raw", crc, 1)
+            for (lo, hi), crc in zip(spans, crcs, strict=True)
+        )
+        return [(wi, DcpItem(wi.index.fqn, _off(wi), kind, dt, shape, n, chunks))]
 
     async def _write_blob(
         self,
@@ -468,22 +541,21 @@ class Writer(StorageWriter):
                 )
         gen = rp0.generation
 
-        async def check(b: DcpBlob) -> None:
+        # One listing of the generation instead of a HEAD per blob (ranks x streams of them).
+        have = {m.key: m.size async for m in store.list(f"{gen}/") if not m.is_dir}
+        for b in blobs:
             key = f"{gen}/{b.name}"
-            try:
-                meta = await store.stat(key)
-            except NotFound:
+            size = have.get(key)
+            if size is None:
                 raise NotFound(
                     f"rank {b.rank}'s blob is missing; not committing", tier=store.tier, key=key
-                ) from None
-            if meta.size != b.size:
+                )
+            if size != b.size:
                 raise CorruptData(
-                    f"rank {b.rank}'s blob has {meta.size} bytes, expected {b.size}; not committing",
+                    f"rank {b.rank}'s blob has {size} bytes, expected {b.size}; not committing",
                     tier=store.tier,
                     key=key,
                 )
-
-        await asyncio.gather(*(check(b) for b in blobs))
         metadata.storage_meta = self.storage_meta()
         manifest = DcpManifest.from_metadata(
             metadata,
