@@ -137,11 +137,21 @@ def close_at_exit(obj: Any) -> None:
     _closables.add(obj)
 
 
+#: What a forked child inherited from its parent's loop: the loop and the clients on it,
+#: kept referenced for the child's lifetime.  Their sockets (and the epoll instance) are
+#: shared with the parent: were the child to drop a client it inherited (say, a DataLoader
+#: worker discarding its copy of a store), garbage collection would close the connections,
+#: which unregisters the parent's sockets from the shared epoll, and the parent's next
+#: response on a pooled connection would never arrive.
+_inherited: list[Any] = []
+
+
 def _after_fork_in_child() -> None:
     # The loop thread and pool threads do not survive fork; the lock may be held by a
     # thread that no longer exists.  Start afresh on first use in the child.
     global _lock, _loop, _thread, _io_pool, _cpu_pool, _closables
     _lock = threading.Lock()
+    _inherited.extend([_loop, *_closables])
     _closables = weakref.WeakSet()  # the parent's clients share its sockets: never close them here
     _loop = _thread = None
     _io_pool = _cpu_pool = None

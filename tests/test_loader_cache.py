@@ -264,6 +264,24 @@ def test_first_samples_come_by_ranged_reads_before_the_shard_lands(tmp_path):
     assert lm.DIRECT_BYTES._value.get() == again  # a warm cache serves everything from disk
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_the_loader_reads_its_workers_first_samples_before_they_start(tmp_path, persistent):
+    """StreamingDataLoader reads each worker's first batch by range in this process (its
+    counter moves here, not in a worker) and hands it to the workers it starts; the order is
+    the canonical one, also on a second pass (warm cache, or persistent workers)."""
+    remote = make_dataset(tmp_path, 300)
+    ds = StreamingDataset(remote, str(tmp_path / "cache"), batch_size=8, seed=3,
+                          transform=lambda s: s["i"])  # fmt: skip
+    want = [int(i) for i in ds.sample_ids()]
+    dl = StreamingDataLoader(ds, batch_size=8, num_workers=2, persistent_workers=persistent)
+    before = lm.DIRECT_BYTES._value.get()
+    assert [int(x) for b in dl for x in b] == want
+    read_here = lm.DIRECT_BYTES._value.get() - before
+    assert read_here > 0
+    assert [int(x) for b in dl for x in b] == want
+    assert lm.DIRECT_BYTES._value.get() - before == read_here  # nothing more: all cached
+
+
 @pytest.mark.s3
 @pytest.mark.skipif(not _has_s3(), reason="fmstore.stores.s3 is not in this tree yet")
 def test_a_shard_corrupted_in_transit_from_s3_is_refetched(tmp_path, s3_server, s3_bucket):

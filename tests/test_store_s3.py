@@ -283,6 +283,46 @@ def test_store_works_in_a_forked_child(s3_server, s3_bucket):
         runtime.run(store.close())
 
 
+def test_a_forked_child_dropping_its_copy_of_a_store_leaves_the_parent_working(
+    s3_server, s3_bucket
+):
+    """A DataLoader worker that discards the store objects it inherited (garbage collected
+    there) must not close the parent's pooled connections: their sockets share the parent's
+    epoll, and the parent's next read on one would wait for its read timeout, then retry."""
+    import gc
+    import multiprocessing as mp
+
+    from prometheus_client import REGISTRY
+
+    tier = f"forkdrop-{os.getpid()}"
+    opts = {**s3_server.store_options(), "read_timeout": 5}
+    # Only this dict holds the store, so the child can drop its last reference.
+    held = {"store": open_store(f"s3://{s3_bucket}", tier=tier, **opts)}
+    runtime.run(held["store"].put("f", b"pooled"))
+    assert runtime.run(held["store"].get("f")) == b"pooled"  # a connection is now pooled
+
+    def child():
+        held.clear()
+        gc.collect()
+
+    p = mp.get_context("fork").Process(target=child)
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    try:
+        assert runtime.run(held["store"].get("f"), timeout=60) == b"pooled"
+        retried = [
+            s.value
+            for m in REGISTRY.collect()
+            if m.name == "fmstore_store_retries"
+            for s in m.samples
+            if s.labels.get("tier") == tier and s.name.endswith("_total")
+        ]
+        assert sum(retried) == 0
+    finally:
+        runtime.run(held["store"].close())
+
+
 # ---- resumable part writer ------------------------------------------------------------------
 
 

@@ -40,6 +40,8 @@ NextUse = Callable[[str], float]
 TMP = ".tmp."
 CHUNK = 8 << 20
 CONCURRENCY = 8
+#: Seconds between looks at a shard lock a reader waits on.
+POLL = 0.005
 
 
 class CacheFull(FmstoreError):
@@ -241,7 +243,8 @@ class ShardCache:
                 metrics.CACHE_HITS.inc()
                 return path
             t0 = time.perf_counter()
-            with self._lock(name):
+            # Another process is downloading it (or was): look again soon after it is done.
+            with self._lock(name).acquire(poll_interval=POLL):
                 if not os.path.exists(path):
                     metrics.CACHE_MISSES.inc()
                     self._fetch(name, store, spec, next_use, wait=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,7 @@ import torch.utils.data as tud
 
 from .. import runtime
 from ..config import get_config
-from ..errors import ConfigError, CorruptData, InvalidRange, NotFound
+from ..errors import ConfigError, CorruptData, FmstoreError, InvalidRange, NotFound
 from ..stores import ByteRange, Store, open_store
 from . import metrics
 from .cache import ShardCache
@@ -151,6 +151,8 @@ class StreamingDataset(tud.IterableDataset):
         self._start = 0
         self._start_epoch = 0
         self._yielded = 0
+        #: ``(key, {worker: {index: sample}})`` read by :meth:`preload` for workers to come.
+        self._preloaded: tuple[tuple[int, ...], dict[int, dict[int, Any]]] | None = None
 
     # ---- configuration checks -----------------------------------------------------------
 
@@ -231,6 +233,63 @@ class StreamingDataset(tud.IterableDataset):
         pos = positions(self.plan.length, start, self.rank, self.world_size, j)
         return self.plan.epoch(self.epoch)[pos]
 
+    def _direct_budget(self) -> int:
+        return (self.batch_size or 32) if self.direct_reads is None else self.direct_reads
+
+    def _preload_key(self, num_workers: int) -> tuple[int, ...]:
+        return (self.epoch, self._begin(), num_workers, self.rank, self.world_size)
+
+    def preload(self, num_workers: int) -> None:
+        """Read, in this process, the first samples each of ``num_workers`` DataLoader
+        workers will yield, by range, where their shards are not cached yet.
+
+        :class:`StreamingDataLoader` calls it just before it starts its workers, which find
+        the samples in their copy of the dataset: the first batches then need no store
+        client in the workers (each creates its own) and no network round trip, and the
+        workers start their shard downloads at once.  Reads up to ``direct_reads`` samples
+        per worker (what the workers would otherwise read by range themselves), held in
+        memory until :meth:`discard_preload`.  On any error the workers read as usual (and
+        report it).
+        """
+        self._preloaded = None
+        budget = self._direct_budget()
+        if budget <= 0 or num_workers <= 0:
+            return
+        idx: list[tuple[int, int]] = []  # (worker, index within the worker's sequence)
+        shard_l: list[int] = []
+        local_l: list[int] = []
+        for w in range(num_workers):
+            ids = self.sample_ids(w, num_workers)[:budget]
+            shard = self.plan.shard_of(ids)
+            idx += [(w, i) for i in range(len(ids))]
+            shard_l += shard.tolist()
+            local_l += (ids - self.plan.shard_start[shard]).tolist()
+        want = self._direct_candidates(range(len(idx)), shard_l)
+        if not want:
+            return
+        t0 = time.perf_counter()
+        try:
+            got = runtime.run(self._fetch_ranges(want, shard_l, local_l))
+        except FmstoreError:
+            return
+        finally:
+            metrics.WAIT_SECONDS.inc(time.perf_counter() - t0)
+        out: dict[int, dict[int, Any]] = {}
+        for j, sample in got.items():
+            w, i = idx[j]
+            out.setdefault(w, {})[i] = sample
+        self._preloaded = (self._preload_key(num_workers), out)
+
+    def discard_preload(self) -> None:
+        """Drop what :meth:`preload` read (the workers have their copies)."""
+        self._preloaded = None
+
+    def _take_preload(self, w: int, nw: int) -> dict[int, Any] | None:
+        got, self._preloaded = self._preloaded, None
+        if got is None or got[0] != self._preload_key(nw):
+            return None
+        return got[1].get(w, {})
+
     def __iter__(self) -> Iterator[Any]:
         info = tud.get_worker_info()
         w, nw = (info.id, info.num_workers) if info is not None else (0, 1)
@@ -281,8 +340,12 @@ class StreamingDataset(tud.IterableDataset):
         readers: dict[int, ShardReader] = {}
         shard_l, local_l = shard.tolist(), local.tolist()
         transform = self.transform
-        budget = (self.batch_size or 32) if self.direct_reads is None else self.direct_reads
-        direct: dict[int, Any] = {}
+        budget = self._direct_budget()
+        direct = self._take_preload(w, nw)
+        if direct is None:
+            direct = {}
+        else:
+            budget = 0  # the first samples were read before this worker started
         try:
             if budget <= 0:
                 pre.advance(-1)
@@ -333,20 +396,9 @@ class StreamingDataset(tud.IterableDataset):
     ) -> dict[int, Any]:
         """Samples ``lo..hi`` whose shards are neither open nor cached, by ranged reads;
         their shards are queued for download meanwhile."""
-        want: list[int] = []
-        ready: dict[int, bool] = {}
-        for j in range(lo, hi):
-            s = shard_l[j]
-            if s in readers:
-                continue
-            ok = ready.get(s)
-            if ok is None:
-                stream, spec = self.specs[s]
-                ok = ready[s] = self.formats[stream].header_size(
-                    spec
-                ) is not None and not os.path.exists(self.cache.path(self.names[s]))
-            if ok:
-                want.append(j)
+        want = self._direct_candidates(
+            (j for j in range(lo, hi) if shard_l[j] not in readers), shard_l
+        )
         if not want:
             return {}
         t0 = time.perf_counter()
@@ -355,6 +407,22 @@ class StreamingDataset(tud.IterableDataset):
         # Downloads start after the ranged reads so that they do not compete with them.
         pre.ensure(sorted({shard_l[j] for j in want}))
         return out
+
+    def _direct_candidates(self, js: Iterable[int], shard_l: list[int]) -> list[int]:
+        """Those of ``js`` whose shard is not cached and whose format reads by range."""
+        want: list[int] = []
+        ready: dict[int, bool] = {}
+        for j in js:
+            s = shard_l[j]
+            ok = ready.get(s)
+            if ok is None:
+                stream, spec = self.specs[s]
+                ok = ready[s] = self.formats[stream].header_size(
+                    spec
+                ) is not None and not os.path.exists(self.cache.path(self.names[s]))
+            if ok:
+                want.append(j)
+        return want
 
     async def _fetch_ranges(
         self, want: list[int], shard_l: list[int], local_l: list[int]
@@ -433,7 +501,16 @@ class StreamingDataLoader(tud.DataLoader):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._batches = 0
-        for batch in super().__iter__():
+        ds = self.dataset
+        # Workers about to start (not persistent ones already running) get their first
+        # samples read here, where the store client is warm (see StreamingDataset.preload).
+        if self.num_workers > 0 and (not self.persistent_workers or self._iterator is None):
+            ds.preload(self.num_workers)
+        try:
+            batches = super().__iter__()  # starts the workers, which copy the dataset
+        finally:
+            ds.discard_preload()
+        for batch in batches:
             self._batches += 1
             yield batch
 
