@@ -290,7 +290,7 @@ def stage_cmd(
     fsync: str = typer.Option(
         "batch",
         "--fsync",
-        help="Local destinations: 'batch' syncs every 5 s and before exiting (after a power "
+        help="Local destinations: 'batch' syncs every 30 s and before exiting (after a power "
         "cut the next run re-checks what the last sync did not cover); 'each' fsyncs every "
         "file and part (slower with many small files); 'none' never syncs (scratch data).",
     ),

@@ -83,7 +83,7 @@ class TransferOptions:
     skip_identical: bool = True
     posix_attrs: bool = True
     fsync: Literal["batch", "each", "none"] = "batch"
-    sync_every: float = 5.0
+    sync_every: float = 30.0
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
