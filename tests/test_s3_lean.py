@@ -66,6 +66,23 @@ def test_signature_matches_botocore(key, token, extra):
     assert ours["SignedHeaders"] == signed
 
 
+def test_query_signature_matches_botocore():
+    from fmstore.stores.s3_http import canonical_query
+
+    creds = ("AKIDEXAMPLE", "secret", None)
+    query = {"list-type": "2", "prefix": "a b/ü+&=", "continuation-token": "x/y+z=="}
+    qs = canonical_query(query)
+    headers: dict[str, str] = {}
+    Signer("s3.amazonaws.com", "us-east-1").sign(
+        "GET", "/bkt/", headers, EMPTY_SHA256, Credentials(*creds), STAMP, query=qs
+    )
+    ours = dict(part.split("=", 1) for part in headers["authorization"].split(", ")[1:])
+    sig, _ = botocore_signature(
+        "GET", f"https://s3.amazonaws.com/bkt/?{qs}", {}, b"", creds, "us-east-1"
+    )
+    assert ours["Signature"] == sig
+
+
 def test_empty_payload_hash_is_sha256_of_nothing():
     assert hashlib.sha256(b"").hexdigest() == EMPTY_SHA256
 

@@ -1,13 +1,14 @@
 """A lean request path for S3's hot calls: PutObject, GetObject, HeadObject, ListObjectsV2.
 
 botocore spends about 2 ms of CPU on every request (event hooks, model-driven
-serialisation and parsing) where signing and sending it take about 0.5 ms.  For objects of a
-few KiB that overhead *is* the cost of a copy, and on a training node the cores it burns
-are shared with everything else.  :class:`S3Http` signs (SigV4) and sends those calls
-itself on aiohttp (and listings, whose XML botocore parses slowly), with the endpoint, region and credentials botocore resolved, and answers
-in botocore's shapes: the same response dict keys, and botocore ``ClientError`` for error
-responses, so retries and error translation (:mod:`.s3_retry`) stay one code path.
-Everything else — listings, multipart uploads, copies, deletes — stays on botocore.
+serialisation and parsing, slow XML parsing of listings) where signing and sending it take
+about 0.5 ms.  For objects of a few KiB that overhead *is* the cost of a copy, and on a
+training node the cores it burns are shared with everything else.  :class:`S3Http` signs
+(SigV4) and sends those calls itself on aiohttp, with the endpoint, region and credentials
+botocore resolved, and answers in botocore's shapes: the same response dict keys, and
+botocore ``ClientError`` for error responses, so retries and error translation
+(:mod:`.s3_retry`) stay one code path.  Everything else — multipart uploads, copies,
+deletes — stays on botocore.
 
 Where the lean path cannot follow S3 (a redirect to another region, an endpoint that
 rejects our signature shape), it raises :class:`LeanUnsupported` and the store falls back
@@ -84,8 +85,8 @@ def canonical_query(params: Mapping[str, str]) -> str:
 
 
 class Signer:
-    """SigV4 for S3 requests without a query string, as botocore's ``S3SigV4Auth`` signs
-    them: every header given is signed, the payload hash is the caller's."""
+    """SigV4 for S3 requests, as botocore's ``S3SigV4Auth`` signs them: every header given
+    is signed, the payload hash is the caller's."""
 
     def __init__(self, host: str, region: str) -> None:
         self.host, self.region = host, region
