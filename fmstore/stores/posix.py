@@ -66,10 +66,6 @@ def _etag(st: os.stat_result) -> str:
     return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
 
 
-#: The etag a POSIX tier reports for a file with this ``stat`` result.
-etag_of_stat = _etag
-
-
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:

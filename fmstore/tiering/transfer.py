@@ -414,15 +414,8 @@ class Transfer:
             md[META_SRC_VERSION] = version
         return md
 
-    async def _finish(
-        self,
-        item: CopyItem,
-        dmeta: ObjectMeta,
-        attrs: Mapping[str, str],
-        crc: int,
-        version: str | None,
-    ) -> None:
-        # A POSIX destination applied the FSx attributes in ``attrs`` when it wrote the file.
+    def _finish(self, item: CopyItem, dmeta: ObjectMeta, crc: int, version: str | None) -> None:
+        # A POSIX destination applied the FSx attributes when it wrote the file.
         self.journal.file_done(item.dst_key, dmeta.size, version, crc, dmeta.etag)
 
     def _check(self, item: CopyItem, what: str, expected: int | None, got: int) -> None:
@@ -461,7 +454,7 @@ class Transfer:
                 self._check(
                     item, "destination", crc, await self._crc(await self.dst.get(item.dst_key))
                 )
-            await self._finish(item, dmeta, attrs, crc, version)
+            self._finish(item, dmeta, crc, version)
         finally:
             await self.budget.release(held)
 
@@ -548,7 +541,7 @@ class Transfer:
             self._check(
                 item, "destination", whole, await self._read_crc(self.dst, item.dst_key, size)
             )
-        await self._finish(item, dmeta, attrs, whole, version)
+        self._finish(item, dmeta, whole, version)
 
     async def _read_crc(self, store: Store, key: str, size: int) -> int:
         """CRC32C of a stored object, read in parts concurrently."""
