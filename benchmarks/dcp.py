@@ -146,6 +146,27 @@ def writers(kind: str, uri: str, s3: dict[str, Any]) -> tuple[Any, Any]:
     raise ValueError(kind)
 
 
+def save_and_load(sd: dict[str, Any], w: Any, r: Any, uri: str) -> tuple[float, float]:
+    """Seconds of one save with ``w`` and one cold load (page cache dropped on local tiers)
+    with ``r``, every rank between barriers."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    dcp.save(sd, storage_writer=w)
+    dist.barrier()
+    save_s = time.perf_counter() - t0
+    if dist.get_rank() == 0 and not uri.startswith("s3://"):
+        drop_caches()
+    target = zeros_like_state(sd)
+    dist.barrier()
+    t0 = time.perf_counter()
+    dcp.load(target, storage_reader=r)
+    dist.barrier()
+    return save_s, time.perf_counter() - t0
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -166,33 +187,9 @@ def worker(args: argparse.Namespace) -> None:
             # The first save of a process also pays one-time costs (imports, an S3 client's
             # service models and connections): timed here, reported apart, on its own URI.
             w, r = writers(kind, uri + "-first", s3)
-            dist.barrier()
-            t0 = time.perf_counter()
-            dcp.save(sd, storage_writer=w)
-            dist.barrier()
-            first["first_save_s"] = time.perf_counter() - t0
-            if rank == 0 and not uri.startswith("s3://"):
-                drop_caches()
-            target = zeros_like_state(sd)
-            dist.barrier()
-            t0 = time.perf_counter()
-            dcp.load(target, storage_reader=r)
-            dist.barrier()
-            first["first_load_s"] = time.perf_counter() - t0
+            first["first_save_s"], first["first_load_s"] = save_and_load(sd, w, r, uri)
         w, r = writers(kind, uri, s3)
-        dist.barrier()
-        t0 = time.perf_counter()
-        dcp.save(sd, storage_writer=w)
-        dist.barrier()
-        save_s = time.perf_counter() - t0
-        if rank == 0 and not uri.startswith("s3://"):
-            drop_caches()
-        target = zeros_like_state(sd)
-        dist.barrier()
-        t0 = time.perf_counter()
-        dcp.load(target, storage_reader=r)
-        dist.barrier()
-        load_s = time.perf_counter() - t0
+        save_s, load_s = save_and_load(sd, w, r, uri)
         results.append(
             {
                 "method": kind,

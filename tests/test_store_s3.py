@@ -249,8 +249,6 @@ def test_store_works_in_a_forked_child(s3_server, s3_bucket):
     working without a single retry (a child closing inherited sockets would stall it)."""
     import multiprocessing as mp
 
-    from prometheus_client import REGISTRY
-
     tier = f"fork-{os.getpid()}"
     store = open_store(f"s3://{s3_bucket}", tier=tier, **s3_server.store_options())
     runtime.run(store.put("f", b"from parent"))
@@ -271,14 +269,7 @@ def test_store_works_in_a_forked_child(s3_server, s3_bucket):
     assert got == b"from parent" and p.exitcode == 0
     try:
         assert runtime.run(store.get("child"), timeout=60) == b"from child"
-        retried = [
-            s.value
-            for m in REGISTRY.collect()
-            if m.name == "fmstore_store_retries"
-            for s in m.samples
-            if s.labels.get("tier") == tier and s.name.endswith("_total")
-        ]
-        assert sum(retried) == 0
+        assert retries_total(tier) == 0
     finally:
         runtime.run(store.close())
 
@@ -291,8 +282,6 @@ def test_a_forked_child_dropping_its_copy_of_a_store_leaves_the_parent_working(
     epoll, and the parent's next read on one would wait for its read timeout, then retry."""
     import gc
     import multiprocessing as mp
-
-    from prometheus_client import REGISTRY
 
     tier = f"forkdrop-{os.getpid()}"
     opts = {**s3_server.store_options(), "read_timeout": 5}
@@ -311,14 +300,7 @@ def test_a_forked_child_dropping_its_copy_of_a_store_leaves_the_parent_working(
     assert p.exitcode == 0
     try:
         assert runtime.run(held["store"].get("f"), timeout=60) == b"pooled"
-        retried = [
-            s.value
-            for m in REGISTRY.collect()
-            if m.name == "fmstore_store_retries"
-            for s in m.samples
-            if s.labels.get("tier") == tier and s.name.endswith("_total")
-        ]
-        assert sum(retried) == 0
+        assert retries_total(tier) == 0
     finally:
         runtime.run(held["store"].close())
 
@@ -436,3 +418,16 @@ print("dropped")
     assert r.returncode == 0, r.stderr
     assert "dropped" in r.stdout
     assert "Unclosed" not in r.stderr, r.stderr
+
+
+def retries_total(tier: str) -> float:
+    """Requests of ``tier`` retried so far in this process, for any reason."""
+    from prometheus_client import REGISTRY
+
+    return sum(
+        s.value
+        for m in REGISTRY.collect()
+        if m.name == "fmstore_store_retries"
+        for s in m.samples
+        if s.labels.get("tier") == tier and s.name.endswith("_total")
+    )

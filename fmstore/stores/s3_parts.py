@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from .. import runtime
 from ..errors import FmstoreError, InvalidRange, NotFound
 from .base import Buffer, ObjectMeta, PartWriter, PutOptions, part_bounds, part_count
+from .s3 import _b64, _crc_off_loop
 
 if TYPE_CHECKING:
     from .s3 import S3Store
@@ -207,15 +208,3 @@ class S3PartWriter(PartWriter):
             return
         self._done = True
         await self.store._abort_upload(self.key, self.full, self.upload_id)
-
-
-async def _crc_off_loop(data: Buffer) -> int:
-    from .s3 import _crc_off_loop as crc
-
-    return await crc(data)
-
-
-def _b64(n: int) -> str:
-    from .s3 import _b64 as b64
-
-    return b64(n)
