@@ -58,3 +58,18 @@ def test_abort_leaves_nothing_and_unknown_token_starts_afresh(store):
         await w2.abort()
 
     runtime.run(go())
+
+
+def test_a_part_in_more_pieces_than_one_pwritev_takes(store):
+    # POSIX writes pieces with pwritev, at most IOV_MAX (1024 on Linux) buffers a call.
+    data = os.urandom(PART)
+    pieces = [data[i : i + 300] for i in range(0, PART, 300)]
+    assert len(pieces) > 3000
+
+    async def go():
+        w = await store.open_part_writer("many", PART, PART)
+        await w.write_part(0, pieces)
+        await w.commit()
+        assert await store.get("many") == data
+
+    runtime.run(go())

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 from ..errors import FmstoreError
 from ..metrics import STORE_BYTES, STORE_ERRORS, STORE_INFLIGHT, STORE_LATENCY, STORE_OPS
-from .base import Buffer, ObjectMeta, PartWriter, PutOptions, Store, Writer
+from .base import Buffer, ObjectMeta, PartWriter, Pieces, PutOptions, Store, Writer, nbytes
 
 
 class MeteredStore(Store):
@@ -86,6 +86,12 @@ class MeteredStore(Store):
         self._bytes("get", len(data))
         return data
 
+    async def get_range_pieces(self, key: str, start: int, end: int) -> list[Buffer]:
+        with self._op("get_range"):
+            pieces = await self.inner.get_range_pieces(key, start, end)
+        self._bytes("get", nbytes(pieces))
+        return pieces
+
     async def get_into(self, key: str, start: int, out: memoryview) -> None:
         with self._op("get_range"):
             await self.inner.get_into(key, start, out)
@@ -153,10 +159,10 @@ class _MeteredPartWriter(PartWriter):
         self.store, self.inner = store, inner
         self.token, self.resumed = inner.token, inner.resumed
 
-    async def write_part(self, index: int, data: Buffer) -> None:
+    async def write_part(self, index: int, data: Buffer | Pieces) -> None:
         with self.store._op("write"):
             await self.inner.write_part(index, data)
-        self.store._bytes("put", memoryview(data).nbytes)
+        self.store._bytes("put", nbytes(data))
 
     async def read_part(self, index: int) -> bytes | None:
         return await self.inner.read_part(index)

@@ -12,7 +12,17 @@ import uuid
 from collections.abc import Mapping
 
 from ..errors import InvalidRange, NotFound
-from .base import Buffer, ObjectMeta, PartWriter, PutOptions, Store, part_bounds, part_count
+from .base import (
+    Buffer,
+    ObjectMeta,
+    PartWriter,
+    Pieces,
+    PutOptions,
+    Store,
+    joined,
+    part_bounds,
+    part_count,
+)
 
 #: Listings of POSIX and fsspec stores hide names starting with this mark.
 TMP_MARK = ".fmstore-tmp."
@@ -56,8 +66,9 @@ class TempPartsWriter(PartWriter):
         part = f"{TMP_MARK}parts.{self.token}.{index:06d}.{name[:80]}"
         return f"{d}/{part}" if d else part
 
-    async def write_part(self, index: int, data: Buffer) -> None:
+    async def write_part(self, index: int, data: Buffer | Pieces) -> None:
         start, end = part_bounds(index, self.size, self.part_size)
+        data = joined(data)
         if memoryview(data).nbytes != end - start:
             raise InvalidRange(
                 f"part {index} must be {end - start} bytes, not {memoryview(data).nbytes}",

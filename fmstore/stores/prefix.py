@@ -58,6 +58,9 @@ class PrefixStore(Store):
     async def get_range(self, key: str, start: int, end: int | None = None) -> bytes:
         return await self.inner.get_range(self._full(key), start, end)
 
+    async def get_range_pieces(self, key: str, start: int, end: int) -> list[Buffer]:
+        return await self.inner.get_range_pieces(self._full(key), start, end)
+
     async def get_into(self, key: str, start: int, out: memoryview) -> None:
         await self.inner.get_into(self._full(key), start, out)
 

@@ -64,7 +64,7 @@ from ..errors import (
     PreconditionFailed,
 )
 from ..metrics import STORE_RETRIES
-from .base import Buffer, ObjectMeta, PartWriter, PutOptions, Store, Writer, part_count
+from .base import Buffer, ObjectMeta, PartWriter, PutOptions, Store, Writer, nbytes, part_count
 from .parts import TMP_MARK
 from .s3_retry import AdaptiveLimiter, Restart, Retrier, RetryPolicy, error_code, translate
 
@@ -188,6 +188,16 @@ async def _crc_off_loop(data: Buffer) -> int:
     if memoryview(data).nbytes <= INLINE_BYTES:
         return crc32c(data)
     return await runtime.to_cpu(crc32c, data)
+
+
+async def _join(pieces: list[Buffer]) -> bytes:
+    """The pieces of a read as one ``bytes``: a single piece as it is, small reads joined
+    inline, big ones in the CPU pool."""
+    if len(pieces) == 1 and isinstance(pieces[0], bytes):
+        return pieces[0]
+    if nbytes(pieces) <= INLINE_BYTES:
+        return b"".join(pieces)
+    return await runtime.to_cpu(b"".join, pieces)
 
 
 def _b64(n: int) -> str:
@@ -890,9 +900,12 @@ class S3Store(Store):
         return await self.retrier.call("get", key, attempt)
 
     async def get_range(self, key: str, start: int, end: int | None = None) -> bytes:
-        _, data = await self._read(key, start, end, None)
-        assert data is not None
-        return data
+        _, pieces = await self._read(key, start, end, None)
+        return await _join(pieces)
+
+    async def get_range_pieces(self, key: str, start: int, end: int) -> list[Buffer]:
+        _, pieces = await self._read(key, start, end, None)
+        return pieces
 
     async def get_into(self, key: str, start: int, out: memoryview) -> None:
         out = memoryview(out).cast("B")
@@ -900,14 +913,14 @@ class S3Store(Store):
 
     async def get_with_meta(self, key: str) -> tuple[ObjectMeta, bytes]:
         """Whole object and metadata from the same GETs (every range pinned to one ETag)."""
-        meta, data = await self._read(key, 0, None, None)
-        assert data is not None
-        return meta, data
+        meta, pieces = await self._read(key, 0, None, None)
+        return meta, await _join(pieces)
 
     async def _read(
         self, key: str, start: int, end: int | None, out: memoryview | None
-    ) -> tuple[ObjectMeta, bytes | None]:
-        """Bytes ``[start, end)`` (into ``out`` when given) and the version they come from."""
+    ) -> tuple[ObjectMeta, list[Buffer]]:
+        """Bytes ``[start, end)`` (into ``out`` when given, else as the pieces the
+        connections delivered) and the version they come from."""
         full = self._full(key)
         if start < 0 or (end is not None and end < start):
             raise InvalidRange(f"bad range [{start}, {end})", tier=self.tier, key=key)
@@ -928,13 +941,12 @@ class S3Store(Store):
 
     async def _read_once(
         self, key: str, full: str, start: int, end: int | None, out: memoryview | None
-    ) -> tuple[ObjectMeta, bytes | None]:
+    ) -> tuple[ObjectMeta, list[Buffer]]:
         chunk = self.options.part_size
-        empty = None if out is not None else b""
         if end is not None and end == start:
             meta = await self.stat(key)
             self._check_range(key, meta.size, start, end)
-            return meta, empty
+            return meta, []
         first_end = start + chunk if end is None else min(end, start + chunk)
         try:
             # The first range tells the size, ETag and metadata; the rest go in parallel.
@@ -942,7 +954,7 @@ class S3Store(Store):
         except InvalidRange:
             meta = await self.stat(key)
             self._check_range(key, meta.size, start, end)
-            return meta, empty
+            return meta, []
         size, got_start = _total_size(resp, n)
         end = self._check_range(key, size, start, end)
         etag = _unquote(resp.get("ETag"))
@@ -968,22 +980,13 @@ class S3Store(Store):
                 return got
 
             pieces += await _all_or_cancel(fetch(a, b) for a, b in bounds)
-        whole: Buffer
-        if out is not None:
-            whole = out
-        else:
-            flat = [c for p in pieces for c in p]
-            if len(flat) == 1:
-                whole = flat[0]
-            elif end - start <= INLINE_BYTES:
-                whole = b"".join(flat)
-            else:
-                whole = await runtime.to_cpu(b"".join, flat)
+        flat: list[Buffer] = [] if out is not None else [c for p in pieces for c in p]
         if start == 0 and end == size and self.options.checksum != "off":
+            whole: Buffer = out if out is not None else await _join(flat)
             await self._verify(key, full, resp, etag, whole)
-        if out is not None:
-            return meta, None
-        return meta, whole if isinstance(whole, bytes) else bytes(whole)
+            if out is None:
+                flat = [whole]
+        return meta, flat
 
     async def _verify(
         self, key: str, full: str, resp: Mapping[str, Any], etag: str | None, data: Buffer

@@ -28,7 +28,16 @@ from typing import TYPE_CHECKING, Any
 
 from .. import runtime
 from ..errors import FmstoreError, InvalidRange, NotFound
-from .base import Buffer, ObjectMeta, PartWriter, PutOptions, part_bounds, part_count
+from .base import (
+    Buffer,
+    ObjectMeta,
+    PartWriter,
+    Pieces,
+    PutOptions,
+    joined,
+    part_bounds,
+    part_count,
+)
 from .s3 import _b64, _crc_off_loop
 
 if TYPE_CHECKING:
@@ -94,9 +103,10 @@ class S3PartWriter(PartWriter):
         if self._done:
             raise FmstoreError("part writer is closed", tier=self.store.tier, key=self.key)
 
-    async def write_part(self, index: int, data: Buffer) -> None:
+    async def write_part(self, index: int, data: Buffer | Pieces) -> None:
         self._check_open()
         start, end = part_bounds(index, self.size, self.part_size)
+        data = joined(data)
         view = memoryview(data).cast("B")
         if view.nbytes != end - start or not 0 <= index < part_count(self.size, self.part_size):
             raise InvalidRange(

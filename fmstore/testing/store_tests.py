@@ -93,6 +93,31 @@ class StoreConformance:
         run(store.get_into("x", 500, memoryview(out)))
         assert bytes(out) == data[500:1500]
 
+    def test_range_pieces_join_to_the_range(self, store: Store) -> None:
+        data = os.urandom(3 << 20)
+        run(store.put("p", data))
+        for start, end in ((0, len(data)), (1, len(data) - 1), (5, 5 + (1 << 20)), (7, 7)):
+            pieces = run(store.get_range_pieces("p", start, end))
+            assert b"".join(pieces) == data[start:end]
+        with pytest.raises(InvalidRange):
+            run(store.get_range_pieces("p", 0, len(data) + 1))
+
+    def test_part_writer_takes_pieces(self, store: Store, backdoor: Backdoor) -> None:
+        part = 5 << 20  # S3's smallest part
+        data = os.urandom(2 * part + 3)
+
+        async def go() -> None:
+            w = await store.open_part_writer("pw", len(data), part)
+            view = memoryview(data)
+            # Part 0 as uneven pieces, part 1 as one buffer, the tail as an empty + 3 bytes.
+            await w.write_part(0, [view[:1], view[1:4097], bytes(view[4097:part])])
+            await w.write_part(1, view[part : 2 * part])
+            await w.write_part(2, [b"", view[2 * part :]])
+            await w.commit()
+
+        run(go())
+        assert backdoor.read("pw") == data
+
     # ---- ranges ---------------------------------------------------------------------
 
     def test_ranges_at_edges(self, store: Store) -> None:

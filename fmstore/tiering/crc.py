@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import crc32c as _crc32c
 
-from ..stores.base import Buffer
+from ..stores.base import Buffer, Pieces, as_pieces
 
 #: Reflected Castagnoli polynomial.
 _POLY = 0x82F63B78
@@ -21,6 +21,14 @@ _POLY = 0x82F63B78
 def crc32c(data: Buffer, value: int = 0) -> int:
     """CRC32C of ``data`` (continuing from ``value``); releases the GIL on big buffers."""
     return _crc32c.crc32c(data, value)
+
+
+def crc32c_of(data: Buffer | Pieces) -> int:
+    """CRC32C of a buffer or of pieces in order."""
+    value = 0
+    for piece in as_pieces(data):
+        value = crc32c(piece, value)
+    return value
 
 
 def to_hex(crc: int) -> str:

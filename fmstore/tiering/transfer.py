@@ -47,8 +47,18 @@ from typing import Literal
 from .. import runtime
 from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
 from ..stores import posixmeta
-from ..stores.base import ObjectMeta, PartWriter, PutOptions, Store, part_bounds, part_count
-from .crc import combine_all, crc32c, from_hex, to_hex
+from ..stores.base import (
+    Buffer,
+    ObjectMeta,
+    PartWriter,
+    Pieces,
+    PutOptions,
+    Store,
+    nbytes,
+    part_bounds,
+    part_count,
+)
+from .crc import combine_all, crc32c_of, from_hex, to_hex
 from .journal import Journal, PendingParts
 
 #: Metadata keys fmstore records on every object it writes (``x-amz-meta-…`` on S3).
@@ -426,9 +436,8 @@ class Transfer:
                 key=item.src_key if what == "source" else item.dst_key,
             )
 
-    async def _crc(self, data: bytes | memoryview) -> int:
-        n = memoryview(data).nbytes
-        return crc32c(data) if n < MiB else await runtime.to_cpu(crc32c, data)
+    async def _crc(self, data: Buffer | Pieces) -> int:
+        return crc32c_of(data) if nbytes(data) < MiB else await runtime.to_cpu(crc32c_of, data)
 
     async def _copy_small(self, item: CopyItem) -> None:
         held = await self.budget.acquire(max(item.size, 1))
@@ -505,9 +514,10 @@ class Transfer:
             async with self.part_sem:
                 held = await self.budget.acquire(end - start)
                 try:
-                    data = await self.src.get_range(item.src_key, start, end)
+                    # Unjoined: the destination writes the pieces as they came.
+                    data = await self.src.get_range_pieces(item.src_key, start, end)
                     if self.bucket:
-                        await self.bucket.acquire(len(data))
+                        await self.bucket.acquire(end - start)
                     c = await self._crc(data)
                     await w.write_part(i, data)
                     del data
