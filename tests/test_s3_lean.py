@@ -192,3 +192,72 @@ def test_listing_matches_botocore(s3_server, s3_bucket):
     finally:
         run(lean.close())
         run(boto.close())
+
+
+def _client_of(store):
+    return store._shared.client if store._shared is not None else None
+
+
+def test_botocore_client_is_created_only_when_a_call_needs_it(s3_server, s3_bucket):
+    """With an endpoint, a region and keys given, reads, listings and small writes never
+    create botocore's client (0.6 s of start-up for a command); a multipart upload does."""
+    store = open_store(
+        f"s3://{s3_bucket}/lazy", **{**s3_server.store_options(), "part_size": 5 << 20}
+    )
+    try:
+        run(store.put("small", b"abc"))
+        assert run(store.get("small")) == b"abc"
+        assert run(store.list_keys("")) == ["small"]
+        assert store._http is not None and _client_of(store) is None
+        with pytest.raises(NotFound):
+            run(store.stat("missing/key"))  # a 404 asks HeadBucket (botocore) why
+        assert _client_of(store) is not None
+        store2 = open_store(
+            f"s3://{s3_bucket}/lazy", **{**s3_server.store_options(), "part_size": 5 << 20}
+        )
+        try:
+            assert run(store2.get("small")) == b"abc"
+            assert store2._shared is store._shared  # one pool for equal options
+        finally:
+            run(store2.close())
+        big = bytes(range(256)) * (48 << 12)  # 12 MiB: a multipart upload
+        # Other options: a client of its own, not the one the 404 above created.
+        fresh = open_store(
+            f"s3://{s3_bucket}/lazy2", **{**s3_server.store_options(), "part_size": 6 << 20}
+        )
+        try:
+            run(fresh.put("small", b"x"))
+            assert _client_of(fresh) is None
+            run(fresh.put("big", big))
+            assert _client_of(fresh) is not None
+            assert run(fresh.get("big")) == big
+        finally:
+            run(fresh.close())
+    finally:
+        run(store.close())
+
+
+def test_keys_from_the_environment_serve_the_lean_path_alone(s3_server, s3_bucket, monkeypatch):
+    opts = {
+        k: v for k, v in s3_server.store_options().items() if k not in ("access_key", "secret_key")
+    }
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    monkeypatch.delenv("AWS_SECURITY_TOKEN", raising=False)
+    monkeypatch.delenv("AWS_CREDENTIAL_EXPIRATION", raising=False)
+    store = open_store(f"s3://{s3_bucket}/env", **opts)
+    try:
+        run(store.put("k", b"v"))
+        assert run(store.get("k")) == b"v"
+        assert store._http is not None and _client_of(store) is None
+    finally:
+        run(store.close())
+    # Credentials that expire are botocore's to refresh: the client is made up front.
+    monkeypatch.setenv("AWS_CREDENTIAL_EXPIRATION", "2099-01-01T00:00:00Z")
+    store = open_store(f"s3://{s3_bucket}/env2", **opts)
+    try:
+        run(store.put("k", b"v"))
+        assert _client_of(store) is not None and store._http is not None
+    finally:
+        run(store.close())
