@@ -6,7 +6,9 @@ S3StorageWriter/Reader and DCP's fsspec writer over s3fs (each when installed).
 (``--size`` is the total over both ranks).  Measured: save time (barrier to barrier), cold
 load time (page cache dropped before each POSIX load), both also against the disk's floor
 (each rank writes its tensors' bytes to one file with write + fsync and reads them back cold)
-and for fmstore with ``compression="bytegroup+zstd"`` (fewer bytes for the disk, more CPU),
+and for fmstore with ``compression="bytegroup+zstd"`` (fewer bytes for the disk, more CPU);
+on S3 the server's ceiling for the same bytes is ``s5cmd cp`` of each rank's floor file up
+and down (when s5cmd is installed);
 and the ``async_save`` stall (how long
 the training loop is blocked: staging) for fmstore's reusable-buffer Stager vs DCP's default
 staging of FileSystemWriter.  Every method first saves and loads once untimed-for-the-ratio
@@ -213,6 +215,34 @@ def floor(sd: dict[str, Any], path: str) -> tuple[float, float]:
     return save_s, time.perf_counter() - t0
 
 
+def s3_ceiling(path: str, uri: str, s3: dict[str, Any]) -> tuple[float, float]:
+    """What the server takes and gives for the same bytes with a lean native client: each
+    rank uploads the file :func:`floor` wrote with ``s5cmd cp`` and downloads it again,
+    between the same barriers."""
+    import torch.distributed as dist
+
+    exe = os.path.join(os.path.dirname(sys.executable), "s5cmd")
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": s3["access_key"],
+        "AWS_SECRET_ACCESS_KEY": s3["secret_key"],
+        "AWS_REGION": s3["region"],
+    }
+    base = [exe, "--endpoint-url", s3["endpoint_url"], "cp", "--concurrency", "16"]
+    name = f"rank{dist.get_rank()}.bin"
+    times = []
+    for src, dst in (
+        (os.path.join(path, name), f"{uri}/{name}"),
+        (f"{uri}/{name}", os.path.join(path, "back-" + name)),
+    ):
+        dist.barrier()
+        t0 = time.perf_counter()
+        subprocess.run([*base, src, dst], env=env, check=True, capture_output=True)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return times[0], times[1]
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -228,8 +258,9 @@ def worker(args: argparse.Namespace) -> None:
     results: list[dict[str, Any]] = []
     for spec in args.methods:
         kind, uri = spec.split("=", 1)
-        if kind == "floor":
-            save_s, load_s = floor(sd, uri)
+        if kind in ("floor", "s5cmd"):
+            floor_dir = args.methods[0].split("=", 1)[1]  # the floor runs first
+            save_s, load_s = floor(sd, uri) if kind == "floor" else s3_ceiling(floor_dir, uri, s3)
             results.append(
                 {
                     "method": kind,
@@ -330,6 +361,10 @@ def main() -> None:
         server = SeaweedServer().start()
         bucket = server.create_bucket()
         env["BENCH_S3"] = json.dumps(server.store_options())
+        if os.access(os.path.join(os.path.dirname(sys.executable), "s5cmd"), os.X_OK):
+            methods.append(f"s5cmd=s3://{bucket}/s5cmd")
+        else:
+            skipped.append("S3 ceiling with s5cmd (not installed)")
         methods.append(f"fmstore=s3://{bucket}/fmstore")
         if have("s3torchconnector"):
             methods.append(f"s3torchconnector=s3://{bucket}/s3tc")
@@ -371,11 +406,11 @@ def main() -> None:
             "first save s": round(r["first_save_s"], 3) if "first_save_s" in r else "",
             "first load s": round(r["first_load_s"], 3) if "first_load_s" in r else "",
         }
-        fl = ref.get(("posix", "floor"))
-        if tier == "posix" and fl is not None and fl is not r:
+        fl = ref.get((tier, "floor" if tier == "posix" else "s5cmd"))
+        if fl is not None and fl is not r:
             row["save x floor"] = round(fl["save_s"] / r["save_s"], 2)
             row["load x floor"] = round(fl["load_s"] / r["load_s"], 2)
-        if peer is not None and peer is not r and r["method"] != "floor":
+        if peer is not None and peer is not r and r["method"] not in ("floor", "s5cmd"):
             row["save x peer"] = round(peer["save_s"] / r["save_s"], 2)
             row["load x peer"] = round(peer["load_s"] / r["load_s"], 2)
             if "stall_s" in r and "stall_s" in peer:

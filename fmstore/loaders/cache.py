@@ -32,6 +32,8 @@ from filelock import FileLock, Timeout
 from .. import runtime
 from ..errors import CorruptData, FmstoreError, InvalidRange, NotFound, PermissionDenied, TierFull
 from ..stores import Store
+from ..stores.base import nbytes
+from ..stores.posix import pwrite_all
 from . import metrics
 from .formats.base import ShardSpec
 
@@ -325,15 +327,17 @@ async def _download(store: Store, spec: ShardSpec, tmp: str) -> None:
             async def part(lo: int) -> None:
                 hi = min(spec.size, lo + CHUNK)
                 async with sem:
-                    data = await store.get_range(spec.key, spec.start + lo, spec.start + hi)
-                    if len(data) != hi - lo:
+                    # Unjoined: written as the connection delivered them (one pwritev).
+                    data = await store.get_range_pieces(spec.key, spec.start + lo, spec.start + hi)
+                    got = nbytes(data)
+                    if got != hi - lo:
                         raise CorruptData(
-                            f"short read: {len(data)} of {hi - lo} bytes",
+                            f"short read: {got} of {hi - lo} bytes",
                             tier=store.tier,
                             key=spec.key,
                         )
-                    await runtime.to_io(os.pwrite, fd, data, lo)
-                    metrics.BYTES_DOWNLOADED.inc(len(data))
+                    await runtime.to_io(pwrite_all, fd, data, lo)
+                    metrics.BYTES_DOWNLOADED.inc(got)
 
             await asyncio.gather(*(part(lo) for lo in range(0, spec.size, CHUNK)))
         finally:

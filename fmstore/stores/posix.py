@@ -43,6 +43,7 @@ from .base import (
     Store,
     Writer,
     as_pieces,
+    nbytes,
     part_bounds,
 )
 
@@ -613,10 +614,10 @@ def _syncfs(path: str) -> None:
         os.close(fd)
 
 
-def _pwrite_all(fd: int, views: list[memoryview], offset: int) -> None:
-    """Write consecutive buffers at ``offset`` with as few ``pwritev`` calls as the kernel
-    takes (short writes resumed where they stopped)."""
-    views = [v for v in views if len(v)]
+def pwrite_all(fd: int, data: Buffer | Pieces, offset: int) -> None:
+    """Write a buffer or consecutive pieces at ``offset`` with as few ``pwritev`` calls as
+    the kernel takes (short writes resumed where they stopped)."""
+    views = [v for v in (memoryview(p).cast("B") for p in as_pieces(data)) if len(v)]
     while views:
         batch = views[:_IOV_MAX]
         n = os.pwritev(fd, batch, offset)
@@ -750,14 +751,13 @@ class _PosixPartWriter(PartWriter):
         if self._done:
             raise ValueError("writer is closed")
         start, end = part_bounds(index, self.size, self.part_size)
-        views = [memoryview(p).cast("B") for p in as_pieces(data)]
-        got = sum(len(v) for v in views)
+        got = nbytes(data)
         if got != end - start:
             raise ValueError(f"part {index} must be {end - start} bytes, not {got}")
 
         def do() -> None:
             with self.store._translate(self.key):
-                _pwrite_all(self.fd, views, start)
+                pwrite_all(self.fd, data, start)
                 if not self.store.options.fsync:
                     return
                 if self.options.durable:
