@@ -8,6 +8,8 @@ backslashes and over-long keys are refused.
 
 from __future__ import annotations
 
+import re
+
 from .errors import InvalidKey
 
 #: S3's limit on key length, in UTF-8 bytes; POSIX stores keep the same limit so that
@@ -53,8 +55,15 @@ def join(*parts: str) -> str:
     return validate_key(key)
 
 
+#: Any character a key may not hold (one C-level scan; the loop below names which).
+_BAD_CHAR = re.compile(r"[\x00-\x1f\x7f\\\ud800-\udfff]")
+
+
 def _check_chars(key: str, tier: str | None) -> None:
-    for ch in key:
+    bad = _BAD_CHAR.search(key)
+    if bad is None:
+        return
+    for ch in key[bad.start() :]:
         if ch == "\x00":
             raise InvalidKey("key contains a NUL byte", tier=tier, key=key)
         if ord(ch) < 0x20 or ch == "\x7f":
