@@ -366,8 +366,16 @@ def main() -> None:
     cols = ["case", "library", "e1_samples_s", "e2_samples_s", "e1_vs_floor", "e2_vs_floor",
             "e1_first_batch_s", "e2_first_batch_s", "peak_rss_mib", "e1_cache_bytes", "e2_cache_bytes", "error"]  # fmt: skip
     print_table(
-        f"Streaming loaders from SeaweedFS: (a) {args.size >> 20} MiB of uint16 tokens as {SEQ}-token "
-        f"sequences, (b) {args.b_samples} samples of ~100 KB; DataLoader {args.workers} workers, batch {args.batch}",
+        "Streaming loaders from SeaweedFS: "
+        + ", ".join(
+            what
+            for case, what in (
+                ("a", f"(a) {args.size >> 20} MiB of uint16 tokens as {SEQ}-token sequences"),
+                ("b", f"(b) {args.b_samples} samples of ~100 KB"),
+            )
+            if args.case in (case, "both")
+        )
+        + f"; DataLoader {args.workers} workers, batch {args.batch}",
         rows,
         cols,
     )
