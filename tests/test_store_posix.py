@@ -147,3 +147,16 @@ def test_symlink_outside_root_is_not_listed_as_dir(posix_root, tmp_path):
     os.symlink(outside, os.path.join(posix_root, "link"))
     s = PosixStore(posix_root)
     assert runtime.run(s.list_keys()) == []
+
+
+def test_fs_type_reads_the_mount_table(tmp_path):
+    from fmstore.stores.posix import _LOCAL_FS, fs_type
+
+    assert fs_type("/proc/self") == "proc"
+    kind = fs_type(str(tmp_path))
+    assert kind is not None
+    store = PosixStore(str(tmp_path / "s"))
+    # Small writes run on the event loop only on local file systems.
+    assert store._inline_puts == (kind in _LOCAL_FS)
+    runtime.run(store.put("a/b", b"x" * 100))
+    assert runtime.run(store.get("a/b")) == b"x" * 100
