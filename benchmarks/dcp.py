@@ -258,27 +258,19 @@ def worker(args: argparse.Namespace) -> None:
     results: list[dict[str, Any]] = []
     for spec in args.methods:
         kind, uri = spec.split("=", 1)
+        first: dict[str, float] = {}
         if kind in ("floor", "s5cmd"):
             floor_dir = args.methods[0].split("=", 1)[1]  # the floor runs first
             save_s, load_s = floor(sd, uri) if kind == "floor" else s3_ceiling(floor_dir, uri, s3)
-            results.append(
-                {
-                    "method": kind,
-                    "uri": uri,
-                    "save_s": save_s,
-                    "load_s": load_s,
-                    "bytes": local_bytes,
-                }
-            )
-            continue
-        first: dict[str, float] = {}
-        if args.warmup:
-            # The first save of a process also pays one-time costs (imports, an S3 client's
-            # service models and connections): timed here, reported apart, on its own URI.
-            w, r = writers(kind, uri + "-first", s3)
-            first["first_save_s"], first["first_load_s"] = save_and_load(sd, w, r, uri)
-        w, r = writers(kind, uri, s3)
-        save_s, load_s = save_and_load(sd, w, r, uri)
+        else:
+            if args.warmup:
+                # The first save of a process also pays one-time costs (imports, an S3
+                # client's service models and connections): timed here, reported apart, on
+                # its own URI.
+                w, r = writers(kind, uri + "-first", s3)
+                first["first_save_s"], first["first_load_s"] = save_and_load(sd, w, r, uri)
+            w, r = writers(kind, uri, s3)
+            save_s, load_s = save_and_load(sd, w, r, uri)
         results.append(
             {
                 "method": kind,
