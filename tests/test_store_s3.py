@@ -252,11 +252,15 @@ def test_store_works_in_a_forked_child(s3_server, s3_bucket):
     tier = f"fork-{os.getpid()}"
     store = open_store(f"s3://{s3_bucket}", tier=tier, **s3_server.store_options())
     runtime.run(store.put("f", b"from parent"))
+    runtime.run(store.put("gone", b"x"))
+    runtime.run(store.delete("never-there"))  # a botocore call: the parent has its client
     ctx = mp.get_context("fork")
     q = ctx.Queue()
 
     def child():
         try:
+            # First call in the child a botocore one: it must make the child's own client.
+            runtime.run(store.delete("gone"), timeout=30)
             runtime.run(store.put("child", b"from child"), timeout=30)
             q.put(runtime.run(store.get("f"), timeout=30))
         except BaseException as e:  # report, don't hang the parent
@@ -269,6 +273,7 @@ def test_store_works_in_a_forked_child(s3_server, s3_bucket):
     assert got == b"from parent" and p.exitcode == 0
     try:
         assert runtime.run(store.get("child"), timeout=60) == b"from child"
+        assert not runtime.run(store.exists("gone"), timeout=60)
         assert retries_total(tier) == 0
     finally:
         runtime.run(store.close())

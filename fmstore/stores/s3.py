@@ -371,8 +371,9 @@ class S3Store(Store):
 
     async def _cli(self) -> Any:
         """The aiobotocore client, created on first use on the running loop."""
+        shared = await self._bind()  # first: a forked child or a new loop resets the store
         if self._client is None:
-            self._client = await (await self._bind()).botocore()
+            self._client = await shared.botocore()
         return self._client
 
     async def _bind(self) -> _SharedClient:
