@@ -263,7 +263,7 @@ class _SharedClient:
         client: Any,
         http: Any,
         stack: AsyncExitStack,
-        make: Callable[[], Awaitable[Any]],
+        make: Callable[[AsyncExitStack], Awaitable[Any]],
     ) -> None:
         self.key, self.client, self.http, self.stack = key, client, http, stack
         self.users: weakref.WeakSet[S3Store] = weakref.WeakSet()
@@ -277,7 +277,7 @@ class _SharedClient:
             self._making = self._making or asyncio.Lock()
             async with self._making:
                 if self.client is None:
-                    self.client = await self._make()
+                    self.client = await self._make(self.stack)
         return self.client
 
     async def release(self, store: S3Store) -> None:
@@ -435,21 +435,16 @@ class S3Store(Store):
         except Exception as e:
             await stack.aclose()
             raise translate(e, tier=self.tier, key=None, bucket=self.bucket, op="connect") from e
-        shared: _SharedClient
-
-        async def make() -> Any:
-            try:
-                return await self._make_client(shared.stack)
-            except Exception as e:
-                raise translate(
-                    e, tier=self.tier, key=None, bucket=self.bucket, op="connect"
-                ) from e
-
-        shared = _SharedClient(key, client, http, stack, make)
-        return shared
+        return _SharedClient(key, client, http, stack, self._make_client)
 
     async def _make_client(self, stack: AsyncExitStack) -> Any:
-        """An aiobotocore client, closed with ``stack``."""
+        """An aiobotocore client, closed with ``stack``; errors as :mod:`fmstore.errors`."""
+        try:
+            return await self._create_client(stack)
+        except Exception as e:
+            raise translate(e, tier=self.tier, key=None, bucket=self.bucket, op="connect") from e
+
+    async def _create_client(self, stack: AsyncExitStack) -> Any:
         from aiobotocore.config import AioConfig
         from aiobotocore.session import AioSession
 
