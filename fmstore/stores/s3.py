@@ -121,7 +121,7 @@ class S3Options:
     leaves them to the kernel's autotuning): with the small default buffers most of a part
     is first copied into asyncio's own buffer, then trickled out one event-loop wake-up at
     a time.  ``lean_requests``: send PutObject, GetObject and HeadObject through fmstore's
-    own signer on aiohttp (:mod:`.s3_http`, a quarter of botocore's CPU per request);
+    own signer and HTTP/1.1 client (:mod:`.s3_http`, a tenth of botocore's CPU per request);
     False keeps every call on botocore.
     """
 
@@ -963,13 +963,13 @@ class S3Store(Store):
                     raise Restart() from e
                 raise
             body = resp.pop("Body")
-            chunks: list[bytes] = []
-            n = 0
+            chunks: list[bytes] = getattr(body, "pieces", [])  # the lean path's, read already
+            n = getattr(body, "nbytes", 0)
             try:
-                # Timeouts and broken bodies raise asyncio / aiohttp errors here, which
-                # the retrier treats like botocore's.
-                content = body.raw_stream.content
-                while chunk := await content.readany():
+                # Timeouts and broken bodies raise asyncio / aiohttp errors here (on the
+                # lean path, in the request), which the retrier treats like botocore's.
+                content = None if hasattr(body, "pieces") else body.raw_stream.content
+                while content is not None and (chunk := await content.readany()):
                     chunks.append(chunk)
                     n += len(chunk)
             finally:

@@ -4,19 +4,20 @@ botocore spends about 2 ms of CPU on every request (event hooks, model-driven
 serialisation and parsing, slow XML parsing of listings) where signing and sending it take
 about 0.5 ms.  For objects of a few KiB that overhead *is* the cost of a copy, and on a
 training node the cores it burns are shared with everything else.  :class:`S3Http` signs
-(SigV4) and sends those calls itself on aiohttp, with the endpoint, region and credentials
-botocore resolved, and answers in botocore's shapes: the same response dict keys, and
+(SigV4) and sends those calls itself on a small HTTP/1.1 client of its own (:mod:`.http1`),
+with the endpoint, region and credentials botocore resolved, and answers in botocore's shapes: the same response dict keys, and
 botocore ``ClientError`` for error responses, so retries and error translation
 (:mod:`.s3_retry`) stay one code path.  Everything else — multipart uploads, copies,
 deletes — stays on botocore.
 
 Where the lean path cannot follow S3 (a redirect to another region, an endpoint that
-rejects our signature shape), it raises :class:`LeanUnsupported` and the store falls back
+rejects our signature shape, an HTTP proxy in the environment), it raises :class:`LeanUnsupported` and the store falls back
 to botocore for good; ``S3Options(lean_requests=False)`` never uses it.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import html
@@ -32,11 +33,11 @@ from typing import Any
 from urllib.parse import quote, unquote_plus
 from xml.etree import ElementTree
 
-import aiohttp
 import botocore.exceptions as bx
 import yarl
 
 from .. import runtime
+from .http1 import Pool, Response
 
 #: SHA-256 of an empty payload (GET and HEAD).
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
@@ -66,14 +67,16 @@ class Credentials:
         self.access_key, self.secret_key, self.token = access_key, secret_key, token
 
 
-class _Body:
-    """botocore's ``StreamingBody`` as far as :class:`~.s3.S3Store` uses it."""
+class Body:
+    """A GetObject body, already read: the pieces the connection delivered."""
 
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
-        self.raw_stream = resp
+    __slots__ = ("pieces", "nbytes")
+
+    def __init__(self, resp: Response) -> None:
+        self.pieces, self.nbytes = resp.pieces, resp.nbytes
 
     def close(self) -> None:
-        self.raw_stream.release()
+        pass
 
 
 def canonical_query(params: Mapping[str, str]) -> str:
@@ -176,31 +179,30 @@ class S3Http:
         self.host = host if url.explicit_port is None else f"{host}:{url.explicit_port}"
         base = url.path.rstrip("/")
         self._prefix = f"{base}/{quote(bucket, safe='')}/" if path_style else f"{base}/"
-        self._origin = f"{url.scheme}://{self.host}"
-        # HTTP(S)_PROXY / NO_PROXY, as botocore honours them; looked up once (aiohttp's
-        # trust_env would read them, and ~/.netrc, on every request).
+        # HTTP(S)_PROXY / NO_PROXY, as botocore honours them: requests through a proxy are
+        # botocore's to send.
         proxy = urllib.request.getproxies().get(url.scheme)
-        self._proxy = None if not proxy or urllib.request.proxy_bypass(url.host) else proxy
+        if proxy and not urllib.request.proxy_bypass(url.host):
+            raise LeanUnsupported(f"requests go through the proxy {proxy}")
         self.signer = Signer(self.host, region)
         self.credentials = credentials
         self.sign_payload = sign_payload
-        ssl_ctx: ssl.SSLContext | bool = False
+        ssl_ctx: ssl.SSLContext | None = None
         if url.scheme == "https":
             ssl_ctx = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
-        kwargs: dict[str, Any] = {"limit": pool, "ssl": ssl_ctx}
-        if socket_factory is not None:
-            kwargs["socket_factory"] = socket_factory
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(**kwargs),
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=connect_timeout, sock_read=read_timeout
-            ),
-            auto_decompress=False,
-            skip_auto_headers=("Accept-Encoding", "Content-Type", "User-Agent"),
+        self._pool = Pool(
+            host,
+            url.port or (443 if url.scheme == "https" else 80),
+            limit=pool,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            ssl=ssl_ctx,
+            server_hostname=host if ssl_ctx else None,
+            socket_factory=socket_factory,
         )
 
     async def close(self) -> None:
-        await self._session.close()
+        await self._pool.close()
 
     # ---- the calls (botocore's parameter and response names) ----------------------------
 
@@ -238,15 +240,12 @@ class S3Http:
         else:
             digest = "UNSIGNED-PAYLOAD"
         resp = await self._send("PUT", "PutObject", Key, headers, digest, Body)
-        try:
-            await self._raise_for(resp, "PutObject")
-            out: dict[str, Any] = {"ETag": resp.headers.get("ETag")}
-            crc = resp.headers.get("x-amz-checksum-crc32c")
-            if crc:
-                out["ChecksumCRC32C"] = crc
-            return out
-        finally:
-            resp.release()
+        _raise_for(resp, "PutObject")
+        out: dict[str, Any] = {"ETag": resp.headers.get("etag")}
+        crc = resp.headers.get("x-amz-checksum-crc32c")
+        if crc:
+            out["ChecksumCRC32C"] = crc
+        return out
 
     async def get_object(
         self,
@@ -261,13 +260,9 @@ class S3Http:
         _opt(headers, "range", Range)
         _opt(headers, "if-match", IfMatch)
         resp = await self._send("GET", "GetObject", Key, headers, EMPTY_SHA256, None)
-        try:
-            await self._raise_for(resp, "GetObject")
-        except BaseException:
-            resp.release()
-            raise
+        _raise_for(resp, "GetObject")
         out = _object_fields(resp.headers)
-        out["Body"] = _Body(resp)
+        out["Body"] = Body(resp)
         return out
 
     async def head_object(
@@ -283,11 +278,8 @@ class S3Http:
         _opt(headers, "if-match", IfMatch)
         _opt(headers, "x-amz-checksum-mode", ChecksumMode)
         resp = await self._send("HEAD", "HeadObject", Key, headers, EMPTY_SHA256, None)
-        try:
-            await self._raise_for(resp, "HeadObject")
-            return _object_fields(resp.headers)
-        finally:
-            resp.release()
+        _raise_for(resp, "HeadObject")
+        return _object_fields(resp.headers)
 
     async def list_objects_v2(
         self,
@@ -309,12 +301,8 @@ class S3Http:
         if ContinuationToken is not None:
             query["continuation-token"] = ContinuationToken
         resp = await self._send("GET", "ListObjectsV2", "", {}, EMPTY_SHA256, None, query)
-        try:
-            await self._raise_for(resp, "ListObjectsV2")
-            text = await resp.read()
-        finally:
-            resp.release()
-        return _parse_listing(text)
+        _raise_for(resp, "ListObjectsV2")
+        return _parse_listing(resp.body())
 
     # ---- signing and sending --------------------------------------------------------------
 
@@ -327,15 +315,12 @@ class S3Http:
         payload_hash: str,
         body: bytes | bytearray | memoryview | None,
         query: Mapping[str, str] | None = None,
-    ) -> aiohttp.ClientResponse:
+    ) -> Response:
         path = self._prefix + quote(key, safe="/~")
         qs = canonical_query(query) if query else ""
         creds = await self._frozen()
         self.signer.sign(method, path, headers, payload_hash, creds, query=qs)
-        url = yarl.URL(self._origin + path + (f"?{qs}" if qs else ""), encoded=True)
-        return await self._session.request(
-            method, url, headers=headers, data=body, allow_redirects=False, proxy=self._proxy
-        )
+        return await self._pool.request(method, f"{path}?{qs}" if qs else path, headers, body)
 
     async def _frozen(self) -> Credentials:
         creds = self.credentials()
@@ -347,25 +332,25 @@ class S3Http:
             return creds
         return Credentials(creds.access_key, creds.secret_key, getattr(creds, "token", None))
 
-    async def _raise_for(self, resp: aiohttp.ClientResponse, op: str) -> None:
-        status = resp.status
-        if status < 300:
-            return
-        text = "" if resp.method == "HEAD" else (await resp.read()).decode("utf-8", "replace")
-        code = _xml(text, "Code") or str(status)
-        if status in (301, 307) or code in _FALLBACK_CODES:
-            raise LeanUnsupported(f"{op}: HTTP {status} {code}")
-        message = _xml(text, "Message") or resp.reason or ""
-        raise bx.ClientError(
-            {
-                "Error": {"Code": code, "Message": message},
-                "ResponseMetadata": {
-                    "HTTPStatusCode": status,
-                    "HTTPHeaders": {k.lower(): v for k, v in resp.headers.items()},
-                },
-            },
-            op,
-        )
+
+def _raise_for(resp: Response, op: str) -> None:
+    """Raise botocore's ``ClientError`` for an error response (LeanUnsupported where the
+    answer means botocore would have sent another request)."""
+    status = resp.status
+    if status < 300:
+        return
+    text = resp.body().decode("utf-8", "replace")
+    code = _xml(text, "Code") or str(status)
+    if status in (301, 307) or code in _FALLBACK_CODES:
+        raise LeanUnsupported(f"{op}: HTTP {status} {code}")
+    message = _xml(text, "Message") or resp.reason or ""
+    raise bx.ClientError(
+        {
+            "Error": {"Code": code, "Message": message},
+            "ResponseMetadata": {"HTTPStatusCode": status, "HTTPHeaders": dict(resp.headers)},
+        },
+        op,
+    )
 
 
 def _parse_listing(text: bytes) -> dict[str, Any]:
@@ -409,17 +394,16 @@ def _xml(text: str, tag: str) -> str | None:
 
 
 def _object_fields(h: Mapping[str, str]) -> dict[str, Any]:
-    """The response fields of GetObject / HeadObject that fmstore reads, botocore-named."""
+    """The response fields of GetObject / HeadObject that fmstore reads, botocore-named
+    (``h``: header names lower-cased)."""
     out: dict[str, Any] = {
-        "ETag": h.get("ETag"),
-        "ContentLength": int(h.get("Content-Length", 0)),
-        "Metadata": {
-            k[len(_META) :].lower(): v for k, v in h.items() if k.lower().startswith(_META)
-        },
+        "ETag": h.get("etag"),
+        "ContentLength": int(h.get("content-length", 0)),
+        "Metadata": {k[len(_META) :]: v for k, v in h.items() if k.startswith(_META)},
     }
-    if "Content-Range" in h:
-        out["ContentRange"] = h["Content-Range"]
-    lm = h.get("Last-Modified")
+    if "content-range" in h:
+        out["ContentRange"] = h["content-range"]
+    lm = h.get("last-modified")
     if lm:
         out["LastModified"] = _http_date(lm)
     crc = h.get("x-amz-checksum-crc32c")
@@ -428,6 +412,7 @@ def _object_fields(h: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
+@functools.lru_cache(maxsize=64)  # objects written together share their second
 def _http_date(text: str) -> datetime | None:
     try:
         return parsedate_to_datetime(text)

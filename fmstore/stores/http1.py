@@ -1,0 +1,388 @@
+"""A small HTTP/1.1 client for the lean S3 request path (:mod:`.s3_http`).
+
+S3's hot calls need very little of HTTP: one request, one response with a
+``Content-Length`` (or, for listings and errors, a chunked body), kept-alive connections.
+aiohttp's general client spends about 0.3 ms of CPU on each such request (request and
+response objects, multidicts, stream readers, tracing hooks); for the 4 KiB objects of a
+dataset that is most of the cost of a copy.  :class:`Pool` does only what S3 needs, on an
+:class:`asyncio.Protocol`: the request is one ``write`` of its head and body, the response
+head is split by hand, and the body arrives as the pieces the socket delivered (never
+joined here: big GETs hand them to ``pwritev``).
+
+Errors are the built-in ones the retrier already knows: ``ConnectionError`` subclasses for
+refused, reset and truncated connections, ``TimeoutError`` for a connect or a silence longer
+than the read timeout.  Proxies are not handled: :mod:`.s3_http` leaves those to botocore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import re
+import socket
+import ssl as _ssl
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+#: A kept-alive connection idle longer than this is closed rather than reused (servers
+#: close theirs after a few seconds to a minute; aiohttp's default is 15 s too).
+KEEPALIVE_S = 15.0
+#: Response heads larger than this are refused (S3's are about 1 KiB).
+_MAX_HEAD = 64 << 10
+
+Buffer = bytes | bytearray | memoryview
+#: One header field: name, then the value without surrounding blanks.
+_FIELD = re.compile(r"([^:\r\n]+):[ \t]*([^\r\n]*?)[ \t]*(?:\r\n|$)")
+
+
+class Response:
+    """One response: status, reason, headers (names lower-cased) and body pieces."""
+
+    __slots__ = ("status", "reason", "headers", "pieces", "nbytes")
+
+    def __init__(self, status: int, reason: str, headers: dict[str, str]) -> None:
+        self.status, self.reason, self.headers = status, reason, headers
+        self.pieces: list[bytes] = []
+        self.nbytes = 0
+
+    def body(self) -> bytes:
+        return self.pieces[0] if len(self.pieces) == 1 else b"".join(self.pieces)
+
+
+class _Conn(asyncio.Protocol):
+    """One connection; carries one request at a time."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._buf = bytearray()  # head bytes, or a chunked body, not yet parsed
+        self._resp: Response | None = None
+        self._waiter: asyncio.Future[Response] | None = None
+        self._head_only = False
+        self._left = 0  # body bytes still expected; -1: until close; -2: chunked
+        self._keep = True
+        self._progress = False
+        self._paused: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.received = False  # any byte of the current response
+
+    # ---- protocol callbacks -----------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._paused is not None and not self._paused.done():
+            self._paused.set_result(None)
+        if self._waiter is not None and not self._waiter.done():
+            if self._resp is not None and self._left == -1 and exc is None:
+                self._finish()  # a body delimited by the close
+            else:
+                err = ConnectionResetError(
+                    "connection closed before the response was complete"
+                    if self.received
+                    else "connection closed before a response"
+                )
+                if exc is not None:
+                    err.__cause__ = exc
+                self._waiter.set_exception(err)
+
+    def pause_writing(self) -> None:
+        if self._paused is None or self._paused.done():
+            self._paused = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._paused is not None and not self._paused.done():
+            self._paused.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        self._progress = self.received = True
+        if self._waiter is None or self._waiter.done():
+            self._keep = False  # bytes nobody asked for: the connection is out of step
+            return
+        try:
+            if self._resp is None:
+                self._buf += data
+                self._parse_head()
+            else:
+                self._body(data)
+        except ValueError as e:
+            self._keep = False
+            self._waiter.set_exception(ConnectionError(f"malformed HTTP response: {e}"))
+            self.close()
+
+    def eof_received(self) -> bool:
+        return False  # close; connection_lost settles the waiter
+
+    # ---- parsing ------------------------------------------------------------------------
+
+    def _parse_head(self) -> None:
+        while self._resp is None:
+            end = self._buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self._buf) > _MAX_HEAD:
+                    raise ValueError("response head too large")
+                return
+            text = self._buf[:end].decode("latin-1")
+            rest = bytes(self._buf[end + 4 :])
+            self._buf.clear()
+            first, _, fields = text.partition("\r\n")
+            version, _, status_reason = first.partition(" ")
+            code, _, reason = status_reason.partition(" ")
+            if not version.startswith("HTTP/1.") or not code.isdigit():
+                raise ValueError(f"bad status line {first[:80]!r}")
+            status = int(code)
+            # One regex pass over all the fields (a repeated name keeps its last value).
+            headers = {k.lower(): v for k, v in _FIELD.findall(fields)}
+            if 100 <= status < 200:  # an interim answer (100 Continue): the real one follows
+                self._buf += rest
+                continue
+            self._resp = Response(status, reason, headers)
+            conn = headers.get("connection", "").lower()
+            if conn == "close" or (version == "HTTP/1.0" and conn != "keep-alive"):
+                self._keep = False
+            if self._head_only or status in (204, 304):
+                self._left = 0
+            elif "chunked" in headers.get("transfer-encoding", "").lower():
+                self._left = -2
+            elif "content-length" in headers:
+                self._left = int(headers["content-length"])
+                if self._left < 0:
+                    raise ValueError("negative Content-Length")
+            else:
+                self._left, self._keep = -1, False
+            if self._left == 0:
+                self._keep = self._keep and not rest
+                self._finish()
+            elif rest:
+                self._body(rest)
+
+    def _body(self, data: bytes) -> None:
+        if self._left >= 0:
+            self._take(data)
+        elif self._left == -1:
+            assert self._resp is not None
+            self._resp.pieces.append(data)
+            self._resp.nbytes += len(data)
+        else:
+            self._buf += data
+            self._parse_chunks()
+
+    def _take(self, data: bytes) -> None:
+        assert self._resp is not None
+        n = len(data)
+        if n > self._left:  # bytes past the body: the server is out of step
+            data, n, self._keep = data[: self._left], self._left, False
+        self._resp.pieces.append(data)
+        self._resp.nbytes += n
+        self._left -= n
+        if self._left == 0:
+            self._finish()
+
+    def _parse_chunks(self) -> None:
+        assert self._resp is not None
+        buf = self._buf
+        while True:
+            line_end = buf.find(b"\r\n")
+            if line_end < 0:
+                return
+            size = int(bytes(buf[:line_end]).split(b";", 1)[0].strip() or b"x", 16)
+            if size == 0:
+                # Trailers (rare) end with an empty line, as the last chunk does.
+                tail = buf.find(b"\r\n\r\n", line_end)
+                if tail < 0 and buf[line_end : line_end + 4] != b"\r\n\r\n":
+                    return
+                buf.clear()
+                self._finish()
+                return
+            if len(buf) < line_end + 2 + size + 2:
+                return
+            start = line_end + 2
+            self._resp.pieces.append(bytes(buf[start : start + size]))
+            self._resp.nbytes += size
+            del buf[: start + size + 2]
+
+    def _finish(self) -> None:
+        resp, self._resp = self._resp, None
+        assert resp is not None and self._waiter is not None
+        if not self._waiter.done():
+            self._waiter.set_result(resp)
+
+    # ---- one exchange -------------------------------------------------------------------
+
+    async def exchange(
+        self, head: bytes, body: Buffer | None, head_only: bool, read_timeout: float
+    ) -> Response:
+        assert self.transport is not None
+        loop = asyncio.get_running_loop()
+        self._waiter = loop.create_future()
+        self._head_only, self._resp, self._left, self.received = head_only, None, 0, False
+        self._buf.clear()
+        self._progress = False
+        self._timer = loop.call_later(read_timeout, self._check_silence, read_timeout)
+        try:
+            self.transport.write(head)
+            if body is not None and len(body):
+                self.transport.write(body)
+            if self._paused is not None and not self._paused.done():
+                await asyncio.shield(self._paused)
+            resp = await self._waiter
+        except BaseException:
+            self._keep = False
+            self.close()
+            raise
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._waiter = None
+        if self.transport.get_write_buffer_size():
+            self._keep = False  # answered before our body was sent: the stream is out of step
+        return resp
+
+    def _check_silence(self, timeout: float) -> None:
+        if self._waiter is None or self._waiter.done():
+            return
+        if self._progress:
+            self._progress = False
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(timeout, self._check_silence, timeout)
+            return
+        self._waiter.set_exception(TimeoutError(f"no data from the server for {timeout:g} s"))
+        self.close()
+
+    def reusable(self) -> bool:
+        return self._keep and not self.closed
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class Pool:
+    """Kept-alive connections to one origin, at most ``limit`` at a time."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        limit: int,
+        connect_timeout: float,
+        read_timeout: float,
+        ssl: _ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+        socket_factory: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.host, self.port = host, port
+        self._limit = asyncio.Semaphore(limit) if limit > 0 else None
+        self._connect_timeout, self._read_timeout = connect_timeout, read_timeout
+        self._ssl, self._server_hostname = ssl, server_hostname
+        self._socket_factory = socket_factory
+        self._idle: collections.deque[_Conn] = collections.deque()
+        self._busy: set[_Conn] = set()
+        self._closed = False
+
+    async def request(
+        self,
+        method: str,
+        target: str,
+        headers: Mapping[str, str],
+        body: Buffer | None = None,
+    ) -> Response:
+        """Send one request and read its whole response.
+
+        A kept-alive connection the server closed while it lay idle fails before any byte
+        of the answer arrives; such a request is sent once more on a new connection (S3's
+        calls here are idempotent).
+        """
+        parts = [f"{method} {target} HTTP/1.1\r\n"]
+        for k, v in headers.items():
+            if "\n" in v or "\r" in v:
+                raise ValueError(f"header {k!r}: line breaks are not allowed in a value")
+            parts.append(f"{k}: {v}\r\n")
+        n = 0 if body is None else memoryview(body).nbytes
+        if n or method in ("PUT", "POST"):
+            parts.append(f"content-length: {n}\r\n")
+        parts.append("\r\n")
+        head = "".join(parts).encode("utf-8")
+        head_only = method == "HEAD"
+        if self._limit is not None:
+            await self._limit.acquire()
+        try:
+            while True:
+                conn, reused = await self._connection()
+                self._busy.add(conn)
+                try:
+                    resp = await conn.exchange(head, body, head_only, self._read_timeout)
+                except ConnectionError:
+                    if reused and not conn.received:
+                        continue  # a stale kept-alive connection: once more on a fresh one
+                    raise
+                finally:
+                    self._busy.discard(conn)
+                    if conn.reusable() and not self._closed:
+                        conn.idle_since = time.monotonic()
+                        self._idle.append(conn)
+                    else:
+                        conn.close()
+                return resp
+        finally:
+            if self._limit is not None:
+                self._limit.release()
+
+    async def _connection(self) -> tuple[_Conn, bool]:
+        if self._closed:
+            raise ConnectionError("the connection pool is closed")
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()  # the most recently used: the least likely to be stale
+            if conn.reusable() and now - conn.idle_since < KEEPALIVE_S:
+                return conn, True
+            conn.close()
+        return await self._connect(), False
+
+    async def _connect(self) -> _Conn:
+        loop = asyncio.get_running_loop()
+
+        async def connect() -> _Conn:
+            infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+            last: BaseException | None = None
+            for info in infos:
+                if self._socket_factory is not None:
+                    sock = self._socket_factory(info)
+                else:
+                    sock = socket.socket(info[0], info[1], info[2])
+                try:
+                    sock.setblocking(False)
+                    await loop.sock_connect(sock, info[4])
+                    _, proto = await loop.create_connection(
+                        _Conn, sock=sock, ssl=self._ssl, server_hostname=self._server_hostname
+                    )
+                    return proto
+                except BaseException as e:
+                    sock.close()
+                    if not isinstance(e, OSError):
+                        raise
+                    last = e
+            raise last or ConnectionError(f"cannot resolve {self.host}")
+
+        try:
+            return await asyncio.wait_for(connect(), self._connect_timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"connecting to {self.host}:{self.port} took over {self._connect_timeout:g} s"
+            ) from None
+        except OSError as e:
+            if isinstance(e, ConnectionError):
+                raise
+            raise ConnectionError(f"cannot connect to {self.host}:{self.port}: {e}") from e
+
+    async def close(self) -> None:
+        self._closed = True
+        for conn in list(self._idle) + list(self._busy):
+            conn.close()
+        self._idle.clear()

@@ -1,0 +1,248 @@
+"""The lean path's HTTP/1.1 client (fmstore.stores.http1) against a real loopback server
+that answers exactly as each test scripts it: framing, kept-alive connections the server
+drops, silences, broken answers.  SeaweedFS covers the ordinary answers (test_s3_lean,
+test_store_s3, test_s3_faults); these are the answers it never gives."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fmstore.stores.http1 import Pool
+
+
+class Server:
+    """Reads each request (head and ``content-length`` body) and lets ``answer(n, head,
+    body, writer)`` reply; ``n`` counts requests across connections."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.requests: list[tuple[bytes, bytes]] = []
+        self.connections = 0
+
+    async def _serve(self, reader, writer):
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                body = await reader.readexactly(length)
+                self.requests.append((head, body))
+                if await self.answer(len(self.requests), head, body, writer) == "close":
+                    writer.close()
+                    return
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    async def __aenter__(self):
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+
+
+def pool(port, **kw):
+    return Pool("127.0.0.1", port, limit=4, connect_timeout=5, read_timeout=kw.pop("rt", 10), **kw)
+
+
+def go(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_content_length_body_in_many_pieces_and_keep_alive():
+    body = bytes(range(256)) * 1000
+
+    async def answer(n, head, req_body, w):
+        msg = b'HTTP/1.1 200 OK\r\nETag: "e"\r\nContent-Length: %d\r\n\r\n' % len(body) + body
+        for i in range(0, len(msg), 7000):  # the head itself split across writes
+            w.write(msg[i : i + 7000])
+            await w.drain()
+
+    async def main():
+        async with Server(answer) as s:
+            p = pool(s.port)
+            for _ in range(3):
+                r = await p.request("GET", "/b/k", {"host": "x"})
+                assert r.status == 200 and r.headers["etag"] == '"e"'
+                assert r.body() == body and r.nbytes == len(body)
+            await p.close()
+            assert s.connections == 1  # kept alive across the three
+
+    go(main())
+
+
+def test_chunked_body_with_extensions_and_trailers():
+    async def answer(n, head, body, w):
+        w.write(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"5;ext=1\r\nhello\r\n"
+            b"1\r\n \r\n"
+            b"5\r\nworld\r\n"
+            b"0\r\nX-Trailer: t\r\n\r\n"
+        )
+
+    async def main():
+        async with Server(answer) as s:
+            p = pool(s.port)
+            assert (await p.request("GET", "/", {})).body() == b"hello world"
+            assert (await p.request("GET", "/", {})).body() == b"hello world"
+            await p.close()
+            assert s.connections == 1
+
+    go(main())
+
+
+def test_head_and_interim_answers_have_no_body():
+    async def answer(n, head, body, w):
+        if head.startswith(b"HEAD"):
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 12345\r\n\r\n")
+        else:
+            w.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n")
+
+    async def main():
+        async with Server(answer) as s:
+            p = pool(s.port)
+            r = await p.request("HEAD", "/k", {})
+            assert r.status == 200 and r.headers["content-length"] == "12345" and r.body() == b""
+            r = await p.request("PUT", "/k", {}, b"data")
+            assert r.status == 204
+            assert s.requests[1][1] == b"data"
+            await p.close()
+
+    go(main())
+
+
+def test_a_kept_alive_connection_the_server_dropped_is_replaced():
+    """The server closes after each answer without saying so: the next request finds a
+    dead connection before any answer, and goes again on a fresh one."""
+
+    async def answer(n, head, body, w):
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await w.drain()
+        return "close"
+
+    async def main():
+        async with Server(answer) as s:
+            p = pool(s.port)
+            for _ in range(3):
+                await asyncio.sleep(0.05)  # let the close arrive first, now and then
+                assert (await p.request("GET", "/", {})).body() == b"ok"
+            await p.close()
+            assert s.connections == 3
+
+    go(main())
+
+
+def test_a_request_the_server_drops_unanswered_on_a_reused_connection_goes_again():
+    async def answer(n, head, body, w):
+        if n == 2:
+            return "close"  # idle timeout racing the request: no answer at all
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n%d" % n)
+
+    async def main():
+        async with Server(answer) as s:
+            p = pool(s.port)
+            assert (await p.request("PUT", "/", {}, b"a")).body() == b"1"
+            assert (await p.request("PUT", "/", {}, b"b")).body() == b"3"
+            assert [b for _, b in s.requests] == [b"a", b"b", b"b"]
+            assert s.connections == 2
+            await p.close()
+
+    go(main())
+
+
+def test_a_fresh_connection_dropped_unanswered_is_an_error():
+    async def answer(n, head, body, w):
+        return "close"
+
+    async def main():
+        async with Server(answer) as s:
+            p = pool(s.port)
+            with pytest.raises(ConnectionResetError, match="before a response"):
+                await p.request("GET", "/", {})
+            assert s.connections == 1
+            await p.close()
+
+    go(main())
+
+
+def test_truncated_body_is_a_connection_error_not_a_short_answer():
+    async def answer(n, head, body, w):
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly-part")
+        await w.drain()
+        return "close"
+
+    async def main():
+        async with Server(answer) as s:
+            p = pool(s.port)
+            with pytest.raises(ConnectionResetError, match="before the response was complete"):
+                await p.request("GET", "/", {})
+            assert s.connections == 1  # answered in part: not sent again by the pool
+            await p.close()
+
+    go(main())
+
+
+def test_silence_is_a_timeout():
+    async def answer(n, head, body, w):
+        await asyncio.sleep(30)
+
+    async def main():
+        async with Server(answer) as s:
+            p = pool(s.port, rt=0.3)
+            with pytest.raises(TimeoutError, match="no data from the server"):
+                await p.request("GET", "/", {})
+            await p.close()
+
+    go(main())
+
+
+def test_malformed_answer_is_a_connection_error():
+    async def answer(n, head, body, w):
+        w.write(b"SPDY/9 nonsense\r\n\r\n")
+
+    async def main():
+        async with Server(answer) as s:
+            p = pool(s.port)
+            with pytest.raises(ConnectionError, match="malformed HTTP response"):
+                await p.request("GET", "/", {})
+            await p.close()
+
+    go(main())
+
+
+def test_header_injection_is_refused_before_sending():
+    async def answer(n, head, body, w):
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+
+    async def main():
+        async with Server(answer) as s:
+            p = pool(s.port)
+            with pytest.raises(ValueError, match="line breaks"):
+                await p.request("PUT", "/", {"x-amz-meta-a": "v\r\nx-evil: 1"}, b"")
+            await p.close()
+            assert s.requests == []
+
+    go(main())
+
+
+def test_dead_endpoint_is_a_connection_error():
+    async def main():
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]  # bound, not listening: refused
+            p = pool(port)
+            with pytest.raises(ConnectionError):
+                await p.request("GET", "/", {})
+            await p.close()
+
+    go(main())
