@@ -7,6 +7,7 @@ where it cannot serve a store it falls back to botocore for good.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import uuid
 from urllib.parse import quote
@@ -259,5 +260,54 @@ def test_keys_from_the_environment_serve_the_lean_path_alone(s3_server, s3_bucke
     try:
         run(store.put("k", b"v"))
         assert _client_of(store) is not None and store._http is not None
+    finally:
+        run(store.close())
+
+
+def test_get_into_receives_in_place_and_survives_a_truncated_body(
+    s3_server, s3_bucket, fault_proxy
+):
+    """Ranged reads go straight into the caller's buffer (several ranges at once); a body
+    cut short midway is read again into the same place."""
+    opts = {**s3_server.store_options(), "endpoint_url": fault_proxy.endpoint_url}
+    store = open_store(f"s3://{s3_bucket}/into", **opts, part_size=5 << 20)
+    data = bytes(range(256)) * (13 << 12)  # 13 MiB: three ranges of a 5 MiB part size
+    try:
+        run(store.put("k", data))
+        fault_proxy.set_plan([Rule("truncate", method="GET", times=1, after_bytes=3 << 20)])
+        out = bytearray(len(data) - 100)
+        run(store.get_into("k", 100, memoryview(out)))
+        assert out == data[100:]
+        assert fault_proxy.injected["truncate"] == 1
+        assert store._http is not None
+    finally:
+        run(store.close())
+
+
+def test_a_cancelled_get_into_writes_nothing_more(s3_server, s3_bucket, fault_proxy):
+    """Once a read into the caller's buffer is cancelled, the rest of a body still on its
+    way never lands there: the copy engine hands such buffers to the next part."""
+    opts = {**s3_server.store_options(), "endpoint_url": fault_proxy.endpoint_url}
+    store = open_store(f"s3://{s3_bucket}/cancel", **opts)
+    data = b"\x01" * (4 << 20)
+    try:
+        run(store.put("k", data))
+        fault_proxy.set_plan([Rule("pause", method="GET", times=1, after_bytes=1 << 20, delay=1)])
+        out = bytearray(len(data))
+
+        async def cancelled():
+            task = asyncio.ensure_future(store.get_into("k", 0, memoryview(out)))
+            await asyncio.sleep(0.5)  # the first MiB is in, the rest is held back
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            out[:] = bytes(len(out))
+            await asyncio.sleep(1.5)  # the stall is over: the rest was sent
+
+        run(cancelled())
+        assert out.count(0) == len(out)
+        again = bytearray(len(data))
+        run(store.get_into("k", 0, memoryview(again)))
+        assert again == data
     finally:
         run(store.close())

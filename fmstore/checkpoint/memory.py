@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-#: Buffers at least this big are advised into huge pages (smaller ones hold few 2 MiB pages).
-HUGE_MIN = 8 << 20
+from ..buffers import HUGE_MIN
+
 _MADV_HUGEPAGE = 14
 _libc: Any = None
 

@@ -219,7 +219,9 @@ def _transfer_options(
         bwlimit=float(parse_size(bwlimit, "--bwlimit")) if bwlimit else None,
         part_size=part,
         multipart_threshold=max(part, 2 * part),
-        max_inflight_bytes=max(4 * part, min(concurrency * part, 2 << 30)),
+        # Enough parts in flight to keep a fast link busy (each is read as several ranges
+        # at once), few enough that their buffers are reused rather than freshly faulted.
+        max_inflight_bytes=max(4 * part, min(concurrency * part, 512 << 20)),
         verify=verify,
         fsync=_fsync_mode(fsync),
     )

@@ -171,7 +171,8 @@ class PartWriter(abc.ABC):
     @abc.abstractmethod
     async def write_part(self, index: int, data: Buffer | Pieces) -> None:
         """Write part ``index`` (exactly its length, in one buffer or as :data:`Pieces`);
-        durable when this returns."""
+        durable when this returns, and ``data`` is not referenced any more: the caller
+        may reuse its buffer."""
 
     @abc.abstractmethod
     async def commit(

@@ -30,6 +30,11 @@ from typing import Any
 KEEPALIVE_S = 15.0
 #: Response heads larger than this are refused (S3's are about 1 KiB).
 _MAX_HEAD = 64 << 10
+#: Each connection's buffer for heads and small bodies.  Small, so that a big body's first
+#: read brings little of it along to be copied: the rest is received in place.
+_SCRATCH = 64 << 10
+#: Bodies of known length are received in pieces of at most this size.
+_PIECE = 1 << 20
 
 Buffer = bytes | bytearray | memoryview
 #: One header field: name, then the value without surrounding blanks.
@@ -37,21 +42,28 @@ _FIELD = re.compile(r"([^:\r\n]+):[ \t]*([^\r\n]*?)[ \t]*(?:\r\n|$)")
 
 
 class Response:
-    """One response: status, reason, headers (names lower-cased) and body pieces."""
+    """One response: status, reason, headers (names lower-cased) and body: its pieces, or
+    ``filled`` when it went into the caller's buffer (see :meth:`Pool.request`)."""
 
-    __slots__ = ("status", "reason", "headers", "pieces", "nbytes")
+    __slots__ = ("status", "reason", "headers", "pieces", "nbytes", "filled")
 
     def __init__(self, status: int, reason: str, headers: dict[str, str]) -> None:
         self.status, self.reason, self.headers = status, reason, headers
-        self.pieces: list[bytes] = []
+        self.pieces: list[bytes | bytearray] = []
         self.nbytes = 0
+        self.filled = False
 
     def body(self) -> bytes:
-        return self.pieces[0] if len(self.pieces) == 1 else b"".join(self.pieces)
+        return b"".join(self.pieces)
 
 
-class _Conn(asyncio.Protocol):
-    """One connection; carries one request at a time."""
+class _Conn(asyncio.BufferedProtocol):
+    """One connection; carries one request at a time.
+
+    A buffered protocol, so that a body of known length is received straight where it
+    goes (``recv_into``): into the caller's buffer, or into pieces of up to 1 MiB allocated
+    at their exact size.  Heads and other bytes land in a scratch buffer first.
+    """
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -67,6 +79,11 @@ class _Conn(asyncio.Protocol):
         self._paused: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self.received = False  # any byte of the current response
+        self._scratch = memoryview(bytearray(_SCRATCH))
+        self._into: memoryview | None = None  # where the caller wants a 2xx body
+        self._fill: memoryview | None = None  # the current body's place in ``_into``
+        self._pos = 0
+        self._chunk: bytearray | None = None  # the piece being received
 
     # ---- protocol callbacks -----------------------------------------------------------
 
@@ -97,6 +114,32 @@ class _Conn(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self._paused is not None and not self._paused.done():
             self._paused.set_result(None)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._resp is not None and self._left > 0:
+            if self._fill is not None:
+                return self._fill[self._pos :]
+            if self._chunk is None:
+                self._chunk = bytearray(min(self._left, _PIECE))
+                self._pos = 0
+            return memoryview(self._chunk)[self._pos :]
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        resp = self._resp
+        if resp is None or self._left <= 0:
+            self.data_received(bytes(self._scratch[:nbytes]))
+            return
+        # Body bytes, received in place (``_left`` bounded the buffer: never past the body).
+        self._progress = True
+        self._pos += nbytes
+        self._left -= nbytes
+        resp.nbytes += nbytes
+        if self._chunk is not None and self._pos == len(self._chunk):
+            resp.pieces.append(self._chunk)
+            self._chunk = None
+        if self._left == 0:
+            self._finish()
 
     def data_received(self, data: bytes) -> None:
         self._progress = self.received = True
@@ -154,6 +197,9 @@ class _Conn(asyncio.Protocol):
                     raise ValueError("negative Content-Length")
             else:
                 self._left, self._keep = -1, False
+            into = self._into
+            if into is not None and 200 <= status < 300 and 0 < self._left <= into.nbytes:
+                self._fill, self._pos, self._resp.filled = into[: self._left], 0, True
             if self._left == 0:
                 self._keep = self._keep and not rest
                 self._finish()
@@ -176,7 +222,11 @@ class _Conn(asyncio.Protocol):
         n = len(data)
         if n > self._left:  # bytes past the body: the server is out of step
             data, n, self._keep = data[: self._left], self._left, False
-        self._resp.pieces.append(data)
+        if self._fill is not None:
+            self._fill[self._pos : self._pos + n] = data
+            self._pos += n
+        else:
+            self._resp.pieces.append(data)
         self._resp.nbytes += n
         self._left -= n
         if self._left == 0:
@@ -207,6 +257,7 @@ class _Conn(asyncio.Protocol):
 
     def _finish(self) -> None:
         resp, self._resp = self._resp, None
+        self._fill = self._into = self._chunk = None
         assert resp is not None and self._waiter is not None
         if not self._waiter.done():
             self._waiter.set_result(resp)
@@ -214,12 +265,18 @@ class _Conn(asyncio.Protocol):
     # ---- one exchange -------------------------------------------------------------------
 
     async def exchange(
-        self, head: bytes, body: Buffer | None, head_only: bool, read_timeout: float
+        self,
+        head: bytes,
+        body: Buffer | None,
+        head_only: bool,
+        read_timeout: float,
+        into: memoryview | None,
     ) -> Response:
         assert self.transport is not None
         loop = asyncio.get_running_loop()
         self._waiter = loop.create_future()
         self._head_only, self._resp, self._left, self.received = head_only, None, 0, False
+        self._into, self._fill, self._chunk = into, None, None
         self._buf.clear()
         self._progress = False
         self._timer = loop.call_later(read_timeout, self._check_silence, read_timeout)
@@ -231,6 +288,8 @@ class _Conn(asyncio.Protocol):
                 await asyncio.shield(self._paused)
             resp = await self._waiter
         except BaseException:
+            # Aborting stops every further receive at once: nothing more lands in ``into``
+            # once the caller has seen the request fail.
             self._keep = False
             self.close()
             raise
@@ -238,6 +297,7 @@ class _Conn(asyncio.Protocol):
             if self._timer is not None:
                 self._timer.cancel()
             self._waiter = None
+            self._fill = self._into = self._chunk = None
         if self.transport.get_write_buffer_size():
             self._keep = False  # answered before our body was sent: the stream is out of step
         return resp
@@ -292,8 +352,14 @@ class Pool:
         target: str,
         headers: Mapping[str, str],
         body: Buffer | None = None,
+        *,
+        into: memoryview | None = None,
     ) -> Response:
         """Send one request and read its whole response.
+
+        ``into``: a successful (2xx) body that fits goes there, received in place, and the
+        response says ``filled``; any other body comes back as pieces.  Once this returns
+        or raises, nothing more is written to ``into``.
 
         A kept-alive connection the server closed while it lay idle fails before any byte
         of the answer arrives; such a request is sent once more on a new connection (S3's
@@ -317,7 +383,7 @@ class Pool:
                 conn, reused = await self._connection()
                 self._busy.add(conn)
                 try:
-                    resp = await conn.exchange(head, body, head_only, self._read_timeout)
+                    resp = await conn.exchange(head, body, head_only, self._read_timeout, into)
                 except ConnectionError:
                     if reused and not conn.received:
                         continue  # a stale kept-alive connection: once more on a fresh one

@@ -551,16 +551,19 @@ class S3Store(Store):
         except LeanUnsupported:
             return None
 
-    async def _object_call(self, method: str, **kwargs: Any) -> Any:
+    async def _object_call(
+        self, method: str, lean: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> Any:
         """PutObject / GetObject / HeadObject / ListObjectsV2 (botocore names), on the lean
-        path while it serves this store, else on botocore."""
+        path while it serves this store, else on botocore; ``lean``: the lean path's own
+        extra arguments."""
         await self._bind()
         http = self._http
         if http is not None:
             from .s3_http import LeanUnsupported
 
             try:
-                return await getattr(http, method)(Bucket=self.bucket, **kwargs)
+                return await getattr(http, method)(Bucket=self.bucket, **kwargs, **(lean or {}))
             except LeanUnsupported as e:
                 log.info("S3 %s: %s; using botocore for every call", self.url, e)
                 self._http = None
@@ -938,13 +941,16 @@ class S3Store(Store):
         end: int | None,
         *,
         if_match: str | None = None,
-    ) -> tuple[dict[str, Any], list[bytes], int]:
+        into: memoryview | None = None,
+    ) -> tuple[dict[str, Any], list[Buffer], int]:
         """One GET (retried as a whole, body included); ``end`` None means to the end.
 
         The body comes back as the pieces the connection delivered, unjoined: the caller
         copies them once, into its buffer or into the one ``bytes`` it returns.  (Joining
         per request, then again per object, cost two more passes over fresh memory, about
-        1 s of CPU per GB on a machine where page faults are dear.)
+        1 s of CPU per GB on a machine where page faults are dear.)  Or, on the lean path,
+        it goes straight into ``into`` (at least the range's size) where it fits: then no
+        pieces come back, only the length.
         """
         kwargs: dict[str, Any] = {"Key": full}
         if start or end is not None:
@@ -952,18 +958,20 @@ class S3Store(Store):
         if if_match:
             kwargs["IfMatch"] = _quote(if_match)
 
-        async def attempt() -> tuple[dict[str, Any], list[bytes], int]:
+        async def attempt() -> tuple[dict[str, Any], list[Buffer], int]:
             from .s3_retry import ShortBody
 
             try:
-                resp = await self._object_call("get_object", **kwargs)
+                resp = await self._object_call(
+                    "get_object", None if into is None else {"into": into}, **kwargs
+                )
             except Exception as e:
                 code, status = error_code(e)
                 if if_match and (status == 412 or code == "PreconditionFailed"):
                     raise Restart() from e
                 raise
             body = resp.pop("Body")
-            chunks: list[bytes] = getattr(body, "pieces", [])  # the lean path's, read already
+            chunks: list[Buffer] = getattr(body, "pieces", [])  # the lean path's, read already
             n = getattr(body, "nbytes", 0)
             try:
                 # Timeouts and broken bodies raise asyncio / aiohttp errors here (on the
@@ -1031,7 +1039,8 @@ class S3Store(Store):
         first_end = start + chunk if end is None else min(end, start + chunk)
         try:
             # The first range tells the size, ETag and metadata; the rest go in parallel.
-            resp, first, n = await self._get(key, full, start, first_end)
+            into = None if out is None else out[: first_end - start]
+            resp, first, n = await self._get(key, full, start, first_end, into=into)
         except InvalidRange:
             meta = await self.stat(key)
             self._check_range(key, meta.size, start, end)
@@ -1042,17 +1051,19 @@ class S3Store(Store):
         meta = self._meta(key, resp, size)
         if got_start != start or got_start + n > end:
             # The server sent more than asked (a range it ignored): cut to [start, end).
-            joined = b"".join(first)[start - got_start : end - got_start]
+            body = b"".join(first) if first or out is None else bytes(out[:n])
+            joined = body[start - got_start : end - got_start]
             first, n = [joined], len(joined)
-        pieces: list[list[bytes]] = [first]
+        pieces: list[list[Buffer]] = [first]
         if out is not None:
-            _copy_chunks(out, 0, first)
+            _copy_chunks(out, 0, first)  # nothing to copy where the body went there already
         pos = start + n
         if pos < end:
             bounds = [(a, min(a + chunk, end)) for a in range(pos, end, chunk)]
 
-            async def fetch(a: int, b: int) -> list[bytes]:
-                _, got, m = await self._get(key, full, a, b, if_match=etag)
+            async def fetch(a: int, b: int) -> list[Buffer]:
+                into = None if out is None else out[a - start : b - start]
+                _, got, m = await self._get(key, full, a, b, if_match=etag, into=into)
                 if m != b - a:
                     raise Restart()
                 if out is not None:
@@ -1319,7 +1330,7 @@ def _socket(buffer: int, addr_info: Any) -> socket.socket:
     return sock
 
 
-def _copy_chunks(out: memoryview, pos: int, chunks: list[bytes]) -> None:
+def _copy_chunks(out: memoryview, pos: int, chunks: list[Buffer]) -> None:
     for c in chunks:
         out[pos : pos + len(c)] = c
         pos += len(c)

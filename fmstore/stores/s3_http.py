@@ -68,12 +68,13 @@ class Credentials:
 
 
 class Body:
-    """A GetObject body, already read: the pieces the connection delivered."""
+    """A GetObject body, already read: the pieces the connection delivered, or ``filled``
+    when it went into the caller's buffer."""
 
-    __slots__ = ("pieces", "nbytes")
+    __slots__ = ("pieces", "nbytes", "filled")
 
     def __init__(self, resp: Response) -> None:
-        self.pieces, self.nbytes = resp.pieces, resp.nbytes
+        self.pieces, self.nbytes, self.filled = resp.pieces, resp.nbytes, resp.filled
 
     def close(self) -> None:
         pass
@@ -254,12 +255,15 @@ class S3Http:
         Key: str,
         Range: str | None = None,
         IfMatch: str | None = None,
+        into: memoryview | None = None,
     ) -> dict[str, Any]:
+        """``into``: where a successful body that fits goes (see :meth:`.http1.Pool.request`);
+        not one of botocore's parameters."""
         del Bucket
         headers: dict[str, str] = {}
         _opt(headers, "range", Range)
         _opt(headers, "if-match", IfMatch)
-        resp = await self._send("GET", "GetObject", Key, headers, EMPTY_SHA256, None)
+        resp = await self._send("GET", "GetObject", Key, headers, EMPTY_SHA256, None, into=into)
         _raise_for(resp, "GetObject")
         out = _object_fields(resp.headers)
         out["Body"] = Body(resp)
@@ -315,12 +319,15 @@ class S3Http:
         payload_hash: str,
         body: bytes | bytearray | memoryview | None,
         query: Mapping[str, str] | None = None,
+        *,
+        into: memoryview | None = None,
     ) -> Response:
         path = self._prefix + quote(key, safe="/~")
         qs = canonical_query(query) if query else ""
         creds = await self._frozen()
         self.signer.sign(method, path, headers, payload_hash, creds, query=qs)
-        return await self._pool.request(method, f"{path}?{qs}" if qs else path, headers, body)
+        target = f"{path}?{qs}" if qs else path
+        return await self._pool.request(method, target, headers, body, into=into)
 
     async def _frozen(self) -> Credentials:
         creds = self.credentials()

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
-import aiohttp
 import botocore.exceptions as bx
 
 from ..errors import (
@@ -113,9 +113,13 @@ def retry_reason(e: BaseException) -> str | None:
         bx.EndpointConnectionError
         | bx.ConnectionClosedError
         | bx.HTTPClientError
-        | aiohttp.ClientError
         | ConnectionError,
     ):
+        return "connection"
+    # aiohttp's errors, from botocore's calls; not imported here: the lean path alone
+    # never loads aiohttp (about 0.25 s of imports), and then none of its errors can occur.
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is not None and isinstance(e, aiohttp.ClientError):
         return "connection"
     if isinstance(e, CorruptData):
         return "checksum"

@@ -14,6 +14,8 @@ forwards requests and responses byte for byte, except where its *plan* says othe
 * ``stall``: forward the request and hold the response back for ``delay`` seconds
   (longer than the client's read timeout), or with ``after_bytes`` set, stall in the
   middle of the body;
+* ``pause``: stop the response body after ``after_bytes`` for ``delay`` seconds, then send
+  the rest (a slow link, or a client that gave up still receiving);
 * ``reset_request``: read the request head and part of its body, then reset, so an
   upload dies mid-body and never reaches the server;
 * ``corrupt_request`` / ``corrupt_response``: flip one bit in the middle of the request
@@ -48,6 +50,7 @@ FAULTS = (
     "reset",
     "truncate",
     "stall",
+    "pause",
     "reset_request",
     "corrupt_request",
     "corrupt_response",
@@ -63,8 +66,8 @@ class Rule:
     method and a path (with query) matching this regular expression.  ``times``: fire at
     most this many times (None: unlimited).  ``rate``: probability of firing on a
     matching request.  ``after_bytes``: for ``reset`` / ``truncate`` / ``stall`` /
-    ``reset_request``, how many body bytes pass before the fault (None: half the body).
-    ``delay``: seconds a ``stall`` lasts.
+    ``reset_request`` / ``pause``, how many body bytes pass before the fault (None: half
+    the body).  ``delay``: seconds a ``stall`` or a ``pause`` lasts.
     """
 
     fault: str
@@ -400,6 +403,11 @@ class FaultProxy:
         if rule.fault == "stall":
             await asyncio.sleep(rule.delay)
             raise _Fault()
+        if rule.fault == "pause":
+            await asyncio.sleep(rule.delay)
+            writer.write(body[cut:])
+            await writer.drain()
+            return (resp.get("connection") or "").lower() != "close"
         if rule.fault == "reset":
             _rst(writer)
         else:  # truncate: an orderly close, short of Content-Length

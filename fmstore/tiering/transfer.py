@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import mmap
 import os
 import random
 import time
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .. import runtime
+from ..buffers import huge_buffer
 from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
 from ..stores import posixmeta
 from ..stores.base import (
@@ -265,6 +267,9 @@ class Transfer:
         # (set per run: a run of one file fsyncs it rather than the whole file system).
         self.batch_sync = self.dst_local and options.fsync != "each"
         self._unsynced_writes = False
+        # Part buffers, in huge pages (see fmstore.buffers), kept for the next parts up to
+        # half the in-flight budget.
+        self._spare: list[mmap.mmap | bytearray] = []
 
     async def run(self, items: Sequence[CopyItem]) -> TransferReport:
         t0 = time.monotonic()
@@ -514,13 +519,17 @@ class Transfer:
             async with self.part_sem:
                 held = await self.budget.acquire(end - start)
                 try:
-                    # Unjoined: the destination writes the pieces as they came.
-                    data = await self.src.get_range_pieces(item.src_key, start, end)
+                    # Read into a reused buffer, straight from the socket or the file.
+                    buf = self._part_buffer(end - start)
+                    data = memoryview(buf)[: end - start]
+                    await self.src.get_into(item.src_key, start, data)
                     if self.bucket:
                         await self.bucket.acquire(end - start)
                     c = await self._crc(data)
                     await w.write_part(i, data)
                     del data
+                    # Only now, after success: a cancelled read may still be filling it.
+                    self._spare_buffer(buf)
                 finally:
                     await self.budget.release(held)
             crcs[i] = (c, end - start)
@@ -552,6 +561,16 @@ class Transfer:
                 item, "destination", whole, await self._read_crc(self.dst, item.dst_key, size)
             )
         self._finish(item, dmeta, whole, version)
+
+    def _part_buffer(self, n: int) -> mmap.mmap | bytearray:
+        for i, b in enumerate(self._spare):
+            if len(b) >= n:
+                return self._spare.pop(i)
+        return huge_buffer(max(n, self.opt.part_size))  # a last part's serves a full one
+
+    def _spare_buffer(self, buf: mmap.mmap | bytearray) -> None:
+        if (len(self._spare) + 1) * len(buf) <= self.opt.max_inflight_bytes // 2:
+            self._spare.append(buf)
 
     async def _read_crc(self, store: Store, key: str, size: int) -> int:
         """CRC32C of a stored object, read in parts concurrently."""
