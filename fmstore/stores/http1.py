@@ -33,6 +33,8 @@ _MAX_HEAD = 64 << 10
 #: Each connection's buffer for heads and small bodies.  Small, so that a big body's first
 #: read brings little of it along to be copied: the rest is received in place.
 _SCRATCH = 64 << 10
+#: Request bodies up to this size go out with their head in one send.
+_COALESCE = 64 << 10
 #: Bodies of known length are received in pieces of at most this size.
 _PIECE = 1 << 20
 
@@ -281,9 +283,13 @@ class _Conn(asyncio.BufferedProtocol):
         self._progress = False
         self._timer = loop.call_later(read_timeout, self._check_silence, read_timeout)
         try:
-            self.transport.write(head)
-            if body is not None and len(body):
-                self.transport.write(body)
+            n = 0 if body is None else memoryview(body).nbytes
+            if 0 < n <= _COALESCE:
+                self.transport.write(head + body)  # type: ignore[operator]  # one send
+            else:
+                self.transport.write(head)
+                if n:
+                    self.transport.write(body)  # type: ignore[arg-type]
             if self._paused is not None and not self._paused.done():
                 await asyncio.shield(self._paused)
             resp = await self._waiter

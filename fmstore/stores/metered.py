@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 from ..errors import FmstoreError
 from ..metrics import STORE_BYTES, STORE_ERRORS, STORE_INFLIGHT, STORE_LATENCY, STORE_OPS
@@ -18,30 +19,39 @@ class MeteredStore(Store):
         self.inner = inner
         self.tier = inner.tier
         self.url = inner.url
+        # Labelled children, looked up once: ``labels()`` validates and locks on every
+        # call, several microseconds, four times per operation.
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        child = self._children.get((metric, *labels))
+        if child is None:
+            child = self._children[(metric, *labels)] = metric.labels(self.tier, *labels)
+        return child
 
     @contextmanager
     def _op(self, op: str) -> Iterator[None]:
         t0 = time.perf_counter()
-        gauge = STORE_INFLIGHT.labels(self.tier)
+        gauge = self._child(STORE_INFLIGHT)
         gauge.inc()
         try:
             yield
         except GeneratorExit:  # a listing the caller stopped early is not an error
-            STORE_OPS.labels(self.tier, op, "ok").inc()
+            self._child(STORE_OPS, op, "ok").inc()
             raise
         except BaseException as e:
             name = type(e).__name__ if isinstance(e, FmstoreError) else "other"
-            STORE_ERRORS.labels(self.tier, op, name).inc()
-            STORE_OPS.labels(self.tier, op, "error").inc()
+            self._child(STORE_ERRORS, op, name).inc()
+            self._child(STORE_OPS, op, "error").inc()
             raise
         else:
-            STORE_OPS.labels(self.tier, op, "ok").inc()
+            self._child(STORE_OPS, op, "ok").inc()
         finally:
             gauge.dec()
-            STORE_LATENCY.labels(self.tier, op).observe(time.perf_counter() - t0)
+            self._child(STORE_LATENCY, op).observe(time.perf_counter() - t0)
 
     def _bytes(self, op: str, n: int) -> None:
-        STORE_BYTES.labels(self.tier, op).inc(n)
+        self._child(STORE_BYTES, op).inc(n)
 
     async def put(self, key: str, data: Buffer, options: PutOptions = PutOptions()) -> ObjectMeta:
         with self._op("put"):

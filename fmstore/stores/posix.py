@@ -19,6 +19,7 @@ import mmap
 import os
 import re
 import shutil
+import stat as _stat
 import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -127,6 +128,9 @@ class PosixStore(Store):
         self._lfs = shutil.which("lfs") if self.options.stripe_count is not None else None
         # `lfs setstripe` runs when a directory is made: never on the loop.
         self._inline_puts = self.options.stripe_count is None and fs_type(self.root) in _LOCAL_FS
+        # Small reads on the loop too, but only from the page cache (RWF_NOWAIT): a read that
+        # would wait on the disk goes to the I/O pool.
+        self._inline_reads = self._inline_puts and hasattr(os, "RWF_NOWAIT")
         if create:
             with self._translate(None):
                 self._makedirs(self.root)
@@ -354,6 +358,10 @@ class PosixStore(Store):
     async def get_with_meta(self, key: str) -> tuple[ObjectMeta, bytes]:
         """One open: fstat, read and the metadata xattr all come from the same file."""
         path = self._path(key)
+        if self._inline_reads:
+            got = self._cached_small(key, path)
+            if got is not None:
+                return got
 
         def do() -> tuple[ObjectMeta, bytes]:
             with self._translate(key):
@@ -382,6 +390,38 @@ class PosixStore(Store):
                     os.close(fd)
 
         return await runtime.to_io(do)
+
+    def _cached_small(self, key: str, path: str) -> tuple[ObjectMeta, bytes] | None:
+        """A small file and its metadata, read on the calling thread when its bytes are in
+        the page cache (an I/O-pool trip costs more than the whole read); None otherwise."""
+        with self._translate(key):
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if st.st_size > INLINE_PUT_BYTES or not _stat.S_ISREG(st.st_mode):
+                    return None
+                buf = bytearray(st.st_size)
+                try:
+                    if st.st_size and os.preadv(fd, [buf], 0, os.RWF_NOWAIT) != st.st_size:
+                        return None
+                except BlockingIOError:
+                    return None  # not cached
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    self._inline_reads = False  # this kernel or file system cannot
+                    return None
+                meta = ObjectMeta(
+                    key=key,
+                    size=st.st_size,
+                    mtime=st.st_mtime,
+                    etag=_etag(st),
+                    metadata=_read_meta(fd),
+                    stat=st,
+                )
+                return meta, bytes(buf)
+            finally:
+                os.close(fd)
 
     async def get_into(self, key: str, start: int, out: memoryview) -> None:
         path = self._path(key)

@@ -95,6 +95,7 @@ class Signer:
     def __init__(self, host: str, region: str) -> None:
         self.host, self.region = host, region
         self._keys: dict[tuple[str, str], bytes] = {}
+        self._second, self._stamp = -1, ""
 
     def sign(
         self,
@@ -109,7 +110,10 @@ class Signer:
         """Add SigV4 headers (``x-amz-date``, ``x-amz-content-sha256``, ``Authorization``);
         every header in ``headers`` is signed.  ``query``: the canonical query string (see
         :func:`canonical_query`), sent exactly so."""
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+        second = int(time.time() if now is None else now)
+        if second != self._second:
+            self._second, self._stamp = second, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(second))
+        stamp = self._stamp
         day = stamp[:8]
         headers["host"] = self.host
         headers["x-amz-date"] = stamp
