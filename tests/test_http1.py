@@ -16,8 +16,8 @@ class Server:
     """Reads each request (head and ``content-length`` body) and lets ``answer(n, head,
     body, writer)`` reply; ``n`` counts requests across connections."""
 
-    def __init__(self, answer):
-        self.answer = answer
+    def __init__(self, answer, early=False):
+        self.answer, self.early = answer, early
         self.requests: list[tuple[bytes, bytes]] = []
         self.connections = 0
 
@@ -30,6 +30,13 @@ class Server:
                 for line in head.split(b"\r\n"):
                     if line.lower().startswith(b"content-length:"):
                         length = int(line.split(b":")[1])
+                if self.early:  # answer before reading the body, as a refusing server does
+                    self.requests.append((head, b""))
+                    await self.answer(len(self.requests), head, b"", writer)
+                    await writer.drain()
+                    await asyncio.sleep(0.2)
+                    writer.close()
+                    return
                 body = await reader.readexactly(length)
                 self.requests.append((head, body))
                 if await self.answer(len(self.requests), head, body, writer) == "close":
@@ -243,6 +250,33 @@ def test_dead_endpoint_is_a_connection_error():
             p = pool(port)
             with pytest.raises(ConnectionError):
                 await p.request("GET", "/", {})
+            await p.close()
+
+    go(main())
+
+
+def test_big_body_is_sent_in_slices_and_an_early_answer_stops_it():
+    body = bytes(range(256)) * (12 << 12)  # 12 MiB: many slices
+
+    async def echo_length(n, head, req_body, w):
+        n = str(len(req_body)).encode()
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(n), n))
+
+    async def refuse(n, head, req_body, w):
+        w.write(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 6\r\n\r\ndenied")
+
+    async def main():
+        async with Server(echo_length) as s:
+            p = pool(s.port)
+            r = await p.request("PUT", "/", {}, memoryview(body))
+            assert r.body() == str(len(body)).encode()
+            assert s.requests[0][1] == body
+            await p.close()
+        async with Server(refuse, early=True) as s:
+            p = pool(s.port)
+            r = await p.request("PUT", "/", {}, memoryview(body))
+            assert r.status == 403 and r.body() == b"denied"
+            assert not p._idle  # the unsent rest makes the connection unusable
             await p.close()
 
     go(main())

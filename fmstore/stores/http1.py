@@ -35,6 +35,8 @@ _MAX_HEAD = 64 << 10
 _SCRATCH = 64 << 10
 #: Request bodies up to this size go out with their head in one send.
 _COALESCE = 64 << 10
+#: Bigger request bodies are written in slices of this size.
+_SLICE = 1 << 20
 #: Bodies of known length are received in pieces of at most this size.
 _PIECE = 1 << 20
 
@@ -289,9 +291,7 @@ class _Conn(asyncio.BufferedProtocol):
             else:
                 self.transport.write(head)
                 if n:
-                    self.transport.write(body)  # type: ignore[arg-type]
-            if self._paused is not None and not self._paused.done():
-                await asyncio.shield(self._paused)
+                    await self._send_body(memoryview(body).cast("B"))  # type: ignore[arg-type]
             resp = await self._waiter
         except BaseException:
             # Aborting stops every further receive at once: nothing more lands in ``into``
@@ -307,6 +307,22 @@ class _Conn(asyncio.BufferedProtocol):
         if self.transport.get_write_buffer_size():
             self._keep = False  # answered before our body was sent: the stream is out of step
         return resp
+
+    async def _send_body(self, view: memoryview) -> None:
+        """Write a big body slice by slice, each once the socket took the last: what the
+        socket cannot take at once is copied into the transport's buffer, so a body written
+        whole would be copied almost whole (and into fresh memory)."""
+        assert self.transport is not None and self._waiter is not None
+        for pos in range(0, view.nbytes, _SLICE):
+            if self._paused is not None and not self._paused.done():
+                await asyncio.shield(self._paused)
+            if self.closed or self._waiter.done():
+                self._keep = False  # answered (an error) or gone before the body was sent
+                return
+            self.transport.write(view[pos : pos + _SLICE])
+            self._progress = True  # the server is taking the body: not a silence
+        if self._paused is not None and not self._paused.done():
+            await asyncio.shield(self._paused)
 
     def _check_silence(self, timeout: float) -> None:
         if self._waiter is None or self._waiter.done():

@@ -554,7 +554,7 @@ class S3Store(Store):
     async def _object_call(
         self, method: str, lean: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> Any:
-        """PutObject / GetObject / HeadObject / ListObjectsV2 (botocore names), on the lean
+        """PutObject / UploadPart / GetObject / HeadObject / ListObjectsV2 (botocore names), on the lean
         path while it serves this store, else on botocore; ``lean``: the lean path's own
         extra arguments."""
         await self._bind()
@@ -791,20 +791,27 @@ class S3Store(Store):
         self, key: str, full: str, upload_id: str, number: int, body: Buffer
     ) -> dict[str, Any]:
         sums, _ = await self._checksum_args(body)
-        resp = await self._call(
-            "put_part",
-            key,
-            "upload_part",
-            Key=full,
-            UploadId=upload_id,
-            PartNumber=number,
-            Body=body,
-            **sums,
-        )
+        resp = await self._put_part(key, full, upload_id, number, body, sums)
         part = {"PartNumber": number, "ETag": resp["ETag"]}
         if "ChecksumCRC32C" in sums:
             part["ChecksumCRC32C"] = resp.get("ChecksumCRC32C") or sums["ChecksumCRC32C"]
         return part
+
+    async def _put_part(
+        self,
+        key: str,
+        full: str,
+        upload_id: str,
+        number: int,
+        body: Buffer,
+        sums: Mapping[str, str],
+    ) -> dict[str, Any]:
+        """One UploadPart (lean path where it serves), retried."""
+        args: dict[str, Any] = {"Key": full, "UploadId": upload_id, "PartNumber": number}
+        args.update(sums, Body=body)
+        return await self.retrier.call(
+            "put_part", key, lambda: self._object_call("upload_part", **args)
+        )
 
     async def _complete(
         self,

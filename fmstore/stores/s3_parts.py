@@ -122,16 +122,7 @@ class S3PartWriter(PartWriter):
         elif self.store.options.checksum == "md5":
             md5 = await runtime.to_cpu(lambda: hashlib.md5(body).digest())
             sums["ContentMD5"] = base64.b64encode(md5).decode()
-        await self.store._call(
-            "put_part",
-            self.key,
-            "upload_part",
-            Key=self.full,
-            UploadId=self.upload_id,
-            PartNumber=index + 1,
-            Body=body,
-            **sums,
-        )
+        await self.store._put_part(self.key, self.full, self.upload_id, index + 1, body, sums)
         if self.crc_parts:
             self._crcs[index] = crc
 
