@@ -1,7 +1,7 @@
-"""Dataset staging: ``fmstore stage`` vs s5cmd, rclone and the aws cli, one run, one server.
+"""Dataset staging: ``fmstore stage`` vs s5cmd, rclone and the aws cli, one server.
 
     python -m benchmarks.stage [--quick] [--small-n 10000] [--big-n 3] [--big-mib 300]
-                               [--concurrency 64] [--dir PATH]
+                               [--concurrency 64] [--rounds 3] [--dir PATH]
 
 Two sets — many small files (10,000 × 4 KiB) and a few big ones (3 × 300 MiB) — are
 copied local→S3 and S3→local on one SeaweedFS started here, by every tool in turn, each
@@ -12,7 +12,10 @@ with a note.  ``ratio`` is the peer's time / fmstore's time: above 1.0 fmstore i
 Downloads: fmstore syncs the destination before it returns (``--fsync batch``, the
 default), the peers do not, so it also runs with ``--fsync none`` and ``ratio (no sync)``
 compares the peers with that.  Every run starts after a ``sync`` and downloads are removed
-only after their set (a deletion's work on a ``discard`` mount would land on the next run).  Goals: ≥ 1.0 against s5cmd on every case, ≥ 3 against
+only after their set (a deletion's work on a ``discard`` mount would land on the next run).
+fmstore and s5cmd run ``--rounds`` times per case in rotating order (the first run of a
+round has no one's leftovers, the others have); the table gives medians and every run.
+The set the downloads read is uploaded first, untimed, which also warms the server.  Goals: ≥ 1.0 against s5cmd on every case, ≥ 3 against
 the aws cli.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -211,6 +215,12 @@ def main() -> None:
         "--size", choices=["full", "quick"], default="full", help="same as --quick when 'quick'"
     )
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="runs of fmstore and s5cmd per case, in rotating order (medians reported)",
+    )
     ap.add_argument("--dir", default=None, help="where the local sets go (default: a temp dir)")
     args = ap.parse_args()
     if args.quick or args.size == "quick":
@@ -230,28 +240,36 @@ def main() -> None:
                 floor_dst = os.path.join(work, f"floor-{name}")
                 t = run(["cp", "-r", src, floor_dst], tools.env)
                 rows.append(
-                    _row(name, "local→local", "cp -r (disk floor)", t, nfiles, nbytes, None)
+                    _row(name, "local→local", "cp -r (disk floor)", [t], nfiles, nbytes, None)
                 )
                 shutil.rmtree(floor_dst, ignore_errors=True)
                 subprocess.run(["sync"], check=False)
-                seeded = None
+                # The set the downloads read, uploaded first and untimed: it also warms the
+                # server (volumes are created on a bucket's first writes), so no timed run
+                # pays for that.
+                seeded = f"{name}-seed"
+                run(tools.upload("fmstore", src, seeded), tools.env)
                 downloads: list[str] = []
                 for direction in ("local→S3", "S3→local"):
-                    base = base_nosync = None
-                    runs = list(tools.available)
+                    # fmstore and s5cmd (the goal's peer) run ``rounds`` times in rotating
+                    # order and report medians; the slower peers run once.
+                    repeated = ["fmstore", "s5cmd"] if "s5cmd" in tools.available else ["fmstore"]
                     if direction == "S3→local":
                         # The peers return before their bytes are on disk; fmstore syncs
                         # by default, so it also runs the way they do, for a like-for-like ratio.
-                        runs.insert(1, NOSYNC)
-                    for tool in runs:
+                        repeated.insert(1, NOSYNC)
+                    schedule: list[str] = []
+                    for r in range(args.rounds):
+                        k = r % len(repeated)
+                        schedule += repeated[k:] + repeated[:k]
+                    schedule += [t for t in tools.available if t not in repeated]
+                    times: dict[str, list[float]] = {}
+                    for tool in schedule:
                         tag = f"{name}-{uuid.uuid4().hex[:6]}"
                         if direction == "local→S3":
                             cmd = tools.upload(tool, src, tag)
                             dst = None
                         else:
-                            if seeded is None:
-                                seeded = f"{name}-seed"
-                                run(tools.upload("fmstore", src, seeded), tools.env)
                             dst = os.path.join(work, f"dl-{tag}")
                             os.makedirs(dst)
                             if tool == NOSYNC:
@@ -274,12 +292,12 @@ def main() -> None:
                             # Removed after the set, not now: on a file system mounted with
                             # `discard` the deletion's work lands on the next tool's run.
                             downloads.append(dst)
-                        if tool == "fmstore":
-                            base = t
-                        if tool == NOSYNC:
-                            base_nosync = t
+                        times.setdefault(tool, []).append(t)
+                    base = statistics.median(times["fmstore"]) if "fmstore" in times else None
+                    base_nosync = statistics.median(times[NOSYNC]) if NOSYNC in times else None
+                    for tool, ts in times.items():
                         rows.append(
-                            _row(name, direction, tool, t, nfiles, nbytes, base, base_nosync)
+                            _row(name, direction, tool, ts, nfiles, nbytes, base, base_nosync)
                         )
                 for d in downloads:
                     shutil.rmtree(d, ignore_errors=True)
@@ -290,7 +308,17 @@ def main() -> None:
     table = print_table(
         title,
         rows,
-        ["set", "direction", "tool", "seconds", "MB/s", "files/s", "ratio", "ratio (no sync)"],
+        [
+            "set",
+            "direction",
+            "tool",
+            "seconds",
+            "runs",
+            "MB/s",
+            "files/s",
+            "ratio",
+            "ratio (no sync)",
+        ],
     )
     for n in notes:
         print("note:", n)
@@ -310,18 +338,21 @@ def _row(
     name: str,
     direction: str,
     tool: str,
-    t: float,
+    ts: list[float],
     nfiles: int,
     nbytes: int,
     base: float | None,
     base_nosync: float | None = None,
 ) -> dict[str, Any]:
+    """One tool's row: the median of its runs, and the runs themselves."""
     peer = not tool.startswith("fmstore") and "floor" not in tool
+    t = statistics.median(ts)
     return {
         "set": name,
         "direction": direction,
         "tool": tool,
         "seconds": round(t, 2),
+        "runs": " ".join(f"{x:.2f}" for x in sorted(ts)) if len(ts) > 1 else "",
         "MB/s": round(mbps(nbytes, t), 1),
         "files/s": round(nfiles / t, 1),
         # peer time / fmstore time: > 1 means fmstore is faster.

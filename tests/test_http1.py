@@ -16,8 +16,8 @@ class Server:
     """Reads each request (head and ``content-length`` body) and lets ``answer(n, head,
     body, writer)`` reply; ``n`` counts requests across connections."""
 
-    def __init__(self, answer, early=False):
-        self.answer, self.early = answer, early
+    def __init__(self, answer, early=False, ssl=None):
+        self.answer, self.early, self.ssl = answer, early, ssl
         self.requests: list[tuple[bytes, bytes]] = []
         self.connections = 0
 
@@ -47,7 +47,7 @@ class Server:
             writer.close()
 
     async def __aenter__(self):
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.ssl)
         self.port = self.server.sockets[0].getsockname()[1]
         return self
 
@@ -277,6 +277,56 @@ def test_big_body_is_sent_in_slices_and_an_early_answer_stops_it():
             r = await p.request("PUT", "/", {}, memoryview(body))
             assert r.status == 403 and r.body() == b"denied"
             assert not p._idle  # the unsent rest makes the connection unusable
+            await p.close()
+
+    go(main())
+
+
+def test_tls_round_trips_in_place_in_pieces_and_in_slices(tmp_path):
+    """S3 is https in production: the same framing, in-place receives and sliced sends
+    over TLS (a self-signed certificate made by the openssl command)."""
+    import shutil
+    import ssl
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+        + ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"]
+        + ["-addext", "subjectAltName=DNS:localhost"],
+        check=True,
+        capture_output=True,
+    )
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    client_ctx = ssl.create_default_context(cafile=str(cert))
+    data = bytes(range(256)) * (12 << 10)  # 3 MiB
+
+    async def answer(n, head, req_body, w):
+        body = data if head.startswith(b"GET") else str(len(req_body)).encode()
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+    async def main():
+        async with Server(answer, ssl=server_ctx) as s:
+            p = Pool(
+                "127.0.0.1",
+                s.port,
+                limit=2,
+                connect_timeout=5,
+                read_timeout=10,
+                ssl=client_ctx,
+                server_hostname="localhost",
+            )
+            out = bytearray(len(data) + 10)
+            r = await p.request("GET", "/", {}, into=memoryview(out))
+            assert r.filled and r.nbytes == len(data) and out[: len(data)] == data
+            r = await p.request("GET", "/", {})
+            assert not r.filled and r.body() == data
+            r = await p.request("PUT", "/", {}, memoryview(data + data))
+            assert r.body() == str(2 * len(data)).encode()
+            assert s.connections == 1
             await p.close()
 
     go(main())
