@@ -238,6 +238,7 @@ def main() -> None:
                     notes.append(f"{peer}: not installed, skipped (pip install '.[bench]')")
             for name, (src, nfiles, nbytes) in sets.items():
                 floor_dst = os.path.join(work, f"floor-{name}")
+                subprocess.run(["sync"], check=False)  # the generated set is on disk first
                 t = run(["cp", "-r", src, floor_dst], tools.env)
                 rows.append(
                     _row(name, "local→local", "cp -r (disk floor)", [t], nfiles, nbytes, None)
