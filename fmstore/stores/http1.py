@@ -336,7 +336,8 @@ class _Conn(asyncio.BufferedProtocol):
         self.close()
 
     def reusable(self) -> bool:
-        return self._keep and not self.closed
+        t = self.transport
+        return self._keep and not self.closed and t is not None and not t.is_closing()
 
     def close(self) -> None:
         self.closed = True
