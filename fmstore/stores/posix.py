@@ -317,14 +317,7 @@ class PosixStore(Store):
 
     def _meta(self, key: str, path: str, st: os.stat_result | None = None) -> ObjectMeta:
         st = st or os.stat(path)
-        return ObjectMeta(
-            key=key,
-            size=st.st_size,
-            mtime=st.st_mtime,
-            etag=_etag(st),
-            metadata=_read_meta(path),
-            stat=st,
-        )
+        return _file_meta(key, st, path)
 
     async def open_writer(self, key: str, options: PutOptions = PutOptions()) -> Writer:
         path = self._path(key)
@@ -377,14 +370,7 @@ class PosixStore(Store):
                         parts.append(chunk)
                         off += len(chunk)
                     data = parts[0] if len(parts) == 1 else b"".join(parts)
-                    meta = ObjectMeta(
-                        key=key,
-                        size=st.st_size,
-                        mtime=st.st_mtime,
-                        etag=_etag(st),
-                        metadata=_read_meta(fd),
-                        stat=st,
-                    )
+                    meta = _file_meta(key, st, fd)
                     return meta, data
                 finally:
                     os.close(fd)
@@ -411,14 +397,7 @@ class PosixStore(Store):
                         raise
                     self._inline_reads = False  # this kernel or file system cannot
                     return None
-                meta = ObjectMeta(
-                    key=key,
-                    size=st.st_size,
-                    mtime=st.st_mtime,
-                    etag=_etag(st),
-                    metadata=_read_meta(fd),
-                    stat=st,
-                )
+                meta = _file_meta(key, st, fd)
                 return meta, bytes(buf)
             finally:
                 os.close(fd)
@@ -734,6 +713,19 @@ def _copy_fd(src: int, dst: int) -> None:
                 break
             os.write(dst, buf)
             off += len(buf)
+
+
+def _file_meta(key: str, st: os.stat_result, file: str | int) -> ObjectMeta:
+    """What ``stat`` knows about a file, with its metadata xattr read from ``file`` (a path
+    or an open descriptor)."""
+    return ObjectMeta(
+        key=key,
+        size=st.st_size,
+        mtime=st.st_mtime,
+        etag=_etag(st),
+        metadata=_read_meta(file),
+        stat=st,
+    )
 
 
 def _read_meta(path: str | int) -> dict[str, str]:
