@@ -69,13 +69,13 @@ class Credentials:
 
 
 class Body:
-    """A GetObject body, already read: the pieces the connection delivered, or ``filled``
-    when it went into the caller's buffer."""
+    """A GetObject body, already read: the pieces the connection delivered (none when it
+    went into the caller's buffer, ``into``)."""
 
-    __slots__ = ("pieces", "nbytes", "filled")
+    __slots__ = ("pieces", "nbytes")
 
     def __init__(self, resp: Response) -> None:
-        self.pieces, self.nbytes, self.filled = resp.pieces, resp.nbytes, resp.filled
+        self.pieces, self.nbytes = resp.pieces, resp.nbytes
 
     def close(self) -> None:
         pass
