@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from fmstore.stores.http1 import Pool
+from fmstore.stores.http1 import Pool, Sink
 
 
 class Server:
@@ -330,3 +330,126 @@ def test_tls_round_trips_in_place_in_pieces_and_in_slices(tmp_path):
             await p.close()
 
     go(main())
+
+
+def _body_answer(body, status=b"206 Partial Content"):
+    async def answer(n, head, req_body, w):
+        msg = b"HTTP/1.1 %s\r\nContent-Length: %d\r\n\r\n" % (status, len(body)) + body
+        for i in range(0, len(msg), 50_000):
+            w.write(msg[i : i + 50_000])
+            await w.drain()
+
+    return answer
+
+
+def test_sink_streams_through_its_ring_and_waits_for_slow_takes():
+    body = bytes(range(251)) * 8000  # 2 MB: many rings of 64 KiB
+    got: list[bytes] = []
+    sizes: list[int] = []
+
+    async def main():
+        async with Server(_body_answer(body)) as s:
+            p = pool(s.port)
+            ring = memoryview(bytearray(64 << 10))
+
+            def take(view):
+                got.append(bytes(view))
+                sizes.append(view.nbytes)
+
+            r = await p.request("GET", "/", {}, sink=Sink(ring, take))
+            assert r.status == 206 and r.nbytes == len(body) and r.body() == b""
+            assert b"".join(got) == body and max(sizes) == len(ring)
+
+            # A take that needs time: the connection reads nothing more meanwhile, and
+            # is in order for the next request afterwards (reading resumed).
+            got.clear()
+            busy = []
+
+            def slow(view):
+                assert not busy  # never called again before the last one finished
+                got.append(bytes(view))
+
+                async def later():
+                    busy.append(1)
+                    await asyncio.sleep(0.002)
+                    busy.pop()
+
+                return later()
+
+            r = await p.request("GET", "/", {}, sink=Sink(ring, slow))
+            assert b"".join(got) == body
+            r = await p.request("GET", "/", {})  # same connection, reading again
+            assert r.body() == body
+            assert s.connections == 1
+            await p.close()
+
+    go(main())
+
+
+def test_sink_take_errors_fail_the_request_and_a_refused_body_comes_as_pieces():
+    body = b"x" * 300_000
+    seen = []
+
+    async def main():
+        async with Server(_body_answer(body)) as s:
+            p = pool(s.port)
+            ring = memoryview(bytearray(64 << 10))
+
+            def broken(view):
+                raise OSError(28, "No space left on device")
+
+            with pytest.raises(OSError, match="No space"):
+                await p.request("GET", "/", {}, sink=Sink(ring, broken))
+
+            async def fails():
+                raise ValueError("consumer gave up")
+
+            with pytest.raises(ValueError, match="gave up"):
+                await p.request("GET", "/", {}, sink=Sink(ring, lambda v: fails()))
+
+            def refuse(status, headers):
+                seen.append((status, headers["content-length"]))
+                return False
+
+            r = await p.request("GET", "/", {}, sink=Sink(ring, broken, refuse))
+            assert r.body() == body and seen == [(206, str(len(body)))]
+            await p.close()
+
+    go(main())
+
+
+def test_cancelled_request_waits_for_the_sinks_take_in_progress():
+    body = b"y" * 200_000
+    events = []
+
+    async def main():
+        async with Server(_body_answer(body)) as s:
+            p = pool(s.port)
+            started = asyncio.Event()
+
+            def take(view):
+                async def write():
+                    events.append("take started")
+                    started.set()
+                    await asyncio.sleep(0.3)
+                    events.append("take done")
+
+                return write()
+
+            task = asyncio.ensure_future(
+                p.request("GET", "/", {}, sink=Sink(memoryview(bytearray(64 << 10)), take))
+            )
+            await started.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            events.append("request over")
+            assert events == ["take started", "take done", "request over"]
+            await p.close()
+
+    go(main())
+
+
+def test_sink_ring_must_hold_a_scratch_buffer():
+    with pytest.raises(ValueError, match="ring"):
+        Sink(memoryview(bytearray(1024)), lambda v: None)

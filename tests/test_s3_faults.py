@@ -109,6 +109,19 @@ def test_reads_survive_faults_mid_body(store, fault_proxy, fault, boto, s3_bucke
     assert bytes(out) == data[3 : 3 + (6 << 20)]
 
 
+@pytest.mark.parametrize("fault", ["reset", "truncate", "stall", "error"])
+def test_streamed_read_resumes_where_a_fault_cut_it(store, fault_proxy, fault):
+    """``read_to`` hands over each byte once, in order: a GET cut short is resumed from the
+    first byte not yet consumed, not sent again from the start."""
+    data = os.urandom(9 << 20)
+    run(store.put("streamed", data))
+    fault_proxy.set_plan([Rule(fault, method="GET", times=2, after_bytes=3 << 20, delay=30)])
+    got = bytearray()
+    run(store.read_to("streamed", 1000, len(data) - 7, got.extend))
+    assert got == data[1000:-7]
+    assert fault_proxy.injected[fault] == 2
+
+
 def test_corrupted_full_read_is_caught_and_read_again(store, fault_proxy, tier):
     """Bytes flipped on the wire fail the recorded CRC32C: read once more, then CorruptData.
 

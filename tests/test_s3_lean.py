@@ -18,8 +18,15 @@ from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials as BotoCredentials
 
 from fmstore import runtime
-from fmstore.errors import NotFound, PermissionDenied, PreconditionFailed
+from fmstore.errors import (
+    InvalidRange,
+    NotFound,
+    PermissionDenied,
+    PreconditionFailed,
+    StoreUnavailable,
+)
 from fmstore.stores import PutOptions, open_store
+from fmstore.stores.s3 import STREAM_RING
 from fmstore.stores.s3_http import EMPTY_SHA256, Credentials, Signer
 from fmstore.testing.faultproxy import Rule
 
@@ -309,5 +316,81 @@ def test_a_cancelled_get_into_writes_nothing_more(s3_server, s3_bucket, fault_pr
         again = bytearray(len(data))
         run(store.get_into("k", 0, memoryview(again)))
         assert again == data
+    finally:
+        run(store.close())
+
+
+def test_read_to_streams_through_a_small_ring_on_either_path(s3_server, s3_bucket):
+    """The lean path hands the body over ring by ring as it arrives (never more than the
+    ring at once); botocore's path hands over its stream's chunks; both in order."""
+    data = bytes(range(256)) * (12 << 12)  # 12 MiB
+    for lean in (True, False):
+        opts = {**s3_server.store_options(), "lean_requests": lean}
+        store = open_store(f"s3://{s3_bucket}/rt-{lean}", **opts)
+        try:
+            run(store.put("k", data))
+            got, sizes = bytearray(), []
+
+            def take(view, got=got, sizes=sizes):
+                got.extend(view)
+                sizes.append(view.nbytes)
+                return asyncio.sleep(0) if len(sizes) % 3 == 0 else None  # some wait
+
+            run(store.read_to("k", 5, len(data) - 5, take))
+            assert got == data[5:-5]
+            assert (store._http is not None) == lean
+            if lean:
+                assert max(sizes) == STREAM_RING and len(sizes) > 40
+            got.clear()
+            run(store.read_to("k", 7, 7, got.extend))
+            assert got == b""
+            with pytest.raises(InvalidRange):
+                run(store.read_to("k", 0, len(data) + 1, got.extend))
+            with pytest.raises(NotFound):
+                run(store.read_to("missing", 0, 10, got.extend))
+        finally:
+            run(store.close())
+
+
+def test_read_to_raises_the_consumers_error_without_retrying(lean_store):
+    run(lean_store.put("k", b"z" * (1 << 20)))
+    calls = []
+
+    def full(view):
+        calls.append(view.nbytes)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left") as e:
+        run(lean_store.read_to("k", 0, 1 << 20, full))
+    assert type(e.value) is OSError and len(calls) == 1
+
+    async def fails():
+        raise ValueError("consumer gave up")
+
+    with pytest.raises(ValueError, match="gave up"):
+        run(lean_store.read_to("k", 0, 1 << 20, lambda view: fails()))
+
+
+def test_read_to_an_object_overwritten_between_attempts_is_unavailable(
+    s3_server, s3_bucket, fault_proxy
+):
+    """Bytes already consumed came from the first version: a resumed GET that finds another
+    version must not splice the two."""
+    opts = {**s3_server.store_options(), "endpoint_url": fault_proxy.endpoint_url}
+    store = open_store(f"s3://{s3_bucket}/rt-over", **opts)
+    boto = s3_server.boto3_client()
+    try:
+        run(store.put("k", b"1" * (4 << 20)))
+        fault_proxy.set_plan([Rule("truncate", method="GET", times=1, after_bytes=2 << 20)])
+        got = bytearray()
+
+        def take(view):
+            if not got:  # while the first GET is under way, someone overwrites the object
+                boto.put_object(Bucket=s3_bucket, Key="rt-over/k", Body=b"2" * (4 << 20))
+            got.extend(view)
+
+        with pytest.raises(StoreUnavailable, match="changed while it was read"):
+            run(store.read_to("k", 0, 4 << 20, take))
+        assert set(got) == {ord("1")}
     finally:
         run(store.close())

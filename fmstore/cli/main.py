@@ -110,6 +110,12 @@ def entry() -> None:
     """
     import atexit
 
+    if next((a for a in sys.argv[1:] if not a.startswith("-")), None) != "daemon":
+        # This process is one command: only the daemon serves metrics, the others need not
+        # record them (nor load prometheus_client).
+        from .. import stores
+
+        stores.METERED_BY_DEFAULT = False
     try:
         main()
         code = 0

@@ -24,10 +24,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Coroutine
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import typer
-from rich.console import Console
 
 from .. import runtime
 from ..errors import ConfigError, NotFound
@@ -54,6 +53,9 @@ from ..tiering.transfer import (
 from .main import app
 from .util import human_bytes
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
 T = TypeVar("T")
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -75,6 +77,8 @@ def parse_size(text: str, what: str) -> int:
 
 
 def _console(err: bool = False) -> Console:
+    from rich.console import Console  # on demand: a copy logging to a file needs none
+
     return Console(stderr=err, highlight=False)
 
 
@@ -101,12 +105,11 @@ def _run_with_progress(
             finished.set()
 
     fut = runtime.submit(wrapped())
-    err = _console(err=True)
     try:
         if progress is None or not show:
             return fut.result()
-        if err.is_terminal:
-            return _rich_loop(fut, progress, label, err)
+        if sys.stderr.isatty():
+            return _rich_loop(fut, progress, label, _console(err=True))
         return _log_loop(fut, progress, label, interval)
     except KeyboardInterrupt:
         fut.cancel()

@@ -16,7 +16,6 @@ from typing import Any
 from ..config import Config, get_config
 from ..errors import ConfigError
 from .base import ByteRange, ObjectMeta, PutOptions, Store, Writer
-from .metered import MeteredStore
 from .posix import PosixOptions, PosixStore
 from .prefix import PrefixStore
 
@@ -33,6 +32,20 @@ __all__ = [
     "open_store",
     "split_tier",
 ]
+
+#: Whether :func:`open_store` wraps stores in :class:`MeteredStore` unless told otherwise.
+#: The CLI turns it off for every command but the daemon: only the daemon serves metrics,
+#: and not loading prometheus_client takes 50 ms off each command's start.
+METERED_BY_DEFAULT = True
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MeteredStore":  # imported on demand: it loads prometheus_client
+        from .metered import MeteredStore
+
+        return MeteredStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 _TIER = re.compile(r"^([A-Za-z0-9_-]+):(?!//)(.*)$")
@@ -55,11 +68,13 @@ def open_store(
     url: str,
     *,
     tier: str | None = None,
-    metered: bool = True,
+    metered: bool | None = None,
     config: Config | None = None,
     **options: Any,
 ) -> Store:
-    """Open the store behind ``url``; ``options`` go to the backend (see each backend's options)."""
+    """Open the store behind ``url``; ``options`` go to the backend (see each backend's
+    options).  ``metered``: record Prometheus metrics (see :class:`MeteredStore`); None
+    means :data:`METERED_BY_DEFAULT`."""
     if not isinstance(url, str) or not url:
         raise ConfigError(f"store URL must be a non-empty string, not {url!r}")
     name, rest = split_tier(url, config)
@@ -70,7 +85,13 @@ def open_store(
         )
         return base.sub(rest) if rest.strip("/") else base
     store = _open_backend(url, tier, options)
-    return MeteredStore(store) if metered else store
+    if metered is None:
+        metered = METERED_BY_DEFAULT
+    if not metered:
+        return store
+    from .metered import MeteredStore
+
+    return MeteredStore(store)
 
 
 def _open_backend(url: str, tier: str | None, options: dict[str, Any]) -> Store:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import abc
 import builtins
 import os
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Literal
@@ -38,6 +38,9 @@ Buffer = bytes | bytearray | memoryview
 #: One byte string given as the consecutive pieces a connection delivered, unjoined: a copy
 #: writes them on as they are (``pwritev``) instead of paying one more pass to join them.
 Pieces = Sequence[Buffer]
+#: Takes the bytes of a streamed read (:meth:`Store.read_to`) in order: returns None when
+#: done with them, or an awaitable to complete before the next bytes come.
+Consumer = Callable[[memoryview], "Awaitable[None] | None"]
 
 
 def as_pieces(data: Buffer | Pieces) -> Pieces:
@@ -194,11 +197,34 @@ class PartWriter(abc.ABC):
     async def abort(self) -> None:
         """Discard every part; safe to call more than once."""
 
+    def stream_part(self, index: int) -> PartStream | None:
+        """Part ``index`` written front to back as its bytes arrive (a copy streaming
+        from :meth:`Store.read_to`), where the backend can (POSIX: ``pwrite`` at the
+        part's offset); None where it takes whole parts only (S3's UploadPart)."""
+        return None
+
     async def read_part(self, index: int) -> bytes | None:
         """The bytes part ``index`` holds now, where the backend can read a pending write
         back (POSIX); None elsewhere.  Lets a resumed copy check parts written without a
         sync instead of writing them again."""
         return None
+
+
+class PartStream(abc.ABC):
+    """One part of a :class:`PartWriter`, written in order (see
+    :meth:`PartWriter.stream_part`)."""
+
+    @abc.abstractmethod
+    def write(self, data: memoryview) -> Awaitable[None] | None:
+        """Append ``data`` (a :data:`Consumer`): None once written, or an awaitable to
+        complete before the next write and before ``data`` is reused.  ValueError past the
+        part's end."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """The part is complete: durable when this returns, as after
+        :meth:`PartWriter.write_part`.  ValueError when fewer bytes came than the part
+        holds."""
 
 
 class Store(abc.ABC):
@@ -286,6 +312,20 @@ class Store(abc.ABC):
         """
         data = await self.get_range(key, start, start + len(out))
         out[:] = data
+
+    async def read_to(self, key: str, start: int, end: int, consume: Consumer) -> None:
+        """Hand bytes ``[start, end)`` of ``key`` to ``consume``, in order.
+
+        The bytes passed are only valid during the call (or until its awaitable is done).
+        Backends that stream (S3) call it as bytes arrive, from a buffer small enough to
+        stay in the CPU's cache, so a copy to a file never holds a whole range in memory;
+        this default reads the range, then hands over its pieces.  What ``consume`` raises
+        is raised as is.
+        """
+        for piece in await self.get_range_pieces(key, start, end):
+            pending = consume(memoryview(piece))
+            if pending is not None:
+                await pending
 
     async def get_with_meta(self, key: str) -> tuple[ObjectMeta, bytes]:
         """The whole object and its metadata (user metadata included).

@@ -22,7 +22,7 @@ import re
 import socket
 import ssl as _ssl
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 #: A kept-alive connection idle longer than this is closed rather than reused (servers
@@ -61,6 +61,30 @@ class Response:
         return b"".join(self.pieces)
 
 
+class Sink:
+    """Where a streamed 2xx body goes (see :meth:`Pool.request`).
+
+    The body is received into ``ring`` and handed to ``take`` each time the ring is full
+    and at the body's end, so it passes through a few hundred KiB that stay in the CPU's
+    cache rather than through memory the size of the body.  ``take`` returns None when it
+    is done with the bytes, or an awaitable: nothing more is received until it completes.
+    What ``take`` raises (or its awaitable) fails the request.  ``accept``, when given,
+    sees the status and headers first; a body it refuses comes back as pieces.
+    """
+
+    __slots__ = ("ring", "take", "accept")
+
+    def __init__(
+        self,
+        ring: memoryview,
+        take: Callable[[memoryview], Awaitable[None] | None],
+        accept: Callable[[int, Mapping[str, str]], bool] | None = None,
+    ) -> None:
+        if ring.nbytes < _SCRATCH:
+            raise ValueError(f"a sink's ring must hold at least {_SCRATCH} bytes")
+        self.ring, self.take, self.accept = ring, take, accept
+
+
 class _Conn(asyncio.BufferedProtocol):
     """One connection; carries one request at a time.
 
@@ -88,6 +112,8 @@ class _Conn(asyncio.BufferedProtocol):
         self._fill: memoryview | None = None  # the current body's place in ``_into``
         self._pos = 0
         self._chunk: bytearray | None = None  # the piece being received
+        self._sink: Sink | None = None  # where the caller streams a 2xx body
+        self._taking: asyncio.Future[None] | None = None  # the sink's unfinished take
 
     # ---- protocol callbacks -----------------------------------------------------------
 
@@ -122,7 +148,7 @@ class _Conn(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._resp is not None and self._left > 0:
             if self._fill is not None:
-                return self._fill[self._pos :]
+                return self._fill[self._pos : self._pos + self._left]
             if self._chunk is None:
                 self._chunk = bytearray(min(self._left, _PIECE))
                 self._pos = 0
@@ -139,6 +165,9 @@ class _Conn(asyncio.BufferedProtocol):
         self._pos += nbytes
         self._left -= nbytes
         resp.nbytes += nbytes
+        if self._sink is not None and self._fill is not None:
+            self._to_sink()
+            return
         if self._chunk is not None and self._pos == len(self._chunk):
             resp.pieces.append(self._chunk)
             self._chunk = None
@@ -201,9 +230,13 @@ class _Conn(asyncio.BufferedProtocol):
                     raise ValueError("negative Content-Length")
             else:
                 self._left, self._keep = -1, False
-            into = self._into
-            if into is not None and 200 <= status < 300 and 0 < self._left <= into.nbytes:
-                self._fill, self._pos, self._resp.filled = into[: self._left], 0, True
+            into, sink = self._into, self._sink
+            if 200 <= status < 300 and self._left > 0:
+                if sink is not None:
+                    if sink.accept is None or sink.accept(status, headers):
+                        self._fill, self._pos, self._resp.filled = sink.ring, 0, True
+                elif into is not None and self._left <= into.nbytes:
+                    self._fill, self._pos, self._resp.filled = into[: self._left], 0, True
             if self._left == 0:
                 self._keep = self._keep and not rest
                 self._finish()
@@ -233,8 +266,51 @@ class _Conn(asyncio.BufferedProtocol):
             self._resp.pieces.append(data)
         self._resp.nbytes += n
         self._left -= n
+        if self._sink is not None and self._fill is not None:
+            self._to_sink()  # the ring holds at least the scratch buffer: ``data`` fitted
+        elif self._left == 0:
+            self._finish()
+
+    def _to_sink(self) -> None:
+        """Hand the ring to the sink once it is full or the body complete."""
+        assert self._sink is not None and self._fill is not None
+        if self._pos < self._fill.nbytes and self._left > 0:
+            return
+        view, self._pos = self._fill[: self._pos], 0
+        try:
+            pending = self._sink.take(view)
+        except Exception as e:
+            self._fail(e)
+            return
+        if pending is None:
+            if self._left == 0:
+                self._finish()
+            return
+        assert self.transport is not None
+        self.transport.pause_reading()  # the ring is the sink's until it is done
+        self._taking = asyncio.ensure_future(pending)
+        self._taking.add_done_callback(self._taken)
+
+    def _taken(self, fut: asyncio.Future[None]) -> None:
+        self._taking = None
+        self._progress = True
+        if self._waiter is None or self._waiter.done() or self.closed:
+            return  # the request failed meanwhile; the connection is closed
+        err = ConnectionError("the body's consumer was cancelled") if fut.cancelled() else None
+        err = err or fut.exception()
+        if err is not None:
+            self._fail(err)
+            return
+        assert self.transport is not None
+        self.transport.resume_reading()  # for the rest of the body, or the next response
         if self._left == 0:
             self._finish()
+
+    def _fail(self, err: BaseException) -> None:
+        self._keep = False
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(err)
+        self.close()
 
     def _parse_chunks(self) -> None:
         assert self._resp is not None
@@ -261,7 +337,7 @@ class _Conn(asyncio.BufferedProtocol):
 
     def _finish(self) -> None:
         resp, self._resp = self._resp, None
-        self._fill = self._into = self._chunk = None
+        self._fill = self._into = self._chunk = self._sink = None
         assert resp is not None and self._waiter is not None
         if not self._waiter.done():
             self._waiter.set_result(resp)
@@ -275,12 +351,13 @@ class _Conn(asyncio.BufferedProtocol):
         head_only: bool,
         read_timeout: float,
         into: memoryview | None,
+        sink: Sink | None = None,
     ) -> Response:
         assert self.transport is not None
         loop = asyncio.get_running_loop()
         self._waiter = loop.create_future()
         self._head_only, self._resp, self._left, self.received = head_only, None, 0, False
-        self._into, self._fill, self._chunk = into, None, None
+        self._into, self._fill, self._chunk, self._sink = into, None, None, sink
         self._buf.clear()
         self._progress = False
         self._timer = loop.call_later(read_timeout, self._check_silence, read_timeout)
@@ -298,12 +375,16 @@ class _Conn(asyncio.BufferedProtocol):
             # once the caller has seen the request fail.
             self._keep = False
             self.close()
+            if self._taking is not None:
+                # The sink is still busy with the ring: once the request has failed,
+                # nothing of it may still be under way.
+                await asyncio.wait([self._taking])
             raise
         finally:
             if self._timer is not None:
                 self._timer.cancel()
             self._waiter = None
-            self._fill = self._into = self._chunk = None
+            self._fill = self._into = self._chunk = self._sink = None
         if self.transport.get_write_buffer_size():
             self._keep = False  # answered before our body was sent: the stream is out of step
         return resp
@@ -377,12 +458,15 @@ class Pool:
         body: Buffer | None = None,
         *,
         into: memoryview | None = None,
+        sink: Sink | None = None,
     ) -> Response:
         """Send one request and read its whole response.
 
         ``into``: a successful (2xx) body that fits goes there, received in place, and the
-        response says ``filled``; any other body comes back as pieces.  Once this returns
-        or raises, nothing more is written to ``into``.
+        response says ``filled``; any other body comes back as pieces.  ``sink``: a
+        successful body of known length is streamed to it instead (see :class:`Sink`).
+        Once this returns or raises, nothing more is written to ``into`` or the sink's
+        ring, and no ``take`` is under way.
 
         A kept-alive connection the server closed while it lay idle fails before any byte
         of the answer arrives; such a request is sent once more on a new connection (S3's
@@ -406,7 +490,9 @@ class Pool:
                 conn, reused = await self._connection()
                 self._busy.add(conn)
                 try:
-                    resp = await conn.exchange(head, body, head_only, self._read_timeout, into)
+                    resp = await conn.exchange(
+                        head, body, head_only, self._read_timeout, into, sink
+                    )
                 except ConnectionError:
                     if reused and not conn.received:
                         continue  # a stale kept-alive connection: once more on a fresh one

@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from ..errors import FmstoreError
 from ..metrics import STORE_BYTES, STORE_ERRORS, STORE_INFLIGHT, STORE_LATENCY, STORE_OPS
-from .base import Buffer, ObjectMeta, PartWriter, Pieces, PutOptions, Store, Writer, nbytes
+from .base import (
+    Buffer,
+    Consumer,
+    ObjectMeta,
+    PartStream,
+    PartWriter,
+    Pieces,
+    PutOptions,
+    Store,
+    Writer,
+    nbytes,
+)
 
 
 class MeteredStore(Store):
@@ -107,6 +118,11 @@ class MeteredStore(Store):
             await self.inner.get_into(key, start, out)
         self._bytes("get", out.nbytes)
 
+    async def read_to(self, key: str, start: int, end: int, consume: Consumer) -> None:
+        with self._op("get_range"):
+            await self.inner.read_to(key, start, end, consume)
+        self._bytes("get", end - start)
+
     async def stat(self, key: str) -> ObjectMeta:
         with self._op("stat"):
             return await self.inner.stat(key)
@@ -177,6 +193,10 @@ class _MeteredPartWriter(PartWriter):
     async def read_part(self, index: int) -> bytes | None:
         return await self.inner.read_part(index)
 
+    def stream_part(self, index: int) -> PartStream | None:
+        inner = self.inner.stream_part(index)
+        return None if inner is None else _MeteredPartStream(self.store, inner)
+
     async def commit(
         self,
         metadata: Mapping[str, str] | None = None,
@@ -188,3 +208,17 @@ class _MeteredPartWriter(PartWriter):
 
     async def abort(self) -> None:
         await self.inner.abort()
+
+
+class _MeteredPartStream(PartStream):
+    def __init__(self, store: MeteredStore, inner: PartStream) -> None:
+        self.store, self.inner, self.n = store, inner, 0
+
+    def write(self, data: memoryview) -> Awaitable[None] | None:
+        self.n += data.nbytes
+        return self.inner.write(data)
+
+    async def close(self) -> None:
+        with self.store._op("write"):
+            await self.inner.close()
+        self.store._bytes("put", self.n)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable
 
 from .. import keys as _keys
-from .base import Buffer, ObjectMeta, PartWriter, PutOptions, Store, Writer
+from .base import Buffer, Consumer, ObjectMeta, PartWriter, PutOptions, Store, Writer
 
 
 class PrefixStore(Store):
@@ -63,6 +63,9 @@ class PrefixStore(Store):
 
     async def get_into(self, key: str, start: int, out: memoryview) -> None:
         await self.inner.get_into(self._full(key), start, out)
+
+    async def read_to(self, key: str, start: int, end: int, consume: Consumer) -> None:
+        await self.inner.read_to(self._full(key), start, end, consume)
 
     async def stat(self, key: str) -> ObjectMeta:
         return self._strip(await self.inner.stat(self._full(key)))

@@ -65,11 +65,19 @@ from ..errors import (
     InvalidRange,
     NotFound,
     PreconditionFailed,
+    StoreUnavailable,
 )
-from ..metrics import STORE_RETRIES
 from .base import Buffer, ObjectMeta, PartWriter, PutOptions, Store, Writer, nbytes, part_count
 from .parts import TMP_MARK
-from .s3_retry import AdaptiveLimiter, Restart, Retrier, RetryPolicy, error_code, translate
+from .s3_retry import (
+    AdaptiveLimiter,
+    Restart,
+    Retrier,
+    RetryPolicy,
+    count_retry,
+    error_code,
+    translate,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,6 +92,9 @@ MAX_PART = 5 * GiB
 MAX_COPY = 5 * GiB
 #: Buffers up to this size are checksummed / joined on the event loop (tens of µs).
 INLINE_BYTES = 256 << 10
+#: What a streamed read (:meth:`S3Store.read_to`) is received into: small enough to stay
+#: in the CPU's cache between the socket and the consumer.
+STREAM_RING = 256 << 10
 #: User-metadata keys fmstore itself writes (``x-amz-meta-`` is added by S3).
 META_CRC = "fmstore-crc32c"
 META_PART_SIZE = "fmstore-part-size"
@@ -1007,6 +1018,106 @@ class S3Store(Store):
         out = memoryview(out).cast("B")
         await self._read(key, start, start + out.nbytes, out)
 
+    async def read_to(
+        self, key: str, start: int, end: int, consume: Callable[[memoryview], Any]
+    ) -> None:
+        """Bytes ``[start, end)`` to ``consume`` in order as they arrive (see
+        :meth:`Store.read_to`): one GET, received into a small ring on the lean path.  A GET
+        that breaks off is resumed where it stopped, pinned to the ETag it began with; the
+        object changing in between is :class:`StoreUnavailable` (what was consumed came from
+        the old one).  Nothing is checked against a checksum here: the caller has the bytes.
+        """
+        from .http1 import Sink
+        from .s3_retry import ShortBody
+
+        full = self._full(key)
+        if start < 0 or end < start:
+            raise InvalidRange(f"bad range [{start}, {end})", tier=self.tier, key=key)
+        if end == start:
+            self._check_range(key, (await self.stat(key)).size, start, end)
+            return
+        pos, etag = start, None
+        failed: list[Exception] = []  # what ``consume`` raised: its error, never retried
+
+        def feed(view: memoryview) -> Awaitable[None] | None:
+            nonlocal pos
+            try:
+                pending = consume(view)
+            except Exception as e:
+                failed.append(e)
+                raise
+            if pending is None:
+                pos += view.nbytes
+                return None
+            return counted(pending, view.nbytes)
+
+        async def counted(pending: Awaitable[None], n: int) -> None:
+            nonlocal pos
+            try:
+                await pending
+            except Exception as e:
+                failed.append(e)
+                raise
+            pos += n
+
+        def accept(status: int, headers: Mapping[str, str]) -> bool:
+            """Stream only the range asked for; anything else is sorted out below."""
+            nonlocal etag
+            m = _CONTENT_RANGE.match(headers.get("content-range", ""))
+            if status != 206 or not m or (int(m.group(1)), int(m.group(2))) != (pos, end - 1):
+                return False
+            etag = etag or _unquote(headers.get("etag"))
+            return True
+
+        ring = memoryview(bytearray(STREAM_RING))
+
+        async def attempt() -> None:
+            nonlocal etag
+            kwargs: dict[str, Any] = {"Key": full, "Range": f"bytes={pos}-{end - 1}"}
+            if etag:
+                kwargs["IfMatch"] = _quote(etag)
+            try:
+                resp = await self._object_call(
+                    "get_object", {"sink": Sink(ring, feed, accept)}, **kwargs
+                )
+                body = resp.pop("Body")
+                try:
+                    # Bodies the sink did not take: botocore's stream, or the lean path's
+                    # pieces (a range the server answered otherwise than asked).
+                    size, first = _total_size(resp, int(resp.get("ContentLength", 0)))
+                    self._check_range(key, size, start, end)
+                    etag = etag or _unquote(resp.get("ETag"))
+                    skip = pos - first
+                    if skip < 0:
+                        raise ShortBody(f"asked for bytes from {pos}, got them from {first}")
+                    content = None if hasattr(body, "pieces") else body.raw_stream.content
+                    pieces = iter(getattr(body, "pieces", ()))
+                    while chunk := next(pieces, None) or (content and await content.readany()):
+                        view = memoryview(chunk)[max(skip, 0) :][: end - pos]
+                        skip -= len(chunk)
+                        if view.nbytes and (pending := feed(view)) is not None:
+                            await pending
+                finally:
+                    body.close()
+            except Exception as e:
+                if failed:
+                    return  # the consumer's error, raised below
+                code, status = error_code(e)
+                if etag and (status == 412 or code == "PreconditionFailed"):
+                    raise Restart() from e
+                raise
+            if pos != end:
+                raise ShortBody(f"got {pos - start} of {end - start} bytes")
+
+        try:
+            await self.retrier.call("get", key, attempt)
+        except Restart as e:
+            raise StoreUnavailable(
+                "object changed while it was read", tier=self.tier, key=key
+            ) from e
+        if failed:
+            raise failed[0]
+
     async def get_with_meta(self, key: str) -> tuple[ObjectMeta, bytes]:
         """Whole object and metadata from the same GETs (every range pinned to one ETag)."""
         meta, pieces = await self._read(key, 0, None, None)
@@ -1030,7 +1141,7 @@ class S3Store(Store):
                 verify_failures += 1
                 if verify_failures > 1:
                     raise
-                STORE_RETRIES.labels(self.tier, "checksum").inc()
+                count_retry(self.tier, "checksum")
         raise FmstoreError(
             "object kept changing while it was read (8 attempts)", tier=self.tier, key=key
         )

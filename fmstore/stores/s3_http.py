@@ -26,19 +26,16 @@ import os
 import re
 import ssl
 import time
-import urllib.request
 from collections.abc import Callable, Mapping
 from datetime import datetime
-from email.utils import parsedate_to_datetime
 from typing import Any
-from urllib.parse import quote, unquote_plus
+from urllib.parse import quote, unquote_plus, urlsplit
 from xml.etree import ElementTree
 
 import botocore.exceptions as bx
-import yarl
 
 from .. import runtime
-from .http1 import Pool, Response
+from .http1 import Pool, Response, Sink
 
 #: SHA-256 of an empty payload (GET and HEAD).
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
@@ -176,20 +173,28 @@ class S3Http:
         read_timeout: float,
         socket_factory: Callable[[Any], Any] | None = None,
     ) -> None:
-        url = yarl.URL(endpoint_url)
-        if url.scheme not in ("http", "https") or not url.host:
+        url = urlsplit(endpoint_url)
+        try:
+            port = url.port
+        except ValueError:
+            raise LeanUnsupported(f"endpoint {endpoint_url!r}") from None
+        if url.scheme not in ("http", "https") or not url.hostname:
             raise LeanUnsupported(f"endpoint {endpoint_url!r}")
         if not path_style and not _DNS_BUCKET.match(bucket):
             path_style = True  # what botocore does for names DNS cannot carry
-        host = url.host if path_style else f"{bucket}.{url.host}"
-        self.host = host if url.explicit_port is None else f"{host}:{url.explicit_port}"
+        host = url.hostname if path_style else f"{bucket}.{url.hostname}"
+        name = f"[{host}]" if ":" in host else host  # an IPv6 address
+        self.host = name if port is None else f"{name}:{port}"
         base = url.path.rstrip("/")
         self._prefix = f"{base}/{quote(bucket, safe='')}/" if path_style else f"{base}/"
         # HTTP(S)_PROXY / NO_PROXY, as botocore honours them: requests through a proxy are
-        # botocore's to send.
-        proxy = urllib.request.getproxies().get(url.scheme)
-        if proxy and not urllib.request.proxy_bypass(url.host):
-            raise LeanUnsupported(f"requests go through the proxy {proxy}")
+        # botocore's to send.  (urllib.request is slow to import: only where one is set.)
+        if any(k.lower().endswith("_proxy") for k in os.environ):
+            import urllib.request
+
+            proxy = urllib.request.getproxies().get(url.scheme)
+            if proxy and not urllib.request.proxy_bypass(url.hostname):
+                raise LeanUnsupported(f"requests go through the proxy {proxy}")
         self.signer = Signer(self.host, region)
         self.credentials = credentials
         self.sign_payload = sign_payload
@@ -198,7 +203,7 @@ class S3Http:
             ssl_ctx = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
         self._pool = Pool(
             host,
-            url.port or (443 if url.scheme == "https" else 80),
+            port or (443 if url.scheme == "https" else 80),
             limit=pool,
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
@@ -279,14 +284,17 @@ class S3Http:
         Range: str | None = None,
         IfMatch: str | None = None,
         into: memoryview | None = None,
+        sink: Sink | None = None,
     ) -> dict[str, Any]:
-        """``into``: where a successful body that fits goes (see :meth:`.http1.Pool.request`);
-        not one of botocore's parameters."""
+        """``into``: where a successful body that fits goes; ``sink``: where it streams to
+        (see :meth:`.http1.Pool.request`); not botocore's parameters."""
         del Bucket
         headers: dict[str, str] = {}
         _opt(headers, "range", Range)
         _opt(headers, "if-match", IfMatch)
-        resp = await self._send("GET", "GetObject", Key, headers, EMPTY_SHA256, None, into=into)
+        resp = await self._send(
+            "GET", "GetObject", Key, headers, EMPTY_SHA256, None, into=into, sink=sink
+        )
         _raise_for(resp, "GetObject")
         out = _object_fields(resp.headers)
         out["Body"] = Body(resp)
@@ -344,13 +352,14 @@ class S3Http:
         query: Mapping[str, str] | None = None,
         *,
         into: memoryview | None = None,
+        sink: Sink | None = None,
     ) -> Response:
         path = self._prefix + quote(key, safe="/~")
         qs = canonical_query(query) if query else ""
         creds = await self._frozen()
         self.signer.sign(method, path, headers, payload_hash, creds, query=qs)
         target = f"{path}?{qs}" if qs else path
-        return await self._pool.request(method, target, headers, body, into=into)
+        return await self._pool.request(method, target, headers, body, into=into, sink=sink)
 
     async def _frozen(self) -> Credentials:
         creds = self.credentials()
@@ -453,6 +462,8 @@ def _object_fields(h: Mapping[str, str]) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=64)  # objects written together share their second
 def _http_date(text: str) -> datetime | None:
+    from email.utils import parsedate_to_datetime  # slow to import: on first use
+
     try:
         return parsedate_to_datetime(text)
     except (TypeError, ValueError):

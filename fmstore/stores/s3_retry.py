@@ -36,7 +36,6 @@ from ..errors import (
     PreconditionFailed,
     StoreUnavailable,
 )
-from ..metrics import STORE_RETRIES
 
 T = TypeVar("T")
 
@@ -242,6 +241,14 @@ class RetryPolicy:
     deadline: float = 120.0
 
 
+def count_retry(tier: str, reason: str) -> None:
+    """One retried request, in the metrics.  Imported on the first retry, not at start-up:
+    a command that exports no metrics need not load prometheus_client (50 ms)."""
+    from ..metrics import STORE_RETRIES
+
+    STORE_RETRIES.labels(tier, reason).inc()
+
+
 class Retrier:
     """Runs request coroutines under the limiter with retries; see the module docstring."""
 
@@ -301,7 +308,7 @@ class Retrier:
                     tier=self.tier,
                     key=key,
                 ) from err
-            STORE_RETRIES.labels(self.tier, reason).inc()
+            count_retry(self.tier, reason)
             if on_retry is not None:
                 on_retry(err)
             await asyncio.sleep(delay)

@@ -10,8 +10,10 @@ Subclass :class:`StoreConformance` in a test module and provide two fixtures:
 from __future__ import annotations
 
 import abc
+import asyncio
 import os
 import threading
+from collections.abc import Awaitable
 from typing import Any
 
 import pytest
@@ -93,6 +95,32 @@ class StoreConformance:
         run(store.get_into("x", 500, memoryview(out)))
         assert bytes(out) == data[500:1500]
 
+    def test_read_to_hands_over_the_range_in_order(self, store: Store) -> None:
+        data = os.urandom(3 << 20)
+        run(store.put("s", data))
+        for start, end in ((0, len(data)), (1, len(data) - 1), (7, 7)):
+            got = bytearray()
+            run(store.read_to("s", start, end, got.extend))
+            assert got == data[start:end]
+        waited = bytearray()
+
+        def slow(view: memoryview) -> Awaitable[None]:
+            waited.extend(view)
+            return asyncio.sleep(0)
+
+        run(store.read_to("s", 3, 3 + (2 << 20), slow))
+        assert waited == data[3 : 3 + (2 << 20)]
+        with pytest.raises(InvalidRange):
+            run(store.read_to("s", 0, len(data) + 1, got.extend))
+        with pytest.raises(NotFound):
+            run(store.read_to("missing", 0, 1, got.extend))
+
+        def refuse(view: memoryview) -> None:
+            raise OSError(28, "No space left on device")
+
+        with pytest.raises(OSError, match="No space left"):
+            run(store.read_to("s", 0, 100, refuse))
+
     def test_range_pieces_join_to_the_range(self, store: Store) -> None:
         data = os.urandom(3 << 20)
         run(store.put("p", data))
@@ -117,6 +145,41 @@ class StoreConformance:
 
         run(go())
         assert backdoor.read("pw") == data
+
+    def test_part_writer_streams_parts_where_it_can(self, store: Store, backdoor: Backdoor) -> None:
+        """A part written in order as its bytes arrive, beside parts written whole; a
+        stream closed short is an error.  Stores that take whole parts only say None."""
+        part = 5 << 20
+        data = os.urandom(2 * part + 10)
+
+        async def go() -> bool:
+            w = await store.open_part_writer("ps", len(data), part)
+            stream = w.stream_part(0)
+            if stream is None:
+                await w.abort()
+                return False
+            view = memoryview(data)
+            for pos in range(0, part, 1 << 20):  # some writes done at once, some awaited
+                pending = stream.write(view[pos : pos + (1 << 20)])
+                if pending is not None:
+                    await pending
+            await stream.close()
+            short = w.stream_part(2)
+            assert short is not None
+            pending = short.write(view[2 * part : 2 * part + 4])
+            if pending is not None:
+                await pending
+            with pytest.raises(ValueError, match="4 of 10 bytes"):
+                await short.close()
+            with pytest.raises(ValueError, match="no more"):
+                w.stream_part(2).write(memoryview(bytes(11)))  # type: ignore[union-attr]
+            await w.write_part(1, view[part : 2 * part])
+            await w.write_part(2, view[2 * part :])
+            await w.commit()
+            return True
+
+        if run(go()):
+            assert backdoor.read("ps") == data
 
     # ---- ranges ---------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 
 from ..errors import NotFound, NotSupported
 from ..format.manifest import MANIFEST_KEY, Manifest
-from ..stores.base import Buffer, ObjectMeta, PutOptions, Store, Writer
+from ..stores.base import Buffer, Consumer, ObjectMeta, PutOptions, Store, Writer
 
 
 class ReadThroughStore(Store):
@@ -95,6 +95,10 @@ class ReadThroughStore(Store):
     async def get_into(self, key: str, start: int, out: memoryview) -> None:
         store = await self._ensure(self._key(key))
         await store.get_into(key, start, out)
+
+    async def read_to(self, key: str, start: int, end: int, consume: Consumer) -> None:
+        store = await self._ensure(self._key(key))
+        await store.read_to(key, start, end, consume)
 
     async def stat(self, key: str) -> ObjectMeta:
         return await self.slow.stat(key)

@@ -52,6 +52,7 @@ from ..stores import posixmeta
 from ..stores.base import (
     Buffer,
     ObjectMeta,
+    PartStream,
     PartWriter,
     Pieces,
     PutOptions,
@@ -60,7 +61,7 @@ from ..stores.base import (
     part_bounds,
     part_count,
 )
-from .crc import combine_all, crc32c_of, from_hex, to_hex
+from .crc import combine_all, crc32c, crc32c_of, from_hex, to_hex
 from .journal import Journal, PendingParts
 
 #: Metadata keys fmstore records on every object it writes (``x-amz-meta-…`` on S3).
@@ -517,19 +518,17 @@ class Transfer:
         async def one(i: int) -> None:
             start, end = part_bounds(i, size, part_size)
             async with self.part_sem:
+                # The budget bounds bytes in flight: in buffers, and asked of the source (a
+                # server holds what it is asked for until it is taken).
                 held = await self.budget.acquire(end - start)
                 try:
-                    # Read into a reused buffer, straight from the socket or the file.
-                    buf = self._part_buffer(end - start)
-                    data = memoryview(buf)[: end - start]
-                    await self.src.get_into(item.src_key, start, data)
-                    if self.bucket:
-                        await self.bucket.acquire(end - start)
-                    c = await self._crc(data)
-                    await w.write_part(i, data)
-                    del data
-                    # Only now, after success: a cancelled read may still be filling it.
-                    self._spare_buffer(buf)
+                    # A remote source streams into a destination that takes a part in
+                    # order (a file); otherwise the part goes through a buffer.
+                    stream = None if self.src_local else w.stream_part(i)
+                    if stream is not None:
+                        c = await self._stream_part(item.src_key, start, end, stream)
+                    else:
+                        c = await self._buffer_part(item.src_key, start, end, w, i)
                 finally:
                     await self.budget.release(held)
             crcs[i] = (c, end - start)
@@ -561,6 +560,37 @@ class Transfer:
                 item, "destination", whole, await self._read_crc(self.dst, item.dst_key, size)
             )
         self._finish(item, dmeta, whole, version)
+
+    async def _stream_part(self, key: str, start: int, end: int, stream: PartStream) -> int:
+        """Bytes ``[start, end)`` of the source written to ``stream`` as they arrive, and
+        their CRC32C, taken on the way while they are in the CPU's cache."""
+        if self.bucket:
+            await self.bucket.acquire(end - start)
+        crc = 0
+
+        def take(view: memoryview) -> Awaitable[None] | None:
+            nonlocal crc
+            crc = crc32c(view, crc)
+            return stream.write(view)
+
+        await self.src.read_to(key, start, end, take)
+        await stream.close()
+        return crc
+
+    async def _buffer_part(self, key: str, start: int, end: int, w: PartWriter, i: int) -> int:
+        """Bytes ``[start, end)`` of the source read into a reused buffer (straight from
+        the socket or the file), then written as part ``i``; their CRC32C."""
+        buf = self._part_buffer(end - start)
+        data = memoryview(buf)[: end - start]
+        await self.src.get_into(key, start, data)
+        if self.bucket:
+            await self.bucket.acquire(end - start)
+        c = await self._crc(data)
+        await w.write_part(i, data)
+        del data
+        # Only now, after success: a cancelled read may still be filling it.
+        self._spare_buffer(buf)
+        return c
 
     def _part_buffer(self, n: int) -> mmap.mmap | bytearray:
         for i, b in enumerate(self._spare):
