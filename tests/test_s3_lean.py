@@ -394,3 +394,22 @@ def test_read_to_an_object_overwritten_between_attempts_is_unavailable(
         assert set(got) == {ord("1")}
     finally:
         run(store.close())
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Sun, 06 Nov 1994 08:49:37 GMT",
+        "Mon, 22 Nov 2026 14:27:03 GMT",
+        "Sunday, 06-Nov-94 08:49:37 GMT",
+        "Sun Nov  6 08:49:37 1994",
+        "Sun, 06 Nov 1994 08:49:37 +0100",
+    ],
+)
+def test_http_dates_parse_as_the_standard_library_does(text):
+    from email.utils import parsedate_to_datetime
+
+    from fmstore.stores.s3_http import _http_date
+
+    assert _http_date(text) == parsedate_to_datetime(text)
+    assert _http_date("not a date") is None

@@ -833,8 +833,12 @@ class _PosixPartStream(PartStream):
         return None
 
     def _write(self, data: memoryview, offset: int) -> None:
-        with self.w.store._translate(self.w.key):
-            pwrite_all(self.w.fd, data, offset)
+        try:  # one pwrite almost always: the general pwrite_all only for a short one
+            n = os.pwrite(self.w.fd, data, offset)
+            if n < data.nbytes:
+                pwrite_all(self.w.fd, data[n:], offset + n)
+        except OSError as e:
+            raise self.w.store._error(e, self.w.key) from e
 
     async def close(self) -> None:
         if self.pos != self.end:

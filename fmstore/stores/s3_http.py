@@ -27,7 +27,7 @@ import re
 import ssl
 import time
 from collections.abc import Callable, Mapping
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote, unquote_plus, urlsplit
 from xml.etree import ElementTree
@@ -462,9 +462,27 @@ def _object_fields(h: Mapping[str, str]) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=64)  # objects written together share their second
 def _http_date(text: str) -> datetime | None:
-    from email.utils import parsedate_to_datetime  # slow to import: on first use
+    try:  # IMF-fixdate, what S3 sends: "Sun, 06 Nov 1994 08:49:37 GMT"
+        _, day, month, year, hms, zone = text.split()
+        h, m, sec = hms.split(":")
+        if zone != "GMT":
+            raise ValueError(zone)
+        return datetime(
+            int(year), _MONTHS[month], int(day), int(h), int(m), int(sec), tzinfo=timezone.utc
+        )
+    except (KeyError, ValueError):
+        pass
+    from email.utils import parsedate_to_datetime  # older forms; slow to import
 
     try:
         return parsedate_to_datetime(text)
     except (TypeError, ValueError):
         return None
+
+
+_MONTHS = {
+    m: i
+    for i, m in enumerate(
+        ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"], 1
+    )
+}
