@@ -98,8 +98,53 @@ def test_full_disk_is_tier_full_and_leaves_nothing(tmp_path):
                 runtime.run(w.write(os.urandom(1 << 20)))
         runtime.run(w.abort())
         assert sorted(os.listdir(mnt)) == ["small"]
+
+        async def streamed_part() -> None:
+            pw = await s.open_part_writer("parts", 4 << 20, 4 << 20)
+            stream = pw.stream_part(0)
+            try:
+                for _ in range(16):
+                    pending = stream.write(memoryview(os.urandom(256 << 10)))
+                    if pending is not None:
+                        await pending
+            finally:
+                await pw.abort()
+
+        with pytest.raises(TierFull):
+            runtime.run(streamed_part())
+        assert sorted(os.listdir(mnt)) == ["small"]
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_streamed_part_writes_leave_the_loop_when_slow_or_not_local(posix_root, monkeypatch):
+    """Writes run on the event loop on a local file system until one is slow; then, and on
+    a striped (Lustre) tier from the start, they go to the I/O pool (an awaitable)."""
+    from fmstore.stores import posix
+
+    data = os.urandom(1 << 20)
+
+    async def write(store: PosixStore, key: str) -> list[bool]:
+        pw = await store.open_part_writer(key, len(data), len(data))
+        stream = pw.stream_part(0)
+        waited = []
+        for pos in range(0, len(data), 256 << 10):
+            pending = stream.write(memoryview(data)[pos : pos + (256 << 10)])
+            waited.append(pending is not None)
+            if pending is not None:
+                await pending
+        await stream.close()
+        await pw.commit()
+        return waited
+
+    local = PosixStore(posix_root)
+    assert runtime.run(write(local, "a")) == [False] * 4
+    monkeypatch.setattr(posix, "SLOW_WRITE_S", 0.0)
+    assert runtime.run(write(local, "b")) == [False, True, True, True]
+    striped = PosixStore(posix_root, options=PosixOptions(stripe_count=2))
+    assert runtime.run(write(striped, "c")) == [True] * 4
+    for key in "abc":
+        assert runtime.run(local.get(key)) == data
 
 
 def test_file_size_limit_is_tier_full(tmp_path):

@@ -808,17 +808,17 @@ class _PosixWriter(Writer):
 class _PosixPartStream(PartStream):
     """A part ``pwrite``-n at its offset as its bytes arrive.
 
-    On the event loop while writes are quick: a 256 KiB write into the page cache takes
-    tens of µs, less than handing it to a thread and back.  From the first write slower
-    than :data:`SLOW_WRITE_S` (dirty-page throttling, a network file system) on, in the
-    I/O pool.
+    On a local file system, on the event loop while writes are quick: a 256 KiB write
+    into the page cache takes tens of µs, less than handing it to a thread and back.  From
+    the first write slower than :data:`SLOW_WRITE_S` (dirty-page throttling) on, and on
+    Lustre, NFS or FUSE from the start, in the I/O pool.
     """
 
     def __init__(self, writer: _PosixPartWriter, index: int) -> None:
         self.w, self.index = writer, index
         self.start, self.end = part_bounds(index, writer.size, writer.part_size)
         self.pos = self.start
-        self.inline = True
+        self.inline = writer.store._inline_puts
 
     def write(self, data: memoryview) -> Awaitable[None] | None:
         n, off = data.nbytes, self.pos
