@@ -33,3 +33,31 @@ def test_errors_are_one_clear_line(tmp_path):
     assert r.returncode == 1
     assert r.stderr.strip().startswith("error: unknown tier 'nosuchtier'")
     assert "Traceback" not in r.stderr
+
+
+def test_copy_commands_start_without_metrics_or_rich(tmp_path):
+    """Only the daemon serves metrics: a copy logging to a file loads neither
+    prometheus_client nor rich (about 75 ms of start-up), and still copies."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"x" * 1000)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "fmstore",
+            "stage",
+            str(src),
+            str(tmp_path / "d"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "d" / "a.bin").read_bytes() == b"x" * 1000
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if "|" in line}
+    assert "fmstore.stores.posix" in imported
+    assert not {m for m in imported if m.startswith(("prometheus_client", "rich"))}

@@ -1073,6 +1073,8 @@ class S3Store(Store):
 
         async def attempt() -> None:
             nonlocal etag
+            if pos == end:  # all consumed; the answer's end was lost (a dropped connection)
+                return
             kwargs: dict[str, Any] = {"Key": full, "Range": f"bytes={pos}-{end - 1}"}
             if etag:
                 kwargs["IfMatch"] = _quote(etag)
