@@ -296,8 +296,11 @@ class _Conn(asyncio.BufferedProtocol):
         self._progress = True
         if self._waiter is None or self._waiter.done() or self.closed:
             return  # the request failed meanwhile; the connection is closed
-        err = ConnectionError("the body's consumer was cancelled") if fut.cancelled() else None
-        err = err or fut.exception()
+        err: BaseException | None = (
+            ConnectionError("the body's consumer was cancelled")
+            if fut.cancelled()
+            else fut.exception()
+        )
         if err is not None:
             self._fail(err)
             return
