@@ -10,7 +10,6 @@ lower-cased; values are parsed as TOML scalars when they parse, else kept as str
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -187,6 +186,8 @@ def _scalar(value: str) -> Any:
 
 
 def _suggest(word: str, choices: Any) -> str:
+    import difflib  # only for a mistake's message
+
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 

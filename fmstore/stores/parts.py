@@ -8,7 +8,7 @@ S3: a multipart upload whose id is the token).
 
 from __future__ import annotations
 
-import uuid
+import os
 from collections.abc import Mapping
 
 from ..errors import InvalidRange, NotFound
@@ -57,7 +57,7 @@ class TempPartsWriter(PartWriter):
             raise ValueError("part_size must be positive")
         resumed = token is not None and token.endswith(f"-{part_size:x}")
         if not resumed:
-            token = f"{uuid.uuid4().hex}-{part_size:x}"
+            token = f"{os.urandom(16).hex()}-{part_size:x}"
         assert token is not None
         return cls(store, key, size, part_size, token, resumed, options)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import ctypes
 import errno
 import fcntl
 import functools
@@ -18,13 +17,12 @@ import json
 import mmap
 import os
 import re
-import shutil
 import stat as _stat
 import subprocess
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from .. import runtime
 from ..errors import (
@@ -50,6 +48,9 @@ from .base import (
     nbytes,
     part_bounds,
 )
+
+if TYPE_CHECKING:
+    import ctypes
 
 #: Temp files carry this marker; listings hide them and ``cleanup_temp`` removes them.
 TMP_MARK = ".fmstore-tmp."
@@ -129,7 +130,11 @@ class PosixStore(Store):
         self.tier = tier
         self.url = "file://" + self.root
         self.options = options or PosixOptions()
-        self._lfs = shutil.which("lfs") if self.options.stripe_count is not None else None
+        self._lfs = None
+        if self.options.stripe_count is not None:
+            import shutil
+
+            self._lfs = shutil.which("lfs")
         # `lfs setstripe` runs when a directory is made: never on the loop.
         self._inline_puts = self.options.stripe_count is None and fs_type(self.root) in _LOCAL_FS
         # Small reads on the loop too, but only from the page cache (RWF_NOWAIT): a read that
@@ -203,7 +208,7 @@ class PosixStore(Store):
 
     def _tmp_for(self, final: str) -> str:
         d, name = os.path.split(final)
-        return os.path.join(d, f"{TMP_MARK}{uuid.uuid4().hex}.{name[:100]}")
+        return os.path.join(d, f"{TMP_MARK}{os.urandom(16).hex()}.{name[:100]}")
 
     def _open_tmp(self, final: str, *, sync: bool = True) -> tuple[str, int]:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
@@ -616,6 +621,8 @@ class PosixStore(Store):
 
 @functools.cache
 def _libc() -> ctypes.CDLL:
+    import ctypes  # only when a sync is due: not on every command's start-up
+
     libc = ctypes.CDLL(None, use_errno=True)
     with contextlib.suppress(AttributeError):
         libc.sync_file_range.argtypes = [
@@ -640,6 +647,8 @@ def _syncfs(path: str) -> None:
     try:
         libc = _libc()
         if libc.syncfs(fd) != 0:
+            import ctypes
+
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err), path)
     except AttributeError:  # no syncfs in this libc

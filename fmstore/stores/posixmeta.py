@@ -21,7 +21,6 @@ under its final name with its owner, mode and times already set.
 from __future__ import annotations
 
 import contextlib
-import decimal
 import os
 import stat as _stat
 from collections.abc import Mapping
@@ -65,6 +64,8 @@ def parse_time_ns(text: str | None) -> int | None:
     """``<n>ns`` is nanoseconds; a bare number is milliseconds, as FSx reads it."""
     if not text:
         return None
+    import decimal  # rare: FSx's metadata only
+
     t = text.strip()
     try:
         if t.endswith("ns"):

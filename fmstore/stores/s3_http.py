@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
-import html
 import os
 import re
 import ssl
@@ -438,7 +437,11 @@ def _opt(headers: dict[str, str], name: str, value: str | None) -> None:
 
 def _xml(text: str, tag: str) -> str | None:
     m = re.search(f"<{tag}>(.*?)</{tag}>", text, re.DOTALL)
-    return html.unescape(m.group(1)) if m else None
+    if m is None:
+        return None
+    import html  # error answers only
+
+    return html.unescape(m.group(1))
 
 
 def _object_fields(h: Mapping[str, str]) -> dict[str, Any]:
