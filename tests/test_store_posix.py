@@ -43,6 +43,19 @@ def test_if_match_conditional_put(posix_root):
     assert runtime.run(s.get("k")) == b"two"
 
 
+def test_put_meta_is_the_stored_files_without_reading_it_back(posix_root):
+    """A small put builds its answer from the temp file's fstat and the metadata it wrote
+    (no second stat, no xattr read): the same as a later stat, FSx times included."""
+    s = PosixStore(posix_root)
+    meta = {"fmstore-crc32c": "0badcafe", "file-mtime": "1700000000123ns", "n": "1"}
+    for durable in (False, True):
+        put = runtime.run(s.put("d/m", b"x" * 5000, PutOptions(metadata=meta, durable=durable)))
+        now = runtime.run(s.stat("d/m"))
+        assert (put.key, put.size, put.mtime, put.etag) == (now.key, now.size, now.mtime, now.etag)
+        assert dict(put.metadata) == dict(now.metadata) == meta
+        assert os.stat(os.path.join(posix_root, "d/m")).st_mtime_ns == 1700000000123
+
+
 def test_unwritable_directory_is_permission_error(tmp_path):
     if os.geteuid() == 0:
         # root ignores mode bits; a read-only bind is not available, so use a file as parent

@@ -244,9 +244,10 @@ class PosixStore(Store):
                 try:
                     self._write_all(fd, tmp, data)
                     self._finish_fd(fd, options)
+                    st = os.fstat(fd)
                 finally:
                     os.close(fd)
-                return self._publish(key, tmp, path, options)
+                return self._publish(key, tmp, path, options, st)
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
@@ -286,13 +287,24 @@ class PosixStore(Store):
 
     def _finish_fd(self, fd: int, options: PutOptions) -> None:
         if options.metadata:
-            payload = json.dumps(dict(options.metadata), sort_keys=True).encode()
+            payload = _META_JSON.encode(dict(options.metadata)).encode()
             os.setxattr(fd, _XATTR, payload)
             posixmeta.apply(fd, options.metadata)  # FSx-convention owner, mode and times
         if self.options.fsync and options.durable:
             os.fdatasync(fd)
 
-    def _publish(self, key: str, tmp: str, path: str, options: PutOptions) -> ObjectMeta:
+    def _publish(
+        self,
+        key: str,
+        tmp: str,
+        path: str,
+        options: PutOptions,
+        st: os.stat_result | None = None,
+    ) -> ObjectMeta:
+        """Rename ``tmp`` to ``path`` as ``options.mode`` says; the object's meta.  ``st``:
+        the temp file's ``fstat`` after its last change, when the caller wrote all of it
+        with ``options.metadata`` (a rename keeps inode, size and mtime): no second stat,
+        no reading back of the metadata just written."""
         sync = self.options.fsync and options.durable
         if options.mode == "create":
             try:
@@ -313,7 +325,16 @@ class PosixStore(Store):
                 commit_file(tmp, path, sync=sync)
         else:
             commit_file(tmp, path, sync=sync)
-        return self._meta(key, path)
+        if st is None:
+            return self._meta(key, path)
+        return ObjectMeta(
+            key=key,
+            size=st.st_size,
+            mtime=st.st_mtime,
+            etag=_etag(st),
+            metadata={str(k): str(v) for k, v in (options.metadata or {}).items()},
+            stat=st,
+        )
 
     @contextlib.contextmanager
     def _dir_lock(self, d: str) -> Iterator[None]:
@@ -739,6 +760,11 @@ def _file_meta(key: str, st: os.stat_result, file: str | int) -> ObjectMeta:
         metadata=_read_meta(file),
         stat=st,
     )
+
+
+#: The metadata xattr's encoding: keys sorted, built once (``json.dumps`` with options
+#: builds an encoder per call).
+_META_JSON = json.JSONEncoder(sort_keys=True)
 
 
 def _read_meta(path: str | int) -> dict[str, str]:

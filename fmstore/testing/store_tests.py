@@ -256,6 +256,22 @@ class StoreConformance:
             >= {"file-permissions": "0100644", "k": "v"}.items()
         )
 
+    def test_put_returns_what_stat_says(self, store: Store) -> None:
+        """Callers record the meta a put returns (the copy engine's etag, the catalog's
+        size): it must describe the object as stored."""
+        cases: list[tuple[Any, bool]] = [
+            ("create", False),
+            ("overwrite", False),
+            ("overwrite", True),
+        ]
+        for i, (mode, durable) in enumerate(cases):
+            opts = PutOptions(mode=mode, metadata={"k": f"v{i}"}, durable=durable)
+            put = run(store.put("said", b"abc" * (100 + i), opts))
+            now = run(store.stat("said"))
+            assert put.size == now.size == 3 * (100 + i)
+            if put.etag is not None:
+                assert put.etag == now.etag
+
     # ---- listing ----------------------------------------------------------------------
 
     def test_list_paginates_past_1000(self, store: Store) -> None:
