@@ -2,6 +2,7 @@
 
     python -m benchmarks.stage [--quick] [--small-n 10000] [--big-n 3] [--big-mib 300]
                                [--concurrency 64] [--rounds 3] [--dir PATH]
+                               [--sets small,big] [--directions up,down]
 
 Two sets — many small files (10,000 × 4 KiB) and a few big ones (3 × 300 MiB) — are
 copied local→S3 and S3→local on one SeaweedFS started here, by every tool in turn, each
@@ -16,8 +17,9 @@ only after their set (a deletion's work on a ``discard`` mount would land on the
 fmstore and s5cmd run ``--rounds`` times per case in rotating order (the first run of a
 round has no one's leftovers, the others have); the table gives medians and every run.
 The set the downloads read is uploaded first, untimed, which also warms the server.
-fmstore's bytecode is compiled first, as an installed package's is.  Goals: ≥ 1.0 against s5cmd on every case, ≥ 3 against
-the aws cli.
+fmstore's bytecode is compiled first, as an installed package's is.  Goals: ≥ 1.0 against
+s5cmd on every case, ≥ 3 against the aws cli.  ``--sets`` / ``--directions`` run part of
+it (say, bigger files downloaded only); such a run saves ``stage-custom.json``.
 """
 
 from __future__ import annotations
@@ -223,7 +225,20 @@ def main() -> None:
         help="runs of fmstore and s5cmd per case, in rotating order (medians reported)",
     )
     ap.add_argument("--dir", default=None, help="where the local sets go (default: a temp dir)")
+    ap.add_argument(
+        "--sets", default="small,big", help="which sets to run, comma-separated (small, big)"
+    )
+    ap.add_argument(
+        "--directions",
+        default="up,down",
+        help="which directions to run, comma-separated (up: local→S3, down: S3→local)",
+    )
     args = ap.parse_args()
+    wanted_sets = set(args.sets.split(","))
+    wanted_dirs = {"up": "local→S3", "down": "S3→local"}
+    directions = [v for k, v in wanted_dirs.items() if k in args.directions.split(",")]
+    if not wanted_sets <= {"small", "big"} or not directions:
+        ap.error("--sets takes small and/or big, --directions up and/or down")
     if args.quick or args.size == "quick":
         args.small_n, args.big_n, args.big_mib = 1000, 2, 64
     # An installed package has its bytecode compiled (pip does it); a source checkout run
@@ -237,7 +252,13 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     try:
-        sets = make_sets(os.path.join(work, "data"), args.small_n, args.big_n, args.big_mib)
+        sets = make_sets(
+            os.path.join(work, "data"),
+            args.small_n if "small" in wanted_sets else 0,
+            args.big_n if "big" in wanted_sets else 0,
+            args.big_mib,
+        )
+        sets = {k: v for k, v in sets.items() if k in wanted_sets}
         with SeaweedServer() as server:
             bucket = server.create_bucket(f"bench-{uuid.uuid4().hex[:8]}")
             tools = Tools(server, bucket, work, args.concurrency)
@@ -259,7 +280,7 @@ def main() -> None:
                 seeded = f"{name}-seed"
                 run(tools.upload("fmstore", src, seeded), tools.env)
                 downloads: list[str] = []
-                for direction in ("local→S3", "S3→local"):
+                for direction in directions:
                     # fmstore and s5cmd (the goal's peer) run ``rounds`` times in rotating
                     # order and report medians; the slower peers run once.
                     repeated = ["fmstore", "s5cmd"] if "s5cmd" in tools.available else ["fmstore"]
@@ -313,7 +334,9 @@ def main() -> None:
                 subprocess.run(["sync"], check=False)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    title = f"stage: {args.small_n} × 4 KiB and {args.big_n} × {args.big_mib} MiB, SeaweedFS on loopback"
+    shapes = {"small": f"{args.small_n} × 4 KiB", "big": f"{args.big_n} × {args.big_mib} MiB"}
+    what = " and ".join(shapes[k] for k in shapes if k in wanted_sets)
+    title = f"stage: {what}, SeaweedFS on loopback"
     table = print_table(
         title,
         rows,
@@ -331,8 +354,9 @@ def main() -> None:
     )
     for n in notes:
         print("note:", n)
+    custom = wanted_sets != {"small", "big"} or len(directions) != 2
     save_json(
-        "stage",
+        "stage-custom" if custom else "stage",
         {
             "args": vars(args),
             "rows": rows,

@@ -177,6 +177,43 @@ def test_kill9_during_upload_resumes_multipart_without_resending_parts(dataset, 
     assert not c.list_multipart_uploads(Bucket=s3env["bucket"]).get("Uploads")
 
 
+def test_kill9_during_a_mid_sized_download_resumes_its_parts(s3env, s3_server, tmp_path):
+    """Below the multipart threshold (40 MiB < 64 MiB), an object from S3 to a local file
+    still streams in parts (8 MiB here): a killed run leaves them journaled, the next run
+    keeps them and fetches only the rest."""
+    src = _s3(s3_server, s3env["bucket"], "ds/mid")
+    body = os.urandom(40 << 20)
+    runtime.run(src.put("mid.bin", body))
+    dst = tmp_path / "dst"
+    args = ["stage", "s3:mid", str(dst), "--no-progress", "--shard", "none"]
+    env = s3env["env"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fmstore", *args, "--bwlimit", "10MiB/s", "--concurrency", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **env},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(_journal_parts(s3env["home"])) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    parts = _journal_parts(s3env["home"])
+    assert {r["n"] for r in parts} == {8 << 20}
+    assert not (dst / "mid.bin").exists()  # nothing partial at the final name
+    r = fm(*args, "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    done = sum(r["n"] for r in parts)
+    assert s["bytes_resumed"] >= done
+    assert s["bytes_copied"] <= len(body) - done
+    assert crc32c((dst / "mid.bin").read_bytes()) == crc32c(body)
+    assert sorted(os.listdir(dst)) == ["mid.bin"]
+
+
 def test_s3_to_posix_through_faults(s3env, s3_server, tmp_path):
     src = _s3(s3_server, s3env["bucket"], "ds/faulty")
 

@@ -13,7 +13,8 @@ returns a :class:`TransferReport`.  Guarantees:
   (``PutOptions.content_crc32c``) and recorded there as metadata with the source's version.
   ``verify=True`` re-reads the destination and compares.  A mismatch is retried, then
   reported as a failed file.
-* **Atomic.**  Small objects are one ``put``; big ones go through
+* **Atomic.**  Small objects are one ``put``; big ones (and, from a remote store to a
+  local file, any over :data:`STREAM_OVER`, streamed) go through
   :meth:`~fmstore.stores.base.Store.open_part_writer`: nothing is visible at the final key
   before every part is written and the whole checksum matched.
 * **Cheap re-runs.**  A destination object with the same size and a recorded checksum or
@@ -69,6 +70,8 @@ META_CRC = "fmstore-crc32c"
 META_SRC_VERSION = "fmstore-src-version"
 
 MiB = 1 << 20
+#: From a remote store to a local file, objects bigger than this stream in parts.
+STREAM_OVER = 8 * MiB
 
 
 @dataclass(frozen=True)
@@ -325,7 +328,7 @@ class Transfer:
             attempt = 0
             while True:
                 try:
-                    if item.size > self.opt.multipart_threshold:
+                    if self._in_parts(item.size):
                         await self._copy_big(item)
                     else:
                         await self._copy_small(item)
@@ -399,7 +402,7 @@ class Transfer:
         if crc is None:
             return False
         try:
-            if item.size > self.opt.multipart_threshold:
+            if self._in_parts(item.size):
                 got = await self._read_crc(self.dst, item.dst_key, item.size)
             else:
                 got = await self._crc(await self.dst.get(item.dst_key))
@@ -473,14 +476,30 @@ class Transfer:
         finally:
             await self.budget.release(held)
 
+    def _in_parts(self, size: int) -> bool:
+        """Whether an object is copied in parts: above the multipart threshold, or, from a
+        remote store to a local file, above :data:`STREAM_OVER` (its parts then stream
+        into the file: no buffer the size of the object, one pass over its bytes)."""
+        if size > self.opt.multipart_threshold:
+            return True
+        return size > STREAM_OVER and self.dst_local and not self.src_local
+
+    def _part_size(self, size: int) -> int:
+        # No store takes more than 10,000 parts (S3's limit).
+        least = -(-size // 10_000)
+        if self.dst_local and not self.src_local:
+            # Streamed into a file, a part needs no buffer and S3's 5 MiB floor does not
+            # apply: a mid-sized object still goes as several ranges at once.
+            return max(least, min(self.opt.part_size, max(STREAM_OVER, -(-size // 8))))
+        return max(least, self.opt.part_size)
+
     async def _copy_big(self, item: CopyItem) -> None:
         smeta = await self.src.stat(item.src_key)
         size, version = smeta.size, version_of(smeta)
         expected = (
             item.crc32c if item.crc32c is not None else from_hex(smeta.metadata.get(META_CRC))
         )
-        # No store takes more than 10,000 parts (S3's limit).
-        part_size = max(self.opt.part_size, -(-size // 10_000))
+        part_size = self._part_size(size)
         pend = self.journal.pending.get(item.dst_key)
         token = (
             pend.token if pend and pend.version == version and pend.part_size == part_size else None
