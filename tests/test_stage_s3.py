@@ -128,6 +128,24 @@ def test_big_files_posix_to_s3_and_back_keep_fsx_metadata(dataset, s3env, s3_ser
     assert json.loads(r.stdout)["files_skipped"] == BIG_N
 
 
+def _kill9_after_parts(args: list[str], s3env: dict, parts: int) -> None:
+    """Run ``fmstore *args`` and ``kill -9`` it once its journal holds ``parts`` parts."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fmstore", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **s3env["env"]},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(_journal_parts(s3env["home"])) < parts:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
 def _journal_parts(home: str) -> list[dict]:
     d = os.path.join(home, "state", "transfers")
     out = []
@@ -149,20 +167,7 @@ def test_kill9_during_upload_resumes_multipart_without_resending_parts(dataset, 
     # One 300 MiB file is enough to interrupt mid-upload (the others are the big test's).
     args = ["stage", dataset["big"], "s3:resume", "--part-size", "8MiB", "--no-progress"]
     args += ["--include", "shard-0.bin"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fmstore", *args, "--bwlimit", "150MiB/s", "--concurrency", "4"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, **env},
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while len(_journal_parts(s3env["home"])) < 20:
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    _kill9_after_parts([*args, "--bwlimit", "150MiB/s", "--concurrency", "4"], s3env, 20)
     done = sum(r["n"] for r in _journal_parts(s3env["home"]))
     c = s3_server.boto3_client()
     listed = c.list_objects_v2(Bucket=s3env["bucket"], Prefix="ds/resume/").get("Contents", [])
@@ -187,20 +192,7 @@ def test_kill9_during_a_mid_sized_download_resumes_its_parts(s3env, s3_server, t
     dst = tmp_path / "dst"
     args = ["stage", "s3:mid", str(dst), "--no-progress", "--shard", "none"]
     env = s3env["env"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fmstore", *args, "--bwlimit", "10MiB/s", "--concurrency", "2"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, **env},
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while len(_journal_parts(s3env["home"])) < 2:
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    _kill9_after_parts([*args, "--bwlimit", "10MiB/s", "--concurrency", "2"], s3env, 2)
     parts = _journal_parts(s3env["home"])
     assert {r["n"] for r in parts} == {8 << 20}
     assert not (dst / "mid.bin").exists()  # nothing partial at the final name
