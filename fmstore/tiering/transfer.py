@@ -489,8 +489,10 @@ class Transfer:
         least = -(-size // 10_000)
         if self.dst_local and not self.src_local:
             # Streamed into a file, a part needs no buffer and S3's 5 MiB floor does not
-            # apply: a mid-sized object still goes as several ranges at once.
-            return max(least, min(self.opt.part_size, max(STREAM_OVER, -(-size // 8))))
+            # apply: a mid-sized object still goes as several ranges at once (an eighth of
+            # it, in whole MiB so parts start on page boundaries).
+            eighth = -(-size // (8 * MiB)) * MiB
+            return max(least, min(self.opt.part_size, max(STREAM_OVER, eighth)))
         return max(least, self.opt.part_size)
 
     async def _copy_big(self, item: CopyItem) -> None:
