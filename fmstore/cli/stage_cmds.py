@@ -277,7 +277,10 @@ def stage_cmd(
     concurrency: int = typer.Option(64, "--concurrency", "-c", help="Files (and parts) in flight."),
     bwlimit: str | None = typer.Option(None, "--bwlimit", help="Bandwidth limit, e.g. 200MiB/s."),
     part_size: str = typer.Option(
-        "32MiB", "--part-size", help="Part size of big files (ranged reads, multipart writes)."
+        "32MiB",
+        "--part-size",
+        help="Part size of big files (ranged reads, multipart writes): files over twice this "
+        "go in parts; from S3 to a local disk, every file over 8 MiB, in parts of at most this.",
     ),
     shard: str = typer.Option(
         "auto",
