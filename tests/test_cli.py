@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -17,6 +18,35 @@ def test_version_and_help():
     assert r.returncode == 0 and r.stdout.strip() == f"fmstore {fmstore.__version__}"
     r = fm("--help")
     assert r.returncode == 0 and "ls" in r.stdout
+
+
+def test_every_command_and_option_is_explained():
+    """``--help`` teaches: every command and option says what it does, and each paragraph
+    of a command's description reads as one (no line breaks from the source's wrapping)."""
+    r = fm("stage", "--help", env={**os.environ, "COLUMNS": "80", "TERM": "dumb"})
+    assert r.returncode == 0
+    assert "resumes where it stopped" in " ".join(r.stdout.split())
+    from typer._click import Context
+    from typer.main import get_command
+
+    from fmstore.cli import main as cli
+
+    cli._register(["--help"])
+    root = get_command(cli.app)
+    todo = [("fmstore", root)]
+    seen = 0
+    while todo:
+        name, cmd = todo.pop()
+        seen += 1
+        ctx = Context(cmd)
+        for p in cmd.params:
+            if p.param_type_name == "option" and p.name != "help":
+                assert getattr(p, "help", None), f"{name} {p.opts}: no help"
+        for para in (cmd.help or "").split("\n\n"):
+            assert "\n" not in para, f"{name}: {para!r}"
+        for sub in getattr(cmd, "list_commands", lambda c: [])(ctx):
+            todo.append((f"{name} {sub}", cmd.get_command(ctx, sub)))
+    assert seen > 15
 
 
 def test_ls_lists_with_total(tmp_path):

@@ -37,6 +37,7 @@ def daemon(
 
     Serves Prometheus metrics on /metrics and a health check on /healthz.  SIGTERM lets
     the current copy finish (a second SIGTERM leaves it resumable), then exits 0.
+
     Exit codes: 0 done, 1 bad configuration or another daemon holds the state directory,
     3 --drain timed out with work left (resumable).
     """

@@ -71,6 +71,24 @@ def _register(argv: list[str] | None = None) -> None:
     names = _COMMAND_OWNERS.get(first or "", COMMAND_MODULES)
     for name in names:
         importlib.import_module(f"{__package__}.{name}")
+    _unwrap_help(app)
+
+
+def _unwrap_help(group: typer.Typer) -> None:
+    """Join the lines of each paragraph of the commands' docstrings.
+
+    Docstrings are wrapped for the source; ``--help`` wraps again for the terminal, and
+    typer keeps the source's line breaks, which leaves ragged lines.
+    """
+    import inspect
+
+    for info in group.registered_commands:
+        doc = info.help or (inspect.getdoc(info.callback) if info.callback else None)
+        if doc:
+            info.help = "\n\n".join(" ".join(p.split()) for p in doc.split("\n\n"))
+    for sub in group.registered_groups:
+        if sub.typer_instance is not None:
+            _unwrap_help(sub.typer_instance)
 
 
 def main(argv: list[str] | None = None) -> None:

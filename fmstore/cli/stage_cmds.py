@@ -316,7 +316,9 @@ def stage_cmd(
 
     Files already present and identical (same size and recorded checksum or source
     version) are skipped, so re-running is cheap; an interrupted run resumes where it
-    stopped, big files included.  Exit codes: 0 ok, 1 error, 2 usage, 3 some files
+    stopped, big files included.
+
+    Exit codes: 0 ok, 1 error, 2 usage, 3 some files
     failed, 130 interrupted.
     """
     topts = _transfer_options(concurrency, bwlimit, part_size, verify, fsync)
@@ -512,13 +514,24 @@ def _print_plan(plan: Any, json_out: bool, lazy: bool) -> None:
 @app.command("hydrate")
 def hydrate_cmd(
     path: str = typer.Argument(..., help="A lazily staged directory or file (or a part of one)."),
-    concurrency: int = typer.Option(64, "--concurrency", "-c"),
-    bwlimit: str | None = typer.Option(None, "--bwlimit"),
-    verify: bool = typer.Option(False, "--verify"),
-    progress: bool = typer.Option(True, "--progress/--no-progress"),
-    json_out: bool = typer.Option(False, "--json"),
+    concurrency: int = typer.Option(64, "--concurrency", "-c", help="Files (and parts) in flight."),
+    bwlimit: str | None = typer.Option(None, "--bwlimit", help="Bandwidth limit, e.g. 200MiB/s."),
+    verify: bool = typer.Option(
+        False, "--verify", help="Re-read every fetched file and compare checksums."
+    ),
+    progress: bool = typer.Option(
+        True, "--progress/--no-progress", help="Progress bar (terminal) or log lines."
+    ),
+    json_out: bool = typer.Option(
+        False, "--json", help="Print the final summary as JSON on stdout."
+    ),
 ) -> None:
-    """Fetch every not-yet-present file of a lazy staging under PATH."""
+    """Fetch every not-yet-present file of a lazy staging under PATH.
+
+    Files already fetched (by an earlier hydrate or a first read) and still identical to
+    the source are skipped.
+
+    Exit codes: 0 ok, 1 error, 3 some files failed, 130 interrupted."""
     topts = _transfer_options(concurrency, bwlimit, "32MiB", verify)
     found = _lazy.find_index(path)
     if found is None:
@@ -555,10 +568,15 @@ def hydrate_cmd(
 @app.command("release")
 def release_cmd(
     path: str = typer.Argument(..., help="A lazily staged directory or file (or a part of one)."),
-    json_out: bool = typer.Option(False, "--json"),
+    json_out: bool = typer.Option(
+        False, "--json", help="Print what was released and kept as JSON on stdout."
+    ),
 ) -> None:
-    """Drop local copies under PATH but keep the listing: only files whose local bytes
-    match what was fetched and whose source still holds the same version."""
+    """Drop the local copies of lazily staged files under PATH, keeping the listing.
+
+    Only files whose local bytes match what was fetched and whose source still holds the
+    same version are dropped (the next read fetches them again); the others are kept and
+    listed with the reason."""
     res = _lazy.release(path)
     typer.echo(
         f"released {len(res.released)} files ({human_bytes(res.bytes_released)}); kept {len(res.kept)}",
