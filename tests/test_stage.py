@@ -49,7 +49,8 @@ def home(tmp_path, monkeypatch):
 
 def journal_files(home: str) -> list[str]:
     d = os.path.join(home, "state", "transfers")
-    return [os.path.join(d, f) for f in os.listdir(d)] if os.path.isdir(d) else []
+    names = os.listdir(d) if os.path.isdir(d) else []
+    return [os.path.join(d, f) for f in names if f.endswith(".jsonl")]
 
 
 # ---- correctness, skip, dry run -----------------------------------------------------------
@@ -523,6 +524,43 @@ def test_a_finished_run_syncs_once_and_leaves_every_record_synced(tmp_path, home
     j = runtime.run(Journal.open(path))
     assert len(j.files) == 50 and all(r.synced for r in j.files.values())
     runtime.run(j.close())
+
+
+def test_journals_no_run_used_for_a_month_are_removed_once_a_day(tmp_path, home):
+    """Journals stay after a run (re-runs skip finished files on their word), one per
+    source and destination; those unused for 30 days go, checked at most once a day, and
+    a journal in use is never removed, however old."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(b"x" * 100)
+    src, dst = str(src), str(tmp_path / "dst")
+    assert fm("stage", src, dst, "--no-progress").returncode == 0
+    (mine,) = journal_files(home)
+    tdir = os.path.dirname(mine)
+    day, now = 86400, time.time()
+
+    def journal(name: str, age_days: float) -> str:
+        path = os.path.join(tdir, name)
+        with open(path, "w") as f:
+            f.write('{"f":"k","s":1,"v":null,"c":null,"d":null}\n')
+        os.utime(path, (now - age_days * day,) * 2)
+        return path
+
+    def age(path: str, days: float) -> None:
+        os.utime(path, (now - days * day,) * 2)
+
+    old, recent = journal("old.jsonl", 40), journal("recent.jsonl", 10)
+    age(mine, 40)
+    # The first run left the day's mark: nothing is removed yet, and the run's own journal
+    # is marked as used.
+    r = fm("stage", src, dst, "--no-progress", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["files_skipped"] == 1
+    assert os.path.exists(old) and time.time() - os.stat(mine).st_mtime < day
+    # A day later, the next opening of any journal removes what is a month old.
+    age(os.path.join(tdir, ".pruned"), 2)
+    age(mine, 40)
+    assert fm("stage", src, dst, "--no-progress").returncode == 0
+    assert sorted(journal_files(home)) == sorted([mine, recent])
 
 
 def test_crc_combine_equals_the_crc_of_the_concatenation():

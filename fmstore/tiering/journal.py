@@ -21,6 +21,12 @@ Records::
     {"u": DST_KEY, "t": TOKEN, "v": SRC_VERSION, "z": PART_SIZE}                a part write started
     {"p": DST_KEY, "t": TOKEN, "i": INDEX, "c": CRC_HEX, "n": LENGTH}           a part is written
     {"b": N} / {"y": N}                                                        sync N began / ended
+
+Journals are kept after a run (a re-run then skips finished files without asking the
+destination), one per source and destination, so the directory would grow with every new
+destination: opening a journal removes the others that no run has used for
+:data:`KEEP_DAYS` days (at most once a day).  Losing one costs nothing but that shortcut:
+a later run recognises finished files by their recorded checksums at the destination.
 """
 
 from __future__ import annotations
@@ -29,10 +35,15 @@ import contextlib
 import hashlib
 import json
 import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from .. import runtime
+
+#: A journal no run has opened for this long is removed (see the module docstring).
+KEEP_DAYS = 30
+_PRUNED = ".pruned"  # its mtime: when the directory was last pruned
 
 
 @dataclass
@@ -81,9 +92,11 @@ class Journal:
     def _load(self) -> None:
         assert self.path is not None
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        prune(os.path.dirname(self.path), keep=self.path)
         try:
             with open(self.path, "rb") as f:
                 lines = f.read().split(b"\n")
+            os.utime(self.path)  # in use: not to be pruned (a run may append nothing)
         except FileNotFoundError:
             lines = []
         file_line: dict[str, int] = {}
@@ -234,6 +247,32 @@ class Journal:
             fd, self._fd = self._fd, None
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def prune(directory: str, *, keep: str | None = None, now: float | None = None) -> int:
+    """Remove the journals in ``directory`` that no run has used for :data:`KEEP_DAYS`
+    days (except ``keep``); at most once a day.  Returns how many were removed."""
+    now = time.time() if now is None else now
+    marker = os.path.join(directory, _PRUNED)
+    try:
+        if now - os.stat(marker).st_mtime < 86400:
+            return 0
+    except FileNotFoundError:
+        pass
+    cutoff = now - KEEP_DAYS * 86400
+    removed = 0
+    with contextlib.suppress(FileNotFoundError), os.scandir(directory) as entries:
+        for e in entries:
+            if not e.name.endswith((".jsonl", ".compact")) or e.path == keep:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if e.stat().st_mtime < cutoff:
+                    os.unlink(e.path)
+                    removed += 1
+    with open(marker, "a"):
+        pass
+    os.utime(marker, (now, now))
+    return removed
 
 
 def _line(rec: dict) -> bytes:
