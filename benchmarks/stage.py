@@ -51,11 +51,11 @@ def make_sets(root: str, small_n: int, big_n: int, big_mib: int) -> dict[str, tu
     block = os.urandom(16 << 20)
     for i in range(big_n):
         with open(os.path.join(big, f"shard-{i}.bin"), "wb") as f:
-            for j in range(big_mib // 16):
-                f.write(bytes([i, j % 256]) + block[2:])
+            for j, at in enumerate(range(0, big_mib << 20, 16 << 20)):
+                f.write((bytes([i, j % 256]) + block[2:])[: (big_mib << 20) - at])
     return {
         "small": (small, small_n, small_n * 4096),
-        "big": (big, big_n, big_n * (big_mib // 16) * (16 << 20)),
+        "big": (big, big_n, big_n * (big_mib << 20)),
     }
 
 
