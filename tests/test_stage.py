@@ -563,6 +563,24 @@ def test_journals_no_run_used_for_a_month_are_removed_once_a_day(tmp_path, home)
     assert sorted(journal_files(home)) == sorted([mine, recent])
 
 
+def test_journal_housekeeping_never_fails_a_run(tmp_path):
+    """What cannot be removed (here a directory where a journal would be; in a shared
+    state directory, another user's journal) is left, and the journal still opens."""
+    from fmstore.tiering.journal import Journal, prune
+
+    old = time.time() - 40 * 86400
+    stuck, gone = tmp_path / "stuck.jsonl", tmp_path / "gone.jsonl"
+    stuck.mkdir()
+    gone.write_text("")
+    for p in (stuck, gone):
+        os.utime(p, (old, old))
+    j = runtime.run(Journal.open(str(tmp_path / "mine.jsonl")))
+    runtime.run(j.close())
+    assert stuck.is_dir() and not gone.exists()
+    assert prune(str(tmp_path)) == 0  # once a day
+    assert prune(str(tmp_path / "missing")) == 0
+
+
 def test_crc_combine_equals_the_crc_of_the_concatenation():
     import random
 

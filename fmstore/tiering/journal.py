@@ -96,7 +96,9 @@ class Journal:
         try:
             with open(self.path, "rb") as f:
                 lines = f.read().split(b"\n")
-            os.utime(self.path)  # in use: not to be pruned (a run may append nothing)
+            # In use: not to be pruned, even after a run that appends nothing.
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
         except FileNotFoundError:
             lines = []
         file_line: dict[str, int] = {}
@@ -251,27 +253,31 @@ class Journal:
 
 def prune(directory: str, *, keep: str | None = None, now: float | None = None) -> int:
     """Remove the journals in ``directory`` that no run has used for :data:`KEEP_DAYS`
-    days (except ``keep``); at most once a day.  Returns how many were removed."""
+    days (except ``keep``); at most once a day.  Returns how many were removed.
+
+    Housekeeping never fails a run: a journal that cannot be removed (another user's, in
+    a shared state directory) is left."""
     now = time.time() if now is None else now
     marker = os.path.join(directory, _PRUNED)
     try:
         if now - os.stat(marker).st_mtime < 86400:
             return 0
-    except FileNotFoundError:
+    except OSError:
         pass
     cutoff = now - KEEP_DAYS * 86400
     removed = 0
-    with contextlib.suppress(FileNotFoundError), os.scandir(directory) as entries:
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
         for e in entries:
             if not e.name.endswith((".jsonl", ".compact")) or e.path == keep:
                 continue
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 if e.stat().st_mtime < cutoff:
                     os.unlink(e.path)
                     removed += 1
-    with open(marker, "a"):
-        pass
-    os.utime(marker, (now, now))
+    with contextlib.suppress(OSError):
+        with open(marker, "a"):
+            pass
+        os.utime(marker, (now, now))
     return removed
 
 
