@@ -129,6 +129,30 @@ def test_dry_run_changes_nothing(dataset, tmp_path, home):
     assert journal_files(home) == []
 
 
+def test_a_copy_edited_in_place_is_copied_again_and_can_be_staged_onward(tmp_path, home):
+    """The checksum fmstore records with a file describes the bytes it wrote: once the
+    file is written in place (same size, the journal gone: nothing but the file to go
+    by), a re-run repairs it rather than skipping it, and staging it onward computes its
+    checksum rather than failing on the recorded one."""
+    a, b, c = (str(tmp_path / n) for n in ("a", "b", "c"))
+    os.mkdir(a)
+    with open(os.path.join(a, "cfg.json"), "w") as f:
+        f.write('{"lr": 0.1}\n')
+    assert fm("stage", a, b, "--no-progress").returncode == 0
+    for j in journal_files(home):
+        os.unlink(j)
+    time.sleep(1.1)  # an edit made later than the copy (times are compared to the second)
+    with open(os.path.join(b, "cfg.json"), "r+") as f:
+        f.write('{"lr": 0.2}\n')
+    r = fm("stage", b, c, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert open(os.path.join(c, "cfg.json")).read() == '{"lr": 0.2}\n'
+    r = fm("stage", a, b, "--no-progress", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["files_copied"] == 1
+    assert open(os.path.join(b, "cfg.json")).read() == '{"lr": 0.1}\n'
+
+
 # ---- delete semantics ---------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -54,6 +55,25 @@ def test_put_meta_is_the_stored_files_without_reading_it_back(posix_root):
         assert (put.key, put.size, put.mtime, put.etag) == (now.key, now.size, now.mtime, now.etag)
         assert dict(put.metadata) == dict(now.metadata) == meta
         assert os.stat(os.path.join(posix_root, "d/m")).st_mtime_ns == 1700000000123
+
+
+def test_metadata_of_a_file_changed_since_reads_as_none(posix_root):
+    """Metadata describes the bytes fmstore wrote: a file written in place afterwards (or
+    truncated, or touched) has none, in a read-only mode too; an untouched one keeps it."""
+    s = PosixStore(posix_root)
+    meta = {"fmstore-crc32c": "0badcafe", "file-permissions": "0100444"}
+    for key in ("same", "edited", "truncated"):
+        runtime.run(s.put(key, b"x" * 100, PutOptions(metadata=meta)))
+    assert runtime.run(s.stat("same")).metadata == meta
+    later = time.time() + 5
+    with open(os.path.join(posix_root, "edited"), "r+b") as f:
+        f.write(b"y")
+    os.utime(os.path.join(posix_root, "edited"), (later, later))
+    os.truncate(os.path.join(posix_root, "truncated"), 10)
+    for key in ("edited", "truncated"):
+        assert runtime.run(s.stat(key)).metadata == {}
+    copied = runtime.run(s.copy("same", "copy"))
+    assert copied.metadata == meta == runtime.run(s.stat("copy")).metadata
 
 
 def test_unwritable_directory_is_permission_error(tmp_path):

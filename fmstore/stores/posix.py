@@ -56,6 +56,12 @@ if TYPE_CHECKING:
 TMP_MARK = ".fmstore-tmp."
 _LOCK_NAME = ".fmstore-lock"
 _XATTR = "user.fmstore.meta"
+#: Recorded in the metadata xattr: the file's size and modification time (whole seconds,
+#: as Lustre keeps them) when fmstore wrote it.  A file changed since (written in place,
+#: truncated) no longer matches, and the metadata recorded with it (its checksum, the
+#: source's version) no longer describes it: it then reads as having none, so the file is
+#: copied again rather than skipped, and its checksum is computed rather than trusted.
+_STAMP = "fmstore-written"
 _ALIGN = 4096
 #: Block size for large sequential writes and reads.
 BLOCK = 16 << 20
@@ -287,9 +293,12 @@ class PosixStore(Store):
 
     def _finish_fd(self, fd: int, options: PutOptions) -> None:
         if options.metadata:
-            payload = _META_JSON.encode(dict(options.metadata)).encode()
-            os.setxattr(fd, _XATTR, payload)
-            posixmeta.apply(fd, options.metadata)  # FSx-convention owner, mode and times
+            # FSx-convention times first (the stamp records the final mtime), the xattr,
+            # then mode and owner (a read-only mode would refuse the xattr).
+            posixmeta.apply_times(fd, options.metadata)
+            meta = {**options.metadata, _STAMP: _stamp(os.fstat(fd))}
+            os.setxattr(fd, _XATTR, _META_JSON.encode(meta).encode())
+            posixmeta.apply(fd, options.metadata, times=False)
         if self.options.fsync and options.durable:
             os.fdatasync(fd)
 
@@ -556,7 +565,9 @@ class PosixStore(Store):
                 try:
                     with open(spath, "rb") as fsrc:
                         _copy_fd(fsrc.fileno(), fd)
-                    meta = options.metadata if options.metadata is not None else _read_meta(spath)
+                    meta = options.metadata
+                    if meta is None:
+                        meta = _read_meta(spath, os.stat(spath))
                     self._finish_fd(fd, PutOptions(metadata=meta))
                     os.close(fd)
                     fd = -1
@@ -757,9 +768,13 @@ def _file_meta(key: str, st: os.stat_result, file: str | int) -> ObjectMeta:
         size=st.st_size,
         mtime=st.st_mtime,
         etag=_etag(st),
-        metadata=_read_meta(file),
+        metadata=_read_meta(file, st),
         stat=st,
     )
+
+
+def _stamp(st: os.stat_result) -> str:
+    return f"{st.st_size:x}-{st.st_mtime_ns // 1_000_000_000:x}"
 
 
 #: The metadata xattr's encoding: keys sorted, built once (``json.dumps`` with options
@@ -767,7 +782,9 @@ def _file_meta(key: str, st: os.stat_result, file: str | int) -> ObjectMeta:
 _META_JSON = json.JSONEncoder(sort_keys=True)
 
 
-def _read_meta(path: str | int) -> dict[str, str]:
+def _read_meta(path: str | int, st: os.stat_result) -> dict[str, str]:
+    """The metadata recorded with a file whose ``stat`` is ``st``; none when the file
+    changed since it was recorded (see :data:`_STAMP`)."""
     try:
         raw = os.getxattr(path, _XATTR)
     except OSError:
@@ -776,7 +793,12 @@ def _read_meta(path: str | int) -> dict[str, str]:
         value = json.loads(raw)
     except ValueError:
         return {}
-    return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
+    if not isinstance(value, dict):
+        return {}
+    stamp = value.pop(_STAMP, None)
+    if stamp is not None and stamp != _stamp(st):
+        return {}
+    return {str(k): str(v) for k, v in value.items()}
 
 
 class _PosixWriter(Writer):

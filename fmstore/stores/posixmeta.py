@@ -75,9 +75,10 @@ def parse_time_ns(text: str | None) -> int | None:
         return None
 
 
-def apply(target: str | int, metadata: Mapping[str, str]) -> None:
-    """Restore permissions, times and (when allowed) ownership on a local file (a path
-    or an open descriptor); a no-op when ``metadata`` has none of the keys.
+def apply(target: str | int, metadata: Mapping[str, str], *, times: bool = True) -> None:
+    """Restore permissions, times (unless ``times`` is false: see :func:`apply_times`) and
+    (when allowed) ownership on a local file (a path or an open descriptor); a no-op when
+    ``metadata`` has none of the keys.
 
     Ownership is changed only when the process may (root, or the owner already matches);
     a failed ``chown`` is not an error, like ``cp -p`` run by an ordinary user.
@@ -93,6 +94,13 @@ def apply(target: str | int, metadata: Mapping[str, str]) -> None:
     if uid is not None or gid is not None:
         with contextlib.suppress(PermissionError, OSError):
             os.chown(target, -1 if uid is None else uid, -1 if gid is None else gid)
+    if times:
+        apply_times(target, meta)
+
+
+def apply_times(target: str | int, metadata: Mapping[str, str]) -> None:
+    """Restore the access and modification times only."""
+    meta = pick(metadata)
     mtime = parse_time_ns(meta.get(MTIME))
     if mtime is not None:
         atime = parse_time_ns(meta.get(ATIME))
