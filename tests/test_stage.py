@@ -111,6 +111,9 @@ def test_dry_run_changes_nothing(dataset, tmp_path, home):
         and plan["to_copy_bytes"] == SMALL_N // 50 * SMALL_SIZE
     )
     assert not dst.exists()
+    # Nor a tier's directory (the embedded default: nvme under FMSTORE_HOME).
+    r = fm("stage", dataset["small"], "nvme:ds", "--dry-run", "--include", "d01/*")
+    assert r.returncode == 0 and not os.path.exists(os.path.join(home, "nvme"))
     dst.mkdir()
     (dst / "stale").write_bytes(b"x")
     r = fm(
@@ -409,6 +412,7 @@ def test_bad_input_gives_clear_errors_and_documented_exit_codes(tmp_path, home):
     assert r.returncode == 1 and "does not exist" in r.stderr and "Traceback" not in r.stderr
     r = fm("stage", str(src), str(src / "inner"))
     assert r.returncode == 1 and "inside source" in r.stderr
+    assert not (src / "inner").exists()  # refused before anything was created
     r = fm("stage", str(src), str(src))
     assert r.returncode == 1 and "same location" in r.stderr
     r = fm("stage", str(src), str(tmp_path / "d"), "--include", "a[b")
@@ -459,6 +463,42 @@ def test_cp_du_rm(tmp_path, home):
     assert r.returncode == 0 and not (src / "d" / "a.bin").exists()
     r = fm("rm", str(src / "b.bin"), "-y")
     assert r.returncode == 0 and not (src / "b.bin").exists()
+
+
+def test_du_and_rm_take_a_file_and_refuse_a_missing_directory(tmp_path, home):
+    """``du FILE`` measures it and ``rm -r FILE`` deletes it, as du and rm do; a missing
+    directory is an error, and nothing is created on the way."""
+    (tmp_path / "f.bin").write_bytes(b"x" * 1234)
+    r = fm("du", "-b", str(tmp_path / "f.bin"))
+    assert r.returncode == 0 and "1234" in r.stdout
+    r = fm("rm", "-r", str(tmp_path / "f.bin"), "-y")
+    assert r.returncode == 0 and not (tmp_path / "f.bin").exists()
+    for cmd in (["du"], ["rm", "-r", "-y"]):
+        r = fm(*cmd, str(tmp_path / "typo"))
+        assert r.returncode == 1 and "does not exist" in r.stderr, r.stderr
+    assert not (tmp_path / "typo").exists()
+
+
+def test_a_refused_delete_says_nothing_was_copied(tmp_path, home):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    dst.mkdir()
+    (src / "new").write_bytes(b"1")
+    (dst / "old").write_bytes(b"2")
+    r = fm("stage", str(src), str(dst), "--delete", "--no-progress", stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and "Nothing copied or deleted" in r.stderr
+    assert sorted(os.listdir(dst)) == ["old"]
+
+
+def test_a_file_name_that_is_not_utf8_is_a_clear_error(tmp_path, home):
+    src = tmp_path / "src"
+    src.mkdir()
+    with open(os.path.join(os.fsencode(src), b"lat\xe9.txt"), "wb") as f:
+        f.write(b"x")
+    for cmd in (["stage", str(src), str(tmp_path / "d"), "--no-progress"], ["ls", str(src)]):
+        r = fm(*cmd)
+        assert r.returncode == 1, r.stderr
+        assert "not valid UTF-8" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_ctrl_c_exits_130_and_the_rerun_resumes(dataset, tmp_path, home):

@@ -35,7 +35,9 @@ from ..tiering import lazy as _lazy
 from ..tiering.stage import (
     KeyFilter,
     StageOptions,
+    check_destination,
     check_locations,
+    local_dir,
     open_source,
     parse_shard,
     plan_stage,
@@ -196,16 +198,20 @@ def _list_failures(report: TransferReport) -> None:
             typer.echo(f"  … and {len(report.failures) - 200} more", err=True)
 
 
-def _confirm(question: str, yes: bool) -> None:
+def _confirm(question: str, yes: bool, declined: str = "Nothing deleted.") -> None:
+    """Ask ``question``; a no (or no terminal to ask on, without ``--yes``) says
+    ``declined`` and exits 2."""
     if yes:
         return
     if not sys.stdin.isatty():
         typer.secho(
-            f"{question} Refusing without --yes (not a terminal).", fg=typer.colors.RED, err=True
+            f"{question} Refusing without --yes (not a terminal). {declined}",
+            fg=typer.colors.RED,
+            err=True,
         )
         raise typer.Exit(EXIT_USAGE)
     if not typer.confirm(question, default=False, err=True):
-        typer.echo("Nothing deleted.", err=True)
+        typer.echo(declined, err=True)
         raise typer.Exit(EXIT_USAGE)
 
 
@@ -340,8 +346,10 @@ def stage_cmd(
     if lazy:
         k_n = None
     source = open_source(src)
+    check_destination(source, dst, delete=delete)
     # A dry run must not even create the destination directory.
-    missing = dry_run and _missing_local_dir(dst)
+    local = local_dir(dst)
+    missing = dry_run and local is not None and not os.path.exists(local)
     dest = open_store(tempfile.mkdtemp(prefix="fmstore-dry-run-") if missing else dst)
     if not missing:
         check_locations(source, dest, delete=delete)
@@ -366,7 +374,11 @@ def stage_cmd(
             out.print(f"  {k}")
         if len(plan.delete) > 10:
             out.print(f"  … and {len(plan.delete) - 10} more")
-        _confirm(f"Delete {len(plan.delete)} file(s) from {dst}?", yes)
+        _confirm(
+            f"Delete {len(plan.delete)} file(s) from {dst}?",
+            yes,
+            "Nothing copied or deleted (run without --delete to copy only).",
+        )
     try:
         _stage_run(
             src,
@@ -462,18 +474,6 @@ def _stage_run(
         typer.echo(json.dumps(d))
     if not result.ok:
         raise typer.Exit(EXIT_FAILED)
-
-
-def _missing_local_dir(url: str) -> bool:
-    tier, rest = split_tier(url)
-    if (
-        tier is not None
-        or re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", url)
-        and not url.startswith("file://")
-    ):
-        return False
-    path = url[len("file://") :] if url.startswith("file://") else url
-    return not os.path.exists(os.path.expanduser(path))
 
 
 def _print_plan(plan: Any, json_out: bool, lazy: bool) -> None:
@@ -596,6 +596,11 @@ def release_cmd(
         )
 
 
+def _is_local_file(url: str) -> bool:
+    path = local_dir(url)
+    return path is not None and os.path.isfile(path)
+
+
 def split_object(url: str) -> tuple[str, str]:
     """``s3://b/p/k`` → ``("s3://b/p", "k")``; ``nvme:a/k`` → ``("nvme:a", "k")``; paths too."""
     tier, rest = split_tier(url)
@@ -662,8 +667,11 @@ def du_cmd(
     """Disk usage: bytes and file counts per top-level directory, and the total."""
     from ..tiering.stage import list_tree
 
-    store = open_store(url)
-    tree = runtime.run(list_tree(store))
+    if _is_local_file(url):
+        parent, key = split_object(url)
+        tree = {key: runtime.run(open_store(parent).stat(key))}
+    else:
+        tree = runtime.run(list_tree(open_source(url, role="location")))
     fmt = (lambda n: str(n)) if in_bytes else human_bytes
     groups: dict[str, list[int]] = {}
     for k, m in tree.items():
@@ -689,10 +697,10 @@ def rm_cmd(
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
 ) -> None:
     """Delete an object, or every object under a prefix (asks first unless --yes)."""
-    if recursive:
+    if recursive and not _is_local_file(url):  # ``rm -r FILE`` deletes the file, as rm does
         from ..tiering.stage import list_tree
 
-        store = open_store(url)
+        store = open_source(url, role="location")
         keys = sorted(runtime.run(list_tree(store)))
         if not keys:
             typer.echo(f"nothing under {url}", err=True)

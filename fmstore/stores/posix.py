@@ -28,6 +28,7 @@ from .. import runtime
 from ..errors import (
     AlreadyExists,
     FmstoreError,
+    InvalidKey,
     NotFound,
     PermissionDenied,
     PreconditionFailed,
@@ -506,6 +507,8 @@ class PosixStore(Store):
                     for e in it:
                         if e.name.startswith(TMP_MARK) or e.name == _LOCK_NAME:
                             continue
+                        if not e.name.isascii():
+                            _check_utf8(e, self.tier)
                         key = rel + e.name
                         if e.is_dir(follow_symlinks=False):
                             if recursive:
@@ -771,6 +774,17 @@ def _file_meta(key: str, st: os.stat_result, file: str | int) -> ObjectMeta:
         metadata=_read_meta(file, st),
         stat=st,
     )
+
+
+def _check_utf8(entry: os.DirEntry[str], tier: str) -> None:
+    """Keys are UTF-8 (S3's are): a name that is not cannot be staged or listed."""
+    try:
+        entry.name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidKey(
+            f"{os.fsencode(entry.path)!r}: the file name is not valid UTF-8; rename it",
+            tier=tier,
+        ) from None
 
 
 def _stamp(st: os.stat_result) -> str:

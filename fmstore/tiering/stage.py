@@ -164,15 +164,24 @@ def resolve_url(url: str) -> str:
     return os.path.abspath(os.path.expanduser(url))
 
 
+def local_dir(url: str) -> str | None:
+    """The directory a location names on this machine (a path, ``file://``, or a POSIX
+    tier's ``TIER:path``), whether or not it exists; None for remote stores."""
+    tier, rest = split_tier(url)
+    cfg_url = get_config().tier(tier).url if tier else url
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", cfg_url) and not cfg_url.startswith("file://"):
+        return None
+    base = os.path.expanduser(
+        cfg_url[len("file://") :] if cfg_url.startswith("file://") else cfg_url
+    )
+    return os.path.join(base, rest) if tier else base
+
+
 def open_source(url: str, *, role: str = "source") -> Store:
     """Open a location that must already exist (a missing POSIX directory is an error,
     not something to create)."""
-    tier, rest = split_tier(url)
-    cfg_url = get_config().tier(tier).url if tier else url
-    is_path = not re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", cfg_url) or cfg_url.startswith("file://")
-    if is_path:
-        base = cfg_url[len("file://") :] if cfg_url.startswith("file://") else cfg_url
-        path = os.path.join(os.path.expanduser(base), rest) if tier else os.path.expanduser(base)
+    path = local_dir(url)
+    if path is not None:
         if os.path.isfile(path):
             raise ConfigError(f"{role} {url!r} is a file: use 'fmstore cp' for single objects")
         if not os.path.isdir(path):
@@ -194,7 +203,18 @@ def _root_of(store: Store) -> str:
 def check_locations(src: Store, dst: Store, *, delete: bool) -> None:
     """Refuse copies of a location into itself or below itself (the copy would feed on
     its own output), and ``delete`` when the source lies inside the destination."""
-    s, d = _root_of(src), _root_of(dst)
+    check_roots(_root_of(src), _root_of(dst), delete=delete)
+
+
+def check_destination(src: Store, dst_url: str, *, delete: bool) -> None:
+    """:func:`check_locations` before the destination is opened: opening a local
+    directory creates it, which a refused copy must not do."""
+    path = local_dir(dst_url)
+    if path is not None:
+        check_roots(_root_of(src), "file://" + os.path.realpath(path), delete=delete)
+
+
+def check_roots(s: str, d: str, *, delete: bool) -> None:
     if s == d:
         raise ConfigError(f"source and destination are the same location ({s})")
     if d.startswith(s + "/"):
@@ -377,6 +397,7 @@ async def stage_async(
     """Stage ``src_url`` into ``dst_url`` (any store URLs or ``TIER:path``)."""
     key_filter = KeyFilter.of(options.includes, options.excludes)
     src = open_source(src_url)
+    check_destination(src, dst_url, delete=options.delete)
     dst = open_store(dst_url)
     check_locations(src, dst, delete=options.delete)
     plan = await plan_stage(
