@@ -72,6 +72,27 @@ def test_hydrate_then_release_round_trip(lazy_tree):
         assert f.read() == (src / "train" / "05.bin").read_bytes()
 
 
+def test_staging_lazily_again_drops_copies_the_new_listing_makes_stale(lazy_tree):
+    """A new listing over a hydrated tree: the copy of a file changed on the source is
+    dropped (the next read fetches the new one), a copy edited locally is kept and named,
+    the others stay."""
+    src, dst = lazy_tree
+    assert fm("hydrate", str(dst / "train"), "--no-progress").returncode == 0
+    (src / "train" / "01.bin").write_bytes(b"new on the source")
+    (dst / "train" / "02.bin").write_bytes(b"local edit")
+    r = fm("stage", str(src), str(dst), "--lazy", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["lazy_dropped"] == 1 and out["lazy_kept"] == ["train/02.bin"], out
+    assert "kept train/02.bin: changed locally" in r.stderr
+    assert out["bytes_total"] == sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+    assert len(os.listdir(dst / "train")) == 19
+    with fmstore.open(str(dst / "train" / "01.bin")) as f:
+        assert f.read() == b"new on the source"
+    assert (dst / "train" / "02.bin").read_bytes() == b"local edit"
+    assert (dst / "train" / "03.bin").read_bytes() == (src / "train" / "03.bin").read_bytes()
+
+
 def test_hydrate_outside_a_lazy_tree_is_a_clear_error(tmp_path):
     r = fm("hydrate", str(tmp_path))
     assert r.returncode == 1 and "not inside a lazily staged directory" in r.stderr

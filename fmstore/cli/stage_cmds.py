@@ -456,6 +456,18 @@ def _stage_run(
             f"lazy listing of {result.lazy_entries} files written to {dst}; files are fetched on first read",
             err=True,
         )
+        if result.lazy_dropped:
+            typer.echo(
+                f"dropped {len(result.lazy_dropped)} local copies of an earlier version "
+                "(the next read fetches the listed one)",
+                err=True,
+            )
+        for key in result.lazy_kept:
+            typer.echo(
+                f"  kept {key}: changed locally (or not fetched by fmstore); "
+                "it may differ from the listed version",
+                err=True,
+            )
     else:
         _summary(result.report)
     if result.deleted or result.delete_failures:
@@ -470,6 +482,8 @@ def _stage_run(
             deleted=result.deleted,
             delete_failures=len(result.delete_failures),
             lazy_entries=result.lazy_entries,
+            lazy_dropped=len(result.lazy_dropped),
+            lazy_kept=result.lazy_kept,
         )
         typer.echo(json.dumps(d))
     if not result.ok:

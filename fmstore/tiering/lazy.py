@@ -11,6 +11,10 @@ source location, then one line per file with its key, size, source version and c
 * :func:`release` (``fmstore release PATH``) drops local copies under ``PATH`` but keeps
   the index, and only where that is safe: the local bytes still match the checksum recorded
   when they were fetched, and the source still holds the same version of the file.
+* Staging lazily again over the same directory writes the new listing and drops the local
+  copies it makes stale (fetched from another version of their source file, unchanged
+  since): the next read fetches the listed version.  A copy changed locally since it was
+  fetched is kept, and named.
 
 Index format (JSON lines)::
 
@@ -25,7 +29,7 @@ import builtins
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -33,9 +37,17 @@ from .. import runtime
 from ..config import get_config
 from ..errors import ConfigError, CorruptData, FmstoreError, NotFound
 from ..stores import open_store, split_tier
-from ..stores.base import PutOptions, Store
+from ..stores.base import ObjectMeta, PutOptions, Store
 from .crc import crc32c, from_hex, to_hex
-from .transfer import META_CRC, CopyItem, TransferOptions, TransferReport, copy_items, version_of
+from .transfer import (
+    META_CRC,
+    META_SRC_VERSION,
+    CopyItem,
+    TransferOptions,
+    TransferReport,
+    copy_items,
+    version_of,
+)
 
 INDEX_NAME = ".fmstore-lazy.jsonl"
 
@@ -74,6 +86,42 @@ async def write_index(dst: Store, source: str, items: Sequence[CopyItem]) -> int
         lines.append(json.dumps(rec, separators=(",", ":")))
     await dst.put(INDEX_NAME, ("\n".join(lines) + "\n").encode(), PutOptions())
     return len(items)
+
+
+async def drop_stale(
+    dst: Store, items: Sequence[CopyItem], present: Mapping[str, ObjectMeta]
+) -> tuple[list[str], list[str]]:
+    """Local copies under a new listing of ``items`` that it makes stale: those fetched
+    from another version of their source file and unchanged since are dropped (the next
+    read fetches the listed one); those changed locally, or not fetched by fmstore, are
+    kept.  Returns (dropped, kept) keys."""
+    dropped: list[str] = []
+    kept: list[str] = []
+    sem = asyncio.Semaphore(32)
+
+    async def one(item: CopyItem) -> None:
+        if item.version is None and item.crc32c is None:
+            return  # nothing to tell one version from another
+        async with sem:
+            try:
+                local = await dst.stat(item.dst_key)  # with what was recorded at fetch
+            except NotFound:
+                return
+            crc = from_hex(local.metadata.get(META_CRC))
+            version = local.metadata.get(META_SRC_VERSION)
+            if local.size == item.size and (
+                (crc is not None and crc == item.crc32c)
+                or (version is not None and version == item.version)
+            ):
+                return  # the listed version
+            if crc is None:
+                kept.append(item.dst_key)
+                return
+            await dst.delete(item.dst_key)
+            dropped.append(item.dst_key)
+
+    await asyncio.gather(*(one(i) for i in items if i.dst_key in present))
+    return sorted(dropped), sorted(kept)
 
 
 def _parse(root: str, raw: bytes) -> LazyIndex:

@@ -327,6 +327,8 @@ class StageResult:
     deleted: int = 0
     delete_failures: list[tuple[str, str]] = field(default_factory=list)
     lazy_entries: int = 0
+    lazy_dropped: list[str] = field(default_factory=list)  # stale local copies dropped
+    lazy_kept: list[str] = field(default_factory=list)  # stale, but changed locally: kept
 
     @property
     def ok(self) -> bool:
@@ -349,11 +351,18 @@ async def run_plan(
 ) -> StageResult:
     progress = progress or TransferProgress()
     if options.lazy:
-        from .lazy import write_index
+        from .lazy import drop_stale, write_index
 
         n = await write_index(dst, resolve_url(src_url) if src_url else src.url, plan.items)
+        dropped, kept = await drop_stale(dst, plan.items, plan.dst_existing)
         progress.files_total = progress.files_skipped = n
-        return StageResult(TransferReport(progress, [], 0.0), lazy_entries=n)
+        progress.bytes_total = progress.bytes_skipped = sum(i.size for i in plan.items)
+        return StageResult(
+            TransferReport(progress, [], 0.0),
+            lazy_entries=n,
+            lazy_dropped=dropped,
+            lazy_kept=kept,
+        )
     journal = await Journal.open(journal_path(src, dst, options.state_dir))
     try:
         report = await copy_items(
