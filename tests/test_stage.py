@@ -24,7 +24,7 @@ from fmstore import runtime
 from fmstore.errors import ConfigError
 from fmstore.stores import PutOptions, open_store
 from fmstore.tiering.stage import KeyFilter, compile_glob, in_shard, plan_stage, shard_from_env
-from fmstore.tiering.transfer import TransferOptions, copy_items
+from fmstore.tiering.transfer import CopyItem, TransferOptions, copy_items
 
 
 @pytest.fixture(scope="module")
@@ -413,6 +413,8 @@ def test_bad_input_gives_clear_errors_and_documented_exit_codes(tmp_path, home):
     r = fm("stage", str(src), str(src / "inner"))
     assert r.returncode == 1 and "inside source" in r.stderr
     assert not (src / "inner").exists()  # refused before anything was created
+    r = fm("stage", str(src), str(src / "f"))
+    assert r.returncode == 1 and "is a file, not a directory" in r.stderr
     r = fm("stage", str(src), str(src))
     assert r.returncode == 1 and "same location" in r.stderr
     r = fm("stage", str(src), str(tmp_path / "d"), "--include", "a[b")
@@ -643,6 +645,36 @@ def test_journal_housekeeping_never_fails_a_run(tmp_path):
     assert stuck.is_dir() and not gone.exists()
     assert prune(str(tmp_path)) == 0  # once a day
     assert prune(str(tmp_path / "missing")) == 0
+
+
+def test_a_file_changing_while_copied_is_copied_again_and_counted_once(tmp_path):
+    """The source grows while its parts are read: the copy notices (its version changed),
+    drops what it wrote and copies the file again, and the bytes it reports copied are the
+    file's, not the file's plus the abandoned attempt's."""
+    from fmstore.stores.posix import PosixStore
+
+    class GrowsOnce(PosixStore):
+        grown = False
+
+        async def get_into(self, key, start, out):
+            await super().get_into(key, start, out)
+            if not GrowsOnce.grown:
+                GrowsOnce.grown = True
+                with open(os.path.join(self.root, key), "ab") as f:
+                    f.write(b"z" * (1 << 20))
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "big.bin").write_bytes(os.urandom(12 << 20))
+    src, dst = GrowsOnce(str(tmp_path / "src")), open_store(str(tmp_path / "dst"))
+    item = CopyItem("big.bin", "big.bin", 12 << 20, None, None)
+    opts = TransferOptions(part_size=4 << 20, multipart_threshold=8 << 20)
+    report = runtime.run(copy_items(src, dst, [item], opts))
+    assert report.ok, report.failures
+    assert GrowsOnce.grown
+    assert (tmp_path / "dst" / "big.bin").read_bytes() == (
+        tmp_path / "src" / "big.bin"
+    ).read_bytes()
+    assert report.progress.bytes_copied == 13 << 20
 
 
 def test_crc_combine_equals_the_crc_of_the_concatenation():

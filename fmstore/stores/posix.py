@@ -503,6 +503,10 @@ class PosixStore(Store):
                     it = os.scandir(d)
                 except (FileNotFoundError, NotADirectoryError):
                     continue
+                except PermissionError:
+                    raise PermissionDenied(
+                        f"permission denied listing {d}", tier=self.tier, key=rel or None
+                    ) from None
                 with it:
                     for e in it:
                         if e.name.startswith(TMP_MARK) or e.name == _LOCK_NAME:

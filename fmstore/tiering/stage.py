@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from .. import runtime
 from ..config import get_config
-from ..errors import ConfigError, FmstoreError, NotFound
+from ..errors import ConfigError, FmstoreError, NotFound, PermissionDenied
 from ..stores import open_store, split_tier
 from ..stores.base import ObjectMeta, Store
 from .crc import crc32c
@@ -187,8 +187,6 @@ def open_source(url: str, *, role: str = "source") -> Store:
         if not os.path.isdir(path):
             raise NotFound(f"{role} {url!r} does not exist")
         if not os.access(path, os.R_OK | os.X_OK):
-            from ..errors import PermissionDenied
-
             raise PermissionDenied(f"{role} {url!r} is not readable")
     return open_store(url)
 
@@ -211,6 +209,8 @@ def check_destination(src: Store, dst_url: str, *, delete: bool) -> None:
     directory creates it, which a refused copy must not do."""
     path = local_dir(dst_url)
     if path is not None:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(f"destination {dst_url!r} is a file, not a directory")
         check_roots(_root_of(src), "file://" + os.path.realpath(path), delete=delete)
 
 
@@ -242,8 +242,11 @@ async def list_tree(
             return [m async for m in store.list(prefix, recursive=True) if not m.is_dir]
 
     dirs = [m.key for m in top if m.is_dir and not m.key.startswith(RESERVED_PREFIX)]
-    for metas in await asyncio.gather(*(sub(d) for d in dirs)):
-        out.update((m.key, m) for m in metas)
+    try:
+        for metas in await asyncio.gather(*(sub(d) for d in dirs)):
+            out.update((m.key, m) for m in metas)
+    except PermissionDenied as e:  # a part of the tree cannot be listed: say whose
+        raise PermissionDenied(f"{role} {store.url}: {e.message}", tier=e.tier, key=e.key) from None
     return out
 
 

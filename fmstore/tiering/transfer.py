@@ -536,7 +536,10 @@ class Transfer:
         n = part_count(size, part_size)
         crcs: dict[int, tuple[int, int]] = dict(done)
 
+        counted = 0
+
         async def one(i: int) -> None:
+            nonlocal counted
             start, end = part_bounds(i, size, part_size)
             async with self.part_sem:
                 # The budget bounds bytes in flight: in buffers, and asked of the source (a
@@ -554,32 +557,38 @@ class Transfer:
                     await self.budget.release(held)
             crcs[i] = (c, end - start)
             self.progress.bytes_copied += end - start
+            counted += end - start
             await self.journal.part_done(item.dst_key, w.token, i, c, end - start)
 
         # Parts stay on a failure or interruption: the next attempt resumes from them.
-        await gather_or_cancel(one(i) for i in range(n) if i not in done)
-        whole = combine_all(crcs[i] for i in range(n))
-        after = await self.src.stat(item.src_key)
-        if version_of(after) != version or after.size != size:
-            await w.abort()
-            self.journal.forget(item.dst_key)
-            raise StoreUnavailable(
-                "source changed while being copied", tier=self.src.tier, key=item.src_key
-            )
         try:
-            self._check(item, "source", expected, whole)
-        except CorruptData:
-            await w.abort()
-            self.journal.forget(item.dst_key)
-            raise
-        dmeta = await w.commit(
-            self._dst_metadata(attrs, whole, version),
-            part_crc32c={i: c for i, (c, _n) in crcs.items()},
-        )
-        if self.opt.verify:
-            self._check(
-                item, "destination", whole, await self._read_crc(self.dst, item.dst_key, size)
+            await gather_or_cancel(one(i) for i in range(n) if i not in done)
+            whole = combine_all(crcs[i] for i in range(n))
+            after = await self.src.stat(item.src_key)
+            if version_of(after) != version or after.size != size:
+                await w.abort()
+                self.journal.forget(item.dst_key)
+                raise StoreUnavailable(
+                    "source changed while being copied", tier=self.src.tier, key=item.src_key
+                )
+            try:
+                self._check(item, "source", expected, whole)
+            except CorruptData:
+                await w.abort()
+                self.journal.forget(item.dst_key)
+                raise
+            dmeta = await w.commit(
+                self._dst_metadata(attrs, whole, version),
+                part_crc32c={i: c for i, (c, _n) in crcs.items()},
             )
+            if self.opt.verify:
+                self._check(
+                    item, "destination", whole, await self._read_crc(self.dst, item.dst_key, size)
+                )
+        except BaseException:
+            # Not copied: a retry or the next run counts the parts it keeps as resumed.
+            self.progress.bytes_copied -= counted
+            raise
         self._finish(item, dmeta, whole, version)
 
     async def _stream_part(self, key: str, start: int, end: int, stream: PartStream) -> int:
