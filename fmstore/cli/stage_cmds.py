@@ -291,7 +291,8 @@ def stage_cmd(
     shard: str = typer.Option(
         "auto",
         "--shard",
-        help="K/N: stage shard K of N; auto: from SLURM_PROCID/SLURM_NTASKS or RANK/WORLD_SIZE; none.",
+        help="K/N: stage shard K of N (K from 0 to N-1); auto: from SLURM_PROCID/SLURM_NTASKS "
+        "or RANK/WORLD_SIZE; none.",
     ),
     lazy: bool = typer.Option(
         False, "--lazy", help="Write only the listing; files are fetched on first read."
@@ -328,6 +329,8 @@ def stage_cmd(
     failed, 130 interrupted.
     """
     topts = _transfer_options(concurrency, bwlimit, part_size, verify, fsync)
+    if interval <= 0:
+        raise typer.BadParameter("must be more than 0", param_hint="--log-interval")
     try:
         key_filter = KeyFilter.of(include, exclude)
     except ConfigError as e:
