@@ -325,8 +325,7 @@ def stage_cmd(
     version) are skipped, so re-running is cheap; an interrupted run resumes where it
     stopped, big files included.
 
-    Exit codes: 0 ok, 1 error, 2 usage, 3 some files
-    failed, 130 interrupted.
+    Exit codes: 0 ok, 1 error, 2 usage, 3 some files failed, 130 interrupted.
     """
     topts = _transfer_options(concurrency, bwlimit, part_size, verify, fsync)
     if interval <= 0:
@@ -354,7 +353,7 @@ def stage_cmd(
     local = local_dir(dst)
     missing = dry_run and local is not None and not os.path.exists(local)
     dest = open_store(tempfile.mkdtemp(prefix="fmstore-dry-run-") if missing else dst)
-    if not missing:
+    if local is None:  # a remote destination, checked once open
         check_locations(source, dest, delete=delete)
     if k_n is not None:
         typer.echo(f"staging shard {k_n[0]}/{k_n[1]}", err=True)

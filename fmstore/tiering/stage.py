@@ -411,7 +411,8 @@ async def stage_async(
     src = open_source(src_url)
     check_destination(src, dst_url, delete=options.delete)
     dst = open_store(dst_url)
-    check_locations(src, dst, delete=options.delete)
+    if local_dir(dst_url) is None:  # a remote destination, checked once open
+        check_locations(src, dst, delete=options.delete)
     plan = await plan_stage(
         src, dst, key_filter=key_filter, shard=options.shard, delete=options.delete
     )
