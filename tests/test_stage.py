@@ -286,6 +286,29 @@ def test_kill9_mid_big_files_resumes_without_rewriting_finished_parts(dataset, t
     assert not [f for f in os.listdir(dst) if f.startswith(".fmstore-tmp")]
 
 
+def test_a_write_that_cannot_be_resumed_leaves_no_temp_file(dataset, tmp_path, home):
+    """Killed mid-file, then run again with another part size: the journaled parts do not
+    fit, so the file is copied afresh, and the first run's temp file goes with it."""
+    dst = tmp_path / "dst"
+    args = ["stage", dataset["big"], str(dst), "--no-progress", "--include", "shard-0.bin"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fmstore", *args, "--part-size", "8MiB", "--bwlimit", "50MiB/s"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=os.environ.copy(),
+    )
+    try:
+        _wait_for(lambda: sum(1 for r in _journal_records(home) if "p" in r) >= 2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert [f for f in os.listdir(dst) if f.startswith(".fmstore-tmp")]
+    r = fm(*args, "--part-size", "16MiB")
+    assert r.returncode == 0, r.stderr
+    assert file_crcs(str(dst)) == {"shard-0.bin": dataset["big_crcs"]["shard-0.bin"]}
+    assert not [f for f in os.listdir(dst) if f.startswith(".fmstore-tmp")]
+
+
 def test_kill9_mid_small_files_resumes_without_recopying_finished_files(dataset, tmp_path, home):
     dst = tmp_path / "dst"
     args = ["stage", dataset["small"], str(dst), "--include", "d0*/*", "--no-progress"]

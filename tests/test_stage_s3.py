@@ -182,6 +182,22 @@ def test_kill9_during_upload_resumes_multipart_without_resending_parts(dataset, 
     assert not c.list_multipart_uploads(Bucket=s3env["bucket"]).get("Uploads")
 
 
+@pytest.mark.slow
+def test_an_upload_that_cannot_be_resumed_is_aborted(dataset, s3env, s3_server):
+    """Killed mid-upload, then run again with another part size: the journaled parts do
+    not fit, so the file is uploaded afresh and the first run's upload is aborted rather
+    than left to hold its parts."""
+    args = ["stage", dataset["big"], "s3:again", "--no-progress", "--include", "shard-0.bin"]
+    _kill9_after_parts([*args, "--part-size", "8MiB", "--bwlimit", "100MiB/s"], s3env, 4)
+    c = s3_server.boto3_client()
+    assert c.list_multipart_uploads(Bucket=s3env["bucket"]).get("Uploads")
+    r = fm(*args, "--part-size", "16MiB", env=s3env["env"])
+    assert r.returncode == 0, r.stderr
+    store = _s3(s3_server, s3env["bucket"], "ds/again")
+    assert crc32c(runtime.run(store.get("shard-0.bin"))) == dataset["big_crcs"]["shard-0.bin"]
+    assert not c.list_multipart_uploads(Bucket=s3env["bucket"]).get("Uploads")
+
+
 def test_kill9_during_a_mid_sized_download_resumes_its_parts(s3env, s3_server, tmp_path):
     """Below the multipart threshold (40 MiB < 64 MiB), an object from S3 to a local file
     still streams in parts (8 MiB here): a killed run leaves them journaled, the next run

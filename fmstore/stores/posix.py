@@ -614,6 +614,7 @@ class PosixStore(Store):
                         if os.fstat(fd).st_size == size:
                             return tmp, fd, True
                         os.close(fd)
+                        os.unlink(tmp)  # a write of another size: not to be resumed
                 tmp, fd = self._open_tmp(path, sync=options.durable)
                 try:
                     os.ftruncate(fd, size)

@@ -506,6 +506,8 @@ class Transfer:
         token = (
             pend.token if pend and pend.version == version and pend.part_size == part_size else None
         )
+        if pend is not None and token is None:
+            await self._drop_pending(item.dst_key, size, pend)
         attrs = await self._attrs(item, smeta)
         if expected is None and self.src_local and not self.dst_local:
             # Remote stores fix metadata when an upload starts (S3 multipart) and would need
@@ -590,6 +592,14 @@ class Transfer:
             self.progress.bytes_copied -= counted
             raise
         self._finish(item, dmeta, whole, version)
+
+    async def _drop_pending(self, key: str, size: int, pend: PendingParts) -> None:
+        """An earlier run's write of ``key`` that cannot be resumed (the source changed, or
+        the part size): its temp file or upload is removed rather than left behind."""
+        with contextlib.suppress(FmstoreError):
+            old = await self.dst.open_part_writer(key, size, pend.part_size, token=pend.token)
+            await old.abort()
+        self.journal.forget(key)
 
     async def _stream_part(self, key: str, start: int, end: int, stream: PartStream) -> int:
         """Bytes ``[start, end)`` of the source written to ``stream`` as they arrive, and
