@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from stage_data import file_crcs, fm
@@ -91,6 +95,39 @@ def test_staging_lazily_again_drops_copies_the_new_listing_makes_stale(lazy_tree
         assert f.read() == b"new on the source"
     assert (dst / "train" / "02.bin").read_bytes() == b"local edit"
     assert (dst / "train" / "03.bin").read_bytes() == (src / "train" / "03.bin").read_bytes()
+
+
+def test_an_interrupted_hydrate_resumes_and_leaves_no_temp_file(lazy_tree, tmp_path):
+    """hydrate keeps the staging's journal: killed mid-file, the next hydrate keeps the
+    finished parts of the big file and leaves no temp file behind."""
+    src, dst = lazy_tree
+    home = str(tmp_path / "home")
+    cmd = [sys.executable, "-m", "fmstore", "hydrate", str(dst / "val"), "--no-progress"]
+    proc = subprocess.Popen(
+        [*cmd, "--bwlimit", "20MiB/s"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not _parts_journaled(home):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    r = fm("hydrate", str(dst / "val"), "--no-progress", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["bytes_resumed"] > 0
+    assert (dst / "val" / "big.bin").read_bytes() == (src / "val" / "big.bin").read_bytes()
+    assert not [f for f in os.listdir(dst / "val") if f.startswith(".fmstore-tmp")]
+
+
+def _parts_journaled(home: str) -> bool:
+    d = os.path.join(home, "state", "transfers")
+    for name in os.listdir(d) if os.path.isdir(d) else []:
+        with open(os.path.join(d, name), "rb") as f:
+            if b'{"p":' in f.read():
+                return True
+    return False
 
 
 def test_hydrate_outside_a_lazy_tree_is_a_clear_error(tmp_path):

@@ -37,6 +37,7 @@ from ..tiering.stage import (
     StageOptions,
     check_destination,
     check_locations,
+    journal_path,
     local_dir,
     open_source,
     parse_shard,
@@ -561,14 +562,29 @@ def hydrate_cmd(
     prog = TransferProgress()
 
     async def go() -> TransferReport:
+        import asyncio
+
+        from ..tiering.journal import Journal
+
         src = open_store(idx.source)
         dst = open_store(idx.root)
         existing = {}
         async for m in dst.list(prefix if prefix and prefix not in idx.entries else ""):
             existing[m.key] = m
-        return await copy_items(
-            src, dst, [e.item() for e in entries], topts, progress=prog, dst_existing=existing
-        )
+        # The staging's journal: an interrupted hydrate resumes the parts of big files.
+        journal = await Journal.open(journal_path(src, dst))
+        try:
+            return await copy_items(
+                src,
+                dst,
+                [e.item() for e in entries],
+                topts,
+                journal=journal,
+                progress=prog,
+                dst_existing=existing,
+            )
+        finally:
+            await asyncio.shield(journal.close())
 
     try:
         report = _run_with_progress(go(), prog, "hydrate", progress, 10.0)
