@@ -42,6 +42,19 @@ def test_lazy_stage_writes_only_the_listing(lazy_tree):
     assert len(lines) == 22 and json.loads(lines[0])["fmstore_lazy"] == 1
 
 
+def test_ls_shows_what_is_listed_but_not_fetched(lazy_tree):
+    """Before anything is fetched: the top level shows the lazy directories, a lazy
+    directory lists its files, and -l marks them 'lazy'."""
+    _src, dst = lazy_tree
+    r = fm("ls", str(dst))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[:2] == ["train/", "val/"] and "21 more listed lazily" in r.stdout
+    r = fm("ls", "-l", str(dst / "train"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("lazy") >= 20 and "train/00.bin" not in r.stdout and "00.bin" in r.stdout
+    assert fm("ls", str(dst / "nope")).returncode == 1
+
+
 def test_first_read_fetches_and_keeps_the_file(lazy_tree):
     src, dst = lazy_tree
     with fmstore.open(str(dst / "train" / "03.bin")) as f:

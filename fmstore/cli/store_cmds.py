@@ -29,20 +29,27 @@ def ls(
     In a lazily staged directory, files listed but not fetched yet are shown too, marked
     'lazy' in the long format.
     """
+    from ..errors import NotFound
     from ..tiering.stage import RESERVED_PREFIX, open_source
 
-    store = open_source(url, role="location")
+    try:
+        store = open_source(url, role="location")
+    except NotFound:
+        # A directory of a lazy staging that holds nothing fetched yet.
+        if not _lazy_entries(url, set(), recursive):
+            raise
+        listed: list[ObjectMeta] = []
+    else:
 
-    async def go() -> list[ObjectMeta]:
-        try:
-            return [m async for m in store.list("", recursive=recursive)]
-        finally:
-            await store.close()
+        async def go() -> list[ObjectMeta]:
+            try:
+                return [m async for m in store.list("", recursive=recursive)]
+            finally:
+                await store.close()
 
+        listed = runtime.run(go())
     entries = [
-        m
-        for m in runtime.run(go())
-        if not m.key.rstrip("/").rsplit("/", 1)[-1].startswith(RESERVED_PREFIX)
+        m for m in listed if not m.key.rstrip("/").rsplit("/", 1)[-1].startswith(RESERVED_PREFIX)
     ]
     lazy = _lazy_entries(url, {m.key for m in entries}, recursive)
     fmt = (lambda n: str(n)) if in_bytes else human_bytes
@@ -55,7 +62,7 @@ def ls(
         rows = [(m.key, m) for m in entries] + [(k, None) for k in lazy]
         for key, m in sorted(rows, key=lambda r: r[0].encode()):
             if m is None:
-                t.add_row(fmt(lazy[key]), "lazy", key)
+                t.add_row(fmt(lazy[key][0]), "lazy", key)
                 continue
             when = dt.datetime.fromtimestamp(m.mtime).strftime("%Y-%m-%d %H:%M") if m.mtime else ""
             t.add_row("" if m.is_dir else fmt(m.size), when, m.key)
@@ -74,12 +81,15 @@ def ls(
     if dirs:
         line += f", {dirs} directories"
     if lazy:
-        line += f"; {len(lazy)} more listed lazily ({fmt(sum(lazy.values()))}, not fetched yet)"
+        n, size = sum(c for _s, c in lazy.values()), sum(s for s, _c in lazy.values())
+        line += f"; {n} more listed lazily ({fmt(size)}, not fetched yet)"
     console.print(f"[dim]{line}[/dim]")
 
 
-def _lazy_entries(url: str, present: set[str], recursive: bool) -> dict[str, int]:
-    """Keys (relative to ``url``) of a lazy index that are not present locally."""
+def _lazy_entries(url: str, present: set[str], recursive: bool) -> dict[str, tuple[int, int]]:
+    """Keys (relative to ``url``) of a lazy index that are not present locally, with their
+    sizes and file counts (1); without ``recursive``, a directory holding only such files
+    appears as one entry (``dir/``) with their total size and count."""
     from ..errors import ConfigError
     from ..tiering import lazy
 
@@ -87,18 +97,23 @@ def _lazy_entries(url: str, present: set[str], recursive: bool) -> dict[str, int
         path = lazy.local_dir(url)
     except ConfigError:
         return {}
-    if not os.path.isdir(path):
+    if os.path.isfile(path):
         return {}
     found = lazy.find_index(path)
     if found is None:
         return {}
     idx, prefix = found
-    out: dict[str, int] = {}
+    out: dict[str, tuple[int, int]] = {}
     cut = len(prefix) + 1 if prefix else 0
     for e in idx.under(prefix):
         rel = e.key[cut:]
-        if not recursive and "/" in rel:
+        if rel in present:
             continue
-        if rel not in present:
-            out[rel] = e.size
+        if not recursive and "/" in rel:
+            top = rel.split("/", 1)[0] + "/"
+            if top in present:
+                continue
+            rel = top
+        size, n = out.get(rel, (0, 0))
+        out[rel] = (size + e.size, n + 1)
     return out
