@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from fmstore.tiering.crc import crc32c
@@ -23,6 +26,28 @@ def fm(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess
         env={**os.environ, **(env or {})},
         **kw,
     )
+
+
+def kill9_when(
+    args: list[str], ready: Callable[[], bool], *, env: dict | None = None, timeout: float = 120
+) -> None:
+    """Run ``fmstore *args`` and ``kill -9`` it once ``ready()`` holds; the run ending
+    first, or the time running out, fails the test."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fmstore", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert proc.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline, "not ready in time"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
 
 
 def file_crcs(root: str) -> dict[str, int]:

@@ -18,7 +18,16 @@ import time
 import uuid
 
 import pytest
-from stage_data import BIG_N, BIG_SIZE, SMALL_N, SMALL_SIZE, file_crcs, fm, make_dataset
+from stage_data import (
+    BIG_N,
+    BIG_SIZE,
+    SMALL_N,
+    SMALL_SIZE,
+    file_crcs,
+    fm,
+    kill9_when,
+    make_dataset,
+)
 
 from fmstore import runtime
 from fmstore.errors import ConfigError
@@ -251,17 +260,10 @@ def _journal_records(home: str) -> list[dict]:
 def test_kill9_mid_big_files_resumes_without_rewriting_finished_parts(dataset, tmp_path, home):
     dst = tmp_path / "dst"
     args = ["stage", dataset["big"], str(dst), "--part-size", "8MiB", "--no-progress"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fmstore", *args, "--bwlimit", "200MiB/s", "--concurrency", "4"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=os.environ.copy(),
+    kill9_when(
+        [*args, "--bwlimit", "200MiB/s", "--concurrency", "4"],
+        lambda: sum(1 for r in _journal_records(home) if "p" in r) >= 30,
     )
-    try:
-        _wait_for(lambda: sum(1 for r in _journal_records(home) if "p" in r) >= 30)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
     recs = _journal_records(home)
     parts_done = [r for r in recs if "p" in r]
     done_bytes = sum(r["n"] for r in parts_done)
@@ -291,17 +293,10 @@ def test_a_write_that_cannot_be_resumed_leaves_no_temp_file(dataset, tmp_path, h
     fit, so the file is copied afresh, and the first run's temp file goes with it."""
     dst = tmp_path / "dst"
     args = ["stage", dataset["big"], str(dst), "--no-progress", "--include", "shard-0.bin"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fmstore", *args, "--part-size", "8MiB", "--bwlimit", "50MiB/s"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=os.environ.copy(),
+    kill9_when(
+        [*args, "--part-size", "8MiB", "--bwlimit", "50MiB/s"],
+        lambda: sum(1 for r in _journal_records(home) if "p" in r) >= 2,
     )
-    try:
-        _wait_for(lambda: sum(1 for r in _journal_records(home) if "p" in r) >= 2)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
     assert [f for f in os.listdir(dst) if f.startswith(".fmstore-tmp")]
     r = fm(*args, "--part-size", "16MiB")
     assert r.returncode == 0, r.stderr
@@ -312,17 +307,10 @@ def test_a_write_that_cannot_be_resumed_leaves_no_temp_file(dataset, tmp_path, h
 def test_kill9_mid_small_files_resumes_without_recopying_finished_files(dataset, tmp_path, home):
     dst = tmp_path / "dst"
     args = ["stage", dataset["small"], str(dst), "--include", "d0*/*", "--no-progress"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fmstore", *args, "--bwlimit", "2MiB/s"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=os.environ.copy(),
+    kill9_when(
+        [*args, "--bwlimit", "2MiB/s"],
+        lambda: sum(1 for r in _journal_records(home) if "f" in r) >= 100,
     )
-    try:
-        _wait_for(lambda: sum(1 for r in _journal_records(home) if "f" in r) >= 100)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
     done = {r["f"] for r in _journal_records(home) if "f" in r}
     # No sync ran before the kill: zero one journaled file's bytes (size and recorded
     # checksum kept), as a power cut could; the rerun must read it, see it, copy it again.

@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
-from stage_data import file_crcs, fm
+from stage_data import file_crcs, fm, kill9_when
 
 import fmstore
 from fmstore.errors import NotFound
@@ -115,18 +111,8 @@ def test_an_interrupted_hydrate_resumes_and_leaves_no_temp_file(lazy_tree, tmp_p
     finished parts of the big file and leaves no temp file behind."""
     src, dst = lazy_tree
     home = str(tmp_path / "home")
-    cmd = [sys.executable, "-m", "fmstore", "hydrate", str(dst / "val"), "--no-progress"]
-    proc = subprocess.Popen(
-        [*cmd, "--bwlimit", "20MiB/s"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not _parts_journaled(home):
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    args = ["hydrate", str(dst / "val"), "--no-progress", "--bwlimit", "20MiB/s"]
+    kill9_when(args, lambda: _parts_journaled(home))
     r = fm("hydrate", str(dst / "val"), "--no-progress", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["bytes_resumed"] > 0

@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import stat
-import subprocess
-import sys
-import time
 
 import pytest
-from stage_data import BIG_N, BIG_SIZE, SMALL_N, file_crcs, fm, make_dataset
+from stage_data import BIG_N, BIG_SIZE, SMALL_N, file_crcs, fm, kill9_when, make_dataset
 
 from fmstore import runtime
 from fmstore.stores import open_store
@@ -130,20 +126,7 @@ def test_big_files_posix_to_s3_and_back_keep_fsx_metadata(dataset, s3env, s3_ser
 
 def _kill9_after_parts(args: list[str], s3env: dict, parts: int) -> None:
     """Run ``fmstore *args`` and ``kill -9`` it once its journal holds ``parts`` parts."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fmstore", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, **s3env["env"]},
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while len(_journal_parts(s3env["home"])) < parts:
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    kill9_when(args, lambda: len(_journal_parts(s3env["home"])) >= parts, env=s3env["env"])
 
 
 def _journal_parts(home: str) -> list[dict]:
