@@ -28,7 +28,6 @@ import asyncio
 import builtins
 import json
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -161,18 +160,14 @@ def load_index(root: str) -> LazyIndex | None:
 
 def local_dir(path: str) -> str:
     """A path, ``file://`` URL or ``TIER:path`` on a POSIX tier as an absolute local path."""
-    tier, rest = split_tier(path)
-    if tier is not None:
-        url = get_config().tier(tier).url
-        if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", url) and not url.startswith("file://"):
-            raise ConfigError(f"{path!r}: lazy staging works on POSIX tiers, and {tier} is {url}")
-        base = url[len("file://") :] if url.startswith("file://") else url
-        path = os.path.join(base, rest)
-    elif path.startswith("file://"):
-        path = path[len("file://") :]
-    elif re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path):
-        raise ConfigError(f"{path!r}: lazy staging works on local paths (POSIX tiers)")
-    return os.path.abspath(os.path.expanduser(path))
+    from .stage import local_dir as resolve
+
+    local = resolve(path)
+    if local is None:
+        tier, _rest = split_tier(path)
+        where = f", and {tier} is {get_config().tier(tier).url}" if tier else ""
+        raise ConfigError(f"{path!r}: lazy staging works on local paths (POSIX tiers){where}")
+    return os.path.abspath(local)
 
 
 def find_index(path: str) -> tuple[LazyIndex, str] | None:
