@@ -17,6 +17,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from ..format.manifest import MANIFEST_KEY
 from ..testing.seaweed import SeaweedServer, free_ports
 from . import report
 from .corpus import make_text, tokenize
@@ -159,6 +160,13 @@ class Demo:
             time.sleep(0.5)
         return text
 
+    def wait_exported(self, root: str, timeout: float = 120) -> None:
+        """Until a checkpoint of ``root`` is committed on lustre (its manifest, written last)."""
+        d = self.work / "lustre" / root
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not any(d.glob(f"*/{MANIFEST_KEY}")):
+            time.sleep(0.2)
+
     def watch_lag(self, port: int) -> None:
         """Sample the daemon's export lag while training runs (for the summary)."""
         import threading
@@ -240,6 +248,10 @@ class Demo:
             console.print(f"run 2 is killed with SIGKILL after step {kill_at}")
             rc = self.train("runs/crash", kill_at=kill_at)
             if a.wipe_nvme:
+                if not a.no_daemon:
+                    # A run killed within seconds of its first checkpoints may die before the
+                    # daemon's next pass: the node is replaced once that pass exported one.
+                    self.wait_exported("runs/crash")
                 shutil.rmtree(self.work / "nvme" / "runs" / "crash", ignore_errors=True)
                 console.print(
                     "nvme copy of runs/crash wiped (a replaced node): restore must come from lustre or S3"
