@@ -37,10 +37,10 @@ setup-prometheus:
 demo: $(STAMP)
 	$(BIN)/python -m fmstore.demo $(DEMO_ARGS)
 
-# The demo plus a second run killed with SIGKILL, its nvme copies wiped, resumed and
-# compared bit for bit with the uninterrupted run.
+# The demo plus a second run killed with SIGKILL, its nvme and lustre copies lost (the
+# only surviving copy is on S3), resumed and compared bit for bit with the uninterrupted run.
 demo-crash: $(STAMP)
-	$(BIN)/python -m fmstore.demo --crash --wipe-nvme $(DEMO_ARGS)
+	$(BIN)/python -m fmstore.demo --crash --wipe-nvme --lose-lustre $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

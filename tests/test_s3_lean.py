@@ -39,6 +39,11 @@ def run(coro):
     return runtime.run(coro, timeout=60)
 
 
+def bare_store(url: str, **options):
+    """The S3Store itself, unwrapped: these tests look at which request path served."""
+    return open_store(url, metered=False, **options)
+
+
 def botocore_signature(method, url, headers, body, creds, region):
     """The Authorization header botocore computes for the same request at the same time."""
     req = AWSRequest(method=method, url=url, headers=dict(headers), data=body)
@@ -97,7 +102,7 @@ def test_empty_payload_hash_is_sha256_of_nothing():
 
 @pytest.fixture
 def lean_store(s3_server, s3_bucket):
-    store = open_store(f"s3://{s3_bucket}/lean", **s3_server.store_options())
+    store = bare_store(f"s3://{s3_bucket}/lean", **s3_server.store_options())
     yield store
     run(store.close())
 
@@ -128,7 +133,7 @@ def test_round_trip_of_awkward_keys_and_metadata(lean_store):
 
 def test_wrong_secret_is_a_clear_permission_error(s3_server, s3_bucket):
     opts = {**s3_server.store_options(), "secret_key": "wrong-" + uuid.uuid4().hex}
-    store = open_store(f"s3://{s3_bucket}/p", **opts)
+    store = bare_store(f"s3://{s3_bucket}/p", **opts)
     try:
         with pytest.raises(PermissionDenied, match="SignatureDoesNotMatch|AccessDenied"):
             run(store.put("k", b"data"))
@@ -139,7 +144,7 @@ def test_wrong_secret_is_a_clear_permission_error(s3_server, s3_bucket):
 
 def test_redirect_falls_back_to_botocore_for_good(s3_server, s3_bucket, fault_proxy):
     opts = {**s3_server.store_options(), "endpoint_url": fault_proxy.endpoint_url}
-    store = open_store(f"s3://{s3_bucket}/r", **opts)
+    store = bare_store(f"s3://{s3_bucket}/r", **opts)
     try:
         run(store.put("before", b"1"))
         assert store._http is not None
@@ -153,7 +158,7 @@ def test_redirect_falls_back_to_botocore_for_good(s3_server, s3_bucket, fault_pr
 
 
 def test_lean_requests_off_uses_botocore_only(s3_server, s3_bucket):
-    store = open_store(
+    store = bare_store(
         f"s3://{s3_bucket}/b", **{**s3_server.store_options(), "lean_requests": False}
     )
     try:
@@ -169,8 +174,8 @@ def test_listing_matches_botocore(s3_server, s3_bucket):
     """Keys XML cannot carry plainly, pagination, delimiters and start-after: the lean
     listing and botocore's agree entry for entry."""
     keys = [f"d{i % 3}/k{i:04d}" for i in range(25)] + ["top", "sp ace/ü+&<>'\"", "e/%41"]
-    lean = open_store(f"s3://{s3_bucket}/l", **s3_server.store_options())
-    boto = open_store(
+    lean = bare_store(f"s3://{s3_bucket}/l", **s3_server.store_options())
+    boto = bare_store(
         f"s3://{s3_bucket}/l", **{**s3_server.store_options(), "lean_requests": False}
     )
     try:
@@ -209,7 +214,7 @@ def _client_of(store):
 def test_botocore_client_is_created_only_when_a_call_needs_it(s3_server, s3_bucket):
     """With an endpoint, a region and keys given, reads, listings and small writes never
     create botocore's client (0.6 s of start-up for a command); a multipart upload does."""
-    store = open_store(
+    store = bare_store(
         f"s3://{s3_bucket}/lazy", **{**s3_server.store_options(), "part_size": 5 << 20}
     )
     try:
@@ -220,7 +225,7 @@ def test_botocore_client_is_created_only_when_a_call_needs_it(s3_server, s3_buck
         with pytest.raises(NotFound):
             run(store.stat("missing/key"))  # a 404 asks HeadBucket (botocore) why
         assert _client_of(store) is not None
-        store2 = open_store(
+        store2 = bare_store(
             f"s3://{s3_bucket}/lazy", **{**s3_server.store_options(), "part_size": 5 << 20}
         )
         try:
@@ -230,7 +235,7 @@ def test_botocore_client_is_created_only_when_a_call_needs_it(s3_server, s3_buck
             run(store2.close())
         big = bytes(range(256)) * (48 << 12)  # 12 MiB: a multipart upload
         # Other options: a client of its own, not the one the 404 above created.
-        fresh = open_store(
+        fresh = bare_store(
             f"s3://{s3_bucket}/lazy2", **{**s3_server.store_options(), "part_size": 6 << 20}
         )
         try:
@@ -254,7 +259,7 @@ def test_keys_from_the_environment_serve_the_lean_path_alone(s3_server, s3_bucke
     monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
     monkeypatch.delenv("AWS_SECURITY_TOKEN", raising=False)
     monkeypatch.delenv("AWS_CREDENTIAL_EXPIRATION", raising=False)
-    store = open_store(f"s3://{s3_bucket}/env", **opts)
+    store = bare_store(f"s3://{s3_bucket}/env", **opts)
     try:
         run(store.put("k", b"v"))
         assert run(store.get("k")) == b"v"
@@ -263,7 +268,7 @@ def test_keys_from_the_environment_serve_the_lean_path_alone(s3_server, s3_bucke
         run(store.close())
     # Credentials that expire are botocore's to refresh: the client is made up front.
     monkeypatch.setenv("AWS_CREDENTIAL_EXPIRATION", "2099-01-01T00:00:00Z")
-    store = open_store(f"s3://{s3_bucket}/env2", **opts)
+    store = bare_store(f"s3://{s3_bucket}/env2", **opts)
     try:
         run(store.put("k", b"v"))
         assert _client_of(store) is not None and store._http is not None
@@ -277,7 +282,7 @@ def test_get_into_receives_in_place_and_survives_a_truncated_body(
     """Ranged reads go straight into the caller's buffer (several ranges at once); a body
     cut short midway is read again into the same place."""
     opts = {**s3_server.store_options(), "endpoint_url": fault_proxy.endpoint_url}
-    store = open_store(f"s3://{s3_bucket}/into", **opts, part_size=5 << 20)
+    store = bare_store(f"s3://{s3_bucket}/into", **opts, part_size=5 << 20)
     data = bytes(range(256)) * (13 << 12)  # 13 MiB: three ranges of a 5 MiB part size
     try:
         run(store.put("k", data))
@@ -295,7 +300,7 @@ def test_a_cancelled_get_into_writes_nothing_more(s3_server, s3_bucket, fault_pr
     """Once a read into the caller's buffer is cancelled, the rest of a body still on its
     way never lands there: the copy engine hands such buffers to the next part."""
     opts = {**s3_server.store_options(), "endpoint_url": fault_proxy.endpoint_url}
-    store = open_store(f"s3://{s3_bucket}/cancel", **opts)
+    store = bare_store(f"s3://{s3_bucket}/cancel", **opts)
     data = b"\x01" * (4 << 20)
     try:
         run(store.put("k", data))
@@ -326,7 +331,7 @@ def test_read_to_streams_through_a_small_ring_on_either_path(s3_server, s3_bucke
     data = bytes(range(256)) * (12 << 12)  # 12 MiB
     for lean in (True, False):
         opts = {**s3_server.store_options(), "lean_requests": lean}
-        store = open_store(f"s3://{s3_bucket}/rt-{lean}", **opts)
+        store = bare_store(f"s3://{s3_bucket}/rt-{lean}", **opts)
         try:
             run(store.put("k", data))
             got, sizes = bytearray(), []
@@ -377,7 +382,7 @@ def test_read_to_an_object_overwritten_between_attempts_is_unavailable(
     """Bytes already consumed came from the first version: a resumed GET that finds another
     version must not splice the two."""
     opts = {**s3_server.store_options(), "endpoint_url": fault_proxy.endpoint_url}
-    store = open_store(f"s3://{s3_bucket}/rt-over", **opts)
+    store = bare_store(f"s3://{s3_bucket}/rt-over", **opts)
     boto = s3_server.boto3_client()
     try:
         run(store.put("k", b"1" * (4 << 20)))

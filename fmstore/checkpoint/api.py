@@ -13,7 +13,7 @@ from typing import Any
 from .. import runtime
 from ..errors import ConfigError, NotFound
 from ..format.manifest import MANIFEST_KEY, Manifest
-from ..stores import open_store
+from ..stores import Location, open_store
 from ..stores.base import Store
 from .loading import LazyDict, Materializer
 from .planner import DEFAULT_BLOB_SIZE, DEFAULT_CHUNK_SIZE, Planned, plan_save, resolve_auto
@@ -37,17 +37,6 @@ class SaveOptions:
     max_inflight: int = 1 << 30
 
 
-def _local_dir(url: str) -> str | None:
-    """The directory of a plain path or file:// URL (None for other URLs and TIER:path)."""
-    if url.startswith("file://"):
-        return url[len("file://") :]
-    if "://" in url:
-        return None
-    if ":" in url and not (os.path.isabs(url) or url.startswith((".", "~"))):
-        return None  # TIER:path
-    return os.path.expanduser(url)
-
-
 def open_location(uri: Uri, *, for_read: bool) -> tuple[Store, bool]:
     """The store rooted at the checkpoint prefix; True when we opened it (and close it)."""
     if isinstance(uri, Store):
@@ -55,7 +44,7 @@ def open_location(uri: Uri, *, for_read: bool) -> tuple[Store, bool]:
     url = os.fspath(uri)
     if not isinstance(url, str) or not url:
         raise ConfigError(f"checkpoint location must be a path or URL, not {uri!r}")
-    local = _local_dir(url)
+    local = Location.parse(url).local_root
     if for_read and local is not None and not os.path.isdir(local):
         # Opening a POSIX store creates its directory; a load must not leave one behind.
         raise NotFound(f"no checkpoint at {url} (no such directory)", key=MANIFEST_KEY)

@@ -121,9 +121,7 @@ async def _gc(store: Store, older_than: float, dry_run: bool) -> GcReport:
     rep.removed = doomed
     if not dry_run:
         await store.delete_many(doomed)
-        cleanup = getattr(store, "cleanup_temp", None)
-        if cleanup is not None:
-            rep.temp_files = await cleanup(older_than)
+        rep.temp_files = await store.cleanup_temp(older_than)
     return rep
 
 

@@ -159,6 +159,8 @@ class CheckpointManager:
         self._pins: list[int] = []
         self._discovered = False
         self.restored_step: int | None = None
+        #: The tier the last :meth:`restore` read from.
+        self.restored_tier: str | None = None
         self._runner = PolicyRunner(
             self.config,
             self.policies,
@@ -407,7 +409,7 @@ class CheckpointManager:
                         failures.append(f"step {s} on {tier}: {e}")
                         event("restore_fallback", root=self.root, step=s, tier=tier, error=str(e))
                         continue
-                    self.restored_step = s
+                    self.restored_step, self.restored_tier = s, tier
                     self.catalog.touch(self.root, s, tier)
                     keep_pin = lazy
                     event("restored", root=self.root, step=s, tier=tier, lazy=lazy)

@@ -5,7 +5,7 @@ round trips); a lone raw chunk is read straight into the destination tensor's me
 (``Store.get_into``).  On stores with local files every raw chunk is read straight into
 its tensor (``preadv``), one open file per chunk.  Every chunk's CRC32C is checked before it is
 decoded or used; a mismatch raises :class:`~fmstore.errors.CorruptData` naming the tensor,
-the blob and the store.  With ``mmap=True`` on a store that exposes ``local_path`` (POSIX),
+the blob and the store.  With ``mmap=True`` on a store with local files (``local_root``: POSIX),
 storages held as raw contiguous chunks are memory-mapped copy-on-write instead of read:
 zero copies, pages fault in on first touch (checksums, when verified, touch them once).
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import mmap as _mmap
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +68,7 @@ class StorageReader:
         for t in manifest.tensors:
             self._names.setdefault(t.storage, t.name)
         self._maps: dict[int, _mmap.mmap] = {}
-        self._local = getattr(store, "local_path", None) is not None
+        self._local = store.local_root is not None
 
     def storage_name(self, si: int) -> str:
         return self._names.get(si, f"<storage {si}>")
@@ -86,11 +85,11 @@ class StorageReader:
     async def load(self, indices: list[int]) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
         work: list[tuple[int, ChunkEntry, memoryview]] = []
-        local = getattr(self.store, "local_path", None) if self.options.mmap else None
+        mmap = self.options.mmap and self._local
         for si in indices:
             s = self.manifest.storages[si]
-            if local is not None and self._mappable(si):
-                out[si] = await runtime.to_io(self._map_storage, si, local)
+            if mmap and self._mappable(si):
+                out[si] = await runtime.to_io(self._map_storage, si)
                 continue
             dest = empty_bytes(s.nbytes)
             out[si] = dest
@@ -135,11 +134,11 @@ class StorageReader:
     async def _read_raw_checked(self, si: int, c: ChunkEntry, key: str, dest: memoryview) -> None:
         """Read a raw chunk straight into ``dest``, checksumming it in pieces while each piece
         is still in the CPU cache (one pass over memory instead of two)."""
-        local = getattr(self.store, "local_path", None)
-        if local is not None:
+        path = self.store.local_path(key)
+        if path is not None:
             # One blocking call per chunk: one open file (the kernel's readahead follows it
             # through the whole chunk), reads and CRC in the same thread, no hop per piece.
-            crc = await runtime.to_io(self._read_local, local(key), key, c.offset, dest)
+            crc = await runtime.to_io(self._read_local, path, key, c.offset, dest)
         elif not self.options.verify:
             await self._get_into(key, c.offset, dest)
             return
@@ -231,12 +230,13 @@ class StorageReader:
             pos += c.length
         return True
 
-    def _map_storage(self, si: int, local_path: Callable[[str], str]) -> torch.Tensor:
+    def _map_storage(self, si: int) -> torch.Tensor:
         chunks = self.manifest.storages[si].chunks
         bi = chunks[0].blob
         mm = self._maps.get(bi)
         if mm is None:
-            path = local_path(self.manifest.blob_key(bi))
+            path = self.store.local_path(self.manifest.blob_key(bi))
+            assert path is not None  # only called where the store has local files
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:

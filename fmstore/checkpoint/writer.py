@@ -200,10 +200,10 @@ async def _current_generation(store: Store) -> str | None:
 async def _delete_generation(store: Store, gen: str) -> None:
     keys = await store.list_keys(gen + "/")
     await store.delete_many(keys)
-    local = getattr(store, "local_path", None)
+    local = store.local_path(f"{gen}/x")
     if local is not None:
         # A write that failed before its first blob landed leaves an empty directory that
         # no delete prunes; object stores have no directories.
-        path = os.path.dirname(local(f"{gen}/x"))
+        path = os.path.dirname(local)
         with contextlib.suppress(OSError):
             await runtime.to_io(os.rmdir, path)

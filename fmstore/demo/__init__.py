@@ -5,5 +5,6 @@ a text corpus as fmstore shards and stages it to S3, runs the tiering daemon, tr
 ``StreamingDataset`` streams from S3 and ``CheckpointManager`` checkpoints to nvme (the daemon
 exports to lustre and S3), then prints a summary and writes a PNG.  ``--crash`` also kills a
 second run with SIGKILL at a random step, restarts it (``--wipe-nvme``: on an empty nvme, as
-on a replaced node) and checks its final weights against the uninterrupted run, bit for bit.
+on a replaced node; ``--lose-lustre``: its lustre copies lost too, so it resumes from S3) and
+checks its final weights against the uninterrupted run, bit for bit.
 """

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ..format.manifest import MANIFEST_KEY
 from ..testing.seaweed import SeaweedServer, free_ports
 from . import report
 from .corpus import make_text, tokenize
@@ -37,6 +36,8 @@ url = "{work}/lustre"
 
 [tiers.s3]
 url = "s3://{bucket}/fmstore"
+
+[s3]
 endpoint_url = "{s3.endpoint_url}"
 region = "{s3.region}"
 addressing_style = "path"
@@ -160,12 +161,21 @@ class Demo:
             time.sleep(0.5)
         return text
 
-    def wait_exported(self, root: str, timeout: float = 120) -> None:
-        """Until a checkpoint of ``root`` is committed on lustre (its manifest, written last)."""
-        d = self.work / "lustre" / root
+    def wait_exported(self, root: str, tier: str, timeout: float = 120) -> None:
+        """Until a checkpoint of ``root`` is committed on ``tier`` (its manifest, written
+        last), as the tier itself shows it."""
+        from fmstore import runtime
+        from fmstore.config import load_config
+        from fmstore.tiering.tiers import Tiers
+
+        os.environ.update(self._env)  # the S3 server's credentials, as the runs have them
+        tiers = Tiers(load_config(self.work / "fmstore.toml"))
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not any(d.glob(f"*/{MANIFEST_KEY}")):
-            time.sleep(0.2)
+        try:
+            while time.monotonic() < deadline and not runtime.run(tiers.steps_on(tier, root)):
+                time.sleep(0.2)
+        finally:
+            runtime.run(tiers.close())
 
     def watch_lag(self, port: int) -> None:
         """Sample the daemon's export lag while training runs (for the summary)."""
@@ -247,15 +257,17 @@ class Demo:
             kill_at = random.Random().randrange(a.steps // 2, a.steps - 1)
             console.print(f"run 2 is killed with SIGKILL after step {kill_at}")
             rc = self.train("runs/crash", kill_at=kill_at)
-            if a.wipe_nvme:
+            if a.wipe_nvme or a.lose_lustre:
                 if not a.no_daemon:
                     # A run killed within seconds of its first checkpoints may die before the
-                    # daemon's next pass: the node is replaced once that pass exported one.
-                    self.wait_exported("runs/crash")
+                    # daemon's next pass: the copies are lost once that pass exported one
+                    # to the tier the restore must come from.
+                    self.wait_exported("runs/crash", "s3" if a.lose_lustre else "lustre")
                 shutil.rmtree(self.work / "nvme" / "runs" / "crash", ignore_errors=True)
-                console.print(
-                    "nvme copy of runs/crash wiped (a replaced node): restore must come from lustre or S3"
-                )
+                console.print("nvme copies of runs/crash wiped (a replaced node)")
+            if a.lose_lustre:
+                shutil.rmtree(self.work / "lustre" / "runs" / "crash", ignore_errors=True)
+                console.print("lustre copies of runs/crash lost too: restore must come from S3")
             rc = self.train("runs/crash")
             ok = rc == 0 and report.same_final(self.log, console)
             result.update(kill_at=kill_at, bit_identical=ok, restore=report.last_restore(self.log))
@@ -283,6 +295,12 @@ def main(argv: list[str] | None = None) -> None:
         "--wipe-nvme",
         action="store_true",
         help="with --crash: wipe its nvme copies before restarting",
+    )
+    ap.add_argument(
+        "--lose-lustre",
+        action="store_true",
+        help="with --crash: also delete its lustre copies (and its nvme copies), so the only "
+        "surviving copy is on S3",
     )
     ap.add_argument(
         "--no-daemon", action="store_true", help="run the policies in the training process instead"

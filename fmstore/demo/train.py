@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
             emit(
                 event="restore",
                 step=state["step"],
-                tier=mgr.tiers_of(state["step"])[:1],
+                tier=[mgr.restored_tier],
                 seconds=time.perf_counter() - t0,
             )
         else:

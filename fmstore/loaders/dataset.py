@@ -21,7 +21,7 @@ import torch.utils.data as tud
 from .. import runtime
 from ..config import get_config
 from ..errors import ConfigError, CorruptData, FmstoreError, InvalidRange, NotFound
-from ..stores import ByteRange, Store, open_store
+from ..stores import ByteRange, Location, Store, open_store
 from . import metrics
 from .cache import ShardCache
 from .formats import DatasetFormat, FormatOptions, ShardReader, ShardSpec, load_format
@@ -32,10 +32,11 @@ from .state import LoaderState
 
 
 def default_cache_dir() -> str:
-    url = get_config().tier("nvme").url
-    if "://" in url and not url.startswith("file://"):
+    root = Location.parse("nvme:").local_root
+    if root is None:
+        url = get_config().tier("nvme").url
         raise ConfigError(f"the nvme tier ({url}) is not a local directory: pass local= explicitly")
-    return os.path.join(url.removeprefix("file://"), "dataset-cache")
+    return os.path.join(root, "dataset-cache")
 
 
 def dist_rank_world() -> tuple[int, int]:

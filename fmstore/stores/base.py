@@ -286,6 +286,21 @@ class Store(abc.ABC):
         """Make every earlier ``durable=False`` write durable (a no-op where writes are
         durable when they return, as on S3)."""
 
+    @property
+    def local_root(self) -> str | None:
+        """The directory on this machine that holds this store's objects (key ``k`` is the
+        file ``local_root/k``), or None where objects are not local files (S3, fsspec,
+        memory).  Every wrapper answers for the store it wraps: callers ask this instead of
+        probing a store's type, so a prefixed or metered POSIX tier memory-maps and reads
+        with ``pread`` like a bare one, and an S3 tier is never taken for a local one."""
+        return None
+
+    async def cleanup_temp(self, older_than: float = 3600.0, under: str = "") -> int:
+        """Remove the temp files that crashed writers left under this store (below the
+        prefix ``under``), older than ``older_than`` seconds; returns how many.  Stores whose writes leave no temp
+        objects (S3 aborts its uploads, fsspec) have none: 0."""
+        return 0
+
     async def close(self) -> None:
         """Release connections and pools; the store is unusable afterwards."""
 
@@ -361,6 +376,12 @@ class Store(abc.ABC):
         from .parts import TempPartsWriter
 
         return await TempPartsWriter.open(self, self._key(key), size, part_size, token, options)
+
+    def local_path(self, key: str) -> str | None:
+        """The local file behind ``key`` (validated) where :attr:`local_root` is set, else
+        None."""
+        root = self.local_root
+        return None if root is None else os.path.join(root, self._key(key))
 
     async def exists(self, key: str) -> bool:
         try:

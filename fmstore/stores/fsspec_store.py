@@ -79,6 +79,9 @@ class FsspecStore(Store):
                 self.fs.pipe_file(path, data)
             else:
                 d, name = path.rsplit("/", 1)
+                # File systems with directories (local://, sftp…) need the parents; object
+                # stores have none to make.
+                self.fs.makedirs(d, exist_ok=True)
                 tmp = f"{d}/{_TMP_MARK}{uuid.uuid4().hex}.{name}"
                 self.fs.pipe_file(tmp, data)
                 self.fs.mv(tmp, path)
@@ -183,6 +186,8 @@ class FsspecStore(Store):
             if options.mode == "create" and self.fs.exists(dpath):
                 raise AlreadyExists("object already exists", tier=self.tier, key=dst)
             with self._translate(dst):
+                if not self._atomic_put:
+                    self.fs.makedirs(dpath.rsplit("/", 1)[0], exist_ok=True)
                 self.fs.copy(spath, dpath)
             return self._stat_sync(dst)
 

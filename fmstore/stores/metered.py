@@ -159,8 +159,12 @@ class MeteredStore(Store):
     async def close(self) -> None:
         await self.inner.close()
 
-    def __getattr__(self, name: str):  # backend extras (local_path, cleanup_temp, ...)
-        return getattr(self.inner, name)
+    @property
+    def local_root(self) -> str | None:
+        return self.inner.local_root
+
+    async def cleanup_temp(self, older_than: float = 3600.0, under: str = "") -> int:
+        return await self.inner.cleanup_temp(older_than, under=under)
 
 
 class _MeteredWriter(Writer):

@@ -635,18 +635,20 @@ class PosixStore(Store):
 
     # ---- POSIX-only extras ------------------------------------------------------------
 
-    def local_path(self, key: str) -> str:
-        """The file behind ``key`` (for memory-mapping uncompressed chunks)."""
-        return self._path(key)
+    @property
+    def local_root(self) -> str:
+        return self.root
 
-    async def cleanup_temp(self, older_than: float = 3600.0) -> int:
+    async def cleanup_temp(self, older_than: float = 3600.0, under: str = "") -> int:
         """Remove temp files of crashed writers older than ``older_than`` seconds."""
         import time
+
+        top = os.path.join(self.root, self._prefix(under))
 
         def do() -> int:
             n = 0
             cutoff = time.time() - older_than
-            for dirpath, _dirs, files in os.walk(self.root):
+            for dirpath, _dirs, files in os.walk(top):
                 for f in files:
                     if f.startswith(TMP_MARK):
                         p = os.path.join(dirpath, f)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterable
 
 from .. import keys as _keys
@@ -51,9 +52,13 @@ class PrefixStore(Store):
             self._full(key), size, part_size, token=token, options=options
         )
 
-    def local_path(self, key: str) -> str:
-        """The file behind ``key`` when the inner store is a POSIX tier."""
-        return self.inner.local_path(self._full(key))  # type: ignore[attr-defined]
+    @property
+    def local_root(self) -> str | None:
+        inner = self.inner.local_root
+        return None if inner is None else os.path.join(inner, self.prefix.rstrip("/"))
+
+    async def cleanup_temp(self, older_than: float = 3600.0, under: str = "") -> int:
+        return await self.inner.cleanup_temp(older_than, under=self.prefix + self._prefix(under))
 
     async def get_range(self, key: str, start: int, end: int | None = None) -> bytes:
         return await self.inner.get_range(self._full(key), start, end)
@@ -99,16 +104,3 @@ class PrefixStore(Store):
 
     async def close(self) -> None:
         await self.inner.close()
-
-    def __getattr__(self, name: str):
-        # Key-addressed backend extras pass through with the prefix applied (the POSIX
-        # memory-map fast path uses ``local_path``); other extras are not forwarded, since
-        # they would act on the whole inner store.
-        if name == "local_path":
-            inner_local = self.inner.local_path  # type: ignore[attr-defined]  # AttributeError when absent
-
-            def local_path(key: str) -> str:
-                return inner_local(self._full(key))
-
-            return local_path
-        raise AttributeError(name)

@@ -35,7 +35,7 @@ from typing import IO, Any
 from .. import runtime
 from ..config import get_config
 from ..errors import ConfigError, CorruptData, FmstoreError, NotFound
-from ..stores import open_store, split_tier
+from ..stores import Location, open_store, split_tier
 from ..stores.base import ObjectMeta, PutOptions, Store
 from .crc import crc32c, from_hex, to_hex
 from .transfer import (
@@ -160,9 +160,7 @@ def load_index(root: str) -> LazyIndex | None:
 
 def local_dir(path: str) -> str:
     """A path, ``file://`` URL or ``TIER:path`` on a POSIX tier as an absolute local path."""
-    from .stage import local_dir as resolve
-
-    local = resolve(path)
+    local = Location.parse(path).local_root
     if local is None:
         tier, _rest = split_tier(path)
         where = f", and {tier} is {get_config().tier(tier).url}" if tier else ""

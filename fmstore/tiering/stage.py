@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from .. import runtime
 from ..config import get_config
 from ..errors import ConfigError, FmstoreError, NotFound, PermissionDenied
-from ..stores import open_store, split_tier
+from ..stores import Location, open_store, split_tier
 from ..stores.base import ObjectMeta, Store
 from .crc import crc32c
 from .journal import Journal
@@ -40,7 +40,6 @@ from .transfer import (
     TransferProgress,
     TransferReport,
     copy_items,
-    local_path,
     version_of,
 )
 
@@ -167,14 +166,7 @@ def resolve_url(url: str) -> str:
 def local_dir(url: str) -> str | None:
     """The directory a location names on this machine (a path, ``file://``, or a POSIX
     tier's ``TIER:path``), whether or not it exists; None for remote stores."""
-    tier, rest = split_tier(url)
-    cfg_url = get_config().tier(tier).url if tier else url
-    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", cfg_url) and not cfg_url.startswith("file://"):
-        return None
-    base = os.path.expanduser(
-        cfg_url[len("file://") :] if cfg_url.startswith("file://") else cfg_url
-    )
-    return os.path.join(base, rest) if tier else base
+    return Location.parse(url).local_root
 
 
 def open_source(url: str, *, role: str = "source") -> Store:
@@ -192,9 +184,9 @@ def open_source(url: str, *, role: str = "source") -> Store:
 
 
 def _root_of(store: Store) -> str:
-    path = local_path(store, "x")
-    if path is not None:
-        return "file://" + os.path.realpath(os.path.dirname(path))
+    root = store.local_root
+    if root is not None:
+        return "file://" + os.path.realpath(root)
     return store.url.rstrip("/")
 
 

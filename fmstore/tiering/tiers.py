@@ -15,7 +15,7 @@ from .. import keys as _keys
 from ..config import Config
 from ..errors import NotFound
 from ..format.manifest import MANIFEST_KEY
-from ..stores import open_store
+from ..stores import Location, open_store
 from ..stores.base import Store
 from .policies import TierUsage
 
@@ -60,12 +60,7 @@ class Tiers:
 
     def local_dir(self, tier: str) -> str | None:
         """The directory behind a POSIX tier (None for object stores)."""
-        url = self.config.tier(tier).url
-        if url.startswith("file://"):
-            return url[len("file://") :]
-        if "://" in url:
-            return None
-        return os.path.abspath(url)
+        return Location.parse(self.config.tier(tier).url, self.config).local_root
 
     def usage(self, tier: str) -> TierUsage | None:
         """Used and total bytes of the file system holding a POSIX tier."""

@@ -178,17 +178,6 @@ def version_of(meta: ObjectMeta) -> str | None:
     return None
 
 
-def local_path(store: Store, key: str) -> str | None:
-    """The local file behind ``key`` on a POSIX tier, else None."""
-    fn = getattr(store, "local_path", None)
-    if fn is None:
-        return None
-    try:
-        return fn(key)
-    except (AttributeError, NotImplementedError):
-        return None
-
-
 class TokenBucket:
     """A bandwidth limit shared by every transfer: ``acquire(n)`` waits until ``n`` bytes
     may pass at ``rate`` bytes/s (a burst of up to ``burst`` bytes goes at once)."""
@@ -265,8 +254,8 @@ class Transfer:
         self.bucket = TokenBucket(options.bwlimit) if options.bwlimit else None
         self.budget = ByteBudget(options.max_inflight_bytes)
         self.part_sem = asyncio.Semaphore(options.concurrency)
-        self.src_local = local_path(src, "x") is not None
-        self.dst_local = local_path(dst, "x") is not None
+        self.src_local = src.local_root is not None
+        self.dst_local = dst.local_root is not None
         # Batch durability: writes skip their own fsync, the flusher syncs the destination
         # (set per run: a run of one file fsyncs it rather than the whole file system).
         self.batch_sync = self.dst_local and options.fsync != "each"
@@ -418,7 +407,7 @@ class Transfer:
         if src_meta.stat is not None:
             return posixmeta.from_stat(src_meta.stat)
         if self.src_local:
-            path = local_path(self.src, item.src_key)
+            path = self.src.local_path(item.src_key)
             if path is not None:
                 with contextlib.suppress(OSError):
                     return posixmeta.from_stat(await runtime.to_io(os.stat, path))

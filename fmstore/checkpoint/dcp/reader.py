@@ -43,7 +43,7 @@ from ...format.checksum import crc32c
 from ...format.codecs import decode_into
 from ...format.dtypes import dtype_from_name
 from ...format.manifest import ChunkEntry
-from ...stores import Store, open_store
+from ...stores import Location, Store, open_store
 from .manifest import MANIFEST_KEY, DcpItem, DcpManifest
 from .writer import _Budget
 
@@ -134,9 +134,7 @@ class Reader(StorageReader):
     @property
     def store(self) -> Store:
         if self._store is None:
-            from ..api import _local_dir
-
-            local = _local_dir(self.uri)
+            local = Location.parse(self.uri).local_root
             if local is not None and not os.path.isdir(local):
                 # Opening a POSIX store creates its directory; a load must not leave one.
                 raise NotFound(f"no checkpoint at {self.uri} (no such directory)", key=MANIFEST_KEY)
@@ -352,14 +350,7 @@ class Reader(StorageReader):
 
 def _has_local_files(store: Store, manifest: DcpManifest) -> bool:
     """Whether the blobs are files on a local (POSIX) file system."""
-    fn = getattr(store, "local_path", None)
-    if fn is None or not manifest.blobs:
-        return False
-    try:
-        fn(manifest.blob_key(0))
-    except (AttributeError, NotImplementedError):
-        return False
-    return True
+    return store.local_root is not None and bool(manifest.blobs)
 
 
 def _direct_runs(

@@ -1,0 +1,164 @@
+"""One grammar for locations, resolved in one place.
+
+Every place fmstore takes a location (``fmstore.save`` / ``load``, DCP, the checkpoint
+manager, ``StreamingDataset``, the CLI) accepts the same forms:
+
+==========================  ==============================================================
+``/path``, ``./path``, ``~/p``  a local directory (a POSIX store)
+``file:///path``            the same
+``TIER:path``               ``path`` below the tier named in ``fmstore.toml`` (any kind)
+``s3://bucket/prefix``      S3, with endpoint, region and addressing from ``[s3]`` of
+                            ``fmstore.toml``, then ``AWS_ENDPOINT_URL_S3`` /
+                            ``AWS_ENDPOINT_URL``, then botocore's own chain
+``memory://name``           fsspec's in-memory file system (tests, scratch)
+any other fsspec URL        that fsspec protocol (``file::``-chained URLs included)
+==========================  ==============================================================
+
+:meth:`Location.parse` answers, before anything is opened (opening a POSIX store creates
+its directory): which tier, which backend, and the local directory where there is one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..config import Config, get_config
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .base import Store
+
+_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+_TIER = re.compile(r"^([A-Za-z0-9_-]+):(?!//)(.*)$")
+_POSIX_KEYS = frozenset({"direct_io", "stripe_count", "stripe_size", "fsync", "read_threads"})
+#: Environment variables naming an S3 endpoint, in botocore's order of precedence.
+_ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+
+
+def split_tier(url: str, config: Config | None = None) -> tuple[str | None, str]:
+    """``"nvme:ckpts/a"`` → ``("nvme", "ckpts/a")`` when ``nvme`` is a configured tier;
+    ``(None, url)`` for every other form.  ``NAME:path`` with an unknown ``NAME`` raises
+    :class:`ConfigError` naming the configured tiers."""
+    m = _TIER.match(url)
+    if m and not _SCHEME.match(url) and "::" not in url.split("/", 1)[0]:
+        cfg = config or get_config()
+        name = m.group(1)
+        if name in cfg.tiers:
+            return name, m.group(2)
+        cfg.tier(name)  # raises ConfigError naming the configured tiers
+    return None, url
+
+
+def scheme_of(url: str) -> str | None:
+    """The lower-cased URL scheme (``s3``, ``file``, ``memory``…), None for a plain path."""
+    m = _SCHEME.match(url)
+    return m.group(1).lower() if m else None
+
+
+@dataclass(frozen=True)
+class Location:
+    """A location string resolved against the config, not yet opened.
+
+    ``tier``: the configured tier it names (``TIER:path``), else None.  ``base``: the URL of
+    the backend store (the tier's URL for ``TIER:path``) and ``sub`` the prefix below it.
+    ``scheme``: ``file``, ``s3`` or the fsspec protocol of ``base``.  ``local_root``: the
+    absolute directory on this machine for POSIX locations, else None (the same answer an
+    opened store gives as :attr:`Store.local_root`).  ``options``: the backend's options
+    (a tier's keys; ``[s3]`` defaults and the endpoint for S3).
+    """
+
+    url: str
+    base: str
+    scheme: str
+    tier: str | None = None
+    sub: str = ""
+    local_root: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_local(self) -> bool:
+        return self.local_root is not None
+
+    @classmethod
+    def parse(cls, url: str, config: Config | None = None) -> Location:
+        """Resolve ``url``; raises :class:`ConfigError` for an unknown tier or scheme."""
+        if not isinstance(url, str) or not url:
+            raise ConfigError(f"a location must be a non-empty path or URL, not {url!r}")
+        if "::" in url.split("/", 1)[0]:  # an fsspec chain: simplecache::s3://…, file::/p
+            proto = url.split("::", 1)[0].lower()
+            return cls(url=url, base=url, scheme=proto)
+        name, rest = split_tier(url, config)
+        if name is not None:
+            cfg = config or get_config()
+            t = cfg.tier(name)
+            base = cls._backend(t.url, t.options, cfg)
+            sub = rest.strip("/")
+            local = base.local_root
+            return cls(
+                url=url,
+                base=base.base,
+                scheme=base.scheme,
+                tier=name,
+                sub=sub,
+                local_root=os.path.join(local, sub) if local is not None and sub else local,
+                options=base.options,
+            )
+        return cls._backend(url, {}, config)
+
+    @classmethod
+    def _backend(cls, url: str, options: Mapping[str, Any], config: Config | None) -> Location:
+        scheme = scheme_of(url)
+        if scheme is None or scheme == "file":
+            path = url[len("file://") :] if scheme == "file" else url
+            root = os.path.abspath(os.path.expanduser(path))
+            return cls(url=url, base=url, scheme="file", local_root=root, options=options)
+        if scheme in ("s3", "s3a"):
+            cfg = config or get_config()
+            merged = {**dict(cfg.section("s3")), **dict(options)}
+            if not merged.get("endpoint_url"):
+                env = next((os.environ[v] for v in _ENDPOINT_VARS if os.environ.get(v)), None)
+                if env:
+                    merged["endpoint_url"] = env
+            return cls(url=url, base=url, scheme="s3", options=merged)
+        return cls(url=url, base=url, scheme=scheme, options=options)
+
+    def open(self, *, tier: str | None = None, **options: Any) -> Store:
+        """The backend store of this location (rooted at ``sub``), unmetered; ``options``
+        override the location's own."""
+        opts = {**dict(self.options), **options}
+        name = tier or self.tier
+        store = _open_backend(self, name, opts)
+        return store.sub(self.sub) if self.sub else store
+
+
+def _open_backend(loc: Location, tier: str | None, options: dict[str, Any]) -> Store:
+    if loc.scheme == "file":
+        from .posix import PosixOptions, PosixStore
+
+        unknown = set(options) - _POSIX_KEYS
+        if unknown:
+            raise ConfigError(f"unknown option(s) for a POSIX store: {', '.join(sorted(unknown))}")
+        root = os.path.abspath(os.path.expanduser(_strip_file(loc.base)))
+        return PosixStore(root, tier=tier or "file", options=PosixOptions(**options))
+    if loc.scheme == "s3":
+        from .s3 import S3Store
+
+        return S3Store.from_url(loc.base, tier=tier or "s3", **options)
+    import fsspec
+
+    if loc.scheme not in fsspec.available_protocols():
+        raise ConfigError(
+            f"unknown URL scheme {loc.scheme!r} in {loc.url!r}: use a path, file://, s3://, "
+            "TIER:path or an fsspec protocol"
+        )
+    from .fsspec_store import FsspecStore
+
+    return FsspecStore(loc.base, tier=tier, **options)
+
+
+def _strip_file(url: str) -> str:
+    return url[len("file://") :] if url.startswith("file://") else url
