@@ -32,7 +32,12 @@ def kill9_when(
     args: list[str], ready: Callable[[], bool], *, env: dict | None = None, timeout: float = 120
 ) -> None:
     """Run ``fmstore *args`` and ``kill -9`` it once ``ready()`` holds; the run ending
-    first, or the time running out, fails the test."""
+    first, or the time running out, fails the test.
+
+    Runs from S3 are held by a fault proxy that stalls every request after the first N
+    (``tests/test_stage_s3.py``), so they cannot finish first.  A local copy cannot be held
+    that way: its callers set a bandwidth limit that leaves over ten seconds between
+    ``ready()`` and the end of the run, far beyond any scheduling delay seen here."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "fmstore", *args],
         stdout=subprocess.DEVNULL,

@@ -10,10 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import stat
 import subprocess
-import sys
 import time
 import uuid
 
@@ -261,7 +259,7 @@ def test_kill9_mid_big_files_resumes_without_rewriting_finished_parts(dataset, t
     dst = tmp_path / "dst"
     args = ["stage", dataset["big"], str(dst), "--part-size", "8MiB", "--no-progress"]
     kill9_when(
-        [*args, "--bwlimit", "200MiB/s", "--concurrency", "4"],
+        [*args, "--bwlimit", "60MiB/s", "--concurrency", "4"],  # ready at 4 s of 15
         lambda: sum(1 for r in _journal_records(home) if "p" in r) >= 30,
     )
     recs = _journal_records(home)
@@ -294,7 +292,7 @@ def test_a_write_that_cannot_be_resumed_leaves_no_temp_file(dataset, tmp_path, h
     dst = tmp_path / "dst"
     args = ["stage", dataset["big"], str(dst), "--no-progress", "--include", "shard-0.bin"]
     kill9_when(
-        [*args, "--part-size", "8MiB", "--bwlimit", "50MiB/s"],
+        [*args, "--part-size", "8MiB", "--bwlimit", "20MiB/s"],  # ready at 1 s of 15
         lambda: sum(1 for r in _journal_records(home) if "p" in r) >= 2,
     )
     assert [f for f in os.listdir(dst) if f.startswith(".fmstore-tmp")]
@@ -308,7 +306,7 @@ def test_kill9_mid_small_files_resumes_without_recopying_finished_files(dataset,
     dst = tmp_path / "dst"
     args = ["stage", dataset["small"], str(dst), "--include", "d0*/*", "--no-progress"]
     kill9_when(
-        [*args, "--bwlimit", "2MiB/s"],
+        [*args, "--bwlimit", "512KiB/s"],  # ready at 1 s of 16
         lambda: sum(1 for r in _journal_records(home) if "f" in r) >= 100,
     )
     done = {r["f"] for r in _journal_records(home) if "f" in r}
@@ -512,42 +510,6 @@ def test_a_file_name_that_is_not_utf8_is_a_clear_error(tmp_path, home):
         r = fm(*cmd)
         assert r.returncode == 1, r.stderr
         assert "not valid UTF-8" in r.stderr and "Traceback" not in r.stderr
-
-
-def test_ctrl_c_exits_130_and_the_rerun_resumes(dataset, tmp_path, home):
-    dst = tmp_path / "dst"
-    args = [
-        "stage",
-        dataset["big"],
-        str(dst),
-        "--part-size",
-        "8MiB",
-        "--no-progress",
-        "--include",
-        "shard-2.bin",
-    ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fmstore", *args, "--bwlimit", "100MiB/s"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=os.environ.copy(),
-    )
-    try:
-        _wait_for(lambda: sum(1 for r in _journal_records(home) if "p" in r) >= 5)
-        proc.send_signal(signal.SIGINT)
-        _out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, err
-    assert "run the same command again to resume" in err
-    assert not (dst / "shard-2.bin").exists()
-    r = fm(*args, "--json")
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["bytes_resumed"] >= 5 * (8 << 20)
-    assert file_crcs(str(dst)) == {"shard-2.bin": dataset["big_crcs"]["shard-2.bin"]}
 
 
 # ---- durability: one sync per batch -------------------------------------------------------

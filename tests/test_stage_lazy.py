@@ -111,7 +111,13 @@ def test_an_interrupted_hydrate_resumes_and_leaves_no_temp_file(lazy_tree, tmp_p
     finished parts of the big file and leaves no temp file behind."""
     src, dst = lazy_tree
     home = str(tmp_path / "home")
-    args = ["hydrate", str(dst / "val"), "--no-progress", "--bwlimit", "20MiB/s"]
+    args = [
+        "hydrate",
+        str(dst / "val"),
+        "--no-progress",
+        "--bwlimit",
+        "5MiB/s",
+    ]  # ready at 2 s of 14
     kill9_when(args, lambda: _parts_journaled(home))
     r = fm("hydrate", str(dst / "val"), "--no-progress", "--json")
     assert r.returncode == 0, r.stderr

@@ -4,9 +4,15 @@ the fault proxy, a missing bucket."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 
 import pytest
 from stage_data import BIG_N, BIG_SIZE, SMALL_N, file_crcs, fm, kill9_when, make_dataset
@@ -144,18 +150,76 @@ def _journal_parts(home: str) -> list[dict]:
     return out
 
 
+def _pass_then_hold(n: int, method: str, path: str) -> list[Rule]:
+    """A fault plan: the first ``n`` matching requests go through whole, every later one
+    stalls (its response never comes).  A run interrupted once it has journaled ``n``
+    parts cannot have finished, however fast or slow the machine is."""
+    return [Rule("stall", method=method, path=path, skip=n)]
+
+
+@contextlib.contextmanager
+def _proxied(s3env: dict, s3_server, plan: list[Rule]) -> Iterator[FaultProxy]:
+    """A fault proxy with ``plan`` in front of the server, as the ``proxied`` tier."""
+    cfg = s3env["cfg"]
+    text = cfg.read_text()
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        proxy.set_plan(plan)
+        cfg.write_text(text.replace("PROXY", proxy.endpoint_url))
+        try:
+            yield proxy
+        finally:
+            cfg.write_text(text)
+
+
+def test_ctrl_c_exits_130_and_the_rerun_resumes(s3env, s3_server, tmp_path):
+    src = _s3(s3_server, s3env["bucket"], "ds/held")
+    body = os.urandom(80 << 20)
+    runtime.run(src.put("big.bin", body))
+    dst = tmp_path / "dst"
+    args = ["stage", "proxied:held", str(dst), "--part-size", "8MiB", "--no-progress"]
+    args += ["--shard", "none"]
+    with _proxied(s3env, s3_server, _pass_then_hold(5, "GET", r"/ds/held/big\.bin")) as proxy:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fmstore", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **s3env["env"]},
+        )
+        try:
+            while len(_journal_parts(s3env["home"])) < 5:
+                assert proc.poll() is None, proc.communicate()[1]
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+            _out, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 130, err
+        assert "run the same command again to resume" in err
+        assert not (dst / "big.bin").exists()
+        proxy.clear()
+        r = fm(*args, "--json", env=s3env["env"])
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["bytes_resumed"] >= 5 * (8 << 20)
+    assert crc32c((dst / "big.bin").read_bytes()) == crc32c(body)
+
+
 @pytest.mark.slow
 def test_kill9_during_upload_resumes_multipart_without_resending_parts(dataset, s3env, s3_server):
     env = s3env["env"]
     # One 300 MiB file is enough to interrupt mid-upload (the others are the big test's).
-    args = ["stage", dataset["big"], "s3:resume", "--part-size", "8MiB", "--no-progress"]
+    args = ["stage", dataset["big"], "proxied:resume", "--part-size", "8MiB", "--no-progress"]
     args += ["--include", "shard-0.bin"]
-    _kill9_after_parts([*args, "--bwlimit", "150MiB/s", "--concurrency", "4"], s3env, 20)
+    with _proxied(s3env, s3_server, _pass_then_hold(20, "PUT", r"/ds/resume/shard-0\.bin")):
+        _kill9_after_parts([*args, "--concurrency", "4"], s3env, 20)
     done = sum(r["n"] for r in _journal_parts(s3env["home"]))
     c = s3_server.boto3_client()
     listed = c.list_objects_v2(Bucket=s3env["bucket"], Prefix="ds/resume/").get("Contents", [])
     assert all(o["Size"] == BIG_SIZE for o in listed)  # nothing partial is visible
-    r = fm(*args, "--json", env=env)
+    with _proxied(s3env, s3_server, []):
+        r = fm(*args, "--json", env=env)
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
     assert s["bytes_resumed"] >= done
@@ -170,11 +234,13 @@ def test_an_upload_that_cannot_be_resumed_is_aborted(dataset, s3env, s3_server):
     """Killed mid-upload, then run again with another part size: the journaled parts do
     not fit, so the file is uploaded afresh and the first run's upload is aborted rather
     than left to hold its parts."""
-    args = ["stage", dataset["big"], "s3:again", "--no-progress", "--include", "shard-0.bin"]
-    _kill9_after_parts([*args, "--part-size", "8MiB", "--bwlimit", "100MiB/s"], s3env, 4)
+    args = ["stage", dataset["big"], "proxied:again", "--no-progress", "--include", "shard-0.bin"]
+    with _proxied(s3env, s3_server, _pass_then_hold(4, "PUT", r"/ds/again/shard-0\.bin")):
+        _kill9_after_parts([*args, "--part-size", "8MiB"], s3env, 4)
     c = s3_server.boto3_client()
     assert c.list_multipart_uploads(Bucket=s3env["bucket"]).get("Uploads")
-    r = fm(*args, "--part-size", "16MiB", env=s3env["env"])
+    with _proxied(s3env, s3_server, []):
+        r = fm(*args, "--part-size", "16MiB", env=s3env["env"])
     assert r.returncode == 0, r.stderr
     store = _s3(s3_server, s3env["bucket"], "ds/again")
     assert crc32c(runtime.run(store.get("shard-0.bin"))) == dataset["big_crcs"]["shard-0.bin"]
@@ -189,13 +255,15 @@ def test_kill9_during_a_mid_sized_download_resumes_its_parts(s3env, s3_server, t
     body = os.urandom(40 << 20)
     runtime.run(src.put("mid.bin", body))
     dst = tmp_path / "dst"
-    args = ["stage", "s3:mid", str(dst), "--no-progress", "--shard", "none"]
+    args = ["stage", "proxied:mid", str(dst), "--no-progress", "--shard", "none"]
     env = s3env["env"]
-    _kill9_after_parts([*args, "--bwlimit", "10MiB/s", "--concurrency", "2"], s3env, 2)
+    with _proxied(s3env, s3_server, _pass_then_hold(2, "GET", r"/ds/mid/mid\.bin")):
+        _kill9_after_parts([*args, "--concurrency", "2"], s3env, 2)
     parts = _journal_parts(s3env["home"])
     assert {r["n"] for r in parts} == {8 << 20}
     assert not (dst / "mid.bin").exists()  # nothing partial at the final name
-    r = fm(*args, "--json", env=env)
+    with _proxied(s3env, s3_server, []):
+        r = fm(*args, "--json", env=env)
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
     done = sum(r["n"] for r in parts)

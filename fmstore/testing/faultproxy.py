@@ -67,7 +67,10 @@ class Rule:
     most this many times (None: unlimited).  ``rate``: probability of firing on a
     matching request.  ``after_bytes``: for ``reset`` / ``truncate`` / ``stall`` /
     ``reset_request`` / ``pause``, how many body bytes pass before the fault (None: half
-    the body).  ``delay``: seconds a ``stall`` or a ``pause`` lasts.
+    the body).  ``delay``: seconds a ``stall`` or a ``pause`` lasts.  ``skip``: the first
+    ``skip`` matching requests pass untouched before the rule fires (a test that must
+    interrupt a run after N requests stalls every later one, so the run cannot finish
+    first however fast the machine is).
     """
 
     fault: str
@@ -77,6 +80,7 @@ class Rule:
     rate: float = 1.0
     after_bytes: int | None = None
     delay: float = 3600.0
+    skip: int = 0
 
     def __post_init__(self) -> None:
         if self.fault not in FAULTS:
@@ -186,6 +190,9 @@ class FaultProxy:
     def _pick(self, method: str, path: str) -> Rule | None:
         with self._rules_lock:
             for rule in self._rules:
+                if rule.matches(method, path) and rule.skip > 0:
+                    rule.skip -= 1
+                    return None
                 if rule.matches(method, path) and self._random.random() < rule.rate:
                     if rule.times is not None:
                         rule.times -= 1
