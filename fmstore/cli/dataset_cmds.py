@@ -11,21 +11,13 @@ from rich.console import Console
 from rich.table import Table
 
 from .main import app
-from .util import human_bytes
+from .util import human_bytes, size_option
 
 dataset_app = typer.Typer(
     help="Write and inspect streaming datasets (fmstore shards, token streams, WebDataset, MDS).",
     no_args_is_help=True,
 )
 app.add_typer(dataset_app, name="dataset")
-
-
-def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
 
 
 @dataset_app.command("write")
@@ -64,7 +56,7 @@ def write(
             src,
             dst,
             input_format=input_format,
-            shard_size=_size(shard_size),
+            shard_size=size_option(shard_size, "--shard-size"),
             compression=None if compression == "none" else compression,
             dtype=dtype,
             progress=progress,

@@ -54,7 +54,7 @@ from ..tiering.transfer import (
     version_of,
 )
 from .main import app
-from .util import human_bytes
+from .util import human_bytes, size_option
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -62,21 +62,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str, what: str) -> int:
-    """``"100M"``, ``"1.5GiB"``, ``"64MB/s"``, ``"4096"`` → bytes (binary units)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgtKMGT]?)(?:i?[bB])?(?:/s)?\s*", text or "")
-    if not m:
-        raise typer.BadParameter(
-            f"{text!r} is not a size (examples: 100M, 1.5GiB, 64MiB/s)", param_hint=what
-        )
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if value <= 0:
-        raise typer.BadParameter(f"{text!r} must be positive", param_hint=what)
-    return int(value)
 
 
 def _console(err: bool = False) -> Console:
@@ -221,12 +206,12 @@ def _transfer_options(
 ) -> TransferOptions:
     if concurrency < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--concurrency")
-    part = parse_size(part_size, "--part-size")
+    part = size_option(part_size, "--part-size")
     if part < 1 << 20:
         raise typer.BadParameter("must be at least 1 MiB", param_hint="--part-size")
     return TransferOptions(
         concurrency=concurrency,
-        bwlimit=float(parse_size(bwlimit, "--bwlimit")) if bwlimit else None,
+        bwlimit=float(size_option(bwlimit, "--bwlimit")) if bwlimit else None,
         part_size=part,
         multipart_threshold=max(part, 2 * part),
         # Enough parts in flight to keep a fast link busy (each is read as several ranges

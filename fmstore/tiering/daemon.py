@@ -38,10 +38,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .. import runtime
 from ..config import Config
 from ..errors import ConfigError, FmstoreError
+from ..units import parse_duration, parse_size
 from . import metrics as m
 from .catalog import Catalog
 from .mover import MoverOptions
-from .policies import Policies, from_config, parse_duration
+from .policies import Policies, from_config
 from .runner import PolicyRunner, StepReport, event, log_record_json
 
 _KEYS = {
@@ -52,16 +53,6 @@ _KEYS = {
     "concurrency",
     "bwlimit",
     "verify_destination",
-}
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "KIB": 1 << 10,
-    "MIB": 1 << 20,
-    "GIB": 1 << 30,
 }
 
 
@@ -74,23 +65,6 @@ class DaemonSettings:
     concurrency: int = 16
     bwlimit: float | None = None
     verify_destination: bool = True
-
-
-def parse_size(value: Any, where: str) -> float:
-    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    if isinstance(value, str):
-        s = value.strip().upper().replace(" ", "").removesuffix("/S")
-        num = s.rstrip("KMGIB")
-        unit = s[len(num) :]
-        if unit in _SIZE_UNITS:
-            try:
-                v = float(num) * _SIZE_UNITS[unit]
-            except ValueError:
-                v = -1
-            if v > 0:
-                return v
-    raise ConfigError(f"{where}: {value!r} is not a positive size (bytes, or like '200MB')")
 
 
 def settings_from_config(config: Config) -> DaemonSettings:

@@ -47,13 +47,13 @@ Guarantees of :func:`plan` (the decision function; state in, actions out):
 from __future__ import annotations
 
 import difflib
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..config import Config
 from ..errors import ConfigError
+from ..units import parse_duration
 from .catalog import CORRUPT, EXPORTING, PRESENT, WRITING, Checkpoint, Copy, Pin
 
 # ---- policy objects ----------------------------------------------------------------------
@@ -129,31 +129,12 @@ class Policies:
 
 # ---- parsing and validation --------------------------------------------------------------
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, None: 1.0}
 
 _TOP_KEYS = {"ladder", "write_tier", "on_full", "export", "retention", "release", "restore"}
 _EXPORT_KEYS = {"to", "from", "every_saves", "every_seconds"}
 _RETENTION_KEYS = {"keep_latest", "keep_every", "keep_for"}
 _RELEASE_KEYS = {"after", "high_watermark", "low_watermark", "durable"}
 _RESTORE_KEYS = {"mode", "cache_tier"}
-
-
-def parse_duration(value: Any, where: str) -> float:
-    """Seconds from a number or a string like ``"90s"``, ``"30m"``, ``"2h"``, ``"7d"``."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{where}: expected a duration, not {value!r}")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    elif isinstance(value, str) and (m := _DURATION.match(value)):
-        seconds = float(m.group(1)) * _UNITS[m.group(2)]
-    else:
-        raise ConfigError(
-            f"{where}: {value!r} is not a duration (seconds, or a string like '30m', '2h', '7d')"
-        )
-    if seconds <= 0:
-        raise ConfigError(f"{where}: duration must be positive, not {value!r}")
-    return seconds
 
 
 def from_config(config: Config) -> Policies:
