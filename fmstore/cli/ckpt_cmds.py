@@ -11,16 +11,11 @@ from rich.table import Table
 
 from .. import runtime
 from ..stores.base import Store
-from .main import app
+from .main import ckpt
 from .util import human_bytes
 
 if TYPE_CHECKING:
     from ..format.manifest import Manifest
-
-ckpt = typer.Typer(
-    help="Inspect, verify, garbage-collect and convert checkpoints.", no_args_is_help=True
-)
-app.add_typer(ckpt, name="ckpt")
 
 
 def _manifest(uri: str) -> tuple[Store, Manifest]:

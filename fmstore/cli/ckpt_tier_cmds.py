@@ -19,7 +19,7 @@ from ..tiering.catalog import Catalog
 from ..tiering.mover import verify_checkpoint
 from ..tiering.policies import from_config
 from ..tiering.tiers import Tiers
-from .ckpt_cmds import ckpt
+from .main import ckpt
 from .util import human_bytes
 
 _STYLE = {

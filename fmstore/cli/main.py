@@ -25,6 +25,14 @@ app = typer.Typer(
 )
 
 
+#: ``fmstore ckpt …``, defined here so that its two command modules (one checkpoint:
+#: ckpt_cmds; across tiers: ckpt_tier_cmds) both register on it without importing each other.
+ckpt = typer.Typer(
+    help="Inspect, verify, garbage-collect and convert checkpoints.", no_args_is_help=True
+)
+app.add_typer(ckpt, name="ckpt")
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"fmstore {__version__}")
