@@ -50,7 +50,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
 import crc32c as _crc32c
@@ -98,6 +98,9 @@ STREAM_RING = 256 << 10
 #: User-metadata keys fmstore itself writes (``x-amz-meta-`` is added by S3).
 META_CRC = "fmstore-crc32c"
 META_PART_SIZE = "fmstore-part-size"
+#: A random token sent with a create-only put whose ETag is not an MD5 (SSE-KMS), so that a
+#: retry can recognise its own earlier attempt.
+META_PUT_TOKEN = "fmstore-put-token"
 #: A forked child's inherited clients, kept alive and untouched (see ``S3Store._reset``).
 _FORK_LEFTOVERS: list[Any] = []
 
@@ -140,8 +143,9 @@ class S3Options:
     region: str | None = None
     profile: str | None = None
     access_key: str | None = None
-    secret_key: str | None = None
-    session_token: str | None = None
+    # Kept out of repr: options are logged and printed in tracebacks.
+    secret_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
     addressing_style: Literal["auto", "path", "virtual"] | None = None
     max_concurrency: int = 16
     part_size: int = 8 * MiB
@@ -220,6 +224,21 @@ def _b64(n: int) -> str:
 
 def _quote(etag: str) -> str:
     return etag if etag.startswith('"') else f'"{etag}"'
+
+
+def etag_is_md5(sse: str | None) -> bool:
+    """Whether a single-part object's ETag is the MD5 of its bytes: not under SSE-KMS
+    (``aws:kms``, ``aws:kms:dsse``), where it is opaque."""
+    return not (sse or "").startswith("aws:kms")
+
+
+def landed_ours(head: Mapping[str, Any], *, md5: str | None, token: str | None) -> bool:
+    """Whether the object ``head`` describes is the one our retried create-only put wrote:
+    by the put's token when it sent one (SSE-KMS), else by the ETag, the bytes' MD5."""
+    if token is not None:
+        meta = {str(k).lower(): v for k, v in (head.get("Metadata") or {}).items()}
+        return meta.get(META_PUT_TOKEN) == token
+    return md5 is not None and _unquote(head.get("ETag")) == md5
 
 
 def _unquote(etag: str | None) -> str | None:
@@ -709,6 +728,10 @@ class S3Store(Store):
         if crc is not None:
             metadata[META_CRC] = f"{crc:08x}"
         retried = False
+        token = None
+        if options.mode == "create" and not etag_is_md5(self.options.sse):
+            # The ETag cannot tell our landed attempt from another writer's: a token can.
+            token = metadata[META_PUT_TOKEN] = os.urandom(12).hex()
 
         def note(_: BaseException) -> None:
             nonlocal retried
@@ -736,8 +759,10 @@ class S3Store(Store):
                 import hashlib
 
                 head = await self._head(key, full)
-                md5 = await runtime.to_cpu(lambda: hashlib.md5(body).hexdigest())
-                if _unquote(head.get("ETag")) == md5:
+                md5 = None
+                if token is None:
+                    md5 = await runtime.to_cpu(lambda: hashlib.md5(body).hexdigest())
+                if landed_ours(head, md5=md5, token=token):
                     return self._meta(key, head, memoryview(body).nbytes)
             raise
         return ObjectMeta(
