@@ -90,6 +90,9 @@ class PutOptions:
     :meth:`Store.sync` makes every such earlier write durable.  Bulk copies use it to pay
     one sync per batch instead of one per file; a crash before the sync may lose those
     writes (not corrupt other objects), so their callers must be able to tell.
+    ``preserve_owner``: a POSIX backend also restores the owner and group that FSx-style
+    ``metadata`` names (see :mod:`.posixmeta`); off by default, as metadata is written by
+    whoever may write to the source.
     """
 
     mode: Literal["overwrite", "create", "if_match"] = "overwrite"
@@ -97,6 +100,7 @@ class PutOptions:
     metadata: Mapping[str, str] | None = None
     content_crc32c: int | None = None
     durable: bool = True
+    preserve_owner: bool = False
 
 
 @dataclass(frozen=True)

@@ -299,7 +299,7 @@ class PosixStore(Store):
             posixmeta.apply_times(fd, options.metadata)
             meta = {**options.metadata, _STAMP: _stamp(os.fstat(fd))}
             os.setxattr(fd, _XATTR, _META_JSON.encode(meta).encode())
-            posixmeta.apply(fd, options.metadata, times=False)
+            posixmeta.apply(fd, options.metadata, times=False, owner=options.preserve_owner)
         if self.options.fsync and options.durable:
             os.fdatasync(fd)
 
@@ -575,7 +575,9 @@ class PosixStore(Store):
                     meta = options.metadata
                     if meta is None:
                         meta = _read_meta(spath, os.stat(spath))
-                    self._finish_fd(fd, PutOptions(metadata=meta))
+                    self._finish_fd(
+                        fd, PutOptions(metadata=meta, preserve_owner=options.preserve_owner)
+                    )
                     os.close(fd)
                     fd = -1
                     return self._publish(dst, tmp, dpath, options)
