@@ -413,7 +413,7 @@ class Transfer:
             path = self.src.local_path(item.src_key)
             if path is not None:
                 with contextlib.suppress(OSError):
-                    return posixmeta.from_stat(await runtime.to_io(os.stat, path))
+                    return posixmeta.from_stat(await runtime.to_io(os.lstat, path))
         return posixmeta.pick(src_meta.metadata)
 
     def _dst_metadata(
