@@ -62,12 +62,14 @@ from ..errors import (
     ConfigError,
     CorruptData,
     FmstoreError,
+    InvalidKey,
     InvalidRange,
     NotFound,
     PreconditionFailed,
     StoreUnavailable,
 )
 from .base import Buffer, ObjectMeta, PartWriter, PutOptions, Store, Writer, nbytes, part_count
+from .http1 import check_header
 from .parts import TMP_MARK
 from .s3_retry import (
     AdaptiveLimiter,
@@ -629,6 +631,16 @@ class S3Store(Store):
             op, key, lambda: fn(Bucket=self.bucket, **kwargs), create=create
         )
 
+    def _check_metadata(self, key: str, metadata: Mapping[str, str]) -> None:
+        """Metadata goes out as ``x-amz-meta-*`` headers: a name or value that would break
+        the request's framing (CR, LF: header injection) is refused before anything is
+        sent, on the lean path and botocore's alike."""
+        for k, v in metadata.items():
+            try:
+                check_header(f"x-amz-meta-{k}", str(v))
+            except InvalidKey as e:
+                raise InvalidKey(f"metadata: {e.message}", tier=self.tier, key=key) from None
+
     def _sse(self) -> dict[str, Any]:
         o = self.options
         out: dict[str, Any] = {}
@@ -725,6 +737,7 @@ class S3Store(Store):
         conds = self._conditions(key, options)
         sums, crc = await self._checksum_args(body, options.content_crc32c)
         metadata = dict(options.metadata or {})
+        self._check_metadata(key, metadata)
         if crc is not None:
             metadata[META_CRC] = f"{crc:08x}"
         retried = False
@@ -776,6 +789,7 @@ class S3Store(Store):
     async def _create_upload(
         self, key: str, full: str, metadata: Mapping[str, str], *, checksums: bool = True
     ) -> str:
+        self._check_metadata(key, metadata)
         extra: dict[str, Any] = dict(self._sse())
         if checksums and self.options.checksum == "crc32c":
             extra["ChecksumAlgorithm"] = "CRC32C"
@@ -1379,6 +1393,7 @@ class S3Store(Store):
         options: PutOptions,
     ) -> ObjectMeta:
         """Copy the object ``fsrc`` (as ``head`` describes it) to ``dst`` with ``metadata``."""
+        self._check_metadata(dst, metadata)
         size = int(head.get("ContentLength", 0))
         source = {"Bucket": self.bucket, "Key": fsrc}
         if size <= self.options.copy_threshold:
