@@ -153,6 +153,8 @@ def translate(
 ) -> FmstoreError:
     """The :mod:`fmstore.errors` class for an SDK or transport error."""
     if isinstance(e, FmstoreError):
+        if e.tier is None:  # raised below the store (the HTTP client): name where
+            e.tier, e.key = tier, key
         return e
     if isinstance(e, bx.ClientError):
         code, status = error_code(e)
@@ -317,7 +319,8 @@ class Retrier:
             delay = random.uniform(0, min(p.max_delay, p.base_delay * (2**attempt)))
             elapsed = time.monotonic() - t0
             if attempt >= p.max_attempts or elapsed + delay > p.deadline:
-                if isinstance(err, FmstoreError):  # e.g. CorruptData: keep its meaning
+                # e.g. CorruptData: keep its meaning (a connection failure is summed up)
+                if isinstance(err, FmstoreError) and not isinstance(err, StoreUnavailable):
                     raise err
                 raise StoreUnavailable(
                     f"S3 {op} still failing after {attempt} attempts in {elapsed:.1f} s "
