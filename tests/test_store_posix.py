@@ -327,3 +327,14 @@ def test_listing_and_cleanup_never_pass_through_links(posix_root, planted, resol
     with pytest.raises(PermissionDenied):
         runtime.run(s.cleanup_temp(0, under="link"))
     _outside_untouched(planted)
+
+
+def test_local_path_refuses_a_link_on_the_way(posix_root, planted):
+    s = PosixStore(posix_root)
+    assert s.local_path("real") == os.path.join(posix_root, "real")
+    assert s.local_path("not/there") == os.path.join(posix_root, "not", "there")
+    for key in ("link/secret", "leak", "deep/inner/secret"):
+        with pytest.raises(PermissionDenied):
+            s.local_path(key)
+    with pytest.raises(PermissionDenied):
+        s.sub("deep").local_path("inner/secret")  # wrappers ask the same
