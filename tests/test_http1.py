@@ -453,3 +453,252 @@ def test_cancelled_request_waits_for_the_sinks_take_in_progress():
 def test_sink_ring_must_hold_a_scratch_buffer():
     with pytest.raises(ValueError, match="ring"):
         Sink(memoryview(bytearray(1024)), lambda v: None)
+
+
+# ---- hostile servers: strict framing, bounded bodies --------------------------------------
+
+
+def _hostile(answer_bytes: bytes):
+    async def answer(n, head, body, w):
+        w.write(answer_bytes)
+
+    return answer
+
+
+def _refused(answer_bytes: bytes, match: str) -> None:
+    from fmstore.errors import FmstoreError
+    from fmstore.stores.http1 import ProtocolError
+
+    async def main():
+        async with Server(_hostile(answer_bytes)) as s:
+            p = pool(s.port)
+            with pytest.raises(ProtocolError, match=match) as e:
+                await asyncio.wait_for(p.request("GET", "/", {}), 10)
+            assert isinstance(e.value, FmstoreError) and isinstance(e.value, ConnectionError)
+            await p.close()
+
+    go(main())
+
+
+CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "answer, match",
+    [
+        (CHUNKED + b"-6\r\nhello\r\n0\r\n\r\n", "bad chunk-size line"),
+        (CHUNKED + b"0_3\r\nabc\r\n0\r\n\r\n", "bad chunk-size line"),
+        (CHUNKED + b"+3\r\nabc\r\n0\r\n\r\n", "bad chunk-size line"),
+        (CHUNKED + b" 3\r\nabc\r\n0\r\n\r\n", "bad chunk-size line"),
+        (CHUNKED + b"3\r\nabcXY0\r\n\r\n", "not followed by CRLF"),
+        (CHUNKED + b"1" * 100_000, "chunk-size line too long"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 0_3\r\n\r\nabc", "bad Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: +3\r\n\r\nabc", "bad Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "bad Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 3, 3\r\n\r\nabc", "bad Content-Length"),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd",
+            "conflicting content-length",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n",
+            "both Transfer-Encoding and Content-Length",
+        ),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", "unsupported Transfer-Encoding"),
+        (b"HTTP/1.1 2000 OK\r\nContent-Length: 0\r\n\r\n", "bad status line"),
+        (b"HTTP/1.1 20 OK\r\nContent-Length: 0\r\n\r\n", "bad status line"),
+        (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "bad header line"),
+        (b"HTTP/1.1 200 OK\r\nX-A: 1\r\n folded\r\n\r\n", "bad header line"),
+        (b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nContent-Length: 0\r\n\r\n", "bad header value"),
+        (b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70_000, "response head too large"),
+    ],
+)
+def test_malformed_framing_is_refused_at_once(answer, match):
+    _refused(answer, match)
+
+
+def test_a_chunked_success_body_past_the_bound_is_refused(monkeypatch):
+    from fmstore.stores import http1
+
+    monkeypatch.setattr(http1, "MAX_CHUNKED_BODY", 1 << 20)
+    chunk = b"x" * (256 << 10)
+    body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(8))
+    _refused(CHUNKED + body + b"0\r\n\r\n", "body larger than")
+
+
+@pytest.mark.parametrize("framing", ["chunked", "content-length", "close"])
+def test_a_huge_error_body_is_cut_and_the_connection_dropped(framing):
+    """A 100 MiB error answer: the first 64 KiB are kept, the rest never read."""
+    from fmstore.stores.http1 import MAX_ERROR_BODY
+
+    total = 100 << 20
+    piece = b"e" * (1 << 20)
+
+    async def answer(n, head, body, w):
+        if framing == "chunked":
+            w.write(b"HTTP/1.1 500 Oops\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n" % total)
+        elif framing == "content-length":
+            w.write(b"HTTP/1.1 500 Oops\r\nContent-Length: %d\r\n\r\n" % total)
+        else:
+            w.write(b"HTTP/1.1 500 Oops\r\n\r\n")
+        try:
+            for _ in range(total // len(piece)):
+                w.write(piece)
+                await w.drain()
+        except ConnectionError:
+            pass
+        return "close"
+
+    async def main():
+        async with Server(answer) as s:
+            p = pool(s.port)
+            r = await asyncio.wait_for(p.request("GET", "/", {}), 30)
+            assert r.status == 500 and r.nbytes == MAX_ERROR_BODY == len(r.body())
+            assert not p._idle  # the rest of the answer is not read: the connection is gone
+            await p.close()
+
+    go(main())
+
+
+def test_an_unverified_certificate_fails_at_once_and_is_not_retried(tmp_path):
+    import shutil
+    import ssl
+    import subprocess
+
+    from fmstore.errors import FmstoreError, StoreUnavailable
+    from fmstore.stores import open_store
+    from fmstore.stores.http1 import CertificateError
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+        + ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"]
+        + ["-addext", "subjectAltName=DNS:localhost"],
+        check=True,
+        capture_output=True,
+    )
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    hellos: list[str] = []  # TLS handshakes begun (a failed one never reaches the server)
+    server_ctx.sni_callback = lambda _sock, name, _ctx: hellos.append(name)
+
+    async def main():
+        async with Server(
+            _hostile(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"), ssl=server_ctx
+        ) as s:
+            p = Pool(
+                "localhost",
+                s.port,
+                limit=2,
+                connect_timeout=5,
+                read_timeout=5,
+                ssl=ssl.create_default_context(),
+                server_hostname="localhost",
+            )
+            with pytest.raises(CertificateError, match="failed verification"):
+                await asyncio.wait_for(p.request("GET", "/", {}), 10)
+            await p.close()
+            return s
+
+    go(main())
+
+    # Through the store and its retrier: one attempt, an fmstore error that says why.
+    async def through_store():
+        async with Server(
+            _hostile(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"), ssl=server_ctx
+        ) as s:
+            store = open_store(
+                "s3://bucket/p",
+                endpoint_url=f"https://localhost:{s.port}",
+                region="us-east-1",
+                access_key="a",
+                secret_key="b",
+                addressing_style="path",
+                max_attempts=5,
+                retry_base_delay=0.01,
+            )
+            try:
+                with pytest.raises(FmstoreError) as e:
+                    await asyncio.wait_for(store.get("k"), 30)
+                assert not isinstance(e.value, StoreUnavailable), e.value
+                assert "certificate" in str(e.value).lower()
+            finally:
+                await store.close()
+
+    hellos.clear()
+    runtime_run(through_store())
+    assert hellos == ["localhost"]
+
+
+def runtime_run(coro):
+    from fmstore import runtime
+
+    return runtime.run(coro)
+
+
+LISTING = (
+    b'<?xml version="1.0" encoding="UTF-8"?>'
+    b'<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">%s'
+    b'<Contents><Key>a+b%%2Bc</Key><Size>1</Size><ETag>"e"</ETag>'
+    b"<LastModified>2024-01-01T00:00:00.000Z</LastModified></Contents>"
+    b"<CommonPrefixes><Prefix>p+q/</Prefix></CommonPrefixes>"
+    b"<IsTruncated>false</IsTruncated></ListBucketResult>"
+)
+
+
+@pytest.mark.parametrize(
+    "encoding, key, prefix",
+    [(b"", "a+b%2Bc", "p+q/"), (b"<EncodingType>url</EncodingType>", "a b+c", "p q/")],
+)
+def test_listing_keys_are_decoded_only_when_the_server_encoded_them(encoding, key, prefix):
+    from fmstore.stores.s3_http import Credentials, S3Http
+
+    doc = LISTING % encoding
+
+    async def answer(n, head, body, w):
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(doc), doc))
+
+    async def main():
+        async with Server(answer) as s:
+            h = _lean(s.port, S3Http, Credentials)
+            out = await asyncio.wait_for(h.list_objects_v2(Bucket="b", Prefix=""), 10)
+            assert [c["Key"] for c in out["Contents"]] == [key]
+            assert [c["Prefix"] for c in out["CommonPrefixes"]] == [prefix]
+            await h.close()
+
+    go(main())
+
+
+def _lean(port, S3Http, Credentials):
+    return S3Http(
+        endpoint_url=f"http://127.0.0.1:{port}",
+        region="us-east-1",
+        bucket="b",
+        path_style=True,
+        credentials=lambda: Credentials("a", "b", None),
+        sign_payload=False,
+        pool=2,
+        connect_timeout=5,
+        read_timeout=5,
+    )
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [{"k": "v\r\nx-evil: 1"}, {"k\r\nx-evil": "v"}, {"k": "v\nx"}, {"k": "a\x00b"}, {"a b": "v"}],
+)
+def test_metadata_that_would_inject_headers_is_refused_before_sending(meta):
+    from fmstore.errors import InvalidKey
+    from fmstore.stores.s3_http import Credentials, S3Http
+
+    async def main():
+        async with Server(_hostile(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")) as s:
+            h = _lean(s.port, S3Http, Credentials)
+            with pytest.raises(InvalidKey):
+                await h.put_object(Bucket="b", Key="k", Body=b"x", Metadata=meta)
+            await h.close()
+            assert s.requests == []
+
+    go(main())

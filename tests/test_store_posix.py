@@ -238,3 +238,103 @@ def test_fs_type_reads_the_mount_table(tmp_path):
     assert store._inline_puts == (kind in _LOCAL_FS)
     runtime.run(store.put("a/b", b"x" * 100))
     assert runtime.run(store.get("a/b")) == b"x" * 100
+
+
+# ---- symbolic links inside a tier: never followed -----------------------------------------
+
+
+@pytest.fixture(params=["openat2", "walk"])
+def resolver(request, monkeypatch):
+    """Both ways of resolving beneath the root: openat2 (when the kernel has it) and the
+    O_NOFOLLOW walk used without it."""
+    from fmstore.stores import beneath
+
+    if request.param == "walk":
+        monkeypatch.setattr(beneath, "_openat2", lambda: None)
+    elif beneath._openat2() is None:
+        pytest.skip("this kernel has no openat2")
+    return request.param
+
+
+@pytest.fixture
+def planted(posix_root, tmp_path):
+    """A tier holding links another user could plant: ``link -> outside/``,
+    ``deep/inner -> outside/``, ``leak -> outside/secret``; and a real file ``real``."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"secret")
+    old_tmp = outside / f"{TMP_MARK}old"
+    old_tmp.write_bytes(b"t")
+    os.utime(old_tmp, (1, 1))
+    os.symlink(outside, os.path.join(posix_root, "link"))
+    os.makedirs(os.path.join(posix_root, "deep"))
+    os.symlink(outside, os.path.join(posix_root, "deep", "inner"))
+    os.symlink(outside / "secret", os.path.join(posix_root, "leak"))
+    with open(os.path.join(posix_root, "real"), "wb") as f:
+        f.write(b"real")
+    return outside
+
+
+def _outside_untouched(outside) -> None:
+    assert sorted(os.listdir(outside)) == sorted(["secret", f"{TMP_MARK}old"])
+    assert (outside / "secret").read_bytes() == b"secret"
+
+
+def test_writes_through_a_link_in_the_tier_are_refused(posix_root, planted, resolver):
+    s = PosixStore(posix_root, tier="lustre")
+    for key in ("link/x", "deep/inner/x", "link/new/dir/x", "leak/x"):
+        with pytest.raises((PermissionDenied, NotFound)) as e:
+            runtime.run(s.put(key, b"evil"))
+        assert e.value.tier == "lustre"
+    with pytest.raises(PermissionDenied):
+        runtime.run(s.put("link/x", b"e" * (2 << 20), PutOptions(durable=True)))
+    with pytest.raises(PermissionDenied):
+        runtime.run(s.open_writer("link/x"))
+    with pytest.raises(PermissionDenied):
+        runtime.run(s.open_part_writer("link/x", 10, 5))
+    with pytest.raises(PermissionDenied):
+        runtime.run(s.copy("real", "link/x"))
+    _outside_untouched(planted)
+
+
+def test_reads_and_deletes_through_a_link_in_the_tier_are_refused(posix_root, planted, resolver):
+    s = PosixStore(posix_root)
+    for key in ("link/secret", "deep/inner/secret", "leak"):
+        for op in (s.get, s.stat, s.get_with_meta, lambda k: s.get_range(k, 0, 1)):
+            with pytest.raises(PermissionDenied):
+                runtime.run(op(key))
+        with pytest.raises(PermissionDenied):
+            runtime.run(s.copy(key, "stolen"))
+    for key in ("link/secret", "deep/inner/secret"):
+        with pytest.raises(PermissionDenied):
+            runtime.run(s.delete(key))
+    _outside_untouched(planted)
+    assert not os.path.exists(os.path.join(posix_root, "stolen"))
+    # A key naming a link itself deletes the link, never its target.
+    runtime.run(s.delete("leak"))
+    assert not os.path.lexists(os.path.join(posix_root, "leak"))
+    _outside_untouched(planted)
+
+
+def test_listing_and_cleanup_never_pass_through_links(posix_root, planted, resolver):
+    s = PosixStore(posix_root)
+    assert runtime.run(s.list_keys()) == ["real"]  # neither link to a dir nor to a file
+    with pytest.raises(PermissionDenied):
+        runtime.run(s.list_keys("link"))
+    with pytest.raises(PermissionDenied):
+        runtime.run(s.list_keys("deep/inner/"))
+    assert runtime.run(s.cleanup_temp(0)) == 0
+    with pytest.raises(PermissionDenied):
+        runtime.run(s.cleanup_temp(0, under="link"))
+    _outside_untouched(planted)
+
+
+def test_local_path_refuses_a_link_on_the_way(posix_root, planted):
+    s = PosixStore(posix_root)
+    assert s.local_path("real") == os.path.join(posix_root, "real")
+    assert s.local_path("not/there") == os.path.join(posix_root, "not", "there")
+    for key in ("link/secret", "leak", "deep/inner/secret"):
+        with pytest.raises(PermissionDenied):
+            s.local_path(key)
+    with pytest.raises(PermissionDenied):
+        s.sub("deep").local_path("inner/secret")  # wrappers ask the same

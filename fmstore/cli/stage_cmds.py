@@ -42,6 +42,7 @@ from ..tiering.stage import (
     open_source,
     parse_shard,
     plan_stage,
+    preserve_owner_setting,
     run_plan,
     shard_from_env,
 )
@@ -201,8 +202,24 @@ def _confirm(question: str, yes: bool, declined: str = "Nothing deleted.") -> No
         raise typer.Exit(EXIT_USAGE)
 
 
+_PRESERVE_OWNER_HELP = (
+    "Restore owner and group from the source's metadata (FSx's file-owner / file-group) "
+    "on a POSIX destination; default: [stage] preserve_owner in fmstore.toml (false). "
+    "Only for sources whose writers you trust: metadata is set by whoever writes the object."
+)
+
+
+def _preserve_owner(flag: bool | None) -> bool:
+    return preserve_owner_setting() if flag is None else flag
+
+
 def _transfer_options(
-    concurrency: int, bwlimit: str | None, part_size: str, verify: bool, fsync: str = "batch"
+    concurrency: int,
+    bwlimit: str | None,
+    part_size: str,
+    verify: bool,
+    fsync: str = "batch",
+    preserve_owner: bool = False,
 ) -> TransferOptions:
     if concurrency < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--concurrency")
@@ -219,6 +236,7 @@ def _transfer_options(
         max_inflight_bytes=max(4 * part, min(concurrency * part, 512 << 20)),
         verify=verify,
         fsync=_fsync_mode(fsync),
+        preserve_owner=preserve_owner,
     )
 
 
@@ -295,6 +313,9 @@ def stage_cmd(
         "cut the next run re-checks what the last sync did not cover); 'each' fsyncs every "
         "file and part (slower with many small files); 'none' never syncs (scratch data).",
     ),
+    preserve_owner: bool | None = typer.Option(
+        None, "--preserve-owner/--no-preserve-owner", help=_PRESERVE_OWNER_HELP
+    ),
     json_out: bool = typer.Option(
         False, "--json", help="Print the final summary as JSON on stdout."
     ),
@@ -313,7 +334,9 @@ def stage_cmd(
 
     Exit codes: 0 ok, 1 error, 2 usage, 3 some files failed, 130 interrupted.
     """
-    topts = _transfer_options(concurrency, bwlimit, part_size, verify, fsync)
+    topts = _transfer_options(
+        concurrency, bwlimit, part_size, verify, fsync, _preserve_owner(preserve_owner)
+    )
     if interval <= 0:
         raise typer.BadParameter("must be more than 0", param_hint="--log-interval")
     try:
@@ -645,8 +668,14 @@ def cp_cmd(
     force: bool = typer.Option(
         False, "--force", "-f", help="Copy even when an identical copy is present."
     ),
+    preserve_owner: bool | None = typer.Option(
+        None, "--preserve-owner/--no-preserve-owner", help=_PRESERVE_OWNER_HELP
+    ),
 ) -> None:
     """Copy one object between any two locations (checksummed, atomic)."""
+    topts = TransferOptions(
+        verify=verify, skip_identical=not force, preserve_owner=_preserve_owner(preserve_owner)
+    )
     s_parent, s_key = split_object(src)
     if os.path.isdir(dst) or dst.endswith("/"):
         d_parent, d_key = dst.rstrip("/") or "/", s_key
@@ -658,9 +687,7 @@ def cp_cmd(
     async def go() -> TransferReport:
         meta = await sstore.stat(s_key)
         item = CopyItem(s_key, d_key, meta.size, version_of(meta))
-        return await copy_items(
-            sstore, dstore, [item], TransferOptions(verify=verify, skip_identical=not force)
-        )
+        return await copy_items(sstore, dstore, [item], topts)
 
     report = runtime.run(go())
     if report.failures:

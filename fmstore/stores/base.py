@@ -26,13 +26,14 @@ from __future__ import annotations
 import abc
 import builtins
 import os
+import stat
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Literal
 
 from .. import keys as _keys
-from ..errors import InvalidRange, NotFound
+from ..errors import InvalidRange, NotFound, PermissionDenied
 
 Buffer = bytes | bytearray | memoryview
 #: One byte string given as the consecutive pieces a connection delivered, unjoined: a copy
@@ -90,6 +91,9 @@ class PutOptions:
     :meth:`Store.sync` makes every such earlier write durable.  Bulk copies use it to pay
     one sync per batch instead of one per file; a crash before the sync may lose those
     writes (not corrupt other objects), so their callers must be able to tell.
+    ``preserve_owner``: a POSIX backend also restores the owner and group that FSx-style
+    ``metadata`` names (see :mod:`.posixmeta`); off by default, as metadata is written by
+    whoever may write to the source.
     """
 
     mode: Literal["overwrite", "create", "if_match"] = "overwrite"
@@ -97,6 +101,7 @@ class PutOptions:
     metadata: Mapping[str, str] | None = None
     content_crc32c: int | None = None
     durable: bool = True
+    preserve_owner: bool = False
 
 
 @dataclass(frozen=True)
@@ -379,9 +384,28 @@ class Store(abc.ABC):
 
     def local_path(self, key: str) -> str | None:
         """The local file behind ``key`` (validated) where :attr:`local_root` is set, else
-        None."""
+        None.  A symbolic link on the way (inside the root) raises
+        :class:`~fmstore.errors.PermissionDenied`, as the store's own calls do; callers
+        that open the path should still open it with ``O_NOFOLLOW`` (a link could be
+        planted after this check)."""
         root = self.local_root
-        return None if root is None else os.path.join(root, self._key(key))
+        if root is None:
+            return None
+        k = self._key(key)
+        p = root
+        for name in k.split("/"):
+            p = os.path.join(p, name)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                break  # missing: the caller's open says so
+            if stat.S_ISLNK(st.st_mode):
+                raise PermissionDenied(
+                    "a symbolic link in the key's path: links inside a tier are not followed",
+                    tier=self.tier,
+                    key=key,
+                )
+        return os.path.join(root, k)
 
     async def exists(self, key: str) -> bool:
         try:

@@ -9,9 +9,18 @@ dataset that is most of the cost of a copy.  :class:`Pool` does only what S3 nee
 head is split by hand, and the body arrives as the pieces the socket delivered (never
 joined here: big GETs hand them to ``pwritev``).
 
-Errors are the built-in ones the retrier already knows: ``ConnectionError`` subclasses for
-refused, reset and truncated connections, ``TimeoutError`` for a connect or a silence longer
-than the read timeout.  Proxies are not handled: :mod:`.s3_http` leaves those to botocore.
+Errors are fmstore's (:class:`~fmstore.errors.StoreUnavailable`) and also the built-in ones
+the retrier already knows: ``ConnectionError`` subclasses for refused, reset and truncated
+connections and for answers that break HTTP/1.1, ``TimeoutError`` for a connect or a
+silence longer than the read timeout.  A certificate that fails verification is
+:class:`CertificateError`, never retried.  Proxies are not handled: :mod:`.s3_http` leaves
+those to botocore.
+
+The server is not trusted: status line, header lines, ``Content-Length`` and chunk-size
+lines are parsed strictly (a plain decimal, strict hex), every line and head is bounded, a
+chunked or close-delimited body is bounded, and an error answer's body is cut at
+:data:`MAX_ERROR_BODY` (the connection is then dropped).  Nothing a server sends can make
+the client loop without reading, or buffer more than these bounds.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ import ssl as _ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
+
+from ..errors import FmstoreError, InvalidKey, StoreUnavailable
 
 #: A kept-alive connection idle longer than this is closed rather than reused (servers
 #: close theirs after a few seconds to a minute; aiohttp's default is 15 s too).
@@ -40,9 +51,67 @@ _SLICE = 1 << 20
 #: Bodies of known length are received in pieces of at most this size.
 _PIECE = 1 << 20
 
+#: An error answer's body is kept up to this size; the rest is not read (the connection
+#: is dropped): S3's error documents are well under 1 KiB.
+MAX_ERROR_BODY = 64 << 10
+#: A successful chunked or close-delimited body (listings: S3's are about 250 KiB for
+#: 1000 keys) larger than this is refused.
+MAX_CHUNKED_BODY = 64 << 20
+#: Longest chunk-size line (size, extensions) or trailer section accepted.
+_MAX_LINE = 4096
+
 Buffer = bytes | bytearray | memoryview
-#: One header field: name, then the value without surrounding blanks.
-_FIELD = re.compile(r"([^:\r\n]+):[ \t]*([^\r\n]*?)[ \t]*(?:\r\n|$)")
+_STATUS = re.compile(r"HTTP/1\.([01]) ([1-9][0-9]{2})(?: ([\t\x20-\x7e\x80-\xff]*))?")
+_DECIMAL = re.compile(r"[0-9]{1,18}")
+#: A chunk-size line: hex digits (at most 15: under 2**60), optional extensions.
+_CHUNK = re.compile(rb"([0-9A-Fa-f]{1,15})[ \t]*(?:;[\t\x20-\x7e\x80-\xff]*)?")
+#: What a request header's name and value may hold (no CR, LF or NUL: header injection).
+_NAME_OK = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_VALUE_BAD = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+class ProtocolError(StoreUnavailable):
+    """The server's answer breaks HTTP/1.1 (or a bound of ours); the connection is dropped."""
+
+
+class ConnectionClosed(StoreUnavailable, ConnectionResetError):
+    """The server closed the connection before its answer was complete."""
+
+
+class Timeout(StoreUnavailable, TimeoutError):
+    """No connection, or no byte of the answer, within the time allowed."""
+
+
+class CertificateError(FmstoreError):
+    """The server's TLS certificate failed verification: a configuration or an attack,
+    never retried."""
+
+
+def check_header(name: str, value: str) -> None:
+    """Refuse a request header that would break the request's framing (CR, LF, NUL: header
+    injection) or is no HTTP token; raises :class:`~fmstore.errors.InvalidKey`."""
+    if not _NAME_OK.fullmatch(name):
+        raise InvalidKey(f"header name {name!r} is not an HTTP token")
+    if _VALUE_BAD.search(value):
+        raise InvalidKey(f"header {name!r}: line breaks and control characters are not allowed")
+
+
+def _fields(lines: list[str]) -> dict[str, str]:
+    """Header lines as a dict (names lower-cased; a repeated name keeps its last value,
+    but ``Content-Length`` and ``Transfer-Encoding`` may not differ between repeats)."""
+    headers: dict[str, str] = {}
+    for line in lines:
+        name, colon, value = line.partition(":")
+        if not colon or not _NAME_OK.fullmatch(name):
+            raise ValueError(f"bad header line {line[:80]!r}")
+        value = value.strip(" \t")
+        if _VALUE_BAD.search(value):
+            raise ValueError(f"bad header value in {line[:80]!r}")
+        name = name.lower()
+        if name in ("content-length", "transfer-encoding") and headers.get(name, value) != value:
+            raise ValueError(f"conflicting {name} headers")
+        headers[name] = value
+    return headers
 
 
 class Response:
@@ -102,6 +171,7 @@ class _Conn(asyncio.BufferedProtocol):
         self._waiter: asyncio.Future[Response] | None = None
         self._head_only = False
         self._left = 0  # body bytes still expected; -1: until close; -2: chunked
+        self._limit = MAX_ERROR_BODY  # most bytes of a chunked or close-delimited body
         self._keep = True
         self._progress = False
         self._paused: asyncio.Future[None] | None = None
@@ -128,7 +198,7 @@ class _Conn(asyncio.BufferedProtocol):
             if self._resp is not None and self._left == -1 and exc is None:
                 self._finish()  # a body delimited by the close
             else:
-                err = ConnectionResetError(
+                err = ConnectionClosed(
                     "connection closed before the response was complete"
                     if self.received
                     else "connection closed before a response"
@@ -187,7 +257,7 @@ class _Conn(asyncio.BufferedProtocol):
                 self._body(data)
         except ValueError as e:
             self._keep = False
-            self._waiter.set_exception(ConnectionError(f"malformed HTTP response: {e}"))
+            self._waiter.set_exception(ProtocolError(f"malformed HTTP response: {e}"))
             self.close()
 
     def eof_received(self) -> bool:
@@ -197,7 +267,7 @@ class _Conn(asyncio.BufferedProtocol):
 
     def _parse_head(self) -> None:
         while self._resp is None:
-            end = self._buf.find(b"\r\n\r\n")
+            end = self._buf.find(b"\r\n\r\n", 0, _MAX_HEAD)
             if end < 0:
                 if len(self._buf) > _MAX_HEAD:
                     raise ValueError("response head too large")
@@ -205,33 +275,44 @@ class _Conn(asyncio.BufferedProtocol):
             text = self._buf[:end].decode("latin-1")
             rest = bytes(self._buf[end + 4 :])
             self._buf.clear()
-            first, _, fields = text.partition("\r\n")
-            version, _, status_reason = first.partition(" ")
-            code, _, reason = status_reason.partition(" ")
-            if not version.startswith("HTTP/1.") or not code.isdigit():
+            first, *lines = text.split("\r\n")
+            m = _STATUS.fullmatch(first)
+            if m is None:
                 raise ValueError(f"bad status line {first[:80]!r}")
-            status = int(code)
-            # One regex pass over all the fields (a repeated name keeps its last value).
-            headers = {k.lower(): v for k, v in _FIELD.findall(fields)}
+            minor, status, reason = m.group(1), int(m.group(2)), m.group(3) or ""
+            headers = _fields(lines)
+            cl = headers.get("content-length")
+            if cl is not None and not _DECIMAL.fullmatch(cl):
+                raise ValueError(f"bad Content-Length {cl[:40]!r}")
             if 100 <= status < 200:  # an interim answer (100 Continue): the real one follows
+                if status == 101:
+                    raise ValueError("the server switched protocols")
                 self._buf += rest
                 continue
             self._resp = Response(status, reason, headers)
+            ok = 200 <= status < 300
+            self._limit = MAX_CHUNKED_BODY if ok else MAX_ERROR_BODY
             conn = headers.get("connection", "").lower()
-            if conn == "close" or (version == "HTTP/1.0" and conn != "keep-alive"):
+            if conn == "close" or (minor == "0" and conn != "keep-alive"):
                 self._keep = False
+            te = headers.get("transfer-encoding")
             if self._head_only or status in (204, 304):
                 self._left = 0
-            elif "chunked" in headers.get("transfer-encoding", "").lower():
+            elif te is not None:
+                if te.lower() != "chunked":
+                    raise ValueError(f"unsupported Transfer-Encoding {te[:40]!r}")
+                if cl is not None:
+                    raise ValueError("both Transfer-Encoding and Content-Length")
                 self._left = -2
-            elif "content-length" in headers:
-                self._left = int(headers["content-length"])
-                if self._left < 0:
-                    raise ValueError("negative Content-Length")
+            elif cl is not None:
+                self._left = int(cl)
+                if not ok and self._left > MAX_ERROR_BODY:
+                    # Only the start of an error answer is read; the connection is dropped.
+                    self._left, self._keep = MAX_ERROR_BODY, False
             else:
                 self._left, self._keep = -1, False
             into, sink = self._into, self._sink
-            if 200 <= status < 300 and self._left > 0:
+            if ok and self._left > 0:
                 if sink is not None:
                     if sink.accept is None or sink.accept(status, headers):
                         self._fill, self._pos, self._resp.filled = sink.ring, 0, True
@@ -248,11 +329,26 @@ class _Conn(asyncio.BufferedProtocol):
             self._take(data)
         elif self._left == -1:
             assert self._resp is not None
+            room = self._limit - self._resp.nbytes
+            cut = len(data) > room
+            if cut:
+                self._over_limit()
+                data = data[:room]
             self._resp.pieces.append(data)
             self._resp.nbytes += len(data)
+            if cut:
+                self._finish()
         else:
             self._buf += data
             self._parse_chunks()
+
+    def _over_limit(self) -> None:
+        """A body past its bound: an error answer is cut there (and the connection dropped);
+        a successful one is refused."""
+        assert self._resp is not None
+        if 200 <= self._resp.status < 300:
+            raise ValueError(f"body larger than {self._limit} bytes")
+        self._keep = False
 
     def _take(self, data: bytes) -> None:
         assert self._resp is not None
@@ -297,7 +393,7 @@ class _Conn(asyncio.BufferedProtocol):
         if self._waiter is None or self._waiter.done() or self.closed:
             return  # the request failed meanwhile; the connection is closed
         err: BaseException | None = (
-            ConnectionError("the body's consumer was cancelled")
+            ConnectionClosed("the body's consumer was cancelled")
             if fut.cancelled()
             else fut.exception()
         )
@@ -316,27 +412,53 @@ class _Conn(asyncio.BufferedProtocol):
         self.close()
 
     def _parse_chunks(self) -> None:
-        assert self._resp is not None
+        resp = self._resp
+        assert resp is not None
         buf = self._buf
-        while True:
-            line_end = buf.find(b"\r\n")
-            if line_end < 0:
-                return
-            size = int(bytes(buf[:line_end]).split(b";", 1)[0].strip() or b"x", 16)
-            if size == 0:
-                # Trailers (rare) end with an empty line, as the last chunk does.
-                tail = buf.find(b"\r\n\r\n", line_end)
-                if tail < 0 and buf[line_end : line_end + 4] != b"\r\n\r\n":
+        pos = 0  # start of what is not yet consumed
+        try:
+            while True:
+                line_end = buf.find(b"\r\n", pos, pos + _MAX_LINE + 2)
+                if line_end < 0:
+                    if len(buf) - pos > _MAX_LINE:
+                        raise ValueError("chunk-size line too long")
                     return
-                buf.clear()
-                self._finish()
-                return
-            if len(buf) < line_end + 2 + size + 2:
-                return
-            start = line_end + 2
-            self._resp.pieces.append(bytes(buf[start : start + size]))
-            self._resp.nbytes += size
-            del buf[: start + size + 2]
+                m = _CHUNK.fullmatch(buf, pos, line_end)
+                if m is None:
+                    line = bytes(buf[pos:line_end])[:40]
+                    raise ValueError(f"bad chunk-size line {line!r}")
+                size = int(m.group(1), 16)
+                start = line_end + 2
+                if size == 0:
+                    # Trailer lines (rare, ignored) end with an empty line, as the last chunk.
+                    end = buf.find(b"\r\n\r\n", line_end, line_end + _MAX_HEAD)
+                    if end < 0:
+                        if len(buf) - line_end > _MAX_HEAD:
+                            raise ValueError("chunked trailer too large")
+                        return
+                    pos = len(buf)
+                    self._keep = self._keep and end + 4 == len(buf)
+                    self._finish()
+                    return
+                room = self._limit - resp.nbytes
+                if size > room:
+                    self._over_limit()  # an error answer: keep what fits, then stop
+                    if len(buf) - start < room:
+                        return
+                    resp.pieces.append(bytes(buf[start : start + room]))
+                    resp.nbytes += room
+                    pos = len(buf)
+                    self._finish()
+                    return
+                if len(buf) < start + size + 2:
+                    return
+                if buf[start + size : start + size + 2] != b"\r\n":
+                    raise ValueError("chunk data not followed by CRLF")
+                resp.pieces.append(bytes(buf[start : start + size]))
+                resp.nbytes += size
+                pos = start + size + 2
+        finally:
+            del buf[:pos]
 
     def _finish(self) -> None:
         resp, self._resp = self._resp, None
@@ -416,7 +538,7 @@ class _Conn(asyncio.BufferedProtocol):
             loop = asyncio.get_running_loop()
             self._timer = loop.call_later(timeout, self._check_silence, timeout)
             return
-        self._waiter.set_exception(TimeoutError(f"no data from the server for {timeout:g} s"))
+        self._waiter.set_exception(Timeout(f"no data from the server for {timeout:g} s"))
         self.close()
 
     def reusable(self) -> bool:
@@ -477,8 +599,7 @@ class Pool:
         """
         parts = [f"{method} {target} HTTP/1.1\r\n"]
         for k, v in headers.items():
-            if "\n" in v or "\r" in v:
-                raise ValueError(f"header {k!r}: line breaks are not allowed in a value")
+            check_header(k, v)
             parts.append(f"{k}: {v}\r\n")
         n = 0 if body is None else memoryview(body).nbytes
         if n or method in ("PUT", "POST"):
@@ -514,7 +635,7 @@ class Pool:
 
     async def _connection(self) -> tuple[_Conn, bool]:
         if self._closed:
-            raise ConnectionError("the connection pool is closed")
+            raise StoreUnavailable("the connection pool is closed")
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()  # the most recently used: the least likely to be stale
@@ -546,18 +667,23 @@ class Pool:
                     if not isinstance(e, OSError):
                         raise
                     last = e
-            raise last or ConnectionError(f"cannot resolve {self.host}")
+            raise last or StoreUnavailable(f"cannot resolve {self.host}")
 
         try:
             return await asyncio.wait_for(connect(), self._connect_timeout)
         except asyncio.TimeoutError:
-            raise TimeoutError(
+            raise Timeout(
                 f"connecting to {self.host}:{self.port} took over {self._connect_timeout:g} s"
             ) from None
+        except _ssl.SSLCertVerificationError as e:
+            raise CertificateError(
+                f"TLS certificate of {self.host}:{self.port} failed verification: "
+                f"{e.verify_message or e}; not retried (AWS_CA_BUNDLE names a CA to trust)"
+            ) from e
+        except FmstoreError:
+            raise
         except OSError as e:
-            if isinstance(e, ConnectionError):
-                raise
-            raise ConnectionError(f"cannot connect to {self.host}:{self.port}: {e}") from e
+            raise StoreUnavailable(f"cannot connect to {self.host}:{self.port}: {e}") from e
 
     async def close(self) -> None:
         self._closed = True

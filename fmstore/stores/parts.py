@@ -87,7 +87,10 @@ class TempPartsWriter(PartWriter):
             raise ValueError("writer is closed")
         meta = {**(self.options.metadata or {}), **(metadata or {})}
         options = PutOptions(
-            mode=self.options.mode, if_match=self.options.if_match, metadata=meta or None
+            mode=self.options.mode,
+            if_match=self.options.if_match,
+            metadata=meta or None,
+            preserve_owner=self.options.preserve_owner,
         )
         n = part_count(self.size, self.part_size)
         async with await self.store.open_writer(self.key, options) as w:

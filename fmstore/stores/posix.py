@@ -2,8 +2,11 @@
 
 Every write goes to a hidden temp file in the target directory, is fsynced, renamed over
 the key (or hard-linked, for create-only writes) and the directory is fsynced: one helper,
-:func:`commit_file`, does all four so the directory fsync can never be forgotten.  Blocking
+:func:`commit_at`, does all four so the directory fsync can never be forgotten.  Blocking
 calls run in the runtime's I/O pool, never on the event loop.
+
+Paths are resolved beneath the root with no symbolic link followed (:mod:`.beneath`): a
+link inside the tier refuses the call (``PermissionDenied``) and listings skip links.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from ..errors import (
     StoreUnavailable,
     TierFull,
 )
-from . import posixmeta
+from . import beneath, posixmeta
 from .base import (
     Buffer,
     ObjectMeta,
@@ -122,6 +125,25 @@ def commit_file(tmp: str, final: str, *, create_only: bool = False, sync: bool =
         fsync_dir(os.path.dirname(final))
 
 
+def commit_at(
+    dfd: int, tmp: str, final: str, *, create_only: bool = False, sync: bool = True
+) -> None:
+    """:func:`commit_file` for names in the directory open as ``dfd`` (fsynced with
+    ``sync``): the directory stays the one resolved, whatever is renamed meanwhile."""
+    try:
+        if create_only:
+            os.link(tmp, final, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+            os.unlink(tmp, dir_fd=dfd)
+        else:
+            os.rename(tmp, final, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dfd)
+        raise
+    if sync:
+        os.fsync(dfd)
+
+
 class PosixStore(Store):
     """A directory tree as a store: key ``a/b`` is file ``ROOT/a/b``."""
 
@@ -167,6 +189,14 @@ class PosixStore(Store):
     def _error(self, e: OSError, key: str | None) -> FmstoreError:
         msg = f"{e.strerror or e}"
         code = e.errno
+        if code == errno.ELOOP or (code == errno.ENOTDIR and self._link_on_path(key)):
+            return PermissionDenied(
+                "a symbolic link in the key's path: links inside a tier are not followed",
+                tier=self.tier,
+                key=key,
+            )
+        if code == errno.ENXIO:  # a socket
+            return NotFound("not a regular file", tier=self.tier, key=key)
         if code in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
             return NotFound(
                 "no such object" if code != errno.EISDIR else "is a directory, not an object",
@@ -181,14 +211,88 @@ class PosixStore(Store):
             return AlreadyExists("object already exists", tier=self.tier, key=key)
         return StoreUnavailable(f"I/O error: {msg}", tier=self.tier, key=key)
 
-    # ---- paths ------------------------------------------------------------------------
+    def _link_on_path(self, rel: str | None) -> bool:
+        """Whether a component of ``rel`` is a symbolic link: only to name the reason of a
+        resolution that already failed (``ENOTDIR`` is also a file where a directory was
+        expected), never to decide one."""
+        p = self.root
+        for name in (rel or "").strip("/").split("/"):
+            p = os.path.join(p, name)
+            try:
+                mode = os.lstat(p).st_mode
+            except OSError:
+                return False
+            if _stat.S_ISLNK(mode):
+                return True
+            if not _stat.S_ISDIR(mode):
+                return False
+        return False
 
-    def _path(self, key: str) -> str:
-        return os.path.join(self.root, self._key(key))
+    # ---- paths ------------------------------------------------------------------------
+    #
+    # Every path is resolved from a descriptor of the root opened for the call, with no
+    # symbolic link followed (see :mod:`.beneath`): a link planted inside a shared tier
+    # never leads a write, read or delete outside it.  Nothing resolved is cached: each
+    # call opens what it needs, so a concurrent rename is never seen half-applied.
+
+    def _root_fd(self, *, create: bool = False) -> int:
+        try:
+            return os.open(self.root, beneath.DIR_FLAGS)
+        except FileNotFoundError:
+            if not create:
+                raise
+        self._makedirs(self.root)  # the operator's path, links and all: recreate it
+        return os.open(self.root, beneath.DIR_FLAGS)
+
+    def _parent(self, key: str, *, create: bool = False, sync: bool = True) -> tuple[int, str]:
+        """The directory holding ``key``, open (the caller closes it), and the key's last
+        component; with ``create``, missing directories are made (each new entry's parent
+        fsynced with ``sync``, striped on Lustre)."""
+        d, _, name = self._key(key).rpartition("/")
+        root = self._root_fd(create=create)
+        try:
+            if not create:
+                return beneath.open_dir(root, d), name
+            durable = sync and self.options.fsync
+            on_new = self._on_new_durable if durable else self._on_new_dir if self._lfs else None
+            return beneath.make_dirs(root, d, on_new), name
+        finally:
+            os.close(root)
+
+    def _on_new_dir(self, parent: int, name: str) -> None:
+        if self._lfs:
+            self._setstripe(f"/proc/{os.getpid()}/fd/{parent}/{name}")
+
+    def _on_new_durable(self, parent: int, name: str) -> None:
+        self._on_new_dir(parent, name)
+        os.fsync(parent)
+
+    def _open_read(self, key: str) -> tuple[int, os.stat_result]:
+        """A regular file's descriptor and ``fstat``; a FIFO, socket or device is no object
+        (``O_NONBLOCK``: opening a FIFO would otherwise wait for a writer)."""
+        root = self._root_fd()
+        try:
+            fd = beneath.open_beneath(root, self._key(key), os.O_RDONLY | os.O_NONBLOCK)
+        finally:
+            os.close(root)
+        try:
+            st = os.fstat(fd)
+            if not _stat.S_ISREG(st.st_mode):
+                raise NotFound(
+                    "is a directory, not an object"
+                    if _stat.S_ISDIR(st.st_mode)
+                    else "not a regular file",
+                    tier=self.tier,
+                    key=key,
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st
 
     def _makedirs(self, path: str, *, sync: bool = True) -> None:
-        """Create ``path`` and missing parents, fsync each new entry's parent (with ``sync``),
-        stripe on Lustre."""
+        """Create the root ``path`` and missing parents (fsync each new entry's parent
+        with ``sync``), stripe on Lustre."""
         missing = []
         p = path
         while not os.path.isdir(p):
@@ -213,27 +317,27 @@ class PosixStore(Store):
             cmd += ["-S", self.options.stripe_size]
         subprocess.run([*cmd, d], check=True, capture_output=True)
 
-    def _tmp_for(self, final: str) -> str:
-        d, name = os.path.split(final)
-        return os.path.join(d, f"{TMP_MARK}{os.urandom(16).hex()}.{name[:100]}")
-
-    def _open_tmp(self, final: str, *, sync: bool = True) -> tuple[str, int]:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    def _open_tmp(self, key: str, *, sync: bool = True) -> tuple[int, str, str, int]:
+        """A new temp file beside ``key``: (directory fd, key's name, temp name, temp fd)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
         for attempt in range(3):
-            self._makedirs(os.path.dirname(final), sync=sync)
-            tmp = self._tmp_for(final)
+            dfd, name = self._parent(key, create=True, sync=sync)
+            tmp = f"{TMP_MARK}{os.urandom(16).hex()}.{name[:100]}"
             try:
-                return tmp, os.open(tmp, flags, 0o644)
+                return dfd, name, tmp, os.open(tmp, flags, 0o644, dir_fd=dfd)
             except FileNotFoundError:
+                os.close(dfd)
                 # A concurrent delete pruned the (empty) directory between mkdir and open.
                 if attempt == 2:
                     raise
+            except BaseException:
+                os.close(dfd)
+                raise
         raise AssertionError("unreachable")
 
     # ---- primitives -------------------------------------------------------------------
 
     async def put(self, key: str, data: Buffer, options: PutOptions = PutOptions()) -> ObjectMeta:
-        path = self._path(key)
         view = memoryview(data).cast("B")
         if (
             self._inline_puts
@@ -241,56 +345,57 @@ class PosixStore(Store):
             and options.mode != "if_match"  # takes a directory lock: may wait on others
             and not (self.options.fsync and options.durable)
         ):
-            return self._put_sync(key, path, view, options)
-        return await runtime.to_io(self._put_sync, key, path, view, options)
+            return self._put_sync(key, view, options)
+        return await runtime.to_io(self._put_sync, key, view, options)
 
-    def _put_sync(self, key: str, path: str, data: memoryview, options: PutOptions) -> ObjectMeta:
+    def _put_sync(self, key: str, data: memoryview, options: PutOptions) -> ObjectMeta:
         with self._translate(key):
-            tmp, fd = self._open_tmp(path, sync=options.durable)
+            dfd, name, tmp, fd = self._open_tmp(key, sync=options.durable)
             try:
                 try:
-                    self._write_all(fd, tmp, data)
+                    self._write_all(fd, dfd, tmp, data)
                     self._finish_fd(fd, options)
                     st = os.fstat(fd)
                 finally:
                     os.close(fd)
-                return self._publish(key, tmp, path, options, st)
+                return self._publish(key, dfd, tmp, name, options, st)
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
+                    os.unlink(tmp, dir_fd=dfd)
                 raise
+            finally:
+                os.close(dfd)
 
-    def _write_all(self, fd: int, tmp: str, data: memoryview) -> None:
+    def _write_all(self, fd: int, dfd: int, tmp: str, data: memoryview) -> None:
         n = len(data)
         if self.options.direct_io and n >= 2 * BLOCK and hasattr(os, "O_DIRECT"):
-            self._write_direct(tmp, data)
+            self._write_direct(fd, dfd, tmp, data)
             return
         off = 0
         while off < n:
             off += os.write(fd, data[off : off + BLOCK])
 
-    def _write_direct(self, tmp: str, data: memoryview) -> None:
+    def _write_direct(self, fd: int, dfd: int, tmp: str, data: memoryview) -> None:
         """Aligned O_DIRECT writes of the bulk; the unaligned tail goes through the cache."""
         n = len(data)
         bulk = n - n % _ALIGN
         buf = mmap.mmap(-1, BLOCK)  # page-aligned staging buffer
         try:
-            dfd = os.open(tmp, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+            flags = os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW
+            direct = os.open(tmp, flags, dir_fd=dfd)
             try:
                 off = 0
                 while off < bulk:
                     m = min(BLOCK, bulk - off)
                     buf[:m] = data[off : off + m]
-                    written = os.pwrite(dfd, memoryview(buf)[:m], off)
+                    written = os.pwrite(direct, memoryview(buf)[:m], off)
                     off += written
             finally:
-                os.close(dfd)
+                os.close(direct)
         finally:
             buf.close()
         if bulk < n:
-            with open(tmp, "r+b") as f:
-                f.seek(bulk)
-                f.write(data[bulk:])
+            pwrite_all(fd, data[bulk:], bulk)
 
     def _finish_fd(self, fd: int, options: PutOptions) -> None:
         if options.metadata:
@@ -299,44 +404,51 @@ class PosixStore(Store):
             posixmeta.apply_times(fd, options.metadata)
             meta = {**options.metadata, _STAMP: _stamp(os.fstat(fd))}
             os.setxattr(fd, _XATTR, _META_JSON.encode(meta).encode())
-            posixmeta.apply(fd, options.metadata, times=False)
+            posixmeta.apply(fd, options.metadata, times=False, owner=options.preserve_owner)
         if self.options.fsync and options.durable:
             os.fdatasync(fd)
 
     def _publish(
         self,
         key: str,
+        dfd: int,
         tmp: str,
-        path: str,
+        name: str,
         options: PutOptions,
         st: os.stat_result | None = None,
     ) -> ObjectMeta:
-        """Rename ``tmp`` to ``path`` as ``options.mode`` says; the object's meta.  ``st``:
-        the temp file's ``fstat`` after its last change, when the caller wrote all of it
-        with ``options.metadata`` (a rename keeps inode, size and mtime): no second stat,
-        no reading back of the metadata just written."""
+        """Rename ``tmp`` to ``name`` (both in directory ``dfd``) as ``options.mode`` says;
+        the object's meta.  ``st``: the temp file's ``fstat`` after its last change, when
+        the caller wrote all of it with ``options.metadata`` (a rename keeps inode, size
+        and mtime): no second stat, no reading back of the metadata just written."""
         sync = self.options.fsync and options.durable
         if options.mode == "create":
             try:
-                commit_file(tmp, path, create_only=True, sync=sync)
+                commit_at(dfd, tmp, name, create_only=True, sync=sync)
             except FileExistsError:
                 raise AlreadyExists("object already exists", tier=self.tier, key=key) from None
         elif options.mode == "if_match":
-            with self._dir_lock(os.path.dirname(path)):
+            with self._dir_lock(dfd):
                 try:
-                    current = _etag(os.stat(path))
+                    current = _etag(os.stat(name, dir_fd=dfd, follow_symlinks=False))
                 except FileNotFoundError:
                     current = None
                 if current != options.if_match:
-                    os.unlink(tmp)
+                    os.unlink(tmp, dir_fd=dfd)
                     raise PreconditionFailed(
                         f"etag is {current}, expected {options.if_match}", tier=self.tier, key=key
                     )
-                commit_file(tmp, path, sync=sync)
+                commit_at(dfd, tmp, name, sync=sync)
         else:
-            commit_file(tmp, path, sync=sync)
+            commit_at(dfd, tmp, name, sync=sync)
         if st is None:
-            return self._meta(key, path)
+            fd = os.open(
+                name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dfd
+            )
+            try:
+                return _file_meta(key, os.fstat(fd), fd)
+            finally:
+                os.close(fd)
         return ObjectMeta(
             key=key,
             size=st.st_size,
@@ -347,34 +459,28 @@ class PosixStore(Store):
         )
 
     @contextlib.contextmanager
-    def _dir_lock(self, d: str) -> Iterator[None]:
-        fd = os.open(os.path.join(d, _LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    def _dir_lock(self, dfd: int) -> Iterator[None]:
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(_LOCK_NAME, flags, 0o644, dir_fd=dfd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)
 
-    def _meta(self, key: str, path: str, st: os.stat_result | None = None) -> ObjectMeta:
-        st = st or os.stat(path)
-        return _file_meta(key, st, path)
-
     async def open_writer(self, key: str, options: PutOptions = PutOptions()) -> Writer:
-        path = self._path(key)
         with self._translate(key):
-            tmp, fd = await runtime.to_io(self._open_tmp, path, sync=options.durable)
-        return _PosixWriter(self, key, path, tmp, fd, options)
+            dfd, name, tmp, fd = await runtime.to_io(self._open_tmp, key, sync=options.durable)
+        return _PosixWriter(self, key, dfd, name, tmp, fd, options)
 
     async def get_range(self, key: str, start: int, end: int | None = None) -> bytes:
-        path = self._path(key)
-        return await runtime.to_io(self._read_sync, key, path, start, end)
+        return await runtime.to_io(self._read_sync, key, start, end)
 
-    def _read_sync(self, key: str, path: str, start: int, end: int | None) -> bytes:
+    def _read_sync(self, key: str, start: int, end: int | None) -> bytes:
         with self._translate(key):
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd, st = self._open_read(key)
             try:
-                size = os.fstat(fd).st_size
-                stop = self._check_range(key, size, start, end)
+                stop = self._check_range(key, st.st_size, start, end)
                 # One pread returns bytes without an extra copy; loop only on short reads.
                 parts = []
                 off = start
@@ -390,17 +496,15 @@ class PosixStore(Store):
 
     async def get_with_meta(self, key: str) -> tuple[ObjectMeta, bytes]:
         """One open: fstat, read and the metadata xattr all come from the same file."""
-        path = self._path(key)
         if self._inline_reads:
-            got = self._cached_small(key, path)
+            got = self._cached_small(key)
             if got is not None:
                 return got
 
         def do() -> tuple[ObjectMeta, bytes]:
             with self._translate(key):
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd, st = self._open_read(key)
                 try:
-                    st = os.fstat(fd)
                     parts = []
                     off = 0
                     while off < st.st_size:
@@ -417,14 +521,13 @@ class PosixStore(Store):
 
         return await runtime.to_io(do)
 
-    def _cached_small(self, key: str, path: str) -> tuple[ObjectMeta, bytes] | None:
+    def _cached_small(self, key: str) -> tuple[ObjectMeta, bytes] | None:
         """A small file and its metadata, read on the calling thread when its bytes are in
         the page cache (an I/O-pool trip costs more than the whole read); None otherwise."""
         with self._translate(key):
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd, st = self._open_read(key)
             try:
-                st = os.fstat(fd)
-                if st.st_size > INLINE_PUT_BYTES or not _stat.S_ISREG(st.st_mode):
+                if st.st_size > INLINE_PUT_BYTES:
                     return None
                 buf = bytearray(st.st_size)
                 try:
@@ -443,15 +546,13 @@ class PosixStore(Store):
                 os.close(fd)
 
     async def get_into(self, key: str, start: int, out: memoryview) -> None:
-        path = self._path(key)
-        await runtime.to_io(self._read_into_sync, key, path, start, out)
+        await runtime.to_io(self._read_into_sync, key, start, out)
 
-    def _read_into_sync(self, key: str, path: str, start: int, out: memoryview) -> None:
+    def _read_into_sync(self, key: str, start: int, out: memoryview) -> None:
         with self._translate(key):
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd, st = self._open_read(key)
             try:
-                size = os.fstat(fd).st_size
-                self._check_range(key, size, start, start + len(out))
+                self._check_range(key, st.st_size, start, start + len(out))
                 self._pread_into(fd, out.cast("B"), start)
             finally:
                 os.close(fd)
@@ -466,14 +567,13 @@ class PosixStore(Store):
             got += r
 
     async def stat(self, key: str) -> ObjectMeta:
-        path = self._path(key)
-
         def do() -> ObjectMeta:
             with self._translate(key):
-                st = os.stat(path)
-                if not os.path.isfile(path):
-                    raise NotFound("is a directory, not an object", tier=self.tier, key=key)
-                return self._meta(key, path, st)
+                fd, st = self._open_read(key)
+                try:
+                    return _file_meta(key, st, fd)
+                finally:
+                    os.close(fd)
 
         return await runtime.to_io(do)
 
@@ -493,98 +593,165 @@ class PosixStore(Store):
                     yield meta
 
     def _list_sync(self, prefix: str, recursive: bool) -> builtins.list[ObjectMeta]:
-        top = os.path.join(self.root, prefix) if prefix else self.root
+        """Regular files and directories only: a symbolic link is neither listed nor
+        descended into (each directory is opened beneath the root with no link followed,
+        so one swapped for a link after it was seen is skipped too)."""
         out: builtins.list[ObjectMeta] = []
-        stack = [(top, prefix)]
-        with self._translate(prefix):
-            while stack:
-                d, rel = stack.pop()
-                try:
-                    it = os.scandir(d)
-                except (FileNotFoundError, NotADirectoryError):
-                    continue
-                except PermissionError:
-                    raise PermissionDenied(
-                        f"permission denied listing {d}", tier=self.tier, key=rel or None
-                    ) from None
-                with it:
-                    for e in it:
-                        if e.name.startswith(TMP_MARK) or e.name == _LOCK_NAME:
-                            continue
-                        if not e.name.isascii():
-                            _check_utf8(e, self.tier)
-                        key = rel + e.name
-                        if e.is_dir(follow_symlinks=False):
-                            if recursive:
-                                stack.append((e.path, key + "/"))
-                            else:
-                                out.append(ObjectMeta(key=key + "/", size=0, is_dir=True))
-                        elif e.is_file():
-                            st = e.stat()
-                            out.append(
-                                ObjectMeta(
-                                    key=key,
-                                    size=st.st_size,
-                                    mtime=st.st_mtime,
-                                    etag=_etag(st),
-                                    stat=st,
-                                )
-                            )
+        stack = [prefix]
+        with self._translate(prefix or None):
+            try:
+                root = self._root_fd()
+            except FileNotFoundError:
+                return out
+            try:
+                while stack:
+                    rel = stack.pop()
+                    try:
+                        fd = beneath.open_dir(root, rel.rstrip("/"))
+                    except NotADirectoryError:
+                        if rel == prefix and self._link_on_path(rel):
+                            raise
+                        continue
+                    except FileNotFoundError:
+                        continue
+                    except PermissionError:
+                        raise PermissionDenied(
+                            f"permission denied listing {rel or '/'}",
+                            tier=self.tier,
+                            key=rel or None,
+                        ) from None
+                    except OSError as e:
+                        if beneath.is_link_error(e) and rel != prefix:
+                            continue  # replaced by a link since its parent was listed
+                        raise
+                    try:
+                        self._scan(fd, rel, recursive, stack, out)
+                    finally:
+                        os.close(fd)
+            finally:
+                os.close(root)
         out.sort(key=lambda m: m.key.encode("utf-8"))
         return out
 
-    async def delete(self, key: str) -> None:
-        path = self._path(key)
-        await runtime.to_io(self._delete_sync, key, path)
+    def _scan(
+        self,
+        fd: int,
+        rel: str,
+        recursive: bool,
+        stack: builtins.list[str],
+        out: builtins.list[ObjectMeta],
+    ) -> None:
+        with os.scandir(fd) as it:
+            for e in it:
+                if e.name.startswith(TMP_MARK) or e.name == _LOCK_NAME:
+                    continue
+                if not e.name.isascii():
+                    _check_utf8(rel, e.name, self.tier)
+                key = rel + e.name
+                if e.is_dir(follow_symlinks=False):
+                    if recursive:
+                        stack.append(key + "/")
+                    else:
+                        out.append(ObjectMeta(key=key + "/", size=0, is_dir=True))
+                elif e.is_file(follow_symlinks=False):
+                    st = e.stat(follow_symlinks=False)
+                    out.append(
+                        ObjectMeta(
+                            key=key,
+                            size=st.st_size,
+                            mtime=st.st_mtime,
+                            etag=_etag(st),
+                            stat=st,
+                        )
+                    )
 
-    def _delete_sync(self, key: str, path: str) -> None:
+    async def delete(self, key: str) -> None:
+        await runtime.to_io(self._delete_sync, key)
+
+    def _delete_sync(self, key: str) -> None:
+        """Unlink ``key``'s entry: a symbolic link named by the key is removed itself (its
+        target untouched); one on the way to it refuses the delete."""
         with self._translate(key):
             try:
-                os.unlink(path)
+                dfd, name = self._parent(key)
+            except FileNotFoundError:
+                return
+            except NotADirectoryError:
+                if self._link_on_path(key):
+                    raise
+                return
+            try:
+                os.unlink(name, dir_fd=dfd)
             except FileNotFoundError:
                 return
             except IsADirectoryError:
                 raise NotFound("is a directory, not an object", tier=self.tier, key=key) from None
-            self._prune(os.path.dirname(path))
+            finally:
+                os.close(dfd)
+            self._prune(self._key(key).rpartition("/")[0])
 
-    def _prune(self, d: str) -> None:
-        """Remove directories left empty by deletes, up to (not including) the root."""
-        while d != self.root and d.startswith(self.root + os.sep):
-            with contextlib.suppress(FileNotFoundError):
-                lock = os.path.join(d, _LOCK_NAME)
-                if os.path.exists(lock) and os.listdir(d) == [_LOCK_NAME]:
-                    os.unlink(lock)
-            try:
-                os.rmdir(d)
-            except OSError:
-                return
-            d = os.path.dirname(d)
+    def _prune(self, rel: str) -> None:
+        """Remove directories left empty by deletes, from ``rel`` up to (not including)
+        the root; each through its parent's descriptor, no link followed."""
+        try:
+            root = self._root_fd()
+        except FileNotFoundError:
+            return
+        try:
+            while rel:
+                parent, _, name = rel.rpartition("/")
+                try:
+                    pfd = beneath.open_dir(root, parent)
+                except OSError:
+                    return
+                try:
+                    with contextlib.suppress(OSError):
+                        cfd = os.open(name, beneath.DIR_FLAGS | os.O_NOFOLLOW, dir_fd=pfd)
+                        try:
+                            if os.listdir(cfd) == [_LOCK_NAME]:
+                                os.unlink(_LOCK_NAME, dir_fd=cfd)
+                        finally:
+                            os.close(cfd)
+                    try:
+                        os.rmdir(name, dir_fd=pfd)
+                    except OSError:
+                        return
+                finally:
+                    os.close(pfd)
+                rel = parent
+        finally:
+            os.close(root)
 
     async def copy(self, src: str, dst: str, options: PutOptions = PutOptions()) -> ObjectMeta:
-        spath, dpath = self._path(src), self._path(dst)
+        self._key(src), self._key(dst)  # both valid before anything is opened
 
         def do() -> ObjectMeta:
             with self._translate(src):
-                if not os.path.isfile(spath):
-                    raise NotFound("no such object", tier=self.tier, key=src)
-            with self._translate(dst):
-                tmp, fd = self._open_tmp(dpath)
-                try:
-                    with open(spath, "rb") as fsrc:
-                        _copy_fd(fsrc.fileno(), fd)
-                    meta = options.metadata
-                    if meta is None:
-                        meta = _read_meta(spath, os.stat(spath))
-                    self._finish_fd(fd, PutOptions(metadata=meta))
-                    os.close(fd)
-                    fd = -1
-                    return self._publish(dst, tmp, dpath, options)
-                except BaseException:
-                    if fd >= 0:
+                sfd, sst = self._open_read(src)
+            try:
+                with self._translate(dst):
+                    dfd, name, tmp, fd = self._open_tmp(dst)
+                    try:
+                        _copy_fd(sfd, fd)
+                        meta = options.metadata
+                        if meta is None:
+                            meta = _read_meta(sfd, sst)
+                        self._finish_fd(
+                            fd, PutOptions(metadata=meta, preserve_owner=options.preserve_owner)
+                        )
                         os.close(fd)
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(tmp)
-                    raise
+                        fd = -1
+                        return self._publish(dst, dfd, tmp, name, options)
+                    except BaseException:
+                        if fd >= 0:
+                            os.close(fd)
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(tmp, dir_fd=dfd)
+                        raise
+                    finally:
+                        os.close(dfd)
+            finally:
+                os.close(sfd)
 
         return await runtime.to_io(do)
 
@@ -600,32 +767,49 @@ class PosixStore(Store):
         """Parts are ``pwrite``-n into one preallocated temp file beside the key; the token
         is the temp file's name, so a later process reopens it and writes only what is
         missing.  Commit is the usual fsync + rename: no byte is copied twice."""
-        path = self._path(key)
 
-        def do() -> tuple[str, int, bool]:
+        def resume() -> tuple[int, str, str, int] | None:
+            if not (token and token.startswith(TMP_MARK) and "/" not in token):
+                return None
+            try:
+                dfd, name = self._parent(key)
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+            try:
+                fd = os.open(token, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dfd)
+            except FileNotFoundError:
+                os.close(dfd)
+                return None
+            except BaseException:
+                os.close(dfd)
+                raise
+            st = os.fstat(fd)
+            if st.st_size == size and _stat.S_ISREG(st.st_mode):
+                return dfd, name, token, fd
+            os.close(fd)
+            try:
+                os.unlink(token, dir_fd=dfd)  # a write of another size: not to be resumed
+            finally:
+                os.close(dfd)
+            return None
+
+        def do() -> tuple[int, str, str, int, bool]:
             with self._translate(key):
-                if token and token.startswith(TMP_MARK) and "/" not in token:
-                    tmp = os.path.join(os.path.dirname(path), token)
-                    try:
-                        fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
-                    except FileNotFoundError:
-                        pass
-                    else:
-                        if os.fstat(fd).st_size == size:
-                            return tmp, fd, True
-                        os.close(fd)
-                        os.unlink(tmp)  # a write of another size: not to be resumed
-                tmp, fd = self._open_tmp(path, sync=options.durable)
+                got = resume()
+                if got is not None:
+                    return (*got, True)
+                dfd, name, tmp, fd = self._open_tmp(key, sync=options.durable)
                 try:
                     os.ftruncate(fd, size)
                 except BaseException:
                     os.close(fd)
-                    os.unlink(tmp)
+                    os.unlink(tmp, dir_fd=dfd)
+                    os.close(dfd)
                     raise
-                return tmp, fd, False
+                return dfd, name, tmp, fd, False
 
-        tmp, fd, resumed = await runtime.to_io(do)
-        return _PosixPartWriter(self, key, path, tmp, fd, size, part_size, resumed, options)
+        dfd, name, tmp, fd, resumed = await runtime.to_io(do)
+        return _PosixPartWriter(self, key, dfd, name, tmp, fd, size, part_size, resumed, options)
 
     async def sync(self) -> None:
         """``syncfs`` of the file system under the root: one flush for every earlier
@@ -640,22 +824,42 @@ class PosixStore(Store):
         return self.root
 
     async def cleanup_temp(self, older_than: float = 3600.0, under: str = "") -> int:
-        """Remove temp files of crashed writers older than ``older_than`` seconds."""
+        """Remove temp files of crashed writers older than ``older_than`` seconds (walked
+        from descriptors, no link followed)."""
         import time
 
-        top = os.path.join(self.root, self._prefix(under))
+        rel = self._prefix(under).rstrip("/")
 
         def do() -> int:
             n = 0
             cutoff = time.time() - older_than
-            for dirpath, _dirs, files in os.walk(top):
-                for f in files:
-                    if f.startswith(TMP_MARK):
-                        p = os.path.join(dirpath, f)
-                        with contextlib.suppress(FileNotFoundError):
-                            if os.stat(p).st_mtime < cutoff:
-                                os.unlink(p)
-                                n += 1
+            with self._translate(under or None):
+                try:
+                    root = self._root_fd()
+                except FileNotFoundError:
+                    return 0
+                try:
+                    top = beneath.open_dir(root, rel)
+                except FileNotFoundError:
+                    return 0
+                except NotADirectoryError:
+                    if self._link_on_path(rel):
+                        raise
+                    return 0
+                finally:
+                    os.close(root)
+                try:
+                    for _d, _dirs, files, dirfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+                        for f in files:
+                            if not f.startswith(TMP_MARK):
+                                continue
+                            with contextlib.suppress(FileNotFoundError):
+                                st = os.stat(f, dir_fd=dirfd, follow_symlinks=False)
+                                if _stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
+                                    os.unlink(f, dir_fd=dirfd)
+                                    n += 1
+                finally:
+                    os.close(top)
             return n
 
         return await runtime.to_io(do)
@@ -783,13 +987,13 @@ def _file_meta(key: str, st: os.stat_result, file: str | int) -> ObjectMeta:
     )
 
 
-def _check_utf8(entry: os.DirEntry[str], tier: str) -> None:
+def _check_utf8(rel: str, name: str, tier: str) -> None:
     """Keys are UTF-8 (S3's are): a name that is not cannot be staged or listed."""
     try:
-        entry.name.encode("utf-8")
+        name.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidKey(
-            f"{os.fsencode(entry.path)!r}: the file name is not valid UTF-8; rename it",
+            f"{os.fsencode(rel + name)!r}: the file name is not valid UTF-8; rename it",
             tier=tier,
         ) from None
 
@@ -823,17 +1027,21 @@ def _read_meta(path: str | int, st: os.stat_result) -> dict[str, str]:
 
 
 class _PosixWriter(Writer):
+    """Writes into a temp file in the directory ``dfd`` (held open until commit or abort,
+    so the commit renames in the directory resolved at open, whatever changed since)."""
+
     def __init__(
-        self, store: PosixStore, key: str, path: str, tmp: str, fd: int, options: PutOptions
+        self,
+        store: PosixStore,
+        key: str,
+        dfd: int,
+        name: str,
+        tmp: str,
+        fd: int,
+        options: PutOptions,
     ) -> None:
-        self.store, self.key, self.path, self.tmp, self.fd, self.options = (
-            store,
-            key,
-            path,
-            tmp,
-            fd,
-            options,
-        )
+        self.store, self.key, self.dfd, self.name = store, key, dfd, name
+        self.tmp, self.fd, self.options = tmp, fd, options
         self._done = False
 
     async def write(self, data: Buffer) -> None:
@@ -853,34 +1061,44 @@ class _PosixWriter(Writer):
         if self._done:
             raise ValueError("writer is closed")
         self._done = True
-
-        def do() -> ObjectMeta:
-            try:
-                with self.store._translate(self.key):
-                    try:
-                        self.store._finish_fd(self.fd, self.options)
-                    finally:
-                        os.close(self.fd)
-                    return self.store._publish(self.key, self.tmp, self.path, self.options)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.tmp)
-                raise
-
-        return await runtime.to_io(do)
+        return await runtime.to_io(
+            _commit_tmp, self.store, self.key, self.dfd, self.name, self.tmp, self.fd, self.options
+        )
 
     async def abort(self) -> None:
         if self._done:
             return
         self._done = True
+        await runtime.to_io(_abort_tmp, self.dfd, self.tmp, self.fd)
 
-        def do() -> None:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.tmp)
 
-        await runtime.to_io(do)
+def _commit_tmp(
+    store: PosixStore, key: str, dfd: int, name: str, tmp: str, fd: int, options: PutOptions
+) -> ObjectMeta:
+    """Finish, close and publish a writer's temp file; the directory is closed after."""
+    try:
+        with store._translate(key):
+            try:
+                store._finish_fd(fd, options)
+            finally:
+                os.close(fd)
+            return store._publish(key, dfd, tmp, name, options)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dfd)
+        raise
+    finally:
+        os.close(dfd)
+
+
+def _abort_tmp(dfd: int, tmp: str, fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dfd)
+    finally:
+        os.close(dfd)
 
 
 class _PosixPartStream(PartStream):
@@ -936,7 +1154,8 @@ class _PosixPartWriter(PartWriter):
         self,
         store: PosixStore,
         key: str,
-        path: str,
+        dfd: int,
+        name: str,
         tmp: str,
         fd: int,
         size: int,
@@ -944,9 +1163,10 @@ class _PosixPartWriter(PartWriter):
         resumed: bool,
         options: PutOptions,
     ) -> None:
-        self.store, self.key, self.path, self.tmp, self.fd = store, key, path, tmp, fd
+        self.store, self.key, self.dfd, self.name = store, key, dfd, name
+        self.tmp, self.fd = tmp, fd
         self.size, self.part_size, self.options = size, part_size, options
-        self.token = os.path.basename(tmp)
+        self.token = tmp
         self.resumed = resumed
         self._done = False
 
@@ -984,7 +1204,7 @@ class _PosixPartWriter(PartWriter):
 
         def do() -> bytes:
             with self.store._translate(self.key):
-                fd = os.open(self.tmp, os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(self.tmp, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=self.dfd)
                 try:
                     return os.pread(fd, end - start, start)
                 finally:
@@ -1003,31 +1223,12 @@ class _PosixPartWriter(PartWriter):
         self._done = True
         merged = {**(self.options.metadata or {}), **(metadata or {})}
         options = replace(self.options, metadata=merged or None)
-
-        def do() -> ObjectMeta:
-            try:
-                with self.store._translate(self.key):
-                    try:
-                        self.store._finish_fd(self.fd, options)
-                    finally:
-                        os.close(self.fd)
-                    return self.store._publish(self.key, self.tmp, self.path, options)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.tmp)
-                raise
-
-        return await runtime.to_io(do)
+        return await runtime.to_io(
+            _commit_tmp, self.store, self.key, self.dfd, self.name, self.tmp, self.fd, options
+        )
 
     async def abort(self) -> None:
         if self._done:
             return
         self._done = True
-
-        def do() -> None:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.tmp)
-
-        await runtime.to_io(do)
+        await runtime.to_io(_abort_tmp, self.dfd, self.tmp, self.fd)

@@ -50,7 +50,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
 import crc32c as _crc32c
@@ -62,12 +62,14 @@ from ..errors import (
     ConfigError,
     CorruptData,
     FmstoreError,
+    InvalidKey,
     InvalidRange,
     NotFound,
     PreconditionFailed,
     StoreUnavailable,
 )
 from .base import Buffer, ObjectMeta, PartWriter, PutOptions, Store, Writer, nbytes, part_count
+from .http1 import check_header
 from .parts import TMP_MARK
 from .s3_retry import (
     AdaptiveLimiter,
@@ -98,6 +100,9 @@ STREAM_RING = 256 << 10
 #: User-metadata keys fmstore itself writes (``x-amz-meta-`` is added by S3).
 META_CRC = "fmstore-crc32c"
 META_PART_SIZE = "fmstore-part-size"
+#: A random token sent with a create-only put whose ETag is not an MD5 (SSE-KMS), so that a
+#: retry can recognise its own earlier attempt.
+META_PUT_TOKEN = "fmstore-put-token"
 #: A forked child's inherited clients, kept alive and untouched (see ``S3Store._reset``).
 _FORK_LEFTOVERS: list[Any] = []
 
@@ -140,8 +145,9 @@ class S3Options:
     region: str | None = None
     profile: str | None = None
     access_key: str | None = None
-    secret_key: str | None = None
-    session_token: str | None = None
+    # Kept out of repr: options are logged and printed in tracebacks.
+    secret_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
     addressing_style: Literal["auto", "path", "virtual"] | None = None
     max_concurrency: int = 16
     part_size: int = 8 * MiB
@@ -220,6 +226,21 @@ def _b64(n: int) -> str:
 
 def _quote(etag: str) -> str:
     return etag if etag.startswith('"') else f'"{etag}"'
+
+
+def etag_is_md5(sse: str | None) -> bool:
+    """Whether a single-part object's ETag is the MD5 of its bytes: not under SSE-KMS
+    (``aws:kms``, ``aws:kms:dsse``), where it is opaque."""
+    return not (sse or "").startswith("aws:kms")
+
+
+def landed_ours(head: Mapping[str, Any], *, md5: str | None, token: str | None) -> bool:
+    """Whether the object ``head`` describes is the one our retried create-only put wrote:
+    by the put's token when it sent one (SSE-KMS), else by the ETag, the bytes' MD5."""
+    if token is not None:
+        meta = {str(k).lower(): v for k, v in (head.get("Metadata") or {}).items()}
+        return meta.get(META_PUT_TOKEN) == token
+    return md5 is not None and _unquote(head.get("ETag")) == md5
 
 
 def _unquote(etag: str | None) -> str | None:
@@ -610,6 +631,16 @@ class S3Store(Store):
             op, key, lambda: fn(Bucket=self.bucket, **kwargs), create=create
         )
 
+    def _check_metadata(self, key: str, metadata: Mapping[str, str]) -> None:
+        """Metadata goes out as ``x-amz-meta-*`` headers: a name or value that would break
+        the request's framing (CR, LF: header injection) is refused before anything is
+        sent, on the lean path and botocore's alike."""
+        for k, v in metadata.items():
+            try:
+                check_header(f"x-amz-meta-{k}", str(v))
+            except InvalidKey as e:
+                raise InvalidKey(f"metadata: {e.message}", tier=self.tier, key=key) from None
+
     def _sse(self) -> dict[str, Any]:
         o = self.options
         out: dict[str, Any] = {}
@@ -706,9 +737,14 @@ class S3Store(Store):
         conds = self._conditions(key, options)
         sums, crc = await self._checksum_args(body, options.content_crc32c)
         metadata = dict(options.metadata or {})
+        self._check_metadata(key, metadata)
         if crc is not None:
             metadata[META_CRC] = f"{crc:08x}"
         retried = False
+        token = None
+        if options.mode == "create" and not etag_is_md5(self.options.sse):
+            # The ETag cannot tell our landed attempt from another writer's: a token can.
+            token = metadata[META_PUT_TOKEN] = os.urandom(12).hex()
 
         def note(_: BaseException) -> None:
             nonlocal retried
@@ -736,8 +772,10 @@ class S3Store(Store):
                 import hashlib
 
                 head = await self._head(key, full)
-                md5 = await runtime.to_cpu(lambda: hashlib.md5(body).hexdigest())
-                if _unquote(head.get("ETag")) == md5:
+                md5 = None
+                if token is None:
+                    md5 = await runtime.to_cpu(lambda: hashlib.md5(body).hexdigest())
+                if landed_ours(head, md5=md5, token=token):
                     return self._meta(key, head, memoryview(body).nbytes)
             raise
         return ObjectMeta(
@@ -751,6 +789,7 @@ class S3Store(Store):
     async def _create_upload(
         self, key: str, full: str, metadata: Mapping[str, str], *, checksums: bool = True
     ) -> str:
+        self._check_metadata(key, metadata)
         extra: dict[str, Any] = dict(self._sse())
         if checksums and self.options.checksum == "crc32c":
             extra["ChecksumAlgorithm"] = "CRC32C"
@@ -1354,6 +1393,7 @@ class S3Store(Store):
         options: PutOptions,
     ) -> ObjectMeta:
         """Copy the object ``fsrc`` (as ``head`` describes it) to ``dst`` with ``metadata``."""
+        self._check_metadata(dst, metadata)
         size = int(head.get("ContentLength", 0))
         source = {"Bucket": self.bucket, "Key": fsrc}
         if size <= self.options.copy_threshold:

@@ -28,7 +28,8 @@ import time
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any
-from urllib.parse import quote, unquote_plus, urlsplit
+from urllib.parse import quote, urlsplit
+from urllib.parse import unquote_plus as _unquote_plus
 from xml.etree import ElementTree
 
 import botocore.exceptions as bx
@@ -392,10 +393,18 @@ def _raise_for(resp: Response, op: str) -> None:
 
 
 def _parse_listing(text: bytes) -> dict[str, Any]:
-    """A ListObjectsV2 answer (``encoding-type=url``) in botocore's shape."""
+    """A ListObjectsV2 answer in botocore's shape.  Keys are URL-decoded only when the
+    answer says it encoded them (``EncodingType`` ``url``): a server that ignores the
+    request's ``encoding-type`` sends them raw, and decoding ``a+b`` there would name
+    another key (which ``rm -r`` would then delete)."""
     root = ElementTree.fromstring(text)
     for el in root.iter():  # drop the S3 namespace from every tag
         el.tag = el.tag.rpartition("}")[2]
+    encoded = (root.findtext("EncodingType") or "").strip().lower() == "url"
+
+    def unquote_plus(k: str) -> str:
+        return _unquote_plus(k) if encoded else k
+
     contents = []
     for c in root.iterfind("Contents"):
         lm = c.findtext("LastModified")

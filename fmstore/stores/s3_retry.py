@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import ssl
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -92,8 +93,24 @@ def error_code(e: BaseException) -> tuple[str, int]:
     return "", 0
 
 
+def _cert_failure(e: BaseException) -> bool:
+    """Whether a TLS certificate failed verification somewhere in ``e``'s chain (botocore
+    and aiohttp wrap it in connection errors): a configuration or an attack, which another
+    attempt cannot fix."""
+    seen = 0
+    cur: BaseException | None = e
+    while cur is not None and seen < 16:
+        if isinstance(cur, ssl.SSLCertVerificationError):
+            return True
+        cur = cur.__cause__ or cur.__context__
+        seen += 1
+    return False
+
+
 def retry_reason(e: BaseException) -> str | None:
     """Why ``e`` is worth another attempt (a metrics label), or None when it is not."""
+    if _cert_failure(e):
+        return None
     if isinstance(e, bx.ClientError):
         code, status = error_code(e)
         if code in _THROTTLE_CODES or status in (429, 503):
@@ -136,6 +153,8 @@ def translate(
 ) -> FmstoreError:
     """The :mod:`fmstore.errors` class for an SDK or transport error."""
     if isinstance(e, FmstoreError):
+        if e.tier is None:  # raised below the store (the HTTP client): name where
+            e.tier, e.key = tier, key
         return e
     if isinstance(e, bx.ClientError):
         code, status = error_code(e)
@@ -300,7 +319,8 @@ class Retrier:
             delay = random.uniform(0, min(p.max_delay, p.base_delay * (2**attempt)))
             elapsed = time.monotonic() - t0
             if attempt >= p.max_attempts or elapsed + delay > p.deadline:
-                if isinstance(err, FmstoreError):  # e.g. CorruptData: keep its meaning
+                # e.g. CorruptData: keep its meaning (a connection failure is summed up)
+                if isinstance(err, FmstoreError) and not isinstance(err, StoreUnavailable):
                     raise err
                 raise StoreUnavailable(
                     f"S3 {op} still failing after {attempt} attempts in {elapsed:.1f} s "

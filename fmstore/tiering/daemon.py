@@ -96,6 +96,40 @@ def settings_from_config(config: Config) -> DaemonSettings:
     )
 
 
+#: A metrics connection silent this long (between requests, or in the middle of one) is
+#: closed: a scrape sends its request at once, an idle or slow connection only holds a
+#: thread.
+HTTP_IDLE_S = 10.0
+#: Connections served at once; more wait in the listen queue until one ends (at the
+#: latest after ``HTTP_IDLE_S`` of silence), so idle connections cannot pile up threads.
+HTTP_MAX_CONNECTIONS = 16
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``limit`` of them (the daemon may listen on
+    0.0.0.0, where anyone can connect)."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: Any, limit: int) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(limit)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self._slots.acquire()  # the accept loop waits here while every slot is busy
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class _JsonHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -154,6 +188,8 @@ class Daemon:
         daemon = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = HTTP_IDLE_S  # set on the connection's socket: a silent client is dropped
+
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 if self.path.split("?")[0] == "/metrics":
                     body = generate_latest()
@@ -174,8 +210,9 @@ class Daemon:
             def log_message(self, format: str, *args: Any) -> None:
                 pass  # scrapes every few seconds would flood the log
 
-        self.server = ThreadingHTTPServer((self.settings.host, self.settings.port), Handler)
-        self.server.daemon_threads = True
+        self.server = _BoundedHTTPServer(
+            (self.settings.host, self.settings.port), Handler, HTTP_MAX_CONNECTIONS
+        )
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, name="fmstore-http", daemon=True).start()
         return self.port

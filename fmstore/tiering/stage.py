@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .. import runtime
-from ..config import get_config
+from ..config import Config, get_config
 from ..errors import ConfigError, FmstoreError, NotFound, PermissionDenied
 from ..stores import Location, open_store, split_tier
 from ..stores.base import ObjectMeta, Store
@@ -300,6 +300,30 @@ async def plan_stage(
             k for k in dst_all if k not in src_all and key_filter(k) and in_shard(k, shard)
         )
     return StagePlan(items, deletes, dst_all, src_all)
+
+
+# ---- settings ---------------------------------------------------------------------------
+
+#: Keys of the config's ``[stage]`` table.
+_STAGE_KEYS = ("preserve_owner",)
+
+
+def preserve_owner_setting(config: Config | None = None) -> bool:
+    """``[stage] preserve_owner`` (default false): whether copies to a POSIX destination
+    restore the owner and group recorded in the source's metadata.  Raises
+    :class:`ConfigError` on an unknown key or a value that is not a boolean."""
+    config = config or get_config()
+    raw = config.section("stage")
+    w = f"{config.source or 'config'}: [stage]"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{w} must be a table")
+    for key in raw:
+        if key not in _STAGE_KEYS:
+            raise ConfigError(f"{w} unknown key {key!r}; allowed: {', '.join(_STAGE_KEYS)}")
+    value = raw.get("preserve_owner", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{w} preserve_owner must be true or false, not {value!r}")
+    return value
 
 
 # ---- running ----------------------------------------------------------------------------

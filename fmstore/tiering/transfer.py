@@ -98,6 +98,9 @@ class TransferOptions:
     retries: int = 3
     skip_identical: bool = True
     posix_attrs: bool = True
+    #: Restore owner and group from the source's metadata on a POSIX destination (only
+    #: on the operator's word: see :mod:`fmstore.stores.posixmeta`).
+    preserve_owner: bool = False
     fsync: Literal["batch", "each", "none"] = "batch"
     sync_every: float = 30.0
 
@@ -410,7 +413,7 @@ class Transfer:
             path = self.src.local_path(item.src_key)
             if path is not None:
                 with contextlib.suppress(OSError):
-                    return posixmeta.from_stat(await runtime.to_io(os.stat, path))
+                    return posixmeta.from_stat(await runtime.to_io(os.lstat, path))
         return posixmeta.pick(src_meta.metadata)
 
     def _dst_metadata(
@@ -452,6 +455,7 @@ class Transfer:
                 metadata=self._dst_metadata(attrs, crc, version),
                 content_crc32c=crc,
                 durable=not self.batch_sync,
+                preserve_owner=self.opt.preserve_owner,
             )
             dmeta = await self.dst.put(item.dst_key, data, opts)
             self._unsynced_writes = self.batch_sync
@@ -514,7 +518,11 @@ class Transfer:
             size,
             part_size,
             token=token,
-            options=PutOptions(metadata=early, durable=not self.batch_sync),
+            options=PutOptions(
+                metadata=early,
+                durable=not self.batch_sync,
+                preserve_owner=self.opt.preserve_owner,
+            ),
         )
         self._unsynced_writes = self.batch_sync
         if token is not None and w.resumed and pend is not None:
