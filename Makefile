@@ -8,7 +8,7 @@ BSTAMP  := $(VENV)/.installed-bench
 PIP     := $(BIN)/python -m pip
 TORCH   := torch==2.13.0
 
-.PHONY: setup setup-bench setup-prometheus demo test test-fast lint format bench clean
+.PHONY: setup setup-bench setup-prometheus demo test test-fast fuzz lint format bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -x -q -m "not slow" tests
+
+# The property-based tests of hostile input with a larger budget than `make test` gives them.
+fuzz: $(STAMP)
+	FMSTORE_FUZZ_EXAMPLES=$${FMSTORE_FUZZ_EXAMPLES:-2000} $(BIN)/python -m pytest -q -p no:cacheprovider -m fuzz tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check fmstore tests benchmarks
