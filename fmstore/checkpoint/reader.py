@@ -323,7 +323,10 @@ def place_storage(u8: torch.Tensor, saved: str, map_location: MapLocation) -> to
             return torch.empty(0, dtype=torch.uint8, device=result.device).set_(
                 result, 0, (result.nbytes(),), (1,)
             )
-    device = torch.device(dev)
+    try:
+        device = torch.device(dev)
+    except RuntimeError:
+        raise CorruptData(f"a storage's device {dev!r} is not a device name") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
             f"the checkpoint holds tensors saved on {saved} but CUDA is not available here; "
