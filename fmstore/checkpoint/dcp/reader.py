@@ -216,7 +216,10 @@ class Reader(StorageReader):
         try:
             obj = torch.load(io.BytesIO(bytes(t.buf)), map_location="cpu", weights_only=True)
         except Exception as e:
-            why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            # torch's message is a page of advice; its one line about the data is the reason.
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            why = next((ln for ln in lines if "Unpickler error" in ln), lines[0] if lines else "")
+            why = why[:200] or type(e).__name__
             raise CorruptData(
                 f"{t.item.fqn!r} in {self.store.url} is not a plain value (tensors, numbers, "
                 f"strings, containers) and fmstore does not unpickle it: {why}; pass "
