@@ -46,7 +46,9 @@ def report(fn):
 """
 
 
-def run_limited(body: str, *, headroom: int = HEADROOM, timeout: float = 120) -> list[dict[str, Any]]:
+def run_limited(
+    body: str, *, headroom: int = HEADROOM, timeout: float = 120
+) -> list[dict[str, Any]]:
     """Run ``body`` in a fresh interpreter whose address space is capped at ``headroom``
     bytes above its size after importing torch and fmstore; ``body`` calls
     ``report(callable)`` for each load and gets back one result dict per call."""

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 import xxhash
 from hostile_helpers import read_json, replace_blob_bytes, run_limited, write_json, zstd_bomb
 from loader_helpers import make_dataset
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import fmstore
 from fmstore.checkpoint.dcp import Reader, Writer

@@ -246,6 +246,9 @@ class StorageReader:
                     key=self.manifest.blob_key(bi),
                 ) from None
             try:
+                s = self.manifest.storages[si]
+                if os.fstat(fd).st_size < chunks[0].offset + s.nbytes:  # also: mmap of 0 bytes
+                    raise self._corrupt(si, chunks[0], "blob is shorter than the manifest says")
                 # ACCESS_COPY: tensors are writable, writes never reach the file.
                 mm = _mmap.mmap(fd, 0, access=_mmap.ACCESS_COPY)
             finally:

@@ -283,6 +283,7 @@ class ShardCache:
             if n.startswith(f"{TMP}{name}."):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path(n))
+        _check_object(store, spec)
         for attempt in (1, 2):
             tmp = self._reserve(name, spec.cached_size, next_use, wait=wait)
             if tmp is None:
@@ -303,6 +304,23 @@ class ShardCache:
             os.replace(tmp, self.path(name))
             return True
         return False  # pragma: no cover
+
+
+def _check_object(store: Store, spec: ShardSpec) -> None:
+    """The shard's object must exist and hold the bytes the index lists, before any space
+    is reserved for it (the index may be hostile, or the object replaced since)."""
+    try:
+        size = runtime.run(store.stat(spec.key)).size
+    except NotFound:
+        raise NotFound(
+            "shard listed in the dataset index is missing", tier=store.tier, key=spec.key
+        ) from None
+    if spec.start + spec.size > size:
+        raise CorruptData(
+            f"shard is {size} bytes, shorter than the {spec.start + spec.size} the index lists",
+            tier=store.tier,
+            key=spec.key,
+        )
 
 
 async def _download(store: Store, spec: ShardSpec, tmp: str) -> None:

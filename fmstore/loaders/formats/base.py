@@ -75,6 +75,10 @@ def check_spec(spec: ShardSpec, *, entry: int, where: str) -> ShardSpec:
             raise bad(f"{name!r} is negative ({getattr(spec, name)})")
     if spec.raw_size is not None and spec.raw_size < 0:
         raise bad(f"'raw_bytes' is negative ({spec.raw_size})")
+    if spec.compression is None and spec.raw_size not in (None, spec.size):
+        raise bad(
+            f"'raw_bytes' {spec.raw_size} differs from 'bytes' {spec.size} of an uncompressed shard"
+        )
     if spec.checksum is not None and not isinstance(spec.checksum, str):
         raise bad(f"'checksum' is {spec.checksum!r}, not a string")
     if spec.compression is not None and not isinstance(spec.compression, str):

@@ -157,11 +157,11 @@ class MDSFormat(DatasetFormat):
         names, encs = tuple(spec.extra["column_names"]), tuple(spec.extra["column_encodings"])
         cols = self._columns.get((names, encs))
         if cols is None:
+            if not all(isinstance(x, str) for x in (*names, *encs)):
+                raise ValueError("column names and encodings must be strings")
             sizes = spec.extra.get("column_sizes") or [_fixed_size(e) for e in encs]
             if not all(sz is None or (type(sz) is int and sz >= 0) for sz in sizes):
                 raise ValueError(f"column_sizes {sizes!r} are not sizes")
-            if not all(isinstance(x, str) for x in (*names, *encs)):
-                raise ValueError("column names and encodings must be strings")
             cols = [
                 (n, make_decoder(e, self.allow_pickle), sz)
                 for n, e, sz in zip(names, encs, sizes, strict=True)
