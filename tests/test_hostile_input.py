@@ -14,15 +14,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 from hostile_helpers import read_json, replace_blob_bytes, run_limited, write_json, zstd_bomb
-from loader_helpers import make_dataset
+from loader_helpers import make_dataset, write_jsonl
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import fmstore
+from fmstore import runtime
 from fmstore.checkpoint.dcp import Reader, Writer
 from fmstore.cli.main import main
 from fmstore.errors import ConfigError, CorruptData
 from fmstore.format.checksum import crc32c
-from fmstore.loaders import StreamingDataset
+from fmstore.loaders import StreamingDataset, write_dataset
+from fmstore.stores import open_store
 from fmstore.tiering.catalog import Catalog
 
 
@@ -312,7 +314,7 @@ def test_dcp_sizes_beyond_the_saved_bytes_are_refused(tmp_path):
 def test_dataset_index_sizes_are_compared_with_the_objects(tmp_path):
     remote = make_dataset(tmp_path, 200)
     index = read_json(Path(remote) / "index.json")
-    index["shards"][0]["bytes"] = 10 << 40
+    index["shards"][0]["bytes"] = index["shards"][0]["raw_bytes"] = 10 << 40
     write_json(Path(remote) / "index.json", index)
     with pytest.raises(CorruptData, match=r"index entry 0 lists 10995116277760 'bytes'") as e:
         StreamingDataset(remote, str(tmp_path / "cache"))
@@ -430,3 +432,31 @@ def test_token_dtype_from_index_that_numpy_does_not_know_is_config_error(tmp_pat
 
     with pytest.raises(ConfigError, match="token dtype"):
         check_options("not-a-dtype", 8)
+
+
+# ---- the same checks on S3 (ranged reads, listings, no local files) ---------------------------
+
+
+@pytest.mark.s3
+def test_hostile_index_and_manifest_on_s3_are_refused(tmp_path, s3_server, s3_bucket, s3_store):
+    opts = s3_server.store_options()
+    src = write_jsonl(tmp_path / "src.jsonl", 200)
+    ds_store = open_store(f"s3://{s3_bucket}/ds", **opts)
+    write_dataset(src, ds_store, shard_size=2000)
+    index = json.loads(runtime.run(ds_store.get("index.json")))
+    index["shards"][0]["bytes"] = index["shards"][0]["raw_bytes"] = 10 << 40
+    runtime.run(ds_store.put("index.json", json.dumps(index).encode()))
+    with pytest.raises(CorruptData, match=r"index entry 0 lists 10995116277760 'bytes'"):
+        StreamingDataset(f"s3://{s3_bucket}/ds", str(tmp_path / "cache"),
+                         storage_options=opts)  # fmt: skip
+    runtime.run(ds_store.close())
+
+    fmstore.save({"w": torch.arange(4096, dtype=torch.float32)}, s3_store, compression="raw")
+    doc = json.loads(runtime.run(s3_store.get("manifest.json")))
+    _edit_unaligned_overhang(doc)
+    runtime.run(s3_store.put("manifest.json", json.dumps(doc).encode()))
+    for kw in ({}, {"lazy": True}, {"keys": "w"}):
+        with pytest.raises(CorruptData, match="does not fit its storage") as e:
+            x = fmstore.load(s3_store, **kw)
+            _ = x["w"]
+        assert e.value.key == "manifest.json"

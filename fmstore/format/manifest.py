@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptData, VersionError
-from .bounds import MAX_DEPTH, chunk_problem, is_int, view_problem
+from .bounds import chunk_problem, is_int, view_problem
 from .dtypes import dtype_from_name
+from .treecheck import tree_problem
 
 FORMAT_NAME = "fmstore-checkpoint"
 FORMAT_VERSION = 1
@@ -279,100 +280,21 @@ class Manifest:
             raise bad(f"tree: {why}")
 
 
-#: Tags of the state tree's nodes (docs/format.md) that hold one value of a JSON type.
-_SCALAR_TAGS: dict[str, type] = {"dtype": str, "device": str, "bytes": str, "np": str}
-_FLOATS = ("nan", "inf", "-inf")
-
-
-def tree_problem(tree: Any, ntensors: int) -> str | None:
-    """Why an encoded state tree is malformed (None: well-formed): unknown tags, tensor
-    references out of range, unhashable dict keys, nesting deeper than ``MAX_DEPTH``.
-    Iterative, so hostile nesting cannot exhaust the stack."""
-    stack: list[tuple[Any, str, int, bool]] = [(tree, "tree", 0, False)]
-    while stack:
-        n, path, depth, in_key = stack.pop()
-        if depth > MAX_DEPTH:
-            return f"{path}: nested deeper than {MAX_DEPTH} levels"
-        if n is None or isinstance(n, (bool, int, str)):
-            continue
-        if isinstance(n, float):
-            continue
-        if not isinstance(n, dict):
-            return f"{path}: {type(n).__name__} is not a tree node"
-        for tag in ("tensor", "pickle"):
-            if tag in n:
-                if in_key:
-                    return f"{path}: a dict key refers to a tensor"
-                if not is_int(n[tag]) or not 0 <= n[tag] < ntensors:
-                    return f"{path}.{tag}: {n[tag]!r} is not a tensor index (0..{ntensors - 1})"
-                break
-        else:
-            why = _node_children(n, path, depth, in_key, stack)
-            if why:
-                return why
-    return None
-
-
-def _node_children(
-    n: dict[str, Any], path: str, depth: int, in_key: bool, stack: list[tuple[Any, str, int, bool]]
-) -> str | None:
-    for tag in ("dict", "odict"):
-        if tag in n:
-            if in_key:
-                return f"{path}: a dict key is a dict"
-            items = n[tag]
-            if not isinstance(items, list):
-                return f"{path}.{tag}: not a list"
-            for i, kv in enumerate(items):
-                if not isinstance(kv, list) or len(kv) != 2:
-                    return f"{path}.{tag}[{i}]: not a [key, value] pair"
-                stack.append((kv[0], f"{path}.{tag}[{i}].key", depth + 1, True))
-                stack.append((kv[1], f"{path}.{tag}[{i}]", depth + 1, False))
-            if "meta" in n:
-                stack.append((n["meta"], f"{path}.meta", depth + 1, False))
-            return None
-    for tag in ("list", "tuple", "size", "complex"):
-        if tag in n:
-            items = n[tag]
-            if not isinstance(items, list):
-                return f"{path}.{tag}: not a list"
-            if tag == "size" and not all(is_int(x) and x >= 0 for x in items):
-                return f"{path}.size: not a list of non-negative ints"
-            if tag == "complex" and len(items) != 2:
-                return f"{path}.complex: not [re, im]"
-            for i, v in enumerate(items):
-                stack.append((v, f"{path}.{tag}[{i}]", depth + 1, in_key))
-            return None
-    if "float" in n:
-        return None if n["float"] in _FLOATS else f"{path}.float: {n['float']!r}"
-    for tag, typ in _SCALAR_TAGS.items():
-        if tag in n:
-            if not isinstance(n[tag], typ):
-                return f"{path}.{tag}: not a {typ.__name__}"
-            if tag == "dtype":
-                try:
-                    dtype_from_name(n[tag])
-                except KeyError:
-                    return f"{path}.dtype: unknown dtype {n[tag]!r}"
-            if tag == "np":
-                if n[tag].lstrip("<>=|")[:1] not in ("b", "i", "u", "f", "c"):
-                    return f"{path}.np: {n[tag]!r} is not a numeric numpy dtype"
-                stack.append((n.get("v"), f"{path}.v", depth + 1, in_key))
-            return None
-    return f"{path}: unknown tree node with keys {sorted(n)[:5]!r}"
+# JSON field readers for manifests: a value of the wrong type is a ValueError naming the
+# field (Manifest.loads turns it into CorruptData), never a silent int("12") or int(1.5).
 
 
 def field_int(d: dict[str, Any], key: str, default: int | None = None) -> int:
     v = d.get(key, default) if default is not None else d[key]
     if not is_int(v):
-        raise ValueError(f"field {key!r} is {v!r}, not an int")
+        raise ValueError(f"field {key!r} is {v!r:.80}, not an int")
     return v
 
 
 def field_str(d: dict[str, Any], key: str) -> str:
     v = d[key]
     if not isinstance(v, str):
-        raise ValueError(f"field {key!r} is {v!r}, not a string")
+        raise ValueError(f"field {key!r} is {v!r:.80}, not a string")
     return v
 
 
@@ -384,7 +306,11 @@ def field_list(d: dict[str, Any], key: str) -> list[Any]:
 
 
 def field_ints(d: dict[str, Any], key: str) -> tuple[int, ...]:
-    return tuple(field_int({key: x}, key) for x in field_list(d, key))
+    """``d[key]``, a list of JSON integers, as a tuple; ValueError naming the field otherwise."""
+    v = field_list(d, key)
+    if not all(type(x) is int for x in v):
+        raise ValueError(f"field {key!r} is {v!r:.80}, not a list of ints")
+    return tuple(v)
 
 
 def parse_header(
