@@ -56,7 +56,9 @@ class ReadOptions:
     request; ``max_request``: bytes per merged request; ``max_inflight``: fetched bytes held
     at once; ``direct_min``: raw chunks at least this large are read straight into the
     destination tensor; ``verify``: check CRC32C of every chunk (default on);
-    ``allow_pickle``: accept planner data stored as pickle."""
+    ``allow_pickle``: accept planner data stored as pickle, and hand ``BYTE_IO`` values to
+    the planner as saved (torch's planners unpickle them with ``weights_only=False``: code
+    in them runs); off, they are decoded with ``weights_only=True`` first."""
 
     coalesce: int = 1 << 20
     max_request: int = 64 << 20
@@ -102,7 +104,11 @@ class _Part:
 
 
 class Reader(StorageReader):
-    """Reads a DCP checkpoint written by :class:`~fmstore.checkpoint.dcp.Writer` at ``uri``."""
+    """Reads a DCP checkpoint written by :class:`~fmstore.checkpoint.dcp.Writer` at ``uri``.
+
+    ``Reader(uri, allow_pickle=True)`` (any :class:`ReadOptions` field by keyword) is the
+    opt-in for checkpoints you trust that hold non-tensor values other than plain ones.
+    """
 
     def __init__(
         self,
