@@ -48,7 +48,10 @@ from fmstore.loaders import StreamingDataset, write_dataset
 pytestmark = pytest.mark.fuzz
 
 EXAMPLES = int(os.environ.get("FMSTORE_FUZZ_EXAMPLES", "30"))
-FUZZ = settings(
+# A named profile, applied per test (loading it globally would change every other module's
+# hypothesis settings in the same run).
+settings.register_profile(
+    "fmstore-fuzz",
     max_examples=EXAMPLES,
     deadline=None,
     derandomize=True,
@@ -56,6 +59,7 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                            HealthCheck.data_too_large],
 )  # fmt: skip
+FUZZ = settings.get_profile("fmstore-fuzz")
 #: Address space a load may take beyond the process's size when it starts.
 HEADROOM = 3 << 30
 
@@ -108,11 +112,14 @@ def _check(root: Path, allowed: tuple[str, ...], marker: Path, load: Callable[[]
 def _cli(*args: str) -> None:
     """The console entry in-process: fmstore errors end in SystemExit(1) with one line;
     anything else propagates (and fails the property)."""
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
         try:
             main(list(args))
         except SystemExit as e:
             assert e.code in (0, 1, None), e.code
+    lines = err.getvalue().splitlines()
+    assert len(lines) <= 1 and "Traceback" not in err.getvalue(), err.getvalue()[-2000:]
 
 
 class _Evil:
@@ -137,7 +144,7 @@ HOSTILE = st.one_of(
     st.integers(-(2**70), -1),
     st.sampled_from([0, 1, 2**31, 2**32 + 1, 2**63, 2**64 + 7, 10**30, 6 << 30, 3_000_000_000]),
     st.sampled_from([float("nan"), float("inf"), -1.5, 1e308, 0.5]),
-    st.sampled_from(["", "object", "../../escape", "/etc/passwd", "zstd", "\x00", "9" * 40]),
+    st.sampled_from(["", "object", "../../escape", "/etc/passwd", "zstd", "pkl", "\x00", "9" * 40]),
     st.sampled_from([None, True, False, [], {}, [1, -1], {"tensor": 10**9}, {"pickle": 0},
                      {"__pickle__": "gASVAAAAAA=="}, {"dict": 5}, {"list": None}]),
     st.sampled_from([_deep(60), _deep(300)]),
