@@ -180,8 +180,10 @@ def _npy_header(store: Store, key: str) -> tuple[int, np.dtype]:
     try:
         version = np.lib.format.read_magic(f)
         shape, fortran, dtype = np.lib.format._read_array_header(f, version)  # type: ignore[attr-defined]
-    except (ValueError, SyntaxError, TypeError, KeyError) as e:  # a header is a Python literal
-        raise CorruptData(f"not a .npy file: {e}", tier=store.tier, key=key) from None
+    except Exception as e:
+        # numpy parses the header (a Python literal) with tokenize and ast: a damaged one
+        # raises ValueError, SyntaxError, tokenize.TokenError, ... depending on the damage.
+        raise CorruptData(f"not a .npy file: {e!r}"[:300], tier=store.tier, key=key) from None
     if len(shape) != 1:
         raise ConfigError(f"{key}: token arrays must be 1-D, not shape {shape}")
     return f.tell(), dtype
