@@ -246,6 +246,9 @@ class StorageReader:
                     key=self.manifest.blob_key(bi),
                 ) from None
             try:
+                s = self.manifest.storages[si]
+                if os.fstat(fd).st_size < chunks[0].offset + s.nbytes:  # also: mmap of 0 bytes
+                    raise self._corrupt(si, chunks[0], "blob is shorter than the manifest says")
                 # ACCESS_COPY: tensors are writable, writes never reach the file.
                 mm = _mmap.mmap(fd, 0, access=_mmap.ACCESS_COPY)
             finally:
@@ -323,7 +326,10 @@ def place_storage(u8: torch.Tensor, saved: str, map_location: MapLocation) -> to
             return torch.empty(0, dtype=torch.uint8, device=result.device).set_(
                 result, 0, (result.nbytes(),), (1,)
             )
-    device = torch.device(dev)
+    try:
+        device = torch.device(dev)
+    except RuntimeError:
+        raise CorruptData(f"a storage's device {dev!r} is not a device name") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
             f"the checkpoint holds tensors saved on {saved} but CUDA is not available here; "

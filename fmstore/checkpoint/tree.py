@@ -19,6 +19,7 @@ value, e.g. ``state['optim']['param_groups'][0]['foo']``.
 from __future__ import annotations
 
 import base64
+import binascii
 import math
 import pickle
 from collections import OrderedDict
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import CorruptData, FmstoreError
 from ..format.dtypes import dtype_from_name, dtype_name
 
 
@@ -182,7 +184,11 @@ def decode_tree(
     tensor: Callable[[int], Any],
     pickled: Callable[[int], Any] | None = None,
 ) -> Any:
-    """Rebuild the object; ``tensor(i)`` returns tensor i, ``pickled(i)`` unpickles leaf i."""
+    """Rebuild the object; ``tensor(i)`` returns tensor i, ``pickled(i)`` unpickles leaf i.
+
+    A node that does not decode raises :class:`CorruptData` (manifests are checked by
+    :func:`fmstore.format.manifest.tree_problem` first; this is the last line).
+    """
 
     def walk(n: Any) -> Any:
         if n is None or isinstance(n, (bool, int, float, str)):
@@ -223,7 +229,13 @@ def decode_tree(
                 return pickled(n["pickle"])
         raise ValueError(f"unknown tree node {str(n)[:80]!r}")
 
-    return walk(node)
+    try:
+        return walk(node)
+    except FmstoreError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError, binascii.Error) as e:
+        # RecursionError is a RuntimeError; torch.device raises RuntimeError on bad names.
+        raise CorruptData(f"checkpoint state tree does not decode: {e!r}"[:300]) from None
 
 
 def _hashable(k: Any) -> Any:

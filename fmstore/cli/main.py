@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(rc, int) and rc:
             sys.exit(rc)
     except FmstoreError as e:
-        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        # One line, whatever a message quoted from the data or a library holds.
+        typer.secho(f"error: {' '.join(str(e).split())}", fg=typer.colors.RED, err=True)
         sys.exit(1)
     except typer.Exit as e:
         sys.exit(e.exit_code)

@@ -208,16 +208,52 @@ def decode_into(codec: str, stored: Buffer, out: memoryview, group: int = 1) -> 
 
 def _zstd_into(stored: Buffer, out: memoryview) -> None:
     if zstdlib.AVAILABLE:
-        zstdlib.decompress_into(stored, out)
+        zstdlib.decompress_into(stored, out)  # libzstd writes at most len(out) bytes
         return
-    n = len(out)
+    out[:] = zstd_decompress_exact(stored, len(out))
+
+
+#: Undeclared-size frames are decoded in pieces of this size (memory held beyond ``n``).
+_PIECE = 1 << 20
+
+
+def zstd_decompress_exact(stored: Buffer, n: int) -> bytes:
+    """The zstd data ``stored`` decoded, which must be exactly ``n`` bytes; CorruptData
+    otherwise, without ever holding much more than ``n`` bytes.
+
+    python-zstandard's ``decompress`` ignores ``max_output_size`` when the frame declares
+    its content size and allocates what the frame says (a 33 KB frame can say 1 GiB), so the
+    declared size is checked against ``n`` first; a frame that declares none is streamed
+    with a hard bound of ``n + 1`` bytes.
+    """
     try:
-        data = _dctx().decompress(stored, max_output_size=n)
+        declared = zstandard.frame_content_size(stored)
     except zstandard.ZstdError as e:
-        raise CorruptData(f"zstd chunk does not decode: {e}") from None
+        raise CorruptData(f"zstd data has a bad frame header: {e}") from None
+    if declared >= 0 and declared != n:
+        raise CorruptData(f"zstd frame declares {declared} bytes, expected {n}")
+    try:
+        if declared == n:
+            data = _dctx().decompress(stored, max_output_size=n)
+        else:
+            pieces: list[bytes] = []
+            got = 0
+            with _dctx().stream_reader(stored, read_across_frames=True) as r:
+                while got <= n:
+                    piece = r.read(min(_PIECE, n + 1 - got))
+                    if not piece:
+                        break
+                    pieces.append(piece)
+                    got += len(piece)
+            data = b"".join(pieces)
+    except zstandard.ZstdError as e:
+        raise CorruptData(f"zstd data does not decode: {e}") from None
     if len(data) != n:
-        raise CorruptData(f"zstd chunk decodes to {len(data)} bytes, expected {n}")
-    out[:] = data
+        raise CorruptData(
+            f"zstd data decodes to {'more than ' if len(data) > n else ''}{len(data)} bytes, "
+            f"expected {n}"
+        )
+    return data
 
 
 def _bytegroup_decode(stored: memoryview, out: memoryview, group: int) -> None:

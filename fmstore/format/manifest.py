@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptData, VersionError
+from .bounds import chunk_problem, is_int, view_problem
+from .dtypes import dtype_from_name
+from .treecheck import tree_problem
 
 FORMAT_NAME = "fmstore-checkpoint"
 FORMAT_VERSION = 1
@@ -53,14 +56,14 @@ class ChunkEntry:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ChunkEntry:
         return cls(
-            blob=int(d["blob"]),
-            offset=int(d["offset"]),
-            length=int(d["length"]),
-            raw_offset=int(d["raw_offset"]),
-            raw=int(d["raw"]),
-            codec=str(d["codec"]),
-            crc32c=int(d["crc32c"]),
-            group=int(d.get("group", 1)),
+            blob=field_int(d, "blob"),
+            offset=field_int(d, "offset"),
+            length=field_int(d, "length"),
+            raw_offset=field_int(d, "raw_offset"),
+            raw=field_int(d, "raw"),
+            codec=field_str(d, "codec"),
+            crc32c=field_int(d, "crc32c"),
+            group=field_int(d, "group", 1),
         )
 
 
@@ -82,9 +85,9 @@ class StorageEntry:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> StorageEntry:
         return cls(
-            nbytes=int(d["nbytes"]),
-            device=str(d["device"]),
-            chunks=tuple(ChunkEntry.from_json(c) for c in d["chunks"]),
+            nbytes=field_int(d, "nbytes"),
+            device=field_str(d, "device"),
+            chunks=tuple(ChunkEntry.from_json(c) for c in field_list(d, "chunks")),
         )
 
 
@@ -129,12 +132,12 @@ class TensorEntry:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TensorEntry:
         return cls(
-            name=str(d["name"]),
-            storage=int(d["storage"]),
-            dtype=str(d["dtype"]),
-            shape=tuple(int(x) for x in d["shape"]),
-            stride=tuple(int(x) for x in d["stride"]),
-            offset=int(d["offset"]),
+            name=field_str(d, "name"),
+            storage=field_int(d, "storage"),
+            dtype=field_str(d, "dtype"),
+            shape=field_ints(d, "shape"),
+            stride=field_ints(d, "stride"),
+            offset=field_int(d, "offset"),
             requires_grad=bool(d.get("requires_grad", False)),
             parameter=bool(d.get("parameter", False)),
             numpy=bool(d.get("numpy", False)),
@@ -153,7 +156,7 @@ class BlobEntry:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> BlobEntry:
-        return cls(name=str(d["name"]), size=int(d["size"]))
+        return cls(name=field_str(d, "name"), size=field_int(d, "size"))
 
 
 @dataclass(frozen=True)
@@ -216,9 +219,9 @@ class Manifest:
             m = cls(
                 generation=str(d["generation"]),
                 tree=d["tree"],
-                tensors=tuple(TensorEntry.from_json(t) for t in d["tensors"]),
-                storages=tuple(StorageEntry.from_json(s) for s in d["storages"]),
-                blobs=tuple(BlobEntry.from_json(b) for b in d["blobs"]),
+                tensors=tuple(TensorEntry.from_json(t) for t in field_list(d, "tensors")),
+                storages=tuple(StorageEntry.from_json(s) for s in field_list(d, "storages")),
+                blobs=tuple(BlobEntry.from_json(b) for b in field_list(d, "blobs")),
                 created=float(d.get("created", 0.0)),
                 writer=str(d.get("writer", "")),
                 pickled=bool(d.get("pickled", False)),
@@ -227,33 +230,87 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptData(
-                f"not a valid checkpoint{suffix}: manifest is malformed ({e!r})"
+                f"not a valid checkpoint{suffix}: manifest is malformed ({e!r})", key=MANIFEST_KEY
             ) from None
         m.validate(where)
         return m
 
     def validate(self, where: str = "") -> None:
-        """Cross-check indices so a reader never indexes out of range."""
+        """Cross-check indices, sizes and views so a reader never indexes out of range nor
+        allocates more than the blobs can hold (O(tensors + chunks), no data read)."""
         suffix = f" at {where}" if where else ""
-        for t in self.tensors:
-            if not 0 <= t.storage < len(self.storages):
-                raise CorruptData(
-                    f"not a valid checkpoint{suffix}: tensor {t.name!r} has a bad storage index"
-                )
-            if len(t.shape) != len(t.stride):
-                raise CorruptData(
-                    f"not a valid checkpoint{suffix}: tensor {t.name!r} has mismatched shape/stride"
-                )
-        for s in self.storages:
+
+        def bad(why: str) -> CorruptData:
+            return CorruptData(f"not a valid checkpoint{suffix}: {why}", key=MANIFEST_KEY)
+
+        for i, b in enumerate(self.blobs):
+            if b.size < 0:
+                raise bad(f"blobs[{i}] ({b.name!r}) has negative size {b.size}")
+        for si, s in enumerate(self.storages):
             pos = 0
-            for c in s.chunks:
-                if not 0 <= c.blob < len(self.blobs) or c.raw_offset != pos:
-                    raise CorruptData(f"not a valid checkpoint{suffix}: a chunk has bad offsets")
+            for ci, c in enumerate(s.chunks):
+                if not 0 <= c.blob < len(self.blobs):
+                    raise bad(f"storages[{si}].chunks[{ci}].blob {c.blob} is not a blob index")
+                if c.raw_offset != pos:
+                    raise bad(f"storages[{si}].chunks[{ci}].raw_offset {c.raw_offset} != {pos}")
+                why = chunk_problem(c.codec, c.offset, c.length, c.raw, self.blobs[c.blob].size)
+                if why:
+                    raise bad(
+                        f"storages[{si}].chunks[{ci}] (blob {self.blobs[c.blob].name!r}): {why}"
+                    )
+                if c.group < 1:
+                    raise bad(f"storages[{si}].chunks[{ci}].group {c.group} is not positive")
                 pos += c.raw
             if pos != s.nbytes:
-                raise CorruptData(
-                    f"not a valid checkpoint{suffix}: chunks do not cover their storage"
-                )
+                raise bad(f"storages[{si}].nbytes {s.nbytes} != {pos} bytes of its chunks")
+        for t in self.tensors:
+            if not 0 <= t.storage < len(self.storages):
+                raise bad(f"tensor {t.name!r}: storage {t.storage} is not a storage index")
+            try:
+                itemsize = dtype_from_name(t.dtype).itemsize
+            except KeyError:
+                raise bad(f"tensor {t.name!r}: unknown dtype {t.dtype!r}") from None
+            why = view_problem(
+                t.shape, t.stride, t.offset, itemsize, self.storages[t.storage].nbytes
+            )
+            if why:
+                raise bad(f"tensor {t.name!r} does not fit its storage: {why}")
+        why = tree_problem(self.tree, len(self.tensors))
+        if why:
+            raise bad(f"tree: {why}")
+
+
+# JSON field readers for manifests: a value of the wrong type is a ValueError naming the
+# field (Manifest.loads turns it into CorruptData), never a silent int("12") or int(1.5).
+
+
+def field_int(d: dict[str, Any], key: str, default: int | None = None) -> int:
+    v = d.get(key, default) if default is not None else d[key]
+    if not is_int(v):
+        raise ValueError(f"field {key!r} is {v!r:.80}, not an int")
+    return v
+
+
+def field_str(d: dict[str, Any], key: str) -> str:
+    v = d[key]
+    if not isinstance(v, str):
+        raise ValueError(f"field {key!r} is {v!r:.80}, not a string")
+    return v
+
+
+def field_list(d: dict[str, Any], key: str) -> list[Any]:
+    v = d[key]
+    if not isinstance(v, list):
+        raise ValueError(f"field {key!r} is not a list")
+    return v
+
+
+def field_ints(d: dict[str, Any], key: str) -> tuple[int, ...]:
+    """``d[key]``, a list of JSON integers, as a tuple; ValueError naming the field otherwise."""
+    v = field_list(d, key)
+    if not all(type(x) is int for x in v):
+        raise ValueError(f"field {key!r} is {v!r:.80}, not a list of ints")
+    return tuple(v)
 
 
 def parse_header(
@@ -264,8 +321,8 @@ def parse_header(
     suffix = f" at {where}" if where else ""
     try:
         d = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptData(f"not a valid checkpoint{suffix}: manifest is not JSON ({e})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptData(f"not a valid checkpoint{suffix}: manifest is not JSON ({e!r})") from None
     if not isinstance(d, dict) or d.get("format") != format_name:
         fmt = d.get("format") if isinstance(d, dict) else None
         raise CorruptData(

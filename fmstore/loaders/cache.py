@@ -26,11 +26,11 @@ import uuid
 from collections.abc import Callable
 
 import xxhash
-import zstandard
 from filelock import FileLock, Timeout
 
 from .. import runtime
 from ..errors import CorruptData, FmstoreError, InvalidRange, NotFound, PermissionDenied, TierFull
+from ..format.codecs import zstd_decompress_exact
 from ..stores import Store
 from ..stores.base import nbytes
 from ..stores.posix import pwrite_all
@@ -283,6 +283,7 @@ class ShardCache:
             if n.startswith(f"{TMP}{name}."):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path(n))
+        _check_object(store, spec)
         for attempt in (1, 2):
             tmp = self._reserve(name, spec.cached_size, next_use, wait=wait)
             if tmp is None:
@@ -305,6 +306,23 @@ class ShardCache:
         return False  # pragma: no cover
 
 
+def _check_object(store: Store, spec: ShardSpec) -> None:
+    """The shard's object must exist and hold the bytes the index lists, before any space
+    is reserved for it (the index may be hostile, or the object replaced since)."""
+    try:
+        size = runtime.run(store.stat(spec.key)).size
+    except NotFound:
+        raise NotFound(
+            "shard listed in the dataset index is missing", tier=store.tier, key=spec.key
+        ) from None
+    if spec.start + spec.size > size:
+        raise CorruptData(
+            f"shard is {size} bytes, shorter than the {spec.start + spec.size} the index lists",
+            tier=store.tier,
+            key=spec.key,
+        )
+
+
 async def _download(store: Store, spec: ShardSpec, tmp: str) -> None:
     """Fetch ``spec``'s bytes into ``tmp`` (sized already) and verify them."""
     try:
@@ -322,24 +340,29 @@ async def _download(store: Store, spec: ShardSpec, tmp: str) -> None:
         try:
             import asyncio
 
-            sem = asyncio.Semaphore(CONCURRENCY)
-
             async def part(lo: int) -> None:
                 hi = min(spec.size, lo + CHUNK)
-                async with sem:
-                    # Unjoined: written as the connection delivered them (one pwritev).
-                    data = await store.get_range_pieces(spec.key, spec.start + lo, spec.start + hi)
-                    got = nbytes(data)
-                    if got != hi - lo:
-                        raise CorruptData(
-                            f"short read: {got} of {hi - lo} bytes",
-                            tier=store.tier,
-                            key=spec.key,
-                        )
-                    await runtime.to_io(pwrite_all, fd, data, lo)
-                    metrics.BYTES_DOWNLOADED.inc(got)
+                # Unjoined: written as the connection delivered them (one pwritev).
+                data = await store.get_range_pieces(spec.key, spec.start + lo, spec.start + hi)
+                got = nbytes(data)
+                if got != hi - lo:
+                    raise CorruptData(
+                        f"short read: {got} of {hi - lo} bytes",
+                        tier=store.tier,
+                        key=spec.key,
+                    )
+                await runtime.to_io(pwrite_all, fd, data, lo)
+                metrics.BYTES_DOWNLOADED.inc(got)
 
-            await asyncio.gather(*(part(lo) for lo in range(0, spec.size, CHUNK)))
+            # A fixed pool of workers, not one coroutine per piece: the piece count comes
+            # from the index's size, which is checked but should not size our task list.
+            pieces = iter(range(0, spec.size, CHUNK))
+
+            async def worker() -> None:
+                for lo in pieces:
+                    await part(lo)
+
+            await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
         finally:
             os.close(fd)
         if spec.checksum:
@@ -375,17 +398,15 @@ def _verify_file(store: Store, spec: ShardSpec, path: str) -> None:
 
 
 def _decompress_to(store: Store, spec: ShardSpec, data: bytes, tmp: str) -> None:
+    # Bounded by the index's raw size: a frame declaring more is refused before decoding.
     try:
-        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=spec.cached_size)
-    except zstandard.ZstdError as e:
+        raw = zstd_decompress_exact(data, spec.cached_size)
+    except CorruptData as e:
         raise CorruptData(
-            f"shard does not decompress: {e}", tier=store.tier, key=spec.key
-        ) from None
-    if len(raw) != spec.cached_size:
-        raise CorruptData(
-            f"shard decompresses to {len(raw)} bytes, the index lists {spec.cached_size}",
+            f"shard does not decompress to the {spec.cached_size} bytes the index lists: "
+            f"{e.message}",
             tier=store.tier,
             key=spec.key,
-        )
+        ) from None
     with open(tmp, "r+b") as f:
         f.write(raw)

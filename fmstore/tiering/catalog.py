@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from ..errors import ConfigError, StoreUnavailable
+from ..errors import ConfigError, CorruptData, StoreUnavailable
 
 WRITING = "writing"
 PRESENT = "present"
@@ -213,12 +213,16 @@ class Catalog:
             except sqlite3.Error as e:
                 raise StoreUnavailable(f"cannot open the catalog: {e}", key=self.path) from None
             c.row_factory = sqlite3.Row
-            c.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
-            c.execute("PRAGMA journal_mode = WAL")
-            # NORMAL is durable across process crashes in WAL mode; a power loss may drop the
-            # last transactions, which the idempotent daemon steps repair from the tiers.
-            c.execute("PRAGMA synchronous = NORMAL")
-            c.execute("PRAGMA foreign_keys = ON")
+            try:
+                c.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+                c.execute("PRAGMA journal_mode = WAL")
+                # NORMAL is durable across process crashes in WAL mode; a power loss may drop
+                # the last transactions, which the idempotent daemon steps repair from the tiers.
+                c.execute("PRAGMA synchronous = NORMAL")
+                c.execute("PRAGMA foreign_keys = ON")
+            except sqlite3.DatabaseError as e:
+                c.close()
+                raise self._corrupt(e) from None
             self._local.conn = c
             with self._lock:
                 self._conns.append(c)
@@ -241,12 +245,34 @@ class Catalog:
         else:
             c.execute("COMMIT")
 
+    def _corrupt(self, e: sqlite3.DatabaseError) -> CorruptData:
+        return CorruptData(
+            f"catalog {self.path} is not a readable fmstore catalog ({e}); move it aside to "
+            "start a new one",
+            key=self.path,
+        )
+
     def _init_schema(self) -> None:
+        try:
+            self._init_tables()
+        except sqlite3.DatabaseError as e:
+            if isinstance(e, sqlite3.OperationalError) and "locked" in str(e):
+                raise StoreUnavailable(f"catalog is busy: {e}", key=self.path) from None
+            raise self._corrupt(e) from None
+
+    def _init_tables(self) -> None:
         with self._tx() as c:
             for stmt in _SCHEMA.split(";"):
                 if stmt.strip():
                     c.execute(stmt)
             row = c.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+            version = row[0] if row is not None else None
+            if version is not None and not str(version).isdigit():
+                raise CorruptData(
+                    f"catalog {self.path} has a malformed 'schema' field in its meta table: "
+                    f"{version!r}",
+                    key=self.path,
+                )
             if row is None:
                 c.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
             elif int(row[0]) > SCHEMA_VERSION:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ... import runtime
-from ...errors import NotFound
+from ...errors import CorruptData, FmstoreError, NotFound
 from ...format.checksum import crc32c
 from ...stores import Store
 from .manifest import DCP_FORMAT_NAME, MANIFEST_KEY, DcpManifest, sniff_format
@@ -224,16 +224,33 @@ async def _verify(
 def load_full_state_dict(uri: str, **store_options: Any) -> dict[str, Any]:
     """The whole state dict of a DCP checkpoint in this process, unsharded, on CPU."""
     # The same private helpers torch's own dcp_to_torch_save uses.
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     sd: dict[str, Any] = {}
-    _load_state_dict(
-        sd,
-        storage_reader=Reader(uri, store_options=store_options),
-        planner=_EmptyStateDictLoadPlanner(),
-        no_dist=True,
-    )
+    reader = Reader(uri, store_options=store_options)
+    # Read (and check) the manifest here: DCP folds a failed read_metadata into an
+    # AssertionError that no longer says what was wrong.
+    reader.read_metadata()
+    try:
+        _load_state_dict(
+            sd,
+            storage_reader=reader,
+            planner=_EmptyStateDictLoadPlanner(),
+            no_dist=True,
+        )
+    except CheckpointException as e:
+        # One process, one rank: its fmstore error is the error (DCP wraps it for ranks).
+        # Anything else failed in DCP's planner on metadata read from the checkpoint.
+        for exc, _trace in e.failures.values():
+            if isinstance(exc, FmstoreError):
+                raise exc from None
+        why = "; ".join(f"{type(x).__name__}: {x}" for x, _t in e.failures.values())
+        raise CorruptData(
+            f"checkpoint {uri} does not load: its metadata is unusable ({why[:300]})",
+            key=MANIFEST_KEY,
+        ) from None
     return sd
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -36,8 +37,17 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...errors import CorruptData
+from ...format.bounds import MAX_DEPTH, chunk_problem, is_int
 from ...format.dtypes import dtype_from_name, dtype_name
-from ...format.manifest import MANIFEST_KEY, ChunkEntry, parse_header
+from ...format.manifest import (
+    MANIFEST_KEY,
+    ChunkEntry,
+    field_int,
+    field_ints,
+    field_list,
+    field_str,
+    parse_header,
+)
 
 __all__ = [
     "DCP_FORMAT_NAME",
@@ -65,7 +75,7 @@ class DcpBlob:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> DcpBlob:
-        return cls(name=str(d["name"]), size=int(d["size"]), rank=int(d["rank"]))
+        return cls(name=field_str(d, "name"), size=field_int(d, "size"), rank=field_int(d, "rank"))
 
 
 @dataclass(frozen=True)
@@ -112,14 +122,14 @@ class DcpItem:
     def from_json(cls, d: dict[str, Any]) -> DcpItem:
         off = d.get("offset")
         return cls(
-            fqn=str(d["fqn"]),
-            offset=None if off is None else tuple(int(x) for x in off),
-            kind=str(d["kind"]),
+            fqn=field_str(d, "fqn"),
+            offset=None if off is None else field_ints({"offset": off}, "offset"),
+            kind=field_str(d, "kind"),
             dtype=str(d.get("dtype", "")),
-            shape=tuple(int(x) for x in d.get("shape", ())),
-            nbytes=int(d["nbytes"]),
-            chunks=tuple(ChunkEntry.from_json(c) for c in d["chunks"]),
-            index=None if d.get("index") is None else int(d["index"]),
+            shape=field_ints({"shape": d.get("shape", [])}, "shape"),
+            nbytes=field_int(d, "nbytes"),
+            chunks=tuple(ChunkEntry.from_json(c) for c in field_list(d, "chunks")),
+            index=None if d.get("index") is None else field_int(d, "index"),
         )
 
     def with_blob(self, blob: int) -> DcpItem:
@@ -213,10 +223,30 @@ def decode_value(v: Any, *, allow_pickle: bool, what: str) -> Any:
                 f"{what} was saved as pickle; pass allow_pickle=True to the Reader to load it"
             )
         return pickle.loads(base64.b64decode(v["__pickle__"]))
+    if _depth(v) > MAX_DEPTH:
+        raise CorruptData(f"{what} is nested deeper than {MAX_DEPTH} levels", key=MANIFEST_KEY)
     try:
         return _dec(v)
     except _Unencodable:
         raise CorruptData(f"{what} holds pickled values; pass allow_pickle=True") from None
+    except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as e:
+        raise CorruptData(f"{what} is malformed ({e!r})", key=MANIFEST_KEY) from None
+
+
+def _depth(v: Any) -> int:
+    """Nesting depth of JSON value ``v``, without recursion (stops counting past MAX_DEPTH)."""
+    deepest = 0
+    stack = [(v, 0)]
+    while stack:
+        x, d = stack.pop()
+        deepest = max(deepest, d)
+        if d > MAX_DEPTH:
+            break
+        if isinstance(x, list):
+            stack.extend((y, d + 1) for y in x)
+        elif isinstance(x, dict):
+            stack.extend((y, d + 1) for y in x.values())
+    return deepest
 
 
 # ---- DCP Metadata <-> JSON --------------------------------------------------------------
@@ -385,8 +415,8 @@ class DcpManifest:
                 generation=str(d["generation"]),
                 world_size=int(d["world_size"]),
                 state_dict_metadata=dict(d["state_dict_metadata"]),
-                items=[DcpItem.from_json(i) for i in d["items"]],
-                blobs=[DcpBlob.from_json(b) for b in d["blobs"]],
+                items=[DcpItem.from_json(i) for i in field_list(d, "items")],
+                blobs=[DcpBlob.from_json(b) for b in field_list(d, "blobs")],
                 planner_data=d.get("planner_data"),
                 dcp_version=d.get("dcp_version"),
                 storage_meta=dict(d.get("storage_meta") or {}),
@@ -395,32 +425,90 @@ class DcpManifest:
                 version=version,
             )
             _sd_md_from_json(m.state_dict_metadata)  # parses, or raises below
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            sm = m.storage_meta
+            if not all(
+                isinstance(sm.get(k), (str, type(None))) for k in ("checkpoint_id", "save_id")
+            ):
+                raise ValueError("storage_meta ids are not strings")
+            if not isinstance(sm.get("modules", []), list):
+                raise ValueError("storage_meta.modules is not a list")
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
             raise CorruptData(
-                f"not a valid checkpoint{suffix}: manifest is malformed ({e!r})"
+                f"not a valid checkpoint{suffix}: manifest is malformed ({e!r})"[:500],
+                key=MANIFEST_KEY,
             ) from None
         m.validate(where)
         return m
 
     def validate(self, where: str = "") -> None:
-        """Cross-check offsets so a reader never indexes out of range."""
+        """Cross-check offsets and sizes so a reader never indexes out of range nor
+        allocates more than the blobs can hold (O(items + chunks), no data read)."""
         suffix = f" at {where}" if where else ""
+
+        def bad(why: str) -> CorruptData:
+            return CorruptData(f"not a valid checkpoint{suffix}: {why}", key=MANIFEST_KEY)
+
+        for b in self.blobs:
+            if b.size < 0:
+                raise bad(f"blob {b.name!r} has negative size {b.size}")
+        held: dict[str, int] = {}
         for it in self.items:
+            what = f"item {it.fqn!r} (offset {list(it.offset or ())})"
+            if it.kind == "tensor":
+                try:
+                    itemsize = dtype_from_name(it.dtype).itemsize
+                except KeyError:
+                    raise bad(f"{what}: unknown dtype {it.dtype!r}") from None
+                if any(n < 0 for n in it.shape) or (
+                    it.offset is not None and len(it.offset) != len(it.shape)
+                ):
+                    raise bad(f"{what}: bad shape {list(it.shape)}")
+                if math.prod(it.shape) * itemsize != it.nbytes:
+                    raise bad(f"{what}: nbytes {it.nbytes} does not match shape {list(it.shape)}")
+            elif it.kind != "bytes":
+                raise bad(f"{what}: unknown kind {it.kind!r}")
             pos = 0
-            for c in it.chunks:
-                if not 0 <= c.blob < len(self.blobs) or c.raw_offset != pos:
-                    raise CorruptData(
-                        f"not a valid checkpoint{suffix}: item {it.fqn!r} has bad chunk offsets"
-                    )
-                if c.offset + c.length > self.blobs[c.blob].size:
-                    raise CorruptData(
-                        f"not a valid checkpoint{suffix}: item {it.fqn!r} points past its blob"
-                    )
+            for ci, c in enumerate(it.chunks):
+                if not 0 <= c.blob < len(self.blobs):
+                    raise bad(f"{what}: chunks[{ci}].blob {c.blob} is not a blob index")
+                if c.raw_offset != pos:
+                    raise bad(f"{what}: chunks[{ci}].raw_offset {c.raw_offset} != {pos}")
+                why = chunk_problem(c.codec, c.offset, c.length, c.raw, self.blobs[c.blob].size)
+                if why:
+                    raise bad(f"{what}: chunks[{ci}] (blob {self.blobs[c.blob].name!r}): {why}")
                 pos += c.raw
             if pos != it.nbytes:
-                raise CorruptData(
-                    f"not a valid checkpoint{suffix}: chunks of {it.fqn!r} do not cover it"
-                )
+                raise bad(f"{what}: chunks cover {pos} of its {it.nbytes} bytes")
+            held[it.fqn] = held.get(it.fqn, 0) + it.nbytes
+        for fqn, md in self.state_dict_metadata.items():
+            why = _md_problem(md, held.get(fqn, 0))
+            if why:
+                raise bad(f"state_dict_metadata[{fqn!r}]: {why}")
+
+
+def _md_problem(md: dict[str, Any], held: int) -> str | None:
+    """Why a tensor's metadata cannot be true: sizes and chunk boxes out of range, or a whole
+    tensor larger than the bytes saved for it (a loader allocates the whole tensor)."""
+    if md.get("type") != "tensor":
+        return None
+    size = md.get("size")
+    if not isinstance(size, list) or not all(is_int(n) and n >= 0 for n in size):
+        return f"size {size!r} is not a list of non-negative ints"
+    total = math.prod(size) * dtype_from_name(md["dtype"]).itemsize
+    if total > held:
+        return f"a tensor of size {size} ({total} bytes) has only {held} bytes saved"
+    for c in md.get("chunks", ()):
+        offs, lens = c.get("offsets"), c.get("sizes")
+        if (
+            not isinstance(offs, list)
+            or not isinstance(lens, list)
+            or len(offs) != len(size)
+            or len(lens) != len(size)
+            or not all(is_int(x) and is_int(n) for x, n in zip(offs, lens, strict=True))
+            or any(x < 0 or n < 0 or x + n > s for x, n, s in zip(offs, lens, size, strict=True))
+        ):
+            return f"chunk {c!r} does not fit size {size}"
+    return None
 
 
 def sniff_format(data: bytes) -> str | None:

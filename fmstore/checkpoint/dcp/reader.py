@@ -56,7 +56,9 @@ class ReadOptions:
     request; ``max_request``: bytes per merged request; ``max_inflight``: fetched bytes held
     at once; ``direct_min``: raw chunks at least this large are read straight into the
     destination tensor; ``verify``: check CRC32C of every chunk (default on);
-    ``allow_pickle``: accept planner data stored as pickle."""
+    ``allow_pickle``: accept planner data stored as pickle, and hand ``BYTE_IO`` values to
+    the planner as saved (torch's planners unpickle them with ``weights_only=False``: code
+    in them runs); off, they are decoded with ``weights_only=True`` first."""
 
     coalesce: int = 1 << 20
     max_request: int = 64 << 20
@@ -102,7 +104,11 @@ class _Part:
 
 
 class Reader(StorageReader):
-    """Reads a DCP checkpoint written by :class:`~fmstore.checkpoint.dcp.Writer` at ``uri``."""
+    """Reads a DCP checkpoint written by :class:`~fmstore.checkpoint.dcp.Writer` at ``uri``.
+
+    ``Reader(uri, allow_pickle=True)`` (any :class:`ReadOptions` field by keyword) is the
+    opt-in for checkpoints you trust that hold non-tensor values other than plain ones.
+    """
 
     def __init__(
         self,
@@ -193,7 +199,7 @@ class Reader(StorageReader):
             for t in targets:
                 if t.dest is None:
                     assert t.buf is not None
-                    planner.load_bytes(t.req, io.BytesIO(bytes(t.buf)))
+                    planner.load_bytes(t.req, self._byte_io(t))
                 else:
                     if t.direct is None:
                         _copy_box(t)
@@ -203,6 +209,34 @@ class Reader(StorageReader):
         else:
             fut.set_result(None)
         return fut
+
+    def _byte_io(self, t: _Target) -> io.BytesIO:
+        """A ``BYTE_IO`` value for the planner.  torch's planners ``torch.load`` it with
+        ``weights_only=False``, which runs whatever the pickle says: unless the caller passed
+        ``allow_pickle=True``, the value is decoded here with ``weights_only=True`` (plain
+        containers, numbers, strings, tensors) and handed on re-serialized, so the planner
+        only ever unpickles bytes fmstore wrote from a safe object."""
+        assert t.buf is not None
+        if self.options.allow_pickle:
+            return io.BytesIO(bytes(t.buf))
+        try:
+            obj = torch.load(io.BytesIO(bytes(t.buf)), map_location="cpu", weights_only=True)
+        except Exception as e:
+            # torch's message is a page of advice; its one line about the data is the reason.
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            why = next((ln for ln in lines if "Unpickler error" in ln), lines[0] if lines else "")
+            why = why[:200] or type(e).__name__
+            raise CorruptData(
+                f"{t.item.fqn!r} in {self.store.url} is not a plain value (tensors, numbers, "
+                f"strings, containers) and fmstore does not unpickle it: {why}; pass "
+                "allow_pickle=True to the Reader if you trust this checkpoint",
+                tier=self.store.tier,
+                key=MANIFEST_KEY,
+            ) from None
+        out = io.BytesIO()
+        torch.save(obj, out)
+        out.seek(0)
+        return out
 
     # ---- planning a read ----------------------------------------------------------------
 
@@ -223,7 +257,21 @@ class Reader(StorageReader):
             raise FmstoreError(
                 f"{item.fqn}: destination has shape {tuple(dest.shape)}, plan asks {tuple(req.lengths)}"
             )
+        if len(req.storage_offsets) != len(item.shape) or len(req.lengths) != len(item.shape):
+            raise CorruptData(
+                f"{item.fqn!r}: the plan's box has {len(req.lengths)} dimensions, the saved "
+                f"item {len(item.shape)}",
+                tier=self.store.tier,
+                key=MANIFEST_KEY,
+            )
         lo, hi, contiguous = _box_span(item.shape, req.storage_offsets, req.lengths, dtype.itemsize)
+        if any(o < 0 or o + n > s for o, n, s in zip(req.storage_offsets, req.lengths, item.shape)):
+            raise CorruptData(
+                f"{item.fqn!r}: the plan reads box offsets {list(req.storage_offsets)} sizes "
+                f"{list(req.lengths)} outside the saved shape {list(item.shape)}",
+                tier=self.store.tier,
+                key=MANIFEST_KEY,
+            )
         direct = None
         if (
             contiguous

@@ -86,17 +86,31 @@ def _load(store: Store, o: FormatOptions, index_dir: str | None) -> DatasetForma
         if doc["kind"] == "tokens":
             dtype, seq_len = tokens.check_options(o.dtype or doc.get("dtype"), o.seq_len)
             extra = 1 if o.targets else 0
+            itemsize = np.dtype(dtype).itemsize
+            specs = fms.shard_specs(doc, where=fms.INDEX_KEY)
             shards = []
-            for s in fms.shard_specs(doc, where=fms.INDEX_KEY):
-                n = max(0, (s.samples - extra) // seq_len)  # the index counts tokens
+            for i, s in enumerate(specs):
+                if s.samples * itemsize > s.cached_size:  # the index counts tokens
+                    raise CorruptData(
+                        f"index entry {i} ({s.key!r}): {s.samples} tokens do not fit in "
+                        f"{s.cached_size} bytes",
+                        tier=store.tier,
+                        key=fms.INDEX_KEY,
+                    )
+                n = max(0, (s.samples - extra) // seq_len)
                 if n:
                     shards.append(dataclasses.replace(s, samples=n))
+            _check_sizes(store, specs)
             return tokens.TokenFormat(shards, dtype, seq_len, o.targets)
         if o.format not in (None, "fmstore"):
             raise ConfigError(f"{store.url} is an fmstore dataset, not {o.format}")
-        return fms.from_index(doc, where=fms.INDEX_KEY)
+        fmt = fms.from_index(doc, where=fms.INDEX_KEY)
+        _check_sizes(store, fmt.shards)
+        return fmt
     if doc is not None and mds.is_mds_index(doc):
-        return mds.from_index(doc, allow_pickle=o.allow_pickle, where=fms.INDEX_KEY)
+        mfmt = mds.from_index(doc, allow_pickle=o.allow_pickle, where=fms.INDEX_KEY)
+        _check_sizes(store, mfmt.shards)
+        return mfmt
     if doc is not None and o.format in ("fmstore", "mds"):
         raise CorruptData(
             f"index.json is not an {o.format} index", tier=store.tier, key=fms.INDEX_KEY
@@ -126,6 +140,21 @@ async def _list(store: Store) -> list[Any]:
     return [m async for m in store.list("")]
 
 
+def _check_sizes(store: Store, specs: list[ShardSpec]) -> None:
+    """Compare each shard the index lists with its object's real size (one listing, not a
+    request per shard), so a hostile index cannot make the cache reserve, or the download
+    plan for, more bytes than exist.  A shard missing here is reported when it is needed."""
+    real = {m.key: m.size for m in runtime.run(_list(store)) if not m.is_dir}
+    for i, s in enumerate(specs):
+        size = real.get(s.key)
+        if size is not None and s.start + s.size != size:
+            raise CorruptData(
+                f"index entry {i} lists {s.size} 'bytes' for {s.key!r}, which holds {size}",
+                tier=store.tier,
+                key=fms.INDEX_KEY,
+            )
+
+
 def _tokens(store: Store, metas: list[Any], o: FormatOptions) -> DatasetFormat:
     dtype, seq_len = tokens.check_options(o.dtype, o.seq_len)
     itemsize = np.dtype(dtype).itemsize
@@ -151,8 +180,10 @@ def _npy_header(store: Store, key: str) -> tuple[int, np.dtype]:
     try:
         version = np.lib.format.read_magic(f)
         shape, fortran, dtype = np.lib.format._read_array_header(f, version)  # type: ignore[attr-defined]
-    except ValueError as e:
-        raise CorruptData(f"not a .npy file: {e}", tier=store.tier, key=key) from None
+    except Exception as e:
+        # numpy parses the header (a Python literal) with tokenize and ast: a damaged one
+        # raises ValueError, SyntaxError, tokenize.TokenError, ... depending on the damage.
+        raise CorruptData(f"not a .npy file: {e!r}"[:300], tier=store.tier, key=key) from None
     if len(shape) != 1:
         raise ConfigError(f"{key}: token arrays must be 1-D, not shape {shape}")
     return f.tell(), dtype
@@ -167,9 +198,18 @@ def _wds(store: Store, metas: list[Any], index_dir: str | None) -> DatasetFormat
         try:
             with open(cache_file) as f:
                 known = json.load(f)
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             known = {}
-    todo = [m for m in metas if (known.get(m.key) or {}).get("tag") != [m.size, m.etag]]
+        if not isinstance(known, dict):
+            known = {}
+    # A member table is used only when well-formed and fitting its shard; others are rescanned.
+    todo = [
+        m
+        for m in metas
+        if not isinstance(known.get(m.key), dict)
+        or known[m.key].get("tag") != [m.size, m.etag]
+        or not wds.members_ok(known[m.key].get("members"), m.size)
+    ]
 
     def scan(m: Any) -> tuple[str, Any]:
         return m.key, {"tag": [m.size, m.etag], "members": wds.scan_tar(store, m.key, m.size)}

@@ -12,11 +12,16 @@ import abc
 import contextlib
 import mmap
 import os
-from collections.abc import Mapping
+import struct
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from ...errors import CorruptData, FmstoreError, InvalidKey
+from ...format.bounds import MAX_ZSTD_RATIO
+from ...keys import validate_key
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,57 @@ class ShardSpec:
         if self.start or self.extra.get("virtual"):
             name += f"@{self.start}-{self.start + self.size}"
         return name
+
+
+def check_spec(spec: ShardSpec, *, entry: int, where: str) -> ShardSpec:
+    """``spec`` when its figures (read from an index) are plausible; CorruptData naming the
+    index entry and the field otherwise.  The real object sizes are compared later, by
+    :func:`fmstore.loaders.formats.load_format`."""
+
+    def bad(why: str) -> CorruptData:
+        return CorruptData(f"index entry {entry} ({spec.key!r}): {why}", key=where)
+
+    try:
+        validate_key(spec.key)
+    except InvalidKey as e:
+        raise bad(f"'key' is not a safe key ({e.message})") from None
+    for name in ("samples", "size", "start"):
+        if getattr(spec, name) < 0:
+            raise bad(f"{name!r} is negative ({getattr(spec, name)})")
+    if spec.raw_size is not None and spec.raw_size < 0:
+        raise bad(f"'raw_bytes' is negative ({spec.raw_size})")
+    if spec.compression is None and spec.raw_size not in (None, spec.size):
+        raise bad(
+            f"'raw_bytes' {spec.raw_size} differs from 'bytes' {spec.size} of an uncompressed shard"
+        )
+    if spec.checksum is not None and not isinstance(spec.checksum, str):
+        raise bad(f"'checksum' is {spec.checksum!r}, not a string")
+    if spec.compression is not None and not isinstance(spec.compression, str):
+        raise bad(f"'compression' is {spec.compression!r}, not a string")
+    if spec.compression is not None and spec.cached_size > max(spec.size, 1) * MAX_ZSTD_RATIO:
+        raise bad(f"{spec.size} compressed bytes cannot hold {spec.cached_size}")
+    return spec
+
+
+@contextlib.contextmanager
+def decoding(key: str, index: int) -> Iterator[None]:
+    """Turn a sample that does not decode (bad UTF-8, JSON, struct, shape) into CorruptData
+    naming the shard and the sample."""
+    try:
+        yield
+    except FmstoreError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, struct.error, RecursionError) as e:
+        raise CorruptData(f"sample {index} does not decode: {e!r}"[:300], key=key) from None
+
+
+def check_offsets(offsets: np.ndarray, lo: int, hi: int, *, key: str, what: str) -> None:
+    """An offset table must be non-decreasing and inside ``[lo, hi]`` (O(samples), no data
+    read): otherwise a sample could be read from outside the shard's data."""
+    if len(offsets) and (
+        int(offsets[0]) < lo or int(offsets[-1]) > hi or bool(np.any(offsets[1:] < offsets[:-1]))
+    ):
+        raise CorruptData(f"{what} offset table is out of order or outside the shard", key=key)
 
 
 class ShardReader(abc.ABC):

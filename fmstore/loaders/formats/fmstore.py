@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import CorruptData, VersionError
-from .base import DatasetFormat, ShardReader, ShardSpec
+from .base import DatasetFormat, ShardReader, ShardSpec, check_offsets, check_spec, decoding
 
 MAGIC = b"FMSHARD1"
 INDEX_KEY = "index.json"
@@ -80,18 +80,26 @@ class FmstoreShardReader(ShardReader):
                 f"shard holds {n} samples but the index lists {spec.samples}", key=spec.key
             )
         hs = header_size(n)
-        self.offsets = buf[_HEAD.size : hs].view("<u8").astype(np.int64) + hs
-        if int(self.offsets[-1]) > len(buf):
+        if hs > len(buf):
             self.close()
-            raise CorruptData("shard is shorter than its offset table says", key=spec.key)
+            raise CorruptData("shard is shorter than its offset table", key=spec.key)
+        table = buf[_HEAD.size : hs].view("<u8")
+        try:
+            check_offsets(table, 0, len(buf) - hs, key=spec.key, what="shard")
+        except CorruptData:
+            self.close()
+            raise
+        self.offsets = table.astype(np.int64) + hs
         self.n = n
+        self.key = spec.key
 
     def __len__(self) -> int:
         return self.n
 
     def get(self, index: int) -> Any:
         o = self.offsets
-        return decode_sample(self.encoding, self.buf[o[index] : o[index + 1]].tobytes())
+        with decoding(self.key, index):
+            return decode_sample(self.encoding, self.buf[o[index] : o[index + 1]].tobytes())
 
 
 class FmstoreFormat(DatasetFormat):
@@ -121,10 +129,13 @@ class FmstoreFormat(DatasetFormat):
     def sample_range(self, spec: ShardSpec, header: bytes, index: int) -> tuple[int, int]:
         lo, hi = struct.unpack_from("<QQ", header, _HEAD.size + 8 * index)
         base = header_size(spec.samples)
+        if not lo <= hi <= spec.size - base:
+            raise CorruptData(f"sample {index} has bad offsets {lo}..{hi}", key=spec.key)
         return base + lo, base + hi
 
     def decode(self, spec: ShardSpec, data: bytes) -> Any:
-        return decode_sample(self.encoding, data)
+        with decoding(spec.key, -1):
+            return decode_sample(self.encoding, data)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "encoding": self.encoding}
@@ -150,23 +161,39 @@ def shard_specs(doc: dict[str, Any], *, where: str) -> list[ShardSpec]:
     out = []
     for i, s in enumerate(doc["shards"]):
         try:
-            out.append(
-                ShardSpec(
-                    key=str(s["key"]),
-                    samples=int(s["samples"]),
-                    size=int(s["bytes"]),
-                    checksum=s.get("checksum"),
-                    compression=s.get("compression"),
-                    raw_size=int(s["raw_bytes"]) if s.get("raw_bytes") is not None else None,
-                )
+            spec = ShardSpec(
+                key=_field(s, "key", str),
+                samples=_field(s, "samples", int),
+                size=_field(s, "bytes", int),
+                checksum=s.get("checksum"),
+                compression=s.get("compression"),
+                raw_size=_field(s, "raw_bytes", int) if s.get("raw_bytes") is not None else None,
             )
-        except (KeyError, TypeError, ValueError):
-            raise CorruptData(f"index entry {i} of 'shards' is malformed", key=where) from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CorruptData(
+                f"index entry {i} of 'shards' is malformed ({e})", key=where
+            ) from None
+        out.append(check_spec(spec, entry=i, where=where))
     return out
+
+
+def _field(d: dict[str, Any], name: str, typ: type) -> Any:
+    v = d[name]
+    if type(v) is not typ:
+        raise TypeError(f"{name!r} is {v!r}, not {typ.__name__}")
+    return v
 
 
 def from_index(doc: dict[str, Any], *, where: str) -> FmstoreFormat:
     encoding = doc.get("encoding", "bytes")
-    if encoding not in ENCODINGS:
+    if not isinstance(encoding, str) or encoding not in ENCODINGS:
         raise CorruptData(f"unknown sample encoding {encoding!r}", key=where)
-    return FmstoreFormat(shard_specs(doc, where=where), encoding)
+    specs = shard_specs(doc, where=where)
+    for i, s in enumerate(specs):
+        if header_size(s.samples) > s.cached_size:
+            raise CorruptData(
+                f"index entry {i} ({s.key!r}): {s.samples} 'samples' cannot fit in "
+                f"{s.cached_size} bytes",
+                key=where,
+            )
+    return FmstoreFormat(specs, encoding)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import CorruptData, NotSupported
-from .base import DatasetFormat, ShardReader, ShardSpec
+from .base import DatasetFormat, ShardReader, ShardSpec, check_offsets, check_spec, decoding
 
 _SCALARS = ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
             "float16", "float32", "float64")  # fmt: skip
@@ -101,20 +101,29 @@ class MDSShardReader(ShardReader):
             raise CorruptData(
                 f"MDS shard holds {n} samples but index.json lists {spec.samples}", key=spec.key
             )
-        self.offsets = buf[4 : 4 + 4 * (n + 1)].view("<u4").astype(np.int64)
-        if int(self.offsets[-1]) > len(buf):
+        hs = 4 + 4 * (n + 1)
+        if hs > len(buf):
             self.close()
-            raise CorruptData("MDS shard is shorter than its offset table says", key=spec.key)
+            raise CorruptData("MDS shard is shorter than its offset table", key=spec.key)
+        table = buf[4:hs].view("<u4")
+        try:
+            check_offsets(table, hs, len(buf), key=spec.key, what="MDS shard")
+        except CorruptData:
+            self.close()
+            raise
+        self.offsets = table.astype(np.int64)
         self.columns = columns
         self.n = n
+        self.key = spec.key
 
     def __len__(self) -> int:
         return self.n
 
     def get(self, index: int) -> dict[str, Any]:
-        return decode_sample(
-            self.columns, self.buf[self.offsets[index] : self.offsets[index + 1]].tobytes()
-        )
+        with decoding(self.key, index):
+            return decode_sample(
+                self.columns, self.buf[self.offsets[index] : self.offsets[index + 1]].tobytes()
+            )
 
 
 def decode_sample(columns: list[tuple[str, Any, int | None]], data: bytes) -> dict[str, Any]:
@@ -125,6 +134,8 @@ def decode_sample(columns: list[tuple[str, Any, int | None]], data: bytes) -> di
             size = int.from_bytes(data[i : i + 4], "little")
             i += 4
         sizes.append(size)
+    if i + sum(sizes) != len(data):
+        raise ValueError(f"columns take {i + sum(sizes)} bytes of a {len(data)}-byte sample")
     out = {}
     for (name, dec, _), size in zip(columns, sizes, strict=True):
         out[name] = dec(data[i : i + size])
@@ -146,7 +157,11 @@ class MDSFormat(DatasetFormat):
         names, encs = tuple(spec.extra["column_names"]), tuple(spec.extra["column_encodings"])
         cols = self._columns.get((names, encs))
         if cols is None:
+            if not all(isinstance(x, str) for x in (*names, *encs)):
+                raise ValueError("column names and encodings must be strings")
             sizes = spec.extra.get("column_sizes") or [_fixed_size(e) for e in encs]
+            if not all(sz is None or (type(sz) is int and sz >= 0) for sz in sizes):
+                raise ValueError(f"column_sizes {sizes!r} are not sizes")
             cols = [
                 (n, make_decoder(e, self.allow_pickle), sz)
                 for n, e, sz in zip(names, encs, sizes, strict=True)
@@ -169,10 +184,13 @@ class MDSFormat(DatasetFormat):
 
     def sample_range(self, spec: ShardSpec, header: bytes, index: int) -> tuple[int, int]:
         lo, hi = struct.unpack_from("<II", header, 4 + 4 * index)
+        if not lo <= hi <= spec.size:
+            raise CorruptData(f"MDS sample {index} has bad offsets {lo}..{hi}", key=spec.key)
         return lo, hi
 
     def decode(self, spec: ShardSpec, data: bytes) -> Any:
-        return decode_sample(self._layout(spec), data)
+        with decoding(spec.key, -1):
+            return decode_sample(self._layout(spec), data)
 
     def describe(self) -> dict[str, Any]:
         cols = (
@@ -198,6 +216,12 @@ def is_mds_index(doc: Any) -> bool:
     )
 
 
+def _n(v: Any) -> int:
+    if type(v) is not int:
+        raise TypeError(f"{v!r} is not an int")
+    return v
+
+
 def from_index(doc: dict[str, Any], *, allow_pickle: bool, where: str) -> MDSFormat:
     shards = []
     for i, s in enumerate(doc["shards"]):
@@ -215,16 +239,26 @@ def from_index(doc: dict[str, Any], *, allow_pickle: bool, where: str) -> MDSFor
                     raise NotSupported(
                         f"MDS compression {comp!r} is not supported (zstd is)", key=where
                     )
-                spec = ShardSpec(key=zipped["basename"], samples=int(s["samples"]), size=int(zipped["bytes"]),
-                                 compression="zstd", raw_size=int(raw["bytes"]), extra=extra)  # fmt: skip
+                spec = ShardSpec(key=zipped["basename"], samples=_n(s["samples"]), size=_n(zipped["bytes"]),
+                                 compression="zstd", raw_size=_n(raw["bytes"]), extra=extra)  # fmt: skip
             else:
                 spec = ShardSpec(
                     key=raw["basename"],
-                    samples=int(s["samples"]),
-                    size=int(raw["bytes"]),
+                    samples=_n(s["samples"]),
+                    size=_n(raw["bytes"]),
                     extra=extra,
                 )
-        except (KeyError, TypeError, ValueError):
-            raise CorruptData(f"MDS index.json entry {i} is malformed", key=where) from None
+            check_spec(spec, entry=i, where=where)
+            if 4 + 4 * (spec.samples + 1) > spec.cached_size:
+                raise CorruptData(
+                    f"MDS index.json entry {i}: {spec.samples} 'samples' cannot fit in "
+                    f"{spec.cached_size} bytes",
+                    key=where,
+                )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CorruptData(f"MDS index.json entry {i} is malformed ({e!r})", key=where) from None
         shards.append(spec)
-    return MDSFormat(shards, allow_pickle)
+    try:
+        return MDSFormat(shards, allow_pickle)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptData(f"MDS index.json columns are malformed ({e!r})", key=where) from None

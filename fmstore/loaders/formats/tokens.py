@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import ConfigError
+from ...errors import ConfigError, CorruptData
 from .base import DatasetFormat, ShardReader, ShardSpec
 
 DTYPES = ("uint16", "uint32", "int32", "int64", "uint8")
@@ -26,6 +26,12 @@ class TokenShardReader(ShardReader):
     ) -> None:
         super().__init__(path)
         n = len(self.buf) // dtype.itemsize
+        if spec.samples and (spec.samples * seq_len + extra) > n:
+            self.close()
+            raise CorruptData(
+                f"token shard holds {n} tokens, fewer than its {spec.samples} samples need",
+                key=spec.key,
+            )
         self.tokens = self.buf[: n * dtype.itemsize].view(dtype)
         self.seq_len = seq_len
         self.width = seq_len + extra
@@ -68,9 +74,13 @@ class TokenFormat(DatasetFormat):
 def check_options(dtype: str | None, seq_len: int | None) -> tuple[str, int]:
     if seq_len is None or int(seq_len) < 1:
         raise ConfigError("a token-stream dataset needs seq_len (a positive int)")
-    if dtype is None or np.dtype(dtype).name not in DTYPES:
+    try:
+        name = None if dtype is None else np.dtype(dtype).name
+    except (TypeError, ValueError):
+        name = None
+    if name not in DTYPES:
         raise ConfigError(f"token dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    return np.dtype(dtype).name, int(seq_len)
+    return str(name), int(seq_len)
 
 
 def split_file(

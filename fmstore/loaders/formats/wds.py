@@ -105,9 +105,27 @@ def scan_tar(store: Store, key: str, size: int) -> list[list[Any]]:
                     members[-1][1].append([ext, m.offset_data, m.size])
                 else:
                     members.append([k, [[ext, m.offset_data, m.size]]])
-    except tarfile.TarError as e:
+    except (tarfile.TarError, EOFError, ValueError, OverflowError) as e:
         raise CorruptData(f"not a readable tar file: {e}", tier=store.tier, key=key) from None
     return members
+
+
+def members_ok(members: Any, size: int) -> bool:
+    """Whether ``members`` is a member table (as :func:`scan_tar` makes) inside ``size`` bytes."""
+    if not isinstance(members, list):
+        return False
+    for m in members:
+        if not (isinstance(m, list) and len(m) == 2 and isinstance(m[0], str)):
+            return False
+        if not isinstance(m[1], list):
+            return False
+        for p in m[1]:
+            if not (isinstance(p, list) and len(p) == 3 and isinstance(p[0], str)):
+                return False
+            off, n = p[1], p[2]
+            if type(off) is not int or type(n) is not int or off < 0 or n < 0 or off + n > size:
+                return False
+    return True
 
 
 def spec_for(key: str, size: int, members: list[list[Any]]) -> ShardSpec:

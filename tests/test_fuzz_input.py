@@ -1,0 +1,511 @@
+"""Property-based fuzzing of every on-disk format fmstore reads.
+
+Real checkpoints (fmstore's own format, and the DCP format written through fmstore's
+``Writer``) and real datasets of every supported format are mutated: bytes of blobs and
+shards flipped, truncated or extended; fields of manifests and indexes replaced by hostile
+values (negative, huge, wrong types, deep nesting, NaN) or removed; pickles planted where a
+loader might run them.  Every load must then either succeed or raise an fmstore error
+(``FmstoreError``), write nothing outside its target and cache, run no planted code, and stay
+within a hard address-space limit (``RLIMIT_AS``, a few GiB above the process's size).
+
+Budget: ``FMSTORE_FUZZ_EXAMPLES`` examples per test (30 by default, derandomized so CI runs
+are reproducible); set it higher for a longer search.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import os
+import resource
+import shutil
+import tarfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.strategies import DrawFn
+from loader_helpers import write_jsonl
+from peer_libs import import_mds_writer
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+import fmstore
+from fmstore.checkpoint.dcp import Reader, Writer
+from fmstore.checkpoint.dcp.api import inspect_checkpoint, load_full_state_dict, verify_checkpoint
+from fmstore.cli.main import main
+from fmstore.errors import FmstoreError
+from fmstore.format.checksum import crc32c
+from fmstore.loaders import StreamingDataset, write_dataset
+
+pytestmark = pytest.mark.fuzz
+
+EXAMPLES = int(os.environ.get("FMSTORE_FUZZ_EXAMPLES", "30"))
+# A named profile, applied per test (loading it globally would change every other module's
+# hypothesis settings in the same run).
+settings.register_profile(
+    "fmstore-fuzz",
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                           HealthCheck.data_too_large],
+)  # fmt: skip
+FUZZ = settings.get_profile("fmstore-fuzz")
+#: Address space a load may take beyond the process's size when it starts.
+HEADROOM = 3 << 30
+
+
+# ---- guards: memory, files written, code run --------------------------------------------
+
+
+def _vm_size() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+@contextlib.contextmanager
+def _address_space_limit() -> Iterator[None]:
+    """Cap the soft RLIMIT_AS for the duration of one load (the hard limit is untouched,
+    so it is restored afterwards): an allocation a hostile size asks for fails loudly as
+    MemoryError / RuntimeError, which the property then reports."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = _vm_size() + HEADROOM
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def _check(root: Path, allowed: tuple[str, ...], marker: Path, load: Callable[[], Any]) -> None:
+    """Run ``load``: only fmstore errors, nothing new under ``root`` outside ``allowed``
+    (relative directory names), and the planted ``marker`` never created."""
+    before = _files(root)
+    try:
+        with _address_space_limit():
+            load()
+    except FmstoreError:
+        pass
+    new = {p for p in _files(root) - before if p.split(os.sep)[0] not in allowed}
+    assert not new, f"files written outside {allowed}: {sorted(new)[:5]}"
+    assert not marker.exists(), "a planted pickle ran"
+
+
+def _cli(*args: str) -> None:
+    """The console entry in-process: fmstore errors end in SystemExit(1) with one line;
+    anything else propagates (and fails the property)."""
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            main(list(args))
+        except SystemExit as e:
+            assert e.code in (0, 1, None), e.code
+    lines = err.getvalue().splitlines()
+    assert len(lines) <= 1 and "Traceback" not in err.getvalue(), err.getvalue()[-2000:]
+
+
+class _Evil:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (open, (self.path, "w"))
+
+
+# ---- mutations ------------------------------------------------------------------------------
+
+
+def _deep(n: int) -> Any:
+    v: Any = 0
+    for _ in range(n):
+        v = [v]
+    return v
+
+
+HOSTILE = st.one_of(
+    st.integers(-(2**70), -1),
+    st.sampled_from([0, 1, 2**31, 2**32 + 1, 2**63, 2**64 + 7, 10**30, 6 << 30, 3_000_000_000]),
+    st.sampled_from([float("nan"), float("inf"), -1.5, 1e308, 0.5]),
+    st.sampled_from(["", "object", "../../escape", "/etc/passwd", "zstd", "pkl", "\x00", "9" * 40]),
+    st.sampled_from([None, True, False, [], {}, [1, -1], {"tensor": 10**9}, {"pickle": 0},
+                     {"__pickle__": "gASVAAAAAA=="}, {"dict": 5}, {"list": None}]),
+    st.sampled_from([_deep(60), _deep(300)]),
+)  # fmt: skip
+
+
+def _paths(doc: Any, prefix: tuple[Any, ...] = (), depth: int = 0) -> list[tuple[Any, ...]]:
+    """Every path to a value inside a JSON document (bounded, to keep draws cheap)."""
+    out: list[tuple[Any, ...]] = []
+    if depth > 12:
+        return out
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out.append((*prefix, k))
+            out += _paths(v, (*prefix, k), depth + 1)
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc[:40]):
+            out.append((*prefix, i))
+            out += _paths(v, (*prefix, i), depth + 1)
+    return out
+
+
+def _set(doc: Any, path: tuple[Any, ...], value: Any, delete: bool) -> None:
+    for p in path[:-1]:
+        doc = doc[p]
+    if delete and isinstance(doc, dict):
+        del doc[path[-1]]
+    else:
+        doc[path[-1]] = value
+
+
+@st.composite
+def json_mutation(draw: DrawFn, doc: Any) -> Any:
+    """``doc`` with one to three fields replaced by hostile values (or removed)."""
+    doc = json.loads(json.dumps(doc))
+    for _ in range(draw(st.integers(1, 3))):
+        paths = _paths(doc)
+        if not paths:
+            break
+        path = draw(st.sampled_from(paths))
+        # A copy: the strategy's sample objects must never be edited by a later mutation.
+        value = copy.deepcopy(draw(HOSTILE))
+        _set(doc, path, value, draw(st.booleans()) and draw(st.booleans()))
+    return doc
+
+
+@st.composite
+def byte_mutation(draw: DrawFn, size: int) -> tuple[str, int, bytes]:
+    """``(kind, position, payload)``: flip bits at, truncate to, or extend after a position."""
+    kind = draw(st.sampled_from(["flip", "truncate", "extend", "zero"]))
+    pos = draw(st.integers(0, max(0, size - 1)))
+    payload = draw(st.binary(min_size=1, max_size=64))
+    return kind, pos, payload
+
+
+def _apply_bytes(path: Path, mutation: tuple[str, int, bytes]) -> None:
+    kind, pos, payload = mutation
+    data = bytearray(path.read_bytes())
+    if kind == "flip" and data:
+        for i, b in enumerate(payload[:8]):
+            data[(pos + i) % len(data)] ^= b or 0x01
+    elif kind == "truncate":
+        del data[pos:]
+    elif kind == "extend":
+        data[pos:pos] = payload
+    elif kind == "zero":
+        data[pos : pos + len(payload)] = bytes(min(len(payload), len(data) - pos))
+    path.write_bytes(bytes(data))
+
+
+def _write_json(path: Path, doc: Any) -> None:
+    # allow_nan: hostile manifests carry bare NaN tokens too.
+    path.write_text(json.dumps(doc, allow_nan=True))
+
+
+def _data_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != "manifest.json"
+                  and p.name != "index.json")  # fmt: skip
+
+
+# ---- the real inputs, written once ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def originals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("originals")
+    out: dict[str, Path] = {}
+    shared = torch.randn(32, 16)
+    state = {
+        "model": {"w": shared, "tied": shared, "view": shared[2:5, 1:], "b": torch.arange(7),
+                  "h": torch.randn(40, dtype=torch.float64).to(torch.bfloat16)},
+        "optim": {"step": 3, "lr": 0.1, "betas": (0.9, 0.99), "name": "adam", "raw": b"\x00\x01",
+                  "nan": float("nan"), "dtype": torch.float16, "size": torch.Size([2, 3])},
+        "np": np.arange(6, dtype=np.int32),
+        "lst": [1, "two", None, [3.5]],
+    }  # fmt: skip
+    for comp in ("raw", "zstd", "bytegroup+zstd"):
+        out[f"ckpt-{comp}"] = base / f"ckpt-{comp}"
+        fmstore.save(state, str(out[f"ckpt-{comp}"]), compression=comp, chunk_size=4096)
+    out["dcp"] = base / "dcp"
+    dcp.save(
+        {"w": torch.randn(64, 8), "b": torch.arange(10, dtype=torch.int64),
+         "meta": {"step": 5, "tags": ["a", "b"]}},
+        storage_writer=Writer(str(out["dcp"]), chunk_size=4096, compression="zstd"),
+        no_dist=True,
+    )  # fmt: skip
+    src = write_jsonl(base / "src.jsonl", 120)
+    for comp in (None, "zstd"):
+        out[f"fmsds-{comp}"] = base / f"fmsds-{comp}"
+        write_dataset(src, str(out[f"fmsds-{comp}"]), shard_size=1500, compression=comp)
+    np.save(base / "tok.npy", (np.arange(4000) % 50_000).astype(np.uint16))
+    out["tokens"] = base / "tokens"
+    write_dataset(base / "tok.npy", str(out["tokens"]), shard_size=2000)
+    out["npy"] = base / "npy"
+    out["npy"].mkdir()
+    np.save(out["npy"] / "a.npy", np.arange(3000, dtype=np.uint16))
+    (np.arange(2000, dtype=np.uint16) * 3).tofile(out["npy"] / "b.bin")
+    out["wds"] = base / "wds"
+    out["wds"].mkdir()
+    for shard in range(2):
+        with tarfile.open(out["wds"] / f"data-{shard}.tar", "w") as tf:
+            for j in range(12):
+                for ext, data in (("txt", f"text {shard} {j}".encode()), ("bin", bytes(j + 1))):
+                    info = tarfile.TarInfo(f"s{shard}_{j:03d}.{ext}")
+                    info.size = len(data)
+                    tf.addfile(info, io.BytesIO(data))
+    MDSWriter = import_mds_writer()
+    if MDSWriter is not None:
+        for comp in (None, "zstd"):
+            out[f"mds-{comp}"] = base / f"mds-{comp}"
+            cols = {"id": "int", "text": "str", "arr": "ndarray:int32:2,3", "meta": "json"}
+            with MDSWriter(out=str(out[f"mds-{comp}"]), columns=cols, compression=comp,
+                           size_limit=1500) as w:  # fmt: skip
+                for i in range(60):
+                    w.write({"id": i, "text": "t" * (i % 9), "meta": {"i": i},
+                             "arr": np.full((2, 3), i, dtype=np.int32)})  # fmt: skip
+    return out
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+def _fresh(work: Path, original: Path) -> tuple[Path, Path]:
+    """A clean example directory holding a copy of ``original`` as ``target``."""
+    ex = work / "ex"
+    shutil.rmtree(ex, ignore_errors=True)
+    ex.mkdir()
+    shutil.copytree(original, ex / "target")
+    return ex, ex / "target"
+
+
+# ---- fmstore checkpoints ------------------------------------------------------------------
+
+
+def _load_fmstore_every_way(uri: str) -> Callable[[], None]:
+    def go() -> None:
+        for kw in ({}, {"mmap": True}, {"keys": "model*"}, {"lazy": True}):
+            try:
+                x = fmstore.load(uri, **kw)
+                if kw.get("lazy") and hasattr(x, "materialize"):
+                    x.materialize()
+            except FmstoreError:
+                pass
+        _cli("ckpt", "verify", uri)
+        _cli("ckpt", "inspect", uri)
+
+    return go
+
+
+CKPTS = ["ckpt-raw", "ckpt-zstd", "ckpt-bytegroup+zstd"]
+
+
+@pytest.mark.parametrize("which", CKPTS)
+@FUZZ
+@given(data=st.data())
+def test_fmstore_checkpoint_with_hostile_manifest_fields(originals, work, which, data):
+    ex, target = _fresh(work, originals[which])
+    doc = json.loads((target / "manifest.json").read_text())
+    _write_json(target / "manifest.json", data.draw(json_mutation(doc)))
+    _check(ex, ("target",), ex / "pwned", _load_fmstore_every_way(str(target)))
+
+
+@pytest.mark.parametrize("which", CKPTS)
+@FUZZ
+@given(data=st.data())
+def test_fmstore_checkpoint_with_damaged_blobs(originals, work, which, data):
+    ex, target = _fresh(work, originals[which])
+    f = data.draw(st.sampled_from(_data_files(target)))
+    _apply_bytes(f, data.draw(byte_mutation(f.stat().st_size)))
+    _check(ex, ("target",), ex / "pwned", _load_fmstore_every_way(str(target)))
+
+
+@FUZZ
+@given(data=st.data())
+def test_fmstore_checkpoint_with_a_planted_pickle(originals, work, data):
+    """A tree leaf turned into a pickle reference whose bytes would run code: refused by
+    default, so nothing runs, whatever else the manifest says."""
+    ex, target = _fresh(work, originals["ckpt-raw"])
+    doc = json.loads((target / "manifest.json").read_text())
+    evil = __import__("pickle").dumps(_Evil(str(ex / "pwned")))
+    name = "planted.bin"
+    (target / doc["generation"] / name).write_bytes(evil)
+    doc["blobs"].append({"name": name, "size": len(evil)})
+    doc["storages"].append({"nbytes": len(evil), "device": "cpu", "chunks": [
+        {"blob": len(doc["blobs"]) - 1, "offset": 0, "length": len(evil), "raw_offset": 0,
+         "raw": len(evil), "codec": "raw", "crc32c": crc32c(evil)}]})  # fmt: skip
+    doc["tensors"].append({"name": "planted", "storage": len(doc["storages"]) - 1,
+                           "dtype": "uint8", "shape": [len(evil)], "stride": [1], "offset": 0})  # fmt: skip
+    doc["pickled"] = data.draw(st.booleans())
+    doc["tree"]["dict"].append(["planted", {"pickle": len(doc["tensors"]) - 1}])
+    if data.draw(st.booleans()):
+        doc = data.draw(json_mutation(doc))
+    _write_json(target / "manifest.json", doc)
+    _check(ex, ("target",), ex / "pwned", _load_fmstore_every_way(str(target)))
+
+
+# ---- DCP checkpoints -------------------------------------------------------------------------
+
+
+def _load_dcp_every_way(uri: str) -> Callable[[], None]:
+    def go() -> None:
+        for fn in (
+            lambda: load_full_state_dict(uri),
+            lambda: _read_with_default_planner(uri),
+            lambda: verify_checkpoint(uri),
+            lambda: inspect_checkpoint(uri),
+        ):
+            with contextlib.suppress(FmstoreError):
+                fn()
+        _cli("ckpt", "inspect", uri)
+        _cli("ckpt", "verify", uri)
+
+    return go
+
+
+def _read_with_default_planner(uri: str) -> None:
+    """torch's DefaultLoadPlanner over the Reader (the planner that torch.load()s BYTE_IO
+    values with weights_only=False), without DCP's exception wrapping."""
+    target = {"w": torch.zeros(64, 8), "b": torch.zeros(10, dtype=torch.int64),
+              "meta": {"step": 0, "tags": ["", ""]}}  # fmt: skip
+    reader = Reader(uri)
+    md = reader.read_metadata()
+    reader.set_up_storage_reader(md, True)
+    planner = DefaultLoadPlanner()
+    try:
+        planner.set_up_planner(target, md, True)
+        plan = planner.create_local_plan()
+    except Exception:
+        return  # torch's planner refused the metadata before anything was read
+    reader.read_data(plan, planner).wait()
+
+
+@FUZZ
+@given(data=st.data())
+def test_dcp_checkpoint_with_hostile_manifest_fields(originals, work, data):
+    ex, target = _fresh(work, originals["dcp"])
+    doc = json.loads((target / "manifest.json").read_text())
+    _write_json(target / "manifest.json", data.draw(json_mutation(doc)))
+    _check(ex, ("target",), ex / "pwned", _load_dcp_every_way(str(target)))
+
+
+@FUZZ
+@given(data=st.data())
+def test_dcp_checkpoint_with_damaged_blobs(originals, work, data):
+    ex, target = _fresh(work, originals["dcp"])
+    f = data.draw(st.sampled_from(_data_files(target)))
+    _apply_bytes(f, data.draw(byte_mutation(f.stat().st_size)))
+    _check(ex, ("target",), ex / "pwned", _load_dcp_every_way(str(target)))
+
+
+@FUZZ
+@given(data=st.data())
+def test_dcp_checkpoint_with_planted_pickles(originals, work, data):
+    """Pickles in a BYTE_IO item (torch.save'd, as DCP writes them) and in the planner data."""
+    ex, target = _fresh(work, originals["dcp"])
+    doc = json.loads((target / "manifest.json").read_text())
+    marker = str(ex / "pwned")
+    buf = io.BytesIO()
+    torch.save(_Evil(marker), buf)
+    evil = buf.getvalue()
+    name = "planted.bin"
+    (target / doc["generation"] / name).write_bytes(evil)
+    doc["blobs"].append({"name": name, "size": len(evil), "rank": 0})
+    items = [it for it in doc["items"] if it["kind"] == "bytes"]
+    item = data.draw(st.sampled_from(items))
+    item["nbytes"] = len(evil)
+    item["chunks"] = [{"blob": len(doc["blobs"]) - 1, "offset": 0, "length": len(evil),
+                       "raw_offset": 0, "raw": len(evil), "codec": "raw", "crc32c": crc32c(evil)}]  # fmt: skip
+    if data.draw(st.booleans()):
+        raw = __import__("pickle").dumps(_Evil(marker))
+        doc["planner_data"] = {"__pickle__": __import__("base64").b64encode(raw).decode()}
+    if data.draw(st.booleans()):
+        doc = data.draw(json_mutation(doc))
+    _write_json(target / "manifest.json", doc)
+    _check(ex, ("target",), ex / "pwned", _load_dcp_every_way(str(target)))
+
+
+# ---- datasets -------------------------------------------------------------------------------
+
+#: Dataset originals and the options that read them.
+DATASETS: dict[str, dict[str, Any]] = {
+    "fmsds-None": {},
+    "fmsds-zstd": {},
+    "tokens": {"seq_len": 16},
+    "npy": {"seq_len": 16, "dtype": "uint16"},
+    "wds": {},
+    "mds-None": {},
+    "mds-zstd": {},
+}
+
+
+def _need(originals: dict[str, Path], which: str) -> Path:
+    if which not in originals:
+        pytest.skip(f"{which}: its writer is not installed")
+    return originals[which]
+
+
+def _read_dataset(remote: str, cache: str, kw: dict[str, Any]) -> Callable[[], None]:
+    def go() -> None:
+        try:
+            ds = StreamingDataset(remote, cache, shuffle=False, batch_size=4, **kw)
+            for _ in ds:
+                pass
+        except FmstoreError:
+            pass
+        _cli("dataset", "inspect", remote)
+
+    return go
+
+
+@pytest.mark.parametrize("which", [w for w in DATASETS if w not in ("wds", "npy")])
+@FUZZ
+@given(data=st.data())
+def test_dataset_with_hostile_index_fields(originals, work, which, data):
+    ex, target = _fresh(work, _need(originals, which))
+    doc = json.loads((target / "index.json").read_text())
+    _write_json(target / "index.json", data.draw(json_mutation(doc)))
+    _check(ex, ("target", "cache"), ex / "pwned",
+           _read_dataset(str(target), str(ex / "cache"), DATASETS[which]))  # fmt: skip
+
+
+@pytest.mark.parametrize("which", list(DATASETS))
+@FUZZ
+@given(data=st.data())
+def test_dataset_with_damaged_shards(originals, work, which, data):
+    ex, target = _fresh(work, _need(originals, which))
+    f = data.draw(st.sampled_from(_data_files(target)))
+    _apply_bytes(f, data.draw(byte_mutation(f.stat().st_size)))
+    _check(ex, ("target", "cache"), ex / "pwned",
+           _read_dataset(str(target), str(ex / "cache"), DATASETS[which]))  # fmt: skip
+
+
+@FUZZ
+@given(data=st.data())
+def test_webdataset_with_a_hostile_member_table_in_the_cache(originals, work, data):
+    """The tar member tables kept beside the node cache are files too, and may be edited."""
+    ex, target = _fresh(work, originals["wds"])
+    cache = ex / "cache"
+    StreamingDataset(str(target), str(cache))  # writes .meta/wds-index.json
+    meta = cache / ".meta" / "wds-index.json"
+    _write_json(meta, data.draw(json_mutation(json.loads(meta.read_text()))))
+    _check(ex, ("target", "cache"), ex / "pwned", _read_dataset(str(target), str(cache), {}))
