@@ -61,3 +61,31 @@ def test_ckpt_gc_never_follows_a_link_out_of_the_tier(tmp_path):
     assert r.returncode == 0, r.stderr
     assert leftover.exists()
     assert (tier / "runs" / "good" / "manifest.json").exists()
+
+
+def test_a_checkpoint_blob_swapped_for_a_link_is_never_read(tmp_path):
+    """The reader reads blobs on a POSIX tier with ``pread`` (or maps them): a blob replaced
+    by a link to a file outside the tier is refused, under a prefixed tier too."""
+    from fmstore.errors import PermissionDenied
+
+    tier = tmp_path / "tier"
+    ckpt = tier / "runs" / "a"
+    fmstore.save({"w": torch.arange(1000, dtype=torch.float32)}, str(ckpt), compression="none")
+    (blob,) = [p for p in ckpt.rglob("*.bin")]
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(blob.read_bytes())  # the same bytes: only the link can refuse it
+    blob.unlink()
+    os.symlink(outside, blob)
+    from fmstore.config import from_dict
+    from fmstore.stores import open_store
+
+    cfg = from_dict({"tiers": {"lustre": {"url": str(tier)}}})
+    for uri in (str(ckpt), "lustre:runs/a"):
+        store = open_store(uri, config=cfg)
+        for mmap in (False, True):
+            try:
+                fmstore.load(store, mmap=mmap)
+            except PermissionDenied as e:
+                assert "symbolic link" in str(e)
+            else:
+                raise AssertionError(f"{uri} (mmap={mmap}) read a blob through a link")

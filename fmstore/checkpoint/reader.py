@@ -156,7 +156,7 @@ class StorageReader:
         """``pread`` ``dest`` from ``path`` at ``start``; the CRC32C of what was read."""
         n = len(dest)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             raise NotFound(
                 f"blob missing from checkpoint {self.store.url}", tier=self.store.tier, key=key
@@ -238,7 +238,7 @@ class StorageReader:
             path = self.store.local_path(self.manifest.blob_key(bi))
             assert path is not None  # only called where the store has local files
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
             except FileNotFoundError:
                 raise NotFound(
                     "blob missing from checkpoint",

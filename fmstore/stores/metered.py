@@ -163,6 +163,9 @@ class MeteredStore(Store):
     def local_root(self) -> str | None:
         return self.inner.local_root
 
+    def local_path(self, key: str) -> str | None:
+        return self.inner.local_path(key)
+
     async def cleanup_temp(self, older_than: float = 3600.0, under: str = "") -> int:
         return await self.inner.cleanup_temp(older_than, under=under)
 

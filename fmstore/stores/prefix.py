@@ -57,6 +57,10 @@ class PrefixStore(Store):
         inner = self.inner.local_root
         return None if inner is None else os.path.join(inner, self.prefix.rstrip("/"))
 
+    def local_path(self, key: str) -> str | None:
+        # Through the inner store, so its checks cover the prefix's directories too.
+        return self.inner.local_path(self._full(key))
+
     async def cleanup_temp(self, older_than: float = 3600.0, under: str = "") -> int:
         return await self.inner.cleanup_temp(older_than, under=self.prefix + self._prefix(under))
 
