@@ -42,6 +42,24 @@ def chunk_problem(
     return None
 
 
+def chunk_run_problem(chunks: Sequence[Any], blobs: Sequence[Any]) -> tuple[str | None, int]:
+    """Why ``chunks`` (``blob``, ``offset``, ``length``, ``raw``, ``raw_offset``, ``codec``
+    each) cannot be the consecutive bytes of one value stored in ``blobs`` (``name``,
+    ``size`` each), and how many raw bytes they cover; the caller compares that with the
+    value's declared size.  Shared by both checkpoint formats."""
+    pos = 0
+    for ci, c in enumerate(chunks):
+        if not 0 <= c.blob < len(blobs):
+            return f"chunks[{ci}].blob {c.blob} is not a blob index", pos
+        if c.raw_offset != pos:
+            return f"chunks[{ci}].raw_offset {c.raw_offset} != {pos}", pos
+        why = chunk_problem(c.codec, c.offset, c.length, c.raw, blobs[c.blob].size)
+        if why:
+            return f"chunks[{ci}] (blob {blobs[c.blob].name!r}): {why}", pos
+        pos += c.raw
+    return None, pos
+
+
 def view_problem(
     shape: Sequence[int], stride: Sequence[int], offset: int, itemsize: int, nbytes: int
 ) -> str | None:

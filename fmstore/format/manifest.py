@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptData, VersionError
-from .bounds import chunk_problem, is_int, view_problem
+from .bounds import chunk_run_problem, is_int, view_problem
 from .dtypes import dtype_from_name
 from .treecheck import tree_problem
 
@@ -247,20 +247,12 @@ class Manifest:
             if b.size < 0:
                 raise bad(f"blobs[{i}] ({b.name!r}) has negative size {b.size}")
         for si, s in enumerate(self.storages):
-            pos = 0
+            why, pos = chunk_run_problem(s.chunks, self.blobs)
+            if why:
+                raise bad(f"storages[{si}].{why}")
             for ci, c in enumerate(s.chunks):
-                if not 0 <= c.blob < len(self.blobs):
-                    raise bad(f"storages[{si}].chunks[{ci}].blob {c.blob} is not a blob index")
-                if c.raw_offset != pos:
-                    raise bad(f"storages[{si}].chunks[{ci}].raw_offset {c.raw_offset} != {pos}")
-                why = chunk_problem(c.codec, c.offset, c.length, c.raw, self.blobs[c.blob].size)
-                if why:
-                    raise bad(
-                        f"storages[{si}].chunks[{ci}] (blob {self.blobs[c.blob].name!r}): {why}"
-                    )
                 if c.group < 1:
                     raise bad(f"storages[{si}].chunks[{ci}].group {c.group} is not positive")
-                pos += c.raw
             if pos != s.nbytes:
                 raise bad(f"storages[{si}].nbytes {s.nbytes} != {pos} bytes of its chunks")
         for t in self.tensors:

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...errors import CorruptData
-from ...format.bounds import MAX_DEPTH, chunk_problem, is_int
+from ...format.bounds import MAX_DEPTH, chunk_run_problem, is_int
 from ...format.dtypes import dtype_from_name, dtype_name
 from ...format.manifest import (
     MANIFEST_KEY,
@@ -467,16 +467,9 @@ class DcpManifest:
                     raise bad(f"{what}: nbytes {it.nbytes} does not match shape {list(it.shape)}")
             elif it.kind != "bytes":
                 raise bad(f"{what}: unknown kind {it.kind!r}")
-            pos = 0
-            for ci, c in enumerate(it.chunks):
-                if not 0 <= c.blob < len(self.blobs):
-                    raise bad(f"{what}: chunks[{ci}].blob {c.blob} is not a blob index")
-                if c.raw_offset != pos:
-                    raise bad(f"{what}: chunks[{ci}].raw_offset {c.raw_offset} != {pos}")
-                why = chunk_problem(c.codec, c.offset, c.length, c.raw, self.blobs[c.blob].size)
-                if why:
-                    raise bad(f"{what}: chunks[{ci}] (blob {self.blobs[c.blob].name!r}): {why}")
-                pos += c.raw
+            why, pos = chunk_run_problem(it.chunks, self.blobs)
+            if why:
+                raise bad(f"{what}: {why}")
             if pos != it.nbytes:
                 raise bad(f"{what}: chunks cover {pos} of its {it.nbytes} bytes")
             held[it.fqn] = held.get(it.fqn, 0) + it.nbytes
