@@ -11,7 +11,7 @@ lower-cased; values are parsed as TOML scalars when they parse, else kept as str
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +71,22 @@ class Config:
 
     def section(self, name: str) -> Mapping[str, Any]:
         return self.sections.get(name, {})
+
+    def table(self, name: str, allowed: Iterable[str]) -> tuple[Mapping[str, Any], str]:
+        """Section ``name``, checked to be a table whose keys are all in ``allowed``, and
+        the prefix its layer's messages start with (``fmstore.toml: [daemon]``); raises
+        :class:`ConfigError` naming the file, the section and the unknown key."""
+        raw = self.section(name)
+        w = f"{self.source or 'config'}: [{name}]"
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{w} must be a table")
+        known = sorted(allowed)
+        for key in raw:
+            if key not in known:
+                raise ConfigError(
+                    f"{w} unknown key {key!r}{_suggest(key, known)}; allowed: {', '.join(known)}"
+                )
+        return raw, w
 
 
 def home() -> Path:

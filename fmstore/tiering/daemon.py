@@ -68,13 +68,7 @@ class DaemonSettings:
 
 
 def settings_from_config(config: Config) -> DaemonSettings:
-    raw = config.section("daemon")
-    w = f"{config.source or 'config'}: [daemon]"
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{w} must be a table")
-    for key in raw:
-        if key not in _KEYS:
-            raise ConfigError(f"{w} unknown key {key!r}; allowed: {', '.join(sorted(_KEYS))}")
+    raw, w = config.table("daemon", _KEYS)
     s = DaemonSettings()
     port = raw.get("port", s.port)
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:

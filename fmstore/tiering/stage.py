@@ -312,14 +312,7 @@ def preserve_owner_setting(config: Config | None = None) -> bool:
     """``[stage] preserve_owner`` (default false): whether copies to a POSIX destination
     restore the owner and group recorded in the source's metadata.  Raises
     :class:`ConfigError` on an unknown key or a value that is not a boolean."""
-    config = config or get_config()
-    raw = config.section("stage")
-    w = f"{config.source or 'config'}: [stage]"
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{w} must be a table")
-    for key in raw:
-        if key not in _STAGE_KEYS:
-            raise ConfigError(f"{w} unknown key {key!r}; allowed: {', '.join(_STAGE_KEYS)}")
+    raw, w = (config or get_config()).table("stage", _STAGE_KEYS)
     value = raw.get("preserve_owner", False)
     if not isinstance(value, bool):
         raise ConfigError(f"{w} preserve_owner must be true or false, not {value!r}")
