@@ -60,14 +60,6 @@ def open_store(
     """Open the store behind ``url``; ``options`` go to the backend (see each backend's
     options).  ``metered``: record Prometheus metrics (see :class:`MeteredStore`); None
     means :data:`METERED_BY_DEFAULT`."""
-    store = Location.parse(url, config).open(tier=tier, **options)
     if metered is None:
         metered = METERED_BY_DEFAULT
-    if not metered:
-        return store
-    from .metered import MeteredStore
-
-    # Metering wraps the backend, under any prefix: one set of series per tier.
-    if isinstance(store, PrefixStore):
-        return MeteredStore(store.inner).sub(store.prefix)
-    return MeteredStore(store)
+    return Location.parse(url, config).open(tier=tier, metered=metered, **options)

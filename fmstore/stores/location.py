@@ -126,12 +126,15 @@ class Location:
             return cls(url=url, base=url, scheme="s3", options=merged)
         return cls(url=url, base=url, scheme=scheme, options=options)
 
-    def open(self, *, tier: str | None = None, **options: Any) -> Store:
-        """The backend store of this location (rooted at ``sub``), unmetered; ``options``
-        override the location's own."""
-        opts = {**dict(self.options), **options}
-        name = tier or self.tier
-        store = _open_backend(self, name, opts)
+    def open(self, *, tier: str | None = None, metered: bool = False, **options: Any) -> Store:
+        """The store of this location, rooted at ``sub``; ``options`` override the
+        location's own.  ``metered`` wraps the backend, below the prefix, so every location
+        on a tier records one set of series."""
+        store = _open_backend(self, tier or self.tier, {**dict(self.options), **options})
+        if metered:
+            from .metered import MeteredStore
+
+            store = MeteredStore(store)
         return store.sub(self.sub) if self.sub else store
 
 

@@ -32,6 +32,7 @@ from ..config import Config, get_config
 from ..errors import ConfigError, FmstoreError, NotFound, PermissionDenied
 from ..stores import Location, open_store, split_tier
 from ..stores.base import ObjectMeta, Store
+from ..stores.location import scheme_of
 from .crc import crc32c
 from .journal import Journal
 from .transfer import (
@@ -158,7 +159,7 @@ def in_shard(key: str, shard: tuple[int, int] | None) -> bool:
 def resolve_url(url: str) -> str:
     """A location as it can be opened later from anywhere: plain paths made absolute."""
     tier, _rest = split_tier(url)
-    if tier is not None or re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", url):
+    if tier is not None or scheme_of(url) is not None:
         return url
     return os.path.abspath(os.path.expanduser(url))
 
