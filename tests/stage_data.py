@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -26,6 +28,21 @@ def fm(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess
         env={**os.environ, **(env or {})},
         **kw,
     )
+
+
+def fm_here(*args: str) -> subprocess.CompletedProcess:
+    """Run the fmstore CLI in this process, through the console script's entry point, so
+    it shares the test's config and ``memory://`` stores; the same fields as :func:`fm`."""
+    from fmstore.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    return subprocess.CompletedProcess(["fmstore", *args], code, out.getvalue(), err.getvalue())
 
 
 def kill9_when(

@@ -3,37 +3,18 @@ in-process (tests/test_cli.py covers starting the real command)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
+from stage_data import fm_here
 
 import fmstore
-from fmstore.cli.main import main
 from fmstore.format.manifest import Manifest
 
 
-@dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
 @pytest.fixture
-def fm(capsys, monkeypatch):
+def fm(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
-
-    def run(*args: str) -> Result:
-        try:
-            main(list(args))
-            code = 0
-        except SystemExit as e:
-            code = int(e.code or 0)
-        out = capsys.readouterr()
-        return Result(code, out.out, out.err)
-
-    return run
+    return fm_here
 
 
 def _state():

@@ -370,19 +370,14 @@ def test_async_save_keeps_values_of_the_moment_and_reuses_buffers(tmp_path):
     assert torch.equal(out["w"], sd["w"]) and out["meta"]["step"] == 8
 
 
-def test_cli_inspect_verify_convert_understand_dcp(tmp_path, capsys, monkeypatch):
-    from fmstore.cli.main import main
+def test_cli_inspect_verify_convert_understand_dcp(tmp_path, monkeypatch):
+    from stage_data import fm_here
 
     monkeypatch.setenv("COLUMNS", "200")
 
     def fm(*args: str) -> tuple[int, str]:
-        try:
-            main(list(args))
-            code = 0
-        except SystemExit as e:
-            code = int(e.code or 0)
-        out = capsys.readouterr()
-        return code, out.out + out.err
+        r = fm_here(*args)
+        return r.returncode, r.stdout + r.stderr
 
     uri = str(tmp_path / "cli")
     sd = _state()

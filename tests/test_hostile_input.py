@@ -15,12 +15,12 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from hostile_helpers import read_json, replace_blob_bytes, run_limited, write_json, zstd_bomb
 from loader_helpers import make_dataset, write_jsonl
+from stage_data import fm_here
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import fmstore
 from fmstore import runtime
 from fmstore.checkpoint.dcp import Reader, Writer
-from fmstore.cli.main import main
 from fmstore.errors import ConfigError, CorruptData
 from fmstore.format.checksum import crc32c
 from fmstore.loaders import StreamingDataset, write_dataset
@@ -28,14 +28,9 @@ from fmstore.stores import open_store
 from fmstore.tiering.catalog import Catalog
 
 
-def _fm(capsys, *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
+def _cli(*args: str) -> tuple[int, str, str]:
+    r = fm_here(*args)
+    return r.returncode, r.stdout, r.stderr
 
 
 def _one_line_error(code: int, err: str) -> None:
@@ -107,10 +102,10 @@ def test_dcp_pickle_payload_runs_no_code_on_load(tmp_path):
     assert not marker.exists()
 
 
-def test_dcp_pickle_payload_runs_no_code_in_ckpt_convert(tmp_path, capsys):
+def test_dcp_pickle_payload_runs_no_code_in_ckpt_convert(tmp_path):
     marker = tmp_path / "pwned"
     uri = _dcp_with_byte_io(tmp_path, _Evil(str(marker)))
-    code, _out, err = _fm(capsys, "ckpt", "convert", uri, str(tmp_path / "out.safetensors"))
+    code, _out, err = _cli("ckpt", "convert", uri, str(tmp_path / "out.safetensors"))
     _one_line_error(code, err)
     assert "meta.step" in err
     assert not marker.exists()
@@ -396,33 +391,33 @@ def test_corrupt_catalog_is_corrupt_data_naming_it(tmp_path):
     assert e.value.key == str(path)
 
 
-def test_ckpt_verify_refuses_tensors_that_do_not_fit_their_storage(tmp_path, capsys):
+def test_ckpt_verify_refuses_tensors_that_do_not_fit_their_storage(tmp_path):
     uri, doc = _ckpt(tmp_path)
     _edit_unaligned_overhang(doc)
     write_json(Path(uri) / "manifest.json", doc)
-    code, out, err = _fm(capsys, "ckpt", "verify", uri)
+    code, out, err = _cli("ckpt", "verify", uri)
     _one_line_error(code, err)
     assert "does not fit its storage" in err and "'w'" in err
     assert "ok" not in out
 
 
 @pytest.mark.parametrize("cmd", ["inspect", "verify", "convert"])
-def test_ckpt_commands_print_one_line_for_malformed_manifests(tmp_path, capsys, cmd):
+def test_ckpt_commands_print_one_line_for_malformed_manifests(tmp_path, cmd):
     uri, doc = _ckpt(tmp_path)
     _tensor(doc)["dtype"] = "object"
     write_json(Path(uri) / "manifest.json", doc)
     extra = [str(tmp_path / "o.safetensors")] if cmd == "convert" else []
-    code, _out, err = _fm(capsys, "ckpt", cmd, uri, *extra)
+    code, _out, err = _cli("ckpt", cmd, uri, *extra)
     _one_line_error(code, err)
     assert "unknown dtype 'object'" in err
 
 
-def test_dataset_inspect_prints_one_line_for_a_malformed_index(tmp_path, capsys):
+def test_dataset_inspect_prints_one_line_for_a_malformed_index(tmp_path):
     remote = make_dataset(tmp_path, 200)
     index = read_json(Path(remote) / "index.json")
     index["shards"][0]["samples"] = -5
     write_json(Path(remote) / "index.json", index)
-    code, _out, err = _fm(capsys, "dataset", "inspect", remote)
+    code, _out, err = _cli("dataset", "inspect", remote)
     _one_line_error(code, err)
     assert "index entry 0" in err
 

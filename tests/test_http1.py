@@ -282,9 +282,9 @@ def test_big_body_is_sent_in_slices_and_an_early_answer_stops_it():
     go(main())
 
 
-def test_tls_round_trips_in_place_in_pieces_and_in_slices(tmp_path):
-    """S3 is https in production: the same framing, in-place receives and sliced sends
-    over TLS (a self-signed certificate made by the openssl command)."""
+def _self_signed(tmp_path):
+    """A self-signed certificate for localhost (made by the openssl command) and a server
+    context holding it."""
     import shutil
     import ssl
     import subprocess
@@ -301,6 +301,15 @@ def test_tls_round_trips_in_place_in_pieces_and_in_slices(tmp_path):
     )
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_ctx.load_cert_chain(cert, key)
+    return cert, server_ctx
+
+
+def test_tls_round_trips_in_place_in_pieces_and_in_slices(tmp_path):
+    """S3 is https in production: the same framing, in-place receives and sliced sends
+    over TLS (a self-signed certificate made by the openssl command)."""
+    import ssl
+
+    cert, server_ctx = _self_signed(tmp_path)
     client_ctx = ssl.create_default_context(cafile=str(cert))
     data = bytes(range(256)) * (12 << 10)  # 3 MiB
 
@@ -561,26 +570,13 @@ def test_a_huge_error_body_is_cut_and_the_connection_dropped(framing):
 
 
 def test_an_unverified_certificate_fails_at_once_and_is_not_retried(tmp_path):
-    import shutil
     import ssl
-    import subprocess
 
     from fmstore.errors import FmstoreError, StoreUnavailable
     from fmstore.stores import open_store
     from fmstore.stores.http1 import CertificateError
 
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make a certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
-        + ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"]
-        + ["-addext", "subjectAltName=DNS:localhost"],
-        check=True,
-        capture_output=True,
-    )
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_ctx.load_cert_chain(cert, key)
+    cert, server_ctx = _self_signed(tmp_path)
     hellos: list[str] = []  # TLS handshakes begun (a failed one never reaches the server)
     server_ctx.sni_callback = lambda _sock, name, _ctx: hellos.append(name)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from stage_data import fm_here
 
 import fmstore
 from fmstore import runtime
@@ -174,9 +175,9 @@ def test_manager_restores_the_only_copy_on_each_tier_after_losing_the_catalog(wo
         got = mgr.restore()
         assert mgr.restored_step == 9
         assert torch.equal(got["model"]["w"], big["model"]["w"]) and got["step"] == 3
-    r = _cli("ckpt", "list", "--json", "runs/a")
-    assert r.code == 0, r.err
-    (row,) = json.loads(r.out)
+    r = fm_here("ckpt", "list", "--json", "runs/a")
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(r.stdout)
     assert row["step"] == 9 and row["tiers"][tier]["state"] == "present"
 
 
@@ -198,29 +199,6 @@ def test_streaming_dataset(world, form, tmp_path):
 # ---- the CLI -----------------------------------------------------------------------------
 
 
-class _Run:
-    def __init__(self, code: int, out: str, err: str) -> None:
-        self.code, self.out, self.err = code, out, err
-
-
-def _cli(*args: str) -> _Run:
-    """The CLI in this process (so ``memory://`` locations are shared with the test),
-    through the same entry point as the console script."""
-    import contextlib
-    import io
-
-    from fmstore.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(list(args))
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-    return _Run(code, out.getvalue(), err.getvalue())
-
-
 def _tree(root: Path) -> None:
     (root / "d").mkdir(parents=True)
     (root / "a.txt").write_bytes(b"alpha" * 100)
@@ -232,35 +210,35 @@ def test_cli_stage_both_ways_and_object_commands(world, form, tmp_path):
     src = tmp_path / "src"
     _tree(src)
     there = world.loc(form)
-    r = _cli("stage", str(src), there)
-    assert r.code == 0, r.err
+    r = fm_here("stage", str(src), there)
+    assert r.returncode == 0, r.stderr
     back = tmp_path / "back"
-    r = _cli("stage", there, str(back))
-    assert r.code == 0, r.err
+    r = fm_here("stage", there, str(back))
+    assert r.returncode == 0, r.stderr
     assert (back / "d" / "b.bin").read_bytes() == (src / "d" / "b.bin").read_bytes()
 
-    r = _cli("ls", "-r", there)
-    assert r.code == 0 and "d/b.bin" in r.out and "a.txt" in r.out, r.out + r.err
-    r = _cli("du", there)
-    assert r.code == 0 and "2 files  total" in r.out, r.out + r.err
-    r = _cli("cp", f"{there}/a.txt", f"{there}/c.txt")
-    assert r.code == 0, r.err
-    r = _cli("rm", "--yes", f"{there}/c.txt")
-    assert r.code == 0, r.err
-    r = _cli("rm", "-r", "--yes", there)
-    assert r.code == 0, r.err
-    r = _cli("ls", "-r", there)
-    assert "a.txt" not in r.out
+    r = fm_here("ls", "-r", there)
+    assert r.returncode == 0 and "d/b.bin" in r.stdout and "a.txt" in r.stdout, r.stdout + r.stderr
+    r = fm_here("du", there)
+    assert r.returncode == 0 and "2 files  total" in r.stdout, r.stdout + r.stderr
+    r = fm_here("cp", f"{there}/a.txt", f"{there}/c.txt")
+    assert r.returncode == 0, r.stderr
+    r = fm_here("rm", "--yes", f"{there}/c.txt")
+    assert r.returncode == 0, r.stderr
+    r = fm_here("rm", "-r", "--yes", there)
+    assert r.returncode == 0, r.stderr
+    r = fm_here("ls", "-r", there)
+    assert "a.txt" not in r.stdout
 
 
 @pytest.mark.parametrize("form", FORMS)
 def test_cli_ckpt_inspect_and_verify(world, form):
     uri = world.loc(form)
     fmstore.save(_state(5000), uri)
-    r = _cli("ckpt", "inspect", uri)
-    assert r.code == 0 and "model.w" in r.out, r.out + r.err
-    r = _cli("ckpt", "verify", uri)
-    assert r.code == 0, r.out + r.err
+    r = fm_here("ckpt", "inspect", uri)
+    assert r.returncode == 0 and "model.w" in r.stdout, r.stdout + r.stderr
+    r = fm_here("ckpt", "verify", uri)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -270,17 +248,17 @@ def test_cli_lazy_stage_hydrate_release(world, form, tmp_path):
     src_dir = tmp_path / "src"
     _tree(src_dir)
     remote = world.loc(form)
-    assert _cli("stage", str(src_dir), remote).code == 0
+    assert fm_here("stage", str(src_dir), remote).returncode == 0
     local = tmp_path / "lazy"
-    r = _cli("stage", "--lazy", remote, str(local))
-    assert r.code == 0, r.err
-    r = _cli("hydrate", str(local))
-    assert r.code == 0, r.err
+    r = fm_here("stage", "--lazy", remote, str(local))
+    assert r.returncode == 0, r.stderr
+    r = fm_here("hydrate", str(local))
+    assert r.returncode == 0, r.stderr
     assert (local / "d" / "b.bin").read_bytes() == (src_dir / "d" / "b.bin").read_bytes()
-    r = _cli("release", str(local))
-    assert r.code == 0, r.err
+    r = fm_here("release", str(local))
+    assert r.returncode == 0, r.stderr
     assert not (local / "d" / "b.bin").exists()
     if form not in LOCAL_FORMS:
-        r = _cli("hydrate", remote)
-        assert r.code != 0 and "lazy staging works on local paths" in r.err
-        assert "Traceback" not in r.err
+        r = fm_here("hydrate", remote)
+        assert r.returncode != 0 and "lazy staging works on local paths" in r.stderr
+        assert "Traceback" not in r.stderr
