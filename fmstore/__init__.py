@@ -22,7 +22,7 @@ from .stores import open_store  # noqa: E402
 
 if TYPE_CHECKING:
     from .checkpoint import SaveHandle, aload, asave, async_save, load, save
-    from .checkpoint.manager import CheckpointManager
+    from .tiering.manager import CheckpointManager
 
 #: Names served by :mod:`fmstore.checkpoint`, imported on first use: it loads torch, which
 #: the storage layer and the CLI's staging commands do not need (seconds at start-up).
@@ -37,7 +37,7 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     if name == "CheckpointManager":
-        from .checkpoint.manager import CheckpointManager
+        from .tiering.manager import CheckpointManager
 
         globals()[name] = CheckpointManager
         return CheckpointManager

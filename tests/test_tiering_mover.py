@@ -11,6 +11,8 @@ from tiering_helpers import state
 
 import fmstore
 from fmstore import runtime
+from fmstore.checkpoint.reader import read_manifest_bytes
+from fmstore.checkpoint.verify import verify_checkpoint
 from fmstore.errors import CorruptData, NotFound
 from fmstore.format.manifest import MANIFEST_KEY
 from fmstore.stores import open_store
@@ -20,8 +22,6 @@ from fmstore.tiering.mover import (
     copy_checkpoint,
     delete_checkpoint,
     has_checkpoint,
-    read_manifest_bytes,
-    verify_checkpoint,
 )
 
 

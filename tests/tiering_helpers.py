@@ -10,7 +10,7 @@ import torch
 
 from fmstore import runtime
 from fmstore.config import Config, TierConfig, from_dict
-from fmstore.tiering.mover import verify_checkpoint
+from fmstore.checkpoint.verify import verify_checkpoint
 from fmstore.tiering.tiers import Tiers
 
 

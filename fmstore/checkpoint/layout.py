@@ -1,4 +1,7 @@
-"""Key names inside a checkpoint prefix: predictable, so gc can recognise leftovers.
+"""Key names of checkpoints: predictable, so gc can recognise leftovers.
+
+A run's checkpoint of step ``S`` is the prefix ``ROOT/step_SSSSSSSSSSSS`` (12 digits, so
+listings sort by step) on every tier.  Inside a checkpoint prefix:
 
 manifest.json                the commit (written last)
 gMMMMMMMMMMMM-RRRRRRRR/      one generation per save: ms timestamp (hex) + random
@@ -11,8 +14,10 @@ import re
 import secrets
 import time
 
+from .. import keys as _keys
 from ..format.manifest import MANIFEST_KEY
 
+STEP_RE = re.compile(r"^step_(\d{12})$")
 GENERATION_RE = re.compile(r"^g([0-9a-f]{12})-[0-9a-f]{8}$")
 BLOB_RE = re.compile(r"^[0-9]{6,}\.bin$")
 
@@ -20,9 +25,13 @@ __all__ = [
     "BLOB_RE",
     "GENERATION_RE",
     "MANIFEST_KEY",
+    "STEP_RE",
     "blob_name",
+    "checkpoint_key",
     "generation_age",
     "new_generation",
+    "parse_step",
+    "step_name",
 ]
 
 
@@ -40,3 +49,18 @@ def generation_age(gen: str, now: float | None = None) -> float:
     if not m:
         return 0.0
     return (now if now is not None else time.time()) - int(m.group(1), 16) / 1000.0
+
+
+def step_name(step: int) -> str:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"a checkpoint step must be a whole number >= 0, not {step!r}")
+    return f"step_{step:012d}"
+
+
+def parse_step(name: str) -> int | None:
+    m = STEP_RE.match(name.rstrip("/"))
+    return int(m.group(1)) if m else None
+
+
+def checkpoint_key(root: str, step: int) -> str:
+    return _keys.join(root, step_name(step))

@@ -37,15 +37,22 @@ COALESCE_MAX = 16 << 20
 CRC_PIECE = 4 << 20
 
 
-async def read_manifest(store: Store) -> Manifest:
-    """The committed manifest; NotFound when the prefix holds no checkpoint."""
+async def read_manifest_bytes(store: Store) -> tuple[bytes, Manifest]:
+    """The committed manifest of the checkpoint at ``store``'s root, with its bytes (their
+    CRC32C is what the catalog records); NotFound when the prefix holds no checkpoint,
+    CorruptData when the manifest does not parse."""
     try:
         data = await store.get(MANIFEST_KEY)
     except NotFound:
         raise NotFound(
             f"no checkpoint at {store.url} (no {MANIFEST_KEY})", tier=store.tier, key=MANIFEST_KEY
         ) from None
-    return Manifest.loads(data, where=store.url)
+    return data, Manifest.loads(data, where=store.url)
+
+
+async def read_manifest(store: Store) -> Manifest:
+    """The committed manifest; NotFound when the prefix holds no checkpoint."""
+    return (await read_manifest_bytes(store))[1]
 
 
 @dataclass(frozen=True)

@@ -1,60 +1,185 @@
-"""Checking every chunk of a checkpoint against its CRC32C without decoding it."""
+"""Checking every chunk of a checkpoint against its CRC32C without decoding it.
+
+One check for both formats (a single-process checkpoint and a multi-rank DCP one), used by
+``fmstore ckpt verify``, the tier mover (before and after a copy) and the policies.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .. import runtime
-from ..errors import FmstoreError
+from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
 from ..format.checksum import crc32c
-from ..format.manifest import Manifest
+from ..format.manifest import MANIFEST_KEY, Manifest, sniff_format
 from ..stores.base import Store
+
+if TYPE_CHECKING:
+    from .dcp.manifest import DcpManifest
+
+_DCP_FORMAT = "fmstore-dcp"  # the DCP manifest's format name
+
+#: Chunks of one blob are read in runs of at most this many bytes (memory stays bounded).
+READ_RUN = 64 << 20
 
 
 @dataclass(frozen=True)
 class BadChunk:
+    """A chunk that failed: the tensor (or state-dict entry) it belongs to, where it is,
+    and why."""
+
     tensor: str
     blob: str
     offset: int
     reason: str
 
+    def __str__(self) -> str:
+        return f"tensor {self.tensor!r} blob {self.blob} offset {self.offset}: {self.reason}"
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of :func:`verify_checkpoint`.  ``problems``: one line per problem (a missing
+    or unreadable manifest, a missing or wrong-sized blob, a chunk failing its checksum);
+    ``bad``: the failed chunks among them.  ``ok`` when there is none."""
+
+    url: str
+    tier: str
+    chunks: int = 0
+    bytes: int = 0
+    manifest_crc32c: int | None = None
+    problems: list[str] = field(default_factory=list)
+    bad: list[BadChunk] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    name: str
+    offset: int
+    length: int
+    crc32c: int
+
+
+def _layout(m: Manifest | DcpManifest) -> dict[int, list[_Chunk]]:
+    """Each blob's chunks, sorted by offset, named by the tensor they hold."""
+    by_blob: dict[int, list[_Chunk]] = {}
+    if isinstance(m, Manifest):
+        names: dict[int, str] = {}
+        for t in m.tensors:
+            names.setdefault(t.storage, t.name)
+        for si, s in enumerate(m.storages):
+            name = names.get(si, f"<storage {si}>")
+            for c in s.chunks:
+                by_blob.setdefault(c.blob, []).append(_Chunk(name, c.offset, c.length, c.crc32c))
+    else:
+        for it in m.items:
+            for c in it.chunks:
+                by_blob.setdefault(c.blob, []).append(_Chunk(it.fqn, c.offset, c.length, c.crc32c))
+    for chunks in by_blob.values():
+        chunks.sort(key=lambda c: c.offset)
+    return by_blob
+
+
+async def read_any_manifest(store: Store) -> tuple[bytes, Manifest | DcpManifest]:
+    """The committed manifest at ``store``'s root, of either format (NotFound / CorruptData)."""
+    try:
+        data = await store.get(MANIFEST_KEY)
+    except NotFound:
+        raise NotFound(
+            f"no checkpoint at {store.url} (no {MANIFEST_KEY})", tier=store.tier, key=MANIFEST_KEY
+        ) from None
+    if _DCP_FORMAT.encode() in data and sniff_format(data) == _DCP_FORMAT:
+        from .dcp.manifest import DcpManifest  # imports torch.distributed: only when needed
+
+        return data, DcpManifest.loads(data, where=f"{store.url}/{MANIFEST_KEY}")
+    return data, Manifest.loads(data, where=store.url)
+
 
 async def verify_checkpoint(
     store: Store,
-    manifest: Manifest,
+    manifest: Manifest | DcpManifest | None = None,
     *,
     progress: Callable[[int], None] | None = None,
     concurrency: int = 16,
-) -> list[BadChunk]:
-    """Read every chunk and compare its checksum; returns the bad ones (empty: all good).
-    ``progress(n)`` is called with the stored bytes of each chunk checked."""
-    names: dict[int, str] = {}
-    for t in manifest.tensors:
-        names.setdefault(t.storage, t.name)
-    gate = asyncio.Semaphore(concurrency)
-    bad: list[BadChunk] = []
+) -> VerifyResult:
+    """Check every blob's size and every chunk's CRC32C (computed in the CPU pool) against
+    the manifest, read from ``store`` when not given.
 
-    async def one(si: int, ci: int) -> None:
-        c = manifest.storages[si].chunks[ci]
-        key = manifest.blob_key(c.blob)
+    Never raises for bad data: problems are listed in the result (a missing manifest is a
+    problem too); store outages raise :class:`~fmstore.errors.StoreUnavailable`.
+    ``progress(n)`` is called with the stored bytes of each run of chunks checked.
+    """
+    res = VerifyResult(url=store.url, tier=store.tier)
+    if manifest is None:
+        try:
+            data, manifest = await read_any_manifest(store)
+        except (NotFound, CorruptData) as e:
+            res.problems.append(str(e))
+            return res
+        res.manifest_crc32c = crc32c(data)
+    m = manifest
+    gate = asyncio.Semaphore(concurrency)
+
+    def fail(name: str, key: str, offset: int, reason: str) -> None:
+        res.bad.append(BadChunk(name, key, offset, reason))
+        res.problems.append(f"blob {key}: chunk of {name!r} at offset {offset} {reason}")
+
+    async def one(blob: int, chunks: list[_Chunk]) -> None:
+        key = m.blob_key(blob)
         async with gate:
             try:
-                data = await store.get_range(key, c.offset, c.offset + c.length)
-                got = await runtime.to_cpu(crc32c, data)
-                if got != c.crc32c:
-                    bad.append(
-                        BadChunk(
-                            names.get(si, f"<storage {si}>"), key, c.offset, "checksum mismatch"
-                        )
-                    )
-            except FmstoreError as e:
-                bad.append(BadChunk(names.get(si, f"<storage {si}>"), key, c.offset, e.message))
-        if progress is not None:
-            progress(c.length)
+                size = (await store.stat(key)).size
+            except NotFound:
+                res.problems.append(f"blob {key} is missing")
+                res.bad.extend(BadChunk(c.name, key, c.offset, "blob missing") for c in chunks)
+                return
+        want = m.blobs[blob].size
+        if size != want:
+            res.problems.append(f"blob {key} has {size} bytes, the manifest says {want}")
+            res.bad.extend(
+                BadChunk(c.name, key, c.offset, "blob has the wrong size") for c in chunks
+            )
+            return
+        i = 0
+        while i < len(chunks):
+            j, start = i + 1, chunks[i].offset
+            while j < len(chunks) and chunks[j].offset + chunks[j].length - start <= READ_RUN:
+                j += 1
+            end = max(c.offset + c.length for c in chunks[i:j])
+            async with gate:
+                try:
+                    data = memoryview(await store.get_range(key, start, end))
+                except NotFound:
+                    data = memoryview(b"")
+                except StoreUnavailable:
+                    raise
+                except FmstoreError as e:
+                    for c in chunks[i:j]:
+                        fail(c.name, key, c.offset, f"is unreadable ({e.message})")
+                    i = j
+                    continue
+                for c in chunks[i:j]:
+                    piece = data[c.offset - start : c.offset - start + c.length]
+                    if len(piece) != c.length:
+                        fail(c.name, key, c.offset, f"({c.length} bytes) is cut short")
+                    elif await runtime.to_cpu(crc32c, piece) != c.crc32c:
+                        fail(c.name, key, c.offset, f"({c.length} bytes) fails its checksum")
+                    else:
+                        res.chunks += 1
+                        res.bytes += c.length
+            if progress is not None:
+                progress(sum(c.length for c in chunks[i:j]))
+            i = j
 
-    await asyncio.gather(
-        *(one(si, ci) for si, s in enumerate(manifest.storages) for ci in range(len(s.chunks)))
-    )
-    return sorted(bad, key=lambda b: (b.blob, b.offset))
+    layout = _layout(m)
+    await asyncio.gather(*(one(b, layout.get(b, [])) for b in range(len(m.blobs))))
+    res.problems.sort()
+    res.bad.sort(key=lambda b: (b.blob, b.offset))
+    return res

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 
 from .. import __version__, runtime
-from ..errors import AlreadyExists, NotFound
+from ..errors import AlreadyExists, CorruptData, NotFound
 from ..format.checksum import crc32c
 from ..format.codecs import encode
 from ..format.manifest import MANIFEST_KEY, BlobEntry, ChunkEntry, Manifest, StorageEntry
@@ -64,13 +64,6 @@ class ByteBudget:
         async with self._cond:
             self.free += n
             self._cond.notify_all()
-
-
-async def read_manifest_bytes(store: Store) -> bytes | None:
-    try:
-        return await store.get(MANIFEST_KEY)
-    except NotFound:
-        return None
 
 
 def _encode_chunk(codec: str, data: memoryview, group: int) -> tuple[str, Buffer, int]:
@@ -188,12 +181,11 @@ async def write_checkpoint(
 
 
 async def _current_generation(store: Store) -> str | None:
-    data = await read_manifest_bytes(store)
-    if data is None:
-        return None
+    from .reader import read_manifest
+
     try:
-        return Manifest.loads(data).generation
-    except Exception:
+        return (await read_manifest(store)).generation
+    except (NotFound, CorruptData):
         return None
 
 

@@ -98,19 +98,16 @@ def verify(
         help="Verify every checkpoint of the run root URI on every tier of fmstore.toml.",
     ),
 ) -> None:
-    """Check every chunk's checksum; exit 1 naming the bad chunks."""
-    from ..checkpoint.dcp.api import is_dcp_checkpoint
-    from ..checkpoint.verify import verify_checkpoint
+    """Check every chunk's checksum (both formats); exit 1 naming the bad chunks."""
+    from ..checkpoint.api import open_location
+    from ..checkpoint.verify import read_any_manifest, verify_checkpoint
 
     if all_tiers:
         from .ckpt_tier_cmds import verify_all_tiers
 
         raise typer.Exit(verify_all_tiers(uri))
-    if is_dcp_checkpoint(uri):
-        _verify_dcp(uri)
-        return
-
-    store, m = _manifest(uri)
+    store, _ = open_location(uri, for_read=True)
+    _, m = runtime.run(read_any_manifest(store))
     console = Console(stderr=True)
     with Progress(
         TextColumn("verifying"),
@@ -120,18 +117,14 @@ def verify(
         console=console,
     ) as progress:
         task = progress.add_task("verify", total=m.stored_bytes)
-        bad = runtime.run(verify_checkpoint(store, m, progress=lambda n: progress.advance(task, n)))
+        res = runtime.run(verify_checkpoint(store, m, progress=lambda n: progress.advance(task, n)))
     out = Console()
-    if bad:
-        for b in bad:
-            out.print(
-                f"[red]BAD[/red] tensor {b.tensor!r} blob {b.blob} offset {b.offset}: {b.reason}",
-                highlight=False,
-            )
-        out.print(f"{len(bad)} bad chunk(s) in {store.url}")
+    if not res.ok:
+        for problem in res.problems:
+            out.print(f"[red]BAD[/red] {problem}", highlight=False)
+        out.print(f"{len(res.problems)} problem(s) in {store.url}")
         raise typer.Exit(1)
-    chunks = sum(len(s.chunks) for s in m.storages)
-    out.print(f"ok: {chunks} chunks, {human_bytes(m.stored_bytes)} verified in {store.url}")
+    out.print(f"ok: {res.chunks} chunks, {human_bytes(res.bytes)} verified in {store.url}")
 
 
 def _inspect_dcp(uri: str, limit: int) -> None:
@@ -170,28 +163,6 @@ def _inspect_dcp(uri: str, limit: int) -> None:
         f"{len(rows)} entries in {len(m.items)} saved items, {len(m.blobs)} blobs from "
         f"{m.world_size} ranks: {human_bytes(raw)} raw, {human_bytes(stored)} stored (ratio {ratio})"
     )
-
-
-def _verify_dcp(uri: str) -> None:
-    from ..checkpoint.dcp.api import inspect_checkpoint, verify_checkpoint
-
-    m, _ = inspect_checkpoint(uri)
-    with Progress(
-        TextColumn("verifying"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        console=Console(stderr=True),
-    ) as progress:
-        task = progress.add_task("verify", total=m.stored_bytes)
-        res = verify_checkpoint(uri, progress=lambda n: progress.advance(task, n))
-    out = Console()
-    if not res.ok:
-        for b in res.bad:
-            out.print(f"[red]BAD[/red] {b}", highlight=False)
-        out.print(f"{len(res.bad)} bad chunk(s) in {uri}")
-        raise typer.Exit(1)
-    out.print(f"ok: {res.chunks} chunks, {human_bytes(res.bytes)} verified in {uri}")
 
 
 @ckpt.command("gc")

@@ -13,10 +13,10 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import runtime
+from ..checkpoint.verify import verify_checkpoint
 from ..config import Config, load_config
 from ..tiering import catalog as cat
 from ..tiering.catalog import Catalog
-from ..tiering.mover import verify_checkpoint
 from ..tiering.policies import from_config
 from ..tiering.tiers import Tiers
 from .main import ckpt

@@ -329,3 +329,12 @@ def parse_header(
             f"{max_version} this fmstore reads; upgrade fmstore to load it"
         )
     return d, version
+
+
+def sniff_format(data: bytes) -> str | None:
+    """The ``format`` field of a manifest's bytes, or None when it is not a JSON object."""
+    try:
+        d = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return d.get("format") if isinstance(d, dict) else None

@@ -23,12 +23,13 @@ Guarantees:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from ..checkpoint.reader import read_manifest_bytes
+from ..checkpoint.verify import verify_checkpoint
 from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable, TierFull
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY, Manifest
@@ -66,30 +67,6 @@ class CopyResult:
     bytes_skipped: int
     seconds: float
     already_there: bool = False
-
-
-@dataclass
-class VerifyResult:
-    """Outcome of :func:`verify_checkpoint`: ``problems`` is empty when every chunk of every
-    blob matched its checksum."""
-
-    url: str
-    tier: str
-    ok: bool
-    bytes: int = 0
-    manifest_crc32c: int | None = None
-    problems: list[str] = field(default_factory=list)
-
-
-async def read_manifest_bytes(store: Store) -> tuple[bytes, Manifest]:
-    """The committed manifest of the checkpoint at ``store``'s root (NotFound / CorruptData)."""
-    try:
-        data = await store.get(MANIFEST_KEY)
-    except NotFound:
-        raise NotFound(
-            f"no checkpoint at {store.url} (no {MANIFEST_KEY})", tier=store.tier, key=MANIFEST_KEY
-        ) from None
-    return data, Manifest.loads(data, where=store.url)
 
 
 def blob_checksums(m: Manifest) -> list[int | None]:
@@ -139,56 +116,6 @@ def _zeros_crc(n: int) -> int:
     if rest:
         pieces.append((crc32c(bytes(rest)), rest))
     return combine_all(pieces)
-
-
-async def verify_checkpoint(
-    store: Store, *, manifest: Manifest | None = None, concurrency: int = 8
-) -> VerifyResult:
-    """Check every blob's size and every chunk's CRC32C against the manifest.
-
-    Never raises for bad data: problems are listed in the result (a missing manifest is a
-    problem too); store outages raise :class:`StoreUnavailable`.
-    """
-    res = VerifyResult(url=store.url, tier=store.tier, ok=False)
-    if manifest is None:
-        try:
-            data, manifest = await read_manifest_bytes(store)
-        except (NotFound, CorruptData) as e:
-            res.problems.append(str(e))
-            return res
-        res.manifest_crc32c = crc32c(data)
-    chunks: list[list[tuple[int, int, int]]] = [[] for _ in manifest.blobs]
-    for s in manifest.storages:
-        for c in s.chunks:
-            chunks[c.blob].append((c.offset, c.length, c.crc32c))
-    sem = asyncio.Semaphore(concurrency)
-
-    async def one(i: int) -> None:
-        key = manifest.blob_key(i)
-        async with sem:
-            try:
-                meta = await store.stat(key)
-            except NotFound:
-                res.problems.append(f"blob {key} is missing")
-                return
-            if meta.size != manifest.blobs[i].size:
-                res.problems.append(
-                    f"blob {key} has {meta.size} bytes, the manifest says {manifest.blobs[i].size}"
-                )
-                return
-            for off, length, want in sorted(chunks[i]):
-                data = await store.get_range(key, off, off + length)
-                if crc32c(data) != want:
-                    res.problems.append(
-                        f"blob {key}: chunk at offset {off} ({length} bytes) fails its checksum"
-                    )
-                    return
-            res.bytes += meta.size
-
-    await asyncio.gather(*(one(i) for i in range(len(manifest.blobs))))
-    res.problems.sort()
-    res.ok = not res.problems
-    return res
 
 
 async def copy_checkpoint(

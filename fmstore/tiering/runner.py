@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 import filelock
 
 from .. import runtime
+from ..checkpoint.reader import read_manifest_bytes as _read_manifest
 from ..config import Config
 from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable, TierFull
 from . import catalog as cat
 from . import metrics as m
 from .catalog import Catalog
 from .mover import MoverOptions, copy_checkpoint, delete_checkpoint, has_checkpoint
-from .mover import read_manifest_bytes as _read_manifest
 from .policies import Delete, Export, Policies, Release, State, TierUsage, export_lag, plan
 from .tiers import Tiers
 

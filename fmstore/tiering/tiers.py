@@ -7,34 +7,17 @@ digits, so listings sort by step) on every tier; copies between tiers keep the s
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import threading
 
 from .. import keys as _keys
+from ..checkpoint.layout import checkpoint_key, parse_step, step_name
 from ..config import Config
 from ..errors import NotFound
 from ..format.manifest import MANIFEST_KEY
 from ..stores import Location, open_store
 from ..stores.base import Store
 from .policies import TierUsage
-
-STEP_RE = re.compile(r"^step_(\d{12})$")
-
-
-def step_name(step: int) -> str:
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"a checkpoint step must be a whole number >= 0, not {step!r}")
-    return f"step_{step:012d}"
-
-
-def parse_step(name: str) -> int | None:
-    m = STEP_RE.match(name.rstrip("/"))
-    return int(m.group(1)) if m else None
-
-
-def checkpoint_key(root: str, step: int) -> str:
-    return _keys.join(root, step_name(step))
 
 
 class Tiers:

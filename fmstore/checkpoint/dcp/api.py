@@ -3,7 +3,6 @@ verification and conversion to a whole (unsharded) state dict."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -13,8 +12,9 @@ import torch
 
 from ... import runtime
 from ...errors import CorruptData, FmstoreError, NotFound
-from ...format.checksum import crc32c
 from ...stores import Store
+from ..verify import VerifyResult
+from ..verify import verify_checkpoint as verify_store
 from .manifest import DCP_FORMAT_NAME, MANIFEST_KEY, DcpManifest, sniff_format
 from .reader import Reader, read_manifest
 from .staging import Stager
@@ -139,17 +139,6 @@ def inspect_checkpoint(uri: str, **store_options: Any) -> tuple[DcpManifest, lis
     return m, out
 
 
-@dataclass(frozen=True)
-class VerifyResult:
-    chunks: int
-    bytes: int
-    bad: tuple[str, ...]
-
-    @property
-    def ok(self) -> bool:
-        return not self.bad
-
-
 def verify_checkpoint(
     uri: str,
     *,
@@ -157,68 +146,19 @@ def verify_checkpoint(
     concurrency: int = 8,
     **store_options: Any,
 ) -> VerifyResult:
-    """Read every chunk of every blob and check its CRC32C; ``progress(nbytes)`` after each
-    blob part.  Missing or short blobs count as bad, never raise."""
+    """Read every chunk of every blob and check its CRC32C (the check of
+    :func:`fmstore.checkpoint.verify.verify_checkpoint`, on a URI); ``progress(nbytes)``
+    after each run of chunks.  Missing or short blobs count as bad, never raise."""
 
     async def go() -> VerifyResult:
         store = _open(uri, store_options)
         try:
             m = await read_manifest(store)
-            return await _verify(store, m, progress, concurrency)
+            return await verify_store(store, m, progress=progress, concurrency=concurrency)
         finally:
             await store.close()
 
     return runtime.run(go())
-
-
-async def _verify(
-    store: Store, m: DcpManifest, progress: Callable[[int], None] | None, concurrency: int
-) -> VerifyResult:
-    bad: list[str] = []
-    nchunks = 0
-    nbytes = 0
-    sem = asyncio.Semaphore(concurrency)
-    by_blob: dict[int, list[tuple[str, Any]]] = {}
-    for it in m.items:
-        for c in it.chunks:
-            by_blob.setdefault(c.blob, []).append((it.fqn, c))
-
-    async def one(blob: int, entries: list[tuple[str, Any]]) -> None:
-        nonlocal nchunks, nbytes
-        key = m.blob_key(blob)
-        entries.sort(key=lambda e: e[1].offset)
-        # Read in pieces of ~64 MiB so memory stays bounded on large blobs.
-        i = 0
-        while i < len(entries):
-            j, start = i, entries[i][1].offset
-            while (
-                j < len(entries) and entries[j][1].offset + entries[j][1].length - start <= 64 << 20
-            ):
-                j += 1
-            j = max(j, i + 1)
-            end = entries[j - 1][1].offset + entries[j - 1][1].length
-            async with sem:
-                try:
-                    data = memoryview(await store.get_range(key, start, end))
-                except Exception as e:  # a missing or short blob: report, keep going
-                    for fqn, _c in entries[i:j]:
-                        bad.append(f"{fqn}: {key} unreadable ({e})")
-                    i = j
-                    continue
-            for fqn, c in entries[i:j]:
-                got = await runtime.to_cpu(
-                    crc32c, data[c.offset - start : c.offset - start + c.length]
-                )
-                nchunks += 1
-                nbytes += c.length
-                if got != c.crc32c:
-                    bad.append(f"{fqn}: chunk at bytes {c.offset}..{c.offset + c.length} of {key}")
-            if progress is not None:
-                progress(end - start)
-            i = j
-
-    await asyncio.gather(*(one(b, e) for b, e in by_blob.items()))
-    return VerifyResult(nchunks, nbytes, tuple(sorted(bad)))
 
 
 def load_full_state_dict(uri: str, **store_options: Any) -> dict[str, Any]:

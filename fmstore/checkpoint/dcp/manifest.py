@@ -47,6 +47,7 @@ from ...format.manifest import (
     field_list,
     field_str,
     parse_header,
+    sniff_format,  # noqa: F401  (re-exported)
 )
 
 __all__ = [
@@ -502,12 +503,3 @@ def _md_problem(md: dict[str, Any], held: int) -> str | None:
         ):
             return f"chunk {c!r} does not fit size {size}"
     return None
-
-
-def sniff_format(data: bytes) -> str | None:
-    """The ``format`` field of a manifest's bytes, or None when it is not a JSON object."""
-    try:
-        d = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return d.get("format") if isinstance(d, dict) else None

@@ -47,17 +47,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import runtime
+from ..checkpoint.layout import checkpoint_key
+from ..checkpoint.reader import read_manifest_bytes
 from ..config import Config, get_config, load_config
 from ..errors import AlreadyExists, CorruptData, FmstoreError, NotFound, StoreUnavailable, TierFull
 from ..format.checksum import crc32c
 from ..format.manifest import Manifest
-from ..tiering import catalog as cat
-from ..tiering.cache import ReadThroughStore
-from ..tiering.catalog import Catalog
-from ..tiering.mover import copy_checkpoint, read_manifest_bytes
-from ..tiering.policies import Policies, from_config
-from ..tiering.runner import BackgroundRunner, PolicyRunner, event
-from ..tiering.tiers import Tiers, checkpoint_key
+from . import catalog as cat
+from .cache import ReadThroughStore
+from .catalog import Catalog
+from .mover import copy_checkpoint
+from .policies import Policies, from_config
+from .runner import BackgroundRunner, PolicyRunner, event
+from .tiers import Tiers
 
 log = logging.getLogger("fmstore.checkpoint")
 
@@ -141,8 +143,8 @@ class CheckpointManager:
         self.policies = (
             policies.validate(self.config.tiers) if policies else from_config(self.config)
         )
-        from ..tiering.daemon import settings_from_config
-        from ..tiering.mover import MoverOptions
+        from .daemon import settings_from_config
+        from .mover import MoverOptions
 
         # The same copy settings as the daemon ([daemon] concurrency, bwlimit, verify),
         # validated, like the policies, before anything is created.
@@ -212,7 +214,7 @@ class CheckpointManager:
         :class:`AlreadyExists` when ``step`` is already saved (unless ``overwrite``),
         :class:`TierFull` per ``on_full``.
         """
-        from . import api
+        from ..checkpoint import api
 
         tier = self._choose_tier(state)
         existing = self.catalog.copy(self.root, step, tier)
@@ -433,7 +435,7 @@ class CheckpointManager:
         lazy: bool,
         weights_only: bool,
     ) -> Any:
-        from . import api
+        from ..checkpoint import api
 
         store = self.tiers.checkpoint(tier, self.root, step)
         cache = self.policies.restore.cache_tier
