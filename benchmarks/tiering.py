@@ -22,6 +22,7 @@ dropped before each copy where the machine allows it.  Prints one table and writ
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import statistics
@@ -38,7 +39,7 @@ from fmstore.config import Config, TierConfig
 from fmstore.stores import open_store
 from fmstore.testing.seaweed import SeaweedServer
 from fmstore.tiering import catalog as cat
-from fmstore.tiering.mover import MoverOptions, copy_checkpoint
+from fmstore.tiering.mover import CHECKPOINT_COPY, copy_checkpoint
 
 from .common import drop_caches, mbps, print_table, save_json
 
@@ -123,7 +124,9 @@ def main() -> None:
                 drop_caches()
                 t0 = time.perf_counter()
                 runtime.run(
-                    copy_checkpoint(src, dst, options=MoverOptions(verify_destination=verify))
+                    copy_checkpoint(
+                        src, dst, options=dataclasses.replace(CHECKPOINT_COPY, verify=verify)
+                    )
                 )
                 os.sync()
                 t = time.perf_counter() - t0
@@ -139,7 +142,9 @@ def main() -> None:
                 drop_caches()
                 t0 = time.perf_counter()
                 runtime.run(
-                    copy_checkpoint(src, dst, options=MoverOptions(verify_destination=verify))
+                    copy_checkpoint(
+                        src, dst, options=dataclasses.replace(CHECKPOINT_COPY, verify=verify)
+                    )
                 )
                 t = time.perf_counter() - t0
                 name = "fmstore mover" + (" (dest re-read)" if verify else "")

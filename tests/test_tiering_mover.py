@@ -3,6 +3,7 @@ idempotent re-runs and deletions, POSIX and S3."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -17,7 +18,7 @@ from fmstore.errors import CorruptData, NotFound
 from fmstore.format.manifest import MANIFEST_KEY
 from fmstore.stores import open_store
 from fmstore.tiering.mover import (
-    MoverOptions,
+    CHECKPOINT_COPY,
     blob_checksums,
     copy_checkpoint,
     delete_checkpoint,
@@ -84,7 +85,9 @@ def test_rerun_after_commit_is_a_no_op_and_a_damaged_destination_is_recopied(tmp
     again = runtime.run(copy_checkpoint(src, dst))
     assert again.already_there and again.bytes_copied == 0
     flip_byte(blob_files(tmp_path / "dst")[0], 5)
-    fixed = runtime.run(copy_checkpoint(src, dst, options=MoverOptions(concurrency=2)))
+    fixed = runtime.run(
+        copy_checkpoint(src, dst, options=dataclasses.replace(CHECKPOINT_COPY, concurrency=2))
+    )
     assert not fixed.already_there
     assert runtime.run(verify_checkpoint(dst)).ok
 

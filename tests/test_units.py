@@ -19,9 +19,11 @@ def test_every_spelling_of_500_mebibytes_is_the_same_size(text):
 
 def test_the_cli_and_the_daemon_read_a_rate_alike():
     cfg = from_dict({"daemon": {"bwlimit": "500MB"}})
-    assert settings_from_config(cfg).bwlimit == size_option("500MB", "--bwlimit") == 500 << 20
+    assert (
+        settings_from_config(cfg).transfer.bwlimit == size_option("500MB", "--bwlimit") == 500 << 20
+    )
     cfg = from_dict({"daemon": {"bwlimit": "500M"}})  # refused before there was one parser
-    assert settings_from_config(cfg).bwlimit == 500 << 20
+    assert settings_from_config(cfg).transfer.bwlimit == 500 << 20
 
 
 @pytest.mark.parametrize("bad", ["", "fast", "-5M", "0", "1e400", "nan", "5X", True, None, [1]])

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from fmstore import runtime
-from fmstore.config import Config, TierConfig, from_dict
 from fmstore.checkpoint.verify import verify_checkpoint
+from fmstore.config import Config, TierConfig, from_dict
 from fmstore.tiering.tiers import Tiers
 
 

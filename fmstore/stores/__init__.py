@@ -15,10 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import Config
-from .base import ByteRange, ObjectMeta, PutOptions, Store, Writer
+from .base import ByteRange, ObjectMeta, PrefixStore, PutOptions, Store, Writer
 from .location import Location, split_tier
 from .posix import PosixOptions, PosixStore
-from .prefix import PrefixStore
 
 __all__ = [
     "ByteRange",

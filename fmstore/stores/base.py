@@ -25,211 +25,49 @@ from __future__ import annotations
 
 import abc
 import builtins
+import dataclasses
 import os
 import stat
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Literal
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 from .. import keys as _keys
 from ..errors import InvalidRange, NotFound, PermissionDenied
+from .parts import TempPartsWriter
+from .types import (  # re-exported: the interface is imported from here
+    Buffer,
+    ByteRange,
+    Consumer,
+    ObjectMeta,
+    PartStream,
+    PartWriter,
+    Pieces,
+    PutOptions,
+    Writer,
+    as_pieces,
+    joined,
+    nbytes,
+    part_bounds,
+    part_count,
+)
 
-Buffer = bytes | bytearray | memoryview
-#: One byte string given as the consecutive pieces a connection delivered, unjoined: a copy
-#: writes them on as they are (``pwritev``) instead of paying one more pass to join them.
-Pieces = Sequence[Buffer]
-#: Takes the bytes of a streamed read (:meth:`Store.read_to`) in order: returns None when
-#: done with them, or an awaitable to complete before the next bytes come.
-Consumer = Callable[[memoryview], "Awaitable[None] | None"]
-
-
-def as_pieces(data: Buffer | Pieces) -> Pieces:
-    """A buffer or pieces, as pieces."""
-    if isinstance(data, bytes | bytearray | memoryview):
-        return (data,)
-    return data
-
-
-def nbytes(data: Buffer | Pieces) -> int:
-    """Length of a buffer or of pieces together."""
-    return sum(memoryview(p).nbytes for p in as_pieces(data))
-
-
-def joined(data: Buffer | Pieces) -> Buffer:
-    """One buffer for a buffer or pieces (a single piece is returned as is, not copied)."""
-    pieces = as_pieces(data)
-    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
-
-
-@dataclass(frozen=True)
-class ObjectMeta:
-    """What ``stat`` and ``list`` know about an object (or, for ``is_dir``, a sub-prefix)."""
-
-    key: str
-    size: int
-    mtime: float | None = None
-    etag: str | None = None
-    metadata: Mapping[str, str] = field(default_factory=dict)
-    is_dir: bool = False
-    #: The file's ``os.stat`` on POSIX tiers (mode, owner, times), where the backend had it.
-    stat: os.stat_result | None = field(default=None, compare=False, repr=False)
-
-
-@dataclass(frozen=True)
-class PutOptions:
-    """How a write behaves.
-
-    ``mode``: ``"overwrite"`` (default) replaces any existing object; ``"create"`` raises
-    :class:`~fmstore.errors.AlreadyExists` when the key exists; ``"if_match"`` replaces the
-    object only while its etag still equals ``if_match`` (else
-    :class:`~fmstore.errors.PreconditionFailed`).  ``metadata``: user metadata stored with the
-    object (S3 ``x-amz-meta-*``; POSIX keeps it in a sidecar-free xattr where possible).
-    ``content_crc32c``: the CRC32C of the whole object when the caller already has it, so a
-    backend that can have the server verify it does.  ``durable=False`` lets a backend that
-    caches writes (POSIX: the page cache) return before the bytes are on stable storage;
-    :meth:`Store.sync` makes every such earlier write durable.  Bulk copies use it to pay
-    one sync per batch instead of one per file; a crash before the sync may lose those
-    writes (not corrupt other objects), so their callers must be able to tell.
-    ``preserve_owner``: a POSIX backend also restores the owner and group that FSx-style
-    ``metadata`` names (see :mod:`.posixmeta`); off by default, as metadata is written by
-    whoever may write to the source.
-    """
-
-    mode: Literal["overwrite", "create", "if_match"] = "overwrite"
-    if_match: str | None = None
-    metadata: Mapping[str, str] | None = None
-    content_crc32c: int | None = None
-    durable: bool = True
-    preserve_owner: bool = False
-
-
-@dataclass(frozen=True)
-class ByteRange:
-    """``[start, end)`` of an object."""
-
-    start: int
-    end: int
-
-    @property
-    def length(self) -> int:
-        return self.end - self.start
-
-
-class Writer(abc.ABC):
-    """A streamed write of one object, made visible only by :meth:`commit`.
-
-    Use as ``async with await store.open_writer(key) as w: await w.write(b)``: leaving the
-    block normally commits, an exception aborts.
-    """
-
-    @abc.abstractmethod
-    async def write(self, data: Buffer) -> None: ...
-
-    @abc.abstractmethod
-    async def commit(self) -> ObjectMeta:
-        """Make the object visible atomically; returns its metadata."""
-
-    @abc.abstractmethod
-    async def abort(self) -> None:
-        """Discard everything written; safe to call more than once."""
-
-    async def __aenter__(self) -> Writer:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc_type is None:
-            await self.commit()
-        else:
-            await self.abort()
-
-
-def part_count(size: int, part_size: int) -> int:
-    """How many parts of ``part_size`` bytes an object of ``size`` bytes has (at least 1)."""
-    return max(1, -(-size // part_size))
-
-
-def part_bounds(index: int, size: int, part_size: int) -> tuple[int, int]:
-    """``[start, end)`` of part ``index``."""
-    start = index * part_size
-    return start, min(size, start + part_size)
-
-
-class PartWriter(abc.ABC):
-    """A write of one object of known size in numbered parts, resumable across processes.
-
-    Part ``i`` covers ``[i * part_size, min(size, (i + 1) * part_size))`` of the final
-    object; parts may be written in any order and concurrently.  :attr:`token` names the pending write: a later
-    process passes it to :meth:`Store.open_part_writer` to continue, and parts written
-    before (and made durable by :meth:`write_part` returning) need not be written again.
-    :attr:`resumed` says whether the pending write was found; when False every part must
-    be written.  Nothing is visible at the key before :meth:`commit`; :meth:`abort` removes
-    everything.  A writer dropped without either (a crash, a cancelled copy) leaves its
-    parts for resumption; ``cleanup_temp`` on POSIX tiers removes old ones.
-    """
-
-    token: str
-    resumed: bool
-
-    @abc.abstractmethod
-    async def write_part(self, index: int, data: Buffer | Pieces) -> None:
-        """Write part ``index`` (exactly its length, in one buffer or as :data:`Pieces`);
-        durable when this returns, and ``data`` is not referenced any more: the caller
-        may reuse its buffer."""
-
-    @abc.abstractmethod
-    async def commit(
-        self,
-        metadata: Mapping[str, str] | None = None,
-        *,
-        part_crc32c: Mapping[int, int] | None = None,
-    ) -> ObjectMeta:
-        """Publish the object atomically, adding ``metadata`` to the options' metadata.
-
-        ``metadata`` exists because some values (a whole-object checksum) are only known
-        once every part is written; backends that fix metadata when the write opens (S3)
-        pay a server-side copy for it, so pass what is known at open.  ``part_crc32c``:
-        the CRC32C of parts by index, for backends whose commit names each part's checksum
-        (S3) when earlier processes wrote some of them.
-        """
-
-    @abc.abstractmethod
-    async def abort(self) -> None:
-        """Discard every part; safe to call more than once."""
-
-    def stream_part(self, index: int) -> PartStream | None:
-        """Part ``index`` written front to back as its bytes arrive (a copy streaming
-        from :meth:`Store.read_to`), where the backend can (POSIX: ``pwrite`` at the
-        part's offset); None where it takes whole parts only (S3's UploadPart)."""
-        return None
-
-    async def read_part(self, index: int) -> bytes | None:
-        """The bytes part ``index`` holds now, where the backend can read a pending write
-        back (POSIX); None elsewhere.  Lets a resumed copy check parts written without a
-        sync instead of writing them again."""
-        return None
-
-
-class PartStream(abc.ABC):
-    """One part of a :class:`PartWriter`, written in order (see
-    :meth:`PartWriter.stream_part`)."""
-
-    @abc.abstractmethod
-    def write(self, data: memoryview) -> Awaitable[None] | None:
-        """Append ``data`` (a :data:`Consumer`): None once written, or an awaitable to
-        complete before the next write and before ``data`` is reused.  ValueError past the
-        part's end."""
-
-    @abc.abstractmethod
-    async def close(self) -> None:
-        """The part is complete: durable when this returns, as after
-        :meth:`PartWriter.write_part`.  ValueError when fewer bytes came than the part
-        holds."""
+__all__ = [
+    "as_pieces",
+    "Buffer",
+    "ByteRange",
+    "Consumer",
+    "joined",
+    "nbytes",
+    "ObjectMeta",
+    "part_bounds",
+    "part_count",
+    "PartStream",
+    "PartWriter",
+    "Pieces",
+    "PrefixStore",
+    "PutOptions",
+    "Store",
+    "Writer",
+]
 
 
 class Store(abc.ABC):
@@ -378,8 +216,6 @@ class Store(abc.ABC):
         The default keeps each part as a hidden temporary object and concatenates them with
         a streamed write on commit; POSIX writes parts into one temp file with ``pwrite``.
         """
-        from .parts import TempPartsWriter
-
         return await TempPartsWriter.open(self, self._key(key), size, part_size, token, options)
 
     def local_path(self, key: str) -> str | None:
@@ -456,8 +292,6 @@ class Store(abc.ABC):
 
     def sub(self, prefix: str) -> Store:
         """A view of this store rooted at ``prefix`` (keys are relative to it)."""
-        from .prefix import PrefixStore
-
         return PrefixStore(self, prefix)
 
     # ---- helpers for backends -------------------------------------------------------
@@ -490,3 +324,102 @@ class Store(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r}, tier={self.tier!r})"
+
+
+class PrefixStore(Store):
+    """Every key ``k`` maps to ``prefix/k`` in ``inner``; listings strip the prefix again."""
+
+    def __init__(self, inner: Store, prefix: str) -> None:
+        self.inner = inner
+        self.prefix = _keys.validate_prefix(prefix, tier=inner.tier)
+        self.tier = inner.tier
+        self.url = inner.url.rstrip("/") + "/" + self.prefix.rstrip("/")
+
+    def _full(self, key: str) -> str:
+        return self.prefix + self._key(key)
+
+    def _strip(self, meta: ObjectMeta) -> ObjectMeta:
+        return dataclasses.replace(meta, key=meta.key[len(self.prefix) :])
+
+    async def put(self, key: str, data: Buffer, options: PutOptions = PutOptions()) -> ObjectMeta:
+        return self._strip(await self.inner.put(self._full(key), data, options))
+
+    async def open_writer(self, key: str, options: PutOptions = PutOptions()) -> Writer:
+        return await self.inner.open_writer(self._full(key), options)
+
+    async def get(self, key: str) -> bytes:
+        return await self.inner.get(self._full(key))
+
+    async def get_with_meta(self, key: str) -> tuple[ObjectMeta, bytes]:
+        meta, data = await self.inner.get_with_meta(self._full(key))
+        return self._strip(meta), data
+
+    async def open_part_writer(
+        self,
+        key: str,
+        size: int,
+        part_size: int,
+        *,
+        token: str | None = None,
+        options: PutOptions = PutOptions(),
+    ) -> PartWriter:
+        return await self.inner.open_part_writer(
+            self._full(key), size, part_size, token=token, options=options
+        )
+
+    @property
+    def local_root(self) -> str | None:
+        inner = self.inner.local_root
+        return None if inner is None else os.path.join(inner, self.prefix.rstrip("/"))
+
+    def local_path(self, key: str) -> str | None:
+        # Through the inner store, so its checks cover the prefix's directories too.
+        return self.inner.local_path(self._full(key))
+
+    async def cleanup_temp(self, older_than: float = 3600.0, under: str = "") -> int:
+        return await self.inner.cleanup_temp(older_than, under=self.prefix + self._prefix(under))
+
+    async def get_range(self, key: str, start: int, end: int | None = None) -> bytes:
+        return await self.inner.get_range(self._full(key), start, end)
+
+    async def get_range_pieces(self, key: str, start: int, end: int) -> list[Buffer]:
+        return await self.inner.get_range_pieces(self._full(key), start, end)
+
+    async def get_into(self, key: str, start: int, out: memoryview) -> None:
+        await self.inner.get_into(self._full(key), start, out)
+
+    async def read_to(self, key: str, start: int, end: int, consume: Consumer) -> None:
+        await self.inner.read_to(self._full(key), start, end, consume)
+
+    async def stat(self, key: str) -> ObjectMeta:
+        return self._strip(await self.inner.stat(self._full(key)))
+
+    async def list(
+        self,
+        prefix: str = "",
+        *,
+        recursive: bool = True,
+        start_after: str | None = None,
+        page_size: int = 1000,
+    ) -> AsyncIterator[ObjectMeta]:
+        full = self.prefix + self._prefix(prefix)
+        after = self.prefix + start_after if start_after else None
+        async for meta in self.inner.list(
+            full, recursive=recursive, start_after=after, page_size=page_size
+        ):
+            yield self._strip(meta)
+
+    async def delete(self, key: str) -> None:
+        await self.inner.delete(self._full(key))
+
+    async def delete_many(self, keys: Iterable[str]) -> None:
+        await self.inner.delete_many([self._full(k) for k in keys])
+
+    async def copy(self, src: str, dst: str, options: PutOptions = PutOptions()) -> ObjectMeta:
+        return self._strip(await self.inner.copy(self._full(src), self._full(dst), options))
+
+    async def sync(self) -> None:
+        await self.inner.sync()
+
+    async def close(self) -> None:
+        await self.inner.close()

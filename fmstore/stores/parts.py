@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidRange, NotFound
-from .base import (
+from .types import (
     Buffer,
     ObjectMeta,
     PartWriter,
     Pieces,
     PutOptions,
-    Store,
     joined,
     part_bounds,
     part_count,
 )
+
+if TYPE_CHECKING:
+    from .base import Store
 
 #: Listings of POSIX and fsspec stores hide names starting with this mark.
 TMP_MARK = ".fmstore-tmp."

@@ -21,6 +21,7 @@ one), ``interval`` (seconds, ``10``), ``max_backoff`` (``60``), ``concurrency`` 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -41,9 +42,10 @@ from ..errors import ConfigError, FmstoreError
 from ..units import parse_duration, parse_size
 from . import metrics as m
 from .catalog import Catalog
-from .mover import MoverOptions
+from .mover import CHECKPOINT_COPY
 from .policies import Policies, from_config
 from .runner import PolicyRunner, StepReport, event, log_record_json
+from .transfer import TransferOptions
 
 _KEYS = {
     "host",
@@ -62,9 +64,8 @@ class DaemonSettings:
     port: int = 9464
     interval: float = 10.0
     max_backoff: float = 60.0
-    concurrency: int = 16
-    bwlimit: float | None = None
-    verify_destination: bool = True
+    #: How checkpoints are copied ([daemon] concurrency, bwlimit, verify_destination).
+    transfer: TransferOptions = CHECKPOINT_COPY
 
 
 def settings_from_config(config: Config) -> DaemonSettings:
@@ -73,7 +74,7 @@ def settings_from_config(config: Config) -> DaemonSettings:
     port = raw.get("port", s.port)
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise ConfigError(f"{w} port must be 0..65535, not {port!r}")
-    conc = raw.get("concurrency", s.concurrency)
+    conc = raw.get("concurrency", s.transfer.concurrency)
     if not isinstance(conc, int) or isinstance(conc, bool) or conc < 1:
         raise ConfigError(f"{w} concurrency must be a whole number >= 1, not {conc!r}")
     verify = raw.get("verify_destination", True)
@@ -84,9 +85,12 @@ def settings_from_config(config: Config) -> DaemonSettings:
         port=port,
         interval=parse_duration(raw.get("interval", s.interval), f"{w} interval"),
         max_backoff=parse_duration(raw.get("max_backoff", s.max_backoff), f"{w} max_backoff"),
-        concurrency=conc,
-        bwlimit=parse_size(raw["bwlimit"], f"{w} bwlimit") if "bwlimit" in raw else None,
-        verify_destination=verify,
+        transfer=dataclasses.replace(
+            CHECKPOINT_COPY,
+            concurrency=conc,
+            bwlimit=parse_size(raw["bwlimit"], f"{w} bwlimit") if "bwlimit" in raw else None,
+            verify=verify,
+        ),
     )
 
 
@@ -162,11 +166,7 @@ class Daemon:
             config,
             self.policies,
             self.catalog,
-            mover=MoverOptions(
-                concurrency=self.settings.concurrency,
-                bwlimit=self.settings.bwlimit,
-                verify_destination=self.settings.verify_destination,
-            ),
+            mover=self.settings.transfer,
         )
         self.stop = self.runner.stop
         self.server: ThreadingHTTPServer | None = None

@@ -144,7 +144,6 @@ class CheckpointManager:
             policies.validate(self.config.tiers) if policies else from_config(self.config)
         )
         from .daemon import settings_from_config
-        from .mover import MoverOptions
 
         # The same copy settings as the daemon ([daemon] concurrency, bwlimit, verify),
         # validated, like the policies, before anything is created.
@@ -168,11 +167,7 @@ class CheckpointManager:
             self.policies,
             self.catalog,
             tiers=self.tiers,
-            mover=MoverOptions(
-                concurrency=ds.concurrency,
-                bwlimit=ds.bwlimit,
-                verify_destination=ds.verify_destination,
-            ),
+            mover=ds.transfer,
         )
         self._background = (
             BackgroundRunner(self._runner, interval=policy_interval) if run_policies else None

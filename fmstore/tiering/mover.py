@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..checkpoint.reader import read_manifest_bytes
 from ..checkpoint.verify import verify_checkpoint
@@ -38,25 +38,20 @@ from .crc import combine_all
 from .journal import Journal
 from .transfer import CopyItem, TransferOptions, copy_items
 
-
-@dataclass(frozen=True)
-class MoverOptions:
-    """How checkpoints are copied.
-
-    ``concurrency``: blobs (and parts) in flight; ``bwlimit``: bytes/s shared by the whole
-    copy (None: unlimited); ``verify_destination``: re-read every blob on the destination
-    and check each chunk before committing (the engine already checks the bytes it read
-    against the manifest on the way).  ``multipart_threshold``: blobs up to this size are
-    copied as one object; bigger ones (checkpoint blobs are up to 256 MiB) in resumable parts
-    of ``part_size``, so a killed copy redoes at most the parts in flight.
-    """
-
-    concurrency: int = 16
-    bwlimit: float | None = None
-    verify_destination: bool = True
-    part_size: int = 16 << 20
-    multipart_threshold: int = 64 << 20
-    max_inflight_bytes: int = 1 << 30
+#: How checkpoints are copied between tiers unless the config says otherwise (``[daemon]``
+#: concurrency, bwlimit and verify_destination: :func:`fmstore.tiering.daemon.settings_from_config`).
+#: Blobs up to ``multipart_threshold`` go as one object, bigger ones (checkpoint blobs are
+#: up to 256 MiB) in resumable parts of ``part_size``, so a killed copy redoes at most the
+#: parts in flight.  ``verify``: re-read every blob on the destination and check each
+#: chunk before committing (the engine already checks the bytes it read against the
+#: manifest on the way).
+CHECKPOINT_COPY = TransferOptions(
+    concurrency=16,
+    part_size=16 << 20,
+    multipart_threshold=64 << 20,
+    max_inflight_bytes=1 << 30,
+    verify=True,
+)
 
 
 @dataclass
@@ -122,7 +117,7 @@ async def copy_checkpoint(
     src: Store,
     dst: Store,
     *,
-    options: MoverOptions = MoverOptions(),
+    options: TransferOptions = CHECKPOINT_COPY,
     journal_path: str | None = None,
 ) -> CopyResult:
     """Copy the checkpoint at ``src``'s root to ``dst``'s root; see the module guarantees.
@@ -170,14 +165,8 @@ async def copy_checkpoint(
             src,
             dst,
             items,
-            TransferOptions(
-                concurrency=options.concurrency,
-                part_size=options.part_size,
-                multipart_threshold=options.multipart_threshold,
-                max_inflight_bytes=options.max_inflight_bytes,
-                bwlimit=options.bwlimit,
-                verify=False,
-            ),
+            # The destination is verified below, chunk by chunk, before the commit.
+            replace(options, verify=False),
             journal=journal,
         )
     finally:
@@ -186,7 +175,7 @@ async def copy_checkpoint(
                 await journal.close()
     if report.failures:
         _raise_for(report.failures, src, dst)
-    if options.verify_destination:
+    if options.verify:
         check = await verify_checkpoint(dst, manifest=manifest)
         if not check.ok:
             # Find out whose fault it is: a bad source must not be copied again and again.

@@ -37,9 +37,10 @@ from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable, Tier
 from . import catalog as cat
 from . import metrics as m
 from .catalog import Catalog
-from .mover import MoverOptions, copy_checkpoint, delete_checkpoint, has_checkpoint
+from .mover import CHECKPOINT_COPY, copy_checkpoint, delete_checkpoint, has_checkpoint
 from .policies import Delete, Export, Policies, Release, State, TierUsage, export_lag, plan
 from .tiers import Tiers
+from .transfer import TransferOptions
 
 log = logging.getLogger("fmstore.tiering")
 
@@ -78,7 +79,7 @@ class PolicyRunner:
         policies: Policies,
         catalog: Catalog,
         *,
-        mover: MoverOptions = MoverOptions(),
+        mover: TransferOptions = CHECKPOINT_COPY,
         tiers: Tiers | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
@@ -238,7 +239,7 @@ class PolicyRunner:
             a.dest,
             cat.PRESENT,
             bytes=res.manifest.stored_bytes,
-            verified=c.now() if self.mover.verify_destination or res.already_there else None,
+            verified=c.now() if self.mover.verify or res.already_there else None,
         )
         with contextlib.suppress(OSError):
             os.unlink(jpath)
