@@ -10,7 +10,7 @@ import pytest
 from loader_helpers import ids, make_dataset
 
 from fmstore.loaders import Stream, StreamingDataset
-from fmstore.loaders.order import Plan, ShuffleConfig, rank_count
+from fmstore.loaders.order import Plan, ShuffleOptions, rank_count
 
 N = 600
 
@@ -133,7 +133,7 @@ def test_mix_follows_weights_and_is_reproducible_and_resumable(tmp_path):
 
 def test_plan_shuffles_samples_within_windows_of_shards():
     counts = np.array([10, 20, 5, 15, 30, 7])
-    plan = Plan([counts], ShuffleConfig(True, 9, 2))
+    plan = Plan([counts], ShuffleOptions(True, 9, 2))
     order = plan.epoch(0)
     assert sorted(order.tolist()) == list(range(int(counts.sum())))
     shards = plan.shard_of(order).tolist()
@@ -166,3 +166,28 @@ def test_spawned_workers_give_the_same_order(dataset):
 
 def _unbatch(batch):
     return [{"i": i} for i in batch["i"]]
+
+
+def test_option_objects_and_flat_keywords_give_the_same_dataset(tmp_path):
+    from fmstore.loaders import CacheOptions, FormatOptions, ShuffleOptions
+
+    remote = make_dataset(tmp_path, n=300, shard_size=2000)
+    flat = StreamingDataset(
+        remote, str(tmp_path / "c1"), seed=5, shuffle_window=2, cache_limit=1 << 30, prefetch=1
+    )
+    objects = StreamingDataset(
+        remote,
+        format=FormatOptions(format="fmstore"),
+        shuffle=ShuffleOptions(seed=5, window=2),
+        cache=CacheOptions(local=str(tmp_path / "c2"), limit=1 << 30, prefetch=1),
+    )
+    assert objects.plan.cfg == flat.plan.cfg == ShuffleOptions(True, 5, 2)
+    assert (objects.cache_limit, objects.prefetch_depth) == (flat.cache_limit, flat.prefetch_depth)
+    assert list(objects) == list(flat)
+    # A flat keyword sets one field of its object; the rest of the object stays.
+    mixed = StreamingDataset(
+        remote, str(tmp_path / "c3"), shuffle=ShuffleOptions(seed=5, window=3), shuffle_window=2
+    )
+    assert mixed.plan.cfg == ShuffleOptions(True, 5, 2)
+    with pytest.raises(TypeError, match="did you mean 'shuffle_window'"):
+        StreamingDataset(remote, str(tmp_path / "c4"), shuffle_windw=2)

@@ -13,12 +13,14 @@ from typing import Any
 
 _WHERE = {
     "CacheFull": "cache",
+    "CacheOptions": "cache",
     "ShardCache": "cache",
     "Stream": "mix",
     "StreamingDataLoader": "dataset",
     "StreamingDataset": "dataset",
     "FormatOptions": "formats",
     "load_format": "formats",
+    "ShuffleOptions": "order",
     "write_dataset": "writer",
     "write_samples": "writer",
 }

@@ -24,6 +24,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import xxhash
 from filelock import FileLock, Timeout
@@ -44,6 +45,26 @@ CHUNK = 8 << 20
 CONCURRENCY = 8
 #: Seconds between looks at a shard lock a reader waits on.
 POLL = 0.005
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """The node cache of a :class:`~fmstore.loaders.StreamingDataset`.
+
+    ``local``: the cache directory shared by every process on the node (None: under the
+    ``nvme`` tier).  ``limit``: bytes the cache may hold (None: no limit); it must hold
+    twice the shuffle window's shards.  ``prefetch``: shards each worker keeps downloading
+    ahead (None: the shuffle window), ``max_concurrency`` at once.  ``direct_reads``:
+    samples each worker may fetch by byte range at the start of an epoch while their shards
+    are still downloading, so the first batch does not wait for whole shards (None: one
+    batch; 0 turns it off).
+    """
+
+    local: str | None = None
+    limit: int | None = None
+    prefetch: int | None = None
+    max_concurrency: int = 4
+    direct_reads: int | None = None
 
 
 class CacheFull(FmstoreError):

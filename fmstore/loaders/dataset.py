@@ -9,6 +9,8 @@ of samples this rank consumed (or use :class:`StreamingDataLoader`, which counts
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import hashlib
 import os
 import time
@@ -23,10 +25,10 @@ from ..config import get_config
 from ..errors import ConfigError, CorruptData, FmstoreError, InvalidRange, NotFound
 from ..stores import ByteRange, Location, Store, open_store
 from . import metrics
-from .cache import ShardCache
+from .cache import CacheOptions, ShardCache
 from .formats import DatasetFormat, FormatOptions, ShardReader, ShardSpec, load_format
 from .mix import Stream
-from .order import Plan, ShuffleConfig, positions, rank_count, worker_indices
+from .order import Plan, ShuffleOptions, positions, rank_count, worker_indices
 from .prefetch import Prefetcher
 from .state import LoaderState
 
@@ -47,21 +49,71 @@ def dist_rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+#: The flat keywords :class:`StreamingDataset` still takes, and the option each one sets.
+_FLAT = {
+    "seed": ("shuffle", "seed"),
+    "shuffle_window": ("shuffle", "window"),
+    "cache_limit": ("cache", "limit"),
+    "prefetch": ("cache", "prefetch"),
+    "max_concurrency": ("cache", "max_concurrency"),
+    "direct_reads": ("cache", "direct_reads"),
+    "seq_len": ("format", "seq_len"),
+    "dtype": ("format", "dtype"),
+    "targets": ("format", "targets"),
+    "allow_pickle": ("format", "allow_pickle"),
+    "shard_bytes": ("format", "shard_bytes"),
+}
+
+
+def _options(
+    format: FormatOptions | str | None,
+    shuffle: ShuffleOptions | bool,
+    cache: CacheOptions | None,
+    local: str | None,
+    flat: dict[str, Any],
+) -> tuple[FormatOptions, ShuffleOptions, CacheOptions]:
+    """The three option objects from what the caller gave: objects, the common booleans and
+    strings, and flat keywords, which set one field each."""
+    groups: dict[str, Any] = {
+        "format": format if isinstance(format, FormatOptions) else FormatOptions(format),
+        "shuffle": shuffle if isinstance(shuffle, ShuffleOptions) else ShuffleOptions(shuffle),
+        "cache": cache or CacheOptions(),
+    }
+    if local is not None:
+        groups["cache"] = dataclasses.replace(groups["cache"], local=local)
+    for name, value in flat.items():
+        where = _FLAT.get(name)
+        if where is None:
+            near = difflib.get_close_matches(name, list(_FLAT), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise TypeError(f"StreamingDataset got an unexpected keyword {name!r}{hint}")
+        group, field = where
+        groups[group] = dataclasses.replace(groups[group], **{field: value})
+    return groups["format"], groups["shuffle"], groups["cache"]
+
+
 class StreamingDataset(tud.IterableDataset):
     """Stream samples from ``remote`` (any store URL or ``TIER:path``) or several ``streams``.
 
-    ``local``: cache directory shared by every process on the node (default: under the
-    ``nvme`` tier).  ``cache_limit``: bytes the cache may hold (None: no limit); it must hold
-    twice the shuffle window's shards, checked here.  ``shuffle``/``seed``/``shuffle_window``:
-    see :mod:`.order`.  ``batch_size``: the DataLoader's batch size, which makes the order a
-    rank sees the same for any number of workers.  ``prefetch``: shards each worker keeps
-    downloading ahead (default: the window), ``max_concurrency`` at once.
-    ``direct_reads``: samples each worker may fetch by byte range at the start of an epoch
-    while their shards are still downloading, so the first batch does not wait for whole
-    shards (default: one batch; 0 turns it off).  ``format``,
-    ``seq_len``, ``dtype``, ``targets``, ``allow_pickle``: see :class:`FormatOptions`; ``storage_options`` go to ``open_store``.
-    ``streams``/``samples_per_epoch``: weighted mixing (see :class:`~.order.Plan`).
-    ``rank``/``world_size``: default from ``torch.distributed``, else ``RANK``/``WORLD_SIZE``.
+    How to read, order and cache the data is given by three option objects:
+
+    * ``format``: a :class:`~fmstore.loaders.formats.FormatOptions` or just the format's
+      name (None: detect);
+    * ``shuffle``: a :class:`~fmstore.loaders.order.ShuffleOptions` or a boolean;
+    * ``cache``: a :class:`~fmstore.loaders.cache.CacheOptions` (the node cache: its
+      directory, limit, prefetch depth and direct reads); ``local`` sets its directory.
+
+    Each field may also be given as a flat keyword, which sets that field: ``seed``,
+    ``shuffle_window``, ``cache_limit``, ``prefetch``, ``max_concurrency``,
+    ``direct_reads``, ``seq_len``, ``dtype``, ``targets``, ``allow_pickle``,
+    ``shard_bytes``.
+
+    ``batch_size``: the DataLoader's batch size, which makes the order a rank sees the same
+    for any number of workers.  ``storage_options`` go to ``open_store``.
+    ``streams``/``samples_per_epoch``: weighted mixing (see :class:`~.order.Plan`); each
+    :class:`~.mix.Stream` names its own format.  ``rank``/``world_size``: default from
+    ``torch.distributed``, else ``RANK``/``WORLD_SIZE``.  ``transform``: applied to each
+    sample.
     """
 
     def __init__(
@@ -70,27 +122,19 @@ class StreamingDataset(tud.IterableDataset):
         local: str | None = None,
         *,
         streams: Sequence[Stream] | None = None,
-        cache_limit: int | None = None,
-        shuffle: bool = True,
-        seed: int = 0,
         batch_size: int | None = None,
-        shuffle_window: int = 4,
-        prefetch: int | None = None,
-        max_concurrency: int = 4,
-        direct_reads: int | None = None,
-        format: str | None = None,
-        seq_len: int | None = None,
-        dtype: str | None = None,
-        targets: bool = True,
-        allow_pickle: bool = False,
+        format: FormatOptions | str | None = None,
+        shuffle: ShuffleOptions | bool = True,
+        cache: CacheOptions | None = None,
         storage_options: dict[str, Any] | None = None,
-        shard_bytes: int = 64 << 20,
         samples_per_epoch: int | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         transform: Callable[[Any], Any] | None = None,
+        **options: Any,
     ) -> None:
         super().__init__()
+        fo, so, co = _options(format, shuffle, cache, local, options)
         if (remote is None) == (streams is None):
             raise ConfigError("pass either remote or streams")
         if streams is None:
@@ -98,11 +142,11 @@ class StreamingDataset(tud.IterableDataset):
                 Stream(
                     remote or "",
                     1.0,
-                    format,
-                    seq_len,
-                    dtype,
-                    targets,
-                    allow_pickle,
+                    fo.format,
+                    fo.seq_len,
+                    fo.dtype,
+                    fo.targets,
+                    fo.allow_pickle,
                     storage_options,
                 )
             ]
@@ -111,26 +155,30 @@ class StreamingDataset(tud.IterableDataset):
         if any(s.weight <= 0 for s in streams):
             raise ConfigError("stream weights must be positive")
         self.streams = list(streams)
-        self.local = os.path.abspath(local or default_cache_dir())
-        self.cache_limit = cache_limit
+        self.format_options = fo
+        self.cache_options = co
+        self.local = os.path.abspath(co.local or default_cache_dir())
+        self.cache_limit = co.limit
         self.batch_size = batch_size
         self.transform = transform
-        self.max_concurrency = max(1, max_concurrency)
-        self.window = max(1, shuffle_window)
-        self.prefetch_depth = self.window if prefetch is None else max(0, prefetch)
-        self.direct_reads = direct_reads
+        self.max_concurrency = max(1, co.max_concurrency)
+        self.window = max(1, so.window)
+        self.prefetch_depth = self.window if co.prefetch is None else max(0, co.prefetch)
+        self.direct_reads = co.direct_reads
         r, w = dist_rank_world()
         self.rank = r if rank is None else rank
         self.world_size = w if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside world size {self.world_size}")
-        self.cache = ShardCache(self.local, cache_limit)  # checks that the directory is writable
+        self.cache = ShardCache(
+            self.local, self.cache_limit
+        )  # checks that the directory is writable
         self.formats: list[DatasetFormat] = []
         self._stores: dict[int, Store] = {}
         self._pid = os.getpid()
         for i, s in enumerate(self.streams):
             opts = FormatOptions(
-                s.format, s.seq_len, s.dtype, s.targets, shard_bytes, s.allow_pickle
+                s.format, s.seq_len, s.dtype, s.targets, fo.shard_bytes, s.allow_pickle
             )
             store = self._stores[i] = open_store(s.remote, **(s.storage_options or {}))
             self.formats.append(load_format(store, opts, index_dir=self.local))
@@ -140,10 +188,10 @@ class StreamingDataset(tud.IterableDataset):
         tags = [hashlib.sha1(s.remote.encode()).hexdigest()[:10] for s in self.streams]
         self.names = [f"{tags[i]}-{sp.cache_name}" for i, sp in self.specs]
         self.name_to_shard = {n: k for k, n in enumerate(self.names)}
-        self.seed = seed
+        self.seed = so.seed
         self.plan = Plan(
             [np.array([sp.samples for sp in f.shards], np.int64) for f in self.formats],
-            ShuffleConfig(shuffle, seed, self.window),
+            dataclasses.replace(so, window=self.window),
             weights=[s.weight for s in self.streams] if len(self.streams) > 1 else None,
             length=samples_per_epoch,
         )

@@ -24,10 +24,13 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class ShuffleConfig:
+class ShuffleOptions:
+    """The order of an epoch: ``shuffle`` (off: the datasets' own order), the ``seed`` the
+    order is derived from (with the epoch), and ``window``: shards whose samples are
+    shuffled together (the cache must hold twice as many shards)."""
+
     shuffle: bool = True
     seed: int = 0
-    #: shards whose samples are shuffled together
     window: int = 4
 
 
@@ -38,7 +41,7 @@ def shard_starts(samples_per_shard: np.ndarray) -> np.ndarray:
 
 
 def stream_order(
-    samples_per_shard: np.ndarray, cfg: ShuffleConfig, epoch: int, salt: int = 0
+    samples_per_shard: np.ndarray, cfg: ShuffleOptions, epoch: int, salt: int = 0
 ) -> np.ndarray:
     """Ids (0-based within this stream) of one epoch, in canonical order."""
     counts = np.asarray(samples_per_shard, np.int64)
@@ -93,7 +96,7 @@ class Plan:
     def __init__(
         self,
         streams: list[np.ndarray],
-        cfg: ShuffleConfig,
+        cfg: ShuffleOptions,
         weights: list[float] | None = None,
         length: int | None = None,
     ) -> None:
