@@ -35,9 +35,9 @@ def parse_size(value: Any, where: str) -> int:
     return int(n)
 
 
-def parse_duration(value: Any, where: str) -> float:
+def parse_duration(value: Any, where: str, *, allow_zero: bool = False) -> float:
     """Seconds from a positive number or a string like ``"90s"``, ``"30m"``, ``"2h"``,
-    ``"7d"``; :class:`ConfigError` naming ``where`` otherwise."""
+    ``"7d"`` (``allow_zero``: 0 too); :class:`ConfigError` naming ``where`` otherwise."""
     if isinstance(value, int | float) and not isinstance(value, bool):
         seconds = float(value)
     elif isinstance(value, str) and (m := _DURATION.fullmatch(value)):
@@ -46,6 +46,8 @@ def parse_duration(value: Any, where: str) -> float:
         raise ConfigError(
             f"{where}: {value!r} is not a duration (seconds, or a string like '30m', '2h', '7d')"
         )
+    if seconds == 0 and allow_zero:
+        return 0.0
     if not seconds > 0 or seconds == float("inf"):
         raise ConfigError(f"{where}: duration must be positive, not {value!r}")
     return seconds

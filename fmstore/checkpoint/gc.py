@@ -96,13 +96,23 @@ async def agc(root: str | Store, *, older_than: float = 3600.0, dry_run: bool = 
             await store.close()
 
 
-async def _gc(store: Store, older_than: float, dry_run: bool) -> GcReport:
-    rep = GcReport(dry_run=dry_run)
+@dataclass(frozen=True)
+class Generation:
+    """A generation no manifest names: its prefix (``P/GEN``), objects, bytes and age (the
+    younger of its start and its last write)."""
+
+    where: str
+    keys: list[str]
+    size: int
+    age: float
+
+
+async def orphan_generations(store: Store) -> tuple[list[Generation], list[str], list[str]]:
+    """Every generation under ``store`` that no manifest names, and the prefixes of the
+    committed checkpoints and of the unreadable manifests (whose generations are kept)."""
     manifests, gens = await _scan(store)
-    rep.checkpoints = sorted(p for p, g in manifests.items() if g not in (None, "?"))
-    rep.unreadable = sorted(p for p, g in manifests.items() if g == "?")
     now = time.time()
-    doomed: list[str] = []
+    out: list[Generation] = []
     for (prefix, gen), objs in sorted(gens.items()):
         current = manifests.get(prefix)
         if current == gen or current == "?":
@@ -112,12 +122,22 @@ async def _gc(store: Store, older_than: float, dry_run: bool) -> GcReport:
             min(generation_age(gen, now), now - max(mtimes)) if mtimes else generation_age(gen, now)
         )
         where = f"{prefix}/{gen}" if prefix else gen
-        if age < older_than:
-            rep.young.append(where)
+        out.append(Generation(where, [k for k, _, _ in objs], sum(n for _, n, _ in objs), age))
+    committed = sorted(p for p, g in manifests.items() if g not in (None, "?"))
+    unreadable = sorted(p for p, g in manifests.items() if g == "?")
+    return out, committed, unreadable
+
+
+async def _gc(store: Store, older_than: float, dry_run: bool) -> GcReport:
+    rep = GcReport(dry_run=dry_run)
+    gens, rep.checkpoints, rep.unreadable = await orphan_generations(store)
+    doomed: list[str] = []
+    for g in gens:
+        if g.age < older_than:
+            rep.young.append(g.where)
             continue
-        for key, size, _ in objs:
-            doomed.append(key)
-            rep.removed_bytes += size
+        doomed += g.keys
+        rep.removed_bytes += g.size
     rep.removed = doomed
     if not dry_run:
         await store.delete_many(doomed)

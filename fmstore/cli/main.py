@@ -56,6 +56,7 @@ COMMAND_MODULES = (
     "stage_cmds",  # stage, hydrate, release, cp, du, rm
     "ckpt_tier_cmds",  # ckpt list (and verify --all-tiers); after ckpt_cmds
     "daemon_cmds",  # daemon
+    "gc_cmds",  # gc
 )
 
 #: The modules a command needs.  Only those are imported, so ``fmstore stage`` starts
@@ -66,6 +67,7 @@ _COMMAND_OWNERS = {
     "dataset": ("dataset_cmds",),
     **{c: ("stage_cmds",) for c in ("stage", "hydrate", "release", "cp", "du", "rm")},
     "daemon": ("daemon_cmds",),
+    "gc": ("gc_cmds",),
 }
 
 

@@ -37,6 +37,7 @@ from .types import (  # re-exported: the interface is imported from here
     Buffer,
     ByteRange,
     Consumer,
+    Leftover,
     ObjectMeta,
     PartStream,
     PartWriter,
@@ -51,6 +52,7 @@ from .types import (  # re-exported: the interface is imported from here
 )
 
 __all__ = [
+    "Leftover",
     "as_pieces",
     "Buffer",
     "ByteRange",
@@ -138,16 +140,30 @@ class Store(abc.ABC):
         with ``pread`` like a bare one, and an S3 tier is never taken for a local one."""
         return None
 
-    async def cleanup_temp(self, older_than: float = 3600.0, under: str = "") -> int:
-        """Remove the temp files that crashed writers left under this store (below the
-        prefix ``under``), older than ``older_than`` seconds; returns how many.  Stores whose writes leave no temp
-        objects (S3 aborts its uploads, fsspec) have none: 0."""
-        return 0
+    async def leftovers(self, under: str = "") -> builtins.list[Leftover]:
+        """What writers that died left below the prefix ``under``: unfinished multipart
+        uploads (S3), temp files (POSIX).  Stores whose writes leave nothing behind
+        (fsspec): none."""
+        return []
+
+    async def remove_leftover(self, item: Leftover) -> None:
+        """Remove one of :meth:`leftovers` (an upload is aborted); one gone already is fine."""
+        raise NotImplementedError(f"{type(self).__name__} lists no leftovers")
 
     async def close(self) -> None:
         """Release connections and pools; the store is unusable afterwards."""
 
     # ---- built on top, once ---------------------------------------------------------
+
+    async def cleanup_temp(self, older_than: float = 3600.0, under: str = "") -> int:
+        """Remove the temp files of :meth:`leftovers` (below ``under``) idle for at least
+        ``older_than`` seconds; returns how many."""
+        n = 0
+        for item in await self.leftovers(under):
+            if item.kind == "temp" and item.idle >= older_than:
+                await self.remove_leftover(item)
+                n += 1
+        return n
 
     async def get(self, key: str) -> bytes:
         """The whole object."""
@@ -376,8 +392,15 @@ class PrefixStore(Store):
         # Through the inner store, so its checks cover the prefix's directories too.
         return self.inner.local_path(self._full(key))
 
-    async def cleanup_temp(self, older_than: float = 3600.0, under: str = "") -> int:
-        return await self.inner.cleanup_temp(older_than, under=self.prefix + self._prefix(under))
+    async def leftovers(self, under: str = "") -> builtins.list[Leftover]:
+        items = await self.inner.leftovers(self.prefix + self._prefix(under))
+        n = len(self.prefix)
+        return [
+            dataclasses.replace(i, key=i.key[n:]) for i in items if i.key.startswith(self.prefix)
+        ]
+
+    async def remove_leftover(self, item: Leftover) -> None:
+        await self.inner.remove_leftover(dataclasses.replace(item, key=self.prefix + item.key))
 
     async def get_range(self, key: str, start: int, end: int | None = None) -> bytes:
         return await self.inner.get_range(self._full(key), start, end)

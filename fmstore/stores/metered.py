@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -12,6 +13,7 @@ from ..metrics import STORE_BYTES, STORE_ERRORS, STORE_INFLIGHT, STORE_LATENCY, 
 from .base import (
     Buffer,
     Consumer,
+    Leftover,
     ObjectMeta,
     PartStream,
     PartWriter,
@@ -166,8 +168,11 @@ class MeteredStore(Store):
     def local_path(self, key: str) -> str | None:
         return self.inner.local_path(key)
 
-    async def cleanup_temp(self, older_than: float = 3600.0, under: str = "") -> int:
-        return await self.inner.cleanup_temp(older_than, under=under)
+    async def leftovers(self, under: str = "") -> builtins.list[Leftover]:
+        return await self.inner.leftovers(under)
+
+    async def remove_leftover(self, item: Leftover) -> None:
+        await self.inner.remove_leftover(item)
 
 
 class _MeteredWriter(Writer):

@@ -54,6 +54,24 @@ class ObjectMeta:
 
 
 @dataclass(frozen=True)
+class Leftover:
+    """Something a writer that died left under a store (:meth:`Store.leftovers`).
+
+    ``kind``: ``"upload"`` (an unfinished S3 multipart upload, holding its parts) or
+    ``"temp"`` (a POSIX temp file).  ``key``: the object the upload was for, or the temp
+    file's own key.  ``size``: bytes it holds.  ``idle``: seconds since it last changed (its
+    newest part, the file's mtime), so a write still in progress looks young however long
+    ago it began.  ``token``: the upload id.
+    """
+
+    kind: str
+    key: str
+    size: int
+    idle: float
+    token: str | None = None
+
+
+@dataclass(frozen=True)
 class PutOptions:
     """How a write behaves.
 

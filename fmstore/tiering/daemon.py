@@ -16,7 +16,9 @@ process exits 0.  Logs are one JSON object per line on stderr.
 
 ``[daemon]`` keys: ``host`` (default ``127.0.0.1``), ``port`` (``9464``; ``0`` picks a free
 one), ``interval`` (seconds, ``10``), ``max_backoff`` (``60``), ``concurrency`` (``16``),
-``bwlimit`` (bytes/s or a string like ``"200MB"``), ``verify_destination`` (``true``).
+``bwlimit`` (bytes/s or a string like ``"200MB"``), ``verify_destination`` (``true``),
+``orphan_grace`` (``1h``: how long a leftover of a dead writer must be idle before the orphan
+sweep of :mod:`.sweep` removes it; ``0`` removes at once) and ``sweep_interval`` (``1h``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ _KEYS = {
     "concurrency",
     "bwlimit",
     "verify_destination",
+    "orphan_grace",
+    "sweep_interval",
 }
 
 
@@ -66,6 +70,9 @@ class DaemonSettings:
     max_backoff: float = 60.0
     #: How checkpoints are copied ([daemon] concurrency, bwlimit, verify_destination).
     transfer: TransferOptions = CHECKPOINT_COPY
+    #: The orphan sweep: idle time before a leftover goes, and how often it runs.
+    orphan_grace: float = 3600.0
+    sweep_interval: float = 3600.0
 
 
 def settings_from_config(config: Config) -> DaemonSettings:
@@ -85,6 +92,12 @@ def settings_from_config(config: Config) -> DaemonSettings:
         port=port,
         interval=parse_duration(raw.get("interval", s.interval), f"{w} interval"),
         max_backoff=parse_duration(raw.get("max_backoff", s.max_backoff), f"{w} max_backoff"),
+        orphan_grace=parse_duration(
+            raw.get("orphan_grace", s.orphan_grace), f"{w} orphan_grace", allow_zero=True
+        ),
+        sweep_interval=parse_duration(
+            raw.get("sweep_interval", s.sweep_interval), f"{w} sweep_interval"
+        ),
         transfer=dataclasses.replace(
             CHECKPOINT_COPY,
             concurrency=conc,

@@ -21,6 +21,11 @@ Records::
     {"u": DST_KEY, "t": TOKEN, "v": SRC_VERSION, "z": PART_SIZE}                a part write started
     {"p": DST_KEY, "t": TOKEN, "i": INDEX, "c": CRC_HEX, "n": LENGTH}           a part is written
     {"b": N} / {"y": N}                                                        sync N began / ended
+    {"to": DST_URL}                                                            where the copy writes
+
+A process holds a shared ``flock`` on the journal while it has it open, so the orphan
+sweep (:mod:`fmstore.tiering.sweep`) can tell a copy in progress (whose uploads and temp
+files it leaves alone) from one whose process died (:func:`inspect`).
 
 Journals are kept after a run (a re-run then skips finished files without asking the
 destination), one per source and destination, so the directory would grow with every new
@@ -32,6 +37,7 @@ a later run recognises finished files by their recorded checksums at the destina
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -67,9 +73,12 @@ class PendingParts:
 class Journal:
     """Open with :meth:`open` (loads what a previous run recorded); :meth:`close` at the end."""
 
-    def __init__(self, path: str | None, *, fsync: bool = False) -> None:
+    def __init__(self, path: str | None, *, fsync: bool = False, dest: str | None = None) -> None:
         self.path = path
         self.fsync = fsync
+        #: The destination's URL, as recorded (``{"to": ...}``).
+        self.dest: str | None = None
+        self._dest = dest
         self.files: dict[str, FileRecord] = {}
         self.pending: dict[str, PendingParts] = {}
         self._fd: int | None = None
@@ -83,8 +92,12 @@ class Journal:
         return os.path.join(state_dir, "transfers", f"{digest}.jsonl")
 
     @classmethod
-    async def open(cls, path: str | None, *, fsync: bool = False) -> Journal:
-        j = cls(path, fsync=fsync)
+    async def open(
+        cls, path: str | None, *, fsync: bool = False, dest: str | None = None
+    ) -> Journal:
+        """Load what previous runs recorded and hold the journal (see the module doc);
+        ``dest``: the destination's URL, recorded for the orphan sweep."""
+        j = cls(path, fsync=fsync, dest=dest)
         if path is not None:
             await runtime.to_io(j._load)
         return j
@@ -131,6 +144,10 @@ class Journal:
         if self._lines > 2 * live + 1000:
             self._compact()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_SH)  # "in use" for the sweep, until close or death
+        if self._dest is not None and self._dest != self.dest:
+            self.dest = self._dest
+            self._buffer.append(_line({"to": self._dest}))
 
     def _apply(self, rec: dict) -> None:
         if "f" in rec:
@@ -145,6 +162,8 @@ class Journal:
             p = self.pending.get(rec["p"])
             if p is not None and p.token == rec["t"]:
                 p.parts[int(rec["i"])] = (int(rec["c"], 16), int(rec["n"]))
+        elif "to" in rec:
+            self.dest = rec["to"]
         elif "x" in rec:  # forget a key (deleted, or its pending write abandoned)
             self.files.pop(rec["x"], None)
             self.pending.pop(rec["x"], None)
@@ -174,7 +193,8 @@ class Journal:
             for i, (crc, n) in p.parts.items():
                 rec = _line({"p": k, "t": p.token, "i": i, "c": f"{crc:08x}", "n": n})
                 (rest if i in p.unsynced else synced).append(rec)
-        return [*synced, _line({"b": 0}), _line({"y": 0}), *rest]
+        head = [_line({"to": self.dest})] if self.dest is not None else []
+        return [*head, *synced, _line({"b": 0}), _line({"y": 0}), *rest]
 
     # ---- recording ------------------------------------------------------------------
 
@@ -279,6 +299,41 @@ def prune(directory: str, *, keep: str | None = None, now: float | None = None) 
             pass
         os.utime(marker, (now, now))
     return removed
+
+
+@dataclass(frozen=True)
+class JournalInfo:
+    """What the sweep needs of a journal: whether a live process holds it, where its copy
+    writes, its upload tokens still pending, and when it was last written."""
+
+    path: str
+    live: bool
+    dest: str | None
+    tokens: frozenset[str]
+    mtime: float
+
+
+def inspect(path: str) -> JournalInfo:
+    """Read a journal without holding it (OSError when it cannot be read)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            live = False
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except BlockingIOError:
+            live = True
+        mtime = os.fstat(fd).st_mtime
+        with os.fdopen(os.dup(fd), "rb") as f:
+            lines = f.read().split(b"\n")
+    finally:
+        os.close(fd)
+    j = Journal(path)
+    for line in lines:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            if line.strip():
+                j._apply(json.loads(line))
+    return JournalInfo(path, live, j.dest, frozenset(p.token for p in j.pending.values()), mtime)
 
 
 def _line(rec: dict) -> bytes:

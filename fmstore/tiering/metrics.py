@@ -34,3 +34,12 @@ ERRORS = Counter("fmstore_tier_errors_total", "Errors of tiering steps", ["actio
 STEPS = Counter("fmstore_daemon_steps_total", "Policy steps run", ["outcome"])
 BACKOFF = Gauge("fmstore_daemon_backoff_seconds", "Current back-off after a failing step")
 UP = Gauge("fmstore_daemon_up", "1 while the daemon runs")
+ORPHANS_REMOVED = Counter(
+    "fmstore_orphans_removed",
+    "Leftovers of dead writers removed by the orphan sweep (uploads, temp files, "
+    "generations, journals)",
+    ["tier", "kind"],
+)
+ORPHAN_BYTES = Counter(
+    "fmstore_orphan_bytes_reclaimed", "Bytes the orphan sweep reclaimed", ["tier"]
+)

@@ -159,7 +159,7 @@ async def copy_checkpoint(
         )
         for i, b in enumerate(manifest.blobs)
     ]
-    journal = await Journal.open(journal_path, fsync=True) if journal_path else None
+    journal = await Journal.open(journal_path, fsync=True, dest=dst.url) if journal_path else None
     try:
         report = await copy_items(
             src,

@@ -1,0 +1,191 @@
+"""The orphan sweep: remove what writers that died left on the tiers.
+
+A process killed mid-write leaves work no later run may come back to:
+
+``upload``
+    an unfinished S3 multipart upload, holding its parts (and their storage bill) until
+    aborted;
+``temp``
+    a POSIX temp file of an interrupted write;
+``generation``
+    checkpoint blobs no manifest names: a save or an export that never committed, or the
+    generation an overwrite superseded (see :mod:`fmstore.checkpoint.gc`);
+``journal``
+    the resume journal of a copy whose process died.
+
+Ownership is never guessed.  An item is removed only when
+
+* no live copy on this node writes where it lies: a running ``fmstore stage`` or export
+  holds its journal (:mod:`.journal`), and everything under that journal's destination is
+  kept, however old;
+* it has been idle for at least the grace period (``[daemon] orphan_grace``, 1 h): idle is
+  the time since it last changed (an upload's newest part, a temp file's mtime, a
+  generation's newest blob), so a write in progress on another node survives even when it
+  began long ago;
+* it is not part of a committed checkpoint (pinned ones included): the generation a manifest
+  names is never garbage, and a manifest that does not parse keeps its whole prefix.
+
+A replaced node (its state directory gone) finds its predecessor's leftovers the same way,
+by listing the tiers.  Exports the daemon had in progress are not the sweep's to resume:
+the policy runner retries them, from their journal when the sweep left it.  A ``fmstore
+stage`` killed and re-run within the grace period resumes; after it, its uploads and temp
+files are gone and the re-run copies those files again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from ..checkpoint.gc import orphan_generations
+from ..config import Config
+from ..errors import FmstoreError
+from ..stores.base import Store
+from . import journal as _journal
+from . import metrics as m
+
+log = logging.getLogger("fmstore.sweep")
+
+#: How long an orphan must be idle before the sweep removes it, by default.
+DEFAULT_GRACE = 3600.0
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """One item the sweep found: on which tier, what, where (a key under the tier's root,
+    or the journal's path), its bytes, its idle time, and what was done with it."""
+
+    tier: str
+    kind: str
+    where: str
+    size: int
+    age: float
+    action: str  # "removed", "would remove", "kept: live copy", "kept: young"
+
+
+@dataclass
+class SweepReport:
+    orphans: list[Orphan] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    dry_run: bool = False
+
+    @property
+    def removed(self) -> list[Orphan]:
+        return [o for o in self.orphans if o.action in ("removed", "would remove")]
+
+    @property
+    def bytes_reclaimed(self) -> int:
+        return sum(o.size for o in self.removed)
+
+
+def _under(url: str, dests: list[str]) -> bool:
+    return any(url == d or url.startswith(d + "/") for d in dests)
+
+
+def _url(store: Store, key: str) -> str:
+    return f"{store.url.rstrip('/')}/{key}" if key else store.url
+
+
+class Sweeper:
+    """One sweep over some tiers, with the live copies of this node's state directory."""
+
+    def __init__(self, state_dir: str, *, grace: float, dry_run: bool = False) -> None:
+        self.grace = grace
+        self.dry_run = dry_run
+        self.report = SweepReport(dry_run=dry_run)
+        self.journals = _read_journals(os.path.join(state_dir, "transfers"))
+        #: Destinations of the copies in progress on this node: nothing under them goes.
+        self.live = [j.dest.rstrip("/") for j in self.journals if j.live and j.dest]
+        self._aborted: set[str] = set()
+        self._swept: list[str] = []
+
+    def _decide(self, tier: str, kind: str, where: str, url: str, size: int, age: float) -> bool:
+        """Record the item; True when it is to be removed now."""
+        if _under(url, self.live):
+            action = "kept: live copy"
+        elif age < self.grace:
+            action = "kept: young"
+        else:
+            action = "would remove" if self.dry_run else "removed"
+        self.report.orphans.append(Orphan(tier, kind, where, size, age, action))
+        return action == "removed"
+
+    async def tier(self, tier: str, store: Store) -> None:
+        """Sweep ``store`` (a tier, or a prefix of one)."""
+        self._swept.append(store.url.rstrip("/"))
+        try:
+            for item in await store.leftovers():
+                url = _url(store, item.key)
+                if self._decide(tier, item.kind, item.key, url, item.size, item.idle):
+                    await store.remove_leftover(item)
+                    self._count(tier, item.kind, item.size)
+                    if item.token:
+                        self._aborted.add(item.token)
+            gens, _, _ = await orphan_generations(store)
+            for g in gens:
+                if self._decide(tier, "generation", g.where, _url(store, g.where), g.size, g.age):
+                    await store.delete_many(g.keys)
+                    self._count(tier, "generation", g.size)
+        except FmstoreError as e:
+            self.report.errors.append(f"{tier}: {e}")
+            log.warning("sweep of %s failed: %s", tier, e)
+
+    def finish_journals(self) -> None:
+        """Remove the journals of dead copies into the swept stores that are idle past the
+        grace period, or whose uploads this sweep aborted (a resume could not use them)."""
+        now = time.time()
+        for j in self.journals:
+            if j.live or not j.dest or not _under(j.dest.rstrip("/"), self._swept):
+                continue
+            age = now - j.mtime
+            if j.tokens & self._aborted:
+                age = max(age, self.grace)
+            if self._decide("state", "journal", j.path, "", 0, age):
+                try:
+                    os.unlink(j.path)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    self.report.errors.append(f"journal {j.path}: {e}")
+                    continue
+                self._count("state", "journal", 0)
+
+    def _count(self, tier: str, kind: str, size: int) -> None:
+        m.ORPHANS_REMOVED.labels(tier, kind).inc()
+        m.ORPHAN_BYTES.labels(tier).inc(size)
+        log.info("removed orphan %s on %s (%d bytes)", kind, tier, size)
+
+
+def _read_journals(directory: str) -> list[_journal.JournalInfo]:
+    out = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    for name in names:
+        if not name.endswith(".jsonl"):
+            continue
+        try:
+            out.append(_journal.inspect(os.path.join(directory, name)))
+        except OSError:
+            continue  # removed meanwhile, or another user's
+    return out
+
+
+async def sweep(
+    config: Config,
+    stores: dict[str, Store],
+    *,
+    grace: float = DEFAULT_GRACE,
+    dry_run: bool = False,
+) -> SweepReport:
+    """Sweep each ``{tier: store}`` (a tier's root or a prefix of it) with the live copies
+    of ``config``'s state directory; see the module doc.  Never raises for a tier that
+    fails: its error is in the report."""
+    s = Sweeper(config.state_dir, grace=grace, dry_run=dry_run)
+    for tier, store in stores.items():
+        await s.tier(tier, store)
+    s.finish_journals()
+    return s.report
