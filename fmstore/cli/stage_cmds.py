@@ -113,7 +113,9 @@ def stage_cmd(
         False, "--delete", help="Delete destination files absent from the source (sync)."
     ),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before deleting."),
-    concurrency: int = typer.Option(64, "--concurrency", "-c", help="Files (and parts) in flight."),
+    concurrency: int = typer.Option(
+        64, "--concurrency", "-c", help="Files (and parts) in flight; also the S3 request limit."
+    ),
     bwlimit: str | None = typer.Option(None, "--bwlimit", help="Bandwidth limit, e.g. 200MiB/s."),
     part_size: str = typer.Option(
         "32MiB",
@@ -325,7 +327,9 @@ def _print_plan(plan: StagePlan, json_out: bool, lazy: bool) -> None:
 @app.command("hydrate")
 def hydrate_cmd(
     path: str = typer.Argument(..., help="A lazily staged directory or file (or a part of one)."),
-    concurrency: int = typer.Option(64, "--concurrency", "-c", help="Files (and parts) in flight."),
+    concurrency: int = typer.Option(
+        64, "--concurrency", "-c", help="Files (and parts) in flight; also the S3 request limit."
+    ),
     bwlimit: str | None = typer.Option(None, "--bwlimit", help="Bandwidth limit, e.g. 200MiB/s."),
     verify: bool = typer.Option(
         False, "--verify", help="Re-read every fetched file and compare checksums."
