@@ -501,6 +501,53 @@ def test_a_refused_delete_says_nothing_was_copied(tmp_path, home):
     assert sorted(os.listdir(dst)) == ["old"]
 
 
+def test_stage_shows_confirm_the_plan_before_anything_changes(tmp_path, home):
+    """The library's ``confirm`` sees the plan (what would be copied and deleted) before
+    anything is; a no leaves the destination as it was, a yes (here an awaitable) runs
+    the plan, counting into the caller's progress."""
+    from fmstore.tiering.stage import StageOptions, stage
+    from fmstore.tiering.transfer import TransferProgress
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    dst.mkdir()
+    (src / "a").write_bytes(b"new a")
+    (src / "b").write_bytes(b"b")
+    (dst / "a").write_bytes(b"old")
+    (dst / "old").write_bytes(b"2")
+    plans = []
+
+    def no(plan):
+        plans.append(plan)
+        return False
+
+    res = stage(str(src), str(dst), StageOptions(delete=True), confirm=no)
+    assert res.declined and res.plan is plans[0]
+    assert [i.src_key for i in plans[0].items] == ["a", "b"] and plans[0].delete == ["old"]
+    assert sorted(os.listdir(dst)) == ["a", "old"] and (dst / "a").read_bytes() == b"old"
+
+    async def yes(plan):
+        return True
+
+    progress = TransferProgress()
+    res = stage(str(src), str(dst), StageOptions(delete=True), progress=progress, confirm=yes)
+    assert not res.declined and res.ok and res.deleted == 1
+    assert res.report.progress is progress and progress.files_copied == 2
+    assert file_crcs(str(dst)) == file_crcs(str(src))
+
+
+def test_a_dry_run_of_the_library_plans_without_creating_the_destination(tmp_path, home):
+    from fmstore.tiering.stage import StageOptions, stage
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(b"1")
+    dst = tmp_path / "not" / "yet"
+    res = stage(str(src), str(dst), StageOptions(dry_run=True), confirm=lambda plan: 1 / 0)
+    assert res.plan is not None and [i.src_key for i in res.plan.to_copy()] == ["a"]
+    assert not (tmp_path / "not").exists()
+
+
 def test_a_file_name_that_is_not_utf8_is_a_clear_error(tmp_path, home):
     src = tmp_path / "src"
     src.mkdir()

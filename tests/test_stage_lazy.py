@@ -126,6 +126,47 @@ def test_an_interrupted_hydrate_resumes_and_leaves_no_temp_file(lazy_tree, tmp_p
     assert not [f for f in os.listdir(dst / "val") if f.startswith(".fmstore-tmp")]
 
 
+def test_the_library_hydrate_resumes_as_the_command_does(lazy_tree, tmp_path):
+    """``fmstore.tiering.lazy.hydrate_async`` keeps the staging's journal: cancelled
+    mid-file, the next ``hydrate`` keeps the finished parts of the big file."""
+    import threading
+
+    from fmstore import runtime
+    from fmstore.tiering import lazy
+    from fmstore.tiering.transfer import TransferOptions, TransferProgress
+
+    src, dst = lazy_tree
+    home = str(tmp_path / "home")
+    state = os.path.join(home, "state")
+    # 8 MiB parts at 5 MiB/s: ready at about 2 s of 14, so it cannot finish first.
+    parts = {"part_size": 8 << 20, "multipart_threshold": 16 << 20}
+    slow = TransferOptions(bwlimit=5 << 20, **parts)
+    ended = threading.Event()
+
+    async def first() -> None:
+        try:
+            await lazy.hydrate_async(str(dst / "val"), slow, state_dir=state)
+        finally:
+            ended.set()
+
+    run = runtime.submit(first())
+    try:
+        while not _parts_journaled(home):
+            assert not run.done(), "the hydrate ended before it could be cancelled"
+            ended.wait(0.05)
+    finally:
+        run.cancel()
+        assert ended.wait(60)
+    assert not (dst / "val" / "big.bin").exists()
+    progress = TransferProgress()
+    report = lazy.hydrate(
+        str(dst / "val"), TransferOptions(**parts), state_dir=state, progress=progress
+    )
+    assert report.ok and report.progress is progress and progress.bytes_resumed > 0
+    assert (dst / "val" / "big.bin").read_bytes() == (src / "val" / "big.bin").read_bytes()
+    assert not [f for f in os.listdir(dst / "val") if f.startswith(".fmstore-tmp")]
+
+
 def _parts_journaled(home: str) -> bool:
     d = os.path.join(home, "state", "transfers")
     for name in os.listdir(d) if os.path.isdir(d) else []:

@@ -18,6 +18,7 @@ import pytest
 from stage_data import BIG_N, BIG_SIZE, SMALL_N, file_crcs, fm, kill9_when, make_dataset
 
 from fmstore import runtime
+from fmstore.errors import ConfigError
 from fmstore.stores import open_store
 from fmstore.testing.faultproxy import FaultProxy, Rule
 from fmstore.tiering.crc import crc32c
@@ -328,3 +329,59 @@ def test_missing_bucket_is_a_clear_error(s3env, s3_server, tmp_path):
     assert r.returncode == 1 and "does not exist" in r.stderr, r.stderr
     r = fm("stage", "s3:x", str(tmp_path / "dst"), env=env)
     assert r.returncode == 1 and "does not exist" in r.stderr, r.stderr
+
+
+def test_stage_concurrency_is_the_s3_stores_request_limit(s3env, s3_server, tmp_path):
+    """``fmstore stage --concurrency 40`` has 40 requests in flight on S3, not the S3
+    store's own default of 16: every GET of a file is held by the proxy (a read timeout
+    longer than the test, so none is retried), and the run is stopped once 40 are held
+    at once."""
+    src = _s3(s3_server, s3env["bucket"], "ds/conc")
+
+    async def fill():
+        for i in range(40):
+            await src.put(f"f{i:02d}", os.urandom(1000))
+
+    runtime.run(fill())
+    cfg = tmp_path / "held.toml"
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        proxy.set_plan([Rule("stall", method="GET", path=rf"^/{s3env['bucket']}/ds/conc/f\d+")])
+        cfg.write_text(
+            f"""
+[tiers.held]
+url = "s3://{s3env["bucket"]}/ds"
+endpoint_url = "{proxy.endpoint_url}"
+addressing_style = "path"
+region = "us-east-1"
+read_timeout = 3600
+"""
+        )
+        args = ["stage", "held:conc", str(tmp_path / "dst"), "--no-progress", "--shard", "none"]
+        kill9_when(
+            [*args, "--concurrency", "40"],
+            lambda: proxy.injected["stall"] >= 40,
+            env={**s3env["env"], "FMSTORE_CONFIG": str(cfg)},
+        )
+        assert proxy.injected["stall"] == 40
+
+
+def test_open_store_gives_s3_the_callers_concurrency_unless_its_options_name_one(tmp_path):
+    from fmstore.config import Config, TierConfig
+    from fmstore.stores import Location
+
+    opts = {"endpoint_url": "http://127.0.0.1:9", "region": "us-east-1", "metered": False}
+    assert open_store("s3://bkt/p", **opts).options.max_concurrency == 16
+    store = open_store("s3://bkt/p", concurrency=64, **opts)
+    assert store.options.max_concurrency == 64 and store.limiter.max_limit == 64
+    explicit = open_store("s3://bkt/p", concurrency=64, max_concurrency=8, **opts)
+    assert explicit.options.max_concurrency == 8
+    # A limit set in the tier's configuration is the operator's: it holds.
+    tier = {"endpoint_url": opts["endpoint_url"], "region": "us-east-1", "max_concurrency": 8}
+    cfg = Config(tiers={"s3": TierConfig("s3", "s3://bkt/p", tier)}, state_dir=str(tmp_path))
+    tiered = Location.parse("s3:sub", cfg).open(concurrency=64)
+    assert tiered.inner.options.max_concurrency == 8
+    # Backends without a request limit of their own take the figure and ignore it.
+    local = open_store(str(tmp_path / "d"), concurrency=64, metered=False)
+    assert local.local_root == str(tmp_path / "d")
+    with pytest.raises(ConfigError):
+        open_store("s3://bkt/p", concurrency=0, **opts)

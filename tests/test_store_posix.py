@@ -153,7 +153,7 @@ def test_full_disk_is_tier_full_and_leaves_nothing(tmp_path):
 def test_streamed_part_writes_leave_the_loop_when_slow_or_not_local(posix_root, monkeypatch):
     """Writes run on the event loop on a local file system until one is slow; then, and on
     a striped (Lustre) tier from the start, they go to the I/O pool (an awaitable)."""
-    from fmstore.stores import posix
+    from fmstore.stores import posix_writers
 
     data = os.urandom(1 << 20)
 
@@ -172,7 +172,7 @@ def test_streamed_part_writes_leave_the_loop_when_slow_or_not_local(posix_root, 
 
     local = PosixStore(posix_root)
     assert runtime.run(write(local, "a")) == [False] * 4
-    monkeypatch.setattr(posix, "SLOW_WRITE_S", 0.0)
+    monkeypatch.setattr(posix_writers, "SLOW_WRITE_S", 0.0)
     assert runtime.run(write(local, "b")) == [False, True, True, True]
     striped = PosixStore(posix_root, options=PosixOptions(stripe_count=2))
     assert runtime.run(write(striped, "c")) == [True] * 4
@@ -228,7 +228,7 @@ def test_symlink_outside_root_is_not_listed_as_dir(posix_root, tmp_path):
 
 
 def test_fs_type_reads_the_mount_table(tmp_path):
-    from fmstore.stores.posix import _LOCAL_FS, fs_type
+    from fmstore.stores.posix_io import _LOCAL_FS, fs_type
 
     assert fs_type("/proc/self") == "proc"
     kind = fs_type(str(tmp_path))

@@ -53,7 +53,8 @@ COMMAND_MODULES = (
     "store_cmds",  # ls
     "ckpt_cmds",  # ckpt inspect, verify, gc, convert
     "dataset_cmds",  # dataset write, inspect
-    "stage_cmds",  # stage, hydrate, release, cp, du, rm
+    "stage_cmds",  # stage, hydrate, release
+    "object_cmds",  # cp, du, rm
     "ckpt_tier_cmds",  # ckpt list (and verify --all-tiers); after ckpt_cmds
     "daemon_cmds",  # daemon
     "gc_cmds",  # gc
@@ -65,7 +66,8 @@ _COMMAND_OWNERS = {
     "ls": ("store_cmds",),
     "ckpt": ("ckpt_cmds", "ckpt_tier_cmds"),
     "dataset": ("dataset_cmds",),
-    **{c: ("stage_cmds",) for c in ("stage", "hydrate", "release", "cp", "du", "rm")},
+    **{c: ("stage_cmds",) for c in ("stage", "hydrate", "release")},
+    **{c: ("object_cmds",) for c in ("cp", "du", "rm")},
     "daemon": ("daemon_cmds",),
     "gc": ("gc_cmds",),
 }

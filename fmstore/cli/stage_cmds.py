@@ -1,216 +1,45 @@
-"""Dataset commands: stage, hydrate, release, cp, du, rm.
+"""Dataset commands: stage, hydrate, release (cp, du and rm are in object_cmds).
 
-Exit codes (also in docs/staging.md):
-
-====  ==================================================================
-0     everything done (or nothing to do)
-1     error before or outside the copy: bad location, unreachable store,
-      missing bucket, unreadable source, unknown tier, bad config
-2     usage error: bad option value, malformed glob, bad --shard, or a
-      deletion refused because --yes is missing on a non-interactive run
-3     the run finished but some files failed (listed on stderr)
-130   interrupted (Ctrl-C); re-run the same command to resume
-====  ==================================================================
+Each parses its options, calls the library (:func:`fmstore.tiering.stage.stage_async`,
+:func:`fmstore.tiering.lazy.hydrate_async`, :func:`fmstore.tiering.lazy.release`) with a
+progress counter and a ``confirm`` answered on the terminal, and prints what it did.
+Exit codes: :mod:`.progress`.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
-import os
-import re
-import sys
-import tempfile
-import threading
-import time
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Literal
 
 import typer
 
-from .. import runtime
-from ..errors import ConfigError, NotFound
-from ..stores import open_store, split_tier
+from ..errors import ConfigError
 from ..tiering import lazy as _lazy
 from ..tiering.stage import (
     KeyFilter,
     StageOptions,
-    check_destination,
-    check_locations,
-    journal_path,
-    local_dir,
-    open_source,
+    StagePlan,
+    StageResult,
     parse_shard,
-    plan_stage,
-    preserve_owner_setting,
-    run_plan,
     shard_from_env,
+    stage_async,
 )
-from ..tiering.transfer import (
-    CopyItem,
-    TransferOptions,
-    TransferProgress,
-    TransferReport,
-    copy_items,
-    version_of,
-)
+from ..tiering.transfer import TransferOptions, TransferProgress
 from .main import app
-from .util import human_bytes, size_option
-
-if TYPE_CHECKING:
-    from rich.console import Console
-
-T = TypeVar("T")
-
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-
-
-def _console(err: bool = False) -> Console:
-    from rich.console import Console  # on demand: a copy logging to a file needs none
-
-    return Console(stderr=err, highlight=False)
-
-
-class _Interrupted(Exception):
-    pass
-
-
-def _run_with_progress(
-    coro: Coroutine[Any, Any, T],
-    progress: TransferProgress | None,
-    label: str,
-    show: bool,
-    interval: float,
-) -> T:
-    """Run ``coro`` on the fmstore loop while showing ``progress``: a rich bar on a
-    terminal, a log line every ``interval`` seconds otherwise.  Ctrl-C cancels the run,
-    waits for it to leave its journal in order, and raises :class:`_Interrupted`."""
-    finished = threading.Event()
-
-    async def wrapped() -> T:
-        try:
-            return await coro
-        finally:
-            finished.set()
-
-    fut = runtime.submit(wrapped())
-    try:
-        if progress is None or not show:
-            return fut.result()
-        if sys.stderr.isatty():
-            return _rich_loop(fut, progress, label, _console(err=True))
-        return _log_loop(fut, progress, label, interval)
-    except KeyboardInterrupt:
-        fut.cancel()
-        finished.wait(30)
-        raise _Interrupted() from None
-
-
-def _rich_loop(fut: Any, p: TransferProgress, label: str, err: Console) -> Any:
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=err,
-    ) as bar:
-        task = bar.add_task(label, total=max(p.bytes_total, 1))
-        while True:
-            done = fut.done()
-            failed = f" [red]{p.files_failed} failed[/red]" if p.files_failed else ""
-            bar.update(
-                task,
-                completed=p.bytes_done,
-                total=max(p.bytes_total, 1),
-                description=f"{label} {p.files_done}/{p.files_total} files{failed}",
-            )
-            if done:
-                return fut.result()
-            time.sleep(0.1)
-
-
-def _log_loop(fut: Any, p: TransferProgress, label: str, interval: float) -> Any:
-    last = time.monotonic()
-    while True:
-        try:
-            return fut.result(timeout=0.2)
-        except cf.TimeoutError:
-            pass
-        now = time.monotonic()
-        if now - last >= interval:
-            last = now
-            el = max(now - p.started, 1e-6)
-            rate = p.bytes_copied / el
-            left = max(p.bytes_total - p.bytes_done, 0)
-            eta = f"{left / rate:.0f} s" if rate > 0 else "?"
-            typer.echo(
-                f"{label}: {p.files_done}/{p.files_total} files, {human_bytes(p.bytes_done)}/"
-                f"{human_bytes(p.bytes_total)}, {human_bytes(rate)}/s, ETA {eta}"
-                + (f", {p.files_failed} failed" if p.files_failed else ""),
-                err=True,
-            )
-
-
-def _summary(report: TransferReport, *, verb: str = "copied") -> None:
-    p = report.progress
-    secs = max(report.seconds, 1e-6)
-    rate = human_bytes(p.bytes_copied / secs) + "/s"
-    line = (
-        f"{verb} {p.files_copied} files ({human_bytes(p.bytes_copied)}), skipped {p.files_skipped} "
-        f"identical ({human_bytes(p.bytes_skipped)})"
-    )
-    if p.bytes_resumed:
-        line += f", resumed {human_bytes(p.bytes_resumed)} of earlier parts"
-    line += f", {p.files_failed} failed, in {report.seconds:.1f} s ({rate})"
-    typer.echo(line, err=True)
-    _list_failures(report)
-
-
-def _list_failures(report: TransferReport) -> None:
-    if report.failures:
-        typer.secho(f"{len(report.failures)} file(s) failed:", fg=typer.colors.RED, err=True)
-        for f in report.failures[:200]:
-            typer.echo(f"  FAILED {f.key}: {f.error}", err=True)
-        if len(report.failures) > 200:
-            typer.echo(f"  … and {len(report.failures) - 200} more", err=True)
-
-
-def _confirm(question: str, yes: bool, declined: str = "Nothing deleted.") -> None:
-    """Ask ``question``; a no (or no terminal to ask on, without ``--yes``) says
-    ``declined`` and exits 2."""
-    if yes:
-        return
-    if not sys.stdin.isatty():
-        typer.secho(
-            f"{question} Refusing without --yes (not a terminal). {declined}",
-            fg=typer.colors.RED,
-            err=True,
-        )
-        raise typer.Exit(EXIT_USAGE)
-    if not typer.confirm(question, default=False, err=True):
-        typer.echo(declined, err=True)
-        raise typer.Exit(EXIT_USAGE)
-
-
-_PRESERVE_OWNER_HELP = (
-    "Restore owner and group from the source's metadata (FSx's file-owner / file-group) "
-    "on a POSIX destination; default: [stage] preserve_owner in fmstore.toml (false). "
-    "Only for sources whose writers you trust: metadata is set by whoever writes the object."
+from .progress import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    PRESERVE_OWNER_HELP,
+    Interrupted,
+    MainThreadConfirm,
+    ask_yes,
+    console,
+    preserve_owner,
+    run_with_progress,
+    summary,
 )
-
-
-def _preserve_owner(flag: bool | None) -> bool:
-    return preserve_owner_setting() if flag is None else flag
+from .util import human_bytes, size_option
 
 
 def _transfer_options(
@@ -284,7 +113,9 @@ def stage_cmd(
         False, "--delete", help="Delete destination files absent from the source (sync)."
     ),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before deleting."),
-    concurrency: int = typer.Option(64, "--concurrency", "-c", help="Files (and parts) in flight."),
+    concurrency: int = typer.Option(
+        64, "--concurrency", "-c", help="Files (and parts) in flight; also the S3 request limit."
+    ),
     bwlimit: str | None = typer.Option(None, "--bwlimit", help="Bandwidth limit, e.g. 200MiB/s."),
     part_size: str = typer.Option(
         "32MiB",
@@ -313,8 +144,8 @@ def stage_cmd(
         "cut the next run re-checks what the last sync did not cover); 'each' fsyncs every "
         "file and part (slower with many small files); 'none' never syncs (scratch data).",
     ),
-    preserve_owner: bool | None = typer.Option(
-        None, "--preserve-owner/--no-preserve-owner", help=_PRESERVE_OWNER_HELP
+    preserve_owner_flag: bool | None = typer.Option(
+        None, "--preserve-owner/--no-preserve-owner", help=PRESERVE_OWNER_HELP
     ),
     json_out: bool = typer.Option(
         False, "--json", help="Print the final summary as JSON on stdout."
@@ -335,12 +166,12 @@ def stage_cmd(
     Exit codes: 0 ok, 1 error, 2 usage, 3 some files failed, 130 interrupted.
     """
     topts = _transfer_options(
-        concurrency, bwlimit, part_size, verify, fsync, _preserve_owner(preserve_owner)
+        concurrency, bwlimit, part_size, verify, fsync, preserve_owner(preserve_owner_flag)
     )
     if interval <= 0:
         raise typer.BadParameter("must be more than 0", param_hint="--log-interval")
     try:
-        key_filter = KeyFilter.of(include, exclude)
+        KeyFilter.of(include, exclude)
     except ConfigError as e:
         raise typer.BadParameter(e.message, param_hint="--include/--exclude") from None
     k_n = _shard(shard)
@@ -356,90 +187,6 @@ def stage_cmd(
         return
     if lazy:
         k_n = None
-    source = open_source(src)
-    check_destination(source, dst, delete=delete)
-    # A dry run must not even create the destination directory.
-    local = local_dir(dst)
-    missing = dry_run and local is not None and not os.path.exists(local)
-    dest = open_store(tempfile.mkdtemp(prefix="fmstore-dry-run-") if missing else dst)
-    if local is None:  # a remote destination, checked once open
-        check_locations(source, dest, delete=delete)
-    if k_n is not None:
-        typer.echo(f"staging shard {k_n[0]}/{k_n[1]}", err=True)
-    try:
-        plan = runtime.run(
-            plan_stage(source, dest, key_filter=key_filter, shard=k_n, delete=delete)
-        )
-    finally:
-        if missing:
-            os.rmdir(dest.url[len("file://") :])
-    if not plan.src_listing:
-        typer.echo(f"warning: source {src} has no files", err=True)
-    if dry_run:
-        _print_plan(plan, json_out, lazy)
-        return
-    if plan.delete:
-        out = _console(err=True)
-        out.print(f"{len(plan.delete)} file(s) at {dst} are not in {src} and will be deleted:")
-        for k in plan.delete[:10]:
-            out.print(f"  {k}")
-        if len(plan.delete) > 10:
-            out.print(f"  … and {len(plan.delete) - 10} more")
-        _confirm(
-            f"Delete {len(plan.delete)} file(s) from {dst}?",
-            yes,
-            "Nothing copied or deleted (run without --delete to copy only).",
-        )
-    try:
-        _stage_run(
-            src,
-            dst,
-            source,
-            dest,
-            plan,
-            include,
-            exclude,
-            delete,
-            k_n,
-            lazy,
-            topts,
-            progress,
-            interval,
-            json_out,
-        )
-    finally:
-        _close(source, dest)
-
-
-def _close(*stores: Any) -> None:
-    """Close stores (connection pools) so the process exits cleanly."""
-    import asyncio
-    import contextlib
-
-    async def go() -> None:
-        await asyncio.gather(*(s.close() for s in stores), return_exceptions=True)
-
-    with contextlib.suppress(Exception):
-        runtime.run(go(), timeout=30)
-
-
-def _stage_run(
-    src: str,
-    dst: str,
-    source: Any,
-    dest: Any,
-    plan: Any,
-    include: list[str],
-    exclude: list[str],
-    delete: bool,
-    k_n: tuple[int, int] | None,
-    lazy: bool,
-    topts: TransferOptions,
-    progress: bool,
-    interval: float,
-    json_out: bool,
-) -> None:
-    prog = TransferProgress()
     opts = StageOptions(
         includes=tuple(include),
         excludes=tuple(exclude),
@@ -447,21 +194,62 @@ def _stage_run(
         shard=k_n,
         lazy=lazy,
         transfer=topts,
+        dry_run=dry_run,
     )
+    if k_n is not None:
+        typer.echo(f"staging shard {k_n[0]}/{k_n[1]}", err=True)
+
+    def ask(plan: StagePlan) -> bool:
+        """Before anything changes: warn of an empty source, list what would be deleted
+        and ask."""
+        _warn_if_empty(plan, src)
+        if not plan.delete:
+            return True
+        out = console(err=True)
+        out.print(f"{len(plan.delete)} file(s) at {dst} are not in {src} and will be deleted:")
+        for k in plan.delete[:10]:
+            out.print(f"  {k}")
+        if len(plan.delete) > 10:
+            out.print(f"  … and {len(plan.delete) - 10} more")
+        return ask_yes(
+            f"Delete {len(plan.delete)} file(s) from {dst}?",
+            yes,
+            "Nothing copied or deleted (run without --delete to copy only).",
+        )
+
+    prog = TransferProgress()
+    confirm = MainThreadConfirm(ask)
     try:
-        result = _run_with_progress(
-            run_plan(source, dest, plan, opts, progress=prog, src_url=src),
+        result = run_with_progress(
+            stage_async(src, dst, opts, progress=prog, confirm=confirm),
             prog,
             "stage",
-            progress and not lazy,
+            progress and not lazy and not dry_run,
             interval,
+            confirm,
         )
-    except _Interrupted:
+    except Interrupted:
         typer.echo(
             f"Interrupted after {prog.files_done} files; run the same command again to resume.",
             err=True,
         )
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    if result.declined:
+        raise typer.Exit(EXIT_USAGE)
+    if dry_run:
+        assert result.plan is not None
+        _warn_if_empty(result.plan, src)
+        _print_plan(result.plan, json_out, lazy)
+        return
+    _print_result(result, dst, lazy, json_out)
+
+
+def _warn_if_empty(plan: StagePlan, src: str) -> None:
+    if not plan.src_listing:
+        typer.echo(f"warning: source {src} has no files", err=True)
+
+
+def _print_result(result: StageResult, dst: str, lazy: bool, json_out: bool) -> None:
     if lazy:
         typer.echo(
             f"lazy listing of {result.lazy_entries} files written to {dst}; files are fetched on first read",
@@ -480,7 +268,7 @@ def _stage_run(
                 err=True,
             )
     else:
-        _summary(result.report)
+        summary(result.report)
     if result.deleted or result.delete_failures:
         typer.echo(
             f"deleted {result.deleted} file(s), {len(result.delete_failures)} failed", err=True
@@ -501,7 +289,7 @@ def _stage_run(
         raise typer.Exit(EXIT_FAILED)
 
 
-def _print_plan(plan: Any, json_out: bool, lazy: bool) -> None:
+def _print_plan(plan: StagePlan, json_out: bool, lazy: bool) -> None:
     todo = plan.to_copy()
     same = plan.files - len(todo)
     if json_out:
@@ -521,7 +309,7 @@ def _print_plan(plan: Any, json_out: bool, lazy: bool) -> None:
             )
         )
         return
-    out = _console()
+    out = console()
     out.print(f"plan: {plan.files} files, {human_bytes(plan.bytes)} selected")
     out.print(f"  to copy: {len(todo)} files, {human_bytes(sum(i.size for i in todo))}")
     for i in todo[:10]:
@@ -539,7 +327,9 @@ def _print_plan(plan: Any, json_out: bool, lazy: bool) -> None:
 @app.command("hydrate")
 def hydrate_cmd(
     path: str = typer.Argument(..., help="A lazily staged directory or file (or a part of one)."),
-    concurrency: int = typer.Option(64, "--concurrency", "-c", help="Files (and parts) in flight."),
+    concurrency: int = typer.Option(
+        64, "--concurrency", "-c", help="Files (and parts) in flight; also the S3 request limit."
+    ),
     bwlimit: str | None = typer.Option(None, "--bwlimit", help="Bandwidth limit, e.g. 200MiB/s."),
     verify: bool = typer.Option(
         False, "--verify", help="Re-read every fetched file and compare checksums."
@@ -558,47 +348,14 @@ def hydrate_cmd(
 
     Exit codes: 0 ok, 1 error, 3 some files failed, 130 interrupted."""
     topts = _transfer_options(concurrency, bwlimit, "32MiB", verify)
-    found = _lazy.find_index(path)
-    if found is None:
-        raise NotFound(
-            "not inside a lazily staged directory (no .fmstore-lazy.jsonl above it)", key=path
-        )
-    idx, prefix = found
-    entries = idx.under(prefix)
-    if not entries:
-        raise NotFound("nothing in the lazy index under this path", key=path)
     prog = TransferProgress()
-
-    async def go() -> TransferReport:
-        import asyncio
-
-        from ..tiering.journal import Journal
-
-        src = open_store(idx.source)
-        dst = open_store(idx.root)
-        existing = {}
-        async for m in dst.list(prefix if prefix and prefix not in idx.entries else ""):
-            existing[m.key] = m
-        # The staging's journal: an interrupted hydrate resumes the parts of big files.
-        journal = await Journal.open(journal_path(src, dst))
-        try:
-            return await copy_items(
-                src,
-                dst,
-                [e.item() for e in entries],
-                topts,
-                journal=journal,
-                progress=prog,
-                dst_existing=existing,
-            )
-        finally:
-            await asyncio.shield(journal.close())
-
     try:
-        report = _run_with_progress(go(), prog, "hydrate", progress, 10.0)
-    except _Interrupted:
+        report = run_with_progress(
+            _lazy.hydrate_async(path, topts, progress=prog), prog, "hydrate", progress, 10.0
+        )
+    except Interrupted:
         raise typer.Exit(EXIT_INTERRUPTED) from None
-    _summary(report, verb="fetched")
+    summary(report, verb="fetched")
     if json_out:
         typer.echo(json.dumps(report.as_dict()))
     if not report.ok:
@@ -634,133 +391,3 @@ def release_cmd(
                 }
             )
         )
-
-
-def _is_local_file(url: str) -> bool:
-    path = local_dir(url)
-    return path is not None and os.path.isfile(path)
-
-
-def split_object(url: str) -> tuple[str, str]:
-    """``s3://b/p/k`` → ``("s3://b/p", "k")``; ``nvme:a/k`` → ``("nvme:a", "k")``; paths too."""
-    tier, rest = split_tier(url)
-    if tier is not None:
-        head, _, tail = rest.rstrip("/").rpartition("/")
-        if not tail:
-            raise ConfigError(f"{url!r} names a tier root, not an object")
-        return f"{tier}:{head}", tail
-    m = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)(.*)$", url)
-    if m and m.group(1).lower() != "file://":
-        scheme, rest = m.groups()
-        head, sep, tail = rest.rstrip("/").rpartition("/")
-        if not sep or not tail:
-            raise ConfigError(f"{url!r} names a bucket, not an object")
-        return scheme + head, tail
-    path = os.path.abspath(os.path.expanduser(url[len("file://") :] if m else url))
-    return os.path.dirname(path), os.path.basename(path)
-
-
-@app.command("cp")
-def cp_cmd(
-    src: str = typer.Argument(..., help="Source object (path, s3://bucket/key, TIER:path/key)."),
-    dst: str = typer.Argument(..., help="Destination object, or a directory/prefix ending in '/'."),
-    verify: bool = typer.Option(False, "--verify", help="Re-read the copy and compare checksums."),
-    force: bool = typer.Option(
-        False, "--force", "-f", help="Copy even when an identical copy is present."
-    ),
-    preserve_owner: bool | None = typer.Option(
-        None, "--preserve-owner/--no-preserve-owner", help=_PRESERVE_OWNER_HELP
-    ),
-) -> None:
-    """Copy one object between any two locations (checksummed, atomic)."""
-    topts = TransferOptions(
-        verify=verify, skip_identical=not force, preserve_owner=_preserve_owner(preserve_owner)
-    )
-    s_parent, s_key = split_object(src)
-    if os.path.isdir(dst) or dst.endswith("/"):
-        d_parent, d_key = dst.rstrip("/") or "/", s_key
-    else:
-        d_parent, d_key = split_object(dst)
-    sstore = open_store(s_parent) if split_tier(s_parent)[0] else open_source(s_parent)
-    dstore = open_store(d_parent)
-
-    async def go() -> TransferReport:
-        meta = await sstore.stat(s_key)
-        item = CopyItem(s_key, d_key, meta.size, version_of(meta))
-        return await copy_items(sstore, dstore, [item], topts)
-
-    report = runtime.run(go())
-    if report.failures:
-        _list_failures(report)
-        raise typer.Exit(EXIT_FAILED)
-    p = report.progress
-    what = (
-        "identical copy present, skipped"
-        if p.files_skipped
-        else f"copied {human_bytes(p.bytes_copied)}"
-    )
-    typer.echo(f"{src} -> {d_parent.rstrip('/')}/{d_key}: {what}", err=True)
-
-
-@app.command("du")
-def du_cmd(
-    url: str = typer.Argument(..., help="Location to measure."),
-    summarize: bool = typer.Option(False, "--summarize", "-s", help="Only the total."),
-    in_bytes: bool = typer.Option(False, "--bytes", "-b", help="Sizes in bytes, not human units."),
-) -> None:
-    """Disk usage: bytes and file counts per top-level directory, and the total."""
-    from ..tiering.stage import list_tree
-
-    if _is_local_file(url):
-        parent, key = split_object(url)
-        tree = {key: runtime.run(open_store(parent).stat(key))}
-    else:
-        tree = runtime.run(list_tree(open_source(url, role="location")))
-    fmt = (lambda n: str(n)) if in_bytes else human_bytes
-    groups: dict[str, list[int]] = {}
-    for k, m in tree.items():
-        top = k.split("/", 1)[0] + ("/" if "/" in k else "")
-        g = groups.setdefault(top, [0, 0])
-        g[0] += m.size
-        g[1] += 1
-    out = _console()
-    if not summarize:
-        for top in sorted(groups):
-            size, n = groups[top]
-            out.print(f"{fmt(size):>12}  {n:>9} files  {top}")
-    total = sum(m.size for m in tree.values())
-    out.print(f"{fmt(total):>12}  {len(tree):>9} files  total")
-
-
-@app.command("rm")
-def rm_cmd(
-    url: str = typer.Argument(..., help="Object to delete, or a prefix with --recursive."),
-    recursive: bool = typer.Option(
-        False, "--recursive", "-r", help="Delete every object under URL."
-    ),
-    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
-) -> None:
-    """Delete an object, or every object under a prefix (asks first unless --yes)."""
-    if recursive and not _is_local_file(url):  # ``rm -r FILE`` deletes the file, as rm does
-        from ..tiering.stage import list_tree
-
-        store = open_source(url, role="location")
-        keys = sorted(runtime.run(list_tree(store)))
-        if not keys:
-            typer.echo(f"nothing under {url}", err=True)
-            return
-        total = f"{len(keys)} object(s) under {url}"
-    else:
-        parent, key = split_object(url)
-        store = open_store(parent)
-        runtime.run(store.stat(key))  # NotFound → a clear error, exit 1
-        keys = [key]
-        total = url
-    _confirm(f"Delete {total}?", yes)
-
-    async def go() -> None:
-        for i in range(0, len(keys), 1000):
-            await store.delete_many(keys[i : i + 1000])
-
-    runtime.run(go())
-    typer.echo(f"deleted {len(keys)} object(s)", err=True)

@@ -34,7 +34,7 @@ from ..errors import CorruptData, FmstoreError, InvalidRange, NotFound, Permissi
 from ..format.codecs import zstd_decompress_exact
 from ..stores import Store
 from ..stores.base import nbytes
-from ..stores.posix import pwrite_all
+from ..stores.posix_io import pwrite_all
 from . import metrics
 from .formats.base import ShardSpec
 

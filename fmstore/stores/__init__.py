@@ -54,11 +54,15 @@ def open_store(
     tier: str | None = None,
     metered: bool | None = None,
     config: Config | None = None,
+    concurrency: int | None = None,
     **options: Any,
 ) -> Store:
     """Open the store behind ``url``; ``options`` go to the backend (see each backend's
     options).  ``metered``: record Prometheus metrics (see :class:`MeteredStore`); None
-    means :data:`METERED_BY_DEFAULT`."""
+    means :data:`METERED_BY_DEFAULT`.  ``concurrency``: the requests the caller keeps in
+    flight, which a backend's own request limit then allows (:meth:`Location.open`)."""
     if metered is None:
         metered = METERED_BY_DEFAULT
-    return Location.parse(url, config).open(tier=tier, metered=metered, **options)
+    return Location.parse(url, config).open(
+        tier=tier, metered=metered, concurrency=concurrency, **options
+    )

@@ -126,11 +126,30 @@ class Location:
             return cls(url=url, base=url, scheme="s3", options=merged)
         return cls(url=url, base=url, scheme=scheme, options=options)
 
-    def open(self, *, tier: str | None = None, metered: bool = False, **options: Any) -> Store:
+    def open(
+        self,
+        *,
+        tier: str | None = None,
+        metered: bool = False,
+        concurrency: int | None = None,
+        **options: Any,
+    ) -> Store:
         """The store of this location, rooted at ``sub``; ``options`` override the
         location's own.  ``metered`` wraps the backend, below the prefix, so every location
-        on a tier records one set of series."""
-        store = _open_backend(self, tier or self.tier, {**dict(self.options), **options})
+        on a tier records one set of series.
+
+        ``concurrency``: how many requests the caller keeps in flight (a copy's files and
+        parts).  A backend with a request limit of its own is opened with this one, so the
+        caller's figure is the one that holds: S3's ``max_concurrency`` (16 by default)
+        unless the tier's options or ``options`` set it explicitly.  Backends without such
+        a limit ignore it."""
+        merged = {**dict(self.options), **options}
+        if concurrency is not None:
+            if concurrency < 1:
+                raise ConfigError(f"concurrency must be at least 1, not {concurrency}")
+            if self.scheme == "s3":
+                merged.setdefault("max_concurrency", concurrency)
+        store = _open_backend(self, tier or self.tier, merged)
         if metered:
             from .metered import MeteredStore
 

@@ -7,7 +7,8 @@ source location, then one line per file with its key, size, source version and c
 * :func:`open` (``fmstore.open``) opens a file below a lazily staged directory; when it is
   not there yet it is fetched from the source (verified, atomically) and kept.
 * :func:`hydrate` (``fmstore hydrate PATH``) fetches everything under ``PATH`` that is
-  missing, with the parallel copy engine.
+  missing, with the parallel copy engine and the staging's resume journal: an interrupted
+  hydrate fetches neither the files nor the parts of big files it had finished.
 * :func:`release` (``fmstore release PATH``) drops local copies under ``PATH`` but keeps
   the index, and only where that is safe: the local bytes still match the checksum recorded
   when they were fetched, and the source still holds the same version of the file.
@@ -38,11 +39,13 @@ from ..errors import ConfigError, CorruptData, FmstoreError, NotFound
 from ..stores import Location, open_store, split_tier
 from ..stores.base import ObjectMeta, PutOptions, Store
 from .crc import crc32c, from_hex, to_hex
+from .journal import Journal
 from .transfer import (
     META_CRC,
     META_SRC_VERSION,
     CopyItem,
     TransferOptions,
+    TransferProgress,
     TransferReport,
     copy_items,
     version_of,
@@ -216,9 +219,22 @@ def open(path: str, mode: str = "rb", **kwargs: Any) -> IO[Any]:  # noqa: A001 (
     return builtins.open(local, mode, **kwargs)
 
 
-def hydrate(path: str, options: TransferOptions = TransferOptions()) -> TransferReport:
-    """Fetch every file of the lazy index under ``path`` that is not present yet."""
-    found = find_index(path)
+async def hydrate_async(
+    path: str,
+    options: TransferOptions = TransferOptions(),
+    *,
+    progress: TransferProgress | None = None,
+    state_dir: str | None = None,
+) -> TransferReport:
+    """Fetch every file of the lazy index under ``path`` that is not present yet.
+
+    Resumable: the copy keeps the resume journal that staging the same source into the
+    same directory keeps (in ``state_dir``, by default the config's), so a run that was
+    interrupted is finished by the next without fetching again the files, or the parts
+    of big files, it had finished.  ``progress``: live counters, readable from any thread
+    while the run goes on.  The source is opened with ``options.concurrency`` as its
+    request limit (:meth:`fmstore.stores.Location.open`)."""
+    found = await runtime.to_io(find_index, path)
     if found is None:
         raise NotFound(
             "not inside a lazily staged directory (no .fmstore-lazy.jsonl above it)", key=path
@@ -227,7 +243,41 @@ def hydrate(path: str, options: TransferOptions = TransferOptions()) -> Transfer
     entries = idx.under(prefix)
     if not entries:
         raise NotFound("nothing in the lazy index under this path", key=path)
-    return runtime.run(fetch_async(idx, entries, options))
+    src = open_store(idx.source, concurrency=options.concurrency)
+    dst = open_store(idx.root)
+    try:
+        existing = {}
+        async for m in dst.list(prefix if prefix and prefix not in idx.entries else ""):
+            existing[m.key] = m
+        # The staging's journal (:func:`fmstore.tiering.stage.journal_path`).
+        where = Journal.path_for(state_dir or get_config().state_dir, src.url, dst.url)
+        journal = await Journal.open(where)
+        try:
+            return await copy_items(
+                src,
+                dst,
+                [e.item() for e in entries],
+                options,
+                journal=journal,
+                progress=progress,
+                dst_existing=existing,
+            )
+        finally:
+            await asyncio.shield(journal.close())
+    finally:
+        closing = asyncio.gather(src.close(), dst.close(), return_exceptions=True)
+        await asyncio.shield(closing)
+
+
+def hydrate(
+    path: str,
+    options: TransferOptions = TransferOptions(),
+    *,
+    progress: TransferProgress | None = None,
+    state_dir: str | None = None,
+) -> TransferReport:
+    """Sync facade of :func:`hydrate_async`."""
+    return runtime.run(hydrate_async(path, options, progress=progress, state_dir=state_dir))
 
 
 @dataclass

@@ -4,8 +4,9 @@ Planning is separate from I/O: :func:`plan_stage` lists both sides (in parallel,
 listing per top-level directory), applies ``include``/``exclude`` globs and the shard, and
 returns a :class:`StagePlan`: the items to copy (identical files are skipped later by the
 engine, cheaply), the totals, and — for sync semantics — the destination keys to delete.
-:func:`stage` / :func:`stage_async` run a plan through :mod:`fmstore.tiering.transfer`
-with a resume journal in the state directory.
+:func:`stage` / :func:`stage_async` open both locations, plan, show the plan to the
+caller's ``confirm`` and run it through :mod:`fmstore.tiering.transfer` with a resume
+journal in the state directory; ``fmstore stage`` is a call of :func:`stage_async`.
 
 Glob syntax: ``*`` matches within one path segment, ``**`` across segments, ``?`` one
 character, ``[abc]`` / ``[!abc]`` a character class.  A pattern without ``/`` matches a
@@ -22,9 +23,10 @@ together cover everything exactly once; :func:`shard_from_env` reads Slurm's
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .. import runtime
@@ -170,9 +172,9 @@ def local_dir(url: str) -> str | None:
     return Location.parse(url).local_root
 
 
-def open_source(url: str, *, role: str = "source") -> Store:
+def open_source(url: str, *, role: str = "source", concurrency: int | None = None) -> Store:
     """Open a location that must already exist (a missing POSIX directory is an error,
-    not something to create)."""
+    not something to create); ``concurrency`` as for :func:`~fmstore.stores.open_store`."""
     path = local_dir(url)
     if path is not None:
         if os.path.isfile(path):
@@ -181,7 +183,7 @@ def open_source(url: str, *, role: str = "source") -> Store:
             raise NotFound(f"{role} {url!r} does not exist")
         if not os.access(path, os.R_OK | os.X_OK):
             raise PermissionDenied(f"{role} {url!r} is not readable")
-    return open_store(url)
+    return open_store(url, concurrency=concurrency)
 
 
 def _root_of(store: Store) -> str:
@@ -271,16 +273,20 @@ class StagePlan:
 
 async def plan_stage(
     src: Store,
-    dst: Store,
+    dst: Store | None,
     *,
     key_filter: KeyFilter = KeyFilter(),
     shard: tuple[int, int] | None = None,
     delete: bool = False,
     list_destination: bool = True,
 ) -> StagePlan:
+    """List both sides and plan the copy; ``dst`` None (or ``list_destination`` False)
+    plans against an empty destination."""
     src_task = asyncio.ensure_future(list_tree(src, role="source"))
     dst_task = (
-        asyncio.ensure_future(list_tree(dst, role="destination")) if list_destination else None
+        asyncio.ensure_future(list_tree(dst, role="destination"))
+        if list_destination and dst is not None
+        else None
     )
     try:
         src_all = await src_task
@@ -325,6 +331,11 @@ def preserve_owner_setting(config: Config | None = None) -> bool:
 
 @dataclass(frozen=True)
 class StageOptions:
+    """What :func:`stage_async` does.  ``dry_run``: plan only (the result carries the
+    plan) and change nothing, not even create a missing local destination.
+    ``transfer.concurrency`` is also the request limit the two stores are opened with
+    (:meth:`fmstore.stores.Location.open`)."""
+
     includes: tuple[str, ...] = ()
     excludes: tuple[str, ...] = ()
     delete: bool = False
@@ -332,16 +343,22 @@ class StageOptions:
     lazy: bool = False
     transfer: TransferOptions = TransferOptions()
     state_dir: str | None = None  # journals go to <state_dir>/transfers
+    dry_run: bool = False
 
 
 @dataclass
 class StageResult:
+    """What a run did.  ``plan``: what it planned (all of a dry run's answer);
+    ``declined``: the caller's ``confirm`` said no, and nothing was changed."""
+
     report: TransferReport
     deleted: int = 0
     delete_failures: list[tuple[str, str]] = field(default_factory=list)
     lazy_entries: int = 0
     lazy_dropped: list[str] = field(default_factory=list)  # stale local copies dropped
     lazy_kept: list[str] = field(default_factory=list)  # stale, but changed locally: kept
+    plan: StagePlan | None = None
+    declined: bool = False
 
     @property
     def ok(self) -> bool:
@@ -375,6 +392,7 @@ async def run_plan(
             lazy_entries=n,
             lazy_dropped=dropped,
             lazy_kept=kept,
+            plan=plan,
         )
     journal = await Journal.open(journal_path(src, dst, options.state_dir))
     try:
@@ -387,7 +405,7 @@ async def run_plan(
             progress=progress,
             dst_existing=plan.dst_existing,
         )
-        result = StageResult(report)
+        result = StageResult(report, plan=plan)
         if plan.delete:
             await _delete(dst, plan.delete, result, journal, options.transfer.concurrency)
     finally:
@@ -413,22 +431,67 @@ async def _delete(
     await asyncio.gather(*(one(k) for k in keys))
 
 
+#: Shown the plan before anything is changed; False stops the run.
+Confirm = Callable[[StagePlan], "bool | Awaitable[bool]"]
+
+
 async def stage_async(
-    src_url: str, dst_url: str, options: StageOptions = StageOptions()
+    src_url: str,
+    dst_url: str,
+    options: StageOptions = StageOptions(),
+    *,
+    progress: TransferProgress | None = None,
+    confirm: Confirm | None = None,
 ) -> StageResult:
-    """Stage ``src_url`` into ``dst_url`` (any store URLs or ``TIER:path``)."""
+    """Stage ``src_url`` into ``dst_url`` (any store URLs or ``TIER:path``).
+
+    In order: both locations are checked and opened (a source must exist; a local
+    destination is created, except by a dry run), with ``options.transfer.concurrency``
+    as the stores' request limit; both are listed and the plan made
+    (:func:`plan_stage`); a dry run returns here.  Then ``confirm(plan)``, when given,
+    is called once on the event loop, before anything is copied or deleted: it shows the
+    plan (``plan.delete`` lists what would be deleted) and returns, or returns an
+    awaitable of, whether to go on; on no, the result is ``declined`` and nothing has
+    changed.  Then the plan runs (:func:`run_plan`), counting into ``progress`` (live
+    counters, readable from any thread while the run goes on).  The stores are closed
+    before this returns."""
     key_filter = KeyFilter.of(options.includes, options.excludes)
-    src = open_source(src_url)
-    check_destination(src, dst_url, delete=options.delete)
-    dst = open_store(dst_url)
-    if local_dir(dst_url) is None:  # a remote destination, checked once open
-        check_locations(src, dst, delete=options.delete)
-    plan = await plan_stage(
-        src, dst, key_filter=key_filter, shard=options.shard, delete=options.delete
-    )
-    return await run_plan(src, dst, plan, options, src_url=src_url)
+    # The stores allow as many requests as the copy keeps in flight (S3 alone allows 16).
+    concurrency = options.transfer.concurrency
+    src = open_source(src_url, concurrency=concurrency)
+    local = local_dir(dst_url)
+    dst: Store | None = None
+    try:
+        check_destination(src, dst_url, delete=options.delete)
+        if not (options.dry_run and local is not None and not os.path.exists(local)):
+            dst = open_store(dst_url, concurrency=concurrency)
+            if local is None:  # a remote destination, checked once open
+                check_locations(src, dst, delete=options.delete)
+        plan = await plan_stage(
+            src, dst, key_filter=key_filter, shard=options.shard, delete=options.delete
+        )
+        if options.dry_run or dst is None:
+            return StageResult(TransferReport(progress or TransferProgress(), [], 0.0), plan=plan)
+        if confirm is not None:
+            go_on = confirm(plan)
+            if inspect.isawaitable(go_on):
+                go_on = await go_on
+            if not go_on:
+                report = TransferReport(progress or TransferProgress(), [], 0.0)
+                return StageResult(report, plan=plan, declined=True)
+        return await run_plan(src, dst, plan, options, progress=progress, src_url=src_url)
+    finally:
+        opened = [s for s in (src, dst) if s is not None]
+        await asyncio.shield(asyncio.gather(*(s.close() for s in opened), return_exceptions=True))
 
 
-def stage(src_url: str, dst_url: str, options: StageOptions = StageOptions()) -> StageResult:
+def stage(
+    src_url: str,
+    dst_url: str,
+    options: StageOptions = StageOptions(),
+    *,
+    progress: TransferProgress | None = None,
+    confirm: Confirm | None = None,
+) -> StageResult:
     """Sync facade of :func:`stage_async`."""
-    return runtime.run(stage_async(src_url, dst_url, options))
+    return runtime.run(stage_async(src_url, dst_url, options, progress=progress, confirm=confirm))

@@ -1,0 +1,235 @@
+"""What the copy commands (stage, hydrate, cp, rm) share: running a library call on the
+fmstore loop while the main thread shows its progress and asks its questions, the
+summary printed after it, and the exit codes.
+
+Exit codes (also in docs/staging.md):
+
+====  ==================================================================
+0     everything done (or nothing to do)
+1     error before or outside the copy: bad location, unreachable store,
+      missing bucket, unreadable source, unknown tier, bad config
+2     usage error: bad option value, malformed glob, bad --shard, or a
+      deletion refused because --yes is missing on a non-interactive run
+3     the run finished but some files failed (listed on stderr)
+130   interrupted (Ctrl-C); re-run the same command to resume
+====  ==================================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import queue
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import typer
+
+from .. import runtime
+from ..tiering.stage import preserve_owner_setting
+from ..tiering.transfer import TransferProgress, TransferReport
+from .util import human_bytes
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+T = TypeVar("T")
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+def console(err: bool = False) -> Console:
+    from rich.console import Console  # on demand: a copy logging to a file needs none
+
+    return Console(stderr=err, highlight=False)
+
+
+class Interrupted(Exception):
+    pass
+
+
+class MainThreadConfirm:
+    """A run's ``confirm(plan)`` (:func:`fmstore.tiering.stage.stage_async`) answered on
+    the CLI's main thread, where a prompt must be asked: the run, on the event loop,
+    awaits the answer while :func:`run_with_progress` waits for the question.  ``ask``
+    shows the plan and says whether to go on."""
+
+    def __init__(self, ask: Callable[[Any], bool]) -> None:
+        self.ask = ask
+        self.declined = False
+        self._asked: queue.SimpleQueue[tuple[Any, asyncio.AbstractEventLoop, Any] | None] = (
+            queue.SimpleQueue()
+        )
+
+    def __call__(self, plan: Any) -> Awaitable[bool]:
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[bool] = loop.create_future()
+        self._asked.put((plan, loop, answer))
+        return answer
+
+    def answer(self, run: cf.Future[Any]) -> None:
+        """Wait on this thread for the question, or for the run to end without asking,
+        and answer it."""
+        run.add_done_callback(lambda _: self._asked.put(None))
+        asked = self._asked.get()
+        if asked is None:
+            return
+        plan, loop, answer = asked
+        go_on = self.ask(plan)
+        self.declined = not go_on
+        loop.call_soon_threadsafe(_settle, answer, go_on)
+
+
+def _settle(answer: asyncio.Future[bool], go_on: bool) -> None:
+    if not answer.done():  # not cancelled meanwhile
+        answer.set_result(go_on)
+
+
+def run_with_progress(
+    coro: Coroutine[Any, Any, T],
+    progress: TransferProgress | None,
+    label: str,
+    show: bool,
+    interval: float,
+    confirm: MainThreadConfirm | None = None,
+) -> T:
+    """Run ``coro`` on the fmstore loop while showing ``progress``: a rich bar on a
+    terminal, a log line every ``interval`` seconds otherwise.  ``confirm``: answered
+    first, before the display starts.  Ctrl-C cancels the run, waits for it to leave its
+    journal in order, and raises :class:`Interrupted`."""
+    finished = threading.Event()
+
+    async def wrapped() -> T:
+        try:
+            return await coro
+        finally:
+            finished.set()
+
+    fut = runtime.submit(wrapped())
+    try:
+        if confirm is not None:
+            confirm.answer(fut)
+        if progress is None or not show or (confirm is not None and confirm.declined):
+            return fut.result()
+        if sys.stderr.isatty():
+            return _rich_loop(fut, progress, label, console(err=True))
+        return _log_loop(fut, progress, label, interval)
+    except KeyboardInterrupt:
+        fut.cancel()
+        finished.wait(30)
+        raise Interrupted() from None
+    except BaseException:
+        fut.cancel()  # a failed prompt (typer.Abort): the run must not go on without it
+        finished.wait(30)
+        raise
+
+
+def _rich_loop(fut: Any, p: TransferProgress, label: str, err: Console) -> Any:
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+    ) as bar:
+        task = bar.add_task(label, total=max(p.bytes_total, 1))
+        while True:
+            done = fut.done()
+            failed = f" [red]{p.files_failed} failed[/red]" if p.files_failed else ""
+            bar.update(
+                task,
+                completed=p.bytes_done,
+                total=max(p.bytes_total, 1),
+                description=f"{label} {p.files_done}/{p.files_total} files{failed}",
+            )
+            if done:
+                return fut.result()
+            time.sleep(0.1)
+
+
+def _log_loop(fut: Any, p: TransferProgress, label: str, interval: float) -> Any:
+    last = time.monotonic()
+    while True:
+        try:
+            return fut.result(timeout=0.2)
+        except cf.TimeoutError:
+            pass
+        now = time.monotonic()
+        if now - last >= interval:
+            last = now
+            el = max(now - p.started, 1e-6)
+            rate = p.bytes_copied / el
+            left = max(p.bytes_total - p.bytes_done, 0)
+            eta = f"{left / rate:.0f} s" if rate > 0 else "?"
+            typer.echo(
+                f"{label}: {p.files_done}/{p.files_total} files, {human_bytes(p.bytes_done)}/"
+                f"{human_bytes(p.bytes_total)}, {human_bytes(rate)}/s, ETA {eta}"
+                + (f", {p.files_failed} failed" if p.files_failed else ""),
+                err=True,
+            )
+
+
+def summary(report: TransferReport, *, verb: str = "copied") -> None:
+    p = report.progress
+    secs = max(report.seconds, 1e-6)
+    rate = human_bytes(p.bytes_copied / secs) + "/s"
+    line = (
+        f"{verb} {p.files_copied} files ({human_bytes(p.bytes_copied)}), skipped {p.files_skipped} "
+        f"identical ({human_bytes(p.bytes_skipped)})"
+    )
+    if p.bytes_resumed:
+        line += f", resumed {human_bytes(p.bytes_resumed)} of earlier parts"
+    line += f", {p.files_failed} failed, in {report.seconds:.1f} s ({rate})"
+    typer.echo(line, err=True)
+    list_failures(report)
+
+
+def list_failures(report: TransferReport) -> None:
+    if report.failures:
+        typer.secho(f"{len(report.failures)} file(s) failed:", fg=typer.colors.RED, err=True)
+        for f in report.failures[:200]:
+            typer.echo(f"  FAILED {f.key}: {f.error}", err=True)
+        if len(report.failures) > 200:
+            typer.echo(f"  … and {len(report.failures) - 200} more", err=True)
+
+
+def ask_yes(question: str, yes: bool, declined: str = "Nothing deleted.") -> bool:
+    """Ask ``question``; a no (or no terminal to ask on, without ``--yes``) says
+    ``declined`` and returns False (the caller exits 2)."""
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        typer.secho(
+            f"{question} Refusing without --yes (not a terminal). {declined}",
+            fg=typer.colors.RED,
+            err=True,
+        )
+        return False
+    if not typer.confirm(question, default=False, err=True):
+        typer.echo(declined, err=True)
+        return False
+    return True
+
+
+PRESERVE_OWNER_HELP = (
+    "Restore owner and group from the source's metadata (FSx's file-owner / file-group) "
+    "on a POSIX destination; default: [stage] preserve_owner in fmstore.toml (false). "
+    "Only for sources whose writers you trust: metadata is set by whoever writes the object."
+)
+
+
+def preserve_owner(flag: bool | None) -> bool:
+    return preserve_owner_setting() if flag is None else flag

@@ -1,0 +1,240 @@
+"""The operating system's side of the POSIX backend: what ``os`` does not wrap, or not
+in one call.
+
+Atomic publication (:func:`commit_file`, :func:`commit_at`: rename or link, then the
+directory fsync), ``O_DIRECT`` writes from aligned buffers, vectored writes resumed after
+short ones (:func:`pwrite_all`), kernel-side copies, ``syncfs`` and ``sync_file_range``
+through libc, the file system type of a path, and the metadata xattr fmstore keeps with
+each file it writes.  Nothing here knows about keys, tiers or stores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import json
+import mmap
+import os
+import re
+from typing import TYPE_CHECKING
+
+from .base import Buffer, Pieces, as_pieces
+
+if TYPE_CHECKING:
+    import ctypes
+
+_XATTR = "user.fmstore.meta"
+#: Recorded in the metadata xattr: the file's size and modification time (whole seconds,
+#: as Lustre keeps them) when fmstore wrote it.  A file changed since (written in place,
+#: truncated) no longer matches, and the metadata recorded with it (its checksum, the
+#: source's version) no longer describes it: it then reads as having none, so the file is
+#: copied again rather than skipped, and its checksum is computed rather than trusted.
+_STAMP = "fmstore-written"
+_ALIGN = 4096
+#: Block size for large sequential writes and reads.
+BLOCK = 16 << 20
+#: Most buffers one ``pwritev`` takes.
+_IOV_MAX = os.sysconf("SC_IOV_MAX")
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit_file(tmp: str, final: str, *, create_only: bool = False, sync: bool = True) -> None:
+    """Publish fsynced ``tmp`` as ``final`` atomically and make the rename durable.
+
+    ``create_only`` links instead of renaming, so an existing ``final`` is never replaced
+    (``FileExistsError``).  The temp file is gone afterwards in every case.
+    """
+    try:
+        if create_only:
+            os.link(tmp, final)
+            os.unlink(tmp)
+        else:
+            os.rename(tmp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if sync:
+        fsync_dir(os.path.dirname(final))
+
+
+def commit_at(
+    dfd: int, tmp: str, final: str, *, create_only: bool = False, sync: bool = True
+) -> None:
+    """:func:`commit_file` for names in the directory open as ``dfd`` (fsynced with
+    ``sync``): the directory stays the one resolved, whatever is renamed meanwhile."""
+    try:
+        if create_only:
+            os.link(tmp, final, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+            os.unlink(tmp, dir_fd=dfd)
+        else:
+            os.rename(tmp, final, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dfd)
+        raise
+    if sync:
+        os.fsync(dfd)
+
+
+def _write_direct(fd: int, dfd: int, tmp: str, data: memoryview) -> None:
+    """Aligned O_DIRECT writes of the bulk; the unaligned tail goes through the cache."""
+    n = len(data)
+    bulk = n - n % _ALIGN
+    buf = mmap.mmap(-1, BLOCK)  # page-aligned staging buffer
+    try:
+        flags = os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW
+        direct = os.open(tmp, flags, dir_fd=dfd)
+        try:
+            off = 0
+            while off < bulk:
+                m = min(BLOCK, bulk - off)
+                buf[:m] = data[off : off + m]
+                written = os.pwrite(direct, memoryview(buf)[:m], off)
+                off += written
+        finally:
+            os.close(direct)
+    finally:
+        buf.close()
+    if bulk < n:
+        pwrite_all(fd, data[bulk:], bulk)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    import ctypes  # only when a sync is due: not on every command's start-up
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    with contextlib.suppress(AttributeError):
+        libc.sync_file_range.argtypes = [
+            ctypes.c_int,
+            ctypes.c_longlong,
+            ctypes.c_longlong,
+            ctypes.c_uint,
+        ]
+    return libc
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing ``[offset, offset + length)`` of ``fd`` to disk without waiting
+    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so the disk works while the copy goes on
+    and the sync that ends it finds little left.  A hint: failures are ignored."""
+    with contextlib.suppress(AttributeError):
+        _libc().sync_file_range(fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE
+
+
+def _syncfs(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        libc = _libc()
+        if libc.syncfs(fd) != 0:
+            import ctypes
+
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+    except AttributeError:  # no syncfs in this libc
+        os.sync()
+    finally:
+        os.close(fd)
+
+
+#: File systems on this machine's own disks or memory (not Lustre, NFS or FUSE).
+_LOCAL_FS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "tmpfs", "ramfs"}
+
+
+def fs_type(path: str) -> str | None:
+    """The type of the file system ``path`` is on (``/proc/self/mountinfo``), or None."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best, kind = "", None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) < 5 or not right:
+            continue
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, kind = mount, right.split()[0]
+    return kind
+
+
+def pwrite_all(fd: int, data: Buffer | Pieces, offset: int) -> None:
+    """Write a buffer or consecutive pieces at ``offset`` with as few ``pwritev`` calls as
+    the kernel takes (short writes resumed where they stopped)."""
+    views = [v for v in (memoryview(p).cast("B") for p in as_pieces(data)) if len(v)]
+    while views:
+        batch = views[:_IOV_MAX]
+        n = os.pwritev(fd, batch, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += n
+        for i, v in enumerate(batch):
+            if n < len(v):
+                views = [v[n:], *views[i + 1 :]] if n else views[i:]
+                break
+            n -= len(v)
+        else:
+            views = views[len(batch) :]
+
+
+def _copy_fd(src: int, dst: int) -> None:
+    """Kernel-side copy (reflink / copy_file_range where the file system has them)."""
+    size = os.fstat(src).st_size
+    off = 0
+    try:
+        while off < size:
+            n = os.copy_file_range(src, dst, min(size - off, 1 << 30), off, off)
+            if n == 0:
+                break
+            off += n
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.lseek(dst, off, os.SEEK_SET)
+        while off < size:
+            buf = os.pread(src, BLOCK, off)
+            if not buf:
+                break
+            os.write(dst, buf)
+            off += len(buf)
+
+
+def _stamp(st: os.stat_result) -> str:
+    return f"{st.st_size:x}-{st.st_mtime_ns // 1_000_000_000:x}"
+
+
+#: The metadata xattr's encoding: keys sorted, built once (``json.dumps`` with options
+#: builds an encoder per call).
+_META_JSON = json.JSONEncoder(sort_keys=True)
+
+
+def _read_meta(path: str | int, st: os.stat_result) -> dict[str, str]:
+    """The metadata recorded with a file whose ``stat`` is ``st``; none when the file
+    changed since it was recorded (see :data:`_STAMP`)."""
+    try:
+        raw = os.getxattr(path, _XATTR)
+    except OSError:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {}
+    if not isinstance(value, dict):
+        return {}
+    stamp = value.pop(_STAMP, None)
+    if stamp is not None and stamp != _stamp(st):
+        return {}
+    return {str(k): str(v) for k, v in value.items()}
