@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 MAX_LINES = 700
 #: Being split now; each leaves this list when its split lands.
-TOO_BIG_FOR_NOW = {"stores/s3.py", "stores/posix.py", "cli/stage_cmds.py"}
+TOO_BIG_FOR_NOW = {"stores/s3.py"}
 CIRCLES_FOR_NOW = {("fmstore.stores.s3", "fmstore.stores.s3_parts")}
 
 

@@ -18,6 +18,7 @@ import errno
 import os
 import stat as _stat
 import subprocess
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ from ..errors import (
     TierFull,
 )
 from . import beneath
-from .base import ObjectMeta, Store
+from .base import Leftover, ObjectMeta, Store
 from .posix_io import _LOCAL_FS, fs_type, fsync_dir
 
 #: Temp files carry this marker; listings hide them and ``cleanup_temp`` removes them.
@@ -404,46 +405,71 @@ class PosixTree(Store):
     def local_root(self) -> str:
         return self.root
 
-    async def cleanup_temp(self, older_than: float = 3600.0, under: str = "") -> int:
-        """Remove temp files of crashed writers older than ``older_than`` seconds (walked
-        from descriptors, no link followed)."""
-        import time
-
+    async def leftovers(self, under: str = "") -> builtins.list[Leftover]:
+        """The temp files of writers that died, below ``under`` (walked from descriptors,
+        no link followed)."""
         rel = self._prefix(under).rstrip("/")
 
-        def do() -> int:
-            n = 0
-            cutoff = time.time() - older_than
+        def do() -> builtins.list[Leftover]:
+            out: builtins.list[Leftover] = []
+            now = time.time()
             with self._translate(under or None):
+                top = self._open_under(rel)
+                if top is None:
+                    return out
                 try:
-                    root = self._root_fd()
-                except FileNotFoundError:
-                    return 0
-                try:
-                    top = beneath.open_dir(root, rel)
-                except FileNotFoundError:
-                    return 0
-                except NotADirectoryError:
-                    if self._link_on_path(rel):
-                        raise
-                    return 0
-                finally:
-                    os.close(root)
-                try:
-                    for _d, _dirs, files, dirfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+                    for d, _dirs, files, dirfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+                        here = os.path.normpath(os.path.join(rel, d))
+                        here = "" if here == "." else here
                         for f in files:
                             if not f.startswith(TMP_MARK):
                                 continue
                             with contextlib.suppress(FileNotFoundError):
                                 st = os.stat(f, dir_fd=dirfd, follow_symlinks=False)
-                                if _stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
-                                    os.unlink(f, dir_fd=dirfd)
-                                    n += 1
+                                if _stat.S_ISREG(st.st_mode):
+                                    key = f"{here}/{f}" if here else f
+                                    idle = max(0.0, now - st.st_mtime)
+                                    out.append(Leftover("temp", key, st.st_size, idle))
                 finally:
                     os.close(top)
-            return n
+            return out
 
         return await runtime.to_io(do)
+
+    def _open_under(self, rel: str) -> int | None:
+        """A descriptor of directory ``rel`` beneath the root, None when it is not there."""
+        try:
+            root = self._root_fd()
+        except FileNotFoundError:
+            return None
+        try:
+            return beneath.open_dir(root, rel)
+        except FileNotFoundError:
+            return None
+        except NotADirectoryError:
+            if self._link_on_path(rel):
+                raise
+            return None
+        finally:
+            os.close(root)
+
+    async def remove_leftover(self, item: Leftover) -> None:
+        parent, _, name = item.key.rpartition("/")
+        if item.kind != "temp" or not name.startswith(TMP_MARK):
+            raise ValueError(f"not a temp file of this store: {item.key!r}")
+
+        def do() -> None:
+            with self._translate(item.key):
+                dfd = self._open_under(parent)
+                if dfd is None:
+                    return
+                try:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=dfd)
+                finally:
+                    os.close(dfd)
+
+        await runtime.to_io(do)
 
 
 def _check_utf8(rel: str, name: str, tier: str) -> None:

@@ -251,7 +251,7 @@ async def hydrate_async(
             existing[m.key] = m
         # The staging's journal (:func:`fmstore.tiering.stage.journal_path`).
         where = Journal.path_for(state_dir or get_config().state_dir, src.url, dst.url)
-        journal = await Journal.open(where)
+        journal = await Journal.open(where, dest=dst.url)
         try:
             return await copy_items(
                 src,

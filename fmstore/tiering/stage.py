@@ -394,7 +394,7 @@ async def run_plan(
             lazy_kept=kept,
             plan=plan,
         )
-    journal = await Journal.open(journal_path(src, dst, options.state_dir))
+    journal = await Journal.open(journal_path(src, dst, options.state_dir), dest=dst.url)
     try:
         report = await copy_items(
             src,
