@@ -1,4 +1,5 @@
-"""Object-level commands: ls (stage, cp, rm, du, hydrate and release are in stage_cmds)."""
+"""``fmstore ls``: list objects and prefixes (cp, du, rm are in object_cmds; stage, hydrate
+and release in stage_cmds)."""
 
 from __future__ import annotations
 
