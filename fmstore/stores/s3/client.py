@@ -13,6 +13,10 @@ reads starts 0.6 s sooner.  The last ``S3Store.close`` of the stores using a cli
 it (a store dropped without ``close`` leaves it open for the next store); whatever is open
 at exit is closed then.  A forked child creates its own, and never touches its parent's
 (:func:`leave_to_parent`).
+
+Whether a shared client has a lean transport at all is settled here, once, when it is made
+(:func:`lean_static`, :func:`lean_for_client`); which of the two transports serves each
+call after that is :class:`~.transport.FallbackTransport`'s to say.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import asyncio
 import functools
 import logging
 import os
+import socket
 import weakref
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -30,13 +35,7 @@ from ... import runtime
 from ..base import Store
 from .options import S3Options
 from .retry import translate
-from .transport import (
-    BotocoreTransport,
-    Transport,
-    lean_for_client,
-    lean_static,
-    tuned_socket,
-)
+from .transport import BotocoreTransport, LeanUnsupported, Transport
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +155,7 @@ async def make_shared(
     key: tuple[Any, ...], o: S3Options, *, bucket: str, tier: str
 ) -> SharedClient:
     """A new shared client: the lean transport alone where it needs nothing of botocore's
-    (:func:`.transport.lean_static`), else botocore's client and the lean transport over
+    (:func:`lean_static`), else botocore's client and the lean transport over
     what it resolved; errors as :mod:`fmstore.errors`."""
 
     async def make_client(stack: AsyncExitStack) -> Any:
@@ -256,3 +255,83 @@ def _keep_bodies_as_bytes(client: Any) -> None:
         client.meta.events.unregister(
             f"before-parameter-build.s3.{op}", convert_body_to_file_like_object
         )
+
+
+# ---- where the lean transport can serve -------------------------------------------------
+
+
+def tuned_socket(buffer: int, addr_info: Any) -> socket.socket:
+    """A connection's socket: keep-alive on (aiobotocore ignores ``tcp_keepalive``) and
+    ``buffer`` bytes of kernel send / receive buffer when non-zero."""
+    family, type_, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=type_, proto=proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if buffer:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def lean_static(o: S3Options, bucket: str) -> Transport | None:
+    """The lean transport without botocore, where nothing needs botocore to resolve
+    it: an explicit endpoint, a region and static keys given in the options or in the
+    environment (botocore's first source of credentials; a profile would skip it).
+    None otherwise, and the client's resolution is used."""
+    env = os.environ
+    region = o.region or env.get("AWS_DEFAULT_REGION")
+    if not o.lean_requests or not o.endpoint_url or not region:
+        return None
+    if o.access_key and o.secret_key:
+        creds = (o.access_key, o.secret_key, o.session_token)
+    elif (
+        not o.profile
+        and "AWS_CREDENTIAL_EXPIRATION" not in env  # refreshing: botocore's job
+        and env.get("AWS_ACCESS_KEY_ID")
+        and env.get("AWS_SECRET_ACCESS_KEY")
+    ):
+        token = env.get("AWS_SECURITY_TOKEN") or env.get("AWS_SESSION_TOKEN")
+        creds = (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"], token)
+    else:
+        return None
+    from .lean import Credentials
+
+    frozen = Credentials(*creds)
+    return _lean(o, bucket, o.endpoint_url, region, lambda: frozen)
+
+
+def lean_for_client(o: S3Options, bucket: str, client: Any) -> Transport | None:
+    """The lean transport for botocore ``client``'s endpoint, region and credentials, or
+    None where it cannot serve them."""
+    creds = getattr(getattr(client, "_request_signer", None), "_credentials", None)
+    if not o.lean_requests or creds is None:
+        return None
+    return _lean(
+        o, bucket, client.meta.endpoint_url, client.meta.region_name, creds.get_frozen_credentials
+    )
+
+
+def _lean(
+    o: S3Options, bucket: str, endpoint: str, region: str, credentials: Callable[[], Any]
+) -> Transport | None:
+    from .lean import LeanTransport
+
+    style = o.addressing_style or ("path" if o.endpoint_url else "auto")
+    try:
+        return LeanTransport(
+            endpoint_url=endpoint,
+            region=region,
+            bucket=bucket,
+            path_style=style == "path",
+            credentials=credentials,
+            sign_payload=o.checksum == "off",
+            pool=o.max_concurrency + 4,
+            connect_timeout=o.connect_timeout,
+            read_timeout=o.read_timeout,
+            socket_factory=functools.partial(tuned_socket, o.socket_buffer),
+        )
+    except LeanUnsupported:
+        return None

@@ -13,8 +13,8 @@ so retries and error translation (:mod:`.retry`) are one code path whichever sen
 :class:`FallbackTransport` is what a store calls: the lean transport while it serves, and
 botocore for good once the lean one raises :class:`LeanUnsupported` (a redirect to another
 region, an endpoint that refuses our signature shape).  Whether a lean transport exists at
-all (``S3Options.lean_requests``, a proxy in the environment, an endpoint it cannot reach)
-is decided by :func:`lean_static` and :func:`lean_for_client`.  Every other call
+all (``S3Options.lean_requests``, a proxy in the environment, an endpoint it cannot serve)
+is settled once per shared client, when :mod:`.client` makes it.  Every other call
 (multipart bookkeeping, copies, deletes) stays on botocore's client.
 
 A GetObject body is a :class:`Body` on either transport: the bytes already received, then
@@ -24,15 +24,11 @@ A GetObject body is a :class:`Body` on either transport: the bytes already recei
 from __future__ import annotations
 
 import abc
-import functools
 import logging
-import os
-import socket
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..base import Buffer
-from .options import S3Options
 
 if TYPE_CHECKING:
     from ..http1 import Sink
@@ -226,83 +222,3 @@ class FallbackTransport(Transport):
 
     async def list_objects_v2(self, **args: Any) -> dict[str, Any]:
         return await self._send("list_objects_v2", args)
-
-
-# ---- choosing: where the lean transport can serve ------------------------------------------
-
-
-def tuned_socket(buffer: int, addr_info: Any) -> socket.socket:
-    """A connection's socket: keep-alive on (aiobotocore ignores ``tcp_keepalive``) and
-    ``buffer`` bytes of kernel send / receive buffer when non-zero."""
-    family, type_, proto, _, _ = addr_info
-    sock = socket.socket(family=family, type=type_, proto=proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        if buffer:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def lean_static(o: S3Options, bucket: str) -> Transport | None:
-    """The lean transport without botocore, where nothing needs botocore to resolve
-    it: an explicit endpoint, a region and static keys given in the options or in the
-    environment (botocore's first source of credentials; a profile would skip it).
-    None otherwise, and the client's resolution is used."""
-    env = os.environ
-    region = o.region or env.get("AWS_DEFAULT_REGION")
-    if not o.lean_requests or not o.endpoint_url or not region:
-        return None
-    if o.access_key and o.secret_key:
-        creds = (o.access_key, o.secret_key, o.session_token)
-    elif (
-        not o.profile
-        and "AWS_CREDENTIAL_EXPIRATION" not in env  # refreshing: botocore's job
-        and env.get("AWS_ACCESS_KEY_ID")
-        and env.get("AWS_SECRET_ACCESS_KEY")
-    ):
-        token = env.get("AWS_SECURITY_TOKEN") or env.get("AWS_SESSION_TOKEN")
-        creds = (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"], token)
-    else:
-        return None
-    from .lean import Credentials
-
-    frozen = Credentials(*creds)
-    return _lean(o, bucket, o.endpoint_url, region, lambda: frozen)
-
-
-def lean_for_client(o: S3Options, bucket: str, client: Any) -> Transport | None:
-    """The lean transport for botocore ``client``'s endpoint, region and credentials, or
-    None where it cannot serve them."""
-    creds = getattr(getattr(client, "_request_signer", None), "_credentials", None)
-    if not o.lean_requests or creds is None:
-        return None
-    return _lean(
-        o, bucket, client.meta.endpoint_url, client.meta.region_name, creds.get_frozen_credentials
-    )
-
-
-def _lean(
-    o: S3Options, bucket: str, endpoint: str, region: str, credentials: Callable[[], Any]
-) -> Transport | None:
-    from .lean import LeanTransport
-
-    style = o.addressing_style or ("path" if o.endpoint_url else "auto")
-    try:
-        return LeanTransport(
-            endpoint_url=endpoint,
-            region=region,
-            bucket=bucket,
-            path_style=style == "path",
-            credentials=credentials,
-            sign_payload=o.checksum == "off",
-            pool=o.max_concurrency + 4,
-            connect_timeout=o.connect_timeout,
-            read_timeout=o.read_timeout,
-            socket_factory=functools.partial(tuned_socket, o.socket_buffer),
-        )
-    except LeanUnsupported:
-        return None
