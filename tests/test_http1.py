@@ -649,7 +649,8 @@ LISTING = (
     [(b"", "a+b%2Bc", "p+q/"), (b"<EncodingType>url</EncodingType>", "a b+c", "p q/")],
 )
 def test_listing_keys_are_decoded_only_when_the_server_encoded_them(encoding, key, prefix):
-    from fmstore.stores.s3_http import Credentials, S3Http
+    from fmstore.stores.s3.lean import Credentials
+    from fmstore.stores.s3.lean import LeanTransport as S3Http
 
     doc = LISTING % encoding
 
@@ -687,7 +688,8 @@ def _lean(port, S3Http, Credentials):
 )
 def test_metadata_that_would_inject_headers_is_refused_before_sending(meta):
     from fmstore.errors import InvalidKey
-    from fmstore.stores.s3_http import Credentials, S3Http
+    from fmstore.stores.s3.lean import Credentials
+    from fmstore.stores.s3.lean import LeanTransport as S3Http
 
     async def main():
         async with Server(_hostile(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")) as s:

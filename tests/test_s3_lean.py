@@ -27,7 +27,7 @@ from fmstore.errors import (
 )
 from fmstore.stores import PutOptions, open_store
 from fmstore.stores.s3 import STREAM_RING
-from fmstore.stores.s3_http import EMPTY_SHA256, Credentials, Signer
+from fmstore.stores.s3.lean import EMPTY_SHA256, Credentials, Signer
 from fmstore.testing.faultproxy import Rule
 
 pytestmark = pytest.mark.s3
@@ -80,7 +80,7 @@ def test_signature_matches_botocore(key, token, extra):
 
 
 def test_query_signature_matches_botocore():
-    from fmstore.stores.s3_http import canonical_query
+    from fmstore.stores.s3.lean import canonical_query
 
     creds = ("AKIDEXAMPLE", "secret", None)
     query = {"list-type": "2", "prefix": "a b/ü+&=", "continuation-token": "x/y+z=="}
@@ -414,7 +414,7 @@ def test_read_to_an_object_overwritten_between_attempts_is_unavailable(
 def test_http_dates_parse_as_the_standard_library_does(text):
     from email.utils import parsedate_to_datetime
 
-    from fmstore.stores.s3_http import _http_date
+    from fmstore.stores.s3.lean import _http_date
 
     assert _http_date(text) == parsedate_to_datetime(text)
     assert _http_date("not a date") is None

@@ -52,11 +52,54 @@ class BotoBackdoor(Backdoor):
 
 
 class TestS3Conformance(StoreConformance):
+    """Default options: the hot calls on the lean transport."""
+
     @pytest.fixture
     def store(self, s3_server, s3_bucket):
         s = open_store(f"s3://{s3_bucket}", **s3_server.store_options())
         yield s
         runtime.run(s.close())
+
+    @pytest.fixture
+    def backdoor(self, s3_server, s3_bucket):
+        return BotoBackdoor(s3_server.boto3_client(), s3_bucket)
+
+
+class TestS3BotocoreConformance(StoreConformance):
+    """The same suite with every call on botocore's transport (``lean_requests=False``)."""
+
+    @pytest.fixture
+    def store(self, s3_server, s3_bucket):
+        opts = {**s3_server.store_options(), "lean_requests": False}
+        s = open_store(f"s3://{s3_bucket}", metered=False, **opts)
+        yield s
+        assert s._http is None, "every call should have gone to botocore"
+        runtime.run(s.close())
+
+    @pytest.fixture
+    def backdoor(self, s3_server, s3_bucket):
+        return BotoBackdoor(s3_server.boto3_client(), s3_bucket)
+
+
+class TestReadThroughOverS3Conformance(StoreConformance):
+    """ReadThroughStore, a POSIX cache in front of S3 (the lazy restore), as a read-only
+    store; the backdoor reads the bucket."""
+
+    read_only = True
+
+    def source(self, store):
+        return store.slow
+
+    @pytest.fixture
+    def store(self, s3_server, s3_bucket, tmp_path):
+        from fmstore.stores import PosixStore
+        from fmstore.tiering.cache import ReadThroughStore
+
+        (tmp_path / "fast").mkdir()
+        fast = PosixStore(str(tmp_path / "fast"), tier="nvme")
+        slow = open_store(f"s3://{s3_bucket}", **s3_server.store_options())
+        yield ReadThroughStore(fast, slow)
+        runtime.run(slow.close())
 
     @pytest.fixture
     def backdoor(self, s3_server, s3_bucket):

@@ -1,4 +1,4 @@
-"""A small HTTP/1.1 client for the lean S3 request path (:mod:`.s3_http`).
+"""A small HTTP/1.1 client for the lean S3 request path (:mod:`.s3.lean`).
 
 S3's hot calls need very little of HTTP: one request, one response with a
 ``Content-Length`` (or, for listings and errors, a chunked body), kept-alive connections.
@@ -13,7 +13,7 @@ Errors are fmstore's (:class:`~fmstore.errors.StoreUnavailable`) and also the bu
 the retrier already knows: ``ConnectionError`` subclasses for refused, reset and truncated
 connections and for answers that break HTTP/1.1, ``TimeoutError`` for a connect or a
 silence longer than the read timeout.  A certificate that fails verification is
-:class:`CertificateError`, never retried.  Proxies are not handled: :mod:`.s3_http` leaves
+:class:`CertificateError`, never retried.  Proxies are not handled: :mod:`.s3.lean` leaves
 those to botocore.
 
 The server is not trusted: status line, header lines, ``Content-Length`` and chunk-size

@@ -5,6 +5,11 @@ Subclass :class:`StoreConformance` in a test module and provide two fixtures:
 * ``store``: a fresh, empty :class:`~fmstore.stores.Store`;
 * ``backdoor``: a :class:`Backdoor` that reads the same storage *without* the store under
   test, so results are checked against the truth rather than against the store itself.
+
+A read-only store (a read-through cache) sets ``read_only`` and overrides
+:meth:`StoreConformance.source` to name the store it reads from: the suite puts its test
+objects there and reads them back through the store under test, checks that the store
+refuses every write, and skips the cases whose subject is a write.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 import pytest
 
 from .. import runtime
-from ..errors import AlreadyExists, InvalidKey, InvalidRange, NotFound
+from ..errors import AlreadyExists, InvalidKey, InvalidRange, NotFound, NotSupported
 from ..stores.base import ByteRange, PutOptions, Store
 
 
@@ -63,18 +68,31 @@ BIG = int(os.environ.get("FMSTORE_TEST_BIG_MB", "256")) << 20
 
 
 class StoreConformance:
+    #: Whether the store under test refuses writes (see the module docstring).
+    read_only = False
+
+    def source(self, store: Store) -> Store:
+        """Where the suite puts the objects it then reads: the store under test, or the
+        store a read-only one reads from."""
+        return store
+
+    def _needs_writes(self) -> None:
+        if self.read_only:
+            pytest.skip("a write is the subject; the store is read-only (test_writes_are_refused)")
+
     # ---- round trips -------------------------------------------------------------------
 
     @pytest.mark.parametrize("size", [0, 1, 4096, 5 * 1024 * 1024 + 7])
     def test_put_get_roundtrip(self, store: Store, backdoor: Backdoor, size: int) -> None:
         data = os.urandom(size)
-        meta = run(store.put("dir/obj.bin", data))
+        meta = run(self.source(store).put("dir/obj.bin", data))
         assert meta.size == size
         assert backdoor.read("dir/obj.bin") == data
         assert run(store.get("dir/obj.bin")) == data
         assert run(store.stat("dir/obj.bin")).size == size
 
     def test_big_object_roundtrip(self, store: Store, backdoor: Backdoor) -> None:
+        self._needs_writes()
         data = os.urandom(1 << 20) * (BIG >> 20)
         run(store.put("big", data))
         assert run(store.stat("big")).size == len(data)
@@ -90,14 +108,14 @@ class StoreConformance:
 
     def test_get_into(self, store: Store) -> None:
         data = os.urandom(100_000)
-        run(store.put("x", data))
+        run(self.source(store).put("x", data))
         out = bytearray(1000)
         run(store.get_into("x", 500, memoryview(out)))
         assert bytes(out) == data[500:1500]
 
     def test_read_to_hands_over_the_range_in_order(self, store: Store) -> None:
         data = os.urandom(3 << 20)
-        run(store.put("s", data))
+        run(self.source(store).put("s", data))
         for start, end in ((0, len(data)), (1, len(data) - 1), (7, 7)):
             got = bytearray()
             run(store.read_to("s", start, end, got.extend))
@@ -123,7 +141,7 @@ class StoreConformance:
 
     def test_range_pieces_join_to_the_range(self, store: Store) -> None:
         data = os.urandom(3 << 20)
-        run(store.put("p", data))
+        run(self.source(store).put("p", data))
         for start, end in ((0, len(data)), (1, len(data) - 1), (5, 5 + (1 << 20)), (7, 7)):
             pieces = run(store.get_range_pieces("p", start, end))
             assert b"".join(pieces) == data[start:end]
@@ -131,6 +149,7 @@ class StoreConformance:
             run(store.get_range_pieces("p", 0, len(data) + 1))
 
     def test_part_writer_takes_pieces(self, store: Store, backdoor: Backdoor) -> None:
+        self._needs_writes()
         part = 5 << 20  # S3's smallest part
         data = os.urandom(2 * part + 3)
 
@@ -147,6 +166,7 @@ class StoreConformance:
         assert backdoor.read("pw") == data
 
     def test_part_writer_streams_parts_where_it_can(self, store: Store, backdoor: Backdoor) -> None:
+        self._needs_writes()
         """A part written in order as its bytes arrive, beside parts written whole; a
         stream closed short is an error.  Stores that take whole parts only say None."""
         part = 5 << 20
@@ -185,7 +205,7 @@ class StoreConformance:
 
     def test_ranges_at_edges(self, store: Store) -> None:
         data = bytes(range(256)) * 40
-        run(store.put("r", data))
+        run(self.source(store).put("r", data))
         n = len(data)
         assert run(store.get_range("r", 0, 1)) == data[:1]
         assert run(store.get_range("r", n - 1, n)) == data[-1:]
@@ -195,7 +215,7 @@ class StoreConformance:
         assert run(store.get_range("r", n)) == b""
 
     def test_range_past_end_is_clear_error(self, store: Store) -> None:
-        run(store.put("r", b"0123456789"))
+        run(self.source(store).put("r", b"0123456789"))
         with pytest.raises(InvalidRange, match="past the end"):
             run(store.get_range("r", 5, 11))
         with pytest.raises(InvalidRange):
@@ -205,7 +225,7 @@ class StoreConformance:
 
     def test_get_ranges_coalesces_correctly(self, store: Store) -> None:
         data = os.urandom(3 << 20)
-        run(store.put("r", data))
+        run(self.source(store).put("r", data))
         ranges = [
             ByteRange(10, 20),
             ByteRange(0, 5),
@@ -223,10 +243,12 @@ class StoreConformance:
         assert ei.value.key == "nope/x" and ei.value.tier == store.tier
         with pytest.raises(FileNotFoundError):  # NotFound is a FileNotFoundError
             run(store.get("nope"))
-        run(store.delete("nope"))  # deleting a missing key is fine
+        if not self.read_only:
+            run(store.delete("nope"))  # deleting a missing key is fine
         assert not run(store.exists("nope"))
 
     def test_delete_and_delete_many(self, store: Store, backdoor: Backdoor) -> None:
+        self._needs_writes()
         for i in range(5):
             run(store.put(f"d/{i}", b"x"))
         run(store.delete("d/0"))
@@ -235,6 +257,7 @@ class StoreConformance:
         assert run(store.list_keys("d")) == ["d/3", "d/4"]
 
     def test_copy(self, store: Store, backdoor: Backdoor) -> None:
+        self._needs_writes()
         data = os.urandom(10_000)
         run(store.put("a/src", data, PutOptions(metadata={"color": "blue"})))
         run(store.copy("a/src", "b/dst"))
@@ -244,13 +267,15 @@ class StoreConformance:
             run(store.copy("a/missing", "b/x"))
 
     def test_create_mode_refuses_existing(self, store: Store, backdoor: Backdoor) -> None:
+        self._needs_writes()
         run(store.put("c", b"first", PutOptions(mode="create")))
         with pytest.raises(AlreadyExists):
             run(store.put("c", b"second", PutOptions(mode="create")))
         assert backdoor.read("c") == b"first"
 
     def test_metadata_roundtrip(self, store: Store) -> None:
-        run(store.put("m", b"x", PutOptions(metadata={"file-permissions": "0100644", "k": "v"})))
+        opts = PutOptions(metadata={"file-permissions": "0100644", "k": "v"})
+        run(self.source(store).put("m", b"x", opts))
         assert (
             dict(run(store.stat("m")).metadata).items()
             >= {"file-permissions": "0100644", "k": "v"}.items()
@@ -259,6 +284,7 @@ class StoreConformance:
     def test_put_returns_what_stat_says(self, store: Store) -> None:
         """Callers record the meta a put returns (the copy engine's etag, the catalog's
         size): it must describe the object as stored."""
+        self._needs_writes()
         cases: list[tuple[Any, bool]] = [
             ("create", False),
             ("overwrite", False),
@@ -284,12 +310,12 @@ class StoreConformance:
 
             async def one(k: str) -> None:
                 async with sem:
-                    await store.put(k, b"")
+                    await self.source(store).put(k, b"")
 
             await asyncio.gather(*(one(k) for k in keys))
 
         run(put_all())
-        run(store.put("other/x", b""))
+        run(self.source(store).put("other/x", b""))
         assert run(store.list_keys("many")) == keys
         assert run(store.list_keys("many/")) == keys
 
@@ -302,7 +328,7 @@ class StoreConformance:
 
     def test_list_order_prefix_and_dirs(self, store: Store) -> None:
         for k in ["p/a", "p/b/c", "p/b/d", "p-x/e", "p/ab", "pq"]:
-            run(store.put(k, b"1"))
+            run(self.source(store).put(k, b"1"))
         assert run(store.list_keys("p")) == ["p/a", "p/ab", "p/b/c", "p/b/d"]
         assert run(store.list_keys("")) == ["p-x/e", "p/a", "p/ab", "p/b/c", "p/b/d", "pq"]
 
@@ -315,6 +341,7 @@ class StoreConformance:
     # ---- atomicity --------------------------------------------------------------------
 
     def test_overwrite_is_atomic_for_readers(self, store: Store) -> None:
+        self._needs_writes()
         size = 2 << 20
         a, b = b"a" * size, b"b" * size
         run(store.put("atom", a))
@@ -343,6 +370,7 @@ class StoreConformance:
         assert seen and b"torn" not in seen
 
     def test_aborted_writer_leaves_nothing(self, store: Store, backdoor: Backdoor) -> None:
+        self._needs_writes()
         w = run(store.open_writer("w/aborted"))
         run(w.write(os.urandom(6 << 20)))
         run(w.abort())
@@ -359,6 +387,7 @@ class StoreConformance:
         assert run(store.list_keys("w")) == []
 
     def test_writer_streams_and_commits(self, store: Store, backdoor: Backdoor) -> None:
+        self._needs_writes()
         parts = [os.urandom(3 << 20) for _ in range(4)]
 
         async def write() -> None:
@@ -371,6 +400,7 @@ class StoreConformance:
         assert backdoor.read("w/ok") == b"".join(parts)
 
     def test_fifty_concurrent_puts(self, store: Store, backdoor: Backdoor) -> None:
+        self._needs_writes()
         import asyncio
 
         blobs = {f"conc/{i}": os.urandom(64 * 1024 + i) for i in range(50)}
@@ -414,8 +444,32 @@ class StoreConformance:
 
     def test_sub_store_is_rooted(self, store: Store, backdoor: Backdoor) -> None:
         sub = store.sub("root/inner")
-        run(sub.put("k", b"v"))
+        run(self.source(store).sub("root/inner").put("k", b"v"))
         assert backdoor.read("root/inner/k") == b"v"
         assert run(sub.list_keys()) == ["k"]
+        assert run(sub.get("k")) == b"v"
         with pytest.raises(InvalidKey):
             run(sub.put("../k", b"v"))
+
+    # ---- read-only stores ---------------------------------------------------------------
+
+    def test_writes_are_refused(self, store: Store, backdoor: Backdoor) -> None:
+        """A read-only store refuses every write with NotSupported, and nothing changes
+        in the storage below it."""
+        if not self.read_only:
+            pytest.skip("the store takes writes")
+        run(self.source(store).put("ro/k", b"v"))
+        before = backdoor.keys()
+        for op in (
+            lambda: store.put("ro/k", b"w"),
+            lambda: store.put("ro/new", b"w", PutOptions(mode="create")),
+            lambda: store.open_writer("ro/w"),
+            lambda: store.open_part_writer("ro/p", 10, 5),
+            lambda: store.delete("ro/k"),
+            lambda: store.delete_many(["ro/k"]),
+            lambda: store.copy("ro/k", "ro/c"),
+        ):
+            with pytest.raises(NotSupported):
+                run(op())
+        assert backdoor.keys() == before
+        assert run(store.get("ro/k")) == b"v"

@@ -5,7 +5,10 @@ fetches on ``fast`` (NVMe), so a lazy ``load`` fetches chunks on first access an
 reads come from the fast tier.  Once every blob of the manifest is on ``fast``, it writes
 the manifest there too, byte for byte: the fast copy becomes a committed checkpoint (the
 same commit convention as every other copy) and ``on_complete`` is called.  It is
-read-only; the checkpoint reader checks every chunk's CRC32C whichever tier served it.
+read-only (every write raises :class:`~fmstore.errors.NotSupported`, after the keys are
+checked like any store's); the checkpoint reader checks every chunk's CRC32C whichever tier
+served it.  Where ``slow`` holds no manifest, reads are still served and cached, and no
+copy is committed.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 
 from ..errors import NotFound, NotSupported
 from ..format.manifest import MANIFEST_KEY, Manifest
-from ..stores.base import Buffer, Consumer, ObjectMeta, PutOptions, Store, Writer
+from ..stores.base import Buffer, Consumer, ObjectMeta, PartWriter, PutOptions, Store, Writer
 
 
 class ReadThroughStore(Store):
@@ -52,8 +55,15 @@ class ReadThroughStore(Store):
         async with lock:
             if key in self._have:
                 return self.fast
-            _, manifest = await self._load_manifest()
-            want = {manifest.blob_key(i): b.size for i, b in enumerate(manifest.blobs)}
+            try:
+                _, manifest = await self._load_manifest()
+            except NotFound:
+                manifest = None  # no checkpoint there: serve and cache, commit nothing
+            want = (
+                {}
+                if manifest is None
+                else {manifest.blob_key(i): b.size for i, b in enumerate(manifest.blobs)}
+            )
             try:
                 meta = await self.fast.stat(key)
                 cached = meta.size == want.get(key, -1)
@@ -64,7 +74,7 @@ class ReadThroughStore(Store):
                 await self.fast.put(key, data)
                 self.fetched_bytes += len(data)
             self._have.add(key)
-            if not self.completed and all(k in self._have for k in want):
+            if manifest is not None and not self.completed and all(k in self._have for k in want):
                 await self._commit()
             return self.fast
 
@@ -118,6 +128,7 @@ class ReadThroughStore(Store):
     # ---- read-only ---------------------------------------------------------------------
 
     def _ro(self, key: str) -> NotSupported:
+        self._key(key)  # a bad key is InvalidKey, as on every store
         return NotSupported("a read-through restore is read-only", tier=self.tier, key=key)
 
     async def put(self, key: str, data: Buffer, options: PutOptions = PutOptions()) -> ObjectMeta:
@@ -126,10 +137,22 @@ class ReadThroughStore(Store):
     async def open_writer(self, key: str, options: PutOptions = PutOptions()) -> Writer:
         raise self._ro(key)
 
+    async def open_part_writer(
+        self,
+        key: str,
+        size: int,
+        part_size: int,
+        *,
+        token: str | None = None,
+        options: PutOptions = PutOptions(),
+    ) -> PartWriter:
+        raise self._ro(key)
+
     async def delete(self, key: str) -> None:
         raise self._ro(key)
 
     async def copy(self, src: str, dst: str, options: PutOptions = PutOptions()) -> ObjectMeta:
+        self._key(src)
         raise self._ro(dst)
 
     async def close(self) -> None:

@@ -1,8 +1,16 @@
-"""The resumable part writer of the S3 backend: one multipart upload, the token names it.
+"""The writers of the S3 backend: :class:`S3Writer`, a streamed multipart upload, and
+:class:`S3PartWriter`, a resumable one.
 
-Parts go straight into a multipart upload of the final key (S3 shows nothing there before
-the upload completes); the token carries the part size and the upload id, so a later
-process continues the same upload and ``ListParts`` tells which parts are already there.
+:class:`S3Writer` uploads up to ``writer_parts_in_flight`` parts while the caller keeps
+writing; objects smaller than one part become a single PUT.  Its parts grow with the part
+number (:func:`~.options.writer_part_size`) and it records its base part size in
+``x-amz-meta-fmstore-part-size``, so a full read can check the server's composite CRC32C.
+One dropped without commit or abort is aborted on the server by a finaliser.
+
+:class:`S3PartWriter`: parts go straight into a multipart upload of the final key (S3
+shows nothing there before the upload completes); the token carries the part size and the
+upload id, so a later process continues the same upload and ``ListParts`` tells which parts
+are already there.
 With ``checksum="crc32c"`` (the default) the upload asks for CRC32C and every part carries
 its own, so the server refuses a part damaged on the way; completing such an upload must
 name every part's checksum, which some servers' ``ListParts`` does not return: a resumed
@@ -13,35 +21,43 @@ Metadata is fixed when the upload starts.  Metadata known only at commit (a whol
 checksum the caller could not compute up front) is applied by a server-side copy of the
 completed object onto itself, so callers that know it early should pass it at open.
 
-A writer dropped without commit or abort leaves its upload for resumption, as the
+A part writer dropped without commit or abort leaves its upload for resumption, as the
 interface asks; a bucket lifecycle rule (``AbortIncompleteMultipartUpload``) bounds how
 long such uploads are kept.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import hashlib
+import logging
+import os
 import time
+import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
-from .. import runtime
-from ..errors import FmstoreError, InvalidRange, NotFound
-from .base import (
+from ... import runtime
+from ...errors import FmstoreError, InvalidRange, NotFound
+from ..base import (
     Buffer,
     ObjectMeta,
     PartWriter,
     Pieces,
     PutOptions,
+    Writer,
     joined,
     part_bounds,
     part_count,
 )
-from .s3 import _b64, _crc_off_loop
+from .options import META_PART_SIZE, writer_part_size
+from .uploads import S3Uploads
+from .util import b64, crc_off_loop, unquote
 
-if TYPE_CHECKING:
-    from .s3 import S3Store
+log = logging.getLogger(__name__)
 
 _PREFIX = "s3mp2"
 
@@ -49,7 +65,7 @@ _PREFIX = "s3mp2"
 class S3PartWriter(PartWriter):
     def __init__(
         self,
-        store: S3Store,
+        store: S3Uploads,
         key: str,
         full: str,
         upload_id: str,
@@ -69,7 +85,7 @@ class S3PartWriter(PartWriter):
     @classmethod
     async def open(
         cls,
-        store: S3Store,
+        store: S3Uploads,
         key: str,
         full: str,
         size: int,
@@ -117,8 +133,8 @@ class S3PartWriter(PartWriter):
         body = data if isinstance(data, bytes | bytearray) else view  # sent as is, not copied
         sums: dict[str, Any] = {}
         if self.crc_parts:
-            crc = await _crc_off_loop(body)
-            sums["ChecksumCRC32C"] = _b64(crc)
+            crc = await crc_off_loop(body)
+            sums["ChecksumCRC32C"] = b64(crc)
         elif self.store.options.checksum == "md5":
             md5 = await runtime.to_cpu(lambda: hashlib.md5(body).digest())
             sums["ContentMD5"] = base64.b64encode(md5).decode()
@@ -170,7 +186,7 @@ class S3PartWriter(PartWriter):
                 )
             entry = {"PartNumber": i + 1, "ETag": p["ETag"]}
             if self.crc_parts:
-                crc = p.get("ChecksumCRC32C") or (_b64(known[i]) if i in known else None)
+                crc = p.get("ChecksumCRC32C") or (b64(known[i]) if i in known else None)
                 if crc is None:
                     raise FmstoreError(
                         f"cannot complete the upload: the CRC32C of part {i}, written by an "
@@ -209,3 +225,152 @@ class S3PartWriter(PartWriter):
             return
         self._done = True
         await self.store._abort_upload(self.key, self.full, self.upload_id)
+
+
+@dataclass
+class _UploadState:
+    """What an orphaned writer's finaliser needs (never the writer itself)."""
+
+    upload_id: str | None = None
+    done: bool = False
+
+
+def _abort_orphan(store: S3Uploads, key: str, full: str, state: _UploadState) -> None:
+    """Finaliser of an :class:`S3Writer` dropped without commit or abort."""
+    if state.done or state.upload_id is None or store._pid != os.getpid():
+        return
+    state.done = True
+    upload_id = state.upload_id
+    loop = store._loop
+    if loop is None or loop.is_closed():
+        return
+
+    def schedule() -> None:
+        task = loop.create_task(store._abort_upload(key, full, upload_id))
+        store._background.add(task)
+        task.add_done_callback(store._background.discard)
+
+    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+        loop.call_soon_threadsafe(schedule)
+
+
+class S3Writer(Writer):
+    """A streamed multipart upload; objects smaller than one part become a single PUT.
+
+    Up to ``writer_parts_in_flight`` parts upload while the caller keeps writing, so memory
+    stays bounded by that many parts plus the one being filled.
+    """
+
+    def __init__(self, store: S3Uploads, key: str, full: str, options: PutOptions) -> None:
+        self.store, self.key, self.full, self.options = store, key, full, options
+        self._base = store.options.part_size
+        self._buf = bytearray()
+        self._index = 0
+        self._size = 0
+        self._parts: list[dict[str, Any]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(store.options.writer_parts_in_flight)
+        self._error: BaseException | None = None
+        self._closed = False
+        self._state = _UploadState()
+        self._finalizer = weakref.finalize(self, _abort_orphan, store, key, full, self._state)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FmstoreError(
+                "writer is already committed or aborted", tier=self.store.tier, key=self.key
+            )
+        if self._error is not None:
+            raise self._error
+
+    async def write(self, data: Buffer) -> None:
+        self._check_open()
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            room = writer_part_size(self._base, self._index) - len(self._buf)
+            self._buf += view[:room]
+            view = view[room:]
+            if len(self._buf) == writer_part_size(self._base, self._index):
+                await self._flush()
+        self._check_open()
+
+    async def _flush(self) -> None:
+        if self._state.upload_id is None:
+            metadata = dict(self.options.metadata or {})
+            if self.store.options.checksum != "off":
+                metadata[META_PART_SIZE] = str(self._base)
+            self._state.upload_id = await self.store._create_upload(self.key, self.full, metadata)
+        body, self._buf = self._buf, bytearray()
+        self._size += len(body)
+        self._index += 1
+        number = self._index
+        await self._slots.acquire()
+        task = asyncio.get_running_loop().create_task(self._send(number, body))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, number: int, body: bytearray) -> None:
+        try:
+            upload_id = self._state.upload_id
+            assert upload_id is not None
+            self._parts.append(
+                await self.store._upload_part(self.key, self.full, upload_id, number, body)
+            )
+        except Exception as e:
+            if self._error is None:
+                self._error = e
+        finally:
+            self._slots.release()
+
+    async def commit(self) -> ObjectMeta:
+        self._check_open()
+        try:
+            if self._state.upload_id is None:
+                body = bytes(self._buf)
+                self._buf = bytearray()
+                meta = await self.store._put_single(self.key, self.full, body, self.options)
+            else:
+                if self._buf:
+                    await self._flush()
+                if self._tasks:
+                    await asyncio.gather(*list(self._tasks))
+                if self._error is not None:
+                    raise self._error
+                resp = await self.store._complete(
+                    self.key, self.full, self._state.upload_id, self._parts, self.options
+                )
+                meta = ObjectMeta(
+                    key=self.key,
+                    size=self._size,
+                    mtime=time.time(),
+                    etag=unquote(resp.get("ETag")),
+                    metadata=dict(self.options.metadata or {}),
+                )
+        except BaseException:
+            await asyncio.shield(self.abort())
+            raise
+        self._closed = True
+        self._state.done = True
+        self._finalizer.detach()
+        return meta
+
+    async def abort(self) -> None:
+        if self._state.done:
+            self._closed = True
+            return
+        self._closed = True
+        self._state.done = True
+        self._finalizer.detach()
+        self._buf = bytearray()
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        upload_id = self._state.upload_id
+        if upload_id is not None:
+            try:
+                await asyncio.shield(self.store._abort_upload(self.key, self.full, upload_id))
+            except FmstoreError as e:
+                log.warning(
+                    "could not abort multipart upload %s of %s: %s", upload_id, self.full, e
+                )

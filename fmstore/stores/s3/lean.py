@@ -1,19 +1,20 @@
-"""A lean request path for S3's hot calls: PutObject, UploadPart, GetObject, HeadObject and
-ListObjectsV2.
+"""The lean transport: S3's hot calls (PutObject, UploadPart, GetObject, HeadObject and
+ListObjectsV2) signed and sent by fmstore itself.
 
 botocore spends about 2 ms of CPU on every request (event hooks, model-driven
 serialisation and parsing, slow XML parsing of listings) where signing and sending it take
 about 0.5 ms.  For objects of a few KiB that overhead *is* the cost of a copy, and on a
-training node the cores it burns are shared with everything else.  :class:`S3Http` signs
-(SigV4) and sends those calls itself on a small HTTP/1.1 client of its own (:mod:`.http1`),
-with the endpoint, region and credentials botocore resolved, and answers in botocore's shapes: the same response dict keys, and
-botocore ``ClientError`` for error responses, so retries and error translation
-(:mod:`.s3_retry`) stay one code path.  Everything else — multipart uploads, copies,
-deletes — stays on botocore.
+training node the cores it burns are shared with everything else.  :class:`LeanTransport`
+signs (SigV4, :class:`Signer`) and sends those calls itself on a small HTTP/1.1 client of
+its own (:mod:`..http1`), with the endpoint, region and credentials botocore resolved, and
+answers in botocore's shapes: the same response dict keys, and botocore ``ClientError`` for
+error responses, so retries and error translation (:mod:`.retry`) stay one code path.
+Everything else (multipart bookkeeping, copies, deletes) stays on botocore.
 
-Where the lean path cannot follow S3 (a redirect to another region, an endpoint that
-rejects our signature shape, an HTTP proxy in the environment), it raises :class:`LeanUnsupported` and the store falls back
-to botocore for good; ``S3Options(lean_requests=False)`` never uses it.
+Where the lean transport cannot follow S3 (a redirect to another region, an endpoint that
+rejects our signature shape, an HTTP proxy in the environment), it raises
+:class:`~.transport.LeanUnsupported` and the store falls back to botocore for good
+(:class:`~.transport.FallbackTransport`); ``S3Options(lean_requests=False)`` never uses it.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from xml.etree import ElementTree
 
 import botocore.exceptions as bx
 
-from .. import runtime
-from .http1 import Pool, Response, Sink
+from ... import runtime
+from ..http1 import Pool, Response, Sink
+from .transport import Body, LeanUnsupported, Transport
 
 #: SHA-256 of an empty payload (GET and HEAD).
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
@@ -52,10 +54,6 @@ _FALLBACK_CODES = {
 }
 
 
-class LeanUnsupported(Exception):
-    """The lean path cannot serve this store; use botocore instead."""
-
-
 class Credentials:
     """Frozen credentials for one request: what botocore's providers resolved."""
 
@@ -63,19 +61,6 @@ class Credentials:
 
     def __init__(self, access_key: str, secret_key: str, token: str | None) -> None:
         self.access_key, self.secret_key, self.token = access_key, secret_key, token
-
-
-class Body:
-    """A GetObject body, already read: the pieces the connection delivered (none when it
-    went into the caller's buffer, ``into``)."""
-
-    __slots__ = ("pieces", "nbytes")
-
-    def __init__(self, resp: Response) -> None:
-        self.pieces, self.nbytes = resp.pieces, resp.nbytes
-
-    def close(self) -> None:
-        pass
 
 
 def canonical_query(params: Mapping[str, str]) -> str:
@@ -151,9 +136,10 @@ class Signer:
         return k
 
 
-class S3Http:
-    """Signs and sends PutObject / UploadPart / GetObject / HeadObject / ListObjectsV2; see the module
-    docstring.
+class LeanTransport(Transport):
+    """Signs and sends PutObject / UploadPart / GetObject / HeadObject / ListObjectsV2 to
+    ``bucket``; see the module docstring.  The calls also take botocore's ``Bucket``, and
+    ignore it: the bucket is bound here.
 
     ``credentials`` returns the current frozen credentials (refreshed by botocore's
     providers as they expire).
@@ -220,7 +206,7 @@ class S3Http:
     async def put_object(
         self,
         *,
-        Bucket: str,
+        Bucket: str | None = None,
         Key: str,
         Body: bytes | bytearray | memoryview,
         Metadata: Mapping[str, str] | None = None,
@@ -249,7 +235,7 @@ class S3Http:
     async def upload_part(
         self,
         *,
-        Bucket: str,
+        Bucket: str | None = None,
         Key: str,
         UploadId: str,
         PartNumber: int,
@@ -279,7 +265,7 @@ class S3Http:
     async def get_object(
         self,
         *,
-        Bucket: str,
+        Bucket: str | None = None,
         Key: str,
         Range: str | None = None,
         IfMatch: str | None = None,
@@ -297,13 +283,13 @@ class S3Http:
         )
         _raise_for(resp, "GetObject")
         out = _object_fields(resp.headers)
-        out["Body"] = Body(resp)
+        out["Body"] = Body(list(resp.pieces), resp.nbytes)
         return out
 
     async def head_object(
         self,
         *,
-        Bucket: str,
+        Bucket: str | None = None,
         Key: str,
         IfMatch: str | None = None,
         ChecksumMode: str | None = None,
@@ -319,7 +305,7 @@ class S3Http:
     async def list_objects_v2(
         self,
         *,
-        Bucket: str,
+        Bucket: str | None = None,
         Prefix: str = "",
         MaxKeys: int = 1000,
         Delimiter: str | None = None,

@@ -27,7 +27,7 @@ from typing import TypeVar
 
 import botocore.exceptions as bx
 
-from ..errors import (
+from ...errors import (
     AlreadyExists,
     CorruptData,
     FmstoreError,
@@ -263,7 +263,7 @@ class RetryPolicy:
 def count_retry(tier: str, reason: str) -> None:
     """One retried request, in the metrics.  Imported on the first retry, not at start-up:
     a command that exports no metrics need not load prometheus_client (50 ms)."""
-    from ..metrics import STORE_RETRIES
+    from ...metrics import STORE_RETRIES
 
     STORE_RETRIES.labels(tier, reason).inc()
 
