@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from ..checkpoint.gc import orphan_generations
@@ -116,21 +117,34 @@ class Sweeper:
         """Sweep ``store`` (a tier, or a prefix of one)."""
         self._swept.append(store.url.rstrip("/"))
         try:
-            for item in await store.leftovers():
-                url = _url(store, item.key)
-                if self._decide(tier, item.kind, item.key, url, item.size, item.idle):
-                    await store.remove_leftover(item)
-                    self._count(tier, item.kind, item.size)
-                    if item.token:
-                        self._aborted.add(item.token)
+            leftovers = await store.leftovers()
             gens, _, _ = await orphan_generations(store)
-            for g in gens:
-                if self._decide(tier, "generation", g.where, _url(store, g.where), g.size, g.age):
-                    await store.delete_many(g.keys)
-                    self._count(tier, "generation", g.size)
         except FmstoreError as e:
             self.report.errors.append(f"{tier}: {e}")
             log.warning("sweep of %s failed: %s", tier, e)
+            return
+        for item in leftovers:
+            url = _url(store, item.key)
+            if self._decide(
+                tier, item.kind, item.key, url, item.size, item.idle
+            ) and await self._remove(tier, item.key, store.remove_leftover(item)):
+                self._count(tier, item.kind, item.size)
+                if item.token:
+                    self._aborted.add(item.token)
+        for g in gens:
+            if self._decide(
+                tier, "generation", g.where, _url(store, g.where), g.size, g.age
+            ) and await self._remove(tier, g.where, store.delete_many(g.keys)):
+                self._count(tier, "generation", g.size)
+
+    async def _remove(self, tier: str, where: str, removal: Awaitable[None]) -> bool:
+        try:
+            await removal
+            return True
+        except (FmstoreError, ValueError) as e:
+            self.report.errors.append(f"{tier}: {where}: {e}")
+            log.warning("sweep of %s could not remove %s: %s", tier, where, e)
+            return False
 
     def finish_journals(self) -> None:
         """Remove the journals of dead copies into the swept stores that are idle past the

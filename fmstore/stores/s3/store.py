@@ -32,12 +32,13 @@ one, and its helpers), :mod:`.transport` (the hot calls on the lean transport,
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import fields
 from typing import Any
 
-from ...errors import ConfigError, InvalidRange
-from ..base import ObjectMeta, PartWriter, PutOptions, Writer, part_count
+from ...errors import ConfigError, InvalidRange, NotFound
+from ..base import Leftover, ObjectMeta, PartWriter, PutOptions, Writer, part_count
 from ..parts import TMP_MARK
 from .options import MAX_PART, MAX_PARTS, MIN_PART, S3Options, parse_s3_url
 from .reads import S3Reads
@@ -94,20 +95,58 @@ class S3Store(S3Reads, S3Uploads):
 
     # ---- listing, delete ------------------------------------------------------------------
 
-    async def pending_uploads(self) -> list[tuple[str, str]]:
-        """``(key, upload_id)`` of every multipart upload in progress under this store's root."""
-        out: list[tuple[str, str]] = []
-        kw: dict[str, Any] = {"Prefix": self.root}
+    async def leftovers(self, under: str = "") -> list[Leftover]:
+        """The multipart uploads in progress below ``under``, each with the bytes of its
+        parts and the time since its newest part (or its start) as ``idle``."""
+        prefix = self.root + self._prefix(under)
+        out: list[Leftover] = []
+        kw: dict[str, Any] = {"Prefix": prefix}
+        now = time.time()
         while True:
             resp = await self._call("list_uploads", None, "list_multipart_uploads", **kw)
-            out += [(u["Key"][len(self.root) :], u["UploadId"]) for u in resp.get("Uploads", [])]
+            for u in resp.get("Uploads", []):
+                key, upload_id = u.get("Key"), u.get("UploadId")
+                if not isinstance(key, str) or not isinstance(upload_id, str):
+                    continue
+                if not key.startswith(prefix):
+                    continue  # the server answered for another prefix: not ours to touch
+                size, last = await self._upload_parts(key, upload_id)
+                last = max(last, _timestamp(u.get("Initiated")))
+                rel = key[len(self.root) :]
+                out.append(Leftover("upload", rel, size, max(0.0, now - last), upload_id))
             if not resp.get("IsTruncated"):
                 return out
             kw = {
-                "Prefix": self.root,
+                "Prefix": prefix,
                 "KeyMarker": resp.get("NextKeyMarker"),
                 "UploadIdMarker": resp.get("NextUploadIdMarker"),
             }
+
+    async def _upload_parts(self, full: str, upload_id: str) -> tuple[int, float]:
+        """Bytes held by an upload's parts and when the newest was written (0: none)."""
+        size, last = 0, 0.0
+        kw: dict[str, Any] = {"Key": full, "UploadId": upload_id}
+        for _ in range(10_000):  # S3 allows 10,000 parts: a server that pages forever stops
+            try:
+                resp = await self._call("list_parts", full, "list_parts", **kw)
+            except NotFound:  # finished or aborted meanwhile
+                break
+            for p in resp.get("Parts", []):
+                n = p.get("Size")
+                if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+                    size += n
+                last = max(last, _timestamp(p.get("LastModified")))
+            marker = resp.get("NextPartNumberMarker")
+            if not resp.get("IsTruncated") or marker in (None, kw.get("PartNumberMarker")):
+                break
+            kw["PartNumberMarker"] = marker
+        return size, last
+
+    async def remove_leftover(self, item: Leftover) -> None:
+        if item.kind != "upload" or not item.token:
+            raise ValueError(f"not an upload of this store: {item.key!r}")
+        key = self._key(item.key)
+        await self._abort_upload(key, self._full(key), item.token)
 
     # ---- listing, delete, copy ------------------------------------------------------------
 
@@ -189,3 +228,11 @@ class S3Store(S3Reads, S3Uploads):
                 )
 
         await all_or_cancel(one(b) for b in batches)
+
+
+def _timestamp(value: Any) -> float:
+    """Seconds since the epoch of a listing's date (a datetime from botocore), 0 if none."""
+    try:
+        return float(value.timestamp())
+    except (AttributeError, TypeError, ValueError, OverflowError, OSError):
+        return 0.0
