@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from fmstore.testing.faultproxy import FaultProxy, Rule
 from fmstore.tiering.crc import crc32c
 
 SMALL_N, SMALL_SIZE = 10_000, 4096
@@ -109,3 +111,79 @@ def make_dataset(root: Path, *, small_dirs: int = 50) -> dict:
         "small_crcs": file_crcs(str(small)),
         "big_crcs": file_crcs(str(big)),
     }
+
+
+def write_s3_config(path, endpoint: str, bucket: str, extra: str = "") -> None:
+    path.write_text(
+        f"""
+[tiers.s3]
+url = "s3://{bucket}/ds"
+endpoint_url = "{endpoint}"
+addressing_style = "path"
+region = "us-east-1"
+{extra}
+[tiers.proxied]
+url = "s3://{bucket}/ds"
+endpoint_url = "PROXY"
+addressing_style = "path"
+region = "us-east-1"
+max_attempts = 20
+"""
+    )
+
+
+def s3_env(s3_server, bucket: str, tmp_path: Path) -> dict:
+    """Environment for CLI runs: a config whose ``s3`` tier is ``bucket`` (and whose
+    ``proxied`` tier goes through a fault proxy, see :func:`proxied`)."""
+    cfg = tmp_path / "fmstore.toml"
+    write_s3_config(cfg, s3_server.endpoint_url, bucket)
+    env = {
+        "FMSTORE_CONFIG": str(cfg),
+        "FMSTORE_HOME": str(tmp_path / "home"),
+        "AWS_ACCESS_KEY_ID": s3_server.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+    }
+    for var in ("SLURM_PROCID", "SLURM_NTASKS", "RANK", "WORLD_SIZE"):
+        os.environ.pop(var, None)
+    return {"env": env, "bucket": bucket, "cfg": cfg, "home": str(tmp_path / "home")}
+
+
+def kill9_after_parts(args: list[str], s3env: dict, parts: int) -> None:
+    """Run ``fmstore *args`` and ``kill -9`` it once its journal holds ``parts`` parts."""
+    kill9_when(args, lambda: len(journal_parts(s3env["home"])) >= parts, env=s3env["env"])
+
+
+def journal_parts(home: str) -> list[dict]:
+    d = os.path.join(home, "state", "transfers")
+    out = []
+    for f in os.listdir(d) if os.path.isdir(d) else []:
+        with open(os.path.join(d, f), "rb") as fh:
+            for line in fh.read().split(b"\n"):
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if "p" in rec:
+                    out.append(rec)
+    return out
+
+
+def pass_then_hold(n: int, method: str, path: str) -> list[Rule]:
+    """A fault plan: the first ``n`` matching requests go through whole, every later one
+    stalls (its response never comes).  A run interrupted once it has journaled ``n``
+    parts cannot have finished, however fast or slow the machine is."""
+    return [Rule("stall", method=method, path=path, skip=n)]
+
+
+@contextlib.contextmanager
+def proxied(s3env: dict, s3_server, plan: list[Rule]) -> Iterator[FaultProxy]:
+    """A fault proxy with ``plan`` in front of the server, as the ``proxied`` tier."""
+    cfg = s3env["cfg"]
+    text = cfg.read_text()
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        proxy.set_plan(plan)
+        cfg.write_text(text.replace("PROXY", proxy.endpoint_url))
+        try:
+            yield proxy
+        finally:
+            cfg.write_text(text)

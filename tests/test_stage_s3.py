@@ -4,7 +4,6 @@ the fault proxy, a missing bucket."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -12,10 +11,23 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
-from stage_data import BIG_N, BIG_SIZE, SMALL_N, file_crcs, fm, kill9_when, make_dataset
+from stage_data import (
+    BIG_N,
+    BIG_SIZE,
+    SMALL_N,
+    file_crcs,
+    fm,
+    journal_parts,
+    kill9_after_parts,
+    kill9_when,
+    make_dataset,
+    pass_then_hold,
+    proxied,
+    s3_env,
+    write_s3_config,
+)
 
 from fmstore import runtime
 from fmstore.errors import ConfigError
@@ -31,39 +43,9 @@ def dataset(tmp_path_factory):
     return make_dataset(tmp_path_factory.mktemp("dataset"), small_dirs=3)
 
 
-def _config(path, endpoint: str, bucket: str, extra: str = "") -> None:
-    path.write_text(
-        f"""
-[tiers.s3]
-url = "s3://{bucket}/ds"
-endpoint_url = "{endpoint}"
-addressing_style = "path"
-region = "us-east-1"
-{extra}
-[tiers.proxied]
-url = "s3://{bucket}/ds"
-endpoint_url = "PROXY"
-addressing_style = "path"
-region = "us-east-1"
-max_attempts = 20
-"""
-    )
-
-
 @pytest.fixture
 def s3env(s3_server, s3_bucket, tmp_path):
-    """Environment for CLI runs: a config whose ``s3`` tier is the test bucket."""
-    cfg = tmp_path / "fmstore.toml"
-    _config(cfg, s3_server.endpoint_url, s3_bucket)
-    env = {
-        "FMSTORE_CONFIG": str(cfg),
-        "FMSTORE_HOME": str(tmp_path / "home"),
-        "AWS_ACCESS_KEY_ID": s3_server.access_key,
-        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
-    }
-    for var in ("SLURM_PROCID", "SLURM_NTASKS", "RANK", "WORLD_SIZE"):
-        os.environ.pop(var, None)
-    return {"env": env, "bucket": s3_bucket, "cfg": cfg, "home": str(tmp_path / "home")}
+    return s3_env(s3_server, s3_bucket, tmp_path)
 
 
 def _s3(s3_server, bucket: str, prefix: str = "ds"):
@@ -131,47 +113,6 @@ def test_big_files_posix_to_s3_and_back_keep_fsx_metadata(dataset, s3env, s3_ser
     assert json.loads(r.stdout)["files_skipped"] == BIG_N
 
 
-def _kill9_after_parts(args: list[str], s3env: dict, parts: int) -> None:
-    """Run ``fmstore *args`` and ``kill -9`` it once its journal holds ``parts`` parts."""
-    kill9_when(args, lambda: len(_journal_parts(s3env["home"])) >= parts, env=s3env["env"])
-
-
-def _journal_parts(home: str) -> list[dict]:
-    d = os.path.join(home, "state", "transfers")
-    out = []
-    for f in os.listdir(d) if os.path.isdir(d) else []:
-        with open(os.path.join(d, f), "rb") as fh:
-            for line in fh.read().split(b"\n"):
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if "p" in rec:
-                    out.append(rec)
-    return out
-
-
-def _pass_then_hold(n: int, method: str, path: str) -> list[Rule]:
-    """A fault plan: the first ``n`` matching requests go through whole, every later one
-    stalls (its response never comes).  A run interrupted once it has journaled ``n``
-    parts cannot have finished, however fast or slow the machine is."""
-    return [Rule("stall", method=method, path=path, skip=n)]
-
-
-@contextlib.contextmanager
-def _proxied(s3env: dict, s3_server, plan: list[Rule]) -> Iterator[FaultProxy]:
-    """A fault proxy with ``plan`` in front of the server, as the ``proxied`` tier."""
-    cfg = s3env["cfg"]
-    text = cfg.read_text()
-    with FaultProxy(s3_server.endpoint_url) as proxy:
-        proxy.set_plan(plan)
-        cfg.write_text(text.replace("PROXY", proxy.endpoint_url))
-        try:
-            yield proxy
-        finally:
-            cfg.write_text(text)
-
-
 def test_ctrl_c_exits_130_and_the_rerun_resumes(s3env, s3_server, tmp_path):
     src = _s3(s3_server, s3env["bucket"], "ds/held")
     body = os.urandom(80 << 20)
@@ -179,7 +120,7 @@ def test_ctrl_c_exits_130_and_the_rerun_resumes(s3env, s3_server, tmp_path):
     dst = tmp_path / "dst"
     args = ["stage", "proxied:held", str(dst), "--part-size", "8MiB", "--no-progress"]
     args += ["--shard", "none"]
-    with _proxied(s3env, s3_server, _pass_then_hold(5, "GET", r"/ds/held/big\.bin")) as proxy:
+    with proxied(s3env, s3_server, pass_then_hold(5, "GET", r"/ds/held/big\.bin")) as proxy:
         proc = subprocess.Popen(
             [sys.executable, "-m", "fmstore", *args],
             stdout=subprocess.PIPE,
@@ -188,7 +129,7 @@ def test_ctrl_c_exits_130_and_the_rerun_resumes(s3env, s3_server, tmp_path):
             env={**os.environ, **s3env["env"]},
         )
         try:
-            while len(_journal_parts(s3env["home"])) < 5:
+            while len(journal_parts(s3env["home"])) < 5:
                 assert proc.poll() is None, proc.communicate()[1]
                 time.sleep(0.05)
             proc.send_signal(signal.SIGINT)
@@ -213,13 +154,13 @@ def test_kill9_during_upload_resumes_multipart_without_resending_parts(dataset, 
     # One 300 MiB file is enough to interrupt mid-upload (the others are the big test's).
     args = ["stage", dataset["big"], "proxied:resume", "--part-size", "8MiB", "--no-progress"]
     args += ["--include", "shard-0.bin"]
-    with _proxied(s3env, s3_server, _pass_then_hold(20, "PUT", r"/ds/resume/shard-0\.bin")):
-        _kill9_after_parts([*args, "--concurrency", "4"], s3env, 20)
-    done = sum(r["n"] for r in _journal_parts(s3env["home"]))
+    with proxied(s3env, s3_server, pass_then_hold(20, "PUT", r"/ds/resume/shard-0\.bin")):
+        kill9_after_parts([*args, "--concurrency", "4"], s3env, 20)
+    done = sum(r["n"] for r in journal_parts(s3env["home"]))
     c = s3_server.boto3_client()
     listed = c.list_objects_v2(Bucket=s3env["bucket"], Prefix="ds/resume/").get("Contents", [])
     assert all(o["Size"] == BIG_SIZE for o in listed)  # nothing partial is visible
-    with _proxied(s3env, s3_server, []):
+    with proxied(s3env, s3_server, []):
         r = fm(*args, "--json", env=env)
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
@@ -236,11 +177,11 @@ def test_an_upload_that_cannot_be_resumed_is_aborted(dataset, s3env, s3_server):
     not fit, so the file is uploaded afresh and the first run's upload is aborted rather
     than left to hold its parts."""
     args = ["stage", dataset["big"], "proxied:again", "--no-progress", "--include", "shard-0.bin"]
-    with _proxied(s3env, s3_server, _pass_then_hold(4, "PUT", r"/ds/again/shard-0\.bin")):
-        _kill9_after_parts([*args, "--part-size", "8MiB"], s3env, 4)
+    with proxied(s3env, s3_server, pass_then_hold(4, "PUT", r"/ds/again/shard-0\.bin")):
+        kill9_after_parts([*args, "--part-size", "8MiB"], s3env, 4)
     c = s3_server.boto3_client()
     assert c.list_multipart_uploads(Bucket=s3env["bucket"]).get("Uploads")
-    with _proxied(s3env, s3_server, []):
+    with proxied(s3env, s3_server, []):
         r = fm(*args, "--part-size", "16MiB", env=s3env["env"])
     assert r.returncode == 0, r.stderr
     store = _s3(s3_server, s3env["bucket"], "ds/again")
@@ -258,12 +199,12 @@ def test_kill9_during_a_mid_sized_download_resumes_its_parts(s3env, s3_server, t
     dst = tmp_path / "dst"
     args = ["stage", "proxied:mid", str(dst), "--no-progress", "--shard", "none"]
     env = s3env["env"]
-    with _proxied(s3env, s3_server, _pass_then_hold(2, "GET", r"/ds/mid/mid\.bin")):
-        _kill9_after_parts([*args, "--concurrency", "2"], s3env, 2)
-    parts = _journal_parts(s3env["home"])
+    with proxied(s3env, s3_server, pass_then_hold(2, "GET", r"/ds/mid/mid\.bin")):
+        kill9_after_parts([*args, "--concurrency", "2"], s3env, 2)
+    parts = journal_parts(s3env["home"])
     assert {r["n"] for r in parts} == {8 << 20}
     assert not (dst / "mid.bin").exists()  # nothing partial at the final name
-    with _proxied(s3env, s3_server, []):
+    with proxied(s3env, s3_server, []):
         r = fm(*args, "--json", env=env)
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
@@ -321,7 +262,7 @@ def test_s3_to_posix_through_faults(s3env, s3_server, tmp_path):
 
 def test_missing_bucket_is_a_clear_error(s3env, s3_server, tmp_path):
     cfg = tmp_path / "missing.toml"
-    _config(cfg, s3_server.endpoint_url, "no-such-bucket-here")
+    write_s3_config(cfg, s3_server.endpoint_url, "no-such-bucket-here")
     env = {**s3env["env"], "FMSTORE_CONFIG": str(cfg)}
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "f").write_bytes(b"x")

@@ -55,8 +55,9 @@ DEFAULT_GRACE = 3600.0
 
 @dataclass(frozen=True)
 class Orphan:
-    """One item the sweep found: on which tier, what, where (a key under the tier's root,
-    or the journal's path), its bytes, its idle time, and what was done with it."""
+    """One item the sweep found: on which tier, what, where (a key under the tier's root;
+    for a journal, the destination of its copy), its bytes, its idle time, and what was
+    done with it."""
 
     tier: str
     kind: str
@@ -156,7 +157,8 @@ class Sweeper:
             age = now - j.mtime
             if j.tokens & self._aborted:
                 age = max(age, self.grace)
-            if self._decide("state", "journal", j.path, "", 0, age):
+            # Shown by the destination it was for; the file is an implementation detail.
+            if self._decide("state", "journal", j.dest, "", 0, age):
                 try:
                     os.unlink(j.path)
                 except FileNotFoundError:
