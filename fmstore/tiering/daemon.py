@@ -7,8 +7,12 @@ catalog), and starts the HTTP endpoint:
 * ``/metrics``: Prometheus text format (every ``fmstore_*`` metric of the process);
 * ``/healthz``: ``200`` and a JSON status while the loop runs.
 
-The loop runs one :class:`~fmstore.tiering.runner.PolicyRunner` step every ``interval``
-seconds.  A step that meets an unreachable or full tier stops early; the daemon then backs
+Before its first step the daemon rescans every tier for committed checkpoints the
+catalog does not know (:func:`~fmstore.tiering.discovery.rediscover`), so a lost catalog or
+a new node carries on with every existing step; a catalog SQLite cannot read is moved aside
+(``catalog.sqlite3.corrupt-<time>``, one ``catalog_corrupt`` log line) and rebuilt the same
+way.  The loop runs one :class:`~fmstore.tiering.runner.PolicyRunner` step every
+``interval`` seconds.  A step that meets an unreachable or full tier stops early; the daemon then backs
 off (doubling up to ``max_backoff``) while the export-lag metric keeps growing, and catches
 up once the tier answers again.  SIGTERM (or SIGINT) lets the current copy finish, or —
 on a second signal — cancels it, leaving it resumable from its journal; either way the
