@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .. import keys as _keys
 from ..checkpoint.layout import parse_step
-from ..errors import NotFound, StoreUnavailable
+from ..errors import FmstoreError, NotFound
 from . import catalog as cat
 from .catalog import Catalog
 from .tiers import Tiers
@@ -84,7 +84,7 @@ async def rediscover(
             for root in sorted(tier_roots):
                 for step, mtime in (await tiers.committed_on(tier, root)).items():
                     found.setdefault((root, step), {})[tier] = mtime
-        except StoreUnavailable as e:
+        except FmstoreError as e:  # unreachable, or refusing us: the others still count
             rep.unreachable[tier] = str(e)
     rep.roots = sorted(want if want is not None else {r for r, _ in found})
     now = catalog.now()

@@ -331,6 +331,10 @@ class PolicyRunner:
         """Delete (retention) or release one copy.  ``last_copy``: retention decided that no
         rule keeps the checkpoint anywhere, so no other copy is needed."""
         c = self.catalog
+        if any(pin.root == root and pin.step == step for pin in c.pins()):
+            # A restore pinned it after the plan was made: it reads this copy, maybe only it.
+            event("remove_refused", root=root, step=step, tier=tier, reason="pinned")
+            return
         # Otherwise never trust the catalog alone before deleting: another complete copy
         # must really be on its tier now.
         others = [cp for cp in c.copies(root, step=step, states=[cat.PRESENT]) if cp.tier != tier]
