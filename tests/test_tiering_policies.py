@@ -81,7 +81,7 @@ def test_defaults_follow_the_configured_tiers():
         ({"export": [{"to": "s4", "every_saves": 1}]}, "did you mean 's3'"),
         ({"write_tier": "ram"}, "write_tier names tier 'ram'"),
         ({"retention": {"glacier": {"keep_latest": 1}}}, "retention names tier 'glacier'"),
-        ({"export": [{"to": "lustre"}]}, "needs every_saves and/or every_seconds"),
+        ({"export": [{"to": "lustre"}]}, "needs every_steps, every_saves and/or every_seconds"),
         ({"export": [{"to": "nvme", "every_saves": 1}]}, "to the write tier"),
         ({"export": [{"to": "lustre", "every_saves": 0}]}, "every_saves must be"),
         ({"export": [{"to": "lustre", "every_seconds": "soon"}]}, "is not a duration"),
@@ -154,9 +154,9 @@ def test_exports_are_planned_from_the_fastest_present_copy_and_resume_half_done_
         now=10,
     )
     got = pol.plan_exports(p, s)
-    assert got == [
-        pol.Export("run", 1, "nvme", "lustre"),
+    assert got == [  # the newest checkpoint first
         pol.Export("run", 2, "lustre", "s3"),
+        pol.Export("run", 1, "nvme", "lustre"),
     ]
 
 
@@ -172,21 +172,25 @@ def test_no_re_export_of_a_copy_that_policy_deleted_but_corrupt_ones_are_recopie
     ]
 
 
-def test_retention_keeps_latest_n_and_never_the_last_copy_or_pending_exports():
+def test_retention_keeps_latest_n_and_pending_exports_and_drops_what_no_rule_keeps():
     p = parse(
         {"export": [{"to": "lustre", "every_saves": 2}], "retention": {"nvme": {"keep_latest": 1}}}
     )
     s = pol.State(
         checkpoints=[ck(1), ck(2), ck(3), ck(4)],
         copies=[
-            cp(1, "nvme"),  # only copy, never exported (odd save): stays
+            cp(1, "nvme"),  # only copy, never exported (odd save): no rule keeps it
             cp(2, "nvme"),
             cp(2, "lustre"),  # exported: nvme copy may go
             cp(3, "nvme"),
             cp(4, "nvme"),  # latest: kept; its export is also pending
         ],
     )
-    assert pol.plan_retention(p, s) == [pol.Delete("run", 2, "nvme")]
+    assert pol.plan_retention(p, s) == [
+        pol.Delete("run", 1, "nvme", last_copy=True),
+        pol.Delete("run", 2, "nvme"),
+        pol.Delete("run", 3, "nvme", last_copy=True),
+    ]
 
 
 def test_retention_any_of_rules():

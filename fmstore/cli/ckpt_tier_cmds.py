@@ -17,7 +17,8 @@ from ..checkpoint.verify import verify_checkpoint
 from ..config import Config, load_config
 from ..tiering import catalog as cat
 from ..tiering.catalog import Catalog
-from ..tiering.policies import from_config
+from ..tiering.discovery import Rediscovered, rediscover
+from ..tiering.policies import Policies, State, export_lags, from_config
 from ..tiering.tiers import Tiers
 from .main import ckpt
 from .util import human_bytes
@@ -34,27 +35,42 @@ _STYLE = {
 }
 
 
-def _discover(config: Config, catalog: Catalog, ladder: tuple[str, ...], roots: list[str]) -> None:
-    """Record committed checkpoints found on the tiers that the catalog does not know."""
+def _discover(config: Config, catalog: Catalog, ladder: tuple[str, ...], roots: list[str] | None):
+    """Record committed checkpoints found on the tiers that the catalog does not know
+    (every root on every tier when ``roots`` is None)."""
     tiers = Tiers(config)
 
-    async def scan() -> list[tuple[str, str, int]]:
-        found = []
-        for tier in ladder:
-            for root in roots:
-                try:
-                    for step in await tiers.steps_on(tier, root):
-                        found.append((tier, root, step))
-                except Exception:  # an unreachable tier is reported by verify, not here
-                    continue
-        await tiers.close()
-        return found
+    async def scan() -> Rediscovered:
+        try:
+            return await rediscover(catalog, tiers, ladder, roots)
+        finally:
+            await tiers.close()
 
-    for tier, root, step in runtime.run(scan()):
-        cp = catalog.copy(root, step, tier)
-        if cp is None or cp.state in (cat.DELETED, cat.RELEASED, cat.MISSING):
-            catalog.record_checkpoint(root, step)
-            catalog.set_copy(root, step, tier, cat.PRESENT)
+    return runtime.run(scan())
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def _lag_lines(pol: Policies, catalog: Catalog, roots: list[str]) -> list[str]:
+    s = State(
+        checkpoints=[c for r in roots for c in catalog.checkpoints(r)],
+        copies=[c for r in roots for c in catalog.copies(r)],
+        pins=catalog.pins(),
+        now=catalog.now(),
+    )
+    out = []
+    for lag in export_lags(pol, s):
+        line = f"lag {lag.root} → {lag.dest}: {lag.pending} pending"
+        if lag.oldest_pending_step is not None:
+            line += f", oldest step {lag.oldest_pending_step} ({_age(lag.oldest_pending_age)} old)"
+        newest = "none" if lag.newest_step is None else str(lag.newest_step)
+        out.append(f"{line}; newest step {newest}")
+    return out
 
 
 @ckpt.command("list")
@@ -67,11 +83,11 @@ def list_checkpoints(
     cfg = load_config(config)
     pol = from_config(cfg)
     with Catalog.for_state_dir(cfg.state_dir) as catalog:
+        _discover(cfg, catalog, pol.ladder, [root.strip("/")] if root else None)
         roots = [root.strip("/")] if root else catalog.roots()
-        if roots:
-            _discover(cfg, catalog, pol.ladder, roots)
         rows = [c for r in roots for c in catalog.copies(r)]
         ckpts = {(c.root, c.step): c for r in roots for c in catalog.checkpoints(r)}
+        lags = _lag_lines(pol, catalog, roots)
     by_step: dict[tuple[str, int], dict[str, cat.Copy]] = {}
     for c in rows:
         by_step.setdefault((c.root, c.step), {})[c.tier] = c
@@ -109,6 +125,8 @@ def list_checkpoints(
     console = Console()
     console.print(table)
     console.print(f"[dim]{len(by_step)} checkpoints; ✓ = verified[/dim]")
+    for line in lags:
+        console.print(line, highlight=False, markup=False)
 
 
 def verify_all_tiers(root: str, config: str | None = None) -> int:

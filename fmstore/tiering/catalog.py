@@ -22,7 +22,12 @@ States of a copy (one row per checkpoint per tier):
 ``deleting``   retention decided to delete it; the manifest goes first, then the blobs;
 ``deleted``    gone from the tier (kept as history, and so save counts stay stable);
 ``corrupt``    a verify found a bad checksum or a missing blob; never read, re-copied by export;
-``missing``    the catalog thought it present but the tier has no manifest.
+``missing``    the catalog thought it present but the tier has no manifest;
+``superseded`` (on the destination) an export that was pending when a newer checkpoint was
+               committed, skipped because the destination's retention would not keep it.
+
+A catalog that SQLite cannot read is moved aside by :meth:`Catalog.open_or_move_aside`
+(``catalog.sqlite3.corrupt-<time>``) so that a new one can be rebuilt from the tiers.
 """
 
 from __future__ import annotations
@@ -45,7 +50,18 @@ DELETING = "deleting"
 DELETED = "deleted"
 CORRUPT = "corrupt"
 MISSING = "missing"
-STATES = (WRITING, PRESENT, EXPORTING, RELEASED, DELETING, DELETED, CORRUPT, MISSING)
+SUPERSEDED = "superseded"
+STATES = (
+    WRITING,
+    PRESENT,
+    EXPORTING,
+    RELEASED,
+    DELETING,
+    DELETED,
+    CORRUPT,
+    MISSING,
+    SUPERSEDED,
+)
 #: States in which the tier holds (or may hold) bytes of the copy.
 HOLDS_BYTES = (WRITING, PRESENT, EXPORTING, DELETING, CORRUPT)
 
@@ -195,6 +211,30 @@ class Catalog:
     def for_state_dir(cls, state_dir: str, **kwargs: object) -> Catalog:
         return cls(os.path.join(state_dir, DB_NAME), **kwargs)  # type: ignore[arg-type]
 
+    @classmethod
+    def open_or_move_aside(cls, state_dir: str, **kwargs: object) -> tuple[Catalog, str | None]:
+        """The catalog of ``state_dir``; one that is not a readable catalog (a damaged file,
+        a foreign file) is renamed to ``catalog.sqlite3.corrupt-<unix time>`` (with its WAL
+        and shared-memory files) and a new, empty one is created.  Returns the catalog and
+        where the damaged one went (None when it was readable).  Only for a process that
+        owns the state directory (the daemon holding the runner lock), and the caller then
+        rebuilds the catalog from the tiers."""
+        path = os.path.join(state_dir, DB_NAME)
+        try:
+            return cls(path, **kwargs), None  # type: ignore[arg-type]
+        except CorruptData:
+            pass
+        aside = f"{path}.corrupt-{int(time.time())}"
+        n = 0
+        while os.path.exists(aside):
+            n += 1
+            aside = f"{path}.corrupt-{int(time.time())}-{n}"
+        os.replace(path, aside)
+        for suffix in ("-wal", "-shm"):
+            if os.path.exists(path + suffix):
+                os.replace(path + suffix, aside + suffix)
+        return cls(path, **kwargs), aside  # type: ignore[arg-type]
+
     def now(self) -> float:
         return float(self._clock())  # type: ignore[operator]
 
@@ -256,9 +296,13 @@ class Catalog:
         try:
             self._init_tables()
         except sqlite3.DatabaseError as e:
+            self.close()
             if isinstance(e, sqlite3.OperationalError) and "locked" in str(e):
                 raise StoreUnavailable(f"catalog is busy: {e}", key=self.path) from None
             raise self._corrupt(e) from None
+        except BaseException:
+            self.close()
+            raise
 
     def _init_tables(self) -> None:
         with self._tx() as c:
@@ -372,7 +416,7 @@ class Catalog:
         bytes: int | None = None,
         verified: float | None = None,
         error: str | None = None,
-        expect: Iterable[str] | None = None,
+        expect: Iterable[str | None] | None = None,
         count_attempt: bool = False,
     ) -> bool:
         """Upsert the state of ``(root, step)`` on ``tier``.

@@ -7,8 +7,12 @@ catalog), and starts the HTTP endpoint:
 * ``/metrics``: Prometheus text format (every ``fmstore_*`` metric of the process);
 * ``/healthz``: ``200`` and a JSON status while the loop runs.
 
-The loop runs one :class:`~fmstore.tiering.runner.PolicyRunner` step every ``interval``
-seconds.  A step that meets an unreachable or full tier stops early; the daemon then backs
+Before its first step the daemon rescans every tier for committed checkpoints the
+catalog does not know (:func:`~fmstore.tiering.discovery.rediscover`), so a lost catalog or
+a new node carries on with every existing step; a catalog SQLite cannot read is moved aside
+(``catalog.sqlite3.corrupt-<time>``, one ``catalog_corrupt`` log line) and rebuilt the same
+way.  The loop runs one :class:`~fmstore.tiering.runner.PolicyRunner` step every
+``interval`` seconds.  A step that meets an unreachable or full tier stops early; the daemon then backs
 off (doubling up to ``max_backoff``) while the export-lag metric keeps growing, and catches
 up once the tier answers again.  SIGTERM (or SIGINT) lets the current copy finish, or —
 on a second signal — cancels it, leaving it resumable from its journal; either way the
@@ -44,9 +48,10 @@ from ..errors import ConfigError, FmstoreError
 from ..units import parse_duration, parse_size
 from . import metrics as m
 from .catalog import Catalog
+from .discovery import rediscover
 from .mover import CHECKPOINT_COPY
 from .policies import Policies, from_config
-from .runner import PolicyRunner, StepReport, event, log_record_json
+from .runner import PolicyRunner, StepReport, event, log, log_record_json
 from .transfer import TransferOptions
 
 _KEYS = {
@@ -174,7 +179,14 @@ class Daemon:
         self.settings = settings or settings_from_config(config)
         for tier in self.policies.ladder:
             config.tier(tier)
-        self.catalog = Catalog.for_state_dir(config.state_dir)
+        # A catalog SQLite cannot read is moved aside; run() rebuilds it from the tiers.
+        self.catalog, moved = Catalog.open_or_move_aside(config.state_dir)
+        if moved is not None:
+            log.warning(
+                "the catalog was not readable; moved it to %s and rebuilding it from the tiers",
+                moved,
+                extra={"event": "catalog_corrupt", "fields": {"moved_to": moved}},
+            )
         self.runner = PolicyRunner(
             config,
             self.policies,
@@ -188,6 +200,9 @@ class Daemon:
         self.last_report: StepReport | None = None
         self.backoff = 0.0
         self._signals = 0
+        #: Rescan the tiers before the next step: at start-up, and again while a tier was
+        #: unreachable during the last scan.
+        self.rescan_due = True
 
     # ---- HTTP ------------------------------------------------------------------------
 
@@ -277,6 +292,8 @@ class Daemon:
         try:
             while not self.stop.is_set():
                 try:
+                    if self.rescan_due:
+                        self.rescan()
                     rep = runtime.run(self.runner.astep())
                 except FmstoreError as e:
                     rep = StepReport(errors=[str(e)])
@@ -309,6 +326,19 @@ class Daemon:
             event("daemon_stop", steps=steps)
             self.runner.lock.release()
         return code
+
+    def rescan(self) -> None:
+        """Record every committed checkpoint of every run root on the tiers that the
+        catalog does not know (a lost, new or rebuilt catalog; a new node)."""
+        found = runtime.run(rediscover(self.catalog, self.runner.tiers, self.policies.ladder))
+        self.rescan_due = bool(found.unreachable)
+        event(
+            "rediscovered",
+            roots=found.roots,
+            checkpoints=found.checkpoints,
+            copies=found.copies,
+            unreachable=found.unreachable,
+        )
 
     def close(self) -> None:
         if self.server is not None:

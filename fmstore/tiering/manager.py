@@ -56,6 +56,7 @@ from ..format.manifest import Manifest
 from . import catalog as cat
 from .cache import ReadThroughStore
 from .catalog import Catalog
+from .discovery import rediscover
 from .mover import copy_checkpoint
 from .policies import Policies, from_config
 from .runner import BackgroundRunner, PolicyRunner, event
@@ -211,6 +212,9 @@ class CheckpointManager:
         """
         from ..checkpoint import api
 
+        # What the tiers hold decides which saves are exported (every_saves counts from the
+        # newest checkpoint already on each destination): learn it before the first save.
+        self._ensure_discovered()
         tier = self._choose_tier(state)
         existing = self.catalog.copy(self.root, step, tier)
         if existing is not None and existing.state == cat.PRESENT and not overwrite:
@@ -325,22 +329,11 @@ class CheckpointManager:
     def refresh(self) -> None:
         """Record in the catalog every committed checkpoint of this root found on the tiers
         (a new node, a lost catalog); known ones are left as they are."""
-
-        async def scan() -> dict[str, list[int]]:
-            found: dict[str, list[int]] = {}
-            for tier in self.policies.ladder:
-                try:
-                    found[tier] = await self.tiers.steps_on(tier, self.root)
-                except StoreUnavailable as e:
-                    event("refresh_skipped", tier=tier, error=str(e))
-            return found
-
-        for tier, steps in runtime.run(scan()).items():
-            for step in steps:
-                cp = self.catalog.copy(self.root, step, tier)
-                if cp is None or cp.state in (cat.DELETED, cat.RELEASED, cat.MISSING):
-                    self.catalog.record_checkpoint(self.root, step)
-                    self.catalog.set_copy(self.root, step, tier, cat.PRESENT)
+        found = runtime.run(
+            rediscover(self.catalog, self.tiers, self.policies.ladder, roots=[self.root])
+        )
+        for tier, error in found.unreachable.items():
+            event("refresh_skipped", tier=tier, error=error)
         self._discovered = True
 
     def _ensure_discovered(self) -> None:

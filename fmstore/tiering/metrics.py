@@ -24,6 +24,31 @@ EXPORT_LAG = Gauge(
     "fmstore_tier_export_lag_seconds",
     "Age of the oldest committed checkpoint that still waits for an export",
 )
+EXPORTS_SUPERSEDED = Counter(
+    "fmstore_tier_exports_superseded_total",
+    "Pending exports skipped because a newer checkpoint was committed (backlog control)",
+    ["src", "dst"],
+)
+EXPORT_PENDING = Gauge(
+    "fmstore_tier_export_pending",
+    "Exports still to make (after coalescing) per run root and destination",
+    ["root", "dst"],
+)
+EXPORT_OLDEST_PENDING_STEP = Gauge(
+    "fmstore_tier_export_oldest_pending_step",
+    "Step of the oldest checkpoint still waiting for its export (-1: none waits)",
+    ["root", "dst"],
+)
+EXPORT_OLDEST_PENDING_SECONDS = Gauge(
+    "fmstore_tier_export_oldest_pending_seconds",
+    "Age of the oldest checkpoint still waiting for its export (0: none waits)",
+    ["root", "dst"],
+)
+NEWEST_STEP = Gauge(
+    "fmstore_tier_newest_step",
+    "Newest step with a complete copy on the tier (-1: none)",
+    ["root", "tier"],
+)
 QUEUE_DEPTH = Gauge("fmstore_tier_queue_depth", "Actions planned and not yet done", ["action"])
 TIER_BYTES = Gauge("fmstore_tier_bytes", "Checkpoint bytes held per tier (catalog)", ["tier"])
 TIER_FS_USED = Gauge(

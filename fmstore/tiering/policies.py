@@ -10,11 +10,11 @@ The ``[policies]`` section of ``fmstore.toml``::
 
     [[policies.export]]                 # one table per destination
     to = "lustre"
-    every_saves = 1                     # the 1st, 2nd, … save; and/or
+    every_saves = 1                     # the N-th save after the last one on 'lustre'; and/or
     every_seconds = 600                 # a save at least this long after the last one exported
     [[policies.export]]
     to = "s3"
-    every_saves = 5
+    every_steps = 5000                  # steps divisible by 5000
 
     [policies.retention.nvme]           # kept if ANY rule keeps it
     keep_latest = 2
@@ -33,340 +33,64 @@ The ``[policies]`` section of ``fmstore.toml``::
     mode = "lazy"                       # or "eager"
     cache_tier = "nvme"
 
-Guarantees of :func:`plan` (the decision function; state in, actions out):
+The policy objects and their parsing live in :mod:`fmstore.tiering.rules` and are
+re-exported here.  Guarantees of :func:`plan` (state in, actions out):
 
-* it never deletes or releases the only complete (``present``) copy of a checkpoint, counting
-  the other decisions it makes in the same call;
-* it never deletes or releases a copy of a checkpoint that is pinned (being restored), being
-  written or exported, or that still has an export to do;
+* a copy that no rule keeps is deleted, the last copy of its checkpoint included, unless the
+  checkpoint is pinned (being restored), being written or exported, has an export still to
+  do, or another tier's rule keeps a broken (corrupt, missing) copy of it that this copy
+  could repair; a copy some rule keeps is never deleted (docs/tiering.md has the table);
+* it never releases a copy without a verified durable copy, nor one of a checkpoint that is
+  pinned, being written or exported, or that still has an export to do;
+* a pending export is superseded (skipped) when a newer checkpoint that the same rule
+  wants is committed and the destination's retention would not keep the older one;
 * it is deterministic in its input, so the daemon can re-plan after a crash and reach the
-  same target: which tiers a checkpoint belongs on depends only on the catalog's save
-  ordinals and creation times, never on when the daemon happened to look.
+  same target: which tiers a checkpoint belongs on depends only on the run's steps, their
+  creation times and which steps the destination already holds (what a rescan of the
+  tiers finds again), never on the order the catalog learnt of them.
 """
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
 
-from ..config import Config
-from ..errors import ConfigError
-from ..units import parse_duration
-from .catalog import CORRUPT, EXPORTING, PRESENT, WRITING, Checkpoint, Copy, Pin
+from .catalog import CORRUPT, EXPORTING, MISSING, PRESENT, WRITING, Checkpoint, Copy, Pin
+from .rules import (
+    ExportRule,
+    Policies,
+    ReleaseRule,
+    RestoreRule,
+    RetentionRule,
+    from_config,
+    from_dict,
+)
 
-# ---- policy objects ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ExportRule:
-    """Copy checkpoints to ``to``: every ``every_saves``-th save and/or any save at least
-    ``every_seconds`` after the previous one selected; from ``source`` (default: the fastest
-    tier holding a present copy)."""
-
-    to: str
-    every_saves: int | None = None
-    every_seconds: float | None = None
-    source: str | None = None
-
-
-@dataclass(frozen=True)
-class RetentionRule:
-    """Which copies on one tier to keep; a copy is kept if any rule keeps it.  A tier
-    without a rule keeps everything."""
-
-    keep_latest: int | None = None
-    keep_every: int | None = None
-    keep_for: float | None = None
-
-
-@dataclass(frozen=True)
-class ReleaseRule:
-    """Drop copies on a fast tier once verified on one of ``durable``: after ``after``
-    seconds without access, and/or while the file system is above ``high_watermark`` (down to
-    ``low_watermark``), least recently accessed first."""
-
-    after: float | None = None
-    high_watermark: float | None = None
-    low_watermark: float | None = None
-    durable: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class RestoreRule:
-    mode: Literal["lazy", "eager"] = "eager"
-    cache_tier: str | None = None
-
-
-@dataclass(frozen=True)
-class Policies:
-    """Every policy for one deployment; build with :func:`from_config` or directly, then
-    call :meth:`validate` (``from_config`` does)."""
-
-    ladder: tuple[str, ...]
-    write_tier: str
-    exports: tuple[ExportRule, ...] = ()
-    retention: Mapping[str, RetentionRule] = field(default_factory=dict)
-    release: Mapping[str, ReleaseRule] = field(default_factory=dict)
-    restore: RestoreRule = RestoreRule()
-    on_full: Literal["fail", "fallback"] = "fail"
-
-    def rank(self, tier: str) -> int:
-        return self.ladder.index(tier)
-
-    def durable_for(self, tier: str) -> tuple[str, ...]:
-        rule = self.release.get(tier)
-        if rule is not None and rule.durable:
-            return rule.durable
-        return self.ladder[self.rank(tier) + 1 :]
-
-    def validate(self, tiers: Iterable[str] | None = None) -> Policies:
-        """Raise :class:`ConfigError` naming the first problem; returns ``self``."""
-        _validate(self, set(tiers) if tiers is not None else None)
-        return self
-
-
-# ---- parsing and validation --------------------------------------------------------------
-
-
-_TOP_KEYS = {"ladder", "write_tier", "on_full", "export", "retention", "release", "restore"}
-_EXPORT_KEYS = {"to", "from", "every_saves", "every_seconds"}
-_RETENTION_KEYS = {"keep_latest", "keep_every", "keep_for"}
-_RELEASE_KEYS = {"after", "high_watermark", "low_watermark", "durable"}
-_RESTORE_KEYS = {"mode", "cache_tier"}
-
-
-def from_config(config: Config) -> Policies:
-    """The ``[policies]`` section of ``config``, parsed and validated against its tiers."""
-    return from_dict(config.section("policies"), tiers=list(config.tiers), where=config.source)
-
-
-def from_dict(
-    data: Mapping[str, Any], *, tiers: Sequence[str], where: str | None = None
-) -> Policies:
-    """Parse a ``[policies]`` table; ``tiers``: the configured tier names, in config order."""
-    w = f"{where or 'config'}: [policies]"
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{w} must be a table")
-    _unknown(w, data, _TOP_KEYS)
-    default_ladder = [t for t in ("nvme", "lustre", "s3") if t in tiers] or list(tiers)
-    ladder = data.get("ladder", default_ladder)
-    if not isinstance(ladder, list) or not all(isinstance(t, str) for t in ladder):
-        raise ConfigError(f"{w} ladder must be a list of tier names, fastest first")
-    if not ladder:
-        raise ConfigError(f"{w} no tiers: configure [tiers] or set policies.ladder")
-    write_tier = data.get("write_tier", ladder[0])
-    on_full = data.get("on_full", "fail")
-    if on_full not in ("fail", "fallback"):
-        raise ConfigError(f"{w} on_full must be 'fail' or 'fallback', not {on_full!r}")
-
-    raw_exports = data.get("export", [])
-    if isinstance(raw_exports, Mapping):
-        raw_exports = [raw_exports]
-    if not isinstance(raw_exports, list):
-        raise ConfigError(f"{w} export must be an array of tables ([[policies.export]])")
-    exports = []
-    for i, e in enumerate(raw_exports):
-        ew = f"{w} export #{i + 1}"
-        if not isinstance(e, Mapping):
-            raise ConfigError(f"{ew} must be a table")
-        _unknown(ew, e, _EXPORT_KEYS)
-        if "to" not in e:
-            raise ConfigError(f"{ew} needs 'to' (the destination tier)")
-        every_saves = e.get("every_saves")
-        if every_saves is not None and (
-            not isinstance(every_saves, int) or isinstance(every_saves, bool) or every_saves < 1
-        ):
-            raise ConfigError(f"{ew} every_saves must be a whole number >= 1, not {every_saves!r}")
-        every_seconds = e.get("every_seconds")
-        exports.append(
-            ExportRule(
-                to=str(e["to"]),
-                every_saves=every_saves,
-                every_seconds=(
-                    parse_duration(every_seconds, f"{ew} every_seconds")
-                    if every_seconds is not None
-                    else None
-                ),
-                source=str(e["from"]) if "from" in e else None,
-            )
-        )
-
-    retention: dict[str, RetentionRule] = {}
-    raw_ret = data.get("retention", {})
-    if not isinstance(raw_ret, Mapping):
-        raise ConfigError(f"{w} retention must be a table of per-tier tables")
-    for tier, r in raw_ret.items():
-        rw = f"{w} retention.{tier}"
-        if not isinstance(r, Mapping):
-            raise ConfigError(f"{rw} must be a table")
-        _unknown(rw, r, _RETENTION_KEYS)
-        keep_latest, keep_every = r.get("keep_latest"), r.get("keep_every")
-        for name, v, least in (("keep_latest", keep_latest, 0), ("keep_every", keep_every, 1)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < least):
-                raise ConfigError(f"{rw} {name} must be a whole number >= {least}, not {v!r}")
-        keep_for = r.get("keep_for")
-        retention[tier] = RetentionRule(
-            keep_latest=keep_latest,
-            keep_every=keep_every,
-            keep_for=parse_duration(keep_for, f"{rw} keep_for") if keep_for is not None else None,
-        )
-
-    release: dict[str, ReleaseRule] = {}
-    raw_rel = data.get("release", {})
-    if not isinstance(raw_rel, Mapping):
-        raise ConfigError(f"{w} release must be a table of per-tier tables")
-    for tier, r in raw_rel.items():
-        lw = f"{w} release.{tier}"
-        if not isinstance(r, Mapping):
-            raise ConfigError(f"{lw} must be a table")
-        _unknown(lw, r, _RELEASE_KEYS)
-        durable = r.get("durable", [])
-        if not isinstance(durable, list) or not all(isinstance(t, str) for t in durable):
-            raise ConfigError(f"{lw} durable must be a list of tier names")
-        hi, lo = r.get("high_watermark"), r.get("low_watermark")
-        for name, wm in (("high_watermark", hi), ("low_watermark", lo)):
-            if wm is not None and (
-                not isinstance(wm, int | float) or isinstance(wm, bool) or not 0 < wm <= 1
-            ):
-                raise ConfigError(f"{lw} {name} must be a fraction in (0, 1], not {wm!r}")
-        release[tier] = ReleaseRule(
-            after=parse_duration(r["after"], f"{lw} after") if "after" in r else None,
-            high_watermark=float(hi) if hi is not None else None,
-            low_watermark=float(lo) if lo is not None else None,
-            durable=tuple(durable),
-        )
-
-    raw_restore = data.get("restore", {})
-    if not isinstance(raw_restore, Mapping):
-        raise ConfigError(f"{w} restore must be a table")
-    _unknown(f"{w} restore", raw_restore, _RESTORE_KEYS)
-    mode = raw_restore.get("mode", "eager")
-    if mode not in ("lazy", "eager"):
-        raise ConfigError(f"{w} restore.mode must be 'lazy' or 'eager', not {mode!r}")
-    cache_tier = raw_restore.get("cache_tier")
-    policies = Policies(
-        ladder=tuple(ladder),
-        write_tier=str(write_tier),
-        exports=tuple(exports),
-        retention=retention,
-        release=release,
-        restore=RestoreRule(mode=mode, cache_tier=str(cache_tier) if cache_tier else None),
-        on_full=on_full,
-    )
-    _validate(policies, set(tiers), where=w)
-    return policies
-
-
-def _unknown(where: str, table: Mapping[str, Any], allowed: set[str]) -> None:
-    for key in table:
-        if key not in allowed:
-            close = difflib.get_close_matches(str(key), sorted(allowed), n=1, cutoff=0.5)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(
-                f"{where}: unknown key {key!r}{hint}; allowed: {', '.join(sorted(allowed))}"
-            )
-
-
-def _validate(p: Policies, tiers: set[str] | None, where: str = "[policies]") -> None:
-    def known(tier: str, what: str) -> None:
-        if tiers is not None and tier not in tiers:
-            close = difflib.get_close_matches(tier, sorted(tiers), n=1, cutoff=0.5)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(
-                f"{where} {what} names tier {tier!r}, which is not configured{hint}; "
-                f"configured tiers: {', '.join(sorted(tiers)) or 'none'}"
-            )
-        if tier not in p.ladder:
-            raise ConfigError(
-                f"{where} {what} names tier {tier!r}, which is not in the ladder {list(p.ladder)}"
-            )
-
-    if len(set(p.ladder)) != len(p.ladder):
-        raise ConfigError(f"{where} ladder lists a tier twice: {list(p.ladder)}")
-    if tiers is not None:
-        for t in p.ladder:
-            if t not in tiers:
-                known(t, "ladder")
-    known(p.write_tier, "write_tier")
-    if p.on_full not in ("fail", "fallback"):
-        raise ConfigError(f"{where} on_full must be 'fail' or 'fallback'")
-    if p.on_full == "fallback" and p.rank(p.write_tier) == len(p.ladder) - 1:
-        raise ConfigError(
-            f"{where} on_full = 'fallback' but the write tier {p.write_tier!r} is the last "
-            "of the ladder: there is nothing to fall back to"
-        )
-    targets: set[str] = set()
-    for i, e in enumerate(p.exports):
-        what = f"export #{i + 1} to"
-        known(e.to, what)
-        if e.every_saves is None and e.every_seconds is None:
-            raise ConfigError(
-                f"{where} export #{i + 1} to {e.to!r} needs every_saves and/or every_seconds"
-            )
-        if e.to == p.write_tier:
-            raise ConfigError(f"{where} export #{i + 1} exports to the write tier {e.to!r} itself")
-        if e.source is not None:
-            known(e.source, f"export #{i + 1} from")
-            if e.source == e.to:
-                raise ConfigError(f"{where} export #{i + 1} copies {e.to!r} onto itself")
-        if e.to in targets:
-            raise ConfigError(f"{where} two export rules go to {e.to!r}; merge them into one")
-        targets.add(e.to)
-    for tier, r in p.retention.items():
-        known(tier, "retention")
-        if r.keep_latest is None and r.keep_every is None and r.keep_for is None:
-            raise ConfigError(
-                f"{where} retention.{tier} has no rule (keep_latest, keep_every or keep_for); "
-                "remove the table to keep everything"
-            )
-        keeps_nothing = (r.keep_latest or 0) == 0 and r.keep_every is None and r.keep_for is None
-        if keeps_nothing and tier in targets:
-            raise ConfigError(
-                f"{where} retention.{tier} keeps nothing (keep_latest = 0) but an export copies "
-                f"checkpoints to {tier!r}: every export would be deleted at once"
-            )
-        if keeps_nothing and not any(e.to != tier for e in p.exports):
-            raise ConfigError(
-                f"{where} retention.{tier} keeps nothing but no export copies checkpoints "
-                "anywhere else: every checkpoint would be its own last copy"
-            )
-    for tier, rel in p.release.items():
-        known(tier, "release")
-        if rel.after is None and rel.high_watermark is None:
-            raise ConfigError(f"{where} release.{tier} needs 'after' and/or 'high_watermark'")
-        if (rel.high_watermark is None) != (rel.low_watermark is None):
-            raise ConfigError(f"{where} release.{tier} needs both high_watermark and low_watermark")
-        if (
-            rel.high_watermark is not None
-            and rel.low_watermark is not None
-            and rel.low_watermark >= rel.high_watermark
-        ):
-            raise ConfigError(
-                f"{where} release.{tier} low_watermark ({rel.low_watermark}) must be below "
-                f"high_watermark ({rel.high_watermark})"
-            )
-        durable = p.durable_for(tier)
-        if not durable:
-            raise ConfigError(
-                f"{where} release.{tier}: {tier!r} is the last tier of the ladder; there is no "
-                "durable tier below it to release to"
-            )
-        for d in durable:
-            known(d, f"release.{tier} durable")
-            if d == tier:
-                raise ConfigError(f"{where} release.{tier} lists {tier!r} as its own durable tier")
-        if not any(d in targets for d in durable):
-            raise ConfigError(
-                f"{where} release.{tier} waits for a copy on {list(durable)}, but no export "
-                "rule copies checkpoints there: nothing would ever be released"
-            )
-    if p.restore.cache_tier is not None:
-        known(p.restore.cache_tier, "restore.cache_tier")
-
-
-# ---- decisions ---------------------------------------------------------------------------
+__all__ = [
+    "Action",
+    "Delete",
+    "Export",
+    "ExportLag",
+    "ExportRule",
+    "Policies",
+    "Release",
+    "ReleaseRule",
+    "RestoreRule",
+    "RetentionRule",
+    "State",
+    "Supersede",
+    "TierUsage",
+    "export_lag",
+    "export_lags",
+    "from_config",
+    "from_dict",
+    "plan",
+    "plan_exports",
+    "plan_release",
+    "plan_retention",
+    "plan_supersede",
+    "wanted_tiers",
+]
 
 
 @dataclass(frozen=True)
@@ -378,12 +102,26 @@ class Export:
 
 
 @dataclass(frozen=True)
+class Supersede:
+    """Backlog control: skip the pending export of ``step`` to ``dest`` (recorded as
+    ``superseded``): a newer checkpoint the same rule wants is committed, and ``dest``'s
+    retention would not keep this one once the newer ones are there."""
+
+    root: str
+    step: int
+    source: str
+    dest: str
+
+
+@dataclass(frozen=True)
 class Delete:
-    """Retention: remove the copy from the tier."""
+    """Retention: remove the copy from the tier.  ``last_copy``: no other complete copy of
+    the checkpoint exists, and no rule keeps it anywhere: the checkpoint goes."""
 
     root: str
     step: int
     tier: str
+    last_copy: bool = False
 
 
 @dataclass(frozen=True)
@@ -395,7 +133,7 @@ class Release:
     tier: str
 
 
-Action = Export | Delete | Release
+Action = Export | Supersede | Delete | Release
 
 
 @dataclass(frozen=True)
@@ -420,25 +158,39 @@ class State:
     usage: Mapping[str, TierUsage] = field(default_factory=dict)
 
 
-def wanted_tiers(p: Policies, checkpoints: Sequence[Checkpoint]) -> dict[tuple[str, int], set[str]]:
+def wanted_tiers(
+    p: Policies, checkpoints: Sequence[Checkpoint], copies: Sequence[Copy] = ()
+) -> dict[tuple[str, int], set[str]]:
     """For each checkpoint, the tiers its export rules want it on (besides where it was
-    written).  Depends only on save ordinals and creation times: deterministic."""
+    written).
+
+    Per run root, the checkpoints are walked in step order (never in the order the catalog
+    recorded them): ``every_steps = N`` picks steps divisible by N; ``every_saves = N``
+    picks the N-th checkpoint after the newest one already on the destination (any catalog
+    row there counts, so a rebuilt catalog resumes the count where the tiers say it is);
+    ``every_seconds`` picks one created at least that long after the previous pick.
+    """
     out: dict[tuple[str, int], set[str]] = {(c.root, c.step): set() for c in checkpoints}
+    on = {(cp.root, cp.step, cp.tier) for cp in copies}
     by_root: dict[str, list[Checkpoint]] = {}
     for c in checkpoints:
         by_root.setdefault(c.root, []).append(c)
     for rule in p.exports:
         for cks in by_root.values():
+            since = 0
             last: float | None = None
-            for c in sorted(cks, key=lambda c: c.seq):
-                pick = bool(rule.every_saves and c.seq % rule.every_saves == 0)
+            for c in sorted(cks, key=lambda c: c.step):
+                pick = bool(rule.every_steps and c.step % rule.every_steps == 0)
+                if rule.every_saves:
+                    since += 1
+                    pick = pick or since >= rule.every_saves or (c.root, c.step, rule.to) in on
                 if rule.every_seconds is not None and (
                     last is None or c.created - last >= rule.every_seconds
                 ):
                     pick = True
                 if pick:
                     out[(c.root, c.step)].add(rule.to)
-                    last = c.created
+                    since, last = 0, c.created
     return out
 
 
@@ -449,13 +201,14 @@ def _index(copies: Sequence[Copy]) -> dict[tuple[str, int], dict[str, Copy]]:
     return idx
 
 
-def plan_exports(p: Policies, s: State) -> list[Export]:
-    """Copies still to make, oldest checkpoint first.  A destination copy that is absent,
-    half-written (``writing``/``exporting``: resumed), ``corrupt`` or ``missing`` is (re)made;
-    one deleted or released later by policy is not."""
+def _candidates(p: Policies, s: State) -> list[Export]:
+    """Every copy the export rules want and no tier holds yet, with its source, oldest
+    first.  A destination copy that is absent, half-written (``writing``/``exporting``:
+    resumed), ``corrupt`` or ``missing`` is (re)made; one deleted, released or superseded
+    is not."""
     idx = _index(s.copies)
     out: list[Export] = []
-    wanted = wanted_tiers(p, s.checkpoints)
+    wanted = wanted_tiers(p, s.checkpoints, s.copies)
     rules = {e.to: e for e in p.exports}
     for c in sorted(s.checkpoints, key=lambda c: (c.created, c.root, c.step)):
         copies = idx.get((c.root, c.step), {})
@@ -464,7 +217,7 @@ def plan_exports(p: Policies, s: State) -> list[Export]:
             continue  # not committed anywhere (yet)
         for dest in sorted(wanted[(c.root, c.step)], key=p.rank):
             cur = copies.get(dest)
-            if cur is not None and cur.state not in (WRITING, EXPORTING, CORRUPT, "missing"):
+            if cur is not None and cur.state not in (WRITING, EXPORTING, CORRUPT, MISSING):
                 continue
             src_rule = rules[dest].source
             sources = [src_rule] if src_rule else present
@@ -472,6 +225,74 @@ def plan_exports(p: Policies, s: State) -> list[Export]:
             if source is not None:
                 out.append(Export(c.root, c.step, source, dest))
     return out
+
+
+def _coalesce(p: Policies, s: State) -> tuple[list[Export], list[Supersede]]:
+    """Split the candidate exports into those to make and those superseded."""
+    cands = _candidates(p, s)
+    ckpts = {(c.root, c.step): c for c in s.checkpoints}
+    on_dest: dict[tuple[str, str], set[int]] = {}
+    for cp in s.copies:
+        if cp.state == PRESENT:
+            on_dest.setdefault((cp.root, cp.tier), set()).add(cp.step)
+    # A copy that another rule exports *from* (``from = dest``) is a stage of that export,
+    # not only a copy for dest's sake: never skipped while that export waits for it.
+    wanted = wanted_tiers(p, s.checkpoints, s.copies)
+    relays = {e.to: [r.to for r in p.exports if r.source == e.to] for e in p.exports}
+
+    def relay(e: Export) -> bool:
+        return any(
+            nxt in wanted[(e.root, e.step)] and e.step not in on_dest.get((e.root, nxt), set())
+            for nxt in relays[e.dest]
+        )
+
+    queued: dict[tuple[str, str], list[Export]] = {}
+    for e in cands:
+        queued.setdefault((e.root, e.dest), []).append(e)
+    keep: list[Export] = []
+    skip: list[Supersede] = []
+    for (root, dest), exports in queued.items():
+        rule = p.retention.get(dest)
+        if rule is None:  # the destination keeps everything: every export matters
+            keep.extend(exports)
+            continue
+        # What the destination will hold once the queue is done; keep_latest counts it.
+        will_hold = sorted(on_dest.get((root, dest), set()) | {e.step for e in exports})
+        latest = set(will_hold[len(will_hold) - rule.keep_latest :] if rule.keep_latest else [])
+        newest = max(will_hold)
+        for e in exports:
+            ck = ckpts[(root, e.step)]
+            kept = (
+                e.step in latest
+                or (rule.keep_every is not None and e.step % rule.keep_every == 0)
+                or (rule.keep_for is not None and s.now - ck.created < rule.keep_for)
+            )
+            if kept or e.step >= newest or relay(e):
+                keep.append(e)
+            else:
+                skip.append(Supersede(root, e.step, e.source, dest))
+    return keep, skip
+
+
+def plan_exports(p: Policies, s: State) -> list[Export]:
+    """Copies still to make after coalescing (see :func:`plan_supersede`), newest
+    checkpoint first, so the newest one is always next."""
+    keep, _ = _coalesce(p, s)
+    ckpts = {(c.root, c.step): c for c in s.checkpoints}
+    return sorted(
+        keep,
+        key=lambda e: (-ckpts[(e.root, e.step)].created, -e.step, e.root, p.rank(e.dest)),
+    )
+
+
+def plan_supersede(p: Policies, s: State) -> list[Supersede]:
+    """Pending exports to skip: for each root and destination with a retention rule, an
+    export is superseded when a newer checkpoint the same rule wants is committed (has a
+    present copy somewhere) and the destination's rule would not keep the older one once
+    the queue is done (not among its ``keep_latest`` newest, not a ``keep_every`` step, not
+    younger than ``keep_for``).  A destination without a retention table keeps every
+    export."""
+    return sorted(_coalesce(p, s)[1], key=lambda a: (a.root, a.step, p.rank(a.dest)))
 
 
 def _blocked(p: Policies, s: State) -> set[tuple[str, int]]:
@@ -485,44 +306,59 @@ def _blocked(p: Policies, s: State) -> set[tuple[str, int]]:
     return blocked
 
 
-def plan_retention(p: Policies, s: State) -> list[Delete]:
-    """Copies that no retention rule keeps, minus every copy that must stay (see module
-    docstring)."""
+def _kept(p: Policies, s: State) -> dict[tuple[str, int], set[str]]:
+    """For each checkpoint, the tiers whose rule keeps its copy there (a tier without a
+    table keeps every copy).  Looks at ``present``, ``corrupt`` and ``missing`` copies;
+    ``keep_latest`` counts the tier's present copies of the root, newest step first."""
     ckpts = {(c.root, c.step): c for c in s.checkpoints}
+    out: dict[tuple[str, int], set[str]] = {}
+    latest: dict[tuple[str, str], set[int]] = {}
+    present: dict[tuple[str, str], list[int]] = {}
+    for cp in s.copies:
+        if cp.state == PRESENT:
+            present.setdefault((cp.root, cp.tier), []).append(cp.step)
+    for (root, tier), steps in present.items():
+        rule = p.retention.get(tier)
+        n = (rule.keep_latest or 0) if rule else 0
+        latest[(root, tier)] = set(sorted(steps, reverse=True)[:n])
+    for cp in s.copies:
+        if cp.state not in (PRESENT, CORRUPT, MISSING):
+            continue
+        rule = p.retention.get(cp.tier)
+        ck = ckpts.get((cp.root, cp.step))
+        if (
+            rule is None
+            or cp.step in latest.get((cp.root, cp.tier), ())
+            or (rule.keep_every is not None and cp.step % rule.keep_every == 0)
+            or (rule.keep_for is not None and ck is not None and s.now - ck.created < rule.keep_for)
+        ):
+            out.setdefault((cp.root, cp.step), set()).add(cp.tier)
+    return out
+
+
+def plan_retention(p: Policies, s: State) -> list[Delete]:
+    """Copies that no retention rule keeps, minus every copy that must stay (see the
+    module docstring), fastest tier first."""
     idx = _index(s.copies)
     blocked = _blocked(p, s)
+    kept = _kept(p, s)
     complete = {k: {t for t, cp in v.items() if cp.state == PRESENT} for k, v in idx.items()}
     out: list[Delete] = []
     for tier in p.ladder:
-        rule = p.retention.get(tier)
-        if rule is None:
+        if tier not in p.retention:
             continue
-        on_tier: dict[str, list[Copy]] = {}
-        for cp in s.copies:
-            if cp.tier == tier and cp.state in (PRESENT, CORRUPT):
-                on_tier.setdefault(cp.root, []).append(cp)
-        for root, cps in on_tier.items():
-            latest = sorted((cp.step for cp in cps if cp.state == PRESENT), reverse=True)
-            keep_latest = set(latest[: rule.keep_latest or 0])
-            for cp in sorted(cps, key=lambda cp: cp.step):
-                key = (root, cp.step)
-                ck = ckpts.get(key)
-                kept = (
-                    cp.step in keep_latest
-                    or (rule.keep_every is not None and cp.step % rule.keep_every == 0)
-                    or (
-                        rule.keep_for is not None
-                        and ck is not None
-                        and s.now - ck.created < rule.keep_for
-                    )
-                )
-                if kept or key in blocked:
-                    continue
-                others = complete.get(key, set()) - {tier}
-                if cp.state == PRESENT and not others:
-                    continue  # the only complete copy: never
-                out.append(Delete(root, cp.step, tier))
-                complete.get(key, set()).discard(tier)
+        for cp in sorted(s.copies, key=lambda cp: (cp.root, cp.step)):
+            if cp.tier != tier or cp.state not in (PRESENT, CORRUPT):
+                continue
+            key = (cp.root, cp.step)
+            keepers = kept.get(key, set())
+            if tier in keepers or key in blocked:
+                continue
+            last = not (complete.get(key, set()) - {tier})
+            if last and keepers:
+                continue  # another tier keeps a broken copy that only this one can repair
+            out.append(Delete(cp.root, cp.step, tier, last_copy=last))
+            complete.get(key, set()).discard(tier)
     return out
 
 
@@ -576,17 +412,60 @@ def plan_release(p: Policies, s: State, *, after_deletes: Sequence[Delete] = ())
 
 
 def plan(p: Policies, s: State) -> list[Action]:
-    """Everything to do now: exports first (oldest first), then deletions, then releases.
-    Safe to call again after any subset was carried out: it recomputes from the state."""
-    exports = plan_exports(p, s)
+    """Everything to do now: superseded exports first (catalog records only), then exports
+    (newest first), deletions, releases.  Safe to call again after any subset was carried
+    out: it recomputes from the state."""
     deletes = plan_retention(p, s)
     releases = plan_release(p, s, after_deletes=deletes)
-    return [*exports, *deletes, *releases]
+    return [*plan_supersede(p, s), *plan_exports(p, s), *deletes, *releases]
 
 
 def export_lag(p: Policies, s: State) -> float:
     """Seconds since the oldest committed checkpoint that still has an export to do was
-    created (0 when nothing waits)."""
+    created (0 when nothing waits; superseded exports do not wait)."""
     ckpts = {(c.root, c.step): c for c in s.checkpoints}
     waiting = [ckpts[(e.root, e.step)].created for e in plan_exports(p, s)]
     return max(0.0, s.now - min(waiting)) if waiting else 0.0
+
+
+@dataclass(frozen=True)
+class ExportLag:
+    """How far one destination is behind for one run root: exports still to make (after
+    coalescing), the oldest of them and its age, and the newest step complete there."""
+
+    root: str
+    dest: str
+    pending: int
+    oldest_pending_step: int | None
+    oldest_pending_age: float
+    newest_step: int | None
+
+
+def export_lags(p: Policies, s: State) -> list[ExportLag]:
+    """One :class:`ExportLag` per run root and export destination, in (root, ladder)
+    order."""
+    ckpts = {(c.root, c.step): c for c in s.checkpoints}
+    pending: dict[tuple[str, str], list[Export]] = {}
+    for e in plan_exports(p, s):
+        pending.setdefault((e.root, e.dest), []).append(e)
+    newest: dict[tuple[str, str], int] = {}
+    for cp in s.copies:
+        if cp.state == PRESENT:
+            k = (cp.root, cp.tier)
+            newest[k] = max(newest.get(k, cp.step), cp.step)
+    out = []
+    for root in sorted({c.root for c in s.checkpoints}):
+        for dest in sorted({e.to for e in p.exports}, key=p.rank):
+            waiting = pending.get((root, dest), [])
+            oldest = min(waiting, key=lambda e: ckpts[(root, e.step)].created, default=None)
+            out.append(
+                ExportLag(
+                    root,
+                    dest,
+                    len(waiting),
+                    oldest.step if oldest else None,
+                    max(0.0, s.now - ckpts[(root, oldest.step)].created) if oldest else 0.0,
+                    newest.get((root, dest)),
+                )
+            )
+    return out

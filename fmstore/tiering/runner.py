@@ -38,7 +38,18 @@ from . import catalog as cat
 from . import metrics as m
 from .catalog import Catalog
 from .mover import CHECKPOINT_COPY, copy_checkpoint, delete_checkpoint, has_checkpoint
-from .policies import Delete, Export, Policies, Release, State, TierUsage, export_lag, plan
+from .policies import (
+    Delete,
+    Export,
+    Policies,
+    Release,
+    State,
+    Supersede,
+    TierUsage,
+    export_lag,
+    export_lags,
+    plan,
+)
 from .tiers import Tiers
 from .transfer import TransferOptions
 
@@ -53,6 +64,7 @@ class StepReport:
     """What one step did (counts per action) and the errors it met."""
 
     exported: int = 0
+    superseded: int = 0
     deleted: int = 0
     released: int = 0
     repaired: int = 0
@@ -62,7 +74,9 @@ class StepReport:
 
     @property
     def did_something(self) -> bool:
-        return bool(self.exported or self.deleted or self.released or self.repaired)
+        return bool(
+            self.exported or self.superseded or self.deleted or self.released or self.repaired
+        )
 
 
 def event(kind: str, **fields: object) -> None:
@@ -121,8 +135,17 @@ class PolicyRunner:
             try:
                 if isinstance(action, Export):
                     await self._export(action, rep)
+                elif isinstance(action, Supersede):
+                    await self._supersede(action, rep)
                 elif isinstance(action, Delete):
-                    await self._remove(action.root, action.step, action.tier, "retention", rep)
+                    await self._remove(
+                        action.root,
+                        action.step,
+                        action.tier,
+                        "retention",
+                        rep,
+                        last_copy=action.last_copy,
+                    )
                 elif isinstance(action, Release):
                     await self._remove(action.root, action.step, action.tier, "release", rep)
             except (StoreUnavailable, TierFull) as e:
@@ -151,8 +174,22 @@ class PolicyRunner:
 
     def _gauges(self, state: State, actions: list | None) -> None:
         m.EXPORT_LAG.set(export_lag(self.policies, state))
+        for lag in export_lags(self.policies, state):
+            m.EXPORT_PENDING.labels(lag.root, lag.dest).set(lag.pending)
+            step = lag.oldest_pending_step
+            m.EXPORT_OLDEST_PENDING_STEP.labels(lag.root, lag.dest).set(
+                -1 if step is None else step
+            )
+            m.EXPORT_OLDEST_PENDING_SECONDS.labels(lag.root, lag.dest).set(lag.oldest_pending_age)
+        newest: dict[tuple[str, str], int] = {}
+        for cp in state.copies:
+            if cp.state == cat.PRESENT:
+                newest[(cp.root, cp.tier)] = max(newest.get((cp.root, cp.tier), -1), cp.step)
+        for root in {c.root for c in state.checkpoints}:
+            for tier in self.policies.ladder:
+                m.NEWEST_STEP.labels(root, tier).set(newest.get((root, tier), -1))
         if actions is not None:
-            for kind in ("export", "delete", "release"):
+            for kind in ("export", "supersede", "delete", "release"):
                 m.QUEUE_DEPTH.labels(kind).set(
                     sum(1 for a in actions if type(a).__name__.lower() == kind)
                 )
@@ -257,13 +294,52 @@ class PolicyRunner:
             seconds=round(seconds, 3),
         )
 
-    async def _remove(self, root: str, step: int, tier: str, reason: str, rep: StepReport) -> None:
+    async def _supersede(self, a: Supersede, rep: StepReport) -> None:
+        """Record the skipped export; remove what a started copy left on the destination
+        (no manifest there, so it never was a checkpoint) and its journals."""
         c = self.catalog
-        # Never trust the catalog alone before deleting: another complete copy must really
-        # be on its tier now.
+        cur = c.copy(a.root, a.step, a.dest)
+        before = cur.state if cur is not None else None
+        if not c.set_copy(
+            a.root,
+            a.step,
+            a.dest,
+            cat.SUPERSEDED,
+            error="superseded by a newer checkpoint",
+            expect=[None, cat.WRITING, cat.EXPORTING, cat.CORRUPT, cat.MISSING],
+        ):
+            return
+        if before in (cat.WRITING, cat.EXPORTING, cat.CORRUPT):
+            await delete_checkpoint(self.tiers.checkpoint(a.dest, a.root, a.step))
+            for src in self.policies.ladder:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.journal_path(a.root, a.step, src, a.dest))
+        m.EXPORTS_SUPERSEDED.labels(a.source, a.dest).inc()
+        rep.superseded += 1
+        event("export_superseded", root=a.root, step=a.step, src=a.source, dst=a.dest)
+
+    async def _remove(
+        self,
+        root: str,
+        step: int,
+        tier: str,
+        reason: str,
+        rep: StepReport,
+        *,
+        last_copy: bool = False,
+    ) -> None:
+        """Delete (retention) or release one copy.  ``last_copy``: retention decided that no
+        rule keeps the checkpoint anywhere, so no other copy is needed."""
+        c = self.catalog
+        if any(pin.root == root and pin.step == step for pin in c.pins()):
+            # A restore pinned it after the plan was made: it reads this copy, maybe only it.
+            event("remove_refused", root=root, step=step, tier=tier, reason="pinned")
+            return
+        # Otherwise never trust the catalog alone before deleting: another complete copy
+        # must really be on its tier now.
         others = [cp for cp in c.copies(root, step=step, states=[cat.PRESENT]) if cp.tier != tier]
-        confirmed = False
-        for cp in others:
+        confirmed = last_copy
+        for cp in [] if last_copy else others:
             if await has_checkpoint(self.tiers.checkpoint(cp.tier, root, step)):
                 confirmed = True
                 break
@@ -284,7 +360,15 @@ class PolicyRunner:
             rep.released += 1
         else:
             rep.deleted += 1
-        event("removed", root=root, step=step, tier=tier, reason=reason, bytes=freed)
+        event(
+            "removed",
+            root=root,
+            step=step,
+            tier=tier,
+            reason=reason,
+            bytes=freed,
+            last_copy=last_copy,
+        )
 
 
 class BackgroundRunner:

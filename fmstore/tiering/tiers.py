@@ -62,22 +62,27 @@ class Tiers:
     async def steps_on(self, tier: str, root: str) -> list[int]:
         """Steps under ``root`` whose manifest is committed on ``tier`` (a listing plus one
         stat per step directory)."""
+        return sorted(await self.committed_on(tier, root))
+
+    async def committed_on(self, tier: str, root: str) -> dict[int, float | None]:
+        """Step -> modification time of its manifest (the commit), for every step under
+        ``root`` committed on ``tier``."""
         store = self.store(tier)
         prefix = _keys.validate_prefix(root)
-        found: list[int] = []
+        found: dict[int, float | None] = {}
         try:
             async for meta in store.list(prefix, recursive=False):
                 step = parse_step(meta.key[len(prefix) :]) if meta.is_dir else None
                 if step is None:
                     continue
                 try:
-                    await store.stat(_keys.join(root, step_name(step), MANIFEST_KEY))
+                    m = await store.stat(_keys.join(root, step_name(step), MANIFEST_KEY))
                 except NotFound:
                     continue
-                found.append(step)
+                found[step] = m.mtime
         except NotFound:
-            return []
-        return sorted(found)
+            return {}
+        return found
 
     async def close(self) -> None:
         with self._lock:
