@@ -13,11 +13,12 @@ import time
 
 import pytest
 from stage_data import fm, kill9_when, proxied, s3_env
+from tiering_helpers import on_tier
 
 import fmstore
 from fmstore import runtime
 from fmstore.checkpoint import find_checkpoints
-from fmstore.config import from_dict
+from fmstore.config import from_dict, load_config
 from fmstore.format.manifest import Manifest
 from fmstore.stores import open_store
 from fmstore.stores.posix import TMP_MARK
@@ -215,3 +216,125 @@ def test_a_killed_save_leaves_only_committed_checkpoints_after_a_sweep(tmp_path)
         got["model"][k].view(-1).to(float).equal(want["model"][k].view(-1).to(float))
         for k in want["model"]
     )
+
+
+# ---- the daemon killed mid-export, then started again with no grace period --------------
+
+
+def _daemon_config(tmp_path, s3: str, daemon: str) -> str:
+    """nvme and lustre directories and ``s3`` (a tier table's body); every save exported
+    to lustre and to s3."""
+    base = tmp_path
+    cfg = tmp_path / "fmstore.toml"
+    cfg.write_text(
+        f"""
+state_dir = "{base}/state"
+[tiers.nvme]
+url = "{base}/nvme"
+[tiers.lustre]
+url = "{base}/lustre"
+[tiers.s3]
+{s3}
+[[policies.export]]
+to = "lustre"
+every_saves = 1
+[[policies.export]]
+to = "s3"
+every_saves = 1
+[daemon]
+interval = "0.05s"
+{daemon}
+"""
+    )
+    return str(cfg)
+
+
+def _save_big(cfg: str) -> None:
+    """One checkpoint of ~72 MiB (one blob above the multipart threshold) on nvme."""
+    import torch
+
+    with fmstore.CheckpointManager("run", config=load_config(cfg), run_policies=False) as mgr:
+        mgr.save(1, {"w": torch.randn(18 << 20, generator=torch.Generator().manual_seed(1))})
+        mgr.wait()
+
+
+def _daemon(cfg: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "fmstore", "daemon", "--config", cfg, "--no-http", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _temp_files(root) -> list[str]:
+    return [f for _, _, fs in os.walk(root) for f in fs if f.startswith(TMP_MARK)]
+
+
+def _drain_and_sweep_events(cfg: str, env: dict | None = None) -> list[dict]:
+    p = _daemon(cfg, "--drain", "--timeout", "240", env=env)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    return [e for e in map(json.loads, err.splitlines()) if e.get("event") == "sweep"]
+
+
+def _kill_when(p: subprocess.Popen, ready) -> None:
+    try:
+        deadline = time.monotonic() + 120
+        while not ready():
+            assert p.poll() is None, p.communicate()[1]
+            assert time.monotonic() < deadline, "not ready in time"
+            time.sleep(0.05)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+
+
+@pytest.mark.s3
+def test_a_daemon_killed_mid_export_to_s3_leaves_no_upload(
+    tmp_path, s3_server, s3_bucket, monkeypatch
+):
+    from fmstore.testing.faultproxy import FaultProxy
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        s3 = (
+            f'url = "s3://{s3_bucket}/fm"\nendpoint_url = "{proxy.endpoint_url}"\n'
+            'addressing_style = "path"\nregion = "us-east-1"\nmax_attempts = 20'
+        )
+        cfg = _daemon_config(tmp_path, s3, 'orphan_grace = "0"')
+        _save_big(cfg)
+        # Lustre first, then S3, whose upload passes one part and holds the next.
+        proxy.set_plan([Rule("stall", method="PUT", path=r"/fm/run/.*\?.*partNumber", skip=1)])
+        _kill_when(
+            _daemon(cfg),
+            lambda: proxy.injected["stall"] >= 1,
+        )
+        assert _uploads(s3_server, s3_bucket)  # the killed export's upload is there
+        proxy.clear()
+        sweeps = _drain_and_sweep_events(cfg)
+        assert sweeps and sweeps[0]["removed"] >= 1 and not sweeps[0]["errors"]
+        assert _uploads(s3_server, s3_bucket) == []
+        assert not _temp_files(tmp_path / "lustre")
+        config = load_config(cfg)
+        assert on_tier(config, "s3", "run") == {1: True}
+        assert on_tier(config, "lustre", "run") == {1: True}
+
+
+def test_a_daemon_killed_mid_export_to_lustre_leaves_no_temp_file(tmp_path):
+    cfg = _daemon_config(
+        tmp_path, f'url = "{tmp_path}/s3"', 'orphan_grace = "0"\nbwlimit = "4MB"\nconcurrency = 1'
+    )
+    _save_big(cfg)
+    # ~72 MiB at 4 MB/s: the copy to lustre takes ~18 s after its temp file appears.
+    _kill_when(_daemon(cfg), lambda: _temp_files(tmp_path / "lustre"))
+    assert _temp_files(tmp_path / "lustre")
+    sweeps = _drain_and_sweep_events(cfg)
+    assert sweeps and sweeps[0]["removed"] >= 1 and not sweeps[0]["errors"]
+    assert not _temp_files(tmp_path / "lustre") and not _temp_files(tmp_path / "s3")
+    config = load_config(cfg)
+    assert on_tier(config, "lustre", "run") == {1: True}
+    assert on_tier(config, "s3", "run") == {1: True}

@@ -52,6 +52,7 @@ from .discovery import rediscover
 from .mover import CHECKPOINT_COPY
 from .policies import Policies, from_config
 from .runner import PolicyRunner, StepReport, event, log, log_record_json
+from .sweep import SweepReport, sweep
 from .transfer import TransferOptions
 
 _KEYS = {
@@ -203,6 +204,7 @@ class Daemon:
         #: Rescan the tiers before the next step: at start-up, and again while a tier was
         #: unreachable during the last scan.
         self.rescan_due = True
+        self._next_sweep = 0.0  # the orphan sweep runs at start, then every sweep_interval
 
     # ---- HTTP ------------------------------------------------------------------------
 
@@ -294,6 +296,8 @@ class Daemon:
                 try:
                     if self.rescan_due:
                         self.rescan()
+                    if time.monotonic() >= self._next_sweep:
+                        self.sweep()
                     rep = runtime.run(self.runner.astep())
                 except FmstoreError as e:
                     rep = StepReport(errors=[str(e)])
@@ -326,6 +330,21 @@ class Daemon:
             event("daemon_stop", steps=steps)
             self.runner.lock.release()
         return code
+
+    def sweep(self) -> SweepReport:
+        """The orphan sweep of :mod:`.sweep` over every configured tier (the runner lock is
+        held: no export of this node's is half-way)."""
+        self._next_sweep = time.monotonic() + self.settings.sweep_interval
+        stores = {t: self.runner.tiers.store(t) for t in self.config.tiers}
+        rep = runtime.run(sweep(self.config, stores, grace=self.settings.orphan_grace))
+        event(
+            "sweep",
+            removed=len(rep.removed),
+            bytes=rep.bytes_reclaimed,
+            kept=len(rep.orphans) - len(rep.removed),
+            errors=rep.errors,
+        )
+        return rep
 
     def rescan(self) -> None:
         """Record every committed checkpoint of every run root on the tiers that the
