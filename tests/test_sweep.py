@@ -98,6 +98,14 @@ def test_a_killed_stage_upload_goes_and_a_live_one_stays(s3env, s3_server, tmp_p
         Rule("stall", method="PUT", path=r"/ds/live/big\.bin\?", skip=2),
     ]
     common = ["--part-size", "8MiB", "--concurrency", "2", "--no-progress", "--shard", "none"]
+    # A copy that finished: what it staged must survive every sweep.
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "small.bin").write_bytes(b"kept" * 1000)
+    assert (
+        fm("stage", str(done), "s3:done", "--no-progress", "--shard", "none", env=env).returncode
+        == 0
+    )
     with proxied(s3env, s3_server, plan):
         kill9_when(
             ["stage", str(src), "proxied:dead", *common],
@@ -139,7 +147,10 @@ def test_a_killed_stage_upload_goes_and_a_live_one_stays(s3env, s3_server, tmp_p
     doc = _gc("s3:", "--older-than", "0", env=env)
     assert _listed(doc) == [("journal", "live"), ("upload", "live/big.bin")]
     assert _uploads(s3_server, bucket) == []
-    assert not any("/ds/" in d for d in _journals(home))
+    assert not any("/ds/dead" in d or "/ds/live" in d for d in _journals(home))
+    assert any(d.endswith("/ds/done") for d in _journals(home))  # a finished copy's stays
+    got = s3_server.boto3_client().get_object(Bucket=bucket, Key="ds/done/small.bin")
+    assert got["Body"].read() == b"kept" * 1000
 
 
 @pytest.mark.s3

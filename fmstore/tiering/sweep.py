@@ -11,7 +11,9 @@ A process killed mid-write leaves work no later run may come back to:
     checkpoint blobs no manifest names: a save or an export that never committed, or the
     generation an overwrite superseded (see :mod:`fmstore.checkpoint.gc`);
 ``journal``
-    the resume journal of a copy whose process died.
+    the resume journal of a copy whose process died, when no later run can use it: its
+    pending write was removed above, or its destination is gone.  (The journal of a copy
+    that finished stays: a re-run skips on its word.)
 
 Ownership is never guessed.  An item is removed only when
 
@@ -86,6 +88,10 @@ def _under(url: str, dests: list[str]) -> bool:
     return any(url == d or url.startswith(d + "/") for d in dests)
 
 
+def _root(store: Store) -> str:
+    return store.url.rstrip("/")
+
+
 def _url(store: Store, key: str) -> str:
     return f"{store.url.rstrip('/')}/{key}" if key else store.url
 
@@ -101,7 +107,7 @@ class Sweeper:
         #: Destinations of the copies in progress on this node: nothing under them goes.
         self.live = [j.dest.rstrip("/") for j in self.journals if j.live and j.dest]
         self._aborted: set[str] = set()
-        self._swept: list[str] = []
+        self._stores: list[Store] = []
 
     def _decide(self, tier: str, kind: str, where: str, url: str, size: int, age: float) -> bool:
         """Record the item; True when it is to be removed now."""
@@ -116,7 +122,7 @@ class Sweeper:
 
     async def tier(self, tier: str, store: Store) -> None:
         """Sweep ``store`` (a tier, or a prefix of one)."""
-        self._swept.append(store.url.rstrip("/"))
+        self._stores.append(store)
         try:
             leftovers = await store.leftovers()
             gens, _, _ = await orphan_generations(store)
@@ -130,8 +136,8 @@ class Sweeper:
                 tier, item.kind, item.key, url, item.size, item.idle
             ) and await self._remove(tier, item.key, store.remove_leftover(item)):
                 self._count(tier, item.kind, item.size)
-                if item.token:
-                    self._aborted.add(item.token)
+                # What a journal calls this pending write: the upload id, the temp file.
+                self._aborted.add(item.token or item.key.rsplit("/", 1)[-1])
         for g in gens:
             if self._decide(
                 tier, "generation", g.where, _url(store, g.where), g.size, g.age
@@ -147,18 +153,20 @@ class Sweeper:
             log.warning("sweep of %s could not remove %s: %s", tier, where, e)
             return False
 
-    def finish_journals(self) -> None:
-        """Remove the journals of dead copies into the swept stores that are idle past the
-        grace period, or whose uploads this sweep aborted (a resume could not use them)."""
+    async def finish_journals(self) -> None:
+        """Remove the journals of dead copies into the swept stores, idle past the grace
+        period, that no later run could use: one whose pending write this sweep removed
+        (an aborted upload, a deleted temp file), or whose destination is gone.  The
+        journal of a copy that finished stays (a re-run skips on its word)."""
         now = time.time()
         for j in self.journals:
-            if j.live or not j.dest or not _under(j.dest.rstrip("/"), self._swept):
+            store = self._store_of(j.dest)
+            if j.live or store is None:
                 continue
-            age = now - j.mtime
-            if j.tokens & self._aborted:
-                age = max(age, self.grace)
+            if not j.tokens & self._aborted and not await self._gone(store, j.dest or ""):
+                continue
             # Shown by the destination it was for; the file is an implementation detail.
-            if self._decide("state", "journal", j.dest, "", 0, age):
+            if self._decide("state", "journal", j.dest or "", "", 0, now - j.mtime):
                 try:
                     os.unlink(j.path)
                 except FileNotFoundError:
@@ -167,6 +175,22 @@ class Sweeper:
                     self.report.errors.append(f"journal {j.path}: {e}")
                     continue
                 self._count("state", "journal", 0)
+
+    def _store_of(self, dest: str | None) -> Store | None:
+        """The swept store that ``dest`` lies under, if any."""
+        if not dest:
+            return None
+        return next((s for s in self._stores if _under(dest.rstrip("/"), [_root(s)])), None)
+
+    async def _gone(self, store: Store, dest: str) -> bool:
+        """Whether nothing is left under ``dest`` (a URL under ``store``)."""
+        sub = dest.rstrip("/")[len(_root(store)) + 1 :]
+        try:
+            async for _ in store.list(sub, recursive=True):
+                return False
+        except FmstoreError:
+            return False  # unknown: keep the journal
+        return True
 
     def _count(self, tier: str, kind: str, size: int) -> None:
         m.ORPHANS_REMOVED.labels(tier, kind).inc()
@@ -203,5 +227,5 @@ async def sweep(
     s = Sweeper(config.state_dir, grace=grace, dry_run=dry_run)
     for tier, store in stores.items():
         await s.tier(tier, store)
-    s.finish_journals()
+    await s.finish_journals()
     return s.report
