@@ -12,6 +12,7 @@ import threading
 import uuid
 
 import pytest
+from filelock import FileLock
 from loader_helpers import ids, make_dataset, write_jsonl
 
 from fmstore import runtime
@@ -71,11 +72,14 @@ def test_cache_limit_is_never_exceeded_and_shards_are_reused(tmp_path):
 
     def watch() -> None:
         while not stop.is_set():
-            total = 0
-            for e in os.scandir(cache):
-                if e.is_file():
-                    with contextlib.suppress(FileNotFoundError):  # evicted meanwhile
-                        total += e.stat().st_size
+            # Under the cache's space lock, which every reservation and eviction holds: a
+            # scan without it can add a shard evicted mid-scan to the one that replaced it.
+            with FileLock(str(cache / ".locks" / "space.lock")):
+                total = 0
+                for e in os.scandir(cache):
+                    if e.is_file():
+                        with contextlib.suppress(FileNotFoundError):  # a failed download's
+                            total += e.stat().st_size
             peak[0] = max(peak[0], total)
 
     t = threading.Thread(target=watch, daemon=True)
