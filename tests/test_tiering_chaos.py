@@ -95,7 +95,7 @@ def trainer(cfg: str, workdir: str, run: int, min_step: int) -> int:
                 os.write(fd, f"{step}\n".encode())
                 os.fsync(fd)
                 step += 1
-                time.sleep(0.2)  # pacing only: keeps the number of checkpoints modest
+                time.sleep(0.5)  # pacing only: keeps the number of checkpoints modest
         finally:
             os.close(fd)
     return 0
@@ -186,7 +186,7 @@ def test_sigkill_of_trainer_and_daemon_and_a_replaced_node_lose_nothing(
                 Rule("reset", rate=0.03),
                 Rule("reset_request", method="PUT", rate=0.03),
                 Rule("slowdown", rate=0.03),
-                Rule("pause", rate=0.05, delay=0.3),
+                Rule("pause", rate=0.03, delay=0.2),
             ]
         )
         s3_table = (
