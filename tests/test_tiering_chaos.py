@@ -303,7 +303,9 @@ def test_sigkill_of_trainer_and_daemon_and_a_replaced_node_lose_nothing(
         _kill(daemon_p)
         last = _committed_steps(committed)[-1]
 
-        # A final drain whose start-up sweep removes every orphan at once.
+        # A final drain, with the faults off (they were the chaos phase's), whose start-up
+        # sweep removes every orphan at once.
+        proxy.clear()
         drain_cfg = _write_config(tmp_path / "drain.toml", base, s3_table, 'orphan_grace = "0"')
         r = subprocess.run(
             [
@@ -324,7 +326,6 @@ def test_sigkill_of_trainer_and_daemon_and_a_replaced_node_lose_nothing(
             timeout=400,
         )
         assert r.returncode == 0, r.stderr[-5000:]
-        proxy.clear()
 
         # Every copy the catalog calls present passes its checksums on its tier.
         have = {t: on_tier(config, t, ROOT) for t in ("nvme", "lustre", "s3")}
