@@ -37,16 +37,22 @@ COALESCE_MAX = 16 << 20
 CRC_PIECE = 4 << 20
 
 
-async def read_manifest_bytes(store: Store) -> tuple[bytes, Manifest]:
-    """The committed manifest of the checkpoint at ``store``'s root, with its bytes (their
-    CRC32C is what the catalog records); NotFound when the prefix holds no checkpoint,
-    CorruptData when the manifest does not parse."""
+async def manifest_bytes(store: Store) -> bytes:
+    """The bytes of the committed manifest at ``store``'s root, of either format; NotFound
+    (saying so) when the prefix holds no checkpoint."""
     try:
-        data = await store.get(MANIFEST_KEY)
+        return await store.get(MANIFEST_KEY)
     except NotFound:
         raise NotFound(
             f"no checkpoint at {store.url} (no {MANIFEST_KEY})", tier=store.tier, key=MANIFEST_KEY
         ) from None
+
+
+async def read_manifest_bytes(store: Store) -> tuple[bytes, Manifest]:
+    """The committed manifest of the checkpoint at ``store``'s root, with its bytes (their
+    CRC32C is what the catalog records); NotFound when the prefix holds no checkpoint,
+    CorruptData when the manifest does not parse."""
+    data = await manifest_bytes(store)
     return data, Manifest.loads(data, where=store.url)
 
 

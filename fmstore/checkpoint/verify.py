@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 from .. import runtime
 from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
 from ..format.checksum import crc32c
-from ..format.manifest import MANIFEST_KEY, Manifest, sniff_format
+from ..format.manifest import DCP_FORMAT_NAME, MANIFEST_KEY, Manifest, sniff_format
 from ..stores.base import Store
+from .reader import manifest_bytes
 
 if TYPE_CHECKING:
     from .dcp.manifest import DcpManifest
 
-_DCP_FORMAT = "fmstore-dcp"  # the DCP manifest's format name
 
 #: Chunks of one blob are read in runs of at most this many bytes (memory stays bounded).
 READ_RUN = 64 << 20
@@ -89,13 +89,8 @@ def _layout(m: Manifest | DcpManifest) -> dict[int, list[_Chunk]]:
 
 async def read_any_manifest(store: Store) -> tuple[bytes, Manifest | DcpManifest]:
     """The committed manifest at ``store``'s root, of either format (NotFound / CorruptData)."""
-    try:
-        data = await store.get(MANIFEST_KEY)
-    except NotFound:
-        raise NotFound(
-            f"no checkpoint at {store.url} (no {MANIFEST_KEY})", tier=store.tier, key=MANIFEST_KEY
-        ) from None
-    if _DCP_FORMAT.encode() in data and sniff_format(data) == _DCP_FORMAT:
+    data = await manifest_bytes(store)
+    if DCP_FORMAT_NAME.encode() in data and sniff_format(data) == DCP_FORMAT_NAME:
         from .dcp.manifest import DcpManifest  # imports torch.distributed: only when needed
 
         return data, DcpManifest.loads(data, where=f"{store.url}/{MANIFEST_KEY}")

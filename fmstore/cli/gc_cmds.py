@@ -50,7 +50,7 @@ def gc_cmd(
     from ..config import get_config
     from ..stores import Location
     from ..tiering.daemon import settings_from_config
-    from ..tiering.sweep import sweep
+    from ..tiering.sweep import SweepReport, sweep
     from ..units import parse_duration
 
     config = get_config()
@@ -62,7 +62,7 @@ def gc_cmd(
     loc = Location.parse(location, config)
     store = loc.open(tier=loc.tier)
 
-    async def go():  # type: ignore[no-untyped-def]
+    async def go() -> SweepReport:
         try:
             return await sweep(
                 config, {loc.tier or loc.scheme: store}, grace=grace, dry_run=dry_run

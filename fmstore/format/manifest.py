@@ -20,6 +20,8 @@ from .dtypes import dtype_from_name
 from .treecheck import tree_problem
 
 FORMAT_NAME = "fmstore-checkpoint"
+#: The ``format`` of a multi-rank checkpoint's manifest (:mod:`fmstore.checkpoint.dcp`).
+DCP_FORMAT_NAME = "fmstore-dcp"
 FORMAT_VERSION = 1
 MANIFEST_KEY = "manifest.json"
 

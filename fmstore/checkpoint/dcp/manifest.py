@@ -40,6 +40,7 @@ from ...errors import CorruptData
 from ...format.bounds import MAX_DEPTH, chunk_run_problem, is_int
 from ...format.dtypes import dtype_from_name, dtype_name
 from ...format.manifest import (
+    DCP_FORMAT_NAME,
     MANIFEST_KEY,
     ChunkEntry,
     field_int,
@@ -59,7 +60,6 @@ __all__ = [
     "DcpManifest",
 ]
 
-DCP_FORMAT_NAME = "fmstore-dcp"
 DCP_FORMAT_VERSION = 1
 
 
