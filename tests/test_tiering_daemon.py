@@ -23,6 +23,7 @@ from fmstore import CheckpointManager
 from fmstore.config import Config
 from fmstore.testing.seaweed import free_ports
 from fmstore.tiering import catalog as cat
+from fmstore.tiering import priority
 from fmstore.tiering.catalog import Catalog
 from fmstore.tiering.daemon import Daemon, DaemonSettings
 
@@ -133,10 +134,14 @@ def test_bad_config_fails_the_real_command_with_exit_1(tmp_path):
     assert r.returncode == 1 and BAD[0][1] in r.stderr and r.stderr.startswith("error:")
 
 
-def test_bad_daemon_section_is_refused(tmp_path, capsys):
-    cfg = write_toml(tmp_path / "f.toml", str(tmp_path / "d"), "", daemon="prot = 1")
+@pytest.mark.parametrize(
+    ("daemon", "message"),
+    [("prot = 1", "unknown key 'prot'"), ('priority = "high"', "priority must be one of")],
+)
+def test_bad_daemon_section_is_refused(tmp_path, capsys, daemon, message):
+    cfg = write_toml(tmp_path / "f.toml", str(tmp_path / "d"), "", daemon=daemon)
     code, _, err = cli(capsys, "daemon", "--check", "--config", cfg)
-    assert code == 1 and "unknown key 'prot'" in err
+    assert code == 1 and message in err
 
 
 # ---- a running daemon --------------------------------------------------------------------------
@@ -180,6 +185,8 @@ def test_daemon_exports_serves_metrics_and_health_and_exits_0_on_sigterm(tmp_pat
             lambda: json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz").read())
         )
         assert health["status"] == "ok" and health["pid"] == p.pid
+        # its copying runs on idle CPU and I/O ([daemon] priority, default "idle")
+        assert priority.current(p.pid) == {"nice": 19, "idle_scheduler": True, "io_class": "idle"}
 
         def settled():
             m = scrape(port)

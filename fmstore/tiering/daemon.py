@@ -22,7 +22,9 @@ process exits 0.  Logs are one JSON object per line on stderr.
 one), ``interval`` (seconds, ``10``), ``max_backoff`` (``60``), ``concurrency`` (``16``),
 ``bwlimit`` (bytes/s or a string like ``"200MB"``), ``verify_destination`` (``true``),
 ``orphan_grace`` (``1h``: how long a leftover of a dead writer must be idle before the orphan
-sweep of :mod:`.sweep` removes it; ``0`` removes at once) and ``sweep_interval`` (``1h``).
+sweep of :mod:`.sweep` removes it; ``0`` removes at once), ``sweep_interval`` (``1h``) and
+``priority`` (``"idle"``, ``"low"`` or ``"normal"``: the CPU and I/O priority of the daemon's
+threads, see :mod:`.priority`; also that of a training process's policy helper).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from .catalog import Catalog
 from .discovery import rediscover
 from .mover import CHECKPOINT_COPY
 from .policies import Policies, from_config
+from .priority import PRIORITIES, lower_priority
 from .runner import PolicyRunner, StepReport, event, log, log_record_json
 from .sweep import SweepReport, sweep
 from .transfer import TransferOptions
@@ -65,6 +68,7 @@ _KEYS = {
     "verify_destination",
     "orphan_grace",
     "sweep_interval",
+    "priority",
 }
 
 
@@ -79,6 +83,8 @@ class DaemonSettings:
     #: The orphan sweep: idle time before a leftover goes, and how often it runs.
     orphan_grace: float = 3600.0
     sweep_interval: float = 3600.0
+    #: CPU and I/O priority of the background work (:mod:`.priority`).
+    priority: str = "idle"
 
 
 def settings_from_config(config: Config) -> DaemonSettings:
@@ -93,6 +99,9 @@ def settings_from_config(config: Config) -> DaemonSettings:
     verify = raw.get("verify_destination", True)
     if not isinstance(verify, bool):
         raise ConfigError(f"{w} verify_destination must be true or false")
+    priority = raw.get("priority", s.priority)
+    if priority not in PRIORITIES:
+        raise ConfigError(f"{w} priority must be one of {', '.join(PRIORITIES)}, not {priority!r}")
     return DaemonSettings(
         host=str(raw.get("host", s.host)),
         port=port,
@@ -104,6 +113,7 @@ def settings_from_config(config: Config) -> DaemonSettings:
         sweep_interval=parse_duration(
             raw.get("sweep_interval", s.sweep_interval), f"{w} sweep_interval"
         ),
+        priority=priority,
         transfer=dataclasses.replace(
             CHECKPOINT_COPY,
             concurrency=conc,
@@ -383,6 +393,8 @@ def main(
         from dataclasses import replace
 
         settings = replace(settings, port=port)
+    # Before the first thread: the HTTP server, the event loop and the pools inherit it.
+    lower_priority(settings.priority)
     d = Daemon(config, settings=settings)
     d.install_signals()
     if http:

@@ -14,10 +14,13 @@ Checkpoint ``(root, step)`` lives at ``ROOT/step_SSSSSSSSSSSS`` on every tier (s
 :mod:`fmstore.tiering.tiers`); every save and every copy is recorded in the catalog of the
 config's ``state_dir``.
 
-**Policies.**  Without an ``fmstore daemon`` on the node, a background thread of this
-process runs them (:class:`~fmstore.tiering.runner.BackgroundRunner`).  With a daemon, the
-daemon holds the runner lock, the thread stays idle and this process only records its saves
-in the catalog.  ``run_policies=False`` never runs them here.
+**Policies.**  Without an ``fmstore daemon`` on the node, a helper process started by this
+one runs them at background priority (:mod:`~fmstore.tiering.helper`; ``[daemon]
+priority``), so copies, checksums and compression never hold this process's GIL or take a
+core training wants; ``run_policies="thread"`` runs them in a thread of this process
+instead (:class:`~fmstore.tiering.runner.BackgroundRunner`, at normal priority).  With a
+daemon, the daemon holds the runner lock, the helper stays idle and this process only
+records its saves in the catalog.  ``run_policies=False`` never runs them from here.
 
 **Write tier full** (``[policies] on_full``): before writing, the manager compares the
 tier's free space with the checkpoint's raw size (compression only shrinks it).  ``"fail"``
@@ -44,7 +47,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from .. import runtime
 from ..checkpoint.layout import checkpoint_key
@@ -57,6 +60,7 @@ from . import catalog as cat
 from .cache import ReadThroughStore
 from .catalog import Catalog
 from .discovery import rediscover
+from .helper import PolicyHelper
 from .mover import copy_checkpoint
 from .policies import Policies, from_config
 from .runner import BackgroundRunner, PolicyRunner, event
@@ -117,8 +121,8 @@ class CheckpointManager:
     ``config``: a :class:`~fmstore.config.Config`, a path to ``fmstore.toml`` or None (the
     usual lookup).  ``policies``: overrides the config's ``[policies]``.  ``async_save``:
     :meth:`save` returns once the state is snapshotted (default) or once committed.
-    ``run_policies``: run export / retention / release in a background thread unless a
-    daemon does.  ``save_on_sigterm``: a callable returning ``(step, state)``; on SIGTERM
+    ``run_policies``: run export / retention / release unless a daemon does, in a helper
+    process (``True`` or ``"process"``) or a thread of this process (``"thread"``).  ``save_on_sigterm``: a callable returning ``(step, state)``; on SIGTERM
     (preemption) that state is saved synchronously before the previous handler runs.
     ``save_options``: passed to :func:`fmstore.save` (compression, chunk_size…).
     """
@@ -130,7 +134,7 @@ class CheckpointManager:
         config: Config | str | os.PathLike[str] | None = None,
         policies: Policies | None = None,
         async_save: bool = True,
-        run_policies: bool = True,
+        run_policies: bool | Literal["process", "thread"] = True,
         policy_interval: float = 5.0,
         save_on_sigterm: Callable[[], tuple[int, Any]] | None = None,
         save_options: dict[str, Any] | None = None,
@@ -170,9 +174,21 @@ class CheckpointManager:
             tiers=self.tiers,
             mover=ds.transfer,
         )
-        self._background = (
-            BackgroundRunner(self._runner, interval=policy_interval) if run_policies else None
-        )
+        if run_policies not in (True, False, "process", "thread"):
+            raise ValueError(
+                f"run_policies must be True, False, 'process' or 'thread', not {run_policies!r}"
+            )
+        self._background: BackgroundRunner | PolicyHelper | None = None
+        if run_policies == "thread":
+            self._background = BackgroundRunner(self._runner, interval=policy_interval)
+        elif run_policies:
+            self._background = PolicyHelper(
+                self.config,
+                self.policies,
+                ds.transfer,
+                interval=policy_interval,
+                priority=ds.priority,
+            )
         self._sigterm_state = save_on_sigterm
         self._prev_handler: Any = None
         if save_on_sigterm is not None and threading.current_thread() is threading.main_thread():

@@ -372,30 +372,47 @@ class PolicyRunner:
 
 
 class BackgroundRunner:
-    """Runs a :class:`PolicyRunner` in a daemon thread of the training process.
+    """Runs a :class:`PolicyRunner` in a daemon thread (of the policy helper process, see
+    :mod:`.helper`, or of the training process itself).
 
     It wakes every ``interval`` seconds or when :meth:`poke` is called (after a save), and
     runs a step only when it gets the runner lock, so with an ``fmstore daemon`` on the node
-    it stays idle.  :meth:`close` stops it after the current copy.
+    it stays idle.  After a step that found nothing to do it calls ``on_idle(n)``, ``n``
+    being the number of pokes it had seen before that step began.  :meth:`close` stops it
+    after the current copy.
     """
 
-    def __init__(self, runner: PolicyRunner, *, interval: float = 5.0) -> None:
+    def __init__(
+        self,
+        runner: PolicyRunner,
+        *,
+        interval: float = 5.0,
+        on_idle: Callable[[int], None] | None = None,
+    ) -> None:
         self.runner = runner
         self.interval = interval
+        self._on_idle = on_idle
         self._wake = threading.Event()
-        self._idle = threading.Event()
+        self._cond = threading.Condition()
+        self._poked = 0  # pokes so far
+        self._idle_at = -1  # pokes seen before the newest step that found nothing to do
         self._thread = threading.Thread(target=self._main, name="fmstore-policies", daemon=True)
         self.last: StepReport | None = None
         self._thread.start()
 
-    def poke(self) -> None:
-        self._idle.clear()
+    def poke(self) -> int:
+        with self._cond:
+            self._poked += 1
+            n = self._poked
         self._wake.set()
+        return n
 
     def _main(self) -> None:
         backoff = 0.0
         while not self.runner.stop.is_set():
             self._wake.clear()
+            with self._cond:
+                seen = self._poked
             try:
                 self.last = self.runner.step()
                 backoff = 0.0 if not self.last.errors else min(max(1.0, backoff * 2), 60.0)
@@ -412,13 +429,19 @@ class BackgroundRunner:
                 and not last.did_something
                 and not last.errors
             ):
-                self._idle.set()
+                with self._cond:
+                    self._idle_at = seen
+                    self._cond.notify_all()
+                if self._on_idle is not None:
+                    self._on_idle(seen)
             self._wake.wait(backoff or self.interval)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Wait until a step finds nothing to do (every policy satisfied)."""
-        self.poke()
-        return self._idle.wait(timeout)
+        """Wait until a step that began after this call finds nothing to do (every policy
+        satisfied, including for the saves recorded before the call)."""
+        n = self.poke()
+        with self._cond:
+            return self._cond.wait_for(lambda: self._idle_at >= n, timeout)
 
     def close(self, timeout: float | None = 60.0) -> None:
         self.runner.stop.set()
