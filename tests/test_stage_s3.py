@@ -126,14 +126,18 @@ def test_ctrl_c_exits_130_and_the_rerun_resumes(s3env, s3_server, tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, **s3env["env"]},
+            env={**os.environ, **s3env["env"], "PYTHONFAULTHANDLER": "1"},
         )
         try:
             while len(journal_parts(s3env["home"])) < 5:
                 assert proc.poll() is None, proc.communicate()[1]
                 time.sleep(0.05)
             proc.send_signal(signal.SIGINT)
-            _out, err = proc.communicate(timeout=120)
+            try:
+                _out, err = proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGABRT)  # faulthandler: every thread's stack
+                pytest.fail("no exit 120 s after SIGINT:\n" + proc.communicate()[1][-20000:])
         finally:
             if proc.poll() is None:
                 proc.kill()
