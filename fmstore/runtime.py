@@ -17,6 +17,7 @@ import contextvars
 import functools
 import os
 import threading
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -84,13 +85,39 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         )
     fut = asyncio.run_coroutine_threadsafe(coro, loop())
     try:
-        return fut.result(timeout)
+        return wait(fut, timeout)
     except cf.TimeoutError:
+        if fut.done():  # the coroutine's own TimeoutError
+            raise
         fut.cancel()
         raise TimeoutError(f"fmstore operation did not finish within {timeout} s") from None
     except KeyboardInterrupt:
         fut.cancel()
         raise
+
+
+#: How often a main thread waiting on the loop wakes up (see :func:`wait`).
+WAKE_S = 0.2
+
+
+def wait(fut: cf.Future[T], timeout: float | None = None) -> T:
+    """``fut.result(timeout)``, and Ctrl-C still interrupts it on the main thread.
+
+    The kernel hands a process's SIGINT to any of its threads that does not block it; when
+    that is not the main thread, CPython only notes the signal, and a main thread asleep on
+    a lock without a timeout never runs the handler: the process ignores Ctrl-C until the
+    wait ends.  Waking every :data:`WAKE_S` seconds lets the handler run and raise
+    ``KeyboardInterrupt`` here."""
+    if threading.current_thread() is not threading.main_thread():
+        return fut.result(timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = WAKE_S if deadline is None else min(WAKE_S, deadline - time.monotonic())
+        if left <= 0:
+            return fut.result(0)  # raises TimeoutError unless it has just finished
+        done, _ = cf.wait([fut], timeout=left)
+        if done:
+            return fut.result()
 
 
 def submit(coro: Coroutine[Any, Any, T]) -> cf.Future[T]:

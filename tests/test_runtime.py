@@ -95,3 +95,38 @@ def test_usable_in_child_processes(tmp_path, method):
     p.join(60)
     assert p.exitcode == 0 and got == b"from child"
     assert runtime.run(store.get("parent")) == b"p"  # the parent's loop still works
+
+
+CTRL_C_ON_ANOTHER_THREAD = r"""
+import asyncio, signal, sys, threading
+from fmstore import runtime
+
+async def body():
+    await asyncio.sleep(0.5)  # the main thread is asleep in run() by now
+    # The kernel may hand a process's SIGINT to any thread: here, the loop thread.
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+    await asyncio.sleep(600)
+
+try:
+    runtime.run(body())
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def test_ctrl_c_delivered_to_another_thread_still_interrupts_run():
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-c", CTRL_C_ON_ANOTHER_THREAD], capture_output=True, timeout=120
+    )
+    assert p.returncode == 130, p.stderr.decode()
+
+
+def test_run_passes_on_the_coroutines_own_timeout_error():
+    async def body():
+        raise TimeoutError("the server took too long")
+
+    with pytest.raises(TimeoutError, match="the server took too long"):
+        runtime.run(body(), timeout=60)

@@ -113,7 +113,7 @@ def run_with_progress(
         if confirm is not None:
             confirm.answer(fut)
         if progress is None or not show or (confirm is not None and confirm.declined):
-            return fut.result()
+            return runtime.wait(fut)
         if sys.stderr.isatty():
             return _rich_loop(fut, progress, label, console(err=True))
         return _log_loop(fut, progress, label, interval)
@@ -163,10 +163,9 @@ def _rich_loop(fut: Any, p: TransferProgress, label: str, err: Console) -> Any:
 def _log_loop(fut: Any, p: TransferProgress, label: str, interval: float) -> Any:
     last = time.monotonic()
     while True:
-        try:
-            return fut.result(timeout=0.2)
-        except cf.TimeoutError:
-            pass
+        done, _ = cf.wait([fut], timeout=runtime.WAKE_S)
+        if done:
+            return fut.result()
         now = time.monotonic()
         if now - last >= interval:
             last = now
