@@ -118,10 +118,10 @@ def write_native_dcp(obj: Any, location: str, *, overwrite: bool = False) -> Non
         raise AlreadyExists(f"a checkpoint exists at {location}; pass --overwrite to replace it")
     if local is not None:
         os.makedirs(local, exist_ok=True)
-        dcp.save(obj, storage_writer=dcp.FileSystemWriter(str(local)), no_dist=True)
+        dcp.save(obj, storage_writer=dcp.FileSystemWriter(str(local), overwrite=True), no_dist=True)
         return
     with tempfile.TemporaryDirectory(prefix="fmstore-dcp-") as tmp:
-        dcp.save(obj, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+        dcp.save(obj, storage_writer=dcp.FileSystemWriter(tmp, overwrite=True), no_dist=True)
 
         async def upload() -> None:
             store = open_store(location)
