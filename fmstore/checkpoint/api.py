@@ -156,7 +156,15 @@ async def _load_core(
     keep_open = False
     try:
         for attempt in range(3):
-            manifest = await read_manifest(store)
+            try:
+                manifest = await read_manifest(store)
+            except NotFound:
+                if attempt or not await _has_native_dcp(store):
+                    raise
+                # A checkpoint written by torch.distributed.checkpoint's FileSystemWriter.
+                return await asyncio.to_thread(
+                    _load_native_dcp, store, map_location, lazy, keys, weights_only, mmap, verify
+                )
             tree = manifest.tree
             if keys is not None:
                 pats = [keys] if isinstance(keys, str) else list(keys)
@@ -189,6 +197,52 @@ async def _load_core(
     finally:
         if owned and not keep_open:
             await store.close()
+
+
+async def _has_native_dcp(store: Store) -> bool:
+    from .dcp.native import has_native_metadata
+
+    return await has_native_metadata(store)
+
+
+def _load_native_dcp(
+    store: Store,
+    map_location: MapLocation,
+    lazy: bool,
+    keys: str | Sequence[str] | None,
+    weights_only: bool,
+    mmap: bool,
+    verify: bool,
+) -> Any:
+    """The whole state dict of a native torch DCP checkpoint (``.metadata`` + ``.distcp``)."""
+    import torch
+
+    from .dcp.api import load_full_state_dict
+
+    if lazy or keys is not None or mmap:
+        raise ConfigError(
+            f"{store.url} is a torch.distributed.checkpoint directory: lazy, keys and mmap "
+            "are not supported for it (convert it with `fmstore ckpt convert` first)"
+        )
+    if map_location is not None and not isinstance(map_location, (str, torch.device)):
+        raise ConfigError(
+            f"{store.url} is a torch.distributed.checkpoint directory: map_location must be "
+            "a device for it"
+        )
+    sd = load_full_state_dict(store, allow_pickle=not weights_only, verify=verify)
+    if map_location is None:
+        return sd
+
+    def move(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.to(map_location)
+        if isinstance(v, dict):
+            return {k: move(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [move(x) for x in v]
+        return v
+
+    return move(sd)
 
 
 async def aload(

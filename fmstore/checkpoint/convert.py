@@ -10,10 +10,14 @@ tensors sharing storage are copied apart (safetensors refuses shared tensors).
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any
 
 import torch
 
+from .. import runtime
+from ..errors import AlreadyExists, ConfigError
+from ..stores import Location, open_store
 from .api import load, save
 
 TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
@@ -88,9 +92,66 @@ def write_any(
     save(obj, location, overwrite=overwrite, compression=compression)
 
 
-def convert(src: str, dst: str, *, overwrite: bool = False, compression: str = "auto") -> int:
-    """Copy the weights at ``src`` to ``dst``; returns the number of tensors written."""
+def write_native_dcp(obj: Any, location: str, *, overwrite: bool = False) -> None:
+    """Write ``obj`` (a dict) as a checkpoint of torch's own layout (``.metadata`` and
+    ``.distcp`` files, by torch's ``FileSystemWriter``, one process) at ``location``: a
+    local directory directly, any other store through a temporary directory, the
+    ``.metadata`` (torch's commit) uploaded last."""
+    import torch.distributed.checkpoint as dcp
+
+    from .dcp.native import METADATA_KEY
+
+    if not isinstance(obj, dict):
+        raise ConfigError(f"a DCP checkpoint holds a dict, not a {type(obj).__name__}")
+    local = Location.parse(location).local_root
+
+    async def existing() -> bool:
+        if local is not None and not os.path.isdir(local):
+            return False
+        store = open_store(location)
+        try:
+            return any([await store.exists(k) for k in (METADATA_KEY, "manifest.json")])
+        finally:
+            await store.close()
+
+    if not overwrite and runtime.run(existing()):
+        raise AlreadyExists(f"a checkpoint exists at {location}; pass --overwrite to replace it")
+    if local is not None:
+        os.makedirs(local, exist_ok=True)
+        dcp.save(obj, storage_writer=dcp.FileSystemWriter(str(local), overwrite=True), no_dist=True)
+        return
+    with tempfile.TemporaryDirectory(prefix="fmstore-dcp-") as tmp:
+        dcp.save(obj, storage_writer=dcp.FileSystemWriter(tmp, overwrite=True), no_dist=True)
+
+        async def upload() -> None:
+            store = open_store(location)
+            try:
+                names = sorted(os.listdir(tmp), key=lambda n: n == METADATA_KEY)
+                for name in names:
+                    with open(os.path.join(tmp, name), "rb") as f:
+                        await store.put(name, f.read())
+            finally:
+                await store.close()
+
+        runtime.run(upload())
+
+
+def convert(
+    src: str,
+    dst: str,
+    *,
+    overwrite: bool = False,
+    compression: str = "auto",
+    to: str | None = None,
+) -> int:
+    """Copy the weights at ``src`` to ``dst``; returns the number of tensors written.
+    ``to="dcp"``: write ``dst`` as a checkpoint of torch's own DCP layout."""
     obj = read_any(src)
+    if to is not None:
+        if to != "dcp":
+            raise ConfigError(f"--to {to!r}: the only format chosen by name is 'dcp'")
+        write_native_dcp(obj, dst, overwrite=overwrite)
+        return len(flatten_tensors(obj))
     if kind_of(dst) == "safetensors":
         obj = flatten_tensors(obj)
     write_any(obj, dst, overwrite=overwrite, compression=compression)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from .. import runtime
 from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
@@ -20,6 +20,9 @@ from .reader import manifest_bytes
 
 if TYPE_CHECKING:
     from .dcp.manifest import DcpManifest
+    from .dcp.native import NativeCheckpoint
+
+    AnyManifest = Manifest | DcpManifest | NativeCheckpoint
 
 
 #: Chunks of one blob are read in runs of at most this many bytes (memory stays bounded).
@@ -87,9 +90,24 @@ def _layout(m: Manifest | DcpManifest) -> dict[int, list[_Chunk]]:
     return by_blob
 
 
-async def read_any_manifest(store: Store) -> tuple[bytes, Manifest | DcpManifest]:
-    """The committed manifest at ``store``'s root, of either format (NotFound / CorruptData)."""
-    data = await manifest_bytes(store)
+async def read_any_manifest(
+    store: Store, *, native: bool = False
+) -> tuple[bytes, Manifest | DcpManifest | NativeCheckpoint]:
+    """The committed manifest at ``store``'s root, of either format (NotFound / CorruptData).
+
+    ``native``: without a ``manifest.json``, also accept a checkpoint written by torch's
+    own ``FileSystemWriter`` (its ``.metadata``, read without unpickling code; the bytes
+    returned are then empty)."""
+    try:
+        data = await manifest_bytes(store)
+    except NotFound:
+        if not native:
+            raise
+        from .dcp.native import has_native_metadata, read_native
+
+        if not await has_native_metadata(store):
+            raise
+        return b"", await read_native(store)
     if DCP_FORMAT_NAME.encode() in data and sniff_format(data) == DCP_FORMAT_NAME:
         from .dcp.manifest import DcpManifest  # imports torch.distributed: only when needed
 
@@ -99,7 +117,7 @@ async def read_any_manifest(store: Store) -> tuple[bytes, Manifest | DcpManifest
 
 async def verify_checkpoint(
     store: Store,
-    manifest: Manifest | DcpManifest | None = None,
+    manifest: AnyManifest | None = None,
     *,
     progress: Callable[[int], None] | None = None,
     concurrency: int = 16,
@@ -114,12 +132,22 @@ async def verify_checkpoint(
     res = VerifyResult(url=store.url, tier=store.tier)
     if manifest is None:
         try:
-            data, manifest = await read_any_manifest(store)
+            data, manifest = await read_any_manifest(store, native=True)
         except (NotFound, CorruptData) as e:
             res.problems.append(str(e))
             return res
-        res.manifest_crc32c = crc32c(data)
-    m = manifest
+        if data:
+            res.manifest_crc32c = crc32c(data)
+    if not isinstance(manifest, Manifest):
+        # A DCP checkpoint (torch.distributed is loaded already): fmstore's or torch's layout.
+        from .dcp.native import NativeCheckpoint, verify_native
+
+        if isinstance(manifest, NativeCheckpoint):
+            # torch's own layout: no checksums but the CRC32s of each item's zip archive.
+            found = await verify_native(store, manifest, progress=progress)
+            res.chunks, res.bytes, res.problems = found
+            return res
+    m = cast("Manifest | DcpManifest", manifest)
     gate = asyncio.Semaphore(concurrency)
 
     def fail(name: str, key: str, offset: int, reason: str) -> None:

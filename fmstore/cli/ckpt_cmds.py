@@ -107,7 +107,7 @@ def verify(
 
         raise typer.Exit(verify_all_tiers(uri))
     store, _ = open_location(uri, for_read=True)
-    _, m = runtime.run(read_any_manifest(store))
+    _, m = runtime.run(read_any_manifest(store, native=True))
     console = Console(stderr=True)
     with Progress(
         TextColumn("verifying"),
@@ -133,8 +133,11 @@ def _inspect_dcp(uri: str, limit: int) -> None:
 
     m, rows = inspect_checkpoint(uri)
     console = Console()
+    native = not hasattr(m, "generation")
     t = Table(
-        title=f"{uri}  (DCP, {m.world_size} ranks, format v{m.version}, generation {m.generation})"
+        title=f"{uri}  (native torch DCP, {m.world_size} ranks, DCP version {m.version})"
+        if native
+        else f"{uri}  (DCP, {m.world_size} ranks, format v{m.version}, generation {m.generation})"  # type: ignore[union-attr]
     )
     for col, just in (
         ("name", "left"),
@@ -159,8 +162,10 @@ def _inspect_dcp(uri: str, limit: int) -> None:
     console.print(t)
     raw, stored = m.nbytes, m.stored_bytes
     ratio = f"{raw / stored:.2f}" if stored else "-"
+    files = len(m.files) if native else len(m.blobs)  # type: ignore[union-attr]
     console.print(
-        f"{len(rows)} entries in {len(m.items)} saved items, {len(m.blobs)} blobs from "
+        f"{len(rows)} entries in {len(m.items)} saved items, {files} "
+        f"{'files' if native else 'blobs'} from "
         f"{m.world_size} ranks: {human_bytes(raw)} raw, {human_bytes(stored)} stored (ratio {ratio})"
     )
 
@@ -199,15 +204,22 @@ def gc_cmd(
 def convert_cmd(
     src: str = typer.Argument(
         ...,
-        help="fmstore checkpoint (single-process or multi-rank DCP), torch.save file "
+        help="fmstore checkpoint (single-process or multi-rank DCP), a torch DCP directory, "
+        "torch.save file "
         "(.pt/.pth/.bin) or .safetensors.",
     ),
     dst: str = typer.Argument(..., help="Destination, same kinds (told by the name)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing destination."),
     compression: str = typer.Option("auto", "--compression", help="For fmstore destinations."),
+    to: str = typer.Option(
+        "",
+        "--to",
+        help="'dcp': write DST as a torch.distributed.checkpoint directory (.metadata + "
+        ".distcp files) that torch's FileSystemReader loads.",
+    ),
 ) -> None:
-    """Convert weights between fmstore, torch.save files and safetensors."""
+    """Convert weights between fmstore, torch DCP, torch.save files and safetensors."""
     from ..checkpoint.convert import convert
 
-    n = convert(src, dst, overwrite=overwrite, compression=compression)
+    n = convert(src, dst, overwrite=overwrite, compression=compression, to=to or None)
     Console().print(f"converted {n} tensors: {src} -> {dst}", highlight=False)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ... import runtime
 from ...errors import CorruptData, FmstoreError, NotFound
@@ -16,6 +17,7 @@ from ...stores import Store
 from ..verify import VerifyResult
 from ..verify import verify_checkpoint as verify_store
 from .manifest import DCP_FORMAT_NAME, MANIFEST_KEY, DcpManifest, sniff_format
+from .native import NativeCheckpoint, has_native_metadata, read_native
 from .reader import Reader, read_manifest
 from .staging import Stager
 from .writer import Writer
@@ -71,7 +73,9 @@ def _open(uri: str, store_options: dict[str, Any]) -> Store:
 
 
 def is_dcp_checkpoint(uri: str, **store_options: Any) -> bool:
-    """Whether ``uri`` holds a committed fmstore DCP checkpoint."""
+    """Whether ``uri`` holds a committed DCP checkpoint: fmstore's (``manifest.json`` of
+    format ``fmstore-dcp``) or one written by torch's ``FileSystemWriter`` (``.metadata``
+    and no ``manifest.json``)."""
 
     async def go() -> bool:
         try:
@@ -81,7 +85,7 @@ def is_dcp_checkpoint(uri: str, **store_options: Any) -> bool:
         try:
             data = await store.get(MANIFEST_KEY)
         except NotFound:
-            return False
+            return await has_native_metadata(store)
         finally:
             await store.close()
         return sniff_format(data) == DCP_FORMAT_NAME
@@ -103,17 +107,32 @@ class EntryInfo:
     codecs: tuple[str, ...]
 
 
-def inspect_checkpoint(uri: str, **store_options: Any) -> tuple[DcpManifest, list[EntryInfo]]:
-    """The manifest and one row per state-dict entry (tensors and other values)."""
+async def _read_any(store: Store) -> DcpManifest | NativeCheckpoint:
+    """fmstore's manifest, or without one the metadata of torch's own layout."""
+    try:
+        return await read_manifest(store)
+    except NotFound:
+        if not await has_native_metadata(store):
+            raise
+        return await read_native(store)
 
-    async def go() -> DcpManifest:
+
+def inspect_checkpoint(
+    uri: str, **store_options: Any
+) -> tuple[DcpManifest | NativeCheckpoint, list[EntryInfo]]:
+    """The manifest (or a native checkpoint's metadata) and one row per state-dict entry
+    (tensors and other values)."""
+
+    async def go() -> DcpManifest | NativeCheckpoint:
         store = _open(uri, store_options)
         try:
-            return await read_manifest(store)
+            return await _read_any(store)
         finally:
             await store.close()
 
     m = runtime.run(go())
+    if isinstance(m, NativeCheckpoint):
+        return m, _native_rows(m)
     rows: dict[str, dict[str, Any]] = {}
     for it in m.items:
         r = rows.setdefault(it.fqn, {"shards": 0, "nbytes": 0, "stored": 0, "codecs": set()})
@@ -139,6 +158,32 @@ def inspect_checkpoint(uri: str, **store_options: Any) -> tuple[DcpManifest, lis
     return m, out
 
 
+def _native_rows(ck: NativeCheckpoint) -> list[EntryInfo]:
+    rows: dict[str, list[Any]] = {}
+    for it in ck.items:
+        r = rows.setdefault(it.fqn, [0, 0, 0])
+        r[0] += 1
+        r[1] += it.nbytes
+        r[2] += it.length
+    out = []
+    for fqn, md in ck.metadata.state_dict_metadata.items():
+        shards, nbytes, stored = rows.get(fqn, [0, 0, 0])
+        tensor = isinstance(md, TensorStorageMetadata)
+        out.append(
+            EntryInfo(
+                fqn=fqn,
+                kind="tensor" if tensor else "bytes",
+                dtype=str(md.properties.dtype).removeprefix("torch.") if tensor else "",  # type: ignore[union-attr]
+                shape=tuple(md.size) if tensor else (),  # type: ignore[union-attr]
+                shards=shards,
+                nbytes=nbytes,
+                stored=stored,
+                codecs=("torch.save",),
+            )
+        )
+    return out
+
+
 def verify_checkpoint(
     uri: str,
     *,
@@ -153,7 +198,7 @@ def verify_checkpoint(
     async def go() -> VerifyResult:
         store = _open(uri, store_options)
         try:
-            m = await read_manifest(store)
+            m = await _read_any(store)
             return await verify_store(store, m, progress=progress, concurrency=concurrency)
         finally:
             await store.close()
@@ -161,15 +206,27 @@ def verify_checkpoint(
     return runtime.run(go())
 
 
-def load_full_state_dict(uri: str, **store_options: Any) -> dict[str, Any]:
-    """The whole state dict of a DCP checkpoint in this process, unsharded, on CPU."""
+def load_full_state_dict(
+    uri: str | Store,
+    *,
+    allow_pickle: bool = False,
+    verify: bool = True,
+    **store_options: Any,
+) -> dict[str, Any]:
+    """The whole state dict of a DCP checkpoint (fmstore's layout or torch's own) in this
+    process, unsharded, on CPU.  ``uri`` may be an open store (it is not closed)."""
     # The same private helpers torch's own dcp_to_torch_save uses.
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     sd: dict[str, Any] = {}
-    reader = Reader(uri, store_options=store_options)
+    if isinstance(uri, Store):
+        reader = Reader(uri.url, allow_pickle=allow_pickle, verify=verify)
+        reader._store = uri
+        uri = uri.url
+    else:
+        reader = Reader(uri, store_options=store_options, allow_pickle=allow_pickle, verify=verify)
     # Read (and check) the manifest here: DCP folds a failed read_metadata into an
     # AssertionError that no longer says what was wrong.
     reader.read_metadata()

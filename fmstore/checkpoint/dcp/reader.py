@@ -45,6 +45,7 @@ from ...format.dtypes import dtype_from_name
 from ...format.manifest import ChunkEntry
 from ...stores import Location, Store, open_store
 from .manifest import MANIFEST_KEY, DcpItem, DcpManifest
+from .native import NativeCheckpoint, NativeItem, has_native_metadata, read_native, read_native_data
 from .writer import _Budget
 
 __all__ = ["ReadOptions", "Reader", "read_manifest"]
@@ -124,7 +125,8 @@ class Reader(StorageReader):
         self.store_options = dict(store_options or {})
         self._store: Store | None = None
         self.manifest: DcpManifest | None = None
-        self.storage_data: dict[Any, DcpItem] = {}
+        self.native: NativeCheckpoint | None = None  # a checkpoint of torch's FileSystemWriter
+        self.storage_data: dict[Any, Any] = {}
         self.load_id = str(uuid.uuid4())
         self.is_coordinator = False
 
@@ -154,6 +156,7 @@ class Reader(StorageReader):
             self.uri = os.fspath(checkpoint_id)
             self._store = None
         self.manifest = None
+        self.native = None
         self.storage_data = {}
         self.load_id = str(uuid.uuid4())
 
@@ -166,8 +169,15 @@ class Reader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise NotFound("fmstore DCP checkpoints have no rank-local metadata", key=MANIFEST_KEY)
-        self.manifest = runtime.run(read_manifest(self.store))
-        md = self.manifest.to_metadata(allow_pickle=self.options.allow_pickle)
+        try:
+            self.manifest = runtime.run(read_manifest(self.store))
+        except NotFound:
+            self.native = runtime.run(self._read_native())
+            if self.native is None:
+                raise
+            md = self.native.to_metadata()
+        else:
+            md = self.manifest.to_metadata(allow_pickle=self.options.allow_pickle)
         if md.storage_meta is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -178,12 +188,23 @@ class Reader(StorageReader):
     ) -> None:
         self.is_coordinator = is_coordinator
         sd = metadata.storage_data
+        if isinstance(sd, dict) and sd and all(isinstance(v, NativeItem) for v in sd.values()):
+            self.storage_data = sd
+            if self.native is None:
+                self.native = runtime.run(self._read_native())
+            return
         if not isinstance(sd, dict) or not all(isinstance(v, DcpItem) for v in sd.values()):
             raise FmstoreError("metadata was not read by fmstore's Reader")
         self.storage_data = sd
         if self.manifest is None:
             # Metadata read elsewhere (another Reader instance): load the blob table too.
             self.manifest = runtime.run(read_manifest(self.store))
+
+    async def _read_native(self) -> NativeCheckpoint | None:
+        """The native (torch ``FileSystemWriter``) checkpoint here, or None without one."""
+        if not await has_native_metadata(self.store):
+            return None
+        return await read_native(self.store, allow_pickle=self.options.allow_pickle)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -193,13 +214,28 @@ class Reader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         fut: Future[None] = Future()
+        if self.native is not None:
+            try:
+                read_native_data(
+                    self.store,
+                    plan,
+                    planner,
+                    self.storage_data,
+                    lambda it, data: self._byte_io(it.fqn, data),
+                    verify=self.options.verify,
+                )
+            except BaseException as e:
+                fut.set_exception(e)  # type: ignore[arg-type]
+            else:
+                fut.set_result(None)
+            return fut
         try:
             targets = [self._target(req, planner) for req in plan.items]
             runtime.run(self._read(targets))
             for t in targets:
                 if t.dest is None:
                     assert t.buf is not None
-                    planner.load_bytes(t.req, self._byte_io(t))
+                    planner.load_bytes(t.req, self._byte_io(t.item.fqn, bytes(t.buf)))
                 else:
                     if t.direct is None:
                         _copy_box(t)
@@ -210,24 +246,23 @@ class Reader(StorageReader):
             fut.set_result(None)
         return fut
 
-    def _byte_io(self, t: _Target) -> io.BytesIO:
+    def _byte_io(self, fqn: str, data: bytes) -> io.BytesIO:
         """A ``BYTE_IO`` value for the planner.  torch's planners ``torch.load`` it with
         ``weights_only=False``, which runs whatever the pickle says: unless the caller passed
         ``allow_pickle=True``, the value is decoded here with ``weights_only=True`` (plain
         containers, numbers, strings, tensors) and handed on re-serialized, so the planner
         only ever unpickles bytes fmstore wrote from a safe object."""
-        assert t.buf is not None
         if self.options.allow_pickle:
-            return io.BytesIO(bytes(t.buf))
+            return io.BytesIO(data)
         try:
-            obj = torch.load(io.BytesIO(bytes(t.buf)), map_location="cpu", weights_only=True)
+            obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:
             # torch's message is a page of advice; its one line about the data is the reason.
             lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
             why = next((ln for ln in lines if "Unpickler error" in ln), lines[0] if lines else "")
             why = why[:200] or type(e).__name__
             raise CorruptData(
-                f"{t.item.fqn!r} in {self.store.url} is not a plain value (tensors, numbers, "
+                f"{fqn!r} in {self.store.url} is not a plain value (tensors, numbers, "
                 f"strings, containers) and fmstore does not unpickle it: {why}; pass "
                 "allow_pickle=True to the Reader if you trust this checkpoint",
                 tier=self.store.tier,
