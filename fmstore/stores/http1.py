@@ -82,6 +82,14 @@ class Timeout(StoreUnavailable, TimeoutError):
     """No connection, or no byte of the answer, within the time allowed."""
 
 
+class Unresolvable(StoreUnavailable):
+    """The server's host name did not resolve; ``host`` names it."""
+
+    def __init__(self, message: str, *, host: str = "", **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.host = host
+
+
 class CertificateError(FmstoreError):
     """The server's TLS certificate failed verification: a configuration or an attack,
     never retried."""
@@ -682,6 +690,8 @@ class Pool:
             ) from e
         except FmstoreError:
             raise
+        except socket.gaierror as e:
+            raise Unresolvable(f"cannot resolve {self.host}: {e}", host=self.host) from e
         except OSError as e:
             raise StoreUnavailable(f"cannot connect to {self.host}:{self.port}: {e}") from e
 

@@ -9,7 +9,8 @@ manager, ``StreamingDataset``, the CLI) accepts the same forms:
 ``TIER:path``               ``path`` below the tier named in ``fmstore.toml`` (any kind)
 ``s3://bucket/prefix``      S3, with endpoint, region and addressing from ``[s3]`` of
                             ``fmstore.toml``, then ``AWS_ENDPOINT_URL_S3`` /
-                            ``AWS_ENDPOINT_URL``, then botocore's own chain
+                            ``AWS_ENDPOINT_URL``, then botocore's own chain (the
+                            profile's ``services`` section or ``endpoint_url``)
 ``memory://name``           fsspec's in-memory file system (tests, scratch)
 any other fsspec URL        that fsspec protocol (``file::``-chained URLs included)
 ==========================  ==============================================================
@@ -119,7 +120,8 @@ class Location:
         if scheme in ("s3", "s3a"):
             cfg = config or get_config()
             merged = {**dict(cfg.section("s3")), **dict(options)}
-            if not merged.get("endpoint_url"):
+            ignore = os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true"
+            if not merged.get("endpoint_url") and not ignore:
                 env = next((os.environ[v] for v in _ENDPOINT_VARS if os.environ.get(v)), None)
                 if env:
                     merged["endpoint_url"] = env

@@ -173,7 +173,7 @@ async def make_shared(
             client = None
         else:
             client = await make_client(stack)
-            lean = lean_for_client(o, bucket, client)
+            lean = await lean_for_client(o, bucket, client)
             if lean is not None:
                 stack.push_async_callback(lean.close)
     except Exception as e:
@@ -187,14 +187,23 @@ async def create_client(o: S3Options, stack: AsyncExitStack) -> Any:
     from aiobotocore.config import AioConfig
     from aiobotocore.session import AioSession
 
-    style = o.addressing_style or ("path" if o.endpoint_url else "auto")
+    session = _SESSIONS.get((os.getpid(), o.profile))
+    if session is None:
+        session = AioSession(profile=o.profile) if o.profile else AioSession()
+        session.register_component("data_loader", _data_loader(session))
+        _SESSIONS[(os.getpid(), o.profile)] = session
+    # botocore SHA256-signs every body sent over plain http, on the event loop (about
+    # 1 s of CPU per GB).  When a checksum of ours covers the body (CRC32C or MD5,
+    # checked by the server) the signature need not cover it too: UNSIGNED-PAYLOAD,
+    # as botocore itself does over https.  Only what fmstore was told is set: a
+    # profile's ``s3 = addressing_style`` and its endpoint stay botocore's to apply.
+    s3: dict[str, Any] = {"payload_signing_enabled": o.checksum == "off"}
+    style = addressing_style(o, session.get_config_variable("s3"))
+    if style:
+        s3["addressing_style"] = style
     config = AioConfig(
         region_name=o.region,
-        # botocore SHA256-signs every body sent over plain http, on the event loop (about
-        # 1 s of CPU per GB).  When a checksum of ours covers the body (CRC32C or MD5,
-        # checked by the server) the signature need not cover it too: UNSIGNED-PAYLOAD,
-        # as botocore itself does over https.
-        s3={"addressing_style": style, "payload_signing_enabled": o.checksum == "off"},
+        s3=s3,
         # Our own loop (.retry) retries whole requests including their bodies.
         retries={"total_max_attempts": 1, "mode": "standard"},
         max_pool_connections=o.max_concurrency + 4,
@@ -220,16 +229,40 @@ async def create_client(o: S3Options, stack: AsyncExitStack) -> Any:
         kwargs["aws_access_key_id"] = o.access_key
         kwargs["aws_secret_access_key"] = o.secret_key
         kwargs["aws_session_token"] = o.session_token
-    session = _SESSIONS.get((os.getpid(), o.profile))
-    if session is None:
-        session = AioSession(profile=o.profile) if o.profile else AioSession()
-        session.register_component("data_loader", _data_loader(session))
-        _SESSIONS[(os.getpid(), o.profile)] = session
     region = o.region or session.get_config_variable("region")
     kwargs["region_name"] = region or "us-east-1"
     client = await stack.enter_async_context(session.create_client("s3", **kwargs))
     _keep_bodies_as_bytes(client)
     return client
+
+
+def addressing_style(o: S3Options, profile_s3: Any) -> str | None:
+    """The addressing style to give botocore: the options' (a tier's or ``[s3]`` of
+    fmstore.toml), else the profile's ``s3 = addressing_style`` (None: botocore applies
+    it), else ``path`` for an endpoint fmstore was given (SeaweedFS, MinIO), else None
+    (botocore's ``auto``)."""
+    if o.addressing_style:
+        return o.addressing_style
+    if isinstance(profile_s3, dict) and profile_s3.get("addressing_style"):
+        return None
+    return "path" if o.endpoint_url else None
+
+
+def _profile_s3(o: S3Options) -> dict[str, Any]:
+    """The ``s3`` section of the active profile in the AWS config file, read without a
+    botocore session (the lean path that needs none); {} where there is none."""
+    env = os.environ
+    path = os.path.expanduser(env.get("AWS_CONFIG_FILE") or "~/.aws/config")
+    if not os.path.isfile(path):
+        return {}
+    from botocore.configloader import load_config
+
+    name = o.profile or env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE") or "default"
+    try:
+        section = load_config(path).get("profiles", {}).get(name, {}).get("s3")
+    except Exception:  # botocore reports a broken file when it reads it
+        return {}
+    return section if isinstance(section, dict) else {}
 
 
 def _data_loader(session: Any) -> Any:
@@ -300,32 +333,76 @@ def lean_static(o: S3Options, bucket: str) -> Transport | None:
     from .lean import Credentials
 
     frozen = Credentials(*creds)
-    return _lean(o, bucket, o.endpoint_url, region, lambda: frozen)
+    style = o.addressing_style
+    if not style:
+        profile = _profile_s3(o).get("addressing_style")
+        style = profile if profile in ("path", "virtual", "auto") else "path"
+    if style == "auto":
+        return None  # botocore's rules decide per bucket and endpoint
+    return _lean(o, bucket, o.endpoint_url, region, lambda: frozen, path_style=style == "path")
 
 
-def lean_for_client(o: S3Options, bucket: str, client: Any) -> Transport | None:
-    """The lean transport for botocore ``client``'s endpoint, region and credentials, or
-    None where it cannot serve them."""
+async def lean_for_client(o: S3Options, bucket: str, client: Any) -> Transport | None:
+    """The lean transport for exactly the URL, addressing style, signing region and
+    credentials botocore ``client`` resolved for ``bucket`` (its endpoint rules applied to
+    the options, ``AWS_ENDPOINT_URL*`` and the profile), or None where it cannot serve
+    them."""
     creds = getattr(getattr(client, "_request_signer", None), "_credentials", None)
     if not o.lean_requests or creds is None:
         return None
-    return _lean(
-        o, bucket, client.meta.endpoint_url, client.meta.region_name, creds.get_frozen_credentials
-    )
+    resolved = await resolve_bucket_url(client, bucket)
+    if resolved is None:
+        return None
+    endpoint, path_style, region = resolved
+    return _lean(o, bucket, endpoint, region, creds.get_frozen_credentials, path_style=path_style)
+
+
+async def resolve_bucket_url(client: Any, bucket: str) -> tuple[str, bool, str] | None:
+    """``(endpoint, path_style, signing_region)`` of ``bucket``'s requests, as botocore's
+    endpoint rules resolve them for ``client``; None where they need more than SigV4 on a
+    plain endpoint (S3 Express, SigV4a) or the rules cannot be asked."""
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    try:
+        op = client.meta.service_model.operation_model("ListObjectsV2")
+        url, _, props = await client._resolve_endpoint_ruleset(op, {"Bucket": bucket}, {})
+    except Exception as e:  # a private botocore call: never fatal, botocore serves all
+        log.debug("could not resolve the endpoint of bucket %s: %s", bucket, e)
+        return None
+    schemes = (props or {}).get("authSchemes") or [{}]
+    scheme = schemes[0]
+    if scheme.get("name", "sigv4") != "sigv4" or props.get("backend") == "S3Express":
+        return None
+    region = scheme.get("signingRegion") or client.meta.region_name
+    parts = urlsplit(url)
+    path = parts.path.rstrip("/")
+    quoted = "/" + quote(bucket, safe="")
+    if path.endswith(quoted) or path.endswith("/" + bucket):
+        base = path[: path.rindex("/")]
+        return urlunsplit((parts.scheme, parts.netloc, base, "", "")), True, region
+    if (parts.hostname or "").startswith(bucket + "."):
+        netloc = parts.netloc[len(bucket) + 1 :]
+        return urlunsplit((parts.scheme, netloc, path, "", "")), False, region
+    return None
 
 
 def _lean(
-    o: S3Options, bucket: str, endpoint: str, region: str, credentials: Callable[[], Any]
+    o: S3Options,
+    bucket: str,
+    endpoint: str,
+    region: str,
+    credentials: Callable[[], Any],
+    *,
+    path_style: bool,
 ) -> Transport | None:
     from .lean import LeanTransport
 
-    style = o.addressing_style or ("path" if o.endpoint_url else "auto")
     try:
         return LeanTransport(
             endpoint_url=endpoint,
             region=region,
             bucket=bucket,
-            path_style=style == "path",
+            path_style=path_style,
             credentials=credentials,
             sign_payload=o.checksum == "off",
             pool=o.max_concurrency + 4,

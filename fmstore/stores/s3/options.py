@@ -37,8 +37,11 @@ class S3Options:
 
     Credentials come from ``access_key`` / ``secret_key`` (/ ``session_token``) when given,
     else from botocore's usual chain (``AWS_*`` variables, ``profile``, instance role).
-    ``addressing_style`` defaults to ``path`` when ``endpoint_url`` is set (SeaweedFS,
-    MinIO) and to ``auto`` on AWS.  ``max_concurrency`` caps requests in flight per store
+    ``endpoint_url`` / ``region`` left unset are botocore's to resolve, as boto3 does
+    (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, the profile's ``services`` section or
+    ``endpoint_url``).  ``addressing_style`` left unset is the profile's ``s3 =
+    addressing_style``, else ``path`` when ``endpoint_url`` is set here (SeaweedFS, MinIO),
+    else botocore's ``auto``; the lean transport uses the URL botocore's rules give.  ``max_concurrency`` caps requests in flight per store
     (the connection pool is sized to match); ``part_size`` is the multipart part and GET
     range size, scaled up so no object needs more than 10,000 parts.  ``sse`` /
     ``sse_kms_key_id`` pass through as ``ServerSideEncryption`` / ``SSEKMSKeyId``.
@@ -88,6 +91,10 @@ class S3Options:
             raise ConfigError(f"S3 checksum must be crc32c, md5 or off, not {self.checksum!r}")
         if self.socket_buffer < 0:
             raise ConfigError("S3 socket_buffer must be 0 (kernel default) or a size in bytes")
+        if self.addressing_style not in (None, "auto", "path", "virtual"):
+            raise ConfigError(
+                f"S3 addressing_style must be path, virtual or auto, not {self.addressing_style!r}"
+            )
         if self.max_attempts < 1:
             raise ConfigError("S3 max_attempts must be at least 1")
         if not MIN_PART <= self.copy_threshold <= MAX_COPY:

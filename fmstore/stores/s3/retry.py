@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import ssl
 import sys
 import time
@@ -107,9 +108,53 @@ def _cert_failure(e: BaseException) -> bool:
     return False
 
 
+#: getaddrinfo's answers that the name does not exist (not "try again": a DNS server
+#: that is throttled or down, EAI_AGAIN, is retried like any connection failure).
+_NO_SUCH_NAME = {
+    socket.EAI_NONAME,
+    getattr(socket, "EAI_NODATA", socket.EAI_NONAME),
+    socket.EAI_FAIL,
+}
+
+
+def unresolvable(e: BaseException) -> str | None:
+    """The host name that does not resolve, where ``e`` (or an error in its chain) is a
+    DNS answer that it does not exist: a typo in an endpoint, which no retry fixes.  The
+    host is taken from the error that names it ("" where none does); None otherwise."""
+    host: str | None = None
+    found = False
+    seen = 0
+    cur: BaseException | None = e
+    while cur is not None and seen < 16:
+        if isinstance(cur, socket.gaierror) and cur.errno in _NO_SUCH_NAME:
+            found = True
+        if host is None:
+            host = _host_of(cur)
+        os_error = getattr(cur, "os_error", None)  # aiohttp's connector errors
+        if isinstance(os_error, socket.gaierror) and os_error.errno in _NO_SUCH_NAME:
+            found = True
+        cur = cur.__cause__ or cur.__context__
+        seen += 1
+    return (host or "") if found else None
+
+
+def _host_of(e: BaseException) -> str | None:
+    """The host an error names: botocore's ``endpoint_url``, aiohttp's ``host``, the
+    lean client's (see ``http1.Unresolvable``)."""
+    from urllib.parse import urlsplit
+
+    host = getattr(e, "host", None)
+    if isinstance(host, str) and host:
+        return host
+    url = (getattr(e, "kwargs", None) or {}).get("endpoint_url")
+    if isinstance(url, str) and url:
+        return urlsplit(url).hostname
+    return None
+
+
 def retry_reason(e: BaseException) -> str | None:
     """Why ``e`` is worth another attempt (a metrics label), or None when it is not."""
-    if _cert_failure(e):
+    if _cert_failure(e) or unresolvable(e) is not None:
         return None
     if isinstance(e, bx.ClientError):
         code, status = error_code(e)
@@ -152,6 +197,14 @@ def translate(
     create: bool = False,
 ) -> FmstoreError:
     """The :mod:`fmstore.errors` class for an SDK or transport error."""
+    host = unresolvable(e)
+    if host is not None:
+        return StoreUnavailable(
+            f"S3 {op}: cannot resolve the host name {host!r} of the S3 endpoint "
+            "(not retried; check endpoint_url, AWS_ENDPOINT_URL* and the AWS profile)",
+            tier=tier,
+            key=key,
+        )
     if isinstance(e, FmstoreError):
         if e.tier is None:  # raised below the store (the HTTP client): name where
             e.tier, e.key = tier, key
