@@ -83,16 +83,13 @@ class Timeout(StoreUnavailable, TimeoutError):
 
 
 class Unresolvable(StoreUnavailable):
-    """The server's host name did not resolve; ``host`` names it."""
+    """The server's host name (``host``) did not resolve."""
 
-    def __init__(self, message: str, *, host: str = "", **kw: Any) -> None:
-        super().__init__(message, **kw)
-        self.host = host
+    host = ""
 
 
 class CertificateError(FmstoreError):
-    """The server's TLS certificate failed verification: a configuration or an attack,
-    never retried."""
+    """The server's TLS certificate failed verification (misconfiguration or attack)."""
 
 
 def check_header(name: str, value: str) -> None:
@@ -691,7 +688,8 @@ class Pool:
         except FmstoreError:
             raise
         except socket.gaierror as e:
-            raise Unresolvable(f"cannot resolve {self.host}: {e}", host=self.host) from e
+            (err := Unresolvable(f"cannot resolve {self.host}: {e}")).host = self.host
+            raise err from e
         except OSError as e:
             raise StoreUnavailable(f"cannot connect to {self.host}:{self.port}: {e}") from e
 
