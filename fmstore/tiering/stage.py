@@ -17,7 +17,9 @@ exclude is left out.
 Shards: ``shard=(k, n)`` keeps the keys whose stable hash (CRC32C of the UTF-8 key) is
 ``k`` modulo ``n``, so ``n`` processes given ``0/n`` … ``n-1/n`` stage disjoint parts that
 together cover everything exactly once; :func:`shard_from_env` reads Slurm's
-``SLURM_PROCID``/``SLURM_NTASKS`` or torchrun's ``RANK``/``WORLD_SIZE``.
+``SLURM_PROCID``/``SLURM_NTASKS`` (only inside an ``srun`` step, where ``SLURM_STEP_ID`` is
+set: a batch script run once with ``--ntasks=4`` also sees ``SLURM_NTASKS=4`` and must stage
+everything) or torchrun's ``RANK``/``WORLD_SIZE``.
 """
 
 from __future__ import annotations
@@ -140,13 +142,26 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 
 def shard_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
-    """``(K, N)`` from ``SLURM_PROCID``/``SLURM_NTASKS`` or ``RANK``/``WORLD_SIZE``."""
+    """``(K, N)`` from ``SLURM_PROCID``/``SLURM_NTASKS`` inside an ``srun`` step
+    (``SLURM_STEP_ID`` set), or from ``RANK``/``WORLD_SIZE``; None: one process stages all.
+
+    Outside a step (the batch script itself) the Slurm variables describe the job's
+    allocation, not this process: they are ignored."""
     env = os.environ if env is None else env
     for k_var, n_var in (("SLURM_PROCID", "SLURM_NTASKS"), ("RANK", "WORLD_SIZE")):
+        if k_var == "SLURM_PROCID" and not in_srun_step(env):
+            continue
         if k_var in env and n_var in env:
             shard = parse_shard(f"{env[k_var]}/{env[n_var]}")
             return shard if shard[1] > 1 else None
     return None
+
+
+def in_srun_step(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is a task of an ``srun`` job step (not the batch script)."""
+    env = os.environ if env is None else env
+    step = env.get("SLURM_STEP_ID", "").strip()
+    return bool(step) and step not in ("batch", "extern")
 
 
 def in_shard(key: str, shard: tuple[int, int] | None) -> bool:
