@@ -104,3 +104,83 @@ def test_py_typed_ships_in_the_wheel(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     wheel = tmp_path / "dist" / r.stdout.strip().splitlines()[-1]
     assert "fmstore/py.typed" in zipfile.ZipFile(wheel).namelist()
+
+
+# ---- 3. ls of objects and globs, missing prefixes, rm of prefixes --------------------------
+
+
+def _ds(root: Path) -> Path:
+    (root / "sub").mkdir(parents=True)
+    for name in ("a.fms", "b.fms", "c.json", "sub/d.fms"):
+        (root / name).write_bytes(b"x" * 10)
+    return root
+
+
+def test_ls_of_an_object_and_of_a_glob_on_posix(tmp_path):
+    ds = _ds(tmp_path / "ds")
+    r = fm("ls", str(ds / "a.fms"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["a.fms", "1 object, 10 B"]
+    r = fm("ls", str(ds / "*.fms"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["a.fms", "b.fms", "2 objects, 20 B"]
+    r = fm("ls", "-r", "--json", str(ds / "*.fms"))
+    assert r.returncode == 0, r.stderr
+    assert [e["key"] for e in json.loads(r.stdout)["entries"]] == ["a.fms", "b.fms", "sub/d.fms"]
+    r = fm("ls", str(ds / "*.zip"))
+    assert r.returncode == 1 and "no objects match" in r.stderr
+
+
+def test_rm_of_a_directory_without_r_says_use_r_and_rm_r_removes_the_directories(tmp_path):
+    ds = _ds(tmp_path / "ds")
+    r = fm("rm", "-y", str(ds))
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
+    assert "rm -r" in r.stderr and (ds / "a.fms").exists()
+    r = fm("rm", "-r", "-y", str(ds))
+    assert r.returncode == 0, r.stderr
+    assert "deleted 4 objects" in r.stderr
+    assert not ds.exists() and tmp_path.exists()
+
+
+def test_du_and_ls_json(tmp_path):
+    ds = _ds(tmp_path / "ds")
+    r = fm("du", "--json", str(ds))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["bytes"] == 40 and doc["files"] == 4
+    assert {"prefix": "sub/", "bytes": 10, "files": 1} in doc["groups"]
+    r = fm("du", str(ds))
+    assert "1 file " in r.stdout and "4 files" in r.stdout and "1 files" not in r.stdout
+    r = fm("ls", "--json", str(ds))
+    doc = json.loads(r.stdout)
+    assert (doc["files"], doc["dirs"], doc["bytes"]) == (3, 1, 30)
+    assert {"key": "sub/", "is_dir": True, "lazy": False}.items() <= doc["entries"][-1].items()
+
+
+@pytest.mark.s3
+def test_ls_rm_on_s3_as_on_posix(tmp_path, s3_server, s3_bucket, no_shard_env):
+    from stage_data import s3_env
+
+    s3 = s3_env(s3_server, s3_bucket, tmp_path)
+    env = s3["env"]
+    ds = _ds(tmp_path / "ds")
+    r = fm("stage", str(ds), "s3:d1", "--no-progress", env=env)
+    assert r.returncode == 0, r.stderr
+    r = fm("ls", "s3:d1/a.fms", env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["a.fms", "1 object, 10 B"]
+    r = fm("ls", "s3:d1/*.fms", env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["a.fms", "b.fms", "2 objects, 20 B"]
+    # A missing prefix: the same exit code (1) and kind of message as on a file system.
+    r_s3 = fm("ls", "s3:nothing/here", env=env)
+    r_posix = fm("ls", str(tmp_path / "nothing"))
+    assert r_s3.returncode == r_posix.returncode == 1, r_s3.stdout
+    assert "does not exist" in r_s3.stderr and "does not exist" in r_posix.stderr
+    r = fm("ls", "s3:", env=env)  # a tier's root is listed, even when nearly empty
+    assert r.returncode == 0 and "d1/" in r.stdout, r.stderr
+    r = fm("rm", "-y", "s3:d1", env=env)
+    assert r.returncode == 1 and "rm -r" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = fm("rm", "-r", "-y", "s3:d1", env=env)
+    assert r.returncode == 0 and "deleted 4 objects" in r.stderr, r.stderr
