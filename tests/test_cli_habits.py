@@ -184,3 +184,59 @@ def test_ls_rm_on_s3_as_on_posix(tmp_path, s3_server, s3_bucket, no_shard_env):
     assert len(r.stderr.strip().splitlines()) == 1
     r = fm("rm", "-r", "-y", "s3:d1", env=env)
     assert r.returncode == 0 and "deleted 4 objects" in r.stderr, r.stderr
+
+
+# ---- 2. --json on every command that prints results ----------------------------------------
+
+
+def test_every_result_printing_command_has_json():
+    from typer.main import get_command
+
+    from fmstore.cli import main as cli
+
+    cli._register(["--help"])
+    root = get_command(cli.app)
+    for path in (
+        ["ls"],
+        ["du"],
+        ["stage"],
+        ["hydrate"],
+        ["release"],
+        ["gc"],
+        ["ckpt", "inspect"],
+        ["ckpt", "verify"],
+        ["ckpt", "list"],
+        ["dataset", "inspect"],
+    ):
+        cmd = root
+        for name in path:
+            cmd = cmd.get_command(None, name)  # type: ignore[attr-defined]
+        opts = {o for p in cmd.params for o in getattr(p, "opts", [])}
+        assert "--json" in opts, f"fmstore {' '.join(path)} has no --json"
+
+
+def test_ckpt_inspect_and_verify_json(tmp_path):
+    import torch
+    from stage_data import fm_here
+
+    import fmstore
+
+    m = fmstore.save({"w": torch.randn(16, 8), "b": torch.zeros(8)}, tmp_path / "c")
+    r = fm_here("ckpt", "inspect", "--json", str(tmp_path / "c"))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["format"] == "fmstore" and doc["tensor_count"] == 2
+    assert {t["name"]: t["shape"] for t in doc["tensors"]} == {"w": [16, 8], "b": [8]}
+    assert doc["bytes"] == (16 * 8 + 8) * 4
+    r = fm_here("ckpt", "verify", "--json", str(tmp_path / "c"))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is True and doc["problems"] == [] and doc["chunks"] >= 1
+    blob = tmp_path / "c" / m.generation / m.blobs[0].name
+    data = bytearray(blob.read_bytes())
+    data[10] ^= 1
+    blob.write_bytes(bytes(data))
+    r = fm_here("ckpt", "verify", "--json", str(tmp_path / "c"))
+    assert r.returncode == 1
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False and doc["problems"]
