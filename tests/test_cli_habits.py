@@ -240,3 +240,56 @@ def test_ckpt_inspect_and_verify_json(tmp_path):
     assert r.returncode == 1
     doc = json.loads(r.stdout)
     assert doc["ok"] is False and doc["problems"]
+
+
+# ---- 4. verbosity: -v / -q / FMSTORE_LOG_LEVEL ---------------------------------------------
+
+
+def test_verbosity_options_and_env_configure_the_fmstore_loggers(tmp_path, no_shard_env):
+    src = _tree(tmp_path / "src", 2)
+    env = {"FMSTORE_HOME": str(tmp_path / "h")}
+    dst = str(tmp_path / "d")
+    quiet = fm("stage", str(src), dst, "--no-progress", env=env)
+    assert quiet.returncode == 0 and "DEBUG" not in quiet.stderr, quiet.stderr
+    debug_lines = []
+    for args, extra in (
+        (["-vv"], {}),
+        ([], {"FMSTORE_LOG_LEVEL": "DEBUG"}),
+        ([], {"FMSTORE_LOG_LEVEL": "debug"}),
+    ):
+        r = fm(*args, "stage", str(src), dst, "--no-progress", env={**env, **extra})
+        assert r.returncode == 0, r.stderr
+        lines = [line for line in r.stderr.splitlines() if line.startswith("DEBUG ")]
+        assert any(line.startswith("DEBUG fmstore.tiering.stage: plan ") for line in lines)
+        assert any(line.startswith("DEBUG fmstore.stores: opening ") for line in lines)
+        assert len(lines) == len(set(lines)), "one handler: no line twice"
+        debug_lines.append(len(lines))
+    assert len(set(debug_lines)) == 1
+    r = fm("-v", "stage", str(src), dst, "--no-progress", env=env)
+    assert r.returncode == 0 and "DEBUG" not in r.stderr
+    r = fm("-q", "stage", str(src), dst, "--no-progress", env={**env, "FMSTORE_LOG_LEVEL": "DEBUG"})
+    assert r.returncode == 0 and "DEBUG" not in r.stderr
+    r = fm("ls", str(src), env={"FMSTORE_LOG_LEVEL": "chatty"})
+    assert r.returncode == 2 and "FMSTORE_LOG_LEVEL" in r.stderr
+
+
+def test_daemon_keeps_its_json_log_lines_under_verbose(tmp_path):
+    cfg = tmp_path / "fmstore.toml"
+    cfg.write_text(
+        f"""
+state_dir = "{tmp_path}/state"
+[tiers.nvme]
+url = "{tmp_path}/nvme"
+[tiers.lustre]
+url = "{tmp_path}/lustre"
+[policies]
+[[policies.export]]
+to = "lustre"
+every_saves = 1
+"""
+    )
+    for args, extra in ((["-vv"], {}), ([], {"FMSTORE_LOG_LEVEL": "DEBUG"})):
+        r = fm(*args, "daemon", "--config", str(cfg), "--once", "--no-http", env=extra)
+        assert r.returncode == 0, r.stderr
+        events = [json.loads(line) for line in r.stderr.splitlines()]  # every line is JSON
+        assert events and any(e.get("level", "").lower() == "debug" for e in events), events

@@ -54,4 +54,16 @@ def daemon(
             f"release on {len(pol.release)} tier(s)"
         )
         return
-    sys.exit(d.main(cfg, port=port, once=once, drain=drain, timeout=timeout, http=not no_http))
+    from . import main as cli_main
+
+    sys.exit(
+        d.main(
+            cfg,
+            port=port,
+            once=once,
+            drain=drain,
+            timeout=timeout,
+            http=not no_http,
+            log_level=cli_main.log_level,
+        )
+    )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import os
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -47,6 +48,8 @@ from .transfer import (
     copy_items,
     version_of,
 )
+
+log = logging.getLogger(__name__)
 
 #: Names fmstore keeps for itself at a location (temp files, locks, the lazy index).
 RESERVED_PREFIX = ".fmstore"
@@ -321,6 +324,15 @@ async def plan_stage(
         deletes = sorted(
             k for k in dst_all if k not in src_all and key_filter(k) and in_shard(k, shard)
         )
+    log.debug(
+        "plan %s -> %s: %d of %d source files selected (shard %s), %d to delete",
+        src.url,
+        dst.url if dst is not None else "-",
+        len(items),
+        len(src_all),
+        "all" if shard is None else f"{shard[0]}/{shard[1]}",
+        len(deletes),
+    )
     return StagePlan(items, deletes, dst_all, src_all)
 
 
