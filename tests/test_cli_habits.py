@@ -293,3 +293,42 @@ every_saves = 1
         assert r.returncode == 0, r.stderr
         events = [json.loads(line) for line in r.stderr.splitlines()]  # every line is JSON
         assert events and any(e.get("level", "").lower() == "debug" for e in events), events
+
+
+# ---- 5. help and output polish ---------------------------------------------------------------
+
+
+def test_help_keeps_bracketed_config_sections_and_starts_without_a_blank_line():
+    env = {"COLUMNS": "200", "TERM": "dumb"}
+    r = fm("daemon", "--help", env=env)
+    assert r.returncode == 0 and "(overrides [daemon] port)" in r.stdout, r.stdout
+    r = fm("stage", "--help", env=env)
+    assert r.returncode == 0 and "[stage] preserve_owner" in " ".join(r.stdout.split())
+    for args in (["--help"], ["stage", "--help"], ["ckpt", "--help"], ["dataset", "--help"]):
+        r = fm(*args, env=env)
+        assert r.returncode == 0 and r.stdout.strip() and r.stdout[0] != "\n", (args, r.stdout)
+
+
+def test_outputs_use_singulars_and_start_without_a_blank_line(tmp_path, no_shard_env):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(b"x")
+    env = {"FMSTORE_HOME": str(tmp_path / "h")}
+    r = fm("stage", str(src), str(tmp_path / "d"), "--no-progress", env=env)
+    assert r.returncode == 0 and r.stderr.startswith("copied 1 file (1 B)"), r.stderr
+    r = fm("stage", "-n", str(src), str(tmp_path / "e"), env=env)
+    assert r.stdout.startswith("plan: 1 file, 1 B selected"), r.stdout
+    for args in (["ls", str(src)], ["ls", "-l", str(src)], ["du", str(src)]):
+        r = fm(*args)
+        assert r.returncode == 0 and r.stdout.strip() and r.stdout[0] != "\n", (args, r.stdout)
+        assert "1 objects" not in r.stdout and "1 files" not in r.stdout, r.stdout
+    assert fm("ls", str(src)).stdout.splitlines()[-1] == "1 object, 1 B"
+
+
+def test_a_missing_tier_location_names_the_resolved_path(tmp_path):
+    cfg = tmp_path / "fmstore.toml"
+    cfg.write_text(f'[tiers.lustre]\nurl = "{tmp_path}/lustre"\n')
+    env = {"FMSTORE_CONFIG": str(cfg), "FMSTORE_HOME": str(tmp_path / "h")}
+    for args in (["ls", "lustre:ds/x"], ["stage", "lustre:ds/x", str(tmp_path / "d")]):
+        r = fm(*args, env=env)
+        assert r.returncode == 1 and f"({tmp_path}/lustre/ds/x)" in r.stderr, r.stderr

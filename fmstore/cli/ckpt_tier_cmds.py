@@ -21,7 +21,7 @@ from ..tiering.discovery import Rediscovered, rediscover
 from ..tiering.policies import Policies, State, export_lags, from_config
 from ..tiering.tiers import Tiers
 from .main import ckpt
-from .util import human_bytes
+from .util import human_bytes, plural
 
 _STYLE = {
     cat.PRESENT: "green",
@@ -124,7 +124,7 @@ def list_checkpoints(
         table.add_row(r, str(s), *cells)
     console = Console()
     console.print(table)
-    console.print(f"[dim]{len(by_step)} checkpoints; ✓ = verified[/dim]")
+    console.print(f"[dim]{plural(len(by_step), 'checkpoint')}; ✓ = verified[/dim]")
     for line in lags:
         console.print(line, highlight=False, markup=False)
 

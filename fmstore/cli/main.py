@@ -12,6 +12,10 @@ import typer
 from .. import __version__
 from ..errors import FmstoreError
 
+#: Help texts are plain text: "[daemon] port" names a config section, not rich markup
+#: (typer's default mode, "rich", would drop it).  Every Typer of the CLI uses this.
+HELP_MARKUP = None
+
 app = typer.Typer(
     name="fmstore",
     help=(
@@ -26,13 +30,16 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=HELP_MARKUP,
 )
 
 
 #: ``fmstore ckpt …``, defined here so that its two command modules (one checkpoint:
 #: ckpt_cmds; across tiers: ckpt_tier_cmds) both register on it without importing each other.
 ckpt = typer.Typer(
-    help="Inspect, verify, garbage-collect and convert checkpoints.", no_args_is_help=True
+    help="Inspect, verify, garbage-collect and convert checkpoints.",
+    no_args_is_help=True,
+    rich_markup_mode=HELP_MARKUP,
 )
 app.add_typer(ckpt, name="ckpt")
 
@@ -113,6 +120,7 @@ def _root(
         "--verbose",
         "-v",
         count=True,
+        show_default=False,
         help="More log output on stderr: -v info, -vv debug (overrides FMSTORE_LOG_LEVEL).",
     ),
     quiet: bool = typer.Option(

@@ -198,7 +198,9 @@ def open_source(url: str, *, role: str = "source", concurrency: int | None = Non
         if os.path.isfile(path):
             raise ConfigError(f"{role} {url!r} is a file: use 'fmstore cp' for single objects")
         if not os.path.isdir(path):
-            raise NotFound(f"{role} {url!r} does not exist")
+            # Name the directory a tier's location resolved to (nvme:ds → /local/nvme/ds).
+            where = "" if os.path.abspath(os.path.expanduser(url)) == path else f" ({path})"
+            raise NotFound(f"{role} {url!r}{where} does not exist")
         if not os.access(path, os.R_OK | os.X_OK):
             raise PermissionDenied(f"{role} {url!r} is not readable")
     return open_store(url, concurrency=concurrency)
