@@ -134,7 +134,7 @@ def test_dry_run_changes_nothing(dataset, tmp_path, home):
         "--include",
         "stale",
     )
-    assert r.returncode == 0 and "to delete: 1 files" in r.stdout
+    assert r.returncode == 0 and "to delete: 1 file\n" in r.stdout
     assert os.listdir(dst) == ["stale"]
     assert journal_files(home) == []
 
@@ -206,7 +206,11 @@ def test_shards_partition_the_keys_exactly_once(dataset, home):
         seen += [i.src_key for i in plan.items]
     assert sorted(seen) == sorted(dataset["small_crcs"]) and len(seen) == len(set(seen))
     assert min(sizes) > SMALL_N // 4 * 0.9  # a stable hash spreads keys evenly
-    assert shard_from_env({"SLURM_PROCID": "2", "SLURM_NTASKS": "4"}) == (2, 4)
+    slurm = {"SLURM_PROCID": "2", "SLURM_NTASKS": "4"}
+    assert shard_from_env({**slurm, "SLURM_STEP_ID": "0"}) == (2, 4)
+    # The batch script itself (no srun step) sees the allocation's task count: all data.
+    assert shard_from_env(slurm) is None
+    assert shard_from_env({**slurm, "SLURM_STEP_ID": "batch"}) is None
     assert shard_from_env({"RANK": "1", "WORLD_SIZE": "2"}) == (1, 2)
     assert shard_from_env({"RANK": "0", "WORLD_SIZE": "1"}) is None
     assert all(in_shard(k, None) for k in seen[:10])

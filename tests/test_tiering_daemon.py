@@ -419,6 +419,11 @@ def test_ckpt_list_and_verify_all_tiers_report_a_corrupt_copy(tmp_path, capsys, 
     assert len(bad) == 1 and "lustre" in bad[0] and "step 2" in bad[0]
     assert "fails its checksum" in " ".join(out.split())
     assert sum(line.startswith("ok") for line in out.splitlines()) == 3
+    code, out, err = cli(capsys, "ckpt", "verify", "--all-tiers", "run", "--json")
+    assert code == 1, out + err
+    doc = json.loads(out)
+    assert (doc["ok"], doc["good"], doc["bad"]) == (False, 3, 1)
+    assert [(c["tier"], c["step"]) for c in doc["copies"] if not c["ok"]] == [("lustre", 2)]
     code, out, err = cli(capsys, "ckpt", "list", "run", "--config", cfg_path, "--json")
     assert code == 0, err
     rows = {row["step"]: row["tiers"] for row in json.loads(out)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 import typer
@@ -32,14 +33,20 @@ def _manifest(uri: str) -> tuple[Store, Manifest]:
 def inspect(
     uri: str = typer.Argument(..., help="Checkpoint location (path, file://, s3://, TIER:path)."),
     limit: int = typer.Option(0, "--limit", "-n", help="Show at most N tensors (0: all)."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the tensors and totals as one JSON object on stdout."
+    ),
 ) -> None:
     """Tensor table: name, dtype, shape, bytes, codec and compression ratio; totals."""
     from ..checkpoint.dcp.api import is_dcp_checkpoint
 
     if is_dcp_checkpoint(uri):
-        _inspect_dcp(uri, limit)
+        _inspect_dcp(uri, limit, as_json)
         return
     store, m = _manifest(uri)
+    if as_json:
+        _inspect_json(store.url, m, limit)
+        return
     console = Console()
     t = Table(title=f"{store.url}  (format v{m.version}, {m.writer}, generation {m.generation})")
     for col, just in (
@@ -78,6 +85,39 @@ def inspect(
     )
 
 
+def _inspect_json(url: str, m: Manifest, limit: int) -> None:
+    seen: set[int] = set()
+    tensors = []
+    for e in m.tensors if limit <= 0 else m.tensors[:limit]:
+        s = m.storages[e.storage]
+        tensors.append(
+            {
+                "name": e.name,
+                "dtype": e.dtype,
+                "shape": list(e.shape),
+                "bytes": e.numel * _itemsize(e.dtype),
+                "codecs": sorted({c.codec for c in s.chunks}),
+                "storage": e.storage,
+                "shares_storage": e.storage in seen,
+            }
+        )
+        seen.add(e.storage)
+    doc = {
+        "url": url,
+        "format": "fmstore",
+        "version": m.version,
+        "writer": m.writer,
+        "generation": m.generation,
+        "tensors": tensors,
+        "tensor_count": len(m.tensors),
+        "storages": len(m.storages),
+        "blobs": len(m.blobs),
+        "bytes": m.nbytes,
+        "stored_bytes": m.stored_bytes,
+    }
+    typer.echo(json.dumps(doc))
+
+
 def _itemsize(name: str) -> int:
     from ..format.dtypes import dtype_from_name
 
@@ -97,6 +137,9 @@ def verify(
         "--all-tiers",
         help="Verify every checkpoint of the run root URI on every tier of fmstore.toml.",
     ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the result as one JSON object on stdout."
+    ),
 ) -> None:
     """Check every chunk's checksum (both formats); exit 1 naming the bad chunks."""
     from ..checkpoint.api import open_location
@@ -105,7 +148,7 @@ def verify(
     if all_tiers:
         from .ckpt_tier_cmds import verify_all_tiers
 
-        raise typer.Exit(verify_all_tiers(uri))
+        raise typer.Exit(verify_all_tiers(uri, as_json=as_json))
     store, _ = open_location(uri, for_read=True)
     _, m = runtime.run(read_any_manifest(store, native=True))
     console = Console(stderr=True)
@@ -118,6 +161,18 @@ def verify(
     ) as progress:
         task = progress.add_task("verify", total=m.stored_bytes)
         res = runtime.run(verify_checkpoint(store, m, progress=lambda n: progress.advance(task, n)))
+    if as_json:
+        doc = {
+            "url": store.url,
+            "ok": res.ok,
+            "chunks": res.chunks,
+            "bytes": res.bytes,
+            "problems": list(res.problems),
+        }
+        typer.echo(json.dumps(doc))
+        if not res.ok:
+            raise typer.Exit(1)
+        return
     out = Console()
     if not res.ok:
         for problem in res.problems:
@@ -127,11 +182,40 @@ def verify(
     out.print(f"ok: {res.chunks} chunks, {human_bytes(res.bytes)} verified in {store.url}")
 
 
-def _inspect_dcp(uri: str, limit: int) -> None:
+def _inspect_dcp(uri: str, limit: int, as_json: bool = False) -> None:
     """The table for a multi-rank (torch.distributed.checkpoint) checkpoint."""
     from ..checkpoint.dcp.api import inspect_checkpoint
 
     m, rows = inspect_checkpoint(uri)
+    if as_json:
+        entries = [
+            {
+                "name": r.fqn,
+                "kind": r.kind,
+                "dtype": r.dtype if r.kind == "tensor" else None,
+                "shape": list(r.shape),
+                "shards": r.shards,
+                "bytes": r.nbytes,
+                "stored_bytes": r.stored,
+                "codecs": list(r.codecs),
+            }
+            for r in (rows if limit <= 0 else rows[:limit])
+        ]
+        doc = {
+            "url": uri,
+            "format": "dcp",
+            "version": m.version,
+            "world_size": m.world_size,
+            "generation": m.generation,
+            "entries": entries,
+            "entry_count": len(rows),
+            "items": len(m.items),
+            "blobs": len(m.blobs),
+            "bytes": m.nbytes,
+            "stored_bytes": m.stored_bytes,
+        }
+        typer.echo(json.dumps(doc))
+        return
     console = Console()
     native = not hasattr(m, "generation")
     t = Table(

@@ -21,7 +21,7 @@ from ..tiering.discovery import Rediscovered, rediscover
 from ..tiering.policies import Policies, State, export_lags, from_config
 from ..tiering.tiers import Tiers
 from .main import ckpt
-from .util import human_bytes
+from .util import human_bytes, plural
 
 _STYLE = {
     cat.PRESENT: "green",
@@ -124,14 +124,15 @@ def list_checkpoints(
         table.add_row(r, str(s), *cells)
     console = Console()
     console.print(table)
-    console.print(f"[dim]{len(by_step)} checkpoints; ✓ = verified[/dim]")
+    console.print(f"[dim]{plural(len(by_step), 'checkpoint')}; ✓ = verified[/dim]")
     for line in lags:
         console.print(line, highlight=False, markup=False)
 
 
-def verify_all_tiers(root: str, config: str | None = None) -> int:
+def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = False) -> int:
     """Verify every committed copy of every checkpoint of ``root`` on every tier; marks bad
-    copies ``corrupt`` in the catalog and good ones verified.  Returns the exit code."""
+    copies ``corrupt`` in the catalog and good ones verified.  Returns the exit code.
+    ``as_json``: one JSON object on stdout instead of a line per copy."""
     cfg = load_config(config)
     pol = from_config(cfg)
     root = root.strip("/")
@@ -152,7 +153,7 @@ def verify_all_tiers(root: str, config: str | None = None) -> int:
         return out
 
     results = runtime.run(run())
-    console = Console()
+    console = Console(quiet=as_json)
     bad = 0
     with Catalog.for_state_dir(cfg.state_dir) as catalog:
         for tier, step, ok, problems, nbytes in results:
@@ -173,4 +174,11 @@ def verify_all_tiers(root: str, config: str | None = None) -> int:
                     f"[red]BAD[/red] {tier:<8} step {step}: {'; '.join(problems)}", highlight=False
                 )
     console.print(f"{len(results) - bad} good, {bad} bad copies of {root!r}")
+    if as_json:
+        copies = [
+            {"tier": t, "step": s if s >= 0 else None, "ok": ok, "bytes": n, "problems": p}
+            for t, s, ok, p, n in results
+        ]
+        doc = {"root": root, "ok": not bad, "good": len(results) - bad, "bad": bad}
+        typer.echo(json.dumps({**doc, "copies": copies}))
     return 1 if bad else 0

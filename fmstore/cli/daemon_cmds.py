@@ -8,6 +8,7 @@ import typer
 
 from ..config import load_config
 from .main import app
+from .util import plural
 
 
 @app.command("daemon")
@@ -50,8 +51,20 @@ def daemon(
         d.settings_from_config(cfg)
         typer.echo(
             f"ok: tiers {', '.join(pol.ladder)}; write tier {pol.write_tier}; "
-            f"{len(pol.exports)} export rule(s), retention on {len(pol.retention)} tier(s), "
-            f"release on {len(pol.release)} tier(s)"
+            f"{plural(len(pol.exports), 'export rule')}, retention on "
+            f"{plural(len(pol.retention), 'tier')}, release on {plural(len(pol.release), 'tier')}"
         )
         return
-    sys.exit(d.main(cfg, port=port, once=once, drain=drain, timeout=timeout, http=not no_http))
+    from . import main as cli_main
+
+    sys.exit(
+        d.main(
+            cfg,
+            port=port,
+            once=once,
+            drain=drain,
+            timeout=timeout,
+            http=not no_http,
+            log_level=cli_main.log_level,
+        )
+    )

@@ -10,12 +10,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .main import app
+from .main import HELP_MARKUP, app
 from .util import human_bytes, size_option
 
 dataset_app = typer.Typer(
     help="Write and inspect streaming datasets (fmstore shards, token streams, WebDataset, MDS).",
     no_args_is_help=True,
+    rich_markup_mode=HELP_MARKUP,
 )
 app.add_typer(dataset_app, name="dataset")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 
@@ -11,24 +12,34 @@ import typer
 from .. import __version__
 from ..errors import FmstoreError
 
+#: Help texts are plain text: "[daemon] port" names a config section, not rich markup
+#: (typer's default mode, "rich", would drop it).  Every Typer of the CLI uses this.
+HELP_MARKUP = None
+
 app = typer.Typer(
     name="fmstore",
     help=(
         "Tiered storage for foundation-model checkpoints and datasets: local NVMe, a shared "
         "parallel file system (Lustre) and S3.\n\n"
         "Locations are paths, file://, s3://bucket/prefix, any fsspec URL, or TIER:path for a "
-        "tier named in fmstore.toml (for example nvme:ckpts/run1)."
+        "tier named in fmstore.toml (for example nvme:ckpts/run1).\n\n"
+        "Log output goes to stderr: warnings and errors by default; -v adds info, -vv debug, "
+        "-q leaves only errors; FMSTORE_LOG_LEVEL (DEBUG, INFO, WARNING, ERROR) sets the "
+        "level when neither is given."
     ),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=HELP_MARKUP,
 )
 
 
 #: ``fmstore ckpt …``, defined here so that its two command modules (one checkpoint:
 #: ckpt_cmds; across tiers: ckpt_tier_cmds) both register on it without importing each other.
 ckpt = typer.Typer(
-    help="Inspect, verify, garbage-collect and convert checkpoints.", no_args_is_help=True
+    help="Inspect, verify, garbage-collect and convert checkpoints.",
+    no_args_is_help=True,
+    rich_markup_mode=HELP_MARKUP,
 )
 app.add_typer(ckpt, name="ckpt")
 
@@ -39,13 +50,88 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+#: The name of the CLI's stderr log handler (``fmstore daemon`` replaces it by its JSON one).
+LOG_HANDLER_NAME = "fmstore.cli"
+_LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "WARN": 30, "ERROR": 40, "CRITICAL": 50}
+#: The level asked for on the command line or in FMSTORE_LOG_LEVEL; None: the default.
+log_level: int | None = None
+
+
+class _StderrHandler(logging.Handler):
+    """Log lines on whatever ``sys.stderr`` is when a record comes."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
+        self.name = LOG_HANDLER_NAME
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:
+            self.handleError(record)
+
+
+def level_from(verbose: int, quiet: bool, env: str | None = None) -> int | None:
+    """The log level of ``-v`` (info) / ``-vv`` (debug) / ``-q`` (error), else of
+    ``FMSTORE_LOG_LEVEL`` (a name or a number); None when nothing asks for one."""
+    if quiet:
+        return logging.ERROR
+    if verbose:
+        return logging.INFO if verbose == 1 else logging.DEBUG
+    text = (os.environ.get("FMSTORE_LOG_LEVEL", "") if env is None else env).strip()
+    if not text:
+        return None
+    if text.isdigit():
+        return int(text)
+    if text.upper() in _LEVELS:
+        return _LEVELS[text.upper()]
+    raise typer.BadParameter(
+        f"{text!r}: use DEBUG, INFO, WARNING or ERROR", param_hint="FMSTORE_LOG_LEVEL"
+    )
+
+
+def setup_logging(level: int | None) -> None:
+    """One handler on stderr for the ``fmstore`` logger hierarchy (every layer logs under
+    it): ``level``, or warnings and errors when None (the logger's level is then left as
+    it is)."""
+    logger = logging.getLogger("fmstore")
+    for h in [h for h in logger.handlers if h.name == LOG_HANDLER_NAME]:
+        logger.removeHandler(h)
+    logger.addHandler(_StderrHandler(logging.WARNING if level is None else level))
+    if level is not None:
+        logger.setLevel(level)
+
+
+def _remove_log_handler() -> None:
+    logger = logging.getLogger("fmstore")
+    for h in [h for h in logger.handlers if h.name == LOG_HANDLER_NAME]:
+        logger.removeHandler(h)
+
+
 @app.callback()
 def _root(
+    ctx: typer.Context,
     version: bool = typer.Option(
         False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
     ),
+    verbose: int = typer.Option(
+        0,
+        "--verbose",
+        "-v",
+        count=True,
+        show_default=False,
+        help="More log output on stderr: -v info, -vv debug (overrides FMSTORE_LOG_LEVEL).",
+    ),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="Log only errors on stderr (overrides FMSTORE_LOG_LEVEL)."
+    ),
 ) -> None:
     """fmstore: move checkpoints and datasets between NVMe, Lustre and S3."""
+    global log_level
+    log_level = level_from(verbose, quiet)
+    if ctx.invoked_subcommand != "daemon":  # the daemon logs JSON lines (its own handler)
+        setup_logging(log_level)
 
 
 #: Command modules; each registers its commands on ``app`` when imported.
@@ -105,7 +191,11 @@ def _unwrap_help(group: typer.Typer) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry: fmstore errors become one clear line and exit code 1."""
+    global log_level
+    log_level = None
     _register(argv)
+    logger = logging.getLogger("fmstore")
+    level_before = logger.level
     try:
         # standalone_mode=False returns typer.Exit's code instead of raising it.
         rc = app(args=argv, standalone_mode=False)
@@ -129,6 +219,11 @@ def main(argv: list[str] | None = None) -> None:
             show()
             sys.exit(code)
         raise
+    finally:
+        # In-process callers (tests, embedding) get the logging they had back.
+        _remove_log_handler()
+        if log_level is not None and logger.level == log_level:
+            logger.setLevel(level_before)
 
 
 def entry() -> None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
-import re
 
 import typer
 
 from .. import runtime
-from ..errors import ConfigError
+from ..errors import ConfigError, NotFound
 from ..stores import open_store, split_tier
 from ..tiering.stage import local_dir, open_source
 from ..tiering.transfer import CopyItem, TransferOptions, TransferReport, copy_items, version_of
@@ -22,31 +23,12 @@ from .progress import (
     list_failures,
     preserve_owner,
 )
-from .util import human_bytes
+from .util import human_bytes, is_root, plural, split_object
 
 
 def _is_local_file(url: str) -> bool:
     path = local_dir(url)
     return path is not None and os.path.isfile(path)
-
-
-def split_object(url: str) -> tuple[str, str]:
-    """``s3://b/p/k`` → ``("s3://b/p", "k")``; ``nvme:a/k`` → ``("nvme:a", "k")``; paths too."""
-    tier, rest = split_tier(url)
-    if tier is not None:
-        head, _, tail = rest.rstrip("/").rpartition("/")
-        if not tail:
-            raise ConfigError(f"{url!r} names a tier root, not an object")
-        return f"{tier}:{head}", tail
-    m = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)(.*)$", url)
-    if m and m.group(1).lower() != "file://":
-        scheme, rest = m.groups()
-        head, sep, tail = rest.rstrip("/").rpartition("/")
-        if not sep or not tail:
-            raise ConfigError(f"{url!r} names a bucket, not an object")
-        return scheme + head, tail
-    path = os.path.abspath(os.path.expanduser(url[len("file://") :] if m else url))
-    return os.path.dirname(path), os.path.basename(path)
 
 
 @app.command("cp")
@@ -101,6 +83,9 @@ def du_cmd(
     url: str = typer.Argument(..., help="Location to measure."),
     summarize: bool = typer.Option(False, "--summarize", "-s", help="Only the total."),
     in_bytes: bool = typer.Option(False, "--bytes", "-b", help="Sizes in bytes, not human units."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the groups and the total as one JSON object on stdout."
+    ),
 ) -> None:
     """Disk usage: bytes and file counts per top-level directory, and the total."""
     from ..tiering.stage import list_tree
@@ -110,20 +95,38 @@ def du_cmd(
         tree = {key: runtime.run(open_store(parent).stat(key))}
     else:
         tree = runtime.run(list_tree(open_source(url, role="location")))
-    fmt = (lambda n: str(n)) if in_bytes else human_bytes
     groups: dict[str, list[int]] = {}
     for k, m in tree.items():
         top = k.split("/", 1)[0] + ("/" if "/" in k else "")
         g = groups.setdefault(top, [0, 0])
         g[0] += m.size
         g[1] += 1
+    total = sum(m.size for m in tree.values())
+    if as_json:
+        doc = {
+            "url": url,
+            "groups": [
+                {"prefix": top, "bytes": groups[top][0], "files": groups[top][1]}
+                for top in sorted(groups)
+            ]
+            if not summarize
+            else [],
+            "bytes": total,
+            "files": len(tree),
+        }
+        typer.echo(json.dumps(doc))
+        return
+    fmt = (lambda n: str(n)) if in_bytes else human_bytes
     out = console()
     if not summarize:
         for top in sorted(groups):
             size, n = groups[top]
-            out.print(f"{fmt(size):>12}  {n:>9} files  {top}")
-    total = sum(m.size for m in tree.values())
-    out.print(f"{fmt(total):>12}  {len(tree):>9} files  total")
+            out.print(f"{fmt(size):>12}  {_files(n)}  {top}", markup=False)
+    out.print(f"{fmt(total):>12}  {_files(len(tree))}  total", markup=False)
+
+
+def _files(n: int) -> str:
+    return f"{n:>9} {'file ' if n == 1 else 'files'}"
 
 
 @app.command("rm")
@@ -134,7 +137,11 @@ def rm_cmd(
     ),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
 ) -> None:
-    """Delete an object, or every object under a prefix (asks first unless --yes)."""
+    """Delete an object, or every object under a prefix (asks first unless --yes).
+
+    A prefix (a directory) needs --recursive; on a file system the directories it
+    empties are removed too."""
+    local = local_dir(url)
     if recursive and not _is_local_file(url):  # ``rm -r FILE`` deletes the file, as rm does
         from ..tiering.stage import list_tree
 
@@ -142,12 +149,22 @@ def rm_cmd(
         keys = sorted(runtime.run(list_tree(store)))
         if not keys:
             typer.echo(f"nothing under {url}", err=True)
+            _remove_empty_dirs(local, keep_top=is_root(url))
             return
-        total = f"{len(keys)} object(s) under {url}"
+        total = f"{plural(len(keys), 'object')} under {url}"
     else:
+        if local is not None and os.path.isdir(local):
+            raise ConfigError(f"{url!r} is a directory: use 'fmstore rm -r' to delete it")
         parent, key = split_object(url)
         store = open_store(parent)
-        runtime.run(store.stat(key))  # NotFound → a clear error, exit 1
+        try:
+            runtime.run(store.stat(key))
+        except NotFound:
+            if local is None and _has_objects_under(url):
+                raise ConfigError(
+                    f"{url!r} is a prefix: use 'fmstore rm -r' to delete every object under it"
+                ) from None
+            raise  # a clear error, exit 1
         keys = [key]
         total = url
     if not ask_yes(f"Delete {total}?", yes):
@@ -158,4 +175,34 @@ def rm_cmd(
             await store.delete_many(keys[i : i + 1000])
 
     runtime.run(go())
-    typer.echo(f"deleted {len(keys)} object(s)", err=True)
+    if recursive:
+        _remove_empty_dirs(local, keep_top=is_root(url))
+    typer.echo(f"deleted {plural(len(keys), 'object')}", err=True)
+
+
+def _has_objects_under(url: str) -> bool:
+    store = open_store(url)
+
+    async def go() -> bool:
+        try:
+            async for _m in store.list("", recursive=False):
+                return True
+            return False
+        except NotFound:
+            return False
+        finally:
+            await store.close()
+
+    return runtime.run(go())
+
+
+def _remove_empty_dirs(path: str | None, *, keep_top: bool) -> None:
+    """After ``rm -r`` on a file system: remove the directories it emptied, bottom-up (and
+    ``path`` itself unless it is a tier's root); a directory still holding anything stays."""
+    if path is None or os.path.islink(path) or not os.path.isdir(path):
+        return
+    for here, _dirs, _files in os.walk(path, topdown=False):
+        if keep_top and os.path.samefile(here, path):
+            continue
+        with contextlib.suppress(OSError):
+            os.rmdir(here)

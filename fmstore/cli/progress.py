@@ -31,7 +31,7 @@ import typer
 from .. import runtime
 from ..tiering.stage import preserve_owner_setting
 from ..tiering.transfer import TransferProgress, TransferReport
-from .util import human_bytes
+from .util import human_bytes, plural
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -181,24 +181,34 @@ def _log_loop(fut: Any, p: TransferProgress, label: str, interval: float) -> Any
             )
 
 
-def summary(report: TransferReport, *, verb: str = "copied") -> None:
+def shard_label(shard: tuple[int, int] | None) -> str:
+    """Which part of the data a run covered: ``1/4``, or ``all``."""
+    return "all" if shard is None else f"{shard[0]}/{shard[1]}"
+
+
+def summary(report: TransferReport, *, verb: str = "copied", shard: str | None = None) -> None:
+    """The one-line summary on stderr; ``shard`` (:func:`shard_label`): which part ran."""
     p = report.progress
     secs = max(report.seconds, 1e-6)
     rate = human_bytes(p.bytes_copied / secs) + "/s"
     line = (
-        f"{verb} {p.files_copied} files ({human_bytes(p.bytes_copied)}), skipped {p.files_skipped} "
-        f"identical ({human_bytes(p.bytes_skipped)})"
+        f"{verb} {plural(p.files_copied, 'file')} ({human_bytes(p.bytes_copied)}), skipped "
+        f"{p.files_skipped} identical ({human_bytes(p.bytes_skipped)})"
     )
     if p.bytes_resumed:
         line += f", resumed {human_bytes(p.bytes_resumed)} of earlier parts"
     line += f", {p.files_failed} failed, in {report.seconds:.1f} s ({rate})"
+    if shard is not None:
+        line += f"; shard {shard}"
     typer.echo(line, err=True)
     list_failures(report)
 
 
 def list_failures(report: TransferReport) -> None:
     if report.failures:
-        typer.secho(f"{len(report.failures)} file(s) failed:", fg=typer.colors.RED, err=True)
+        typer.secho(
+            f"{plural(len(report.failures), 'file')} failed:", fg=typer.colors.RED, err=True
+        )
         for f in report.failures[:200]:
             typer.echo(f"  FAILED {f.key}: {f.error}", err=True)
         if len(report.failures) > 200:

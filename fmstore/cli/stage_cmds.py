@@ -9,6 +9,7 @@ Exit codes: :mod:`.progress`.
 from __future__ import annotations
 
 import json
+import os
 from typing import Literal
 
 import typer
@@ -20,6 +21,7 @@ from ..tiering.stage import (
     StageOptions,
     StagePlan,
     StageResult,
+    in_srun_step,
     parse_shard,
     shard_from_env,
     stage_async,
@@ -37,9 +39,10 @@ from .progress import (
     console,
     preserve_owner,
     run_with_progress,
+    shard_label,
     summary,
 )
-from .util import human_bytes, size_option
+from .util import human_bytes, plural, size_option
 
 
 def _transfer_options(
@@ -86,7 +89,15 @@ def _shard(text: str) -> tuple[int, int] | None:
     if t in ("none", "off"):
         return None
     if t == "auto":
-        return shard_from_env()
+        k_n = shard_from_env()
+        ntasks = os.environ.get("SLURM_NTASKS", "1").strip()
+        if k_n is None and not in_srun_step() and ntasks.isdigit() and int(ntasks) > 1:
+            typer.echo(
+                f"note: SLURM_NTASKS={ntasks} but not inside an srun step: staging all files "
+                "(run under srun, or pass --shard K/N, to split the work)",
+                err=True,
+            )
+        return k_n
     try:
         k_n = parse_shard(text)
     except ConfigError as e:
@@ -127,6 +138,7 @@ def stage_cmd(
         "auto",
         "--shard",
         help="K/N: stage shard K of N (K from 0 to N-1); auto: from SLURM_PROCID/SLURM_NTASKS "
+        "inside an srun step (SLURM_STEP_ID set; a batch script itself stages everything), "
         "or RANK/WORLD_SIZE; none.",
     ),
     lazy: bool = typer.Option(
@@ -206,13 +218,13 @@ def stage_cmd(
         if not plan.delete:
             return True
         out = console(err=True)
-        out.print(f"{len(plan.delete)} file(s) at {dst} are not in {src} and will be deleted:")
+        out.print(f"{plural(len(plan.delete), 'file')} at {dst} not in {src} will be deleted:")
         for k in plan.delete[:10]:
             out.print(f"  {k}")
         if len(plan.delete) > 10:
             out.print(f"  … and {len(plan.delete) - 10} more")
         return ask_yes(
-            f"Delete {len(plan.delete)} file(s) from {dst}?",
+            f"Delete {plural(len(plan.delete), 'file')} from {dst}?",
             yes,
             "Nothing copied or deleted (run without --delete to copy only).",
         )
@@ -230,7 +242,7 @@ def stage_cmd(
         )
     except Interrupted:
         typer.echo(
-            f"Interrupted after {prog.files_done} files; run the same command again to resume.",
+            f"Interrupted after {plural(prog.files_done, 'file')}; run the same command again to resume.",
             err=True,
         )
         raise typer.Exit(EXIT_INTERRUPTED) from None
@@ -239,9 +251,9 @@ def stage_cmd(
     if dry_run:
         assert result.plan is not None
         _warn_if_empty(result.plan, src)
-        _print_plan(result.plan, json_out, lazy)
+        _print_plan(result.plan, json_out, lazy, k_n)
         return
-    _print_result(result, dst, lazy, json_out)
+    _print_result(result, dst, lazy, json_out, k_n)
 
 
 def _warn_if_empty(plan: StagePlan, src: str) -> None:
@@ -249,10 +261,12 @@ def _warn_if_empty(plan: StagePlan, src: str) -> None:
         typer.echo(f"warning: source {src} has no files", err=True)
 
 
-def _print_result(result: StageResult, dst: str, lazy: bool, json_out: bool) -> None:
+def _print_result(
+    result: StageResult, dst: str, lazy: bool, json_out: bool, shard: tuple[int, int] | None
+) -> None:
     if lazy:
         typer.echo(
-            f"lazy listing of {result.lazy_entries} files written to {dst}; files are fetched on first read",
+            f"lazy listing of {plural(result.lazy_entries, 'file')} written to {dst}; files are fetched on first read",
             err=True,
         )
         if result.lazy_dropped:
@@ -268,16 +282,18 @@ def _print_result(result: StageResult, dst: str, lazy: bool, json_out: bool) -> 
                 err=True,
             )
     else:
-        summary(result.report)
+        summary(result.report, shard=shard_label(shard))
     if result.deleted or result.delete_failures:
         typer.echo(
-            f"deleted {result.deleted} file(s), {len(result.delete_failures)} failed", err=True
+            f"deleted {plural(result.deleted, 'file')}, {len(result.delete_failures)} failed",
+            err=True,
         )
         for key, err in result.delete_failures:
             typer.echo(f"  FAILED delete {key}: {err}", err=True)
     if json_out:
         d = result.report.as_dict()
         d.update(
+            shard=shard_label(shard),
             deleted=result.deleted,
             delete_failures=len(result.delete_failures),
             lazy_entries=result.lazy_entries,
@@ -289,7 +305,7 @@ def _print_result(result: StageResult, dst: str, lazy: bool, json_out: bool) -> 
         raise typer.Exit(EXIT_FAILED)
 
 
-def _print_plan(plan: StagePlan, json_out: bool, lazy: bool) -> None:
+def _print_plan(plan: StagePlan, json_out: bool, lazy: bool, shard: tuple[int, int] | None) -> None:
     todo = plan.to_copy()
     same = plan.files - len(todo)
     if json_out:
@@ -303,6 +319,7 @@ def _print_plan(plan: StagePlan, json_out: bool, lazy: bool) -> None:
                     "present_same_size": same,
                     "delete": len(plan.delete),
                     "lazy": lazy,
+                    "shard": shard_label(shard),
                     "copy_keys": [i.src_key for i in todo],
                     "delete_keys": plan.delete,
                 }
@@ -310,15 +327,18 @@ def _print_plan(plan: StagePlan, json_out: bool, lazy: bool) -> None:
         )
         return
     out = console()
-    out.print(f"plan: {plan.files} files, {human_bytes(plan.bytes)} selected")
-    out.print(f"  to copy: {len(todo)} files, {human_bytes(sum(i.size for i in todo))}")
+    out.print(
+        f"plan: {plural(plan.files, 'file')}, {human_bytes(plan.bytes)} selected; "
+        f"shard {shard_label(shard)}"
+    )
+    out.print(f"  to copy: {plural(len(todo), 'file')}, {human_bytes(sum(i.size for i in todo))}")
     for i in todo[:10]:
         out.print(f"    {i.src_key}  ({human_bytes(i.size)})")
     if len(todo) > 10:
         out.print(f"    … and {len(todo) - 10} more")
     out.print(f"  already present with the same size (checked against checksums when run): {same}")
     if plan.delete:
-        out.print(f"  to delete: {len(plan.delete)} files")
+        out.print(f"  to delete: {plural(len(plan.delete), 'file')}")
         for k in plan.delete[:10]:
             out.print(f"    {k}")
     out.print("dry run: nothing was changed")
@@ -376,7 +396,7 @@ def release_cmd(
     listed with the reason."""
     res = _lazy.release(path)
     typer.echo(
-        f"released {len(res.released)} files ({human_bytes(res.bytes_released)}); kept {len(res.kept)}",
+        f"released {plural(len(res.released), 'file')} ({human_bytes(res.bytes_released)}); kept {len(res.kept)}",
         err=True,
     )
     for key, why in res.kept[:50]:

@@ -12,6 +12,7 @@ The grammar lives in :mod:`.location` (:class:`Location`), resolved in one place
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..config import Config
@@ -37,6 +38,8 @@ __all__ = [
 #: Whether :func:`open_store` wraps stores in :class:`MeteredStore` unless told otherwise.
 #: The CLI turns it off for every command but the daemon: only the daemon serves metrics,
 #: and not loading prometheus_client takes 50 ms off each command's start.
+log = logging.getLogger(__name__)
+
 METERED_BY_DEFAULT = True
 
 
@@ -63,6 +66,6 @@ def open_store(
     flight, which a backend's own request limit then allows (:meth:`Location.open`)."""
     if metered is None:
         metered = METERED_BY_DEFAULT
-    return Location.parse(url, config).open(
-        tier=tier, metered=metered, concurrency=concurrency, **options
-    )
+    loc = Location.parse(url, config)
+    log.debug("opening %s: %s store at %s", url, loc.scheme, loc.local_root or loc.base)
+    return loc.open(tier=tier, metered=metered, concurrency=concurrency, **options)

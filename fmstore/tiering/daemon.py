@@ -167,7 +167,11 @@ class _JsonHandler(logging.Handler):
 
 
 def setup_logging(level: int = logging.INFO) -> None:
+    """JSON lines on stderr for the ``fmstore`` logger hierarchy, as its one handler (the
+    command line's plain stderr handler, named ``fmstore.cli``, is taken off)."""
     root = logging.getLogger("fmstore")
+    for h in [h for h in root.handlers if h.name == "fmstore.cli"]:
+        root.removeHandler(h)
     if not any(isinstance(h, _JsonHandler) for h in root.handlers):
         root.addHandler(_JsonHandler())
     root.setLevel(level)
@@ -385,9 +389,10 @@ def main(
     drain: bool = False,
     timeout: float | None = None,
     http: bool = True,
+    log_level: int | None = None,
 ) -> int:
-    """Entry of ``fmstore daemon``."""
-    setup_logging()
+    """Entry of ``fmstore daemon``; ``log_level``: of its JSON log lines (default info)."""
+    setup_logging(logging.INFO if log_level is None else log_level)
     settings = settings_from_config(config)
     if port is not None:
         from dataclasses import replace

@@ -17,13 +17,16 @@ exclude is left out.
 Shards: ``shard=(k, n)`` keeps the keys whose stable hash (CRC32C of the UTF-8 key) is
 ``k`` modulo ``n``, so ``n`` processes given ``0/n`` … ``n-1/n`` stage disjoint parts that
 together cover everything exactly once; :func:`shard_from_env` reads Slurm's
-``SLURM_PROCID``/``SLURM_NTASKS`` or torchrun's ``RANK``/``WORLD_SIZE``.
+``SLURM_PROCID``/``SLURM_NTASKS`` (only inside an ``srun`` step, where ``SLURM_STEP_ID`` is
+set: a batch script run once with ``--ntasks=4`` also sees ``SLURM_NTASKS=4`` and must stage
+everything) or torchrun's ``RANK``/``WORLD_SIZE``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import os
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -45,6 +48,8 @@ from .transfer import (
     copy_items,
     version_of,
 )
+
+log = logging.getLogger(__name__)
 
 #: Names fmstore keeps for itself at a location (temp files, locks, the lazy index).
 RESERVED_PREFIX = ".fmstore"
@@ -140,13 +145,26 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 
 def shard_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
-    """``(K, N)`` from ``SLURM_PROCID``/``SLURM_NTASKS`` or ``RANK``/``WORLD_SIZE``."""
+    """``(K, N)`` from ``SLURM_PROCID``/``SLURM_NTASKS`` inside an ``srun`` step
+    (``SLURM_STEP_ID`` set), or from ``RANK``/``WORLD_SIZE``; None: one process stages all.
+
+    Outside a step (the batch script itself) the Slurm variables describe the job's
+    allocation, not this process: they are ignored."""
     env = os.environ if env is None else env
     for k_var, n_var in (("SLURM_PROCID", "SLURM_NTASKS"), ("RANK", "WORLD_SIZE")):
+        if k_var == "SLURM_PROCID" and not in_srun_step(env):
+            continue
         if k_var in env and n_var in env:
             shard = parse_shard(f"{env[k_var]}/{env[n_var]}")
             return shard if shard[1] > 1 else None
     return None
+
+
+def in_srun_step(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is a task of an ``srun`` job step (not the batch script)."""
+    env = os.environ if env is None else env
+    step = env.get("SLURM_STEP_ID", "").strip()
+    return bool(step) and step not in ("batch", "extern")
 
 
 def in_shard(key: str, shard: tuple[int, int] | None) -> bool:
@@ -180,7 +198,9 @@ def open_source(url: str, *, role: str = "source", concurrency: int | None = Non
         if os.path.isfile(path):
             raise ConfigError(f"{role} {url!r} is a file: use 'fmstore cp' for single objects")
         if not os.path.isdir(path):
-            raise NotFound(f"{role} {url!r} does not exist")
+            # Name the directory a tier's location resolved to (nvme:ds → /local/nvme/ds).
+            where = "" if os.path.abspath(os.path.expanduser(url)) == path else f" ({path})"
+            raise NotFound(f"{role} {url!r}{where} does not exist")
         if not os.access(path, os.R_OK | os.X_OK):
             raise PermissionDenied(f"{role} {url!r} is not readable")
     return open_store(url, concurrency=concurrency)
@@ -306,6 +326,15 @@ async def plan_stage(
         deletes = sorted(
             k for k in dst_all if k not in src_all and key_filter(k) and in_shard(k, shard)
         )
+    log.debug(
+        "plan %s -> %s: %d of %d source files selected (shard %s), %d to delete",
+        src.url,
+        dst.url if dst is not None else "-",
+        len(items),
+        len(src_all),
+        "all" if shard is None else f"{shard[0]}/{shard[1]}",
+        len(deletes),
+    )
     return StagePlan(items, deletes, dst_all, src_all)
 
 
