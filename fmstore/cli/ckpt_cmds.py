@@ -187,6 +187,7 @@ def _inspect_dcp(uri: str, limit: int, as_json: bool = False) -> None:
     from ..checkpoint.dcp.api import inspect_checkpoint
 
     m, rows = inspect_checkpoint(uri)
+    native = not hasattr(m, "generation")  # torch's own layout: no generation, no blobs
     if as_json:
         entries = [
             {
@@ -203,21 +204,20 @@ def _inspect_dcp(uri: str, limit: int, as_json: bool = False) -> None:
         ]
         doc = {
             "url": uri,
-            "format": "dcp",
+            "format": "dcp-native" if native else "dcp",
             "version": m.version,
             "world_size": m.world_size,
-            "generation": m.generation,
+            "generation": getattr(m, "generation", None),
             "entries": entries,
             "entry_count": len(rows),
             "items": len(m.items),
-            "blobs": len(m.blobs),
+            "blobs": len(getattr(m, "blobs", m.items)),
             "bytes": m.nbytes,
             "stored_bytes": m.stored_bytes,
         }
         typer.echo(json.dumps(doc))
         return
     console = Console()
-    native = not hasattr(m, "generation")
     t = Table(
         title=f"{uri}  (native torch DCP, {m.world_size} ranks, DCP version {m.version})"
         if native
