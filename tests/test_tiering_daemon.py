@@ -26,6 +26,8 @@ from fmstore.tiering import catalog as cat
 from fmstore.tiering import priority
 from fmstore.tiering.catalog import Catalog
 from fmstore.tiering.daemon import Daemon, DaemonSettings
+from fmstore.tiering.policies import Supersede, from_config, plan
+from fmstore.tiering.runner import PolicyRunner
 
 ENV = {**os.environ, "PYTHONPATH": os.getcwd()}
 
@@ -285,6 +287,21 @@ def _daemon_child(cfg_path: str, ready: str) -> None:
     d.run()
 
 
+def work_left(config: Config) -> bool:
+    """Whether the policies still ask for a copy or a delete (the daemon's own plan; a
+    superseded export is only a catalog record)."""
+    with Catalog.for_state_dir(config.state_dir) as c:
+        runner = PolicyRunner(config, from_config(config), c)
+        return any(not isinstance(a, Supersede) for a in plan(runner.policies, runner.state()))
+
+
+def busy_copies(config: Config) -> set[tuple]:
+    """Copies being exported or deleted, with when that began."""
+    with Catalog.for_state_dir(config.state_dir) as c:
+        busy = c.copies("run", states=[cat.EXPORTING, cat.DELETING])
+        return {(b.step, b.tier, b.state, b.updated) for b in busy}
+
+
 def test_kill_9_of_the_daemon_at_random_moments_loses_nothing(tmp_path):
     import multiprocessing as mp
 
@@ -308,10 +325,17 @@ def test_kill_9_of_the_daemon_at_random_moments_loses_nothing(tmp_path):
     interrupted = 0
     for trial in range(trials):
         ready = str(tmp_path / f"ready-{trial}")
+        stale = busy_copies(config)  # left by the daemon killed before
         p = ctx.Process(target=_daemon_child, args=(cfg_path, ready), daemon=True)
         p.start()
         poll(lambda ready=ready: os.path.exists(ready), timeout=120, every=0.01)
-        time.sleep(rng.uniform(0.0, 0.5))
+        if work_left(config):
+            # Kill in the middle of the work, however slow the machine: once a copy or a
+            # delete is under way, at a random moment of it.
+            poll(lambda stale=stale: busy_copies(config) - stale, timeout=120, every=0.005)
+            time.sleep(rng.uniform(0.0, 0.1))
+        else:
+            time.sleep(rng.uniform(0.0, 0.5))
         os.kill(p.pid, signal.SIGKILL)
         p.join(30)
         assert p.exitcode == -signal.SIGKILL, p.exitcode
