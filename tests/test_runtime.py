@@ -101,6 +101,9 @@ CTRL_C_ON_ANOTHER_THREAD = r"""
 import asyncio, signal, sys, threading
 from fmstore import runtime
 
+# As in a terminal's foreground, even when the test runner was started in the background.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 async def body():
     await asyncio.sleep(0.5)  # the main thread is asleep in run() by now
     # The kernel may hand a process's SIGINT to any thread: here, the loop thread.

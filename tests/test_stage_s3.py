@@ -113,6 +113,14 @@ def test_big_files_posix_to_s3_and_back_keep_fsx_metadata(dataset, s3env, s3_ser
     assert json.loads(r.stdout)["files_skipped"] == BIG_N
 
 
+#: ``python -m fmstore`` with Python's Ctrl-C handler, as in a terminal's foreground: a test
+#: runner started in the background (``cmd &`` in a script) passes SIGINT on as ignored.
+FOREGROUND = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'fmstore'; runpy.run_module('fmstore', run_name='__main__', alter_sys=True)"
+)
+
+
 def test_ctrl_c_exits_130_and_the_rerun_resumes(s3env, s3_server, tmp_path):
     src = _s3(s3_server, s3env["bucket"], "ds/held")
     body = os.urandom(80 << 20)
@@ -122,7 +130,7 @@ def test_ctrl_c_exits_130_and_the_rerun_resumes(s3env, s3_server, tmp_path):
     args += ["--shard", "none"]
     with proxied(s3env, s3_server, pass_then_hold(5, "GET", r"/ds/held/big\.bin")) as proxy:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "fmstore", *args],
+            [sys.executable, "-c", FOREGROUND, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
