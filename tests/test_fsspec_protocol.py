@@ -269,3 +269,23 @@ def test_lazily_staged_files_read_through(posix_cfg, tmp_path):
     assert not local.exists()  # listing and info fetch nothing
     pd.testing.assert_frame_equal(pd.read_parquet("fmstore://nvme/ds/train/p0.parquet"), df)
     assert local.read_bytes() == (src / "train" / "p0.parquet").read_bytes()  # kept
+
+
+def test_exclusive_create_and_transactions(posix_cfg):
+    from fmstore.errors import AlreadyExists
+
+    fs = fsspec.filesystem("fmstore")
+    fs.pipe("nvme/x.bin", b"1")
+    with pytest.raises(AlreadyExists), fs.open("nvme/x.bin", "xb") as f:
+        f.write(b"2")
+    assert fs.cat("nvme/x.bin") == b"1"
+    with fs.transaction:
+        with fs.open("nvme/t.bin", "wb") as f:
+            f.write(b"t")
+        assert not fs.exists("nvme/t.bin")  # published when the transaction commits
+    assert fs.cat("nvme/t.bin") == b"t"
+    with pytest.raises(KeyError), fs.transaction:
+        with fs.open("nvme/t2.bin", "wb") as f:
+            f.write(b"t")
+        raise KeyError("abandon")
+    assert not fs.exists("nvme/t2.bin")
