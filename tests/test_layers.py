@@ -24,6 +24,8 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"checkpoint", "format", "stores", "loaders", "tiering"},
     "demo": {"checkpoint", "format", "stores", "loaders", "tiering", "cli", "testing"},
     "__main__": {"cli"},
+    # fmstore:// for fsspec: reads lazily staged files through, so it sits above tiering.
+    "fsspec": {"stores", "tiering"},
 }
 MAX_LINES = 700
 
