@@ -289,3 +289,10 @@ def test_exclusive_create_and_transactions(posix_cfg):
             f.write(b"t")
         raise KeyError("abandon")
     assert not fs.exists("nvme/t2.bin")
+
+
+def test_the_protocol_is_registered_by_the_installed_entry_point():
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="fsspec.specs") if e.name == "fmstore"]
+    assert ep.load() is FmstoreFileSystem
