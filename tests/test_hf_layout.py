@@ -233,3 +233,24 @@ def test_unmatched_keys_and_wrong_options_are_one_line(tmp_path, tiny):
         fm("ckpt", "convert", str(tmp_path / "ck"), str(blocker / "hf"), "--to", "hf"),
         "cannot create",
     )
+
+
+def test_oversized_index_is_refused_before_it_is_parsed(tmp_path, tiny, monkeypatch):
+    from fmstore.checkpoint import hf
+
+    tf, config, model = tiny
+    src = tmp_path / "pre"
+    model.save_pretrained(src, max_shard_size="20KB")
+    size = (src / "model.safetensors.index.json").stat().st_size
+    monkeypatch.setattr(hf, "MAX_INDEX_BYTES", size - 1)
+    _one_error(fm("ckpt", "convert", str(src), str(tmp_path / "out")), "allowed")
+
+
+def test_existing_fmstore_destination_names_the_flag(tmp_path, tiny):
+    tf, config, model = tiny
+    src = tmp_path / "pre"
+    model.save_pretrained(src)
+    args = ("ckpt", "convert", str(src), str(tmp_path / "a" / "b" / "ck"))
+    assert fm(*args).returncode == 0
+    _one_error(fm(*args), "--overwrite")
+    assert fm(*args, "--overwrite").returncode == 0

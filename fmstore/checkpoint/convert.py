@@ -179,7 +179,12 @@ def write_any(
         torch.save(obj, tmp)
         os.replace(tmp, location)
         return
-    save(obj, location, overwrite=overwrite, compression=compression)
+    try:
+        save(obj, location, overwrite=overwrite, compression=compression)
+    except AlreadyExists:
+        raise AlreadyExists(
+            f"a checkpoint exists at {location}; pass --overwrite to replace it"
+        ) from None
 
 
 def _make_parent(location: str) -> None:
