@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from stage_data import fm as fm_process
 from stage_data import fm_here as fm
 
 import fmstore
@@ -254,3 +255,26 @@ def test_existing_fmstore_destination_names_the_flag(tmp_path, tiny):
     assert fm(*args).returncode == 0
     _one_error(fm(*args), "--overwrite")
     assert fm(*args, "--overwrite").returncode == 0
+
+
+def test_real_command_round_trip_and_refusal(tmp_path, tiny):
+    """The console script in its own process: a save_pretrained directory to an fmstore
+    checkpoint and back, and a hostile index as one error line."""
+    tf, config, model = tiny
+    src = tmp_path / "pre"
+    model.save_pretrained(src, max_shard_size="20KB")
+    r = fm_process("ckpt", "convert", str(src), str(tmp_path / "ck"))
+    assert r.returncode == 0, r.stderr
+    r = fm_process(
+        "ckpt", "convert", str(tmp_path / "ck"), str(tmp_path / "out"),
+        "--max-shard-size", "30KB", "--config", str(src / "config.json"),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    back, info = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    _same(back.state_dict(), model.state_dict())
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"][next(iter(index["weight_map"]))] = "../x"
+    index_path.write_text(json.dumps(index))
+    _one_error(fm_process("ckpt", "convert", str(src), str(tmp_path / "bad")), "../x")
