@@ -2,28 +2,37 @@
 
 The kind of each side is told by its name: ``*.safetensors`` is safetensors, ``*.pt``,
 ``*.pth``, ``*.bin`` and ``*.ckpt`` are ``torch.save`` files (read with
-``weights_only=True``), anything else is an fmstore checkpoint location.  Safetensors holds a
+``weights_only=True``), a local directory holding ``model.safetensors`` or
+``model.safetensors.index.json`` is a Hugging Face ``save_pretrained`` directory
+(:mod:`.hf`), anything else is an fmstore checkpoint location.  Safetensors holds a
 flat mapping of tensors: nested dicts are flattened with dotted names on the way in, and
 tensors sharing storage are copied apart (safetensors refuses shared tensors).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import tempfile
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from .. import runtime
-from ..errors import AlreadyExists, ConfigError
+from ..errors import AlreadyExists, ConfigError, NotFound
 from ..stores import Location, open_store
+from ..units import parse_size
 from .api import load, save
+from .hf import is_hf_dir, read_hf_dir, write_hf_dir
+from .loading import LazyDict
 
 TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
 
 
 def kind_of(location: str) -> str:
+    if is_hf_dir(location):
+        return "hf"
     low = location.lower()
     if low.endswith(".safetensors"):
         return "safetensors"
@@ -32,8 +41,27 @@ def kind_of(location: str) -> str:
     return "fmstore"
 
 
-def read_any(location: str) -> Any:
+def read_any(location: str, keys: Sequence[str] | None = None) -> Any:
+    """What ``location`` holds; ``keys``: only the entries they name (see :func:`select`)."""
     kind = kind_of(location)
+    if kind == "fmstore" and keys:
+        from .dcp.api import is_dcp_checkpoint
+
+        if not is_dcp_checkpoint(location):
+            # Lazily: only the selected tensors are read (the optimizer state stays on disk).
+            lazy = load(location, map_location="cpu", lazy=True)
+            try:
+                return select(lazy, keys, location)
+            finally:
+                if isinstance(lazy, LazyDict):
+                    lazy.close()
+    obj = _read_all(location, kind)
+    return select(obj, keys, location) if keys else obj
+
+
+def _read_all(location: str, kind: str) -> Any:
+    if kind == "hf":
+        return read_hf_dir(location)
     if kind == "safetensors":
         from safetensors.torch import load_file
 
@@ -62,34 +90,109 @@ def flatten_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
+def select(obj: Any, patterns: Sequence[str], where: str) -> Any:
+    """``obj`` pruned to the entries ``patterns`` name, as ``fmstore.load(keys=...)`` does:
+    a pattern selects an entry by its dotted name (``model``, ``model.h.0.attn``), by a
+    glob (``model.*.weight``), or, in a flat dict of dotted names, every name under it."""
+    matched: set[str] = set()
+    drop = object()
+
+    def hit(name: str) -> bool:
+        ok = False
+        for p in patterns:
+            if name == p or fnmatch.fnmatchcase(name, p) or name.startswith(p + "."):
+                matched.add(p)
+                ok = True
+        return ok
+
+    def may_hold(name: str) -> bool:
+        return any(p.startswith(name + ".") or any(c in p for c in "*?[") for p in patterns)
+
+    def walk(n: Any, name: str) -> Any:
+        if name and hit(name):
+            return n.materialize() if isinstance(n, LazyDict) else n
+        if isinstance(n, Mapping):
+            out = {}
+            for k in n:
+                child = f"{name}.{k}" if name else str(k)
+                # A leaf or a list of a lazy load is read only when it may be selected.
+                lazy_leaf = isinstance(n, LazyDict) and not n.holds_mapping(k)
+                if lazy_leaf and not (hit(child) or may_hold(child)):
+                    continue
+                r = walk(n[k], child)
+                if r is not drop:
+                    out[k] = r
+            return out if out else drop
+        if isinstance(n, (list, tuple)):
+            kept = [walk(v, f"{name}.{i}" if name else str(i)) for i, v in enumerate(n)]
+            return n if any(r is not drop for r in kept) else drop
+        return drop
+
+    r = walk(obj, "")
+    missing = [p for p in patterns if p not in matched]
+    if missing:
+        raise NotFound(f"nothing in {where} matches {', '.join(map(repr, missing))}")
+    return {} if r is drop else r
+
+
+def strip_prefix(flat: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """``flat`` with ``prefix`` removed from the names that start with it."""
+    out: dict[str, torch.Tensor] = {}
+    for k, t in flat.items():
+        name = k[len(prefix) :] if k.startswith(prefix) else k
+        if not name:
+            raise ConfigError(f"--strip-prefix {prefix!r} leaves the name {k!r} empty")
+        if name in out:
+            raise ConfigError(f"--strip-prefix {prefix!r} gives two tensors the name {name!r}")
+        out[name] = t
+    return out
+
+
+def apart(flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors sharing no storage (safetensors refuses shared tensors): later
+    tensors sharing storage with earlier ones are copied."""
+    seen: set[int] = set()
+    out = {}
+    for k, t in flat.items():
+        ptr = t.untyped_storage().data_ptr()
+        shared = ptr in seen and t.numel() > 0
+        out[k] = t.detach().clone().contiguous() if shared or not t.is_contiguous() else t.detach()
+        seen.add(ptr)
+    return out
+
+
 def write_any(
     obj: Any, location: str, *, overwrite: bool = False, compression: str = "auto"
 ) -> None:
     kind = kind_of(location)
     if kind in ("safetensors", "torch") and os.path.exists(location) and not overwrite:
-        raise FileExistsError(f"{location} exists; pass --overwrite to replace it")
+        raise AlreadyExists(f"{location} exists; pass --overwrite to replace it")
+    if kind in ("safetensors", "torch"):
+        _make_parent(location)
     if kind == "safetensors":
         from safetensors.torch import save_file
 
-        flat = flatten_tensors(obj)
-        seen: set[int] = set()
-        tensors = {}
-        for k, t in flat.items():
-            ptr = t.untyped_storage().data_ptr()
-            tensors[k] = (
-                t.detach().clone().contiguous()
-                if ptr in seen or not t.is_contiguous()
-                else t.detach()
-            )
-            seen.add(ptr)
-        save_file(tensors, location)
+        save_file(apart(flatten_tensors(obj)), location, metadata={"format": "pt"})
         return
     if kind == "torch":
         tmp = location + ".tmp"
         torch.save(obj, tmp)
         os.replace(tmp, location)
         return
-    save(obj, location, overwrite=overwrite, compression=compression)
+    try:
+        save(obj, location, overwrite=overwrite, compression=compression)
+    except AlreadyExists:
+        raise AlreadyExists(
+            f"a checkpoint exists at {location}; pass --overwrite to replace it"
+        ) from None
+
+
+def _make_parent(location: str) -> None:
+    parent = os.path.dirname(os.path.abspath(location))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create {parent}: {e.strerror}") from None
 
 
 def write_native_dcp(obj: Any, location: str, *, overwrite: bool = False) -> None:
@@ -143,16 +246,38 @@ def convert(
     overwrite: bool = False,
     compression: str = "auto",
     to: str | None = None,
+    keys: Sequence[str] | None = None,
+    strip: str | None = None,
+    max_shard_size: str | int | None = None,
+    config: str | None = None,
 ) -> int:
     """Copy the weights at ``src`` to ``dst``; returns the number of tensors written.
-    ``to="dcp"``: write ``dst`` as a checkpoint of torch's own DCP layout."""
-    obj = read_any(src)
-    if to is not None:
-        if to != "dcp":
-            raise ConfigError(f"--to {to!r}: the only format chosen by name is 'dcp'")
+
+    ``to="dcp"``: write ``dst`` as a checkpoint of torch's own DCP layout; ``to="hf"`` (implied
+    by ``max_shard_size`` or ``config``, or by ``dst`` being a Hugging Face directory already):
+    a ``save_pretrained`` directory of shards of at most ``max_shard_size`` (default 5GB).
+    ``keys``: only the entries they name (``["model"]``); ``strip``: a prefix removed from
+    the flattened names (``"model."``).
+    """
+    if to is None and (max_shard_size is not None or config is not None or kind_of(dst) == "hf"):
+        to = "hf"
+    if to not in (None, "dcp", "hf"):
+        raise ConfigError(f"--to {to!r}: the formats chosen by name are 'dcp' and 'hf'")
+    if config is not None and to != "hf":
+        raise ConfigError("--config is for Hugging Face destinations (--to hf)")
+    limit = parse_size(max_shard_size or "5GB", "--max-shard-size")
+    obj = read_any(src, keys)
+    flat_dst = to == "hf" or (to is None and kind_of(dst) == "safetensors")
+    if strip:
+        obj = strip_prefix(flatten_tensors(obj), strip)
+    elif flat_dst:
+        obj = flatten_tensors(obj)
+    if to == "hf":
+        tensors = apart(obj)
+        write_hf_dir(tensors, dst, max_shard_size=limit, overwrite=overwrite, config=config)
+        return len(tensors)
+    if to == "dcp":
         write_native_dcp(obj, dst, overwrite=overwrite)
         return len(flatten_tensors(obj))
-    if kind_of(dst) == "safetensors":
-        obj = flatten_tensors(obj)
     write_any(obj, dst, overwrite=overwrite, compression=compression)
     return len(flatten_tensors(obj))

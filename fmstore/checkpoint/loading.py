@@ -139,6 +139,11 @@ class LazyDict(Mapping[Any, Any]):
     def __iter__(self) -> Iterator[Any]:
         return iter(self._items)
 
+    def holds_mapping(self, key: Any) -> bool:
+        """Whether the value at ``key`` is a dict (a LazyDict on access); nothing is read."""
+        v = self._items[key]
+        return isinstance(v, dict) and ("dict" in v or "odict" in v)
+
     def __len__(self) -> int:
         return len(self._items)
 

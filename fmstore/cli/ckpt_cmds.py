@@ -289,8 +289,8 @@ def convert_cmd(
     src: str = typer.Argument(
         ...,
         help="fmstore checkpoint (single-process or multi-rank DCP), a torch DCP directory, "
-        "torch.save file "
-        "(.pt/.pth/.bin) or .safetensors.",
+        "torch.save file (.pt/.pth/.bin), .safetensors, or a Hugging Face save_pretrained "
+        "directory (model.safetensors, or shards and model.safetensors.index.json).",
     ),
     dst: str = typer.Argument(..., help="Destination, same kinds (told by the name)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing destination."),
@@ -299,11 +299,42 @@ def convert_cmd(
         "",
         "--to",
         help="'dcp': write DST as a torch.distributed.checkpoint directory (.metadata + "
-        ".distcp files) that torch's FileSystemReader loads.",
+        ".distcp files) that torch's FileSystemReader loads; 'hf': as a Hugging Face "
+        "save_pretrained directory that from_pretrained loads.",
+    ),
+    keys: list[str] = typer.Option(  # noqa: B008
+        [],
+        "--keys",
+        help="Only the entries named (a sub-tree like 'model', a dotted name or a glob); "
+        "repeat or separate with commas.",
+    ),
+    strip_prefix: str = typer.Option(
+        "", "--strip-prefix", help="Remove this prefix from the flattened names ('model.')."
+    ),
+    max_shard_size: str = typer.Option(
+        "",
+        "--max-shard-size",
+        help="Largest shard of a Hugging Face destination (like 500MB; default 5GB); "
+        "implies --to hf.",
+    ),
+    config: str = typer.Option(
+        "", "--config", help="A config.json to copy into a Hugging Face destination."
     ),
 ) -> None:
-    """Convert weights between fmstore, torch DCP, torch.save files and safetensors."""
+    """Convert weights between fmstore, torch DCP, torch.save files, safetensors and
+    Hugging Face directories."""
     from ..checkpoint.convert import convert
 
-    n = convert(src, dst, overwrite=overwrite, compression=compression, to=to or None)
+    pats = [p.strip() for k in keys for p in k.split(",") if p.strip()]
+    n = convert(
+        src,
+        dst,
+        overwrite=overwrite,
+        compression=compression,
+        to=to or None,
+        keys=pats or None,
+        strip=strip_prefix or None,
+        max_shard_size=max_shard_size or None,
+        config=config or None,
+    )
     Console().print(f"converted {n} tensors: {src} -> {dst}", highlight=False)
