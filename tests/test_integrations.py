@@ -110,3 +110,186 @@ def test_lightning_saves_through_fmstore_and_resumes(tmp_path):
             assert torch.equal(torch.as_tensor(seen["optim"]["state"][pid][name]), val)
     assert t2.global_step == 9
     assert os.path.isdir(os.path.join(dirpath, "epoch=2-step=9.ckpt"))
+
+
+# ---- Hugging Face transformers ------------------------------------------------------------
+
+
+class _Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self, n: int = 16, length: int = 8, vocab: int = 50) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, length), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _hf_trainer(out: str, callback, max_steps: int = 6):  # type: ignore[no-untyped-def]
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)
+    model = transformers.GPT2LMHeadModel(cfg)
+    args = transformers.TrainingArguments(
+        output_dir=out,
+        max_steps=max_steps,
+        save_steps=3,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_strategy="no",
+    )
+    return transformers.Trainer(
+        model=model, args=args, train_dataset=_Tokens(), callbacks=[callback]
+    )
+
+
+def test_hf_callback_saves_through_a_manager_and_restores(tmp_path):
+    pytest.importorskip("transformers")
+    # transformers' Trainer (even TrainingArguments) needs accelerate, which is not a dev
+    # dependency yet; the test below drives the same callback protocol without it.
+    pytest.importorskip("accelerate")
+    from tiering_helpers import posix_config
+
+    from fmstore import CheckpointManager
+    from fmstore.integrations.hf import FmstoreCallback, restore
+
+    config = posix_config(
+        str(tmp_path / "tiers"), {"ladder": ["nvme", "lustre"]}, ("nvme", "lustre")
+    )
+    with CheckpointManager("runs/gpt", config=config, run_policies=False) as mgr:
+        trainer = _hf_trainer(str(tmp_path / "out"), FmstoreCallback(mgr))
+        trainer.train()
+        assert mgr.steps() == [3, 6]
+        final = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        opt = _cloned(trainer.optimizer.state_dict())
+
+        state = mgr.restore(6)
+        assert state["step"] == 6
+        for k, v in final.items():
+            assert torch.equal(state["model"][k], v), k
+
+        # Into a fresh Trainer: weights, optimizer and scheduler state come back.
+        fresh = _hf_trainer(str(tmp_path / "out2"), FmstoreCallback(mgr))
+        assert restore(fresh, mgr) == 6
+        for k, v in fresh.model.state_dict().items():
+            assert torch.equal(v, final[k]), k
+        assert fresh.state.global_step == 6
+        got = fresh.optimizer.state_dict()
+        for pid, st in opt["state"].items():
+            for name, val in st.items():
+                assert torch.equal(torch.as_tensor(got["state"][pid][name]), val)
+        assert fresh.lr_scheduler.last_epoch == trainer.lr_scheduler.last_epoch
+
+
+def _tiny_gpt2():  # type: ignore[no-untyped-def]
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _run_like_the_trainer(model, callback, max_steps: int, opt=None, sched=None):  # type: ignore[no-untyped-def]
+    """The callback protocol of ``Trainer._inner_training_loop`` (what Trainer calls when),
+    with transformers' own CallbackHandler, TrainerState and DefaultFlowCallback: the Trainer
+    itself cannot be built without accelerate."""
+    import types
+
+    from transformers import get_linear_schedule_with_warmup
+    from transformers.trainer_callback import (
+        CallbackHandler,
+        DefaultFlowCallback,
+        TrainerControl,
+        TrainerState,
+    )
+    from transformers.trainer_utils import IntervalStrategy, SaveStrategy
+
+    args = types.SimpleNamespace(
+        save_strategy=SaveStrategy.STEPS,
+        logging_strategy=IntervalStrategy.NO,
+        eval_strategy=IntervalStrategy.NO,
+        logging_first_step=False,
+        eval_delay=0,
+        save_steps=3,
+        logging_steps=500,
+        eval_steps=None,
+        max_steps=max_steps,
+    )
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = sched or get_linear_schedule_with_warmup(opt, 2, max_steps)
+    handler = CallbackHandler([DefaultFlowCallback(), callback], model, None, opt, sched)
+    state = TrainerState()
+    state.max_steps = max_steps
+    state.compute_steps(args, max_steps)
+    control = handler.on_train_begin(args, state, TrainerControl())
+    data = torch.utils.data.DataLoader(_Tokens(), batch_size=4)
+    while not control.should_training_stop:
+        for batch in data:
+            model(**batch).loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            state.global_step += 1
+            control = handler.on_step_end(args, state, control)
+            if control.should_save:
+                control = handler.on_save(args, state, control)
+            if control.should_training_stop:
+                break
+    handler.on_train_end(args, state, control)
+    return types.SimpleNamespace(
+        model=model, optimizer=opt, lr_scheduler=sched, state=state, args=args
+    )
+
+
+def test_hf_callback_protocol_saves_and_resumes(tmp_path):
+    pytest.importorskip("transformers")
+    from tiering_helpers import posix_config
+
+    from fmstore import CheckpointManager
+    from fmstore.integrations.hf import FmstoreCallback, restore
+
+    config = posix_config(
+        str(tmp_path / "tiers"), {"ladder": ["nvme", "lustre"]}, ("nvme", "lustre")
+    )
+    with CheckpointManager("runs/gpt", config=config, run_policies=False) as mgr:
+        run = _run_like_the_trainer(_tiny_gpt2(), FmstoreCallback(mgr), max_steps=6)
+        assert run.state.global_step == 6
+        assert mgr.steps() == [3, 6]
+        final = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+        opt = _cloned(run.optimizer.state_dict())
+        state = mgr.restore(6)
+        assert state["step"] == 6
+        for k, v in final.items():
+            assert torch.equal(state["model"][k], v), k
+
+        # restore() into another trainer-like object with its own optimizer and scheduler.
+        from transformers import get_linear_schedule_with_warmup
+
+        model2 = _tiny_gpt2()
+        opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+        other = type(run)(
+            model=model2,
+            optimizer=opt2,
+            lr_scheduler=get_linear_schedule_with_warmup(opt2, 2, 6),
+            state=type(run.state)(),
+            args=run.args,
+        )
+        assert restore(other, mgr) == 6
+        for k, v in other.model.state_dict().items():
+            assert torch.equal(v, final[k]), k
+        assert other.state.global_step == 6
+        got = other.optimizer.state_dict()
+        for pid, st in opt["state"].items():
+            for name, val in st.items():
+                assert torch.equal(torch.as_tensor(got["state"][pid][name]), val)
+        assert other.lr_scheduler.last_epoch == run.lr_scheduler.last_epoch == 6
+
+        # resume=True: training continues from step 6 up to max_steps=9, saving step 9.
+        cb = FmstoreCallback(mgr, resume=True)
+        run2 = _run_like_the_trainer(_tiny_gpt2(), cb, max_steps=9)
+        assert cb.restored_step == 6
+        assert run2.state.global_step == 9
+        assert mgr.steps() == [3, 6, 9]
