@@ -293,3 +293,63 @@ def test_hf_callback_protocol_saves_and_resumes(tmp_path):
         assert cb.restored_step == 6
         assert run2.state.global_step == 9
         assert mgr.steps() == [3, 6, 9]
+
+
+def test_lightning_checkpoint_on_a_tier_url(tmp_path):
+    from tiering_helpers import posix_config
+
+    from fmstore.config import set_config
+    from fmstore.integrations.lightning import FmstoreCheckpointIO
+
+    set_config(posix_config(str(tmp_path), {}, ("nvme", "s3")))
+    try:
+        pl.seed_everything(2)
+        io = FmstoreCheckpointIO()
+        model = TinyModule()
+        trainer = _trainer(1, str(tmp_path / "local"), io)
+        trainer.fit(model, _loader())
+        url = "nvme:runs/a/epoch=0.ckpt"
+        trainer.save_checkpoint(url)
+        io.wait()
+        assert os.path.isfile(tmp_path / "nvme" / "runs" / "a" / "epoch=0.ckpt" / "manifest.json")
+
+        resumed = TinyModule()
+        t2 = _trainer(2, str(tmp_path / "local2"), FmstoreCheckpointIO())
+        t2.fit(resumed, _loader(), ckpt_path=url)
+        assert t2.global_step == 6
+
+        io.remove_checkpoint(url)
+        assert not os.path.exists(
+            tmp_path / "nvme" / "runs" / "a" / "epoch=0.ckpt" / "manifest.json"
+        )
+        io.remove_checkpoint(url)  # nothing there: nothing done
+    finally:
+        set_config(None)
+
+
+def test_lightning_pickled_values_need_opt_ins(tmp_path):
+    import argparse
+
+    from fmstore.integrations.lightning import FmstoreCheckpointIO
+
+    state = {"state_dict": {"w": torch.ones(3)}, "hyper_parameters": argparse.Namespace(lr=0.1)}
+    path = str(tmp_path / "x.ckpt")
+    with pytest.raises(TypeError, match="hyper_parameters"):
+        FmstoreCheckpointIO().save_checkpoint(state, path)
+    io = FmstoreCheckpointIO(pickle=True)
+    io.save_checkpoint(state, path)
+    io.teardown()
+    with pytest.raises(Exception, match="weights_only"):
+        io.load_checkpoint(path)  # weights_only=True by default: pickles are refused
+    assert io.load_checkpoint(path, weights_only=False)["hyper_parameters"].lr == 0.1
+    assert (
+        FmstoreCheckpointIO(weights_only=False).load_checkpoint(path)["hyper_parameters"].lr == 0.1
+    )
+
+    # A torch.save file (written before switching to fmstore) loads too, and is removed.
+    old = str(tmp_path / "old.ckpt")
+    torch.save({"state_dict": {"w": torch.zeros(2)}}, old)
+    assert torch.equal(io.load_checkpoint(old)["state_dict"]["w"], torch.zeros(2))
+    io.remove_checkpoint(old)
+    io.remove_checkpoint(path)
+    assert not os.path.exists(old) and not os.path.exists(path)
