@@ -50,3 +50,81 @@ def import_mds_writer():  # type: ignore[no-untyped-def]
     from streaming import MDSWriter
 
     return MDSWriter
+
+
+def _permissive_torchvision() -> None:
+    """Register an importer for ``torchvision`` and all its submodules whose every name is
+    an empty class (classes of classes on attribute access).  ``pytorch_lightning`` imports
+    ``torchmetrics``, which imports dozens of torchvision names at import time (its image
+    metrics) because the torchvision distribution is installed; the Trainer never uses them.
+    Only used when the real torchvision cannot load."""
+    import importlib.abc
+    import importlib.machinery
+
+    def _init(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        pass
+
+    class _Name(type):
+        def __getattr__(cls, name: str) -> type:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _Name(name, (), {"__init__": _init})
+
+    class _Importer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path=None, target=None):  # type: ignore[no-untyped-def]
+            if name == "torchvision" or name.startswith("torchvision."):
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+            return None
+
+        def create_module(self, spec):  # type: ignore[no-untyped-def]
+            mod = types.ModuleType(spec.name)
+
+            def getattr_(name: str) -> type:
+                if name.startswith("__"):
+                    raise AttributeError(name)
+                return _Name(name, (), {"__init__": _init})
+
+            mod.__getattr__ = getattr_  # type: ignore[method-assign]
+            mod.__path__ = []
+            return mod
+
+        def exec_module(self, module):  # type: ignore[no-untyped-def]
+            pass
+
+    sys.meta_path.insert(0, _Importer())
+
+
+_trainer_libs_ready = False
+
+
+def prepare_trainer_libs() -> None:
+    """Make ``pytorch_lightning`` and ``transformers`` importable side by side when the
+    installed torchvision does not load on this torch (see the module docstring).
+
+    When the real torchvision loads, nothing is done.  Otherwise: transformers is imported
+    first with torchvision blocked, so it records torchvision as unavailable and never
+    imports it (its image code paths are then off); then the permissive stand-in above is
+    registered for torchmetrics, which pytorch_lightning imports and which trusts the
+    installed distribution's metadata rather than an import.  Neither library uses
+    torchvision for the CPU training the integration tests run."""
+    global _trainer_libs_ready
+    if _trainer_libs_ready:
+        return
+    _trainer_libs_ready = True
+    try:
+        import torchvision  # noqa: F401
+
+        return
+    except Exception:
+        pass
+    for name in list(sys.modules):
+        if name == "torchvision" or name.startswith("torchvision."):
+            del sys.modules[name]
+    sys.modules["torchvision"] = None  # type: ignore[assignment]  # find_spec -> None
+    try:
+        import transformers.utils.import_utils  # noqa: F401
+    except ModuleNotFoundError:
+        pass
+    finally:
+        del sys.modules["torchvision"]
+    _permissive_torchvision()

@@ -22,6 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "tiering": {"checkpoint", "format", "stores"},
     "testing": {"checkpoint", "format", "stores"},
     "cli": {"checkpoint", "format", "stores", "loaders", "tiering"},
+    "integrations": {"checkpoint", "format", "stores", "loaders", "tiering"},
     "demo": {"checkpoint", "format", "stores", "loaders", "tiering", "cli", "testing"},
     "__main__": {"cli"},
     # fmstore:// for fsspec: reads lazily staged files through, so it sits above tiering.

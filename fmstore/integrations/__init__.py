@@ -1,0 +1,7 @@
+"""Plugins for trainers: :mod:`.lightning` (a Lightning ``CheckpointIO``) and :mod:`.hf`
+(a Hugging Face ``TrainerCallback``).
+
+Nothing here is imported by ``fmstore`` itself, and each module imports its trainer library
+only when it is imported, so fmstore never needs Lightning or transformers installed.
+The layer sits at the top, beside ``cli``: it may use the library's every layer.
+"""

@@ -1,0 +1,196 @@
+"""A Lightning ``CheckpointIO`` that saves and loads through fmstore.
+
+``Trainer(plugins=[FmstoreCheckpointIO()])``: every checkpoint Lightning writes (through
+``ModelCheckpoint`` or ``trainer.save_checkpoint``) becomes an fmstore checkpoint at the
+path it names (a directory holding ``manifest.json`` and blobs), written in the background
+once snapshotted.  Paths may be any fmstore location: a local path, ``file://``,
+``TIER:path`` (a tier of ``fmstore.toml``), ``s3://bucket/key``.  See docs/integrations.md.
+
+Importing this module imports Lightning's ``CheckpointIO`` base class: from
+``lightning.fabric`` when the unified ``lightning`` package is already imported (or is the
+only one installed), else from ``lightning_fabric`` (what ``pytorch_lightning`` uses).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import shutil
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+from ..checkpoint import SaveHandle, async_save, load, save
+from ..stores import Location, open_store
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
+else:
+
+    def _checkpoint_io_base() -> type:
+        """Lightning's ``CheckpointIO`` of the Lightning the Trainer comes from (its
+        plugin check is an ``isinstance`` against that very class)."""
+        order = ["lightning_fabric", "lightning.fabric"]
+        if "lightning" in sys.modules or importlib.util.find_spec("lightning_fabric") is None:
+            order.reverse()
+        for pkg in order:
+            try:
+                mod = importlib.import_module(f"{pkg}.plugins.io.checkpoint_io")
+            except ImportError:
+                continue
+            return mod.CheckpointIO  # type: ignore[no-any-return]
+        raise ImportError(
+            "fmstore.integrations.lightning needs Lightning: pip install lightning "
+            "(or pytorch-lightning)"
+        )
+
+    CheckpointIO = _checkpoint_io_base()
+
+__all__ = ["FmstoreCheckpointIO"]
+
+
+def _url(path: Any) -> str:
+    return str(os.fspath(path))
+
+
+def _local_path(url: str) -> str | None:
+    return Location.parse(url).local_root
+
+
+class FmstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
+    """Saves Lightning checkpoints with :func:`fmstore.async_save`, loads them with
+    :func:`fmstore.load`.
+
+    ``save_checkpoint`` returns once the checkpoint is snapshotted (every tensor copied to
+    a host staging buffer); the write runs in the background, one at a time, like
+    Lightning's ``AsyncCheckpointIO``.  A failed write is raised by the next
+    ``save_checkpoint``, ``load_checkpoint``, ``remove_checkpoint`` or by ``teardown``
+    (which Lightning calls at the end of ``fit``), which waits for the last write.
+    ``async_save=False`` writes synchronously.
+
+    ``pickle``: Lightning checkpoints hold plain data (numbers, strings, dicts, tensors) as
+    long as the module's hyper-parameters are plain data; values fmstore cannot store
+    natively (a ``Namespace`` in ``hparams``, a callback's custom object) raise TypeError
+    naming their path unless ``pickle=True``.  ``weights_only``: the default for loading
+    when Lightning passes none (``trainer.fit(ckpt_path=..., weights_only=None)``, its
+    default): True, as in ``torch.load``, refuses pickled values; a checkpoint saved with
+    ``pickle=True`` needs ``weights_only=False`` here or in ``trainer.fit``.  An explicit
+    ``weights_only`` from Lightning wins.
+
+    ``overwrite`` (default True, as ``torch.save`` overwrites files): Lightning saves
+    ``last.ckpt`` again and again; each overwrite is atomic.  ``save_options`` go to
+    :func:`fmstore.save` (``compression``, ``chunk_size``, ...); a checkpoint's
+    ``storage_options`` (``trainer.save_checkpoint(path, storage_options=...)``) must be a
+    dict of the same and override them for that save.
+
+    Loading a plain file (a ``torch.save`` checkpoint written before switching to fmstore)
+    goes through ``torch.load`` with the same ``weights_only``.
+    """
+
+    def __init__(
+        self,
+        *,
+        async_save: bool = True,
+        weights_only: bool = True,
+        pickle: bool = False,
+        overwrite: bool = True,
+        save_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.async_save = async_save
+        self.weights_only = weights_only
+        self.pickle = pickle
+        self.overwrite = overwrite
+        self.save_options = dict(save_options or {})
+        self._lock = threading.Lock()
+        self._pending: list[SaveHandle] = []
+
+    # ---- saving ---------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(
+                f"{type(self).__name__}: storage_options must be a dict of fmstore.save "
+                f"options, not {type(storage_options).__name__}"
+            )
+        options = {**self.save_options, **(storage_options or {})}
+        options.setdefault("overwrite", self.overwrite)
+        options.setdefault("pickle", self.pickle)
+        url = _url(path)
+        self._raise_failed()
+        if not self.async_save:
+            save(checkpoint, url, **options)
+            return
+        handle = async_save(checkpoint, url, **options)
+        with self._lock:
+            self._pending.append(handle)
+
+    def _raise_failed(self, *, wait: bool = False) -> None:
+        """Forget finished saves; raise the first failure among them (all of them, waiting
+        for those in flight, with ``wait``)."""
+        with self._lock:
+            finished = [h for h in self._pending if wait or h.done()]
+            self._pending = [h for h in self._pending if h not in finished]
+        error: BaseException | None = None
+        for h in finished:
+            e = h.exception()  # waits for one still in flight
+            if e is not None and error is None:
+                error = e
+        if error is not None:
+            raise error
+
+    def wait(self) -> None:
+        """Wait for every save in flight; raise the first failure."""
+        self._raise_failed(wait=True)
+
+    def teardown(self) -> None:
+        self.wait()
+
+    # ---- loading --------------------------------------------------------------------------
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        self.wait()  # the checkpoint asked for may still be being written
+        url = _url(path)
+        wo = self.weights_only if weights_only is None else weights_only
+        local = _local_path(url)
+        if local is not None and os.path.isfile(local):
+            import torch
+
+            return torch.load(local, map_location=map_location, weights_only=wo)  # type: ignore[no-any-return]
+        return load(url, map_location=map_location, weights_only=wo)  # type: ignore[no-any-return]
+
+    # ---- removing -------------------------------------------------------------------------
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the checkpoint at ``path`` (manifest first, so a half-removed checkpoint is
+        never mistaken for one); a plain file is removed too.  Nothing there: nothing done."""
+        self.wait()
+        url = _url(path)
+        local = _local_path(url)
+        if local is not None:
+            if os.path.isfile(local) or os.path.islink(local):
+                os.remove(local)
+            elif os.path.isdir(local):
+                _remove_prefix(url)
+                shutil.rmtree(local, ignore_errors=True)  # the directories left empty
+            return
+        _remove_prefix(url)
+
+
+def _remove_prefix(url: str) -> None:
+    from .. import runtime
+    from ..tiering.mover import delete_checkpoint
+
+    async def go() -> None:
+        store = open_store(url)
+        try:
+            await delete_checkpoint(store)
+        finally:
+            await store.close()
+
+    runtime.run(go())
