@@ -61,7 +61,7 @@ def test_gc_removes_leftovers_and_dry_run_only_reports(tmp_path, fm):
     r = fm("ckpt", "gc", str(tmp_path))  # default age limit: a fresh leftover is kept
     assert r.returncode == 0 and leftover.exists()
     r = fm("ckpt", "gc", str(tmp_path), "--older-than", "0")
-    assert r.returncode == 0 and "1 committed checkpoints" in r.stdout
+    assert r.returncode == 0 and "1 committed checkpoint;" in r.stdout
     assert not leftover.exists()
     assert torch.equal(
         fmstore.load(tmp_path / "good")["w"], fmstore.load(tmp_path / "good")["model"]["tied"]

@@ -13,7 +13,7 @@ from rich.table import Table
 from .. import runtime
 from ..stores.base import Store
 from .main import ckpt
-from .util import human_bytes
+from .util import human_bytes, plural
 
 if TYPE_CHECKING:
     from ..format.manifest import Manifest
@@ -179,7 +179,9 @@ def verify(
             out.print(f"[red]BAD[/red] {problem}", highlight=False)
         out.print(f"{len(res.problems)} problem(s) in {store.url}")
         raise typer.Exit(1)
-    out.print(f"ok: {res.chunks} chunks, {human_bytes(res.bytes)} verified in {store.url}")
+    out.print(
+        f"ok: {plural(res.chunks, 'chunk')}, {human_bytes(res.bytes)} verified in {store.url}"
+    )
 
 
 def _inspect_dcp(uri: str, limit: int, as_json: bool = False) -> None:
@@ -279,8 +281,9 @@ def gc_cmd(
             f"[yellow]unreadable manifest, left alone: {u or '.'}[/yellow]", highlight=False
         )
     console.print(
-        f"{len(rep.checkpoints)} committed checkpoints; {verb} {len(rep.removed)} objects "
-        f"({human_bytes(rep.removed_bytes)}), {rep.temp_files} temp files"
+        f"{plural(len(rep.checkpoints), 'committed checkpoint')}; {verb} "
+        f"{plural(len(rep.removed), 'object')} ({human_bytes(rep.removed_bytes)}), "
+        f"{plural(rep.temp_files, 'temp file')}"
     )
 
 
