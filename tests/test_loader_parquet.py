@@ -240,17 +240,17 @@ def test_a_corrupt_file_is_corrupt_data_naming_it(tmp_path, damage):
     assert "part.parquet" in str(e.value)
 
 
-def test_footer_offsets_outside_the_file_are_refused(tmp_path):
+def test_column_chunks_outside_the_file_are_corrupt_data_when_read(tmp_path):
     f = _one_file(tmp_path)
     data = f.read_bytes()
-    # Append bytes before the footer: offsets still parse, but the declared size (the
-    # real object) no longer matches what the footer says lies where.
     n = struct.unpack("<I", data[-8:-4])[0]
     body, footer = data[: len(data) - 8 - n], data[len(data) - 8 - n :]
-    cut = body[:-200]  # column chunks of the last row group now run into the footer
-    f.write_bytes(cut + footer)
-    with pytest.raises(CorruptData, match="outside the file's data") as e:
-        StreamingDataset(str(f.parent), str(tmp_path / "cache"))
+    # The footer still parses and its row counts add up, but the later row groups' column
+    # chunks now lie past the end of the (shorter) file.
+    f.write_bytes(body[: len(body) // 2] + footer)
+    ds = StreamingDataset(str(f.parent), str(tmp_path / "cache"), shuffle=False)
+    with pytest.raises(CorruptData, match="row group") as e:
+        list(ds)
     assert "part.parquet" in str(e.value)
 
 
@@ -303,3 +303,41 @@ def test_inspect_shows_files_rows_row_groups_and_columns(dataset, fm):
     assert doc["columns"] == {"i": "int64", "s": "string"}
     assert [s["samples"] for s in doc["shard_list"]] == list(FILES)
     assert [s["row_groups"] for s in doc["shard_list"]] == [5, 6, 3, 6]
+
+
+@pytest.mark.fuzz
+def test_damaged_bytes_anywhere_give_only_fmstore_errors(tmp_path):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from fmstore.errors import FmstoreError
+
+    f = _one_file(tmp_path)
+    original = f.read_bytes()
+    n = struct.unpack("<I", original[-8:-4])[0]
+    footer_at = len(original) - 8 - n
+    count = [0]
+
+    @settings(
+        max_examples=int(os.environ.get("FMSTORE_FUZZ_EXAMPLES", "60")), deadline=None,
+        suppress_health_check=list(HealthCheck), database=None,
+    )  # fmt: skip
+    @given(
+        where=st.one_of(
+            st.integers(footer_at, len(original) - 1), st.integers(0, len(original) - 1)
+        ),
+        junk=st.binary(min_size=1, max_size=16),
+        cut=st.booleans(),
+    )
+    def check(where: int, junk: bytes, cut: bool) -> None:
+        data = original[:where] if cut else original[:where] + junk + original[where + len(junk) :]
+        f.write_bytes(data[: len(original)] if not cut else data)
+        count[0] += 1
+        try:
+            ds = StreamingDataset(str(f.parent), str(tmp_path / f"cache{count[0]}"), seed=count[0])
+            for r in ds:
+                assert set(r) == {"i", "x", "s", "tok"}
+        except FmstoreError:
+            pass
+
+    check()
