@@ -75,8 +75,7 @@ async def read_footer(store: Store, key: str, size: int) -> bytes:
         raise bad(f"its footer length {n} does not fit in its {size} bytes")
     if n > MAX_FOOTER:
         raise bad(f"its footer of {n} bytes is over the {MAX_FOOTER}-byte limit")
-    head = tail[:4] if size <= TAIL else await store.get_range(key, 0, 4)
-    if head != MAGIC:
+    if size <= TAIL and tail[:4] != MAGIC:  # larger files: checked when opened from the cache
         raise bad("no PAR1 magic at the start")
     if n + 8 <= len(tail):
         return tail[len(tail) - 8 - n : len(tail) - 8]
@@ -141,13 +140,14 @@ def load(
     from ... import runtime
 
     metas = sorted(metas, key=lambda m: m.key)
-    sem = asyncio.Semaphore(concurrency)
-
-    async def one(m: Any) -> bytes:
-        async with sem:
-            return await read_footer(store, m.key, m.size)
 
     async def all_footers() -> list[bytes]:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(m: Any) -> bytes:
+            async with sem:
+                return await read_footer(store, m.key, m.size)
+
         return list(await asyncio.gather(*(one(m) for m in metas)))
 
     footers = runtime.run(all_footers())
@@ -156,7 +156,13 @@ def load(
     first = ""
     for m, footer in zip(metas, footers, strict=True):
         md = parse_footer(footer, key=m.key, tier=store.tier)
-        cols = _schema(md, columns, m.key)
+        pa, _pq = _pa()
+        try:
+            cols = _schema(md, columns, m.key)
+        except pa.ArrowException as e:
+            raise CorruptData(
+                f"Parquet schema does not convert: {e}"[:300], tier=store.tier, key=m.key
+            ) from None
         if schema is None:
             schema, first = cols, m.key
         elif cols != schema:
@@ -254,6 +260,9 @@ class ParquetShardReader(ShardReader):
                 f"cached Parquet file does not open: {e}"[:300], key=spec.key
             ) from None
         try:
+            with open(path, "rb") as f:
+                if f.read(4) != MAGIC:
+                    raise ValueError("no PAR1 magic at the start")
             md = self.pf.metadata
             check_metadata(md)
             groups = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
@@ -262,7 +271,7 @@ class ParquetShardReader(ShardReader):
                     f"holds row groups of {groups} rows, but its footer said "
                     f"{list(spec.extra['row_groups'])} at start (the object changed?)"
                 )
-        except (ValueError, OSError, struct.error) as e:
+        except (ValueError, OSError) as e:
             self.close()
             raise CorruptData(f"Parquet file: {e}"[:300], key=spec.key) from None
         self.columns = columns
