@@ -3,7 +3,9 @@ against the floor (the same samples fed from memory), one run, one SeaweedFS.
 
     python -m benchmarks.loader [--size 2GiB] [--b-samples 100000] [--case a|b|both] [--quick]
 
-(a) ``--size`` bytes of uint16 tokens read as 2048-token sequences; (b) ``--b-samples``
+(a) ``--size`` bytes of uint16 tokens read as 2048-token sequences (and, as
+``fmstore-parquet``, the same sequences as a Parquet ``fixed_size_list<uint16>[2048]``
+column, files of 64 MiB, row groups of 1024 rows, pyarrow's default snappy); (b) ``--b-samples``
 samples of ~100 KB.  Each library converts the data with its own writer; everything is
 served from the same SeaweedFS started here.  Each reader runs in its own process through
 the same ``DataLoader`` (``--workers`` workers, batch ``--batch``): epoch 1 with an empty
@@ -36,7 +38,8 @@ from benchmarks.common import have, print_table, save_json
 SEQ = 2048
 B_SIZE = 100_000
 SHARD = 64 << 20
-PEERS = ("fmstore", "mosaic", "litdata", "webdataset")
+PEERS = ("fmstore", "fmstore-parquet", "mosaic", "litdata", "webdataset")
+PQ_ROW_GROUP = 1024
 
 
 def _size(text: str) -> int:
@@ -98,6 +101,10 @@ def write_all(
             os.unlink(os.path.join(work, "tok.npy"))
         else:
             write_samples(samples(), dst, shard_size=SHARD)
+    if "fmstore-parquet" in peers and case == "a":
+        write_parquet(seqs, os.path.join(work, "parquet"))
+        upload_dir(client, os.path.join(work, "parquet"), bucket, "parquet")
+        shutil.rmtree(os.path.join(work, "parquet"))
     if "mosaic" in peers:
         mds_writer = _mds_writer()
         out = os.path.join(work, "mds")
@@ -134,6 +141,23 @@ def write_all(
     )
 
 
+def write_parquet(seqs: np.ndarray, out: str) -> None:
+    """``seqs`` as Parquet files of about ``SHARD`` bytes, one ``tokens`` column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(out)
+    per_file = max(1, SHARD // seqs[0].nbytes)
+    for k, lo in enumerate(range(0, len(seqs), per_file)):
+        part = seqs[lo : lo + per_file]
+        col = pa.FixedSizeListArray.from_arrays(pa.array(part.reshape(-1)), SEQ)
+        pq.write_table(
+            pa.table({"tokens": col}),
+            os.path.join(out, f"train-{k:05d}.parquet"),
+            row_group_size=PQ_ROW_GROUP,
+        )
+
+
 def _mds_writer() -> Any:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from peer_libs import import_mds_writer  # the torchvision stand-in lives there
@@ -168,6 +192,15 @@ def make_loader(lib: str, case: str, cfg: dict[str, Any], cache: str, epoch: int
         ds = StreamingDataset(
             f"s3://{bucket}/fmstore", cache, batch_size=batch, storage_options=opts, **kw
         )
+        ds.set_epoch(epoch)
+        return StreamingDataLoader(ds, batch_size=batch, num_workers=workers)
+    if lib == "fmstore-parquet":
+        from fmstore.loaders import StreamingDataLoader, StreamingDataset
+
+        ds = StreamingDataset(
+            f"s3://{bucket}/parquet", cache, batch_size=batch, storage_options=opts,
+            format="parquet", transform=lambda s: s["tokens"],
+        )  # fmt: skip
         ds.set_epoch(epoch)
         return StreamingDataLoader(ds, batch_size=batch, num_workers=workers)
     if lib == "mosaic":
@@ -291,6 +324,7 @@ def available(peers: list[str]) -> tuple[list[str], list[str]]:
     ok, notes = [], []
     mods = {
         "fmstore": "fmstore",
+        "fmstore-parquet": "pyarrow",
         "mosaic": "streaming",
         "litdata": "litdata",
         "webdataset": "webdataset",
@@ -353,7 +387,8 @@ def main() -> None:
                     "work": case_work,
                     "timeout": args.timeout,
                 }
-                libs = ["floor", *[p for p in peers if case == "b" or p != "webdataset"]]
+                only = {"webdataset": "b", "fmstore-parquet": "a"}
+                libs = ["floor", *[p for p in peers if only.get(p, case) == case]]
                 for lib in libs:
                     rows.append(_subprocess(lib, case, cfg))
                 floor = next(r for r in rows if r["library"] == "floor" and r["case"] == case)

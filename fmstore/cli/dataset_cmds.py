@@ -14,7 +14,7 @@ from .main import HELP_MARKUP, app
 from .util import human_bytes, size_option
 
 dataset_app = typer.Typer(
-    help="Write and inspect streaming datasets (fmstore shards, token streams, WebDataset, MDS).",
+    help="Write and inspect streaming datasets (fmstore shards, token streams, WebDataset, MDS, Parquet).",
     no_args_is_help=True,
     rich_markup_mode=HELP_MARKUP,
 )
@@ -82,12 +82,15 @@ def inspect(
         ..., help="Dataset location: a path, s3://…, memory://…, or TIER:path."
     ),
     format: str | None = typer.Option(
-        None, "--format", help="fmstore, tokens, webdataset or mds (default: detect)."
+        None, "--format", help="fmstore, tokens, webdataset, mds or parquet (default: detect)."
     ),
     seq_len: int | None = typer.Option(
         None, "--seq-len", help="Sequence length, for token streams."
     ),
     dtype: str | None = typer.Option(None, "--dtype", help="Token dtype, for raw token files."),
+    columns: str | None = typer.Option(
+        None, "--columns", help="Parquet: comma-separated columns to read (default: all)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     shards: bool = typer.Option(False, "--shards", help="List every shard."),
 ) -> None:
@@ -95,12 +98,16 @@ def inspect(
     from ..loaders.formats import FormatOptions, load_format
     from ..stores import open_store
 
-    fmt = load_format(open_store(url), FormatOptions(format, seq_len, dtype))
+    cols = tuple(c.strip() for c in columns.split(",") if c.strip()) if columns else None
+    fmt = load_format(open_store(url), FormatOptions(format, seq_len, dtype, columns=cols))
     info = fmt.describe()
     rows: list[dict[str, Any]] = [
         {"key": s.key, "samples": s.samples, "bytes": s.size, "compression": s.compression}
         for s in fmt.shards
     ]
+    if fmt.name == "parquet":  # a Parquet shard is a file, a sample a row
+        for r, s in zip(rows, fmt.shards, strict=True):
+            r["row_groups"] = len(s.extra["row_groups"])
     if as_json:
         typer.echo(
             json.dumps({**info, **({"shard_list": rows} if shards else {})}, indent=1, default=str)
@@ -108,18 +115,24 @@ def inspect(
         return
     console = Console()
     t = Table(box=None, show_header=False)
+    words = {"shards": "files", "samples": "rows"} if fmt.name == "parquet" else {}
     for k, v in info.items():
-        t.add_row(k, human_bytes(v) if k == "bytes" else str(v))
+        if k == "columns" and isinstance(v, dict):
+            t.add_row(k, "\n".join(f"{c}: {typ}" for c, typ in v.items()) or "-")
+            continue
+        t.add_row(words.get(k, k), human_bytes(v) if k == "bytes" else str(v))
     console.print(t)
     if shards:
         st = Table(box=None)
-        for col in ("key", "samples", "bytes", "compression"):
-            st.add_column(col, justify="right" if col in ("samples", "bytes") else "left")
+        extra = ["row_groups"] if fmt.name == "parquet" else []
+        for col in ("key", "samples", "bytes", "compression", *extra):
+            st.add_column(col, justify="left" if col in ("key", "compression") else "right")
         for r in rows:
             st.add_row(
                 str(r["key"]),
                 str(r["samples"]),
                 human_bytes(r["bytes"]),
                 str(r["compression"] or ""),
+                *(str(r[c]) for c in extra),
             )
         console.print(st)

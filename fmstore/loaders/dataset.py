@@ -62,6 +62,7 @@ _FLAT = {
     "targets": ("format", "targets"),
     "allow_pickle": ("format", "allow_pickle"),
     "shard_bytes": ("format", "shard_bytes"),
+    "columns": ("format", "columns"),
 }
 
 
@@ -106,7 +107,7 @@ class StreamingDataset(tud.IterableDataset):
     Each field may also be given as a flat keyword, which sets that field: ``seed``,
     ``shuffle_window``, ``cache_limit``, ``prefetch``, ``max_concurrency``,
     ``direct_reads``, ``seq_len``, ``dtype``, ``targets``, ``allow_pickle``,
-    ``shard_bytes``.
+    ``shard_bytes``, ``columns``.
 
     ``batch_size``: the DataLoader's batch size, which makes the order a rank sees the same
     for any number of workers.  ``storage_options`` go to ``open_store``.
@@ -148,6 +149,7 @@ class StreamingDataset(tud.IterableDataset):
                     fo.targets,
                     fo.allow_pickle,
                     storage_options,
+                    fo.columns,
                 )
             ]
         if not streams:
@@ -178,8 +180,9 @@ class StreamingDataset(tud.IterableDataset):
         self._pid = os.getpid()
         for i, s in enumerate(self.streams):
             opts = FormatOptions(
-                s.format, s.seq_len, s.dtype, s.targets, fo.shard_bytes, s.allow_pickle
-            )
+                s.format, s.seq_len, s.dtype, s.targets, fo.shard_bytes, s.allow_pickle,
+                None if s.columns is None else tuple(s.columns),
+            )  # fmt: skip
             store = self._stores[i] = open_store(s.remote, **(s.storage_options or {}))
             self.formats.append(load_format(store, opts, index_dir=self.local))
         self.specs: list[tuple[int, ShardSpec]] = [

@@ -11,6 +11,7 @@ exactly as on one dataset.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,3 +29,5 @@ class Stream:
     allow_pickle: bool = False
     #: options for :func:`~fmstore.stores.open_store` (an S3 endpoint, credentials, ...)
     storage_options: dict[str, Any] | None = None
+    #: Parquet: the columns to read (None: all)
+    columns: Sequence[str] | None = None

@@ -2,7 +2,8 @@
 
 Detection at the dataset's root: an ``index.json`` written by fmstore → :mod:`.fmstore`
 (samples) or :mod:`.tokens` (tokens); an MDS ``index.json`` → :mod:`.mds`; otherwise
-``*.tar`` objects → :mod:`.wds`, ``*.bin`` / ``*.npy`` objects → :mod:`.tokens`.
+``*.tar`` objects → :mod:`.wds`, ``*.bin`` / ``*.npy`` objects → :mod:`.tokens`,
+``*.parquet`` objects (at any depth) → :mod:`.parquet`.
 """
 
 from __future__ import annotations
@@ -21,22 +22,24 @@ from ... import runtime
 from ...errors import ConfigError, CorruptData, NotFound
 from ...stores import Store
 from . import fmstore as fms
-from . import mds, tokens, wds
+from . import mds, parquet, tokens, wds
 from .base import DatasetFormat, ShardReader, ShardSpec
 
 __all__ = ["DatasetFormat", "FormatOptions", "ShardReader", "ShardSpec", "load_format"]
 
-FORMATS = ("fmstore", "tokens", "webdataset", "mds")
+FORMATS = ("fmstore", "tokens", "webdataset", "mds", "parquet")
 
 
 @dataclass(frozen=True)
 class FormatOptions:
     """How to read a dataset.
 
-    ``format``: one of ``fmstore``, ``tokens``, ``webdataset``, ``mds`` (``None``: detect).
+    ``format``: one of ``fmstore``, ``tokens``, ``webdataset``, ``mds``, ``parquet``
+    (``None``: detect).
     ``seq_len`` / ``dtype`` / ``targets``: token streams (sample = ``seq_len`` tokens, plus one
     for the targets when ``targets``).  ``shard_bytes``: size of the virtual shards a large
-    token file is cut into.  ``allow_pickle``: read MDS ``pkl`` columns.
+    token file is cut into.  ``allow_pickle``: read MDS ``pkl`` columns.  ``columns``: the
+    Parquet columns to read (``None``: all).
     """
 
     format: str | None = None
@@ -45,8 +48,13 @@ class FormatOptions:
     targets: bool = True
     shard_bytes: int = 64 << 20
     allow_pickle: bool = False
+    columns: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.columns is not None:
+            if isinstance(self.columns, str) or not all(isinstance(c, str) for c in self.columns):
+                raise ConfigError(f"columns must be a list of column names, not {self.columns!r}")
+            object.__setattr__(self, "columns", tuple(self.columns))
         if self.format is not None and self.format not in FORMATS:
             raise ConfigError(
                 f"unknown dataset format {self.format!r}; known: {', '.join(FORMATS)}"
@@ -123,16 +131,23 @@ def _load(store: Store, o: FormatOptions, index_dir: str | None) -> DatasetForma
     metas = [m for m in runtime.run(_list(store)) if not m.is_dir]
     tars = [m for m in metas if m.key.endswith(".tar")]
     toks = [m for m in metas if m.key.endswith((".bin", ".npy"))]
+    pqs = [m for m in metas if parquet.is_parquet_key(m.key)]
     if o.format in (None, "webdataset") and tars:
         return _wds(store, tars, index_dir)
     if o.format in (None, "tokens") and toks:
         return _tokens(store, toks, o)
+    if o.format in (None, "parquet") and pqs:
+        return parquet.load(store, pqs, o.columns)
+    if o.format == "parquet":
+        raise NotFound("no *.parquet files here", tier=store.tier, key=store.url)
     if not metas:
         raise NotFound(
             "no dataset here: no index.json and no shards", tier=store.tier, key=store.url
         )
     raise NotFound(
-        "no index.json, no .tar shards and no .bin/.npy token files", tier=store.tier, key=store.url
+        "no index.json, no .tar shards, no .bin/.npy token files and no .parquet files",
+        tier=store.tier,
+        key=store.url,
     )
 
 

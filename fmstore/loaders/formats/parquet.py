@@ -1,0 +1,324 @@
+"""Directories of Parquet files (what HF datasets, Spark and most pipelines write), read by
+row groups.
+
+A shard is one ``*.parquet`` file, cached whole like any shard; its samples are its rows,
+counted from the file's footer.  The footer is fetched with bounded ranged reads at start
+(one request for most files: the last 64 KiB), its length checked against the object's
+real size before it is read, and its row counts checked to add up; column chunk ranges are
+checked against the cached file by pyarrow's reader before it reads them.  A sample is a dict of
+column -> value: numbers and booleans as numpy scalars, strings as ``str``, binary as
+``bytes``, lists (and fixed-size lists) of numbers as 1-D numpy arrays, nulls as ``None``;
+other values (lists of strings, structs, maps, dates) as pyarrow's ``as_py()`` gives them.
+
+pyarrow is imported only when a Parquet dataset is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import struct
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ...errors import ConfigError, CorruptData, NotSupported
+from ...stores import Store
+from .base import DatasetFormat, ShardReader, ShardSpec, decoding
+
+MAGIC = b"PAR1"
+#: Bytes read from the end of each file at start: the footer of most files fits.
+TAIL = 64 << 10
+#: The largest footer believed (Thrift metadata of a file; real ones are KBs to a few MBs).
+MAX_FOOTER = 64 << 20
+#: Decoded row groups one open shard keeps (Arrow bytes), least recently used dropped first.
+ROW_GROUP_CACHE = 512 << 20
+
+
+def _pa() -> tuple[Any, Any]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:  # pragma: no cover - pyarrow is installed where Parquet is read
+        raise NotSupported("reading Parquet datasets needs pyarrow (pip install pyarrow)") from None
+    return pa, pq
+
+
+def is_parquet_key(key: str) -> bool:
+    """``*.parquet`` objects, skipping hidden and bookkeeping paths (``.cache/``, ``_temporary/``)."""
+    return key.endswith(".parquet") and not any(p[:1] in (".", "_") for p in key.split("/"))
+
+
+# ---- footers ---------------------------------------------------------------------------
+
+
+async def read_footer(store: Store, key: str, size: int) -> bytes:
+    """The Thrift footer of ``key`` (``size`` bytes), checked to lie inside the object."""
+
+    def bad(why: str) -> CorruptData:
+        return CorruptData(f"not a readable Parquet file: {why}", tier=store.tier, key=key)
+
+    if size < 12:
+        raise bad(f"{size} bytes is too short")
+    tail = await store.get_range(key, max(0, size - TAIL), size)
+    if len(tail) != min(size, TAIL):
+        raise bad(f"read {len(tail)} bytes of its last {min(size, TAIL)}")
+    if tail[-4:] == b"PARE":
+        raise NotSupported("encrypted Parquet footers are not supported", tier=store.tier, key=key)
+    if tail[-4:] != MAGIC:
+        raise bad("no PAR1 magic at the end (truncated, or not Parquet)")
+    (n,) = struct.unpack("<I", tail[-8:-4])
+    if n + 12 > size:
+        raise bad(f"its footer length {n} does not fit in its {size} bytes")
+    if n > MAX_FOOTER:
+        raise bad(f"its footer of {n} bytes is over the {MAX_FOOTER}-byte limit")
+    if size <= TAIL and tail[:4] != MAGIC:  # larger files: checked when opened from the cache
+        raise bad("no PAR1 magic at the start")
+    if n + 8 <= len(tail):
+        return tail[len(tail) - 8 - n : len(tail) - 8]
+    footer = await store.get_range(key, size - 8 - n, size - 8)
+    if len(footer) != n:
+        raise bad(f"read {len(footer)} bytes of its {n}-byte footer")
+    return footer
+
+
+def parse_footer(footer: bytes, *, key: str, tier: str | None = None) -> Any:
+    """The ``FileMetaData`` of a footer with its row counts checked; CorruptData naming the
+    file otherwise."""
+    pa, pq = _pa()
+    n = len(footer)
+    blob = MAGIC + footer + struct.pack("<I", n) + MAGIC
+    try:
+        md = pq.read_metadata(pa.BufferReader(blob))
+        check_metadata(md)
+    except ValueError as e:  # our checks
+        raise CorruptData(f"Parquet footer: {e}", tier=tier, key=key) from None
+    except (pa.ArrowException, OSError, RuntimeError) as e:
+        raise CorruptData(f"Parquet footer does not parse: {e}"[:300], tier=tier, key=key) from None
+    return md
+
+
+def check_metadata(md: Any) -> None:
+    """Raise ValueError unless the row groups' row counts are sane and add up.
+
+    Column chunks' byte ranges are not read here: pyarrow's ``RowGroupMetaData.column()``
+    aborts the process (an uncaught C++ exception) on some damaged footers, e.g. a size
+    histogram of the wrong length.  pyarrow's reader checks each chunk's range against the
+    (cached, size-checked) file before reading it, and a chunk outside the file is then
+    CorruptData naming the file and the row group."""
+    total = 0
+    for g in range(md.num_row_groups):
+        rows = md.row_group(g).num_rows
+        if rows < 0:
+            raise ValueError(f"row group {g} has {rows} rows")
+        total += rows
+    if total != md.num_rows:
+        raise ValueError(f"row groups hold {total} rows but the file says {md.num_rows}")
+
+
+# ---- the format -------------------------------------------------------------------------
+
+
+def _schema(md: Any, columns: Sequence[str] | None, key: str) -> list[tuple[str, str]]:
+    schema = md.schema.to_arrow_schema()
+    names = list(schema.names)
+    if columns is not None:
+        missing = [c for c in columns if c not in names]
+        if missing:
+            raise ConfigError(f"{key} has no column {missing[0]!r} (it has {', '.join(names)})")
+        names = list(columns)
+    return [(nm, str(schema.field(nm).type)) for nm in names]
+
+
+def load(
+    store: Store, metas: list[Any], columns: Sequence[str] | None, *, concurrency: int = 16
+) -> ParquetFormat:
+    """Every ``*.parquet`` object of ``metas`` (a listing) as a shard, from its footer."""
+    from ... import runtime
+
+    metas = sorted(metas, key=lambda m: m.key)
+
+    async def all_footers() -> list[bytes]:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(m: Any) -> bytes:
+            async with sem:
+                return await read_footer(store, m.key, m.size)
+
+        return list(await asyncio.gather(*(one(m) for m in metas)))
+
+    footers = runtime.run(all_footers())
+    shards: list[ShardSpec] = []
+    schema: list[tuple[str, str]] | None = None
+    first = ""
+    for m, footer in zip(metas, footers, strict=True):
+        md = parse_footer(footer, key=m.key, tier=store.tier)
+        pa, _pq = _pa()
+        try:
+            cols = _schema(md, columns, m.key)
+        except pa.ArrowException as e:
+            raise CorruptData(
+                f"Parquet schema does not convert: {e}"[:300], tier=store.tier, key=m.key
+            ) from None
+        if schema is None:
+            schema, first = cols, m.key
+        elif cols != schema:
+            raise ConfigError(
+                f"Parquet files disagree on columns: {first} has {schema}, {m.key} has {cols}"
+            )
+        groups = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+        if md.num_rows:
+            shards.append(
+                ShardSpec(key=m.key, samples=md.num_rows, size=m.size,
+                          extra={"row_groups": groups})
+            )  # fmt: skip
+    return ParquetFormat(shards, schema or [], None if columns is None else list(columns))
+
+
+class ParquetFormat(DatasetFormat):
+    name = "parquet"
+
+    def __init__(
+        self, shards: list[ShardSpec], schema: list[tuple[str, str]], columns: list[str] | None
+    ) -> None:
+        super().__init__(shards)
+        self.schema = schema
+        self.columns = columns
+
+    def open_shard(self, path: str, spec: ShardSpec) -> ShardReader:
+        return ParquetShardReader(path, spec, self.columns)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "row_groups": sum(len(s.extra["row_groups"]) for s in self.shards),
+            "columns": dict(self.schema),
+        }
+
+
+def _accessor(pa: Any, col: Any) -> Callable[[int], Any]:
+    """``i -> value`` over one column of a decoded row group (see the module's docstring)."""
+    arr = col.combine_chunks() if hasattr(col, "combine_chunks") else col
+    t = arr.type
+    numeric = pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+    get: Callable[[int], Any]
+    if numeric and not arr.null_count:
+        vals = arr.to_numpy(zero_copy_only=False)
+        get = vals.__getitem__
+    elif (pa.types.is_list(t) or pa.types.is_large_list(t)) and not arr.null_count:
+        vt = t.value_type
+        if not (pa.types.is_integer(vt) or pa.types.is_floating(vt)) or arr.values.null_count:
+            return lambda i: arr[i].as_py()
+        offs = arr.offsets.to_numpy()
+        vals = arr.values.to_numpy(zero_copy_only=False)
+
+        def get(i: int) -> Any:
+            return vals[offs[i] : offs[i + 1]].copy()
+
+    elif pa.types.is_fixed_size_list(t) and not arr.null_count:
+        vt = t.value_type
+        if not (pa.types.is_integer(vt) or pa.types.is_floating(vt)) or arr.values.null_count:
+            return lambda i: arr[i].as_py()
+        vals = arr.flatten().to_numpy(zero_copy_only=False).reshape(len(arr), t.list_size)
+
+        def get(i: int) -> Any:
+            return vals[i].copy()
+
+    elif numeric:
+        valid = arr.is_valid().to_numpy(zero_copy_only=False)
+        vals = arr.fill_null(False if pa.types.is_boolean(t) else 0).to_numpy(zero_copy_only=False)
+
+        def get(i: int) -> Any:
+            return vals[i] if valid[i] else None
+
+    else:
+
+        def get(i: int) -> Any:
+            return arr[i].as_py()
+
+    return get
+
+
+class ParquetShardReader(ShardReader):
+    """Rows of one cached Parquet file, decoded a row group at a time."""
+
+    def __init__(self, path: str, spec: ShardSpec, columns: list[str] | None) -> None:
+        # No memory map: pyarrow reads the file itself.
+        self.path = path
+        self.buf = np.zeros(0, np.uint8)
+        self._mm = None
+        self.key = spec.key
+        pa, pq = _pa()
+        self._pa = pa
+        try:
+            self.pf = pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as e:
+            raise CorruptData(
+                f"cached Parquet file does not open: {e}"[:300], key=spec.key
+            ) from None
+        try:
+            with open(path, "rb") as f:
+                if f.read(4) != MAGIC:
+                    raise ValueError("no PAR1 magic at the start")
+            md = self.pf.metadata
+            check_metadata(md)
+            groups = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+            if groups != list(spec.extra["row_groups"]):
+                raise ValueError(
+                    f"holds row groups of {groups} rows, but its footer said "
+                    f"{list(spec.extra['row_groups'])} at start (the object changed?)"
+                )
+        except (ValueError, OSError) as e:
+            self.close()
+            raise CorruptData(f"Parquet file: {e}"[:300], key=spec.key) from None
+        self.columns = columns
+        self.starts = np.cumsum([0, *groups]).tolist()
+        self.n = int(self.starts[-1])
+        self._groups: OrderedDict[int, tuple[int, list[tuple[str, Callable[[int], Any]]]]] = (
+            OrderedDict()
+        )
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _group(self, g: int) -> list[tuple[str, Callable[[int], Any]]]:
+        got = self._groups.get(g)
+        if got is not None:
+            self._groups.move_to_end(g)
+            return got[1]
+        pa = self._pa
+        try:
+            table = self.pf.read_row_group(g, columns=self.columns)
+            cols = [(nm, _accessor(pa, table.column(nm))) for nm in table.column_names]
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise CorruptData(f"row group {g} does not decode: {e}"[:300], key=self.key) from None
+        if table.num_rows != self.starts[g + 1] - self.starts[g]:
+            raise CorruptData(f"row group {g} decodes to {table.num_rows} rows", key=self.key)
+        size = int(table.nbytes)
+        while self._groups and self._bytes + size > ROW_GROUP_CACHE:
+            _g, (old, _c) = self._groups.popitem(last=False)
+            self._bytes -= old
+        self._groups[g] = (size, cols)
+        self._bytes += size
+        return cols
+
+    def get(self, index: int) -> dict[str, Any]:
+        if not 0 <= index < self.n:
+            raise IndexError(index)
+        g = bisect.bisect_right(self.starts, index) - 1
+        i = index - self.starts[g]
+        cols = self._group(g)
+        with decoding(self.key, index):  # e.g. a string column that is not UTF-8
+            return {nm: get(i) for nm, get in cols}
+
+    def close(self) -> None:
+        self._groups = OrderedDict()
+        pf = getattr(self, "pf", None)
+        if pf is not None:
+            with contextlib.suppress(Exception):
+                pf.close()
+            self.pf = None
