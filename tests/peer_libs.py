@@ -12,6 +12,9 @@ from __future__ import annotations
 import sys
 import types
 
+#: Set on every stand-in torchvision module, so a later caller can tell it from the real one.
+STAND_IN = "__fmstore_stand_in__"
+
 
 def _torchvision_stand_in() -> None:
     try:
@@ -21,6 +24,7 @@ def _torchvision_stand_in() -> None:
             if name == "torchvision" or name.startswith("torchvision."):
                 del sys.modules[name]
         tv = types.ModuleType("torchvision")
+        setattr(tv, STAND_IN, True)
         datasets = types.ModuleType("torchvision.datasets")
         transforms = types.ModuleType("torchvision.transforms")
         functional = types.ModuleType("torchvision.transforms.functional")
@@ -78,10 +82,13 @@ def _permissive_torchvision() -> None:
 
         def create_module(self, spec):  # type: ignore[no-untyped-def]
             mod = types.ModuleType(spec.name)
+            setattr(mod, STAND_IN, True)
 
             def getattr_(name: str) -> type:
                 if name.startswith("__"):
                     raise AttributeError(name)
+                if name in ("VisionDataset", "CIFAR10"):  # bases of streaming's vision classes
+                    return type(name, (), {"__init__": _init})
                 return _Name(name, (), {"__init__": _init})
 
             mod.__getattr__ = getattr_  # type: ignore[method-assign]
@@ -101,30 +108,44 @@ def prepare_trainer_libs() -> None:
     """Make ``pytorch_lightning`` and ``transformers`` importable side by side when the
     installed torchvision does not load on this torch (see the module docstring).
 
-    When the real torchvision loads, nothing is done.  Otherwise: transformers is imported
-    first with torchvision blocked, so it records torchvision as unavailable and never
-    imports it (its image code paths are then off); then the permissive stand-in above is
-    registered for torchmetrics, which pytorch_lightning imports and which trusts the
-    installed distribution's metadata rather than an import.  Neither library uses
-    torchvision for the CPU training the integration tests run."""
+    When the real torchvision loads, nothing is done.  Otherwise, whatever ran before (a
+    stand-in for mosaicml-streaming may already be registered): transformers is imported
+    with torchvision blocked and told it is unavailable, so it never imports it (its image
+    code paths are then off); then the permissive stand-in above replaces any other, for
+    torchmetrics, which pytorch_lightning imports and which trusts the installed
+    distribution's metadata rather than an import.  Neither library uses torchvision for
+    the CPU training the tests run."""
     global _trainer_libs_ready
     if _trainer_libs_ready:
         return
     _trainer_libs_ready = True
-    try:
-        import torchvision  # noqa: F401
-
+    if _real_torchvision_loads():
         return
-    except Exception:
-        pass
     for name in list(sys.modules):
         if name == "torchvision" or name.startswith("torchvision."):
             del sys.modules[name]
     sys.modules["torchvision"] = None  # type: ignore[assignment]  # find_spec -> None
     try:
-        import transformers.utils.import_utils  # noqa: F401
+        import transformers.utils.import_utils as iu
+
+        iu._torchvision_available = False  # also when imported while a stand-in was there
     except ModuleNotFoundError:
         pass
     finally:
         del sys.modules["torchvision"]
     _permissive_torchvision()
+
+
+def _real_torchvision_loads() -> bool:
+    tv = sys.modules.get("torchvision", False)
+    if tv is not False:  # imported already: the real one, a stand-in, or marked absent
+        return tv is not None and not getattr(tv, STAND_IN, False)
+    try:
+        import torchvision  # noqa: F401
+
+        return True
+    except Exception:
+        for name in list(sys.modules):
+            if name == "torchvision" or name.startswith("torchvision."):
+                del sys.modules[name]
+        return False

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -16,16 +15,11 @@ import fmstore
 
 
 def _transformers():  # type: ignore[no-untyped-def]
-    # The PyPI torchvision wheel does not load on the CPU build of torch used here
-    # ("operator torchvision::nms does not exist"), and transformers imports it when it
-    # is installed; GPT-2 needs none of it, so transformers is told it is absent.
-    try:
-        import torchvision  # noqa: F401
-    except Exception:
-        for name in list(sys.modules):
-            if name == "torchvision" or name.startswith("torchvision."):
-                del sys.modules[name]
-        sys.modules["torchvision"] = None  # type: ignore[assignment]
+    # The PyPI torchvision wheel does not load on the CPU build of torch used here, and
+    # transformers imports it when it is installed; GPT-2 needs none of it.
+    from peer_libs import prepare_trainer_libs
+
+    prepare_trainer_libs()
     return pytest.importorskip("transformers")
 
 
