@@ -32,8 +32,10 @@ import threading
 from typing import IO, Any
 
 from ..config import Config, TierConfig
+from .catalog import Catalog
 from .priority import lower_priority
 from .rules import ExportRule, Policies, ReleaseRule, RestoreRule, RetentionRule
+from .runner import BackgroundRunner, IdleSignal, PolicyRunner
 from .transfer import TransferOptions
 
 log = logging.getLogger("fmstore.tiering")
@@ -121,10 +123,7 @@ class PolicyHelper:
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._stdin = self._proc.stdin
         self._write_lock = threading.Lock()
-        self._cond = threading.Condition()
-        self._poked = 0
-        self._idle_at = -1
-        self._gone = False
+        self._signal = IdleSignal()
         self._send(line)
         self._reader = threading.Thread(
             target=self._read, args=(self._proc.stdout,), name="fmstore-helper-reader", daemon=True
@@ -137,39 +136,36 @@ class PolicyHelper:
 
     def _send(self, line: str) -> bool:
         with self._write_lock:
-            try:
-                self._stdin.write(line.encode())
-                self._stdin.flush()
-                return True
-            except (BrokenPipeError, ValueError, OSError):
-                return False
+            return self._send_locked(line)
+
+    def _send_locked(self, line: str) -> bool:
+        try:
+            self._stdin.write(line.encode())
+            self._stdin.flush()
+            return True
+        except (BrokenPipeError, ValueError, OSError):
+            return False
 
     def _read(self, out: IO[bytes]) -> None:
         for raw in out:
             parts = raw.split()
             if len(parts) == 2 and parts[0] == b"idle" and parts[1].isdigit():
-                with self._cond:
-                    self._idle_at = max(self._idle_at, int(parts[1]))
-                    self._cond.notify_all()
-        with self._cond:
-            self._gone = True
-            self._cond.notify_all()
+                self._signal.idle(int(parts[1]))
+        self._signal.end()
 
     def poke(self) -> int:
-        with self._cond:
-            self._poked += 1
-            n = self._poked
-            if not self._send("poke\n"):
-                self._gone = True
+        # Counted under the write lock: the helper numbers pokes in the order they arrive.
+        with self._write_lock:
+            n = self._signal.poke()
+            sent = self._send_locked("poke\n")
+        if not sent:
+            self._signal.end()
         return n
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until a step of the helper that began after this call finds nothing to do;
         False on timeout or when the helper is gone."""
-        n = self.poke()
-        with self._cond:
-            self._cond.wait_for(lambda: self._idle_at >= n or self._gone, timeout)
-            return self._idle_at >= n
+        return self._signal.wait(self.poke(), timeout)
 
     def close(self, timeout: float | None = 60.0) -> None:
         """Stop after the copy in flight; kill the helper if it has not exited by then."""
@@ -202,9 +198,6 @@ def main() -> int:
     logging.basicConfig(
         level=s["log_level"], format=f"fmstore policy helper [{os.getpid()}]: %(message)s"
     )
-    from .catalog import Catalog
-    from .runner import BackgroundRunner, PolicyRunner
-
     out = sys.stdout.buffer
     out_lock = threading.Lock()
 

@@ -371,6 +371,37 @@ class PolicyRunner:
         )
 
 
+class IdleSignal:
+    """Pokes counted, and the count a step that found nothing to do had seen: a waiter
+    for poke ``n`` is released by such a step that began after it (or when ``gone``)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.poked = 0
+        self.idle_at = -1
+        self.gone = False
+
+    def poke(self) -> int:
+        with self._cond:
+            self.poked += 1
+            return self.poked
+
+    def idle(self, seen: int) -> None:
+        with self._cond:
+            self.idle_at = max(self.idle_at, seen)
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        with self._cond:
+            self.gone = True
+            self._cond.notify_all()
+
+    def wait(self, n: int, timeout: float | None) -> bool:
+        with self._cond:
+            self._cond.wait_for(lambda: self.idle_at >= n or self.gone, timeout)
+            return self.idle_at >= n
+
+
 class BackgroundRunner:
     """Runs a :class:`PolicyRunner` in a daemon thread (of the policy helper process, see
     :mod:`.helper`, or of the training process itself).
@@ -393,17 +424,13 @@ class BackgroundRunner:
         self.interval = interval
         self._on_idle = on_idle
         self._wake = threading.Event()
-        self._cond = threading.Condition()
-        self._poked = 0  # pokes so far
-        self._idle_at = -1  # pokes seen before the newest step that found nothing to do
+        self._signal = IdleSignal()
         self._thread = threading.Thread(target=self._main, name="fmstore-policies", daemon=True)
         self.last: StepReport | None = None
         self._thread.start()
 
     def poke(self) -> int:
-        with self._cond:
-            self._poked += 1
-            n = self._poked
+        n = self._signal.poke()
         self._wake.set()
         return n
 
@@ -411,8 +438,7 @@ class BackgroundRunner:
         backoff = 0.0
         while not self.runner.stop.is_set():
             self._wake.clear()
-            with self._cond:
-                seen = self._poked
+            seen = self._signal.poked
             try:
                 self.last = self.runner.step()
                 backoff = 0.0 if not self.last.errors else min(max(1.0, backoff * 2), 60.0)
@@ -429,9 +455,7 @@ class BackgroundRunner:
                 and not last.did_something
                 and not last.errors
             ):
-                with self._cond:
-                    self._idle_at = seen
-                    self._cond.notify_all()
+                self._signal.idle(seen)
                 if self._on_idle is not None:
                     self._on_idle(seen)
             self._wake.wait(backoff or self.interval)
@@ -439,9 +463,7 @@ class BackgroundRunner:
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until a step that began after this call finds nothing to do (every policy
         satisfied, including for the saves recorded before the call)."""
-        n = self.poke()
-        with self._cond:
-            return self._cond.wait_for(lambda: self._idle_at >= n, timeout)
+        return self._signal.wait(self.poke(), timeout)
 
     def close(self, timeout: float | None = 60.0) -> None:
         self.runner.stop.set()
