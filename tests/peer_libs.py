@@ -3,8 +3,9 @@
 ``mosaicml-streaming`` imports ``torchvision`` when it is imported (for its vision
 datasets), and the PyPI torchvision wheel does not load on the CPU build of torch used
 here ("operator torchvision::nms does not exist").  The MDS writer never touches
-torchvision, so when the real one cannot load, a stand-in module with the three names
-``streaming`` imports is registered first.
+torchvision, so when the real one cannot load, a stand-in torchvision (every name an empty
+class) is registered first; :func:`prepare_trainer_libs` does the same for transformers and
+pytorch-lightning.
 """
 
 from __future__ import annotations
@@ -17,27 +18,9 @@ STAND_IN = "__fmstore_stand_in__"
 
 
 def _torchvision_stand_in() -> None:
-    try:
-        import torchvision  # noqa: F401
-    except Exception:
-        for name in list(sys.modules):
-            if name == "torchvision" or name.startswith("torchvision."):
-                del sys.modules[name]
-        tv = types.ModuleType("torchvision")
-        setattr(tv, STAND_IN, True)
-        datasets = types.ModuleType("torchvision.datasets")
-        transforms = types.ModuleType("torchvision.transforms")
-        functional = types.ModuleType("torchvision.transforms.functional")
-        datasets.VisionDataset = type("VisionDataset", (), {})  # type: ignore[attr-defined]
-        datasets.CIFAR10 = type("CIFAR10", (), {})  # type: ignore[attr-defined]
-        functional.to_tensor = lambda x: x  # type: ignore[attr-defined]
-        tv.datasets, tv.transforms, transforms.functional = datasets, transforms, functional  # type: ignore[attr-defined]
-        sys.modules.update({
-            "torchvision": tv,
-            "torchvision.datasets": datasets,
-            "torchvision.transforms": transforms,
-            "torchvision.transforms.functional": functional,
-        })  # fmt: skip
+    """The stand-in below, unless the real torchvision loads."""
+    if not _real_torchvision_loads():
+        _permissive_torchvision()
 
 
 def import_mds_writer():  # type: ignore[no-untyped-def]
@@ -56,12 +39,19 @@ def import_mds_writer():  # type: ignore[no-untyped-def]
     return MDSWriter
 
 
+_permissive_installed = False
+
+
 def _permissive_torchvision() -> None:
     """Register an importer for ``torchvision`` and all its submodules whose every name is
     an empty class (classes of classes on attribute access).  ``pytorch_lightning`` imports
     ``torchmetrics``, which imports dozens of torchvision names at import time (its image
     metrics) because the torchvision distribution is installed; the Trainer never uses them.
-    Only used when the real torchvision cannot load."""
+    Only used when the real torchvision cannot load; installed once."""
+    global _permissive_installed
+    if _permissive_installed:
+        return
+    _permissive_installed = True
     import importlib.abc
     import importlib.machinery
 

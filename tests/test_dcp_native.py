@@ -160,6 +160,7 @@ def test_truncated_distcp_is_refused(tmp_path, fm):
 
 
 def _rewrite_metadata(path, change) -> None:
+    # The file torch wrote in this test (trusted), changed here into a hostile one.
     md = pickle.loads((path / ".metadata").read_bytes())
     change(md)
     (path / ".metadata").write_bytes(pickle.dumps(md))
