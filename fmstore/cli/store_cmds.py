@@ -10,9 +10,6 @@ import os
 import re
 
 import typer
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
 from .. import runtime
 from ..errors import ConfigError
@@ -78,8 +75,14 @@ def ls(
         }
         typer.echo(json.dumps(doc))
         return
+    # rich on demand: loading it (30 ms) would delay the listing's first request.
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .progress import console as make_console
+
     fmt = (lambda n: str(n)) if in_bytes else human_bytes
-    console = Console(highlight=False)
+    console = make_console()
     if long:
         t = Table(box=None, show_header=True)
         t.add_column("size", justify="right")

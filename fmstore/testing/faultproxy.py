@@ -25,8 +25,8 @@ Rules match by method and path (a regular expression), fire with a probability
 (``rate``) and/or a fixed number of times (``times``), and can be changed at runtime with
 :meth:`FaultProxy.set_plan`, :meth:`FaultProxy.add` and :meth:`FaultProxy.clear`.
 :meth:`FaultProxy.down` stops listening (connections are refused, as when S3 is down)
-and :meth:`FaultProxy.up` listens again on the same port.  Counters: ``requests`` (seen)
-and ``injected`` (per fault kind).  The proxy runs its own event loop in a daemon thread.
+and :meth:`FaultProxy.up` listens again on the same port.  Counters: ``requests`` (seen,
+with their arrival times in ``arrivals``) and ``injected`` (per fault kind).  The proxy runs its own event loop in a daemon thread.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import re
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import TracebackType
@@ -163,6 +164,9 @@ class FaultProxy:
         self.upstream = (m.group(1), int(m.group(2)))
         self.port = 0
         self.requests = 0
+        #: ``time.perf_counter()`` when each request's head arrived (a benchmark reads the
+        #: first one to time a client's start-up up to its first request).
+        self.arrivals: list[float] = []
         self.injected: collections.Counter[str] = collections.Counter()
         self._rules: list[Rule] = []
         self._rules_lock = threading.Lock()
@@ -289,6 +293,7 @@ class FaultProxy:
                 if head is None:
                     return
                 self.requests += 1
+                self.arrivals.append(time.perf_counter())
                 parts = head.first.decode("latin-1").split(" ")
                 method, path = parts[0].upper(), parts[1] if len(parts) > 1 else "/"
                 rule = self._pick(method, path)
