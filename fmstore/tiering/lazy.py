@@ -193,12 +193,19 @@ async def fetch_async(
     skipped); a file whose source changed size since the listing is reported as failed."""
     src = open_store(idx.source)
     dst = open_store(idx.root)
-    existing = {}
-    for e in entries:
-        p = os.path.join(idx.root, e.key)
-        if os.path.exists(p):
-            existing[e.key] = await dst.stat(e.key)
-    return await copy_items(src, dst, [e.item() for e in entries], options, dst_existing=existing)
+    try:
+        existing = {}
+        for e in entries:
+            p = os.path.join(idx.root, e.key)
+            if os.path.exists(p):
+                existing[e.key] = await dst.stat(e.key)
+        return await copy_items(
+            src, dst, [e.item() for e in entries], options, dst_existing=existing
+        )
+    finally:
+        # Each fetch opens its own stores: close them, or every lazy open leaks a client.
+        closing = asyncio.gather(src.close(), dst.close(), return_exceptions=True)
+        await asyncio.shield(closing)
 
 
 def open(path: str, mode: str = "rb", **kwargs: Any) -> IO[Any]:  # noqa: A001 (mirrors builtins.open)
