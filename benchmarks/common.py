@@ -25,6 +25,32 @@ def drop_caches() -> bool:
         return False
 
 
+def dirty_bytes() -> int:
+    """Dirty + Writeback bytes in the page cache, from /proc/meminfo (0 where unreadable)."""
+    total = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(("Dirty:", "Writeback:")):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total
+
+
+def settle(max_dirty: int = 32 << 20, timeout: float = 60.0) -> bool:
+    """Bring the machine to the state every timed case starts from: no dirty pages left by
+    the case before (written back, waited for until under ``max_dirty``: other processes
+    may keep a little dirty) and the page cache dropped.  False when caches cannot be
+    dropped here (the case then starts warm)."""
+    deadline = time.monotonic() + timeout
+    os.sync()
+    while dirty_bytes() > max_dirty and time.monotonic() < deadline:
+        time.sleep(0.1)
+        os.sync()
+    return drop_caches()
+
+
 def timed(fn: Callable[[], Any], repeat: int = 1) -> float:
     """Best wall time of ``repeat`` runs of ``fn`` (seconds)."""
     best = float("inf")
