@@ -1,6 +1,7 @@
 """Checkpoint engine: fmstore.save / load / async_save against torch.save, DCP and the floors.
 
     python -m benchmarks.checkpoint [--size 1GiB,4GiB] [--quick] [--dir PATH] [--no-s3]
+                                    [--sections save,async,load,codecs,s3]
 
 The state is a transformer's bf16 weights plus fp32 Adam moments (exp_avg, exp_avg_sq):
 10 bytes per parameter.  For each size, in one run:
@@ -8,9 +9,12 @@ The state is a transformer's bf16 weights plus fp32 Adam moments (exp_avg, exp_a
 * sync save to a local directory: fmstore (compression raw, auto, bytegroup+zstd) vs
   torch.save + fsync vs DCP save (FileSystemWriter, sync_files=True) vs the raw floor (the
   same bytes written with large blocks into one file + fsync);
-* async stall (time the caller is blocked): fmstore.async_save (first call, and steady state
-  with the staging buffer reused) vs DCP async_save vs the memcpy floor (copying every tensor
-  once into preallocated memory);
+* async stall (time the caller is blocked): fmstore.async_save vs DCP async_save vs the
+  memcpy floor (copying every tensor once into preallocated, already touched memory).  Each
+  first call runs in a fresh process (a process that has touched and freed memory before
+  hands it out again without page faults): fmstore cold, fmstore after
+  ``prepare_async_save`` (its staging buffer faulted in beforehand), DCP; the steady state
+  is the best of the next two calls in the same process;
 * cold load (page cache dropped): fmstore.load (raw, raw+mmap, auto, bytegroup) vs
   torch.load vs DCP load vs the raw cold-read floor; a lazy load of 1% of the tensors (spread evenly; the
   share of bytes they hold is printed);
@@ -19,7 +23,9 @@ The state is a transformer's bf16 weights plus fp32 Adam moments (exp_avg, exp_a
 * S3 (SeaweedFS started here) save and load, vs s3torchconnector's S3Checkpoint + torch.save
   when it is installed.
 
-Peers that are not installed are skipped with a note.  Ratios: "vs floor" is floor time /
+Every timed case starts from the same state (``benchmarks.common.settle``): no dirty pages
+left by the case before and the page cache dropped, so a row agrees with the same case run
+alone.  Peers that are not installed are skipped with a note.  Ratios: "vs floor" is floor time /
 our time (1.0 = at the floor); "vs peer" is peer time / our time (2.0 = twice as fast).
 """
 
@@ -27,10 +33,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -39,7 +48,7 @@ from typing import Any
 import torch
 
 import fmstore
-from benchmarks.common import disk_of, drop_caches, have, print_table, save_json
+from benchmarks.common import disk_of, have, print_table, save_json, settle
 from fmstore.format.codecs import decode_into, encode
 
 BLOCK = 64 << 20
@@ -125,12 +134,13 @@ def row(
     return r
 
 
-def clean(path: str) -> None:
+def clean(path: str) -> bool:
+    """Remove ``path`` and :func:`settle`: the next case starts from a dropped cache."""
     if os.path.isdir(path):
         shutil.rmtree(path)
     elif os.path.exists(path):
         os.unlink(path)
-    os.sync()
+    return settle()
 
 
 def timed(fn: Any) -> float:
@@ -235,7 +245,63 @@ def bench_save(tag: str, state: Any, root: str, n: int) -> dict[str, float]:
     return t
 
 
-def bench_async(tag: str, state: Any, root: str, n: int) -> None:
+STALL_KINDS = ("fmstore", "fmstore-prepared", "dcp")
+
+
+def stall_child(kind: str, size: str, root: str) -> dict[str, float]:
+    """In a fresh process: build the state, then time the stall of a first async save and
+    of two more (steady state); ``fmstore-prepared`` calls ``prepare_async_save`` first."""
+    state = make_state(parse_size(size))
+    out: dict[str, float] = {}
+    if kind == "dcp":
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        warnings.simplefilter("ignore")
+
+        def start(path: str) -> Any:
+            w = dcp.FileSystemWriter(path, sync_files=True)
+            return dcp.async_save(state, storage_writer=w)
+    else:
+        if kind == "fmstore-prepared":
+            t0 = time.perf_counter()
+            fmstore.prepare_async_save(state).result()
+            out["prepare s"] = time.perf_counter() - t0
+
+        def start(path: str) -> Any:
+            return fmstore.async_save(state, path, compression="raw")
+
+    stalls = []
+    for i in range(3):
+        path = f"{root}/{kind}-{i}"
+        clean(path)
+        t0 = time.perf_counter()
+        fut = start(path)
+        stalls.append(time.perf_counter() - t0)
+        fut.result()
+        if i == 0:
+            out["commit s"] = time.perf_counter() - t0
+        shutil.rmtree(path, ignore_errors=True)
+    out["first"], out["steady"] = stalls[0], min(stalls[1:])
+    return out
+
+
+def run_stall_child(kind: str, size: str, root: str) -> dict[str, float] | None:
+    settle()
+    cmd = [sys.executable, "-m", "benchmarks.checkpoint", "--size", size, "--dir", root]
+    r = subprocess.run([*cmd, "--stall-child", kind], capture_output=True, text=True)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode != 0 or not lines:
+        NOTES.append(f"async stall of {kind} failed: {r.stderr.strip()[-300:]}")
+        return None
+    result: dict[str, float] = json.loads(lines[-1])
+    return result
+
+
+def bench_async(tag: str, size: str, state: Any, root: str, n: int) -> None:
     srcs = tensors_of(state)
     dsts = [torch.empty_like(t) for t in srcs]
     for d, s in zip(dsts, srcs):
@@ -248,42 +314,26 @@ def bench_async(tag: str, state: Any, root: str, n: int) -> None:
     floor = min(timed(memcpy) for _ in range(3))
     dsts.clear()  # give the memory back before the saves
     row(tag, "async stall", "floor: memcpy of every tensor", floor, n)
-    for label in ("first call", "steady state"):
-        clean(f"{root}/async")
-        t0 = time.perf_counter()
-        h = fmstore.async_save(state, f"{root}/async", compression="raw")
-        stall = time.perf_counter() - t0
-        h.result()
-        total = time.perf_counter() - t0
-        row(
-            tag,
-            "async stall",
-            f"fmstore.async_save ({label})",
-            stall,
-            n,
-            **{"vs floor": floor / stall, "commit s": total},
-        )
-    fmstore.checkpoint.snapshot.STAGING.release()
-    try:
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-
-        if not dist.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-            dist.init_process_group("gloo", rank=0, world_size=1)
-        clean(f"{root}/dcp-async")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            t0 = time.perf_counter()
-            fut = dcp.async_save(
-                state, storage_writer=dcp.FileSystemWriter(f"{root}/dcp-async", sync_files=True)
-            )
-            stall = time.perf_counter() - t0
-            fut.result()
-        row(tag, "async stall", "DCP async_save", stall, n, **{"vs floor": floor / stall})
-    except Exception as e:  # pragma: no cover
-        NOTES.append(f"DCP async_save skipped: {e!r}")
+    got = {k: run_stall_child(k, size, root) for k in STALL_KINDS}
+    peer = got["dcp"]
+    labels = {
+        "fmstore": "fmstore.async_save",
+        "fmstore-prepared": "fmstore.async_save after prepare_async_save",
+        "dcp": "DCP async_save",
+    }
+    for when, label in (("first", "first call, fresh process"), ("steady", "steady state")):
+        for kind in STALL_KINDS:
+            r = got[kind]
+            if r is None or (when == "steady" and kind == "fmstore-prepared"):
+                continue  # steady state does not depend on how the first call went
+            extra: dict[str, Any] = {"vs floor": floor / r[when]}
+            if kind != "dcp" and peer is not None:
+                extra["vs DCP"] = peer[when] / r[when]
+            if when == "first":
+                extra["commit s"] = r["commit s"]
+                if "prepare s" in r:
+                    extra["prepare s"] = r["prepare s"]
+            row(tag, "async stall", f"{labels[kind]} ({label})", r[when], n, **extra)
 
 
 def bench_load(tag: str, state: Any, root: str, n: int) -> None:
@@ -291,7 +341,7 @@ def bench_load(tag: str, state: Any, root: str, n: int) -> None:
     bufs[0].fill_(0)  # the floor reads into touched memory, the others allocate their own
 
     def cold(what: str, fn: Any, **extra: Any) -> float:
-        ok = drop_caches()
+        ok = settle()
         dt = timed(fn)
         return row(
             tag, "cold load" if ok else "load (WARM: cannot drop caches)", what, dt, n, **extra
@@ -445,7 +495,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one small size (128MiB)")
     ap.add_argument("--dir", default=None, help="local directory to write to (default: a temp dir)")
     ap.add_argument("--no-s3", action="store_true")
+    ap.add_argument(
+        "--sections",
+        default="save,async,load,codecs,s3",
+        help="which sections to run (load reads what save wrote)",
+    )
+    ap.add_argument("--stall-child", choices=STALL_KINDS, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.stall_child:  # one fresh-process measurement for bench_async
+        print(json.dumps(stall_child(args.stall_child, args.size, args.dir)))
+        return
+    sections = set(args.sections.split(","))
+    if "load" in sections:
+        sections.add("save")
     sizes = ["128MiB"] if args.quick else args.size.split(",")
     base = args.dir or tempfile.mkdtemp(prefix="fmstore-ckpt-bench-")
     os.makedirs(base, exist_ok=True)
@@ -458,11 +520,15 @@ def main() -> None:
             tag = f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"
             root = os.path.join(base, s)
             os.makedirs(root, exist_ok=True)
-            bench_save(tag, state, root, n)
-            bench_async(tag, state, root, n)
-            bench_load(tag, state, root, n)
-            bench_codecs(tag, state)
-            if not args.no_s3:
+            if "save" in sections:
+                bench_save(tag, state, root, n)
+            if "async" in sections:
+                bench_async(tag, s, state, root, n)
+            if "load" in sections:
+                bench_load(tag, state, root, n)
+            if "codecs" in sections:
+                bench_codecs(tag, state)
+            if "s3" in sections and not args.no_s3:
                 bench_s3(tag, state, n)
             shutil.rmtree(root, ignore_errors=True)
     finally:
@@ -476,6 +542,7 @@ def main() -> None:
         "GB/s",
         "vs floor",
         "vs fresh floor",
+        "vs DCP",
         "vs torch.save",
         "vs torch.load",
         "vs full load",
@@ -483,6 +550,7 @@ def main() -> None:
         "enc MB/s",
         "dec MB/s",
         "commit s",
+        "prepare s",
     ]
     text = print_table("checkpoint", ROWS, cols)
     for note in NOTES:

@@ -25,6 +25,55 @@ def drop_caches() -> bool:
         return False
 
 
+def dirty_bytes() -> int:
+    """Dirty + Writeback bytes in the page cache, from /proc/meminfo (0 where unreadable)."""
+    total = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(("Dirty:", "Writeback:")):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total
+
+
+_REPORTED = "/sys/module/page_reporting/parameters/reported_kib"
+
+
+def _reported_kib() -> int | None:
+    try:
+        with open(_REPORTED) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def settle(max_dirty: int = 32 << 20, timeout: float = 60.0) -> bool:
+    """Bring the machine to the state every timed case starts from: no dirty pages left by
+    the case before (written back, waited for until under ``max_dirty``: other processes
+    may keep a little dirty), the page cache dropped, and, on a VM whose balloon reports
+    free memory to the host, that reporting finished (quiet for 3 s): a page freed by the
+    drop costs a host fault on its next use once reported, so a case must not start while
+    part of the memory is reported and part not.  False when caches cannot be dropped here
+    (the case then starts warm)."""
+    deadline = time.monotonic() + timeout
+    os.sync()
+    while dirty_bytes() > max_dirty and time.monotonic() < deadline:
+        time.sleep(0.1)
+        os.sync()
+    dropped = drop_caches()
+    last, quiet_since = _reported_kib(), time.monotonic()
+    while last is not None and time.monotonic() - quiet_since < 3.0:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+        now = _reported_kib()
+        if now != last:
+            last, quiet_since = now, time.monotonic()
+    return dropped
+
+
 def timed(fn: Callable[[], Any], repeat: int = 1) -> float:
     """Best wall time of ``repeat`` runs of ``fn`` (seconds)."""
     best = float("inf")

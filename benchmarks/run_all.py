@@ -4,6 +4,7 @@
 
 Each benchmark runs as its own process (its own SeaweedFS, its own page-cache drops) with the
 sizes below; ``--quick`` passes each one's ``--quick`` (small sizes, to check the scripts).
+Then README.md's headline block is regenerated from the new RESULTS.md (``benchmarks.readme``).
 The tables each benchmark prints (markdown) are collected verbatim; every column of ratios
 (names starting ``x `` or containing ``vs``) becomes a bar chart.
 """
@@ -18,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import readme
 from benchmarks.common import machine
 
 HERE = Path(__file__).parent
@@ -185,6 +187,7 @@ def main() -> None:
         text = merge_sections(old.read_text(), text, only)
     old.write_text(text)
     print(f"wrote {HERE / 'RESULTS.md'}")
+    readme.main([])
 
 
 if __name__ == "__main__":

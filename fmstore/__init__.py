@@ -21,12 +21,14 @@ from .errors import (  # noqa: E402
 from .stores import open_store  # noqa: E402
 
 if TYPE_CHECKING:
-    from .checkpoint import SaveHandle, aload, asave, async_save, load, save
+    from .checkpoint import SaveHandle, aload, asave, async_save, load, prepare_async_save, save
     from .tiering.manager import CheckpointManager
 
 #: Names served by :mod:`fmstore.checkpoint`, imported on first use: it loads torch, which
 #: the storage layer and the CLI's staging commands do not need (seconds at start-up).
-_CHECKPOINT_NAMES = frozenset({"SaveHandle", "aload", "asave", "async_save", "load", "save"})
+_CHECKPOINT_NAMES = frozenset(
+    {"SaveHandle", "aload", "asave", "async_save", "load", "prepare_async_save", "save"}
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -62,6 +64,7 @@ __all__ = [
     "asave",
     "aload",
     "async_save",
+    "prepare_async_save",
     "SaveHandle",
     "AlreadyExists",
     "ConfigError",

@@ -19,7 +19,7 @@ from .loading import LazyDict, Materializer
 from .planner import DEFAULT_BLOB_SIZE, DEFAULT_CHUNK_SIZE, Planned, plan_save, resolve_auto
 from .reader import MapLocation, ReadOptions, read_manifest
 from .select import prune
-from .snapshot import STAGING, needs_staging, take_views
+from .snapshot import STAGING, needs_staging, reserve_staging, take_views
 from .tree import UnsupportedValue
 from .writer import WriteOptions, write_checkpoint
 
@@ -83,7 +83,7 @@ async def _save_core(obj: Any, uri: Uri, o: SaveOptions) -> Manifest:
     staged = needs_staging(planned)
     try:
         if staged:  # device tensors go through the shared staging buffer
-            await runtime.to_io(STAGING.lock.acquire)
+            await runtime.to_io(STAGING.acquire)
         try:
             views = await runtime.to_cpu(take_views, planned, copy_all=False)
             if o.compression == "auto":
@@ -357,7 +357,7 @@ def async_save(
         if prev is not None:
             cf.wait([prev._future])
         planned = _plan(obj, o)
-        STAGING.lock.acquire()
+        STAGING.acquire()
         try:
             views = take_views(planned, copy_all=True)
         except BaseException:
@@ -383,6 +383,20 @@ def async_save(
         handle = SaveHandle(runtime.submit(write()), uri)
         _inflight = handle
         return handle
+
+
+def prepare_async_save(obj: Any) -> cf.Future[int]:
+    """Get the staging buffer of :func:`async_save` ready for a state like ``obj``.
+
+    Returns at once.  A background thread allocates the buffer (the size a snapshot of
+    ``obj`` takes) and faults its pages in, so that the first ``async_save`` stalls the
+    caller no longer than the later ones: copying into fresh memory costs a page fault per
+    page, several times the copy itself.  Call it once the model and optimizer state exist
+    (optimizer moments are created by the first ``step()``).  The future gives the buffer's
+    size when it is ready (0 if an ``async_save`` came first and faulted the rest itself).
+    Staging stays one buffer, the size of the largest state prepared or saved.
+    """
+    return reserve_staging(_plan(obj, SaveOptions(pickle=True)))
 
 
 def wait_for_saves(timeout: float | None = None) -> None:

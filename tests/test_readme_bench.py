@@ -1,0 +1,64 @@
+"""README's headline figures are generated from benchmarks/RESULTS.md, never typed."""
+
+from __future__ import annotations
+
+from benchmarks import readme
+
+RESULTS = """# Benchmark results
+
+## checkpoint
+
+### checkpoint
+
+| size | group | what | s | vs floor | vs torch.save |
+|------|-------|------|---|----------|---------------|
+| 1 GiB | sync save | fmstore.save compression=raw | 1.00 | 0.84 | 1.08 |
+
+## dcp
+
+### DCP, 2 ranks, 2048 MiB total
+
+| tier | method | save x peer | load x peer | stall / peer |
+|------|--------|-------------|-------------|--------------|
+| s3 | fmstore | 1.06 | 1.36 | |
+| posix | fmstore | 1.49 | 1.37 | 0.13 |
+
+### DCP, 2 ranks, 2048 MiB total (again)
+
+| tier | method | save x peer | load x peer | stall / peer |
+|------|--------|-------------|-------------|--------------|
+| posix | fmstore | 1.33 | 1.09 | 0.11 |
+| s3 | fmstore | 1.21 | 2.33 | |
+"""
+
+
+def _line(block: str, what: str) -> str:
+    return next(ln for ln in block.splitlines() if ln.startswith(f"| {what} |"))
+
+
+def test_readme_block_matches_current_results():
+    # Fails when a figure in README.md was edited by hand or RESULTS.md changed without
+    # `python -m benchmarks.readme`.
+    assert readme.main(["--check"]) == 0
+
+
+def test_figures_come_from_the_results_text():
+    block = readme.render(RESULTS)
+    assert _line(block, "checkpoint sync save vs raw floor / vs torch.save").endswith(
+        "| 0.84× / 1.08× |"
+    )
+    # Several runs give a range; "newest run" rows read the last table only.
+    posix = _line(block, "DCP save / load / async stall vs FileSystemWriter / Reader (POSIX)")
+    assert posix.endswith("| 1.33–1.49× / 1.09–1.37× / 0.11–0.13× |")
+    s3 = _line(block, "DCP save / load on S3 vs s3torchconnector (newest run)")
+    assert s3.endswith("| 1.21× / 2.33× |")
+    # What the results do not hold is shown as missing, not carried over.
+    assert _line(block, "S3Store upload / download vs boto3 (1 and 16 objects)").endswith(
+        "| — / — |"
+    )
+
+
+def test_rewrite_replaces_only_the_marked_block():
+    text = f"intro\n{readme.BEGIN}\nold | 9.99×\n{readme.END}\noutro\n"
+    out = readme.rewrite(text, readme.render(RESULTS))
+    assert out.startswith("intro\n") and out.endswith("\noutro\n") and "9.99" not in out
