@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from fmstore.testing.faultproxy import FaultProxy, Rule
-from fmstore.tiering.crc import crc32c
+from fmstore.stores.crc import crc32c
 
 SMALL_N, SMALL_SIZE = 10_000, 4096
 BIG_N, BIG_SIZE = 3, 300 << 20

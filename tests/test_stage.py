@@ -704,7 +704,7 @@ def test_a_file_changing_while_copied_is_copied_again_and_counted_once(tmp_path)
 def test_crc_combine_equals_the_crc_of_the_concatenation():
     import random
 
-    from fmstore.tiering.crc import combine, combine_all, crc32c
+    from fmstore.stores.crc import combine, combine_all, crc32c
 
     rng = random.Random(7)
     for _ in range(100):

@@ -11,7 +11,7 @@ from stage_data import file_crcs, fm, kill9_when
 
 import fmstore
 from fmstore.errors import NotFound
-from fmstore.tiering.crc import crc32c
+from fmstore.stores.crc import crc32c
 from fmstore.tiering.lazy import INDEX_NAME
 
 

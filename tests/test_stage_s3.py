@@ -33,7 +33,7 @@ from fmstore import runtime
 from fmstore.errors import ConfigError
 from fmstore.stores import open_store
 from fmstore.testing.faultproxy import FaultProxy, Rule
-from fmstore.tiering.crc import crc32c
+from fmstore.stores.crc import crc32c
 
 pytestmark = pytest.mark.s3
 

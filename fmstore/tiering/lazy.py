@@ -38,7 +38,7 @@ from ..config import get_config
 from ..errors import ConfigError, CorruptData, FmstoreError, NotFound
 from ..stores import Location, open_store, split_tier
 from ..stores.base import ObjectMeta, PutOptions, Store
-from .crc import crc32c, from_hex, to_hex
+from ..stores.crc import crc32c, from_hex, to_hex
 from .journal import Journal
 from .transfer import (
     META_CRC,

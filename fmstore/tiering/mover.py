@@ -34,7 +34,7 @@ from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable, Tier
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores.base import PutOptions, Store
-from .crc import combine_all
+from ..stores.crc import combine_all
 from .journal import Journal
 from .transfer import CopyItem, TransferOptions, copy_items
 

@@ -38,7 +38,7 @@ from ..errors import ConfigError, FmstoreError, NotFound, PermissionDenied
 from ..stores import Location, open_store, split_tier
 from ..stores.base import ObjectMeta, Store
 from ..stores.location import scheme_of
-from .crc import crc32c
+from ..stores.crc import crc32c
 from .journal import Journal
 from .transfer import (
     CopyItem,

@@ -62,7 +62,7 @@ from ..stores.base import (
     part_bounds,
     part_count,
 )
-from .crc import combine_all, crc32c, crc32c_of, from_hex, to_hex
+from ..stores.crc import combine_all, crc32c, crc32c_of, from_hex, to_hex
 from .journal import Journal, PendingParts
 
 #: Metadata keys fmstore records on every object it writes (``x-amz-meta-…`` on S3).

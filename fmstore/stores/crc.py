@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import crc32c as _crc32c
 
-from ..stores.base import Buffer, Pieces, as_pieces
+from .types import Buffer, Pieces, as_pieces
 
 #: Reflected Castagnoli polynomial.
 _POLY = 0x82F63B78
@@ -98,3 +98,24 @@ def combine_all(parts: Iterable[tuple[int, int]]) -> int:
     for crc, length in parts:
         total = combine(total, crc, length)
     return total
+
+
+def from_b64(text: str | None) -> int | None:
+    """A CRC32C as S3 writes it (base64 of its 4 big-endian bytes), or None when absent or
+    malformed."""
+    if not text:
+        return None
+    import base64
+    import binascii
+
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return int.from_bytes(raw, "big") if len(raw) == 4 else None
+
+
+def composite_of(part_crcs: Iterable[int]) -> int:
+    """S3's composite checksum of a multipart object (without its ``-N`` suffix): the
+    CRC32C of its parts' CRC32Cs, each as 4 big-endian bytes."""
+    return crc32c(b"".join(c.to_bytes(4, "big") for c in part_crcs))
