@@ -2,12 +2,21 @@
 
 One check for both formats (a single-process checkpoint and a multi-rank DCP one), used by
 ``fmstore ckpt verify``, the tier mover (before and after a copy) and the policies.
+
+The manifest records a CRC32C per chunk; chunks lie at known offsets of their blob, with
+zero bytes between them, so each blob's whole CRC32C follows from the manifest alone
+(:func:`blob_checksums`).  That lets a check skip reading a blob whose storage vouches for
+its bytes: ``store_checksums=True`` compares each blob's whole CRC32C with the one the
+store computed itself when it took the bytes (:meth:`~fmstore.stores.base.Store.stored_crc32c`,
+on S3 the server's checksum, which it checked against the one the uploader sent), and with
+``written`` the CRC32C a copy took of the very bytes it wrote and synced.  A blob with
+neither is read back and checked chunk by chunk, as without them.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -16,6 +25,7 @@ from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
 from ..format.checksum import crc32c
 from ..format.manifest import DCP_FORMAT_NAME, MANIFEST_KEY, Manifest, sniff_format
 from ..stores.base import Store
+from ..stores.crc import combine_all
 from .reader import manifest_bytes
 
 if TYPE_CHECKING:
@@ -56,6 +66,11 @@ class VerifyResult:
     manifest_crc32c: int | None = None
     problems: list[str] = field(default_factory=list)
     bad: list[BadChunk] = field(default_factory=list)
+    #: Blobs vouched for without reading them: by the store's own checksum, by the
+    #: checksum of the bytes the copy wrote.  The others were read back.
+    by_store_checksum: int = 0
+    by_written_checksum: int = 0
+    read_back: int = 0
 
     @property
     def ok(self) -> bool:
@@ -90,6 +105,48 @@ def _layout(m: Manifest | DcpManifest) -> dict[int, list[_Chunk]]:
     return by_blob
 
 
+def blob_checksums(m: Manifest | DcpManifest) -> list[int | None]:
+    """Each blob's whole-object CRC32C, combined from its chunks' CRCs.
+
+    Chunks start at aligned offsets; the writer fills the gaps with zero bytes, whose CRC
+    is known, so the whole blob's checksum follows from the manifest without reading it.
+    None for a blob whose chunks overlap or overrun it (not written by this format), which
+    can then only be checked by reading it."""
+    layout = _layout(m)
+    out: list[int | None] = []
+    for i in range(len(m.blobs)):
+        size = m.blobs[i].size
+        pieces: list[tuple[int, int]] = []
+        pos = 0
+        for c in layout.get(i, []):
+            if c.offset < pos:
+                break
+            if c.offset > pos:
+                pieces.append((_zeros_crc(c.offset - pos), c.offset - pos))
+            pieces.append((c.crc32c, c.length))
+            pos = c.offset + c.length
+        else:
+            if pos <= size:
+                if pos < size:
+                    pieces.append((_zeros_crc(size - pos), size - pos))
+                out.append(combine_all(pieces))
+                continue
+        out.append(None)
+    return out
+
+
+_MiB_ZEROS_CRC = crc32c(bytes(1 << 20))
+
+
+def _zeros_crc(n: int) -> int:
+    """CRC32C of ``n`` zero bytes, without allocating more than 1 MiB."""
+    whole, rest = divmod(n, 1 << 20)
+    pieces = [(_MiB_ZEROS_CRC, 1 << 20)] * whole
+    if rest:
+        pieces.append((crc32c(bytes(rest)), rest))
+    return combine_all(pieces)
+
+
 async def read_any_manifest(
     store: Store, *, native: bool = False
 ) -> tuple[bytes, Manifest | DcpManifest | NativeCheckpoint]:
@@ -121,9 +178,18 @@ async def verify_checkpoint(
     *,
     progress: Callable[[int], None] | None = None,
     concurrency: int = 16,
+    store_checksums: bool = False,
+    written: Mapping[str, int] | None = None,
 ) -> VerifyResult:
     """Check every blob's size and every chunk's CRC32C (computed in the CPU pool) against
     the manifest, read from ``store`` when not given.
+
+    ``store_checksums``: a blob whose whole CRC32C the store computed itself is checked
+    against it instead of being read (see the module docstring).  ``written``: CRC32Cs of
+    blobs by key, taken from the bytes a copy wrote to ``store`` and synced; a blob listed
+    with the checksum the manifest implies is checked by its size alone.  Only for a copy
+    just made by this process: a read-back of pages it has just written comes from the
+    page cache and would prove nothing more.
 
     Never raises for bad data: problems are listed in the result (a missing manifest is a
     problem too); store outages raise :class:`~fmstore.errors.StoreUnavailable`.
@@ -156,9 +222,13 @@ async def verify_checkpoint(
 
     async def one(blob: int, chunks: list[_Chunk]) -> None:
         key = m.blob_key(blob)
+        stored: int | None = None
         async with gate:
             try:
-                size = (await store.stat(key)).size
+                if store_checksums:
+                    size, stored = await store.stored_crc32c(key)
+                else:
+                    size = (await store.stat(key)).size
             except NotFound:
                 res.problems.append(f"blob {key} is missing")
                 res.bad.extend(BadChunk(c.name, key, c.offset, "blob missing") for c in chunks)
@@ -170,6 +240,25 @@ async def verify_checkpoint(
                 BadChunk(c.name, key, c.offset, "blob has the wrong size") for c in chunks
             )
             return
+        want_crc = whole[blob] if whole is not None else None
+        if want_crc is not None and written is not None and written.get(key) == want_crc:
+            res.by_written_checksum += 1
+            count(chunks)
+            return
+        if want_crc is not None and stored is not None:
+            if stored == want_crc:
+                res.by_store_checksum += 1
+                count(chunks)
+            else:
+                res.problems.append(
+                    f"blob {key}: the store's CRC32C {stored:08x} is not the {want_crc:08x} "
+                    "its chunks' checksums give"
+                )
+                res.bad.extend(
+                    BadChunk(c.name, key, c.offset, "blob fails its checksum") for c in chunks
+                )
+            return
+        res.read_back += 1
         i = 0
         while i < len(chunks):
             j, start = i + 1, chunks[i].offset
@@ -201,6 +290,13 @@ async def verify_checkpoint(
                 progress(sum(c.length for c in chunks[i:j]))
             i = j
 
+    def count(chunks: list[_Chunk]) -> None:
+        res.chunks += len(chunks)
+        res.bytes += sum(c.length for c in chunks)
+        if progress is not None:
+            progress(sum(c.length for c in chunks))
+
+    whole = blob_checksums(m) if store_checksums or written else None
     layout = _layout(m)
     await asyncio.gather(*(one(b, layout.get(b, [])) for b in range(len(m.blobs))))
     res.problems.sort()

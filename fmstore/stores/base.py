@@ -127,6 +127,18 @@ class Store(abc.ABC):
     async def copy(self, src: str, dst: str, options: PutOptions = PutOptions()) -> ObjectMeta:
         """Copy ``src`` to ``dst`` within this store (server-side where possible)."""
 
+    async def stored_crc32c(self, key: str) -> tuple[int, int | None]:
+        """The size of ``key`` and the CRC32C of its bytes as the storage system itself
+        computed them, where it keeps one: on S3, the checksum the server checked against
+        the bytes it received when they were uploaded (asked for with
+        ``x-amz-checksum-mode``).  None for the CRC where the store has none to give (this
+        default: a plain ``stat``): a caller that needs proof must read the bytes.
+
+        Never a checksum from user metadata (``fmstore-crc32c``): that is a writer's claim,
+        not the storage's evidence.
+        """
+        return (await self.stat(key)).size, None
+
     async def sync(self) -> None:
         """Make every earlier ``durable=False`` write durable (a no-op where writes are
         durable when they return, as on S3)."""
@@ -416,6 +428,9 @@ class PrefixStore(Store):
 
     async def stat(self, key: str) -> ObjectMeta:
         return self._strip(await self.inner.stat(self._full(key)))
+
+    async def stored_crc32c(self, key: str) -> tuple[int, int | None]:
+        return await self.inner.stored_crc32c(self._full(key))
 
     async def list(
         self,

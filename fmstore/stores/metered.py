@@ -155,6 +155,10 @@ class MeteredStore(Store):
         with self._op("copy"):
             return await self.inner.copy(src, dst, options)
 
+    async def stored_crc32c(self, key: str) -> tuple[int, int | None]:
+        with self._op("stat"):
+            return await self.inner.stored_crc32c(key)
+
     async def sync(self) -> None:
         await self.inner.sync()
 

@@ -29,12 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..checkpoint.reader import read_manifest_bytes
-from ..checkpoint.verify import verify_checkpoint
+from ..checkpoint.verify import blob_checksums, verify_checkpoint
 from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable, TierFull
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores.base import PutOptions, Store
-from ..stores.crc import combine_all
 from .journal import Journal
 from .transfer import CopyItem, TransferOptions, copy_items
 
@@ -42,9 +41,10 @@ from .transfer import CopyItem, TransferOptions, copy_items
 #: concurrency, bwlimit and verify_destination: :func:`fmstore.tiering.daemon.settings_from_config`).
 #: Blobs up to ``multipart_threshold`` go as one object, bigger ones (checkpoint blobs are
 #: up to 256 MiB) in resumable parts of ``part_size``, so a killed copy redoes at most the
-#: parts in flight.  ``verify``: re-read every blob on the destination and check each
-#: chunk before committing (the engine already checks the bytes it read against the
-#: manifest on the way).
+#: parts in flight.  ``verify``: check every blob on the destination before committing,
+#: by the store's own checksum where it keeps one, else by reading it back (the engine
+#: already checks the bytes it read against the manifest on the way); see
+#: :func:`copy_checkpoint`.
 CHECKPOINT_COPY = TransferOptions(
     concurrency=16,
     part_size=16 << 20,
@@ -62,55 +62,6 @@ class CopyResult:
     bytes_skipped: int
     seconds: float
     already_there: bool = False
-
-
-def blob_checksums(m: Manifest) -> list[int | None]:
-    """Each blob's whole-object CRC32C, combined from its chunks' CRCs.
-
-    Chunks start at aligned offsets; the writer fills the gaps with zero bytes, whose CRC is
-    known, so the whole blob's checksum follows from the manifest without reading it.  The
-    copy engine checks every byte it reads against it: a copy is verified against the
-    manifest end to end.  None for a blob whose chunks overlap or overrun it (not written by
-    this format), which then gets only the chunk-wise check of ``verify_destination``.
-    """
-    spans: list[list[tuple[int, int, int]]] = [[] for _ in m.blobs]
-    for s in m.storages:
-        for c in s.chunks:
-            spans[c.blob].append((c.offset, c.length, c.crc32c))
-    out: list[int | None] = []
-    for i, parts in enumerate(spans):
-        parts.sort()
-        pieces: list[tuple[int, int]] = []
-        pos = 0
-        ok = True
-        for off, length, crc in parts:
-            if off < pos:
-                ok = False
-                break
-            if off > pos:
-                pieces.append((_zeros_crc(off - pos), off - pos))
-            pieces.append((crc, length))
-            pos = off + length
-        size = m.blobs[i].size
-        if not ok or pos > size:
-            out.append(None)
-            continue
-        if pos < size:
-            pieces.append((_zeros_crc(size - pos), size - pos))
-        out.append(combine_all(pieces))
-    return out
-
-
-_MiB_ZEROS_CRC = crc32c(bytes(1 << 20))
-
-
-def _zeros_crc(n: int) -> int:
-    """CRC32C of ``n`` zero bytes, without allocating more than 1 MiB."""
-    whole, rest = divmod(n, 1 << 20)
-    pieces = [(_MiB_ZEROS_CRC, 1 << 20)] * whole
-    if rest:
-        pieces.append((crc32c(bytes(rest)), rest))
-    return combine_all(pieces)
 
 
 async def copy_checkpoint(
@@ -137,7 +88,7 @@ async def copy_checkpoint(
     if existing is not None and crc32c(existing) == mcrc:
         # Committed on the destination already (a run killed after the commit): re-check
         # the blobs so "already there" never means "half there".
-        check = await verify_checkpoint(dst, manifest=manifest)
+        check = await verify_checkpoint(dst, manifest=manifest, store_checksums=True)
         if check.ok:
             return CopyResult(manifest, mcrc, 0, manifest.stored_bytes, 0.0, already_there=True)
         # The destination's blobs are damaged: remove the copy (manifest first) and copy
@@ -176,7 +127,22 @@ async def copy_checkpoint(
     if report.failures:
         _raise_for(report.failures, src, dst)
     if options.verify:
-        check = await verify_checkpoint(dst, manifest=manifest)
+        # What this proves, blob by blob (each against the CRC32C its manifest chunks give):
+        # * S3: the server checked every PUT and part against the CRC32C we sent (taken from
+        #   the bytes read, which matched the manifest) and refused any mismatch; its
+        #   HEAD checksum now equals the manifest's, so the object at the key holds those
+        #   bytes as far as the server can tell (no GET of the data).
+        # * POSIX: the CRC32C was taken of the very buffers written, then the destination
+        #   was synced; a read-back would come from the page cache just written and prove
+        #   nothing more, so only each blob's size is checked.
+        # * Elsewhere (a server keeping no checksum, blobs skipped as already copied on a
+        #   file system): the blob is read back and checked chunk by chunk.
+        check = await verify_checkpoint(
+            dst,
+            manifest=manifest,
+            store_checksums=True,
+            written=report.written if dst.local_root is not None else None,
+        )
         if not check.ok:
             # Find out whose fault it is: a bad source must not be copied again and again.
             src_check = await verify_checkpoint(src, manifest=manifest)

@@ -37,8 +37,8 @@ from ..config import Config, get_config
 from ..errors import ConfigError, FmstoreError, NotFound, PermissionDenied
 from ..stores import Location, open_store, split_tier
 from ..stores.base import ObjectMeta, Store
-from ..stores.location import scheme_of
 from ..stores.crc import crc32c
+from ..stores.location import scheme_of
 from .journal import Journal
 from .transfer import (
     CopyItem,

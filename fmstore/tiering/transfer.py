@@ -148,9 +148,14 @@ class Failure:
 
 @dataclass
 class TransferReport:
+    """``written``: the whole-object CRC32C of every object this run wrote, by destination
+    key, taken from the very bytes handed to the destination (and checked against the
+    source's expected checksum); objects skipped as identical are not in it."""
+
     progress: TransferProgress
     failures: list[Failure]
     seconds: float
+    written: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -254,6 +259,7 @@ class Transfer:
         self.progress = progress or TransferProgress()
         self.dst_existing = dst_existing
         self.failures: list[Failure] = []
+        self.written: dict[str, int] = {}
         self.bucket = TokenBucket(options.bwlimit) if options.bwlimit else None
         self.budget = ByteBudget(options.max_inflight_bytes)
         self.part_sem = asyncio.Semaphore(options.concurrency)
@@ -291,7 +297,7 @@ class Transfer:
             with contextlib.suppress(BaseException):
                 await flusher
             await asyncio.shield(self.journal.flush())
-        return TransferReport(p, list(self.failures), time.monotonic() - t0)
+        return TransferReport(p, list(self.failures), time.monotonic() - t0, dict(self.written))
 
     async def _flush_loop(self) -> None:
         last_sync = time.monotonic()
@@ -427,6 +433,7 @@ class Transfer:
 
     def _finish(self, item: CopyItem, dmeta: ObjectMeta, crc: int, version: str | None) -> None:
         # A POSIX destination applied the FSx attributes when it wrote the file.
+        self.written[item.dst_key] = crc
         self.journal.file_done(item.dst_key, dmeta.size, version, crc, dmeta.etag)
 
     def _check(self, item: CopyItem, what: str, expected: int | None, got: int) -> None:
@@ -462,12 +469,22 @@ class Transfer:
             self.progress.bytes_copied += len(data)
             del data
             if self.opt.verify:
-                self._check(
-                    item, "destination", crc, await self._crc(await self.dst.get(item.dst_key))
-                )
+                await self._verify_destination(item, crc)
             self._finish(item, dmeta, crc, version)
         finally:
             await self.budget.release(held)
+
+    async def _verify_destination(self, item: CopyItem, crc: int) -> None:
+        """``verify``: the destination's checksum of its copy, as the store computed it
+        when it took the bytes (S3: the server's, which it checked against the one we
+        sent), else the bytes read back; CorruptData unless it is ``crc``."""
+        size, got = await self.dst.stored_crc32c(item.dst_key)
+        if got is None:
+            if self._in_parts(size):
+                got = await self._read_crc(self.dst, item.dst_key, size)
+            else:
+                got = await self._crc(await self.dst.get(item.dst_key))
+        self._check(item, "destination", crc, got)
 
     def _in_parts(self, size: int) -> bool:
         """Whether an object is copied in parts: above the multipart threshold, or, from a
@@ -520,6 +537,7 @@ class Transfer:
             token=token,
             options=PutOptions(
                 metadata=early,
+                content_crc32c=expected,
                 durable=not self.batch_sync,
                 preserve_owner=self.opt.preserve_owner,
             ),
@@ -581,9 +599,7 @@ class Transfer:
                 part_crc32c={i: c for i, (c, _n) in crcs.items()},
             )
             if self.opt.verify:
-                self._check(
-                    item, "destination", whole, await self._read_crc(self.dst, item.dst_key, size)
-                )
+                await self._verify_destination(item, whole)
         except BaseException:
             # Not copied: a retry or the next run counts the parts it keeps as resumed.
             self.progress.bytes_copied -= counted

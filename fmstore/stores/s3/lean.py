@@ -455,6 +455,9 @@ def _object_fields(h: Mapping[str, str]) -> dict[str, Any]:
     crc = h.get("x-amz-checksum-crc32c")
     if crc:
         out["ChecksumCRC32C"] = crc
+    kind = h.get("x-amz-checksum-type")
+    if kind:
+        out["ChecksumType"] = kind
     return out
 
 

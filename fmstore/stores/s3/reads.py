@@ -16,8 +16,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from ... import runtime
-from ...errors import CorruptData, FmstoreError, InvalidRange, StoreUnavailable
+from ...errors import CorruptData, FmstoreError, InvalidRange, PermissionDenied, StoreUnavailable
 from ..base import Buffer, ObjectMeta
+from ..crc import combine_all, composite_of, from_b64
 from ..http1 import Sink
 from .core import S3Base
 from .options import META_CRC, META_PART_SIZE, STREAM_RING, writer_part_size
@@ -306,6 +307,78 @@ class S3Reads(S3Base):
     async def stat(self, key: str) -> ObjectMeta:
         full = self._full(key)
         return self._meta(key, await self._head(key, full))
+
+    async def stored_crc32c(self, key: str) -> tuple[int, int | None]:
+        """The server's CRC32C of the object (HEAD with ``x-amz-checksum-mode: ENABLED``).
+
+        What it proves: every upload of this backend sends the CRC32C of its bytes (whole
+        object or each part, and for multipart the whole one at completion), so the server
+        refuses bytes that do not match it and keeps the checksum it checked.  A
+        ``FULL_OBJECT`` (or single-part) checksum is returned as is; a composite one
+        (``crc-N``: the CRC of the parts' CRCs) is turned into the whole object's by
+        combining its parts' checksums where the server lists them (GetObjectAttributes),
+        after checking that they give the composite one.  None when the server keeps no
+        checksum for the object (written without one, or a server without flexible
+        checksums) or cannot list the parts'."""
+        full = self._full(key)
+        if self.options.checksum != "crc32c":
+            return (await self.stat(key)).size, None
+        try:
+            head = await self._head(key, full, ChecksumMode="ENABLED")
+        except PermissionDenied:
+            # SSE-KMS objects need kms:Decrypt for their checksum; the bytes are read instead.
+            return (await self.stat(key)).size, None
+        size = int(head.get("ContentLength", 0))
+        value = head.get("ChecksumCRC32C")
+        if not value:
+            return size, None
+        text, _, count = str(value).partition("-")
+        if count and not count.isdigit():
+            return size, None
+        if not count and head.get("ChecksumType") != "COMPOSITE":
+            return size, from_b64(text)
+        return size, await self._whole_from_parts(key, full, size, text, count, head.get("ETag"))
+
+    async def _whole_from_parts(
+        self, key: str, full: str, size: int, composite: str, count: str, etag: str | None
+    ) -> int | None:
+        """The whole object's CRC32C from the CRC32Cs and sizes of its parts, or None where
+        the server does not list them all, or they do not give its composite checksum."""
+        want = from_b64(composite)
+        pieces: list[tuple[int, int]] = []
+        marker = 0
+        try:
+            while True:
+                resp = await self._call(
+                    "stat",
+                    key,
+                    "get_object_attributes",
+                    Key=full,
+                    ObjectAttributes=["ETag", "ObjectParts"],
+                    MaxParts=1000,
+                    PartNumberMarker=marker,
+                )
+                if etag and unquote(resp.get("ETag")) != unquote(etag):
+                    return None  # replaced since the HEAD
+                parts = resp.get("ObjectParts") or {}
+                for p in parts.get("Parts") or []:
+                    crc = from_b64(p.get("ChecksumCRC32C"))
+                    if crc is None:
+                        return None
+                    pieces.append((crc, int(p.get("Size", -1))))
+                if not parts.get("IsTruncated"):
+                    break
+                marker = int(parts["NextPartNumberMarker"])
+        except FmstoreError:
+            return None  # no GetObjectAttributes here: the caller reads the bytes
+        if (
+            want is None
+            or (count and int(count) != len(pieces))
+            or sum(n for _c, n in pieces) != size
+            or composite_of(c for c, _n in pieces) != want
+        ):
+            return None
+        return combine_all(pieces)
 
 
 def _copy_chunks(out: memoryview, pos: int, chunks: list[Buffer]) -> None:

@@ -26,7 +26,7 @@ from ...errors import AlreadyExists, FmstoreError, NotFound, PreconditionFailed
 from ..base import Buffer, ObjectMeta, PutOptions
 from .core import S3Base
 from .options import META_CRC, META_PART_SIZE, META_PUT_TOKEN, MiB, put_part_size
-from .util import all_or_cancel, crc32c, quote, unquote
+from .util import all_or_cancel, b64, crc32c, quote, unquote
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +113,26 @@ class S3Uploads(S3Base):
         )
 
     async def _create_upload(
-        self, key: str, full: str, metadata: Mapping[str, str], *, checksums: bool = True
+        self,
+        key: str,
+        full: str,
+        metadata: Mapping[str, str],
+        *,
+        checksums: bool = True,
+        full_object: bool = False,
     ) -> str:
+        """Start a multipart upload.  ``checksums``: every part will carry its CRC32C;
+        ``full_object``: the server is asked to keep the whole object's CRC32C
+        (``FULL_OBJECT``, checked against the one :meth:`_complete` sends) rather than the
+        composite checksum of the parts, so a HEAD can later be compared with a checksum
+        computed anywhere else (a manifest's).  A server that ignores the request keeps a
+        composite one (see :meth:`~.reads.S3Reads.stored_crc32c`)."""
         self._check_metadata(key, metadata)
         extra: dict[str, Any] = dict(self._sse())
         if checksums and self.options.checksum == "crc32c":
             extra["ChecksumAlgorithm"] = "CRC32C"
+            if full_object:
+                extra["ChecksumType"] = "FULL_OBJECT"
         cli = await self._cli()
         retried = False
 
@@ -198,8 +212,16 @@ class S3Uploads(S3Base):
         upload_id: str,
         parts: list[dict[str, Any]],
         options: PutOptions,
+        *,
+        whole_crc32c: int | None = None,
     ) -> dict[str, Any]:
+        """Complete an upload.  ``whole_crc32c``: the whole object's CRC32C, for an upload
+        opened with ``full_object``: the server refuses to complete one whose parts do not
+        add up to it (nothing becomes visible)."""
         parts = sorted(parts, key=lambda p: p["PartNumber"])
+        sums: dict[str, Any] = {}
+        if whole_crc32c is not None and self.options.checksum == "crc32c":
+            sums = {"ChecksumCRC32C": b64(whole_crc32c), "ChecksumType": "FULL_OBJECT"}
         retried = False
 
         def note(_: BaseException) -> None:
@@ -215,6 +237,7 @@ class S3Uploads(S3Base):
                 UploadId=upload_id,
                 MultipartUpload={"Parts": parts},
                 **self._conditions(key, options),
+                **sums,
             )
 
         try:
@@ -252,12 +275,13 @@ class S3Uploads(S3Base):
         size = view.nbytes
         psize = put_part_size(self.options.part_size, size)
         metadata = dict(options.metadata or {})
+        crc: int | None = None
         if self.options.checksum != "off":
             crc = options.content_crc32c
             if crc is None:
                 crc = await runtime.to_cpu(crc32c, view)
             metadata[META_CRC] = f"{crc:08x}"
-        upload_id = await self._create_upload(key, full, metadata)
+        upload_id = await self._create_upload(key, full, metadata, full_object=True)
         done = False
         try:
 
@@ -270,7 +294,8 @@ class S3Uploads(S3Base):
             sem = asyncio.Semaphore(self.options.max_concurrency)
             count = -(-size // psize)
             parts = await all_or_cancel(one(i) for i in range(count))
-            resp = await self._complete(key, full, upload_id, parts, options)
+            whole = crc if self.options.checksum == "crc32c" else None
+            resp = await self._complete(key, full, upload_id, parts, options, whole_crc32c=whole)
             done = True
         finally:
             if not done:

@@ -53,6 +53,7 @@ from ..base import (
     part_bounds,
     part_count,
 )
+from ..crc import combine_all, from_b64
 from .options import META_PART_SIZE, writer_part_size
 from .uploads import S3Uploads
 from .util import b64, crc_off_loop, unquote
@@ -111,7 +112,11 @@ class S3PartWriter(PartWriter):
                 else:
                     return cls(store, key, full, upload_id, size, part_size, True, options)
         upload_id = await store._create_upload(
-            key, full, dict(options.metadata or {}), checksums=store.options.checksum == "crc32c"
+            key,
+            full,
+            dict(options.metadata or {}),
+            checksums=store.options.checksum == "crc32c",
+            full_object=True,
         )
         return cls(store, key, full, upload_id, size, part_size, False, options)
 
@@ -171,6 +176,7 @@ class S3PartWriter(PartWriter):
         have = await self._parts()
         known = {**(part_crc32c or {}), **self._crcs}
         parts = []
+        pieces: list[tuple[int, int]] = []  # (CRC32C, length) of each part, for the whole
         for i in range(n):
             start, end = part_bounds(i, self.size, self.part_size)
             p = have.get(i + 1)
@@ -195,8 +201,18 @@ class S3PartWriter(PartWriter):
                         key=self.key,
                     )
                 entry["ChecksumCRC32C"] = crc
+                value = from_b64(crc)
+                if value is not None:
+                    pieces.append((value, end - start))
             parts.append(entry)
-        head = await self.store._complete(self.key, self.full, self.upload_id, parts, self.options)
+        # The whole object's CRC32C, for the server to check its parts against: the
+        # caller's when it knows it (from the source), else the parts' combined.
+        whole = self.options.content_crc32c
+        if whole is None and self.crc_parts and len(pieces) == n:
+            whole = combine_all(pieces)
+        head = await self.store._complete(
+            self.key, self.full, self.upload_id, parts, self.options, whole_crc32c=whole
+        )
         self._done = True
         opened = dict(self.options.metadata or {})
         final = {**opened, **(metadata or {})}
