@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from fmstore.testing.faultproxy import FaultProxy, Rule
 from fmstore.stores.crc import crc32c
+from fmstore.testing.faultproxy import FaultProxy, Rule
 
 SMALL_N, SMALL_SIZE = 10_000, 4096
 BIG_N, BIG_SIZE = 3, 300 << 20

@@ -32,8 +32,8 @@ from stage_data import (
 from fmstore import runtime
 from fmstore.errors import ConfigError
 from fmstore.stores import open_store
-from fmstore.testing.faultproxy import FaultProxy, Rule
 from fmstore.stores.crc import crc32c
+from fmstore.testing.faultproxy import FaultProxy, Rule
 
 pytestmark = pytest.mark.s3
 

@@ -60,6 +60,18 @@ def test_copy_is_verified_and_commits_the_same_manifest(tmp_path, src):
     assert torch.equal(got["model"]["w"], state(1, n=200_000)["model"]["w"])
 
 
+def test_a_copy_to_a_file_system_is_verified_by_the_checksum_of_the_bytes_written(tmp_path, src):
+    dst = open_store(str(tmp_path / "dst"), tier="lustre")
+    res = runtime.run(copy_checkpoint(src, dst))
+    n = len(res.manifest.blobs)
+    assert res.check is not None and res.check.ok
+    assert res.check.by_written_checksum == n and res.check.read_back == 0
+    # A copy found already there was not written by this run: it is read back.
+    again = runtime.run(copy_checkpoint(src, dst))
+    assert again.already_there and again.check is not None
+    assert again.check.read_back == n and again.check.by_written_checksum == 0
+
+
 def test_blob_checksums_combine_the_chunk_checksums(src):
     from fmstore.format.checksum import crc32c
 

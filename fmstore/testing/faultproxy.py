@@ -19,14 +19,18 @@ forwards requests and responses byte for byte, except where its *plan* says othe
 * ``reset_request``: read the request head and part of its body, then reset, so an
   upload dies mid-body and never reaches the server;
 * ``corrupt_request`` / ``corrupt_response``: flip one bit in the middle of the request
-  (or response) body and forward it, as a bad NIC or proxy would.
+  (or response) body and forward it, as a bad NIC or proxy would;
+* ``strip_checksums``: forward the response without its ``x-amz-checksum-*`` headers, as
+  a server without flexible checksums would answer.
 
 Rules match by method and path (a regular expression), fire with a probability
 (``rate``) and/or a fixed number of times (``times``), and can be changed at runtime with
 :meth:`FaultProxy.set_plan`, :meth:`FaultProxy.add` and :meth:`FaultProxy.clear`.
 :meth:`FaultProxy.down` stops listening (connections are refused, as when S3 is down)
 and :meth:`FaultProxy.up` listens again on the same port.  Counters: ``requests`` (seen,
-with their arrival times in ``arrivals``) and ``injected`` (per fault kind).  The proxy runs its own event loop in a daemon thread.
+with their arrival times in ``arrivals``) and ``injected`` (per fault kind); ``calls``
+lists each request's method and path (with query), in order.  The proxy runs its own
+event loop in a daemon thread.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ FAULTS = (
     "reset_request",
     "corrupt_request",
     "corrupt_response",
+    "strip_checksums",
 )
 _MAX_HEAD = 64 * 1024
 
@@ -167,6 +172,7 @@ class FaultProxy:
         #: ``time.perf_counter()`` when each request's head arrived (a benchmark reads the
         #: first one to time a client's start-up up to its first request).
         self.arrivals: list[float] = []
+        self.calls: list[tuple[str, str]] = []
         self.injected: collections.Counter[str] = collections.Counter()
         self._rules: list[Rule] = []
         self._rules_lock = threading.Lock()
@@ -296,6 +302,7 @@ class FaultProxy:
                 self.arrivals.append(time.perf_counter())
                 parts = head.first.decode("latin-1").split(" ")
                 method, path = parts[0].upper(), parts[1] if len(parts) > 1 else "/"
+                self.calls.append((method, path))
                 rule = self._pick(method, path)
                 if rule is not None and rule.fault in ("slowdown", "error", "redirect"):
                     await self._answer_error(writer, rule.fault, path)
@@ -386,7 +393,12 @@ class FaultProxy:
     ) -> bool:
         """Forward one response, applying ``rule``; True when the connection stays usable."""
         status = int(resp.first.split(b" ")[1])
-        if rule is None or rule.fault == "corrupt_request":
+        if rule is not None and rule.fault == "strip_checksums":
+            resp = _Head(
+                resp.first,
+                [(k, v) for k, v in resp.headers if not k.lower().startswith("x-amz-checksum-")],
+            )
+        if rule is None or rule.fault in ("corrupt_request", "strip_checksums"):
             writer.write(resp.encode())
             await _relay_body(ur, writer, resp, request=False, method=method, status=status)
             await writer.drain()

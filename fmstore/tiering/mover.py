@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..checkpoint.reader import read_manifest_bytes
-from ..checkpoint.verify import blob_checksums, verify_checkpoint
+from ..checkpoint.verify import VerifyResult, blob_checksums, verify_checkpoint
 from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable, TierFull
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY, Manifest
@@ -62,6 +62,9 @@ class CopyResult:
     bytes_skipped: int
     seconds: float
     already_there: bool = False
+    #: The check of the destination before the commit (None with ``verify`` off): how
+    #: many blobs the store's checksum, the written bytes' checksum or a read-back vouched for.
+    check: VerifyResult | None = None
 
 
 async def copy_checkpoint(
@@ -88,9 +91,11 @@ async def copy_checkpoint(
     if existing is not None and crc32c(existing) == mcrc:
         # Committed on the destination already (a run killed after the commit): re-check
         # the blobs so "already there" never means "half there".
-        check = await verify_checkpoint(dst, manifest=manifest, store_checksums=True)
-        if check.ok:
-            return CopyResult(manifest, mcrc, 0, manifest.stored_bytes, 0.0, already_there=True)
+        there = await verify_checkpoint(dst, manifest=manifest, store_checksums=True)
+        if there.ok:
+            return CopyResult(
+                manifest, mcrc, 0, manifest.stored_bytes, 0.0, already_there=True, check=there
+            )
         # The destination's blobs are damaged: remove the copy (manifest first) and copy
         # again from scratch; the engine would otherwise trust the checksums it recorded
         # on the damaged blobs and skip them.
@@ -126,6 +131,7 @@ async def copy_checkpoint(
                 await journal.close()
     if report.failures:
         _raise_for(report.failures, src, dst)
+    check = None
     if options.verify:
         # What this proves, blob by blob (each against the CRC32C its manifest chunks give):
         # * S3: the server checked every PUT and part against the CRC32C we sent (taken from
@@ -169,6 +175,7 @@ async def copy_checkpoint(
         p.bytes_copied,
         p.bytes_skipped + p.bytes_resumed,
         time.monotonic() - t0,
+        check=check,
     )
 
 
