@@ -17,7 +17,8 @@ Same run, same checkpoint, same SeaweedFS:
    SeaweedFS runs at idle priority too (on a cluster it is another machine).
 
 "nvme" and "lustre" are directories on this machine's disk (``--dir``); the page cache is
-dropped before each copy where the machine allows it.  Prints one table and writes
+dropped before each copy where the machine allows it; each export runs ``--rounds`` times
+in rotating order (medians), after one untimed upload.  Prints one table and writes
 ``benchmarks/out/tiering.json``.  ``--quick`` (64 MiB) checks that the script works.
 
     python -m benchmarks.tiering --size 1024          # MiB of checkpoint
@@ -28,12 +29,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import shutil
 import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +45,7 @@ import fmstore
 from fmstore import runtime
 from fmstore.config import Config, TierConfig
 from fmstore.stores import open_store
+from fmstore.stores.base import Store
 from fmstore.testing.seaweed import SeaweedServer
 from fmstore.tiering import catalog as cat
 from fmstore.tiering.mover import CHECKPOINT_COPY, copy_checkpoint
@@ -85,6 +89,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="64 MiB, fewer training steps")
     ap.add_argument("--dir", default=None, help="where the nvme and lustre directories go")
     ap.add_argument("--steps", type=int, default=200, help="training steps per phase")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="runs of each export, rotating order (medians)"
+    )
     args = ap.parse_args()
     size = 64 * MiB if args.quick else args.size * MiB
     steps = 40 if args.quick else args.steps
@@ -126,59 +133,52 @@ def main() -> None:
             results["stored_bytes"] = stored
             src = open_store(src_dir, tier="nvme")
 
-            # 1. nvme -> lustre
+            # 1. nvme -> lustre and 2. nvme -> S3: every tool ``--rounds`` times in rotating
+            # order (medians reported), after one untimed upload (the server's first one
+            # pays for volume growth and connection set-up).
+            env = {
+                **os.environ,
+                "AWS_ACCESS_KEY_ID": s3.access_key,
+                "AWS_SECRET_ACCESS_KEY": s3.secret_key,
+                "AWS_REGION": s3.region,
+            }
+            runs: dict[tuple[str, str], Callable[[str], float]] = {}
             for verify in (True, False):
-                dst_dir = os.path.join(lustre, f"mover-{verify}")
-                dst = open_store(dst_dir, tier="lustre")
-                drop_caches()
-                t0 = time.perf_counter()
-                runtime.run(
-                    copy_checkpoint(
-                        src, dst, options=dataclasses.replace(CHECKPOINT_COPY, verify=verify)
-                    )
+                runs["nvme→lustre", _mover_name(verify)] = functools.partial(
+                    mover_run,
+                    src,
+                    lambda tag: open_store(os.path.join(lustre, tag), tier="lustre"),
+                    verify,
                 )
-                os.sync()
-                t = time.perf_counter() - t0
-                rows.append(row("nvme→lustre", _mover_name(verify), stored, t))
-            drop_caches()
-            t = run_cmd(["sh", "-c", f"cp -r {src_dir} {os.path.join(lustre, 'cp')} && sync"])
-            rows.append(row("nvme→lustre", "cp -r + sync", stored, t))
-
-            # 2. nvme -> S3
+            runs["nvme→lustre", "cp -r + sync"] = lambda tag: run_cmd(
+                ["sh", "-c", f"cp -r {src_dir} {os.path.join(lustre, tag)} && sync"]
+            )
             for verify in (True, False):
-                dst = open_store(f"s3://{bucket}/mover-{verify}", tier="s3", **s3opts)
-                drop_caches()
-                t0 = time.perf_counter()
-                runtime.run(
-                    copy_checkpoint(
-                        src, dst, options=dataclasses.replace(CHECKPOINT_COPY, verify=verify)
-                    )
+                runs["nvme→s3", _mover_name(verify)] = functools.partial(
+                    mover_run,
+                    src,
+                    lambda tag: open_store(f"s3://{bucket}/{tag}", tier="s3", **s3opts),
+                    verify,
                 )
-                t = time.perf_counter() - t0
-                rows.append(row("nvme→s3", _mover_name(verify), stored, t))
-                runtime.run(dst.close())
             if s5cmd:
-                env = {
-                    **os.environ,
-                    "AWS_ACCESS_KEY_ID": s3.access_key,
-                    "AWS_SECRET_ACCESS_KEY": s3.secret_key,
-                    "AWS_REGION": s3.region,
-                }
-                drop_caches()
-                t = run_cmd(
-                    [
-                        s5cmd,
-                        "--endpoint-url",
-                        s3.endpoint_url,
-                        "cp",
-                        src_dir + "/",
-                        f"s3://{bucket}/s5cmd/",
-                    ],
+                runs["nvme→s3", "s5cmd cp"] = lambda tag: run_cmd(
+                    [s5cmd, "--endpoint-url", s3.endpoint_url, "cp", src_dir + "/"]
+                    + [f"s3://{bucket}/{tag}/"],
                     env=env,
                 )
-                rows.append(row("nvme→s3", "s5cmd cp", stored, t))
             else:
                 rows.append({"case": "nvme→s3", "tool": "s5cmd cp", "note": "s5cmd not found"})
+            runs["nvme→s3", _mover_name(False)]("warm-up")
+            times: dict[tuple[str, str], list[float]] = {k: [] for k in runs}
+            keys = list(runs)
+            for r in range(args.rounds):
+                for case in ("nvme→lustre", "nvme→s3"):
+                    mine = [k for k in keys if k[0] == case]
+                    for k in mine[r % len(mine) :] + mine[: r % len(mine)]:
+                        drop_caches()
+                        times[k].append(runs[k](f"{keys.index(k)}-{r}"))
+            for (case, tool), ts in times.items():
+                rows.append(row(case, tool, stored, statistics.median(ts)))
 
             # 3. save() -> durable on S3
             t0 = time.perf_counter()
@@ -278,6 +278,21 @@ MODES = (
     ("thread", "policies in a trainer thread"),
     ("process", "policy helper at idle priority"),
 )
+
+
+def mover_run(src: Store, open_dst: Callable[[str], Store], verify: bool, tag: str) -> float:
+    """Seconds to copy the checkpoint to a fresh destination ``open_dst(tag)``; on a file
+    system until synced, as ``cp -r`` + ``sync``."""
+    dst = open_dst(tag)
+    t0 = time.perf_counter()
+    runtime.run(
+        copy_checkpoint(src, dst, options=dataclasses.replace(CHECKPOINT_COPY, verify=verify))
+    )
+    if dst.local_root is not None:
+        os.sync()
+    t = time.perf_counter() - t0
+    runtime.run(dst.close())
+    return t
 
 
 def _mover_name(verify: bool) -> str:
