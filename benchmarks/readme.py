@@ -46,6 +46,8 @@ class Headline:
     figs: tuple[Fig, ...]
     #: text between the figures (``" / "`` by default), one fewer than figs
     joins: tuple[str, ...] = field(default=())
+    #: text after the last figure
+    tail: str = ""
 
 
 def parse_results(text: str) -> dict[str, list[tuple[str, Table]]]:
@@ -120,6 +122,11 @@ def _s3(op: str, col: str) -> Fig:
 def _stage(title: str, set_: str, direction: str, tool: str, col: str = "ratio") -> Fig:
     where = {"set": set_, "direction": direction, "tool": tool}
     return Fig("stage", f"stage: {title}", where, col)
+
+
+def _start(command: str) -> Fig:
+    where = {"command": command}
+    return Fig("stage", "stage: start to first request", where, "first request s", "{:.2f} s")
 
 
 def _loader(case: str, col: str, fmt: str = "{:.2f}×") -> Fig:
@@ -213,25 +220,45 @@ HEADLINES: tuple[Headline, ...] = (
         (" / ", ", first batch "),
     ),
     Headline(
-        "`fmstore stage` vs s5cmd, 10,000 × 4 KiB up / down",
+        "`fmstore stage` vs s5cmd, 10,000 × 4 KiB up / down (synced vs s5cmd + sync; "
+        "--fsync none vs s5cmd)",
         (
             _stage("10000", "small", "local→S3", "s5cmd"),
+            _stage("10000", "small", "S3→local", "s5cmd + sync"),
             _stage("10000", "small", "S3→local", "s5cmd"),
         ),
+        (" / ", "; "),
     ),
     Headline(
-        "`fmstore stage` vs s5cmd, big files up / down (3 × 300 MiB)",
+        "`fmstore stage` vs s5cmd, 40 × 16 MiB up / down (synced vs s5cmd + sync; "
+        "--fsync none vs s5cmd)",
+        (
+            _stage("10000", "medium", "local→S3", "s5cmd"),
+            _stage("10000", "medium", "S3→local", "s5cmd + sync"),
+            _stage("10000", "medium", "S3→local", "s5cmd"),
+        ),
+        (" / ", "; "),
+    ),
+    Headline(
+        "`fmstore stage` vs s5cmd, 3 × 300 MiB up / down (synced vs s5cmd + sync; "
+        "--fsync none vs s5cmd)",
         (
             _stage("10000", "big", "local→S3", "s5cmd"),
+            _stage("10000", "big", "S3→local", "s5cmd + sync"),
             _stage("10000", "big", "S3→local", "s5cmd"),
         ),
+        (" / ", "; "),
     ),
     Headline(
-        "`fmstore stage` vs s5cmd, downloads of 40 × 16 MiB / 3 × 960 MiB",
+        "start to first S3 request: `fmstore ls` / `fmstore stage` (`s5cmd ls` / `s5cmd cp`)",
         (
-            _stage("40 × 16 MiB", "big", "S3→local", "s5cmd"),
-            _stage("3 × 960 MiB", "big", "S3→local", "s5cmd"),
+            _start("fmstore ls"),
+            _start("fmstore stage (download)"),
+            _start("s5cmd ls"),
+            _start("s5cmd cp (download)"),
         ),
+        (" / ", " (", " / "),
+        ")",
     ),
     Headline(
         "`fmstore stage` vs aws cli, 10,000 × 4 KiB up / down",
@@ -241,18 +268,18 @@ HEADLINES: tuple[Headline, ...] = (
         ),
     ),
     Headline(
-        "tiering export nvme→lustre / nvme→S3 vs cp -r + sync / s5cmd",
+        "verified tiering export nvme→lustre / nvme→S3 vs cp -r + sync / s5cmd cp",
         (
             Fig(
                 "tiering",
                 "export throughput",
-                {"case": "nvme→lustre", "tool": "fmstore mover"},
+                {"case": "nvme→lustre", "tool": "fmstore mover (verified)"},
                 "vs peer",
             ),
             Fig(
                 "tiering",
                 "export throughput",
-                {"case": "nvme→s3", "tool": "fmstore mover"},
+                {"case": "nvme→s3", "tool": "fmstore mover (verified)"},
                 "vs peer",
             ),
         ),
@@ -276,6 +303,7 @@ def render(results_text: str) -> str:
         text = render_fig(results, h.figs[0])
         for j, fig in zip(joins, h.figs[1:], strict=True):
             text += j + render_fig(results, fig)
+        text += h.tail
         lines.append(f"| {h.what} | {text} |")
     lines.append(END)
     return "\n".join(lines)
