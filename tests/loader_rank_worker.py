@@ -3,8 +3,11 @@
 ``python -m torch.distributed.run --nproc_per_node=4 tests/loader_rank_worker.py CFG``
 
 ``CFG`` is JSON: ``remote`` (an ``s3://`` dataset), ``cache`` (the node cache every rank
-shares), ``out``, ``workers``, ``batch``, ``limit`` (the cache limit, or null), ``direct_reads``
-and ``epochs``: the store options of each epoch in turn.  Every rank streams epoch ``e``
+shares), ``out``, ``workers``, ``batch``, ``limit`` (the cache limit, or null), ``direct_reads``,
+``lockstep`` (ranks meet after every batch, as DDP's gradient all-reduce makes them; else
+each runs free), ``stagger`` (rank ``r > 0`` starts an epoch only once rank ``r - 1`` has
+taken that many batches: ranks far apart, as after a slow start) and ``epochs``: the store
+options of each epoch in turn.  Every rank streams epoch ``e``
 through a ``StreamingDataLoader`` whose store talks to ``epochs[e]``'s endpoint (the test
 gives each epoch its own proxy, so it can count each epoch's requests apart), writes the
 sample ids it got to ``OUT/e{e}-r{rank}.json`` and waits for every rank at a barrier
@@ -16,8 +19,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import warnings
 
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,6 +34,10 @@ warnings.filterwarnings("ignore")
 
 def sample_id(sample: dict) -> int:
     return int(sample["i"])
+
+
+def go_file(out: str, epoch: int, rank: int) -> str:
+    return os.path.join(out, f"e{epoch}-go-r{rank}")
 
 
 def main() -> None:
@@ -47,7 +56,19 @@ def main() -> None:
         )
         ds.set_epoch(epoch)
         dl = StreamingDataLoader(ds, batch_size=cfg["batch"], num_workers=cfg["workers"])
-        got = [int(x) for b in dl for x in b]
+        stagger = cfg.get("stagger", 0)
+        if stagger and rank > 0:
+            while not os.path.exists(go_file(cfg["out"], epoch, rank)):
+                time.sleep(0.01)  # until rank - 1 is far enough ahead
+        got: list[int] = []
+        for k, b in enumerate(dl):
+            got.extend(int(x) for x in b)
+            if cfg["lockstep"]:
+                dist.all_reduce(torch.zeros(1))
+            if stagger and k + 1 == stagger:
+                open(go_file(cfg["out"], epoch, rank + 1), "w").close()
+        if stagger:
+            open(go_file(cfg["out"], epoch, rank + 1), "w").close()
         with open(os.path.join(cfg["out"], f"e{epoch}-r{rank}.json"), "w") as f:
             json.dump(got, f)
         dist.barrier()

@@ -4,15 +4,17 @@ request (tests/loader_rank_worker.py runs in each rank)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 from loader_helpers import write_jsonl
 
-from fmstore.loaders import write_dataset
+from fmstore.loaders import ShardCache, write_dataset
 from fmstore.loaders.formats import FormatOptions, load_format
 from fmstore.stores import open_store
 from fmstore.testing.faultproxy import FaultProxy, tally
@@ -31,29 +33,50 @@ def torchrun(cfg: dict, timeout: float) -> tuple[int, str]:
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={RANKS}",
         "--master-addr=127.0.0.1", f"--master-port={free_ports(1)[0]}", WORKER, json.dumps(cfg),
     ]  # fmt: skip
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    return p.returncode, p.stdout + p.stderr
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [p.pid, *descendants(p.pid)]:  # ranks run in sessions of their own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        return -1, f"hung past {timeout} s\n{out}"
+    return p.returncode, out
 
 
-@pytest.fixture
-def dataset(tmp_path, s3_server, s3_bucket):
-    """~10 shards on S3, and their specs as the loader sees them."""
-    url = f"s3://{s3_bucket}/ds"
+def descendants(pid: int) -> list[int]:
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{d}/stat") as f:
+                parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+    out, todo = [], [pid]
+    while todo:
+        kids = [c for c, pp in parent.items() if pp == todo.pop()]
+        out += kids
+        todo += kids
+    return out
+
+
+def make_dataset(tmp_path, s3_server, bucket: str, samples: int) -> tuple[str, list]:
+    """``samples`` samples in shards of ~3 kB on S3, and the specs the loader sees."""
+    url = f"s3://{bucket}/ds"
     store = open_store(url, **s3_server.store_options())
-    write_dataset(write_jsonl(tmp_path / "src.jsonl", SAMPLES), store, shard_size=3000)
+    write_dataset(write_jsonl(tmp_path / "src.jsonl", samples), store, shard_size=3000)
     shards = load_format(store, FormatOptions()).shards
     assert len(shards) >= 2 * RANKS  # more shards than ranks: workers meet on shared shards
     return url, shards
 
 
-def run_epochs(tmp_path, s3_server, url, proxies, **cfg) -> list[list[int]]:
-    """Each epoch through its own proxy; the ids every rank got, per epoch (all ranks)."""
+def run_epochs(tmp_path, s3_server, url, proxies, samples: int, **cfg) -> list[list[int]]:
+    """Each epoch through its own proxy; the ids all ranks got, sorted, per epoch."""
     out = tmp_path / "out"
     out.mkdir()
     opts = s3_server.store_options()
     full = {
         "remote": url, "cache": str(tmp_path / "cache"), "out": str(out), "workers": WORKERS,
-        "batch": BATCH, "limit": None, "direct_reads": 0,
+        "batch": BATCH, "limit": None, "direct_reads": 0, "lockstep": False,
         "epochs": [{**opts, "endpoint_url": p.endpoint_url} for p in proxies], **cfg,
     }  # fmt: skip
     rc, log = torchrun(full, timeout=300)
@@ -61,17 +84,17 @@ def run_epochs(tmp_path, s3_server, url, proxies, **cfg) -> list[list[int]]:
     seen = []
     for e in range(len(proxies)):
         ranks = [json.loads((out / f"e{e}-r{r}.json").read_text()) for r in range(RANKS)]
-        assert all(len(r) == SAMPLES // RANKS for r in ranks)
+        assert all(len(r) == samples // RANKS for r in ranks)
         seen.append(sorted(i for r in ranks for i in r))
     return seen
 
 
 def test_four_ranks_on_one_node_cache_fetch_each_shard_once_per_epoch(
-    tmp_path, s3_server, s3_bucket, dataset
+    tmp_path, s3_server, s3_bucket
 ):
-    url, shards = dataset
+    url, shards = make_dataset(tmp_path, s3_server, s3_bucket, SAMPLES)
     with FaultProxy(s3_server.endpoint_url) as cold, FaultProxy(s3_server.endpoint_url) as warm:
-        seen = run_epochs(tmp_path, s3_server, url, [cold, warm])
+        seen = run_epochs(tmp_path, s3_server, url, [cold, warm], SAMPLES)
     # Every sample exactly once across the 4 ranks, in both epochs.
     assert seen == [list(range(SAMPLES))] * 2
     # Epoch 1: 8 workers on 4 ranks wanted every shard; each shard's bytes came from the
@@ -82,3 +105,25 @@ def test_four_ranks_on_one_node_cache_fetch_each_shard_once_per_epoch(
         assert t.once and t.bytes == sp.size, (sp.key, t)
     # Epoch 2: the dataset fits the cache, so no shard is fetched again.
     assert not any(k.startswith(f"/{s3_bucket}/ds/shard") for k in warm.fetched()), warm.fetched()
+
+
+def test_ranks_far_apart_under_a_small_cache_limit_still_finish(tmp_path, s3_server, s3_bucket):
+    # Each rank starts a window's worth of batches after the one before it, so the ranks read
+    # four different shuffle windows at once: the shards in use outgrow the smallest limit
+    # allowed (twice the window).  Every waiting reader lets go of its shards first, so none
+    # waits forever on another: the epochs finish, every sample once, the cache under its
+    # limit; shards evicted while another rank still needed them are downloaded again.
+    n = 1200
+    url, shards = make_dataset(tmp_path, s3_server, s3_bucket, n)
+    limit = sum(sorted((sp.cached_size for sp in shards), reverse=True)[:8])  # window 4
+    window_batches = n // len(shards) * 4 // RANKS // BATCH
+    with FaultProxy(s3_server.endpoint_url) as cold, FaultProxy(s3_server.endpoint_url) as warm:
+        seen = run_epochs(
+            tmp_path, s3_server, url, [cold, warm], n, limit=limit, stagger=window_batches
+        )
+    assert seen == [list(range(n))] * 2
+    assert ShardCache(str(tmp_path / "cache"), limit).usage() <= limit
+    got = cold.fetched()
+    for sp in shards:  # every shard came whole at least once
+        t = tally(got.get(f"/{s3_bucket}/ds/{sp.key}", []), sp.start, sp.start + sp.size)
+        assert t.bytes >= sp.size, (sp.key, t)
