@@ -4,12 +4,8 @@ request (tests/loader_rank_worker.py runs in each rank)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 from loader_helpers import write_jsonl
@@ -18,7 +14,7 @@ from fmstore.loaders import ShardCache, write_dataset
 from fmstore.loaders.formats import FormatOptions, load_format
 from fmstore.stores import open_store
 from fmstore.testing.faultproxy import FaultProxy, tally
-from fmstore.testing.seaweed import free_ports
+from fmstore.testing.torchrun import torchrun
 
 pytestmark = [pytest.mark.s3, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -26,37 +22,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "loader_rank_worker.py")
 RANKS, WORKERS, BATCH = 4, 2, 4
 SAMPLES = 480  # a multiple of RANKS: no rank pads its share with repeated samples
-
-
-def torchrun(cfg: dict, timeout: float) -> tuple[int, str]:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={RANKS}",
-        "--master-addr=127.0.0.1", f"--master-port={free_ports(1)[0]}", WORKER, json.dumps(cfg),
-    ]  # fmt: skip
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for pid in [p.pid, *descendants(p.pid)]:  # ranks run in sessions of their own
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        return -1, f"hung past {timeout} s\n{out}"
-    return p.returncode, out
-
-
-def descendants(pid: int) -> list[int]:
-    parent: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{d}/stat") as f:
-                parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
-    out, todo = [], [pid]
-    while todo:
-        kids = [c for c, pp in parent.items() if pp == todo.pop()]
-        out += kids
-        todo += kids
-    return out
 
 
 def make_dataset(tmp_path, s3_server, bucket: str, samples: int) -> tuple[str, list]:
@@ -79,7 +44,7 @@ def run_epochs(tmp_path, s3_server, url, proxies, samples: int, **cfg) -> list[l
         "batch": BATCH, "limit": None, "direct_reads": 0, "lockstep": False,
         "epochs": [{**opts, "endpoint_url": p.endpoint_url} for p in proxies], **cfg,
     }  # fmt: skip
-    rc, log = torchrun(full, timeout=300)
+    rc, log = torchrun(WORKER, [json.dumps(full)], nproc=RANKS, timeout=300)
     assert rc == 0, log[-6000:]
     seen = []
     for e in range(len(proxies)):
