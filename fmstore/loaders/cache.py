@@ -12,12 +12,13 @@ Guarantees:
   shard's full length) under a cache-wide lock before a download starts; eviction drops the
   shard needed furthest in the future (the order is known), never one in use; a shard in use
   holds a shared ``flock`` on its pin file, which the evictor must take exclusively;
-* **no deadlock under the limit**: a reader never waits while holding shards others need.
-  A download that must wait for space marks its shard (``.locks/NAME.full``), and it and
-  every reader waiting for that download first let go of the shards they hold (``release``,
-  given by the dataset, closes its readers; they reopen them when next needed).  Ranks on a
-  node that drift apart, so that their shards in use outgrow the limit, then still progress:
-  whoever waits holds nothing, so a space-waiter can always evict; the cost is downloading
+* **no deadlock under the limit**: nobody waits for space while holding shards.  A download
+  that must wait for space marks its shard (``.locks/NAME.full``), and it and every reader
+  waiting for that download first let go of the shards they hold (``release``, given by the
+  dataset, closes its readers; they reopen them when next needed); under a limit the dataset
+  also lets go at the end of each batch, so an idle DataLoader worker holds nothing.  Ranks
+  on a node that drift apart, so that their shards in use outgrow the limit, still progress:
+  once everyone waits, nothing is held and a space-waiter can evict; the cost is downloading
   again what was evicted meanwhile;
 * **bad bytes are caught**: a checksum failure is re-fetched once, then :class:`CorruptData`.
 """
