@@ -1,7 +1,7 @@
 """Streaming dataloaders from S3: fmstore vs mosaicml-streaming vs litdata (vs WebDataset),
 against the floor (the same samples fed from memory), one run, one SeaweedFS.
 
-    python -m benchmarks.loader [--size 2GiB] [--b-samples 100000] [--case a|b|both] [--quick]
+    python -m benchmarks.loader [--size 2GiB] [--b-samples 100000] [--case a,b,ranks] [--quick]
 
 (a) ``--size`` bytes of uint16 tokens read as 2048-token sequences (and, as
 ``fmstore-parquet``, the same sequences as a Parquet ``fixed_size_list<uint16>[2048]``
@@ -13,6 +13,12 @@ cache (cold), epoch 2 warm.  Reported: samples/s per epoch, time to the first ba
 RSS (the reader's process plus its largest worker), bytes in the local cache after each
 epoch (what was downloaded and kept), and fmstore / floor ratios.
 Peers that are not installed are skipped with a note.
+
+``ranks``: many ranks on one node (``--ranks`` ranks under torchrun, gloo, CPU, each with
+``--workers`` DataLoader workers, one shared node cache) streaming (a)'s sequences, against
+the floor fed from memory through the same DataLoader setup at the same ranks and workers:
+aggregate samples/s per epoch, and the GETs and bytes per shard each epoch, counted at a
+proxy in front of SeaweedFS (see ``benchmarks/loader_ranks.py``).
 """
 
 from __future__ import annotations
@@ -345,7 +351,10 @@ def main() -> None:
     )
     ap.add_argument("--size", default="2GiB", help="case (a): bytes of uint16 tokens")
     ap.add_argument("--b-samples", type=int, default=100_000, help="case (b): samples of ~100 KB")
-    ap.add_argument("--case", choices=("a", "b", "both"), default="both")
+    ap.add_argument(
+        "--case", default="a,b,ranks", help="comma-separated: a, b, ranks ('both': a,b)"
+    )
+    ap.add_argument("--ranks", type=int, default=4, help="ranks of the 'ranks' case")
     ap.add_argument(
         "--peers", default=",".join(PEERS), help="comma-separated subset of " + ",".join(PEERS)
     )
@@ -361,6 +370,9 @@ def main() -> None:
         print("RESULT " + json.dumps(run_one(lib, case, json.loads(cfg))), flush=True)
         return
     args.size = _size("64MiB" if args.quick else args.size)
+    cases = ["a", "b"] if args.case == "both" else [c.strip() for c in args.case.split(",")]
+    if not set(cases) <= {"a", "b", "ranks"}:
+        ap.error(f"--case: choose from a, b, ranks, not {args.case!r}")
     if args.quick:
         args.b_samples = 1000
     peers, notes = available([p.strip() for p in args.peers.split(",") if p.strip()])
@@ -370,9 +382,15 @@ def main() -> None:
 
     work = tempfile.mkdtemp(prefix="bench-loader-", dir=args.work)
     rows: list[dict[str, Any]] = []
+    rank_rows: list[dict[str, Any]] = []
     try:
         with SeaweedServer() as srv:
-            for case in ("a", "b") if args.case == "both" else (args.case,):
+            if "ranks" in cases:
+                from benchmarks import loader_ranks
+
+                os.makedirs(os.path.join(work, "ranks"))
+                rank_rows = loader_ranks.run(srv, os.path.join(work, "ranks"), args)
+            for case in [c for c in cases if c != "ranks"]:
                 bucket = srv.create_bucket()
                 case_work = os.path.join(work, case)
                 os.makedirs(case_work)
@@ -400,26 +418,38 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     cols = ["case", "library", "e1_samples_s", "e2_samples_s", "e1_vs_floor", "e2_vs_floor",
             "e1_first_batch_s", "e2_first_batch_s", "peak_rss_mib", "e1_cache_bytes", "e2_cache_bytes", "error"]  # fmt: skip
-    print_table(
-        "Streaming loaders from SeaweedFS: "
-        + ", ".join(
-            what
-            for case, what in (
-                ("a", f"(a) {args.size >> 20} MiB of uint16 tokens as {SEQ}-token sequences"),
-                ("b", f"(b) {args.b_samples} samples of ~100 KB"),
+    if rows:
+        print_table(
+            "Streaming loaders from SeaweedFS: "
+            + ", ".join(
+                what
+                for case, what in (
+                    ("a", f"(a) {args.size >> 20} MiB of uint16 tokens as {SEQ}-token sequences"),
+                    ("b", f"(b) {args.b_samples} samples of ~100 KB"),
+                )
+                if case in cases
             )
-            if args.case in (case, "both")
+            + f"; DataLoader {args.workers} workers, batch {args.batch}",
+            rows,
+            cols,
         )
-        + f"; DataLoader {args.workers} workers, batch {args.batch}",
-        rows,
-        cols,
-    )
+    if rank_rows:
+        from benchmarks.loader_ranks import COLUMNS
+
+        print_table(
+            f"Many ranks on one node: {args.ranks} ranks x {args.workers} DataLoader workers, "
+            f"one node cache, (a) {args.size >> 20} MiB as {SEQ}-token sequences, batch "
+            f"{args.batch}; aggregate samples/s of all ranks vs the floor at the same shape",
+            rank_rows,
+            COLUMNS,
+        )
     save_json(
         "loader",
         {
             "args": {k: v for k, v in vars(args).items() if k != "run_one"},
             "notes": notes,
             "rows": rows,
+            "ranks_rows": rank_rows,
         },
     )
 

@@ -206,6 +206,126 @@ def test_refetch_recovers_when_the_second_download_is_good(tmp_path):
     assert open(path, "rb").read() == good
 
 
+def _full_cache(tmp_path, shards: int = 4):
+    """A store of ``shards`` shards, their specs, and a cache limit that fits two, not three."""
+    remote = make_dataset(tmp_path, 40 * shards, shard_size=2000)
+    store = open_store(remote)
+    specs = load_format(store, FormatOptions()).shards[:shards]
+    sizes = sorted(sp.cached_size for sp in specs)
+    assert len(specs) == shards and 3 * sizes[0] > sizes[-1] + sizes[-2]
+    return store, specs, sizes[-1] + sizes[-2]
+
+
+def _finish(caches, jobs):
+    """Run ``jobs`` (callables) in threads; each reader lets go of everything when done."""
+    errors = []
+
+    def run(job):
+        try:
+            job()
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(j,)) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for c in caches:
+        c.unpin_all()
+
+
+def test_readers_holding_what_the_other_needs_under_the_limit_do_not_deadlock(tmp_path):
+    # Two readers (two processes: each ShardCache has its own pin locks) each hold one of the
+    # two shards the limit fits and need a third: each waits for space the other holds.
+    # Before waiting, each lets go of its shard (release), so one can evict and go on.
+    store, specs, limit = _full_cache(tmp_path)
+    root = str(tmp_path / "cache")
+    a, b = (ShardCache(root, limit, wait_timeout=120) for _ in range(2))
+    n = [sp.cache_name for sp in specs]
+    a.get(n[0], store, specs[0], lambda _n: 0.0)
+    b.get(n[1], store, specs[1], lambda _n: 0.0)
+
+    def reader(c, held, want):
+        def job():
+            c.get(n[want], store, specs[want], lambda _n: 0.0, lambda: c.unpin(n[held]))
+            c.unpin_all()  # read to its end
+
+        return job
+
+    _finish([a, b], [reader(a, 0, 2), reader(b, 1, 3)])
+    assert ShardCache(root, limit).usage() <= limit
+
+
+def test_a_reader_waiting_for_a_download_that_waits_for_space_lets_go_first(tmp_path):
+    # Reader c holds both shards the limit fits and waits for shard 2, which a downloads:
+    # a waits for space c holds, c for a's download.  c sees the download's full mark
+    # and lets go, so a evicts, downloads, and c gets the shard.
+    store, specs, limit = _full_cache(tmp_path)
+    root = str(tmp_path / "cache")
+    a, c = (ShardCache(root, limit, wait_timeout=120) for _ in range(2))
+    n = [sp.cache_name for sp in specs]
+    for k in (0, 1):
+        c.get(n[k], store, specs[k], lambda _n: 0.0)
+    t = threading.Thread(target=a.get, args=(n[2], store, specs[2], lambda _n: 0.0))
+    t.start()
+    mark = os.path.join(root, ".locks", n[2] + ".full")
+    while not os.path.exists(mark):  # a holds shard 2's lock and waits for space
+        assert t.is_alive()
+    released = []
+
+    def release():
+        released.append(True)
+        c.unpin(n[0])
+        c.unpin(n[1])
+
+    path = c.get(n[2], store, specs[2], lambda _n: 0.0, release)
+    t.join()
+    assert released == [True] and os.path.exists(path)
+    assert not os.path.exists(mark)
+    a.unpin_all()
+    c.unpin_all()
+    assert ShardCache(root, limit).usage() <= limit
+
+
+def _held(cache: str) -> list[str]:
+    """Shards some reader holds (their pin file's lock cannot be taken exclusively)."""
+    import fcntl
+
+    out = []
+    locks = os.path.join(cache, ".locks")
+    for n in sorted(os.listdir(locks)):
+        if n.endswith(".use"):
+            fd = os.open(os.path.join(locks, n), os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                out.append(n[: -len(".use")])
+            finally:
+                os.close(fd)
+    return out
+
+
+@pytest.mark.parametrize("limit", [None, 1 << 20], ids=["no-limit", "limit"])
+def test_under_a_cache_limit_a_reader_holds_no_shard_between_batches(tmp_path, limit):
+    # A DataLoader worker sits between batches as long as its rank likes: under a limit it
+    # must not hold shards there, or a download waiting for space could wait on it forever.
+    # Without a limit nothing is evicted, so it keeps its shards open.
+    remote = make_dataset(tmp_path, 300)
+    cache = str(tmp_path / "cache")
+    ds = StreamingDataset(remote, cache, cache_limit=limit, batch_size=8, prefetch=0,
+                          direct_reads=0, transform=lambda s: s["i"])  # fmt: skip
+    it = iter(ds)
+    got = [next(it) for _ in range(3)]
+    assert _held(cache)  # mid-batch: the shards being read are held
+    got += [next(it) for _ in range(5)]
+    assert bool(_held(cache)) == (limit is None)
+    got += list(it)
+    assert sorted(got) == list(range(300))
+    assert _held(cache) == []
+
+
 def test_empty_dataset_is_a_clear_error(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -12,6 +12,14 @@ Guarantees:
   shard's full length) under a cache-wide lock before a download starts; eviction drops the
   shard needed furthest in the future (the order is known), never one in use; a shard in use
   holds a shared ``flock`` on its pin file, which the evictor must take exclusively;
+* **no deadlock under the limit**: nobody waits for space while holding shards.  A download
+  that must wait for space marks its shard (``.locks/NAME.full``), and it and every reader
+  waiting for that download first let go of the shards they hold (``release``, given by the
+  dataset, closes its readers; they reopen them when next needed); under a limit the dataset
+  also lets go at the end of each batch, so an idle DataLoader worker holds nothing.  Ranks
+  on a node that drift apart, so that their shards in use outgrow the limit, still progress:
+  once everyone waits, nothing is held and a space-waiter can evict; the cost is downloading
+  again what was evicted meanwhile;
 * **bad bytes are caught**: a checksum failure is re-fetched once, then :class:`CorruptData`.
 """
 
@@ -27,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
-from filelock import FileLock, Timeout
+from filelock import AcquireReturnProxy, FileLock, Timeout
 
 from .. import runtime
 from ..errors import CorruptData, FmstoreError, InvalidRange, NotFound, PermissionDenied, TierFull
@@ -40,6 +48,8 @@ from .formats.base import ShardSpec
 
 #: ``next_use(name)``: how far in the future (in samples) a cached file is needed again.
 NextUse = Callable[[str], float]
+#: ``release()``: let go of (unpin) every shard this reader holds, before it waits.
+Release = Callable[[], None]
 TMP = ".tmp."
 CHUNK = 8 << 20
 CONCURRENCY = 8
@@ -181,15 +191,42 @@ class ShardCache:
         finally:
             lock.release()
 
-    def _reserve(self, name: str, size: int, next_use: NextUse, *, wait: bool) -> str | None:
+    def _reserve(
+        self,
+        name: str,
+        size: int,
+        next_use: NextUse,
+        *,
+        wait: bool,
+        release: Release | None = None,
+    ) -> str | None:
         """Create a temp file of ``size`` bytes for ``name`` once it fits under the limit.
 
         Evicts complete shards needed later than ``name`` itself (a prefetch, ``wait=False``,
         never pushes out something needed sooner; a reader may push out anything not in use).
-        Returns the temp path, or None when a prefetch does not fit now.
+        Returns the temp path, or None when a prefetch does not fit now.  A reader that has
+        to wait marks ``name`` full and lets go of its shards first (see the module doc).
         """
+        mark = self._full_mark(name)
+        try:
+            return self._reserve_loop(name, size, next_use, wait, release, mark)
+        finally:
+            if wait:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(mark)
+
+    def _reserve_loop(
+        self,
+        name: str,
+        size: int,
+        next_use: NextUse,
+        wait: bool,
+        release: Release | None,
+        mark: str,
+    ) -> str | None:
         deadline = time.monotonic() + self.wait_timeout
         mine = next_use(name)
+        marked = False
         while True:
             with FileLock(os.path.join(self.locks, "space.lock")):
                 if self.limit is not None:
@@ -249,15 +286,32 @@ class ShardCache:
                             f"cannot write to the cache: {e.strerror}", tier="cache", key=tmp
                         ) from None
                     return tmp
+            if not marked:
+                # Those waiting for this download, and this reader, hold nothing while it
+                # waits: otherwise readers spread over more shards than fit wait on each other.
+                with open(mark, "wb"):
+                    pass
+                marked = True
+                if release is not None:
+                    release()
+                    continue  # what it let go of may be evictable now
             time.sleep(0.05)  # wait for readers elsewhere on the node to release shards
 
     # ---- fetching ---------------------------------------------------------------------
 
-    def get(self, name: str, store: Store, spec: ShardSpec, next_use: NextUse) -> str:
+    def get(
+        self,
+        name: str,
+        store: Store,
+        spec: ShardSpec,
+        next_use: NextUse,
+        release: Release | None = None,
+    ) -> str:
         """Path of the complete, verified shard ``name``, pinned for this process.
 
-        Blocks while another process downloads it; downloads it when nobody does.
-        Call :meth:`unpin` when done with it.
+        Blocks while another process downloads it; downloads it when nobody does.  Before
+        waiting for space, or for a download that waits for space, calls ``release`` (once),
+        which must unpin every other shard the caller holds.  Call :meth:`unpin` when done.
         """
         self.pin(name)
         try:
@@ -267,10 +321,10 @@ class ShardCache:
                 return path
             t0 = time.perf_counter()
             # Another process is downloading it (or was): look again soon after it is done.
-            with self._lock(name).acquire(poll_interval=POLL):
+            with self._wait_lock(name, release):
                 if not os.path.exists(path):
                     metrics.CACHE_MISSES.inc()
-                    self._fetch(name, store, spec, next_use, wait=True)
+                    self._fetch(name, store, spec, next_use, wait=True, release=release)
                 else:
                     metrics.CACHE_HITS.inc()
             metrics.WAIT_SECONDS.inc(time.perf_counter() - t0)
@@ -278,6 +332,23 @@ class ShardCache:
         except BaseException:
             self.unpin(name)
             raise
+
+    def _full_mark(self, name: str) -> str:
+        return os.path.join(self.locks, name + ".full")
+
+    def _wait_lock(self, name: str, release: Release | None) -> AcquireReturnProxy:
+        """``name``'s lock, acquired (a context that releases it); while its holder waits
+        for space, ``release`` first."""
+        lock = self._lock(name)
+        while True:
+            try:
+                return lock.acquire(timeout=0)
+            except Timeout:
+                pass
+            if release is not None and os.path.exists(self._full_mark(name)):
+                release()
+                release = None
+            time.sleep(POLL)
 
     def prefetch(self, name: str, store: Store, spec: ShardSpec, next_use: NextUse) -> bool:
         """Download ``name`` unless present, being downloaded, or not fitting now."""
@@ -297,16 +368,26 @@ class ShardCache:
             lock.release()
 
     def _fetch(
-        self, name: str, store: Store, spec: ShardSpec, next_use: NextUse, *, wait: bool
+        self,
+        name: str,
+        store: Store,
+        spec: ShardSpec,
+        next_use: NextUse,
+        *,
+        wait: bool,
+        release: Release | None = None,
     ) -> bool:
-        # We hold the shard's lock: any temp file of this shard is a dead downloader's.
+        # We hold the shard's lock: any temp file (or full mark) of this shard is a dead
+        # downloader's.
         for n, _s in self.entries():
             if n.startswith(f"{TMP}{name}."):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path(n))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._full_mark(name))
         _check_object(store, spec)
         for attempt in (1, 2):
-            tmp = self._reserve(name, spec.cached_size, next_use, wait=wait)
+            tmp = self._reserve(name, spec.cached_size, next_use, wait=wait, release=release)
             if tmp is None:
                 return False
             try:

@@ -390,6 +390,20 @@ class StreamingDataset(tud.IterableDataset):
             upcoming, fetch, depth=self.prefetch_depth, concurrency=self.max_concurrency
         )
         readers: dict[int, ShardReader] = {}
+
+        def release() -> None:
+            # Before waiting on a full cache, let go of every open shard (see ShardCache.get);
+            # each one opens again when next needed.
+            for d, rd in list(readers.items()):
+                del readers[d]
+                rd.close()
+                self.cache.unpin(self.names[d])
+
+        # Under a cache limit a worker also lets go of its shards at the end of each batch:
+        # it may then sit idle for as long as its rank likes (its batches queued, the rank
+        # waiting on others), and a download waiting for space must be able to evict what
+        # idle workers hold.
+        every = (self.batch_size or 1) if self.cache_limit is not None else 0
         shard_l, local_l = shard.tolist(), local.tolist()
         transform = self.transform
         budget = self._direct_budget()
@@ -420,9 +434,11 @@ class StreamingDataset(tud.IterableDataset):
                         if r is None:
                             here[0] = i
                             pre.advance(rank_in_upcoming[s])
-                            r = readers[s] = self._open(s, next_use)
+                            r = readers[s] = self._open(s, next_use, release)
                         sample = r.get(local_l[i])
                 self._yielded += 1
+                if every and (i + 1) % every == 0:
+                    release()
                 yield sample if transform is None else transform(sample)
                 done = release_at.get(i)
                 if done:
@@ -523,10 +539,12 @@ class StreamingDataset(tud.IterableDataset):
                 "shard is shorter than the index says", tier=e.tier, key=e.key
             ) from None
 
-    def _open(self, s: int, next_use: Callable[[str], float]) -> ShardReader:
+    def _open(
+        self, s: int, next_use: Callable[[str], float], release: Callable[[], None]
+    ) -> ShardReader:
         stream, spec = self.specs[s]
         name = self.names[s]
-        path = self.cache.get(name, self._store(stream), spec, next_use)
+        path = self.cache.get(name, self._store(stream), spec, next_use, release)
         try:
             return self.formats[stream].open_shard(path, spec)
         except BaseException:

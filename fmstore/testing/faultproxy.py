@@ -28,8 +28,10 @@ Rules match by method and path (a regular expression), fire with a probability
 :meth:`FaultProxy.set_plan`, :meth:`FaultProxy.add` and :meth:`FaultProxy.clear`.
 :meth:`FaultProxy.down` stops listening (connections are refused, as when S3 is down)
 and :meth:`FaultProxy.up` listens again on the same port.  Counters: ``requests`` (seen,
-with their arrival times in ``arrivals``) and ``injected`` (per fault kind); ``calls``
-lists each request's method and path (with query), in order.  The proxy runs its own
+with their arrival times in ``arrivals``, and each one's method, path, ``Range`` header,
+status and response body bytes in ``seen``; ``calls``: each one's method and path, with
+query) and ``injected`` (per fault kind); a test sums what a client fetched per object with
+:meth:`FaultProxy.fetched`.  The proxy runs its own
 event loop in a daemon thread.
 """
 
@@ -44,6 +46,7 @@ import socket
 import struct
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import TracebackType
@@ -62,6 +65,7 @@ FAULTS = (
     "strip_checksums",
 )
 _MAX_HEAD = 64 * 1024
+_CONTENT_RANGE = re.compile(r"\s*bytes\s+(\d+)-\d+/")
 
 
 @dataclass
@@ -98,6 +102,58 @@ class Rule:
         if self.method is not None and self.method.upper() != method:
             return False
         return self.path is None or re.search(self.path, path) is not None
+
+
+@dataclass
+class Seen:
+    """One request the proxy received: ``method``, ``path`` (with query), the ``Range``
+    header asked for (None: the whole object), and the response's ``status``, ``body``
+    bytes passed to the client and the object offset they start at (``Content-Range`` of a
+    206; 0 otherwise).  Status and body stay 0 while it is under way or when none was sent.
+    """
+
+    method: str
+    path: str
+    range: str | None
+    status: int = 0
+    body: int = 0
+    start: int = 0
+
+    @property
+    def key(self) -> str:
+        """The path without its query, percent-decoded (``/bucket/key`` in path style)."""
+        return urllib.parse.unquote(self.path.split("?", 1)[0])
+
+    @property
+    def served(self) -> tuple[int, int]:
+        """``[start, end)`` of the object's bytes the client was sent."""
+        return self.start, self.start + self.body
+
+
+@dataclass(frozen=True)
+class RangeTally:
+    """What clients read of bytes ``[lo, hi)`` of one object: ``gets``, the answered GETs
+    touching them; ``bytes`` of them sent (a byte sent twice counts twice); ``once``: the
+    pieces sent cover them exactly, every byte once."""
+
+    gets: int
+    bytes: int
+    once: bool
+
+
+def tally(seen: Iterable[Seen], lo: int, hi: int) -> RangeTally:
+    """:class:`RangeTally` of ``[lo, hi)`` from one object's requests (see
+    :meth:`FaultProxy.fetched`)."""
+    pieces = sorted(
+        (max(a, lo), min(b, hi))
+        for a, b in (s.served for s in seen if s.method == "GET" and s.status in (200, 206))
+        if a < hi and b > lo
+    )
+    at, once = lo, True
+    for a, b in pieces:
+        once = once and a == at
+        at = max(at, b)
+    return RangeTally(len(pieces), sum(b - a for a, b in pieces), once and at == hi)
 
 
 @dataclass
@@ -172,7 +228,8 @@ class FaultProxy:
         #: ``time.perf_counter()`` when each request's head arrived (a benchmark reads the
         #: first one to time a client's start-up up to its first request).
         self.arrivals: list[float] = []
-        self.calls: list[tuple[str, str]] = []
+        #: Every request in arrival order (see :class:`Seen`).
+        self.seen: list[Seen] = []
         self.injected: collections.Counter[str] = collections.Counter()
         self._rules: list[Rule] = []
         self._rules_lock = threading.Lock()
@@ -196,6 +253,20 @@ class FaultProxy:
     def clear(self) -> None:
         """No more faults: forward everything."""
         self.set_plan([])
+
+    @property
+    def calls(self) -> list[tuple[str, str]]:
+        """(method, path with query) of every request, in arrival order."""
+        return [(x.method, x.path) for x in self.seen]
+
+    def fetched(self, method: str = "GET") -> dict[str, list[Seen]]:
+        """The answered ``method`` requests by object (:attr:`Seen.key`), in arrival order:
+        a test sums their ``body`` bytes to see how often each object was read."""
+        out: dict[str, list[Seen]] = {}
+        for s in list(self.seen):
+            if s.method == method and s.status:
+                out.setdefault(s.key, []).append(s)
+        return out
 
     def _pick(self, method: str, path: str) -> Rule | None:
         with self._rules_lock:
@@ -302,7 +373,8 @@ class FaultProxy:
                 self.arrivals.append(time.perf_counter())
                 parts = head.first.decode("latin-1").split(" ")
                 method, path = parts[0].upper(), parts[1] if len(parts) > 1 else "/"
-                self.calls.append((method, path))
+                seen = Seen(method, path, head.get("range"))
+                self.seen.append(seen)
                 rule = self._pick(method, path)
                 if rule is not None and rule.fault in ("slowdown", "error", "redirect"):
                     await self._answer_error(writer, rule.fault, path)
@@ -335,7 +407,7 @@ class FaultProxy:
                 resp = await _read_head(ur)
                 if resp is None:
                     raise ConnectionError("server closed the connection")
-                keep = await self._respond(ur, writer, resp, method, rule)
+                keep = await self._respond(ur, writer, resp, method, rule, seen)
                 if not keep:
                     return
         except (ConnectionError, OSError, asyncio.IncompleteReadError, _Fault):
@@ -390,9 +462,12 @@ class FaultProxy:
         resp: _Head,
         method: str,
         rule: Rule | None,
+        seen: Seen,
     ) -> bool:
         """Forward one response, applying ``rule``; True when the connection stays usable."""
         status = int(resp.first.split(b" ")[1])
+        m = _CONTENT_RANGE.match(resp.get("content-range") or "")
+        seen.start = int(m.group(1)) if m and status == 206 else 0
         if rule is not None and rule.fault == "strip_checksums":
             resp = _Head(
                 resp.first,
@@ -400,8 +475,11 @@ class FaultProxy:
             )
         if rule is None or rule.fault in ("corrupt_request", "strip_checksums"):
             writer.write(resp.encode())
-            await _relay_body(ur, writer, resp, request=False, method=method, status=status)
+            seen.body = await _relay_body(
+                ur, writer, resp, request=False, method=method, status=status
+            )
             await writer.drain()
+            seen.status = status
             return (resp.get("connection") or "").lower() != "close"
         if rule.fault == "stall" and rule.after_bytes is None:
             await asyncio.sleep(rule.delay)
@@ -416,6 +494,7 @@ class FaultProxy:
                 flipped[len(flipped) // 2] ^= 0x01
             writer.write(out.encode() + flipped)
             await writer.drain()
+            seen.status, seen.body = status, len(flipped)
             return (resp.get("connection") or "").lower() != "close"
         cut = rule.after_bytes if rule.after_bytes is not None else len(body) // 2
         cut = min(cut, max(len(body) - 1, 0))
@@ -424,6 +503,7 @@ class FaultProxy:
         if body:  # with no body to cut, the fault hits before the response head
             writer.write(out.encode() + body[:cut])
             await writer.drain()
+            seen.status, seen.body = status, cut
         if rule.fault == "stall":
             await asyncio.sleep(rule.delay)
             raise _Fault()
@@ -431,6 +511,7 @@ class FaultProxy:
             await asyncio.sleep(rule.delay)
             writer.write(body[cut:])
             await writer.drain()
+            seen.body = len(body)
             return (resp.get("connection") or "").lower() != "close"
         if rule.fault == "reset":
             _rst(writer)
@@ -447,11 +528,13 @@ async def _relay_body(
     request: bool,
     method: str,
     status: int = 0,
-) -> None:
-    """Copy one message body from ``src`` to ``dst`` as it arrives."""
+) -> int:
+    """Copy one message body from ``src`` to ``dst`` as it arrives; returns its length
+    (de-chunked)."""
     if not request and (method == "HEAD" or status in (204, 304) or 100 <= status < 200):
-        return
+        return 0
     te = (head.get("transfer-encoding") or "").lower()
+    n = 0
     if "chunked" in te:
         while True:
             line = await src.readuntil(b"\r\n")
@@ -462,8 +545,9 @@ async def _relay_body(
                     trailer = await src.readuntil(b"\r\n")
                     dst.write(trailer)
                     if trailer == b"\r\n":
-                        return
+                        return n
             dst.write(await src.readexactly(size + 2))
+            n += size
             await dst.drain()
     cl = head.get("content-length")
     if cl is not None:
@@ -474,13 +558,16 @@ async def _relay_body(
                 raise ConnectionError("body ended early")
             dst.write(chunk)
             left -= len(chunk)
+            n += len(chunk)
             await dst.drain()
-        return
+        return n
     if request:
-        return
+        return 0
     while chunk := await src.read(1 << 20):  # body delimited by the server closing
         dst.write(chunk)
+        n += len(chunk)
         await dst.drain()
+    return n
 
 
 async def _read_body(src: asyncio.StreamReader, head: _Head, *, method: str, status: int) -> bytes:
