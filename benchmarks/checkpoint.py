@@ -37,11 +37,14 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import warnings
 from typing import Any
 
@@ -440,51 +443,154 @@ def bench_codecs(tag: str, state: Any) -> None:
             )
 
 
-def bench_s3(tag: str, state: Any, n: int) -> None:
+S3_SAVES = {
+    "fmstore": "fmstore.save to S3 compression=raw",
+    "fmstore-auto": "fmstore.save to S3 compression=auto (the default on S3)",
+    "s3torchconnector": "s3torchconnector S3Checkpoint + torch.save",
+}
+S3_LOADS = {
+    "fmstore": "fmstore.load from S3 (raw)",
+    "fmstore-auto": "fmstore.load from S3 (auto)",
+    "s3torchconnector": "s3torchconnector S3Checkpoint + torch.load",
+}
+
+
+def _cpu_of(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (the SeaweedFS server) so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu() -> float:
+    """CPU seconds of this process, every thread (the runtime's pools, the CRT's) included."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _server_quiet(pid: int, timeout: float = 30.0) -> None:
+    """Wait until the server stops working on what the case before left it (volume growth,
+    flushes, a vacuum): under 5% of a core for half a second."""
+    deadline = time.monotonic() + timeout
+    last = _cpu_of(pid)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = _cpu_of(pid)
+        if now - last < 0.025:
+            return
+        last = now
+
+
+def _free_space(server: Any, bucket: str) -> None:
+    """Delete every object of ``bucket`` and have SeaweedFS reclaim the space (a vacuum;
+    deleted needles otherwise keep their disk space): rounds of 4 GiB states would fill the
+    disk.  Untimed, between rounds."""
+    cli = server.boto3_client()
+    for page in cli.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        for i in range(0, len(keys), 1000):
+            cli.delete_objects(Bucket=bucket, Delete={"Objects": keys[i : i + 1000]})
+    with open(f"/proc/{server.proc.pid}/cmdline", "rb") as f:
+        args = f.read().decode().split("\0")
+    port = next(a.split("=", 1)[1] for a in args if a.startswith("-master.port="))
+    url = f"http://127.0.0.1:{port}/vol/vacuum?garbageThreshold=0.0001"
+    with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=300) as r:
+        r.read()
+
+
+def bench_s3(tag: str, state: Any, n: int, rounds: int) -> None:
     if not have("fmstore.stores.s3") or not have("fmstore.testing.seaweed"):
         NOTES.append("S3 section skipped: fmstore.stores.s3 / SeaweedFS launcher not available")
         return
+    from fmstore.stores import open_store
     from fmstore.testing.seaweed import SeaweedServer
 
     with SeaweedServer() as server:
+        assert server.proc is not None
+        pid = server.proc.pid
         bucket = server.create_bucket("ckpt-bench")
         opts = server.store_options()
-        from fmstore.stores import open_store
+        saves: dict[str, Any] = {}
+        loads: dict[str, Any] = {}
+        for kind, comp in (("fmstore", "raw"), ("fmstore-auto", "auto")):
 
-        store = open_store(f"s3://{bucket}/fm", **opts)
-        t = timed(lambda: fmstore.save(state, store, compression="raw"))
-        row(tag, "S3", "fmstore.save to S3", t, n)
-        t = timed(lambda: fmstore.load(store))
-        row(tag, "S3", "fmstore.load from S3", t, n)
-        fmstore.runtime.run(store.close())
-        if not have("s3torchconnector"):
-            NOTES.append("s3torchconnector not installed: S3 peer skipped")
-            return
-        from s3torchconnector import S3Checkpoint  # pragma: no cover
-        from s3torchconnector._s3client import S3ClientConfig
+            def fm_save(key: str, c: str = comp) -> None:
+                store = open_store(f"s3://{bucket}/{key}", **opts)
+                try:
+                    fmstore.save(state, store, compression=c)
+                finally:
+                    fmstore.runtime.run(store.close())
 
-        # Credentials through the environment; SeaweedFS needs path-style addressing.
-        os.environ.update(server.env())
-        ck = S3Checkpoint(
-            region=server.region,
-            endpoint=server.endpoint_url,
-            s3client_config=S3ClientConfig(force_path_style=True),
-        )
-        uri = f"s3://{bucket}/torch.pt"
+            def fm_load(key: str) -> None:
+                store = open_store(f"s3://{bucket}/{key}", **opts)
+                try:
+                    fmstore.load(store)
+                finally:
+                    fmstore.runtime.run(store.close())
 
-        def s3_save() -> None:
-            with ck.writer(uri) as w:
-                torch.save(state, w)
+            saves[kind], loads[kind] = fm_save, fm_load
+        if have("s3torchconnector"):
+            from s3torchconnector import S3Checkpoint
+            from s3torchconnector._s3client import S3ClientConfig
 
-        t = timed(s3_save)
-        row(tag, "S3", "s3torchconnector S3Checkpoint + torch.save", t, n)
+            # Credentials through the environment; SeaweedFS needs path-style addressing.
+            os.environ.update(server.env())
+            ck = S3Checkpoint(
+                region=server.region,
+                endpoint=server.endpoint_url,
+                s3client_config=S3ClientConfig(force_path_style=True),
+            )
 
-        def s3_load() -> None:
-            with ck.reader(uri) as r:
-                torch.load(r, weights_only=True)
+            def tc_save(key: str) -> None:
+                with ck.writer(f"s3://{bucket}/{key}.pt") as w:
+                    torch.save(state, w)
 
-        t = timed(s3_load)
-        row(tag, "S3", "s3torchconnector S3Checkpoint + torch.load", t, n)
+            def tc_load(key: str) -> None:
+                with ck.reader(f"s3://{bucket}/{key}.pt") as r:
+                    torch.load(r, weights_only=True)
+
+            saves["s3torchconnector"], loads["s3torchconnector"] = tc_save, tc_load
+        else:
+            NOTES.append("s3torchconnector not installed (make setup-bench): S3 peer skipped")
+        # SeaweedFS grows its volumes on a bucket's first writes: every client writes once,
+        # untimed, before anything is measured.
+        for kind, fn in saves.items():
+            fn(f"warm-{kind}")
+        _free_space(server, bucket)
+        got: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+
+        def measure(op: str, kind: str, fn: Any, key: str) -> None:
+            settle()
+            _server_quiet(pid)
+            c0, s0, t0 = _own_cpu(), _cpu_of(pid), time.perf_counter()
+            fn(key)
+            dt = time.perf_counter() - t0
+            got.setdefault((op, kind), []).append((dt, _own_cpu() - c0, _cpu_of(pid) - s0))
+
+        kinds = list(saves)
+        for r in range(rounds):
+            # Rotating order: no client always runs first (or right after the same peer).
+            order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]
+            for kind in order:
+                measure("save", kind, saves[kind], f"r{r}-{kind}")
+            for kind in order:
+                measure("load", kind, loads[kind], f"r{r}-{kind}")
+            _free_space(server, bucket)
+        gib = n / (1 << 30)
+        for op, labels in (("save", S3_SAVES), ("load", S3_LOADS)):
+            peer = got.get((op, "s3torchconnector"))
+            peer_s = statistics.median(x[0] for x in peer) if peer else None
+            for kind in kinds:
+                runs = got[(op, kind)]
+                s = statistics.median(x[0] for x in runs)
+                extra: dict[str, Any] = {
+                    "client CPU s/GiB": statistics.median(x[1] for x in runs) / gib,
+                    "server CPU s/GiB": statistics.median(x[2] for x in runs) / gib,
+                    "runs": " ".join(f"{x[0]:.2f}" for x in runs),
+                }
+                if peer_s is not None and kind != "s3torchconnector":
+                    extra["vs s3torchconnector"] = peer_s / s
+                row(tag, f"S3 {op}", labels[kind], s, n, **extra)
 
 
 def main() -> None:
@@ -499,6 +605,9 @@ def main() -> None:
         "--sections",
         default="save,async,load,codecs,s3",
         help="which sections to run (load reads what save wrote)",
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="S3: rounds of every client in turn (medians)"
     )
     ap.add_argument("--stall-child", choices=STALL_KINDS, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -529,7 +638,7 @@ def main() -> None:
             if "codecs" in sections:
                 bench_codecs(tag, state)
             if "s3" in sections and not args.no_s3:
-                bench_s3(tag, state, n)
+                bench_s3(tag, state, n, args.rounds)
             shutil.rmtree(root, ignore_errors=True)
     finally:
         if args.dir is None:
@@ -544,6 +653,7 @@ def main() -> None:
         "vs fresh floor",
         "vs DCP",
         "vs torch.save",
+        "vs s3torchconnector",
         "vs torch.load",
         "vs full load",
         "ratio",
@@ -551,6 +661,9 @@ def main() -> None:
         "dec MB/s",
         "commit s",
         "prepare s",
+        "client CPU s/GiB",
+        "server CPU s/GiB",
+        "runs",
     ]
     text = print_table("checkpoint", ROWS, cols)
     for note in NOTES:
