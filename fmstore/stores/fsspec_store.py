@@ -24,7 +24,7 @@ from ..errors import (
     PermissionDenied,
     StoreUnavailable,
 )
-from .base import Buffer, ObjectMeta, PutOptions, Store, Writer
+from .base import Buffer, ObjectMeta, Pieces, PutOptions, Store, Writer, as_pieces
 
 _OBJECT_PROTOCOLS = {"memory", "gs", "gcs", "az", "abfs", "abfss", "s3", "s3a", "oss"}
 _TMP_MARK = ".fmstore-tmp."
@@ -202,10 +202,10 @@ class _SpoolWriter(Writer):
         self.buf: Any = tempfile.SpooledTemporaryFile(max_size=64 << 20)
         self._done = False
 
-    async def write(self, data: Buffer) -> None:
+    async def write(self, data: Buffer | Pieces) -> None:
         if self._done:
             raise ValueError("writer is closed")
-        await runtime.to_io(self.buf.write, data)
+        await runtime.to_io(self.buf.writelines, as_pieces(data))
 
     async def commit(self) -> ObjectMeta:
         if self._done:

@@ -31,10 +31,11 @@ import re
 import socket
 import ssl as _ssl
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from ..errors import FmstoreError, InvalidKey, StoreUnavailable
+from .types import as_pieces
 
 #: A kept-alive connection idle longer than this is closed rather than reused (servers
 #: close theirs after a few seconds to a minute; aiohttp's default is 15 s too).
@@ -61,6 +62,9 @@ MAX_CHUNKED_BODY = 64 << 20
 _MAX_LINE = 4096
 
 Buffer = bytes | bytearray | memoryview
+#: A request body: one buffer, or pieces sent one after the other (never joined here: an
+#: upload part gathered from several tensors goes out straight from their memory).
+RequestBody = Buffer | Sequence[Buffer]
 _STATUS = re.compile(r"HTTP/1\.([01]) ([1-9][0-9]{2})(?: ([\t\x20-\x7e\x80-\xff]*))?")
 _DECIMAL = re.compile(r"[0-9]{1,18}")
 #: A chunk-size line: hex digits (at most 15: under 2**60), optional extensions.
@@ -90,6 +94,12 @@ class Unresolvable(StoreUnavailable):
 
 class CertificateError(FmstoreError):
     """The server's TLS certificate failed verification (misconfiguration or attack)."""
+
+
+def body_views(body: RequestBody | None) -> list[memoryview]:
+    """A request body as flat byte views, empty ones left out."""
+    views = (memoryview(p).cast("B") for p in as_pieces(b"" if body is None else body))
+    return [v for v in views if v.nbytes]
 
 
 def check_header(name: str, value: str) -> None:
@@ -477,7 +487,7 @@ class _Conn(asyncio.BufferedProtocol):
     async def exchange(
         self,
         head: bytes,
-        body: Buffer | None,
+        body: Sequence[memoryview],
         head_only: bool,
         read_timeout: float,
         into: memoryview | None,
@@ -492,13 +502,13 @@ class _Conn(asyncio.BufferedProtocol):
         self._progress = False
         self._timer = loop.call_later(read_timeout, self._check_silence, read_timeout)
         try:
-            n = 0 if body is None else memoryview(body).nbytes
+            n = sum(v.nbytes for v in body)
             if 0 < n <= _COALESCE:
-                self.transport.write(head + body)  # type: ignore[operator]  # one send
+                self.transport.write(b"".join((head, *body)))  # one send
             else:
                 self.transport.write(head)
-                if n:
-                    await self._send_body(memoryview(body).cast("B"))  # type: ignore[arg-type]
+                for view in body:
+                    await self._send_body(view)
             resp = await self._waiter
         except BaseException:
             # Aborting stops every further receive at once: nothing more lands in ``into``
@@ -524,6 +534,9 @@ class _Conn(asyncio.BufferedProtocol):
         socket cannot take at once is copied into the transport's buffer, so a body written
         whole would be copied almost whole (and into fresh memory)."""
         assert self.transport is not None and self._waiter is not None
+        if self.closed or self._waiter.done():
+            self._keep = False
+            return
         for pos in range(0, view.nbytes, _SLICE):
             if self._paused is not None and not self._paused.done():
                 await asyncio.shield(self._paused)
@@ -585,12 +598,12 @@ class Pool:
         method: str,
         target: str,
         headers: Mapping[str, str],
-        body: Buffer | None = None,
+        body: RequestBody | None = None,
         *,
         into: memoryview | None = None,
         sink: Sink | None = None,
     ) -> Response:
-        """Send one request and read its whole response.
+        """Send one request and read its whole response (``body``: a buffer or pieces).
 
         ``into``: a successful (2xx) body that fits goes there, received in place, and the
         response says ``filled``; any other body comes back as pieces.  ``sink``: a
@@ -606,7 +619,8 @@ class Pool:
         for k, v in headers.items():
             check_header(k, v)
             parts.append(f"{k}: {v}\r\n")
-        n = 0 if body is None else memoryview(body).nbytes
+        views = body_views(body)
+        n = sum(v.nbytes for v in views)
         if n or method in ("PUT", "POST"):
             parts.append(f"content-length: {n}\r\n")
         parts.append("\r\n")
@@ -620,7 +634,7 @@ class Pool:
                 self._busy.add(conn)
                 try:
                     resp = await conn.exchange(
-                        head, body, head_only, self._read_timeout, into, sink
+                        head, views, head_only, self._read_timeout, into, sink
                     )
                 except ConnectionError:
                     if reused and not conn.received:

@@ -183,10 +183,10 @@ class _MeteredWriter(Writer):
     def __init__(self, store: MeteredStore, inner: Writer) -> None:
         self.store, self.inner = store, inner
 
-    async def write(self, data: Buffer) -> None:
+    async def write(self, data: Buffer | Pieces) -> None:
         with self.store._op("write"):
             await self.inner.write(data)
-        self.store._bytes("put", memoryview(data).nbytes)
+        self.store._bytes("put", nbytes(data))
 
     async def commit(self) -> ObjectMeta:
         with self.store._op("commit"):

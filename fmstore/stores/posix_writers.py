@@ -25,6 +25,7 @@ from .base import (
     Pieces,
     PutOptions,
     Writer,
+    as_pieces,
     nbytes,
     part_bounds,
 )
@@ -55,16 +56,17 @@ class _PosixWriter(Writer):
         self.tmp, self.fd, self.options = tmp, fd, options
         self._done = False
 
-    async def write(self, data: Buffer) -> None:
+    async def write(self, data: Buffer | Pieces) -> None:
         if self._done:
             raise ValueError("writer is closed")
-        view = memoryview(data).cast("B")
+        views = [memoryview(p).cast("B") for p in as_pieces(data)]
 
         def do() -> None:
             with self.store._translate(self.key):
-                off = 0
-                while off < len(view):
-                    off += os.write(self.fd, view[off : off + BLOCK])
+                for view in views:
+                    off = 0
+                    while off < len(view):
+                        off += os.write(self.fd, view[off : off + BLOCK])
 
         await runtime.to_io(do)
 

@@ -119,7 +119,10 @@ class Writer(abc.ABC):
     """
 
     @abc.abstractmethod
-    async def write(self, data: Buffer) -> None: ...
+    async def write(self, data: Buffer | Pieces) -> None:
+        """Append ``data``: a buffer, or pieces written in order as if joined (a blob
+        gathered from many tensors needs no copy to be one buffer).  The buffers are read
+        only while the call runs: the caller may reuse them once it returns."""
 
     @abc.abstractmethod
     async def commit(self) -> ObjectMeta:

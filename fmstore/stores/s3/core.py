@@ -20,7 +20,7 @@ from typing import Any
 from ... import keys as _keys
 from ... import runtime
 from ...errors import AlreadyExists, ConfigError, InvalidKey, NotFound
-from ..base import Buffer, ObjectMeta, PutOptions, Store, Writer
+from ..base import Buffer, ObjectMeta, Pieces, PutOptions, Store, Writer, as_pieces
 from ..http1 import check_header
 from .client import SharedClient, leave_to_parent, make_shared, shared_client
 from .options import S3Options
@@ -229,9 +229,10 @@ class S3Base(Store):
             raise
 
     async def _checksum_args(
-        self, body: Buffer, known: int | None = None
+        self, body: Buffer | Pieces, known: int | None = None
     ) -> tuple[dict[str, Any], int | None]:
-        """Request checksum headers for ``body`` and its CRC32C (None when checksums are off)."""
+        """Request checksum headers for ``body`` (a buffer or pieces) and its CRC32C (None
+        when checksums are off)."""
         mode = self.options.checksum
         if mode == "off":
             return {}, None
@@ -239,6 +240,12 @@ class S3Base(Store):
         if mode == "md5":
             import hashlib
 
-            digest = await runtime.to_cpu(lambda: hashlib.md5(body).digest())
+            def md5() -> bytes:
+                h = hashlib.md5()
+                for piece in as_pieces(body):
+                    h.update(piece)
+                return h.digest()
+
+            digest = await runtime.to_cpu(md5)
             return {"ContentMD5": base64.b64encode(digest).decode()}, n
         return {"ChecksumCRC32C": b64(n)}, n

@@ -36,7 +36,7 @@ from xml.etree import ElementTree
 import botocore.exceptions as bx
 
 from ... import runtime
-from ..http1 import Pool, Response, Sink
+from ..http1 import Pool, RequestBody, Response, Sink, body_views
 from .transport import Body, LeanUnsupported, Transport
 
 #: SHA-256 of an empty payload (GET and HEAD).
@@ -208,7 +208,7 @@ class LeanTransport(Transport):
         *,
         Bucket: str | None = None,
         Key: str,
-        Body: bytes | bytearray | memoryview,
+        Body: RequestBody,
         Metadata: Mapping[str, str] | None = None,
         IfNoneMatch: str | None = None,
         IfMatch: str | None = None,
@@ -239,7 +239,7 @@ class LeanTransport(Transport):
         Key: str,
         UploadId: str,
         PartNumber: int,
-        Body: bytes | bytearray | memoryview,
+        Body: RequestBody,
         ChecksumCRC32C: str | None = None,
         ContentMD5: str | None = None,
     ) -> dict[str, Any]:
@@ -253,14 +253,22 @@ class LeanTransport(Transport):
         _raise_for(resp, "UploadPart")
         return _put_fields(resp)
 
-    async def _payload_hash(self, body: bytes | bytearray | memoryview) -> str:
+    async def _payload_hash(self, body: RequestBody) -> str:
         """The payload hash to sign: the body's SHA-256 where payloads are signed (off the
         loop when big), else ``UNSIGNED-PAYLOAD``."""
         if not self.sign_payload:
             return "UNSIGNED-PAYLOAD"
-        if memoryview(body).nbytes <= _INLINE:
-            return hashlib.sha256(body).hexdigest()
-        return await runtime.to_cpu(lambda: hashlib.sha256(body).hexdigest())
+        views = body_views(body)
+
+        def digest() -> str:
+            h = hashlib.sha256()
+            for v in views:
+                h.update(v)
+            return h.hexdigest()
+
+        if sum(v.nbytes for v in views) <= _INLINE:
+            return digest()
+        return await runtime.to_cpu(digest)
 
     async def get_object(
         self,
@@ -334,7 +342,7 @@ class LeanTransport(Transport):
         key: str,
         headers: dict[str, str],
         payload_hash: str,
-        body: bytes | bytearray | memoryview | None,
+        body: RequestBody | None,
         query: Mapping[str, str] | None = None,
         *,
         into: memoryview | None = None,

@@ -28,7 +28,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..base import Buffer
+from ..base import Buffer, Pieces, joined
 
 if TYPE_CHECKING:
     from ..http1 import Sink
@@ -95,7 +95,7 @@ class Transport(abc.ABC):
         self,
         *,
         Key: str,
-        Body: Buffer,
+        Body: Buffer | Pieces,
         Metadata: Mapping[str, str] | None = None,
         IfNoneMatch: str | None = None,
         IfMatch: str | None = None,
@@ -113,7 +113,7 @@ class Transport(abc.ABC):
         Key: str,
         UploadId: str,
         PartNumber: int,
-        Body: Buffer,
+        Body: Buffer | Pieces,
         ChecksumCRC32C: str | None = None,
         ContentMD5: str | None = None,
     ) -> dict[str, Any]:
@@ -168,10 +168,11 @@ class BotocoreTransport(Transport):
 
     # Only the parameters given go to botocore: it would send a None as "None".
     async def put_object(self, **args: Any) -> dict[str, Any]:
-        return await self._send("put_object", args)
+        return await self._send("put_object", {**args, "Body": joined(args["Body"])})
 
     async def upload_part(self, **args: Any) -> dict[str, Any]:
-        return await self._send("upload_part", args)
+        # botocore sends one buffer: pieces are joined (a copy the lean transport avoids).
+        return await self._send("upload_part", {**args, "Body": joined(args["Body"])})
 
     async def get_object(
         self, *, into: memoryview | None = None, sink: Sink | None = None, **args: Any

@@ -23,7 +23,7 @@ from typing import Any
 
 from ... import runtime
 from ...errors import AlreadyExists, FmstoreError, NotFound, PreconditionFailed
-from ..base import Buffer, ObjectMeta, PutOptions
+from ..base import Buffer, ObjectMeta, Pieces, PutOptions
 from .core import S3Base
 from .options import META_CRC, META_PART_SIZE, META_PUT_TOKEN, MiB, put_part_size
 from .util import all_or_cancel, b64, crc32c, quote, unquote
@@ -178,7 +178,7 @@ class S3Uploads(S3Base):
             log.warning("could not check for stray uploads of %s: %s", full, e)
 
     async def _upload_part(
-        self, key: str, full: str, upload_id: str, number: int, body: Buffer
+        self, key: str, full: str, upload_id: str, number: int, body: Buffer | Pieces
     ) -> dict[str, Any]:
         sums, _ = await self._checksum_args(body)
         resp = await self._put_part(key, full, upload_id, number, body, sums)
@@ -193,10 +193,10 @@ class S3Uploads(S3Base):
         full: str,
         upload_id: str,
         number: int,
-        body: Buffer,
+        body: Buffer | Pieces,
         sums: Mapping[str, str],
     ) -> dict[str, Any]:
-        """One UploadPart (on the store's transport), retried."""
+        """One UploadPart (on the store's transport), retried; ``body`` may be pieces."""
         args: dict[str, Any] = {"Key": full, "UploadId": upload_id, "PartNumber": number}
         args.update(sums, Body=body)
 

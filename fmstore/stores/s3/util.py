@@ -11,7 +11,7 @@ from typing import TypeVar
 import crc32c as _crc32c
 
 from ... import runtime
-from ..base import Buffer, nbytes
+from ..base import Buffer, Pieces, as_pieces, nbytes
 from .options import INLINE_BYTES
 
 T = TypeVar("T")
@@ -21,12 +21,21 @@ def crc32c(data: Buffer, value: int = 0) -> int:
     return int(_crc32c.crc32c(data, value))
 
 
-async def crc_off_loop(data: Buffer) -> int:
-    """CRC32C of ``data``: inline when small (the hand-off to the CPU pool and back costs
-    more than the CRC of a few hundred KiB), else in the CPU pool, off the event loop."""
-    if memoryview(data).nbytes <= INLINE_BYTES:
-        return crc32c(data)
-    return await runtime.to_cpu(crc32c, data)
+def crc32c_of(data: Buffer | Pieces) -> int:
+    """CRC32C of a buffer, or of pieces as if joined."""
+    value = 0
+    for piece in as_pieces(data):
+        value = crc32c(piece, value)
+    return value
+
+
+async def crc_off_loop(data: Buffer | Pieces) -> int:
+    """CRC32C of ``data`` (a buffer or pieces): inline when small (the hand-off to the CPU
+    pool and back costs more than the CRC of a few hundred KiB), else in the CPU pool, off
+    the event loop."""
+    if nbytes(data) <= INLINE_BYTES:
+        return crc32c_of(data)
+    return await runtime.to_cpu(crc32c_of, data)
 
 
 async def join(pieces: list[Buffer]) -> bytes:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import hashlib
 import logging
@@ -49,7 +50,9 @@ from ..base import (
     Pieces,
     PutOptions,
     Writer,
+    as_pieces,
     joined,
+    nbytes,
     part_bounds,
     part_count,
 )
@@ -61,6 +64,10 @@ from .util import b64, crc_off_loop, unquote
 log = logging.getLogger(__name__)
 
 _PREFIX = "s3mp2"
+
+
+def _flat(data: Buffer) -> memoryview:
+    return memoryview(data).cast("B")
 
 
 class S3PartWriter(PartWriter):
@@ -299,33 +306,86 @@ class S3Writer(Writer):
         if self._error is not None:
             raise self._error
 
-    async def write(self, data: Buffer) -> None:
+    async def write(self, data: Buffer | Pieces) -> None:
+        """Append ``data`` (a buffer or pieces).
+
+        Bytes are copied into the part being filled, which uploads while the caller goes
+        on (``writer_parts_in_flight`` at most).  A big write sends its leading whole parts
+        straight from the caller's memory instead, several at once (the store's
+        concurrency bounds them), and waits for them before it returns: only its last
+        ``writer_parts_in_flight`` parts are copied, so it returns as early as an all-copy
+        write would, which also waits for every part but those last ones.
+        """
         self._check_open()
-        view = memoryview(data).cast("B")
-        while view.nbytes:
-            room = writer_part_size(self._base, self._index) - len(self._buf)
-            self._buf += view[:room]
-            view = view[room:]
-            if len(self._buf) == writer_part_size(self._base, self._index):
-                await self._flush()
+        pending = collections.deque(v for v in map(_flat, as_pieces(data)) if v.nbytes)
+        left = sum(v.nbytes for v in pending)
+        keep = self.store.options.writer_parts_in_flight + 1
+        direct: list[asyncio.Task[None]] = []
+        try:
+            while pending:
+                size = writer_part_size(self._base, self._index)
+                if not self._buf and left >= size * keep:
+                    part: list[memoryview] = []
+                    while size:
+                        v = pending.popleft()
+                        if v.nbytes > size:
+                            v, rest = v[:size], v[size:]
+                            pending.appendleft(rest)
+                        part.append(v)
+                        size -= v.nbytes
+                        left -= v.nbytes
+                    direct.append(await self._start(part, slot=False))
+                    continue
+                v = pending.popleft()
+                room = size - len(self._buf)
+                if v.nbytes > room:
+                    pending.appendleft(v[room:])
+                self._buf += v[:room]
+                left -= min(room, v.nbytes)
+                if len(self._buf) == size:
+                    await self._flush()
+        finally:
+            if direct:
+                # The parts read the caller's memory: none may still be sending once this
+                # call is over, whichever way it ends.
+                done = asyncio.gather(*direct, return_exceptions=True)
+                try:
+                    await asyncio.shield(done)
+                except BaseException:
+                    for t in direct:
+                        t.cancel()
+                    await done
+                    raise
         self._check_open()
 
     async def _flush(self) -> None:
-        if self._state.upload_id is None:
-            metadata = dict(self.options.metadata or {})
-            if self.store.options.checksum != "off":
-                metadata[META_PART_SIZE] = str(self._base)
-            self._state.upload_id = await self.store._create_upload(self.key, self.full, metadata)
         body, self._buf = self._buf, bytearray()
-        self._size += len(body)
-        self._index += 1
-        number = self._index
         await self._slots.acquire()
-        task = asyncio.get_running_loop().create_task(self._send(number, body))
+        await self._start(body, slot=True)
+
+    async def _start(self, body: bytearray | list[memoryview], *, slot: bool) -> asyncio.Task[None]:
+        """Start uploading ``body`` as the next part (``slot``: it holds one of the
+        ``writer_parts_in_flight`` slots, released once it is sent)."""
+        try:
+            if self._state.upload_id is None:
+                metadata = dict(self.options.metadata or {})
+                if self.store.options.checksum != "off":
+                    metadata[META_PART_SIZE] = str(self._base)
+                self._state.upload_id = await self.store._create_upload(
+                    self.key, self.full, metadata
+                )
+        except BaseException:
+            if slot:
+                self._slots.release()
+            raise
+        self._size += nbytes(body)
+        self._index += 1
+        task = asyncio.get_running_loop().create_task(self._send(self._index, body, slot))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
-    async def _send(self, number: int, body: bytearray) -> None:
+    async def _send(self, number: int, body: bytearray | list[memoryview], slot: bool) -> None:
         try:
             upload_id = self._state.upload_id
             assert upload_id is not None
@@ -336,7 +396,8 @@ class S3Writer(Writer):
             if self._error is None:
                 self._error = e
         finally:
-            self._slots.release()
+            if slot:
+                self._slots.release()
 
     async def commit(self) -> ObjectMeta:
         self._check_open()
