@@ -347,3 +347,42 @@ def test_lost_create_upload_answer_leaves_no_stray_upload(
     assert fault_proxy.injected[fault] == 1
     assert boto.get_object(Bucket=s3_bucket, Key="data/mp")["Body"].read() == data
     assert pending(boto, s3_bucket) == []
+
+
+def test_cancelled_big_write_stops_its_direct_parts_and_aborts(store, fault_proxy, boto, s3_bucket):
+    # 8 parts of 5 MiB in one write: the leading ones go out straight from the caller's
+    # buffer, and all stall on the way.
+    data = os.urandom(40 << 20)
+    fault_proxy.set_plan([Rule("stall", method="PUT", path=r"partNumber=", delay=5)])
+
+    async def write():
+        async with await store.open_writer("cancel-big") as w:
+            await w.write(data)
+
+    async def go():
+        t = asyncio.ensure_future(write())
+        while not fault_proxy.injected["stall"] and not t.done():
+            await asyncio.sleep(0.01)  # until a part is on its way
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+
+    run(go())
+    fault_proxy.clear()
+    assert pending(boto, s3_bucket) == []
+    assert run(store.list_keys("")) == []
+
+
+def test_failing_direct_part_fails_the_write_and_aborts(store, fault_proxy, boto, s3_bucket):
+    data = os.urandom(40 << 20)
+    fault_proxy.set_plan([Rule("reset", method="PUT", path=r"partNumber=2&")])
+
+    async def write():
+        async with await store.open_writer("fails") as w:
+            await w.write(data)
+
+    with pytest.raises(StoreUnavailable):
+        run(write())
+    fault_proxy.clear()
+    assert pending(boto, s3_bucket) == []
+    assert run(store.list_keys("")) == []

@@ -25,7 +25,7 @@ import pytest
 
 from .. import runtime
 from ..errors import AlreadyExists, InvalidKey, InvalidRange, NotFound, NotSupported
-from ..stores.base import ByteRange, PutOptions, Store
+from ..stores.base import Buffer, ByteRange, PutOptions, Store
 
 
 class Backdoor(abc.ABC):
@@ -398,6 +398,28 @@ class StoreConformance:
 
         run(write())
         assert backdoor.read("w/ok") == b"".join(parts)
+
+    def test_writer_takes_pieces_and_leaves_them_to_the_caller(
+        self, store: Store, backdoor: Backdoor
+    ) -> None:
+        # Pieces of every buffer type and of sizes that straddle any part boundary (an empty
+        # one too), in one write big enough for S3 to send whole parts from them directly.
+        self._needs_writes()
+        sizes = [1, 0, 3 << 20, 64, (5 << 20) + 7, 2 << 20, 29 << 20, 4099, 9 << 20, 100]
+        pieces = [bytearray(os.urandom(n)) for n in sizes]
+        views: list[Buffer] = [bytes(p) if i % 3 == 0 else p for i, p in enumerate(pieces)]
+        views[2] = memoryview(pieces[2])
+        expected = b"".join(bytes(p) for p in pieces) + b"tail"
+
+        async def write() -> None:
+            async with await store.open_writer("w/pieces") as w:
+                await w.write(views)
+                for p in pieces:  # the caller's buffers are its own again once write returns
+                    p[:] = bytes(len(p))
+                await w.write([b"tail"])
+
+        run(write())
+        assert backdoor.read("w/pieces") == expected
 
     def test_fifty_concurrent_puts(self, store: Store, backdoor: Backdoor) -> None:
         self._needs_writes()
