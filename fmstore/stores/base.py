@@ -49,6 +49,7 @@ from .types import (  # re-exported: the interface is imported from here
     nbytes,
     part_bounds,
     part_count,
+    views_of,
 )
 
 __all__ = [
@@ -68,6 +69,7 @@ __all__ = [
     "PrefixStore",
     "PutOptions",
     "Store",
+    "views_of",
     "Writer",
 ]
 

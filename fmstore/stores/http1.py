@@ -5,9 +5,9 @@ S3's hot calls need very little of HTTP: one request, one response with a
 aiohttp's general client spends about 0.3 ms of CPU on each such request (request and
 response objects, multidicts, stream readers, tracing hooks); for the 4 KiB objects of a
 dataset that is most of the cost of a copy.  :class:`Pool` does only what S3 needs, on an
-:class:`asyncio.Protocol`: the request is one ``write`` of its head and body, the response
-head is split by hand, and the body arrives as the pieces the socket delivered (never
-joined here: big GETs hand them to ``pwritev``).
+:class:`asyncio.Protocol`: a request is its head and body (one buffer or pieces, never
+joined), the response head is split by hand, and the body arrives as the pieces the
+socket delivered (big GETs hand them to ``pwritev``).
 
 Errors are fmstore's (:class:`~fmstore.errors.StoreUnavailable`) and also the built-in ones
 the retrier already knows: ``ConnectionError`` subclasses for refused, reset and truncated
@@ -31,11 +31,11 @@ import re
 import socket
 import ssl as _ssl
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from ..errors import FmstoreError, InvalidKey, StoreUnavailable
-from .types import as_pieces
+from .types import Pieces, views_of
 
 #: A kept-alive connection idle longer than this is closed rather than reused (servers
 #: close theirs after a few seconds to a minute; aiohttp's default is 15 s too).
@@ -62,9 +62,6 @@ MAX_CHUNKED_BODY = 64 << 20
 _MAX_LINE = 4096
 
 Buffer = bytes | bytearray | memoryview
-#: A request body: one buffer, or pieces sent one after the other (never joined here: an
-#: upload part gathered from several tensors goes out straight from their memory).
-RequestBody = Buffer | Sequence[Buffer]
 _STATUS = re.compile(r"HTTP/1\.([01]) ([1-9][0-9]{2})(?: ([\t\x20-\x7e\x80-\xff]*))?")
 _DECIMAL = re.compile(r"[0-9]{1,18}")
 #: A chunk-size line: hex digits (at most 15: under 2**60), optional extensions.
@@ -94,12 +91,6 @@ class Unresolvable(StoreUnavailable):
 
 class CertificateError(FmstoreError):
     """The server's TLS certificate failed verification (misconfiguration or attack)."""
-
-
-def body_views(body: RequestBody | None) -> list[memoryview]:
-    """A request body as flat byte views, empty ones left out."""
-    views = (memoryview(p).cast("B") for p in as_pieces(b"" if body is None else body))
-    return [v for v in views if v.nbytes]
 
 
 def check_header(name: str, value: str) -> None:
@@ -487,7 +478,7 @@ class _Conn(asyncio.BufferedProtocol):
     async def exchange(
         self,
         head: bytes,
-        body: Sequence[memoryview],
+        body: list[memoryview],
         head_only: bool,
         read_timeout: float,
         into: memoryview | None,
@@ -534,9 +525,6 @@ class _Conn(asyncio.BufferedProtocol):
         socket cannot take at once is copied into the transport's buffer, so a body written
         whole would be copied almost whole (and into fresh memory)."""
         assert self.transport is not None and self._waiter is not None
-        if self.closed or self._waiter.done():
-            self._keep = False
-            return
         for pos in range(0, view.nbytes, _SLICE):
             if self._paused is not None and not self._paused.done():
                 await asyncio.shield(self._paused)
@@ -598,28 +586,26 @@ class Pool:
         method: str,
         target: str,
         headers: Mapping[str, str],
-        body: RequestBody | None = None,
+        body: Buffer | Pieces | None = None,
         *,
         into: memoryview | None = None,
         sink: Sink | None = None,
     ) -> Response:
-        """Send one request and read its whole response (``body``: a buffer or pieces).
-
-        ``into``: a successful (2xx) body that fits goes there, received in place, and the
+        """Send one request and read its whole response.  ``body``: a buffer, or pieces sent
+        one after the other, never joined.  ``into``: a successful (2xx) body that fits goes there, received in place, and the
         response says ``filled``; any other body comes back as pieces.  ``sink``: a
         successful body of known length is streamed to it instead (see :class:`Sink`).
         Once this returns or raises, nothing more is written to ``into`` or the sink's
         ring, and no ``take`` is under way.
 
-        A kept-alive connection the server closed while it lay idle fails before any byte
-        of the answer arrives; such a request is sent once more on a new connection (S3's
-        calls here are idempotent).
-        """
+        A kept-alive connection the server closed while idle fails before any byte of the
+        answer arrives; such a request is sent once more on a new connection (S3's calls
+        here are idempotent)."""
         parts = [f"{method} {target} HTTP/1.1\r\n"]
         for k, v in headers.items():
             check_header(k, v)
             parts.append(f"{k}: {v}\r\n")
-        views = body_views(body)
+        views = views_of(body or b"")
         n = sum(v.nbytes for v in views)
         if n or method in ("PUT", "POST"):
             parts.append(f"content-length: {n}\r\n")

@@ -25,9 +25,9 @@ from .base import (
     Pieces,
     PutOptions,
     Writer,
-    as_pieces,
     nbytes,
     part_bounds,
+    views_of,
 )
 from .posix_io import BLOCK, _start_writeback, pwrite_all
 
@@ -59,7 +59,7 @@ class _PosixWriter(Writer):
     async def write(self, data: Buffer | Pieces) -> None:
         if self._done:
             raise ValueError("writer is closed")
-        views = [memoryview(p).cast("B") for p in as_pieces(data)]
+        views = views_of(data)
 
         def do() -> None:
             with self.store._translate(self.key):

@@ -28,6 +28,12 @@ def as_pieces(data: Buffer | Pieces) -> Pieces:
     return data
 
 
+def views_of(data: Buffer | Pieces) -> list[memoryview]:
+    """A buffer or pieces as flat byte views, empty ones left out."""
+    views = (memoryview(p).cast("B") for p in as_pieces(data))
+    return [v for v in views if v.nbytes]
+
+
 def nbytes(data: Buffer | Pieces) -> int:
     """Length of a buffer or of pieces together."""
     return sum(memoryview(p).nbytes for p in as_pieces(data))

@@ -36,7 +36,8 @@ from xml.etree import ElementTree
 import botocore.exceptions as bx
 
 from ... import runtime
-from ..http1 import Pool, RequestBody, Response, Sink, body_views
+from ..http1 import Pool, Response, Sink
+from ..types import Buffer, Pieces, views_of
 from .transport import Body, LeanUnsupported, Transport
 
 #: SHA-256 of an empty payload (GET and HEAD).
@@ -208,7 +209,7 @@ class LeanTransport(Transport):
         *,
         Bucket: str | None = None,
         Key: str,
-        Body: RequestBody,
+        Body: Buffer | Pieces,
         Metadata: Mapping[str, str] | None = None,
         IfNoneMatch: str | None = None,
         IfMatch: str | None = None,
@@ -239,7 +240,7 @@ class LeanTransport(Transport):
         Key: str,
         UploadId: str,
         PartNumber: int,
-        Body: RequestBody,
+        Body: Buffer | Pieces,
         ChecksumCRC32C: str | None = None,
         ContentMD5: str | None = None,
     ) -> dict[str, Any]:
@@ -253,12 +254,12 @@ class LeanTransport(Transport):
         _raise_for(resp, "UploadPart")
         return _put_fields(resp)
 
-    async def _payload_hash(self, body: RequestBody) -> str:
+    async def _payload_hash(self, body: Buffer | Pieces) -> str:
         """The payload hash to sign: the body's SHA-256 where payloads are signed (off the
         loop when big), else ``UNSIGNED-PAYLOAD``."""
         if not self.sign_payload:
             return "UNSIGNED-PAYLOAD"
-        views = body_views(body)
+        views = views_of(body)
 
         def digest() -> str:
             h = hashlib.sha256()
@@ -342,7 +343,7 @@ class LeanTransport(Transport):
         key: str,
         headers: dict[str, str],
         payload_hash: str,
-        body: RequestBody | None,
+        body: Buffer | Pieces | None,
         query: Mapping[str, str] | None = None,
         *,
         into: memoryview | None = None,

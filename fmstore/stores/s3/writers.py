@@ -50,11 +50,11 @@ from ..base import (
     Pieces,
     PutOptions,
     Writer,
-    as_pieces,
     joined,
     nbytes,
     part_bounds,
     part_count,
+    views_of,
 )
 from ..crc import combine_all, from_b64
 from .options import META_PART_SIZE, writer_part_size
@@ -64,10 +64,6 @@ from .util import b64, crc_off_loop, unquote
 log = logging.getLogger(__name__)
 
 _PREFIX = "s3mp2"
-
-
-def _flat(data: Buffer) -> memoryview:
-    return memoryview(data).cast("B")
 
 
 class S3PartWriter(PartWriter):
@@ -317,7 +313,7 @@ class S3Writer(Writer):
         write would, which also waits for every part but those last ones.
         """
         self._check_open()
-        pending = collections.deque(v for v in map(_flat, as_pieces(data)) if v.nbytes)
+        pending = collections.deque(views_of(data))
         left = sum(v.nbytes for v in pending)
         keep = self.store.options.writer_parts_in_flight + 1
         direct: list[asyncio.Task[None]] = []
