@@ -1,7 +1,7 @@
 """Checkpoint engine: fmstore.save / load / async_save against torch.save, DCP and the floors.
 
     python -m benchmarks.checkpoint [--size 1GiB,4GiB] [--quick] [--dir PATH] [--no-s3]
-                                    [--sections save,async,load,codecs,s3]
+                                    [--sections save,async,load,codecs,s3] [--rounds 3]
 
 The state is a transformer's bf16 weights plus fp32 Adam moments (exp_avg, exp_avg_sq):
 10 bytes per parameter.  For each size, in one run:
@@ -20,13 +20,22 @@ The state is a transformer's bf16 weights plus fp32 Adam moments (exp_avg, exp_a
   share of bytes they hold is printed);
 * compression ratio and MB/s per core (CPU time of one thread, best of 3) of raw / zstd /
   bytegroup+zstd on the bf16 weights and the fp32 moments;
-* S3 (SeaweedFS started here) save and load, vs s3torchconnector's S3Checkpoint + torch.save
-  when it is installed.
+* S3 (SeaweedFS started here) save and load: fmstore (compression raw, and auto, the
+  default on S3) vs s3torchconnector's S3Checkpoint + torch.save / torch.load when it is
+  installed (``make setup-bench``).  SeaweedFS grows volumes on a bucket's first writes, so
+  every client first saves once, untimed; then ``--rounds`` rounds run every client in
+  turn, in rotating order, each case from a settled machine and an idle server, and the
+  table gives medians (and every run).  Beside the time: the client's CPU seconds per GiB
+  (this process, every thread) and the server's (``/proc/<weed pid>/stat``).  On a
+  machine whose cores the server shares, a save costs server CPU + client CPU: the server's
+  share, the same for every client, bounds how far ahead a client can be.  Between rounds
+  the bucket is emptied and vacuumed (untimed), so rounds of big states fit on the disk.
 
 Every timed case starts from the same state (``benchmarks.common.settle``): no dirty pages
 left by the case before and the page cache dropped, so a row agrees with the same case run
 alone.  Peers that are not installed are skipped with a note.  Ratios: "vs floor" is floor time /
-our time (1.0 = at the floor); "vs peer" is peer time / our time (2.0 = twice as fast).
+our time (1.0 = at the floor); "vs peer" (vs torch.save, vs DCP, vs s3torchconnector) is
+peer time / our time (2.0 = twice as fast).
 """
 
 from __future__ import annotations
@@ -481,10 +490,17 @@ def _server_quiet(pid: int, timeout: float = 30.0) -> None:
         last = now
 
 
+def _disk_use(path: str) -> int:
+    return sum(
+        os.lstat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(path) for f in fs
+    )
+
+
 def _free_space(server: Any, bucket: str) -> None:
-    """Delete every object of ``bucket`` and have SeaweedFS reclaim the space (a vacuum;
-    deleted needles otherwise keep their disk space): rounds of 4 GiB states would fill the
-    disk.  Untimed, between rounds."""
+    """Delete every object of ``bucket`` and have SeaweedFS reclaim the space: deleted
+    chunks keep their disk space until a vacuum, and rounds of 4 GiB states would fill the
+    disk.  The filer deletes chunks in the background, so the vacuum is repeated until the
+    space is back (30 s at most).  Untimed, between rounds."""
     cli = server.boto3_client()
     for page in cli.get_paginator("list_objects_v2").paginate(Bucket=bucket):
         keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
@@ -494,8 +510,11 @@ def _free_space(server: Any, bucket: str) -> None:
         args = f.read().decode().split("\0")
     port = next(a.split("=", 1)[1] for a in args if a.startswith("-master.port="))
     url = f"http://127.0.0.1:{port}/vol/vacuum?garbageThreshold=0.0001"
-    with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=300) as r:
-        r.read()
+    deadline = time.monotonic() + 30
+    while _disk_use(server.dir) > 256 << 20 and time.monotonic() < deadline:
+        time.sleep(1)
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=300) as r:
+            r.read()
 
 
 def bench_s3(tag: str, state: Any, n: int, rounds: int) -> None:
