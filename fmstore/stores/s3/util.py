@@ -11,7 +11,8 @@ from typing import TypeVar
 import crc32c as _crc32c
 
 from ... import runtime
-from ..base import Buffer, Pieces, as_pieces, nbytes
+from ..base import Buffer, Pieces, nbytes
+from ..crc import crc32c_of
 from .options import INLINE_BYTES
 
 T = TypeVar("T")
@@ -19,14 +20,6 @@ T = TypeVar("T")
 
 def crc32c(data: Buffer, value: int = 0) -> int:
     return int(_crc32c.crc32c(data, value))
-
-
-def crc32c_of(data: Buffer | Pieces) -> int:
-    """CRC32C of a buffer, or of pieces as if joined."""
-    value = 0
-    for piece in as_pieces(data):
-        value = crc32c(piece, value)
-    return value
 
 
 async def crc_off_loop(data: Buffer | Pieces) -> int:
