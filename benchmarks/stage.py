@@ -240,13 +240,13 @@ def start_up(
             for name, make in cases.items():
                 dst = tempfile.mkdtemp(dir=work)
                 cmd = make(dst)
-                seen = len(proxy.arrivals)
+                seen = len(proxy.seen)
                 t0 = time.perf_counter()
                 r = subprocess.run(cmd, env=tools.env, capture_output=True, text=True)
                 end = time.perf_counter() - t0
                 if r.returncode != 0:
                     raise RuntimeError(f"{name} failed ({r.returncode}): {r.stderr[-2000:]}")
-                first = proxy.arrivals[seen] - t0 if len(proxy.arrivals) > seen else None
+                first = proxy.seen[seen].at - t0 if len(proxy.seen) > seen else None
                 times.setdefault(name, []).append((first, end))
                 shutil.rmtree(dst, ignore_errors=True)
         for name, ts in times.items():

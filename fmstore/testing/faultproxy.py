@@ -28,8 +28,8 @@ Rules match by method and path (a regular expression), fire with a probability
 :meth:`FaultProxy.set_plan`, :meth:`FaultProxy.add` and :meth:`FaultProxy.clear`.
 :meth:`FaultProxy.down` stops listening (connections are refused, as when S3 is down)
 and :meth:`FaultProxy.up` listens again on the same port.  Counters: ``requests`` (seen,
-with their arrival times in ``arrivals``, and each one's method, path, ``Range`` header,
-status and response body bytes in ``seen``; ``calls``: each one's method and path, with
+and each one's arrival time, method, path, ``Range`` header, status and response body
+bytes in ``seen``; ``calls``: each one's method and path, with
 query) and ``injected`` (per fault kind); a test sums what a client fetched per object with
 :meth:`FaultProxy.fetched`.  The proxy runs its own
 event loop in a daemon thread.
@@ -118,6 +118,9 @@ class Seen:
     status: int = 0
     body: int = 0
     start: int = 0
+    #: ``time.perf_counter()`` when the request's head arrived (a benchmark times a
+    #: client's start-up up to its first request with it).
+    at: float = 0.0
 
     @property
     def key(self) -> str:
@@ -225,9 +228,6 @@ class FaultProxy:
         self.upstream = (m.group(1), int(m.group(2)))
         self.port = 0
         self.requests = 0
-        #: ``time.perf_counter()`` when each request's head arrived (a benchmark reads the
-        #: first one to time a client's start-up up to its first request).
-        self.arrivals: list[float] = []
         #: Every request in arrival order (see :class:`Seen`).
         self.seen: list[Seen] = []
         self.injected: collections.Counter[str] = collections.Counter()
@@ -370,10 +370,9 @@ class FaultProxy:
                 if head is None:
                     return
                 self.requests += 1
-                self.arrivals.append(time.perf_counter())
                 parts = head.first.decode("latin-1").split(" ")
                 method, path = parts[0].upper(), parts[1] if len(parts) > 1 else "/"
-                seen = Seen(method, path, head.get("range"))
+                seen = Seen(method, path, head.get("range"), at=time.perf_counter())
                 self.seen.append(seen)
                 rule = self._pick(method, path)
                 if rule is not None and rule.fault in ("slowdown", "error", "redirect"):
