@@ -49,3 +49,21 @@ def fault_proxy(s3_server):
 
     with FaultProxy(s3_server.endpoint_url) as proxy:
         yield proxy
+
+
+@pytest.fixture
+def posix_cfg(tmp_path, monkeypatch):
+    """A config file with two POSIX tiers (``nvme``, ``lustre``) under ``tmp_path``, found
+    through $FMSTORE_CONFIG (by spawned workers too)."""
+    from fmstore import config as fm_config
+
+    cfg = tmp_path / "fmstore.toml"
+    cfg.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n'
+        f'[tiers.nvme]\nurl = "{tmp_path / "nvme"}"\n'
+        f'[tiers.lustre]\nurl = "{tmp_path / "lustre"}"\n'
+    )
+    monkeypatch.setenv("FMSTORE_CONFIG", str(cfg))
+    fm_config.set_config(None)
+    yield cfg
+    fm_config.set_config(None)

@@ -12,7 +12,6 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from fmstore import config as fm_config
 from fmstore import runtime
 from fmstore.errors import ConfigError, InvalidKey
 from fmstore.fsspec import FmstoreFileSystem
@@ -33,21 +32,6 @@ def _protocol():
     assert _registered() is FmstoreFileSystem
     yield
     fsspec.AbstractFileSystem.clear_instance_cache()
-
-
-@pytest.fixture
-def posix_cfg(tmp_path, monkeypatch):
-    """A config file with two POSIX tiers under ``tmp_path``, found through $FMSTORE_CONFIG."""
-    cfg = tmp_path / "fmstore.toml"
-    cfg.write_text(
-        f'state_dir = "{tmp_path / "state"}"\n'
-        f'[tiers.nvme]\nurl = "{tmp_path / "nvme"}"\n'
-        f'[tiers.lustre]\nurl = "{tmp_path / "lustre"}"\n'
-    )
-    monkeypatch.setenv("FMSTORE_CONFIG", str(cfg))
-    fm_config.set_config(None)
-    yield cfg
-    fm_config.set_config(None)
 
 
 @pytest.fixture

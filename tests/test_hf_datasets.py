@@ -17,7 +17,6 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fmstore import config as fm_config
 from fmstore import runtime
 from fmstore.stores import open_store
 from tests.stage_data import write_s3_config
@@ -55,19 +54,6 @@ def hf_cache(tmp_path, monkeypatch, dead_hub):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     return cache
 
-
-@pytest.fixture
-def posix_cfg(tmp_path, monkeypatch):
-    cfg = tmp_path / "fmstore.toml"
-    cfg.write_text(
-        f'state_dir = "{tmp_path / "state"}"\n'
-        f'[tiers.nvme]\nurl = "{tmp_path / "nvme"}"\n'
-        f'[tiers.lustre]\nurl = "{tmp_path / "lustre"}"\n'
-    )
-    monkeypatch.setenv("FMSTORE_CONFIG", str(cfg))  # spawned workers find it too
-    fm_config.set_config(None)
-    yield cfg
-    fm_config.set_config(None)
     fsspec.AbstractFileSystem.clear_instance_cache()
 
 
