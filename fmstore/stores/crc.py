@@ -73,23 +73,16 @@ def _zeros_operator(len2: int) -> list[int]:
     """The GF(2) matrix that advances a CRC over ``len2`` zero bytes (parts mostly share
     one length, so each is built once)."""
     op = [1 << n for n in range(32)]  # identity
-    odd = [_POLY] + [1 << n for n in range(31)]  # operator for one zero bit
-    even = _square(odd)  # two zero bits
-    odd = _square(even)  # four zero bits
-    while True:
-        even = _square(odd)
+    step = [_POLY] + [1 << n for n in range(31)]  # operator for one zero bit
+    for _ in range(3):
+        step = _square(step)  # one zero byte
+    while True:  # square-and-multiply over the bits of len2
         if len2 & 1:
-            op = [_times(even, v) for v in op]
+            op = [_times(step, v) for v in op]
         len2 >>= 1
         if not len2:
-            break
-        odd = _square(even)
-        if len2 & 1:
-            op = [_times(odd, v) for v in op]
-        len2 >>= 1
-        if not len2:
-            break
-    return op
+            return op
+        step = _square(step)
 
 
 def combine_all(parts: Iterable[tuple[int, int]]) -> int:
