@@ -32,8 +32,11 @@ from stage_data import (
 from fmstore import runtime
 from fmstore.errors import ConfigError
 from fmstore.stores import open_store
+from fmstore.stores.base import PrefixStore
 from fmstore.stores.crc import crc32c
 from fmstore.testing.faultproxy import FaultProxy, Rule
+from fmstore.tiering.stage import plan_stage
+from fmstore.tiering.transfer import TransferOptions, copy_items
 
 pytestmark = pytest.mark.s3
 
@@ -203,8 +206,8 @@ def test_an_upload_that_cannot_be_resumed_is_aborted(dataset, s3env, s3_server):
 
 def test_kill9_during_a_mid_sized_download_resumes_its_parts(s3env, s3_server, tmp_path):
     """Below the multipart threshold (40 MiB < 64 MiB), an object from S3 to a local file
-    still streams in parts (8 MiB here): a killed run leaves them journaled, the next run
-    keeps them and fetches only the rest."""
+    still streams in parts (8 MiB here: one object, five requests): a killed run leaves them
+    journaled, the next run (at another concurrency) keeps them and fetches only the rest."""
     src = _s3(s3_server, s3env["bucket"], "ds/mid")
     body = os.urandom(40 << 20)
     runtime.run(src.put("mid.bin", body))
@@ -212,7 +215,7 @@ def test_kill9_during_a_mid_sized_download_resumes_its_parts(s3env, s3_server, t
     args = ["stage", "proxied:mid", str(dst), "--no-progress", "--shard", "none"]
     env = s3env["env"]
     with proxied(s3env, s3_server, pass_then_hold(2, "GET", r"/ds/mid/mid\.bin")):
-        kill9_after_parts([*args, "--concurrency", "2"], s3env, 2)
+        kill9_after_parts([*args, "--concurrency", "5"], s3env, 2)
     parts = journal_parts(s3env["home"])
     assert {r["n"] for r in parts} == {8 << 20}
     assert not (dst / "mid.bin").exists()  # nothing partial at the final name
@@ -338,3 +341,80 @@ def test_open_store_gives_s3_the_callers_concurrency_unless_its_options_name_one
     assert local.local_root == str(tmp_path / "d")
     with pytest.raises(ConfigError):
         open_store("s3://bkt/p", concurrency=0, **opts)
+
+
+def test_a_download_asks_for_each_object_once(s3env, s3_server, tmp_path):
+    """Per object one HEAD (its metadata and version) and its ranges, all pinned to that
+    version, so no second HEAD to see whether it changed meanwhile; with as many objects as
+    requests in flight, each is one GET, while an object alone still goes as several."""
+    bucket = s3env["bucket"]
+    src = _s3(s3_server, bucket, "ds/once")
+    bodies = {f"f{i}.bin": os.urandom(12 << 20) for i in range(4)}
+    for k, b in bodies.items():
+        runtime.run(src.put(k, b))
+    env = s3env["env"]
+    dst = tmp_path / "dst"
+    with proxied(s3env, s3_server, []) as proxy:
+        r = fm("stage", "proxied:once", str(dst), "--no-progress", "-c", "4", env=env)
+        assert r.returncode == 0, r.stderr
+        asked = [(s.method, s.path) for s in proxy.seen if s.path.startswith(f"/{bucket}/ds/once/")]
+        one = tmp_path / "one"
+        r = fm(
+            "stage",
+            "proxied:once",
+            str(one),
+            "--include",
+            "f0.bin",
+            "--no-progress",
+            "-c",
+            "4",
+            env=env,
+        )
+        assert r.returncode == 0, r.stderr
+        alone = [s for s in proxy.seen[len(asked) :] if s.path == f"/{bucket}/ds/once/f0.bin"]
+    for k, body in bodies.items():
+        path = f"/{bucket}/ds/once/{k}"
+        assert sorted(m for m, p in asked if p == path) == ["GET", "HEAD"], k
+        assert (dst / k).read_bytes() == body
+    assert [s.method for s in alone].count("HEAD") == 1
+    assert [s.range for s in alone if s.method == "GET"] == [
+        "bytes=0-8388607",
+        "bytes=8388608-12582911",
+    ]
+    assert (one / "f0.bin").read_bytes() == bodies["f0.bin"]
+
+
+class _OverwrittenAfterOneRange(PrefixStore):
+    """The real store, whose object someone overwrites right after the first range of it
+    is read (the moment a copy in several ranges could splice two versions)."""
+
+    def __init__(self, inner, overwrite) -> None:
+        super().__init__(inner, "")
+        self.overwrite = overwrite
+
+    async def read_to(self, key, start, end, consume, *, etag=None):
+        await super().read_to(key, start, end, consume, etag=etag)
+        if self.overwrite is not None:
+            self.overwrite, overwrite = None, self.overwrite
+            overwrite()
+
+
+def test_an_object_overwritten_between_its_ranges_is_copied_again_whole(s3env, s3_server, tmp_path):
+    """Written by another tool (no checksum in its metadata to catch a splice), the object
+    changes after the first of its three ranges is read: the next range, pinned to the
+    version the copy began with, is refused, and the retry copies the new version whole."""
+    bucket = s3env["bucket"]
+    old, new = os.urandom(24 << 20), os.urandom(24 << 20)
+    boto = s3_server.boto3_client()
+    boto.put_object(Bucket=bucket, Key="ds/splice/obj.bin", Body=old)
+    s3 = _s3(s3_server, bucket, "ds/splice")
+    src = _OverwrittenAfterOneRange(
+        s3, lambda: boto.put_object(Bucket=bucket, Key="ds/splice/obj.bin", Body=new)
+    )
+    dst = open_store(str(tmp_path / "dst"))
+    items = runtime.run(plan_stage(src, dst)).items
+    opts = TransferOptions(concurrency=1, part_size=8 << 20, retries=1)
+    report = runtime.run(copy_items(src, dst, items, opts))
+    assert report.ok and report.progress.files_copied == 1
+    assert (tmp_path / "dst" / "obj.bin").read_bytes() == new
+    runtime.run(s3.close())

@@ -201,19 +201,28 @@ class Store(abc.ABC):
         data = await self.get_range(key, start, start + len(out))
         out[:] = data
 
-    async def read_to(self, key: str, start: int, end: int, consume: Consumer) -> None:
+    async def read_to(
+        self, key: str, start: int, end: int, consume: Consumer, *, etag: str | None = None
+    ) -> None:
         """Hand bytes ``[start, end)`` of ``key`` to ``consume``, in order.
 
         The bytes passed are only valid during the call (or until its awaitable is done).
         Backends that stream (S3) call it as bytes arrive, from a buffer small enough to
         stay in the CPU's cache, so a copy to a file never holds a whole range in memory;
         this default reads the range, then hands over its pieces.  What ``consume`` raises
-        is raised as is.
+        is raised as is.  With ``etag`` (from an earlier :meth:`stat`), the bytes must come
+        from that version: another one is :class:`~fmstore.errors.StoreUnavailable` (S3
+        asks with ``If-Match``; this default compares the etag after the read), so a caller
+        reading an object as several ranges never splices two versions.
         """
         for piece in await self.get_range_pieces(key, start, end):
             pending = consume(memoryview(piece))
             if pending is not None:
                 await pending
+        if etag is not None and (await self.stat(key)).etag != etag:
+            from ..errors import StoreUnavailable
+
+            raise StoreUnavailable("object changed while it was read", tier=self.tier, key=key)
 
     async def get_with_meta(self, key: str) -> tuple[ObjectMeta, bytes]:
         """The whole object and its metadata (user metadata included).
@@ -425,8 +434,10 @@ class PrefixStore(Store):
     async def get_into(self, key: str, start: int, out: memoryview) -> None:
         await self.inner.get_into(self._full(key), start, out)
 
-    async def read_to(self, key: str, start: int, end: int, consume: Consumer) -> None:
-        await self.inner.read_to(self._full(key), start, end, consume)
+    async def read_to(
+        self, key: str, start: int, end: int, consume: Consumer, *, etag: str | None = None
+    ) -> None:
+        await self.inner.read_to(self._full(key), start, end, consume, etag=etag)
 
     async def stat(self, key: str) -> ObjectMeta:
         return self._strip(await self.inner.stat(self._full(key)))

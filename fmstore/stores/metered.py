@@ -120,9 +120,11 @@ class MeteredStore(Store):
             await self.inner.get_into(key, start, out)
         self._bytes("get", out.nbytes)
 
-    async def read_to(self, key: str, start: int, end: int, consume: Consumer) -> None:
+    async def read_to(
+        self, key: str, start: int, end: int, consume: Consumer, *, etag: str | None = None
+    ) -> None:
         with self._op("get_range"):
-            await self.inner.read_to(key, start, end, consume)
+            await self.inner.read_to(key, start, end, consume, etag=etag)
         self._bytes("get", end - start)
 
     async def stat(self, key: str) -> ObjectMeta:

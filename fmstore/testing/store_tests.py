@@ -24,7 +24,14 @@ from typing import Any
 import pytest
 
 from .. import runtime
-from ..errors import AlreadyExists, InvalidKey, InvalidRange, NotFound, NotSupported
+from ..errors import (
+    AlreadyExists,
+    InvalidKey,
+    InvalidRange,
+    NotFound,
+    NotSupported,
+    StoreUnavailable,
+)
 from ..stores.base import Buffer, ByteRange, PutOptions, Store
 
 
@@ -138,6 +145,25 @@ class StoreConformance:
 
         with pytest.raises(OSError, match="No space left"):
             run(store.read_to("s", 0, 100, refuse))
+
+    def test_read_to_pinned_to_an_etag_refuses_another_version(self, store: Store) -> None:
+        """A reader of several ranges pins each to the version it stat-ed: the ranges of
+        two versions must never be spliced into one copy."""
+        src = self.source(store)
+        run(src.put("v", b"1" * 100_000))
+        etag = run(store.stat("v")).etag
+        if etag is None:
+            pytest.skip("the store has no etags to pin a read to")
+        got = bytearray()
+        run(store.read_to("v", 10, 100_000, got.extend, etag=etag))
+        assert got == b"1" * 99_990
+        run(src.put("v", b"2" * 100_001))
+        with pytest.raises(StoreUnavailable, match="changed"):
+            run(store.read_to("v", 10, 100_000, bytearray().extend, etag=etag))
+        fresh = run(store.stat("v")).etag
+        got.clear()
+        run(store.read_to("v", 0, 100_001, got.extend, etag=fresh))
+        assert got == b"2" * 100_001
 
     def test_range_pieces_join_to_the_range(self, store: Store) -> None:
         data = os.urandom(3 << 20)

@@ -106,7 +106,14 @@ class ReadThroughStore(Store):
         store = await self._ensure(self._key(key))
         await store.get_into(key, start, out)
 
-    async def read_to(self, key: str, start: int, end: int, consume: Consumer) -> None:
+    async def read_to(
+        self, key: str, start: int, end: int, consume: Consumer, *, etag: str | None = None
+    ) -> None:
+        if etag is not None:
+            # The etags are the slow tier's and the cache keeps no versions: a read pinned
+            # to one is the slow tier's to serve.
+            await self.slow.read_to(key, start, end, consume, etag=etag)
+            return
         store = await self._ensure(self._key(key))
         await store.read_to(key, start, end, consume)
 

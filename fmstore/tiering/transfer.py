@@ -272,6 +272,9 @@ class Transfer:
         # Part buffers, in huge pages (see fmstore.buffers), kept for the next parts up to
         # half the in-flight budget.
         self._spare: list[mmap.mmap | bytearray] = []
+        # Ranges one object is read as, at most, when it streams into a file (see
+        # _part_size): set by run() from the number of objects.
+        self._ranges_per_object = 8
 
     async def run(self, items: Sequence[CopyItem]) -> TransferReport:
         t0 = time.monotonic()
@@ -280,6 +283,10 @@ class Transfer:
         p.bytes_total += sum(i.size for i in items)
         if len(items) == 1 and self.opt.fsync == "batch":
             self.batch_sync = False
+        # Requests left idle by the objects themselves: with as many objects as requests
+        # in flight, each is one GET.
+        idle = self.opt.concurrency // max(1, min(len(items), self.opt.concurrency))
+        self._ranges_per_object = max(1, min(8, idle))
         queue = iter(items)
         flusher = asyncio.ensure_future(self._flush_loop())
 
@@ -499,10 +506,13 @@ class Transfer:
         least = -(-size // 10_000)
         if self.dst_local and not self.src_local:
             # Streamed into a file, a part needs no buffer and S3's 5 MiB floor does not
-            # apply: a mid-sized object still goes as several ranges at once (an eighth of
-            # it, in whole MiB so parts start on page boundaries).
-            eighth = -(-size // (8 * MiB)) * MiB
-            return max(least, min(self.opt.part_size, max(STREAM_OVER, eighth)))
+            # apply: a mid-sized object copied alone still goes as several ranges at once (up
+            # to eight, in whole MiB so parts start on page boundaries), but not when other
+            # objects keep the requests busy (every range costs a request, and the server
+            # its work).
+            ranges = self._ranges_per_object
+            share = -(-size // (ranges * MiB)) * MiB
+            return max(least, min(self.opt.part_size, max(STREAM_OVER, share)))
         return max(least, self.opt.part_size)
 
     async def _copy_big(self, item: CopyItem) -> None:
@@ -513,9 +523,11 @@ class Transfer:
         )
         part_size = self._part_size(size)
         pend = self.journal.pending.get(item.dst_key)
-        token = (
-            pend.token if pend and pend.version == version and pend.part_size == part_size else None
-        )
+        token = None
+        if pend is not None and pend.version == version and pend.part_size >= -(-size // 10_000):
+            # A resumed write keeps the part size it began with (a run of other files, or
+            # with other options, would choose another).
+            token, part_size = pend.token, pend.part_size
         if pend is not None and token is None:
             await self._drop_pending(item.dst_key, size, pend)
         attrs = await self._attrs(item, smeta)
@@ -554,9 +566,12 @@ class Transfer:
         crcs: dict[int, tuple[int, int]] = dict(done)
 
         counted = 0
+        # Parts read pinned to the etag stat saw cannot mix two versions of the source; any
+        # other part (read from a file, or into a buffer) is checked by a second stat below.
+        pinned = smeta.etag is not None and not done
 
         async def one(i: int) -> None:
-            nonlocal counted
+            nonlocal counted, pinned
             start, end = part_bounds(i, size, part_size)
             async with self.part_sem:
                 # The budget bounds bytes in flight: in buffers, and asked of the source (a
@@ -567,8 +582,9 @@ class Transfer:
                     # order (a file); otherwise the part goes through a buffer.
                     stream = None if self.src_local else w.stream_part(i)
                     if stream is not None:
-                        c = await self._stream_part(item.src_key, start, end, stream)
+                        c = await self._stream_part(item.src_key, start, end, stream, smeta.etag)
                     else:
+                        pinned = False
                         c = await self._buffer_part(item.src_key, start, end, w, i)
                 finally:
                     await self.budget.release(held)
@@ -581,7 +597,7 @@ class Transfer:
         try:
             await gather_or_cancel(one(i) for i in range(n) if i not in done)
             whole = combine_all(crcs[i] for i in range(n))
-            after = await self.src.stat(item.src_key)
+            after = smeta if pinned else await self.src.stat(item.src_key)
             if version_of(after) != version or after.size != size:
                 await w.abort()
                 self.journal.forget(item.dst_key)
@@ -614,9 +630,12 @@ class Transfer:
             await old.abort()
         self.journal.forget(key)
 
-    async def _stream_part(self, key: str, start: int, end: int, stream: PartStream) -> int:
-        """Bytes ``[start, end)`` of the source written to ``stream`` as they arrive, and
-        their CRC32C, taken on the way while they are in the CPU's cache."""
+    async def _stream_part(
+        self, key: str, start: int, end: int, stream: PartStream, etag: str | None
+    ) -> int:
+        """Bytes ``[start, end)`` of the source (of the version with ``etag``) written to
+        ``stream`` as they arrive, and their CRC32C, taken on the way while they are in the
+        CPU's cache."""
         if self.bucket:
             await self.bucket.acquire(end - start)
         crc = 0
@@ -626,7 +645,7 @@ class Transfer:
             crc = crc32c(view, crc)
             return stream.write(view)
 
-        await self.src.read_to(key, start, end, take)
+        await self.src.read_to(key, start, end, take, etag=etag)
         await stream.close()
         return crc
 

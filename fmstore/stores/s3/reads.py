@@ -95,21 +95,31 @@ class S3Reads(S3Base):
         await self._read(key, start, start + out.nbytes, out)
 
     async def read_to(
-        self, key: str, start: int, end: int, consume: Callable[[memoryview], Any]
+        self,
+        key: str,
+        start: int,
+        end: int,
+        consume: Callable[[memoryview], Any],
+        *,
+        etag: str | None = None,
     ) -> None:
         """Bytes ``[start, end)`` to ``consume`` in order as they arrive (see
         :meth:`Store.read_to`): one GET, received into a small ring on the lean transport.  A GET
-        that breaks off is resumed where it stopped, pinned to the ETag it began with; the
-        object changing in between is :class:`StoreUnavailable` (what was consumed came from
-        the old one).  Nothing is checked against a checksum here: the caller has the bytes.
+        that breaks off is resumed where it stopped, pinned to the ETag it began with (or to
+        ``etag`` from the start); the object changing in between is :class:`StoreUnavailable`
+        (what was consumed came from the old one).  Nothing is checked against a checksum
+        here: the caller has the bytes.
         """
         full = self._full(key)
         if start < 0 or end < start:
             raise InvalidRange(f"bad range [{start}, {end})", tier=self.tier, key=key)
         if end == start:
-            self._check_range(key, (await self.stat(key)).size, start, end)
+            meta = await self.stat(key)
+            self._check_range(key, meta.size, start, end)
+            if etag is not None and unquote(meta.etag) != unquote(etag):
+                raise StoreUnavailable("object changed while it was read", tier=self.tier, key=key)
             return
-        pos, etag = start, None
+        pos, etag = start, unquote(etag) if etag else None
         failed: list[Exception] = []  # what ``consume`` raised: its error, never retried
 
         def feed(view: memoryview) -> Awaitable[None] | None:
