@@ -68,6 +68,10 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+#: What a gateway not yet holding its identities answers a signed request.
+_NOT_YET = {"SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied"}
+
+
 class SeaweedServer:
     """One SeaweedFS server with an S3 gateway on ``endpoint_url``.
 
@@ -218,7 +222,19 @@ class SeaweedServer:
     def _warm_up(self) -> None:
         """Write once before handing the server out: the very first write makes SeaweedFS
         grow its first volumes, which takes seconds and would trip a test's short timeout."""
-        name = self.create_bucket(f"warm-{uuid.uuid4().hex[:12]}")
+        name = f"warm-{uuid.uuid4().hex[:12]}"
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            try:
+                self.create_bucket(name)
+                break
+            except Exception as e:  # botocore's ClientError, imported only where used
+                # The gateway can answer before it has loaded the identities it was started
+                # with: their keys are refused until it has.
+                code = getattr(e, "response", {}).get("Error", {}).get("Code")
+                if code not in _NOT_YET or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
         try:
             self.boto3_client().put_object(Bucket=name, Key="warm", Body=b"x")
         finally:
