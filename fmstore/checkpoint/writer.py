@@ -30,6 +30,7 @@ from ..errors import AlreadyExists, CorruptData, NotFound
 from ..format.checksum import crc32c
 from ..format.codecs import encode
 from ..format.manifest import MANIFEST_KEY, BlobEntry, ChunkEntry, Manifest, StorageEntry
+from ..limits import ByteBudget
 from ..stores.base import Buffer, PutOptions, Store
 from .layout import new_generation
 from .planner import ALIGN, SavePlan
@@ -43,27 +44,6 @@ class WriteOptions:
     overwrite: bool = False
     io_concurrency: int = 8
     max_inflight: int = 1 << 30
-
-
-class ByteBudget:
-    """A semaphore counted in bytes; a request larger than the budget waits for all of it."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = max(1, limit)
-        self.free = self.limit
-        self._cond = asyncio.Condition()
-
-    async def acquire(self, n: int) -> int:
-        n = min(n, self.limit)
-        async with self._cond:
-            await self._cond.wait_for(lambda: self.free >= n)
-            self.free -= n
-        return n
-
-    async def release(self, n: int) -> None:
-        async with self._cond:
-            self.free += n
-            self._cond.notify_all()
 
 
 def _encode_chunk(codec: str, data: memoryview, group: int) -> tuple[str, Buffer, int]:
@@ -85,7 +65,7 @@ async def write_checkpoint(
             )
         old_gen = await _current_generation(store)
     gen = new_generation()
-    budget = ByteBudget(options.max_inflight)
+    budget = ByteBudget(max(1, options.max_inflight))
     blob_gate = asyncio.Semaphore(max(1, options.io_concurrency))
     entries: dict[int, ChunkEntry] = {}
     sizes: list[int] = [0] * len(plan.blobs)

@@ -49,6 +49,7 @@ from typing import Literal
 from .. import runtime
 from ..buffers import huge_buffer
 from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
+from ..limits import ByteBudget, TokenBucket
 from ..stores import posixmeta
 from ..stores.base import (
     Buffer,
@@ -64,7 +65,6 @@ from ..stores.base import (
 )
 from ..stores.crc import combine_all, crc32c, crc32c_of, from_hex, to_hex
 from .journal import Journal, PendingParts
-from .limits import ByteBudget, TokenBucket
 
 #: Metadata keys fmstore records on every object it writes (``x-amz-meta-…`` on S3).
 META_CRC = "fmstore-crc32c"

@@ -43,10 +43,10 @@ from ...format.checksum import crc32c
 from ...format.codecs import decode_into
 from ...format.dtypes import dtype_from_name
 from ...format.manifest import ChunkEntry
+from ...limits import ByteBudget
 from ...stores import Location, Store, open_store
 from .manifest import MANIFEST_KEY, DcpItem, DcpManifest
 from .native import NativeCheckpoint, NativeItem, has_native_metadata, read_native, read_native_data
-from .writer import _Budget
 
 __all__ = ["ReadOptions", "Reader", "read_manifest"]
 
@@ -345,7 +345,7 @@ class Reader(StorageReader):
                 key = (c.blob, c.offset)
                 needs.setdefault(key, []).append(_Part(ti, a, b))
                 chunk_of[key] = (c, t.item)
-        budget = _Budget(opts.max_inflight)
+        budget = ByteBudget(opts.max_inflight)
         sem = asyncio.Semaphore(64)
 
         async def direct(t: _Target, run: list[ChunkEntry]) -> None:
@@ -369,7 +369,7 @@ class Reader(StorageReader):
             start = chunks[0][0].offset
             end = chunks[-1][0].offset + chunks[-1][0].length
             key = manifest.blob_key(blob)
-            await budget.acquire(end - start)
+            held = await budget.acquire(end - start)
             try:
                 async with sem:
                     data = memoryview(await store.get_range(key, start, end))
@@ -381,7 +381,7 @@ class Reader(StorageReader):
                     )
                 await asyncio.gather(*jobs)
             finally:
-                await budget.release(end - start)
+                await budget.release(held)
 
         groups = _coalesce(sorted(chunk_of), chunk_of, opts.coalesce, opts.max_request)
         # On local files a run of chunks is read sequentially in one call, so the kernel's

@@ -53,6 +53,7 @@ from ...format.checksum import crc32c
 from ...format.codecs import choose_codec, encode
 from ...format.dtypes import dtype_name
 from ...format.manifest import ChunkEntry
+from ...limits import ByteBudget
 from ...stores import PutOptions, Store, open_store
 from ..layout import blob_name, new_generation
 from . import staging
@@ -126,26 +127,6 @@ class _BlobOut:
     items: list[WriteItem] = field(default_factory=list)
     direct: bool = False
     size: int = 0
-
-
-class _Budget:
-    """Bytes in flight, bounded: ``acquire(n)`` waits until ``n`` more fit."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.used = limit, 0
-        self.cond = asyncio.Condition()
-
-    async def acquire(self, n: int) -> None:
-        n = min(n, self.limit)
-        async with self.cond:
-            await self.cond.wait_for(lambda: self.used + n <= self.limit)
-            self.used += n
-
-    async def release(self, n: int) -> None:
-        n = min(n, self.limit)
-        async with self.cond:
-            self.used -= n
-            self.cond.notify_all()
 
 
 async def _all_or_cancel(aws: list[Coroutine[Any, Any, T]]) -> list[T]:
@@ -325,7 +306,7 @@ class Writer(StorageWriter):
         self, items: list[WriteItem], planner: SavePlanner, rp: _RankPlan
     ) -> list[WriteResult]:
         store = self.store
-        budget = _Budget(self.options.max_inflight)
+        budget = ByteBudget(self.options.max_inflight)
         gate = asyncio.Semaphore(rp.streams)
         direct = [wi for wi in items if self._is_direct(wi)]
         packed = [wi for wi in items if not self._is_direct(wi)]
@@ -395,12 +376,12 @@ class Writer(StorageWriter):
         rp: _RankPlan,
         blob: _BlobOut,
         planner: SavePlanner,
-        budget: _Budget,
+        budget: ByteBudget,
     ) -> list[tuple[WriteItem, DcpItem]]:
         """One blob: items in order, chunks encoded ahead (bounded), written in order."""
         opts = self.options
         key = f"{rp.generation}/{blob.name}"
-        queue: asyncio.Queue[tuple[asyncio.Future[tuple[str, Any, int]], int] | None] = (
+        queue: asyncio.Queue[tuple[asyncio.Future[tuple[str, Any, int]], int, int] | None] = (
             asyncio.Queue()
         )
         records: list[tuple[WriteItem, DcpItem]] = []
@@ -421,12 +402,12 @@ class Writer(StorageWriter):
                     spans = [(o, min(o + opts.chunk_size, n)) for o in range(0, n, opts.chunk_size)]
                     recs: list[tuple[int, int, asyncio.Future[tuple[str, Any, int]]]] = []
                     for lo, hi in spans:
-                        await budget.acquire(hi - lo)
+                        held = await budget.acquire(hi - lo)
                         task = asyncio.ensure_future(
                             runtime.to_cpu(_encode_chunk, codec, data[lo:hi], group)
                         )
                         recs.append((lo, hi, task))
-                        await queue.put((task, hi - lo))
+                        await queue.put((task, hi - lo, held))
                     records.append((wi, DcpItem(wi.index.fqn, _off(wi), kind, dt, shape, n, ())))
                     pending_chunks.append(recs)
                 await queue.put(None)
@@ -444,12 +425,12 @@ class Writer(StorageWriter):
                 entry = await queue.get()
                 if entry is None:
                     break
-                task, n = entry
+                task, n, held = entry
                 codec, stored, crc = await task
                 await writer.write(stored)
                 written.append(ChunkEntry(0, pos, len(stored), 0, n, codec, crc, 1))
                 pos += len(stored)
-                await budget.release(n)
+                await budget.release(held)
             await producer  # re-raises a resolve/encode failure
             await writer.commit()
         except BaseException:

@@ -1,5 +1,5 @@
-"""The limits a copy keeps: bandwidth (:class:`TokenBucket`) and bytes held at once
-(:class:`ByteBudget`)."""
+"""Limits that copies and checkpoint writes keep: bandwidth (:class:`TokenBucket`) and
+bytes held at once (:class:`ByteBudget`)."""
 
 from __future__ import annotations
 
