@@ -177,8 +177,14 @@ class SeaweedServer:
         ]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the server
         self._stopped = False
+        # SeaweedFS takes AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY from its environment as
+        # an identity of its own, over the config's: a process that pointed an AWS SDK at an
+        # earlier server (the same access key, another secret) would start one that refuses
+        # its own keys. Its identities come from the config alone.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         self.proc = subprocess.Popen(
             args,
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -232,8 +238,13 @@ class SeaweedServer:
                 # The gateway can answer before it has loaded the identities it was started
                 # with: their keys are refused until it has.
                 code = getattr(e, "response", {}).get("Error", {}).get("Code")
-                if code not in _NOT_YET or time.monotonic() > deadline:
+                if code not in _NOT_YET:
                     raise
+                if time.monotonic() > deadline:
+                    raise SeaweedError(
+                        f"the S3 gateway still refused its own keys ({code}) after "
+                        f"{START_TIMEOUT:.0f} s:\n" + self.log_tail()
+                    ) from e
                 time.sleep(0.1)
         try:
             self.boto3_client().put_object(Bucket=name, Key="warm", Body=b"x")
