@@ -102,9 +102,10 @@ def render_fig(results: dict[str, list[tuple[str, Table]]], fig: Fig) -> str:
     lo, hi = min(vals), max(vals)
     if fig.fmt.format(lo) == fig.fmt.format(hi):
         return fig.fmt.format(lo)
-    # "0.84–1.08×": the unit once, after the range
-    unit = fig.fmt.format(hi)[len(fig.fmt.format(hi).rstrip("×s% ")) :]
-    return f"{fig.fmt.format(lo)[: len(fig.fmt.format(lo)) - len(unit)]}–{fig.fmt.format(hi)}"
+    # "0.84–1.08×", "1250–1355 MB/s": the unit (what the format puts after the number)
+    # once, after the range
+    unit = fig.fmt[fig.fmt.rindex("}") + 1 :]
+    return f"{fig.fmt.format(lo).removesuffix(unit)}–{fig.fmt.format(hi)}"
 
 
 def _ckpt(what: str, col: str, **kw: object) -> Fig:

@@ -62,3 +62,20 @@ def test_rewrite_replaces_only_the_marked_block():
     text = f"intro\n{readme.BEGIN}\nold | 9.99×\n{readme.END}\noutro\n"
     out = readme.rewrite(text, readme.render(RESULTS))
     assert out.startswith("intro\n") and out.endswith("\noutro\n") and "9.99" not in out
+
+
+def test_a_range_names_its_unit_once():
+    rows = [{"what": "w", "v": "1250"}, {"what": "w", "v": "1355"}]
+    results = {"s": [("t", rows)]}
+    fig = readme.Fig("s", "t", {"what": "w"}, "v", fmt="{:.0f} MB/s")
+    assert readme.render_fig(results, fig) == "1250–1355 MB/s"
+    seconds = readme.Fig("s", "t", {"what": "w"}, "v", fmt="{:.2f} s")
+    assert (
+        readme.render_fig(
+            {"s": [("t", [{"what": "w", "v": "0.09"}, {"what": "w", "v": "0.1"}])]}, seconds
+        )
+        == "0.09–0.10 s"
+    )
+    assert (
+        readme.render_fig(results, readme.Fig("s", "t", {"what": "w"}, "v")) == "1250.00–1355.00×"
+    )
