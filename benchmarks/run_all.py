@@ -26,6 +26,7 @@ HERE = Path(__file__).parent
 #: name → arguments of a full run (the issue's sizes, or the largest this machine fits).
 BENCHMARKS: dict[str, list[str]] = {
     "stores": ["--total-mib", "1024"],
+    "memory": [],
     "checkpoint": ["--size", "1GiB,4GiB"],
     "dcp": ["--size", "2GiB"],
     "loader": [],
@@ -162,7 +163,7 @@ def main() -> None:
         sections.append(f"## {name}")
         sections.append("")
         sections.append(
-            f"`python -m benchmarks.{name} {' '.join(extra)}` — {time.time() - t0:.0f} s, exit {rc}"
+            f"`python -m {' '.join([f'benchmarks.{name}', *extra])}` — {time.time() - t0:.0f} s, exit {rc}"
         )
         sections.append("")
         if rc != 0:
