@@ -72,8 +72,10 @@ def test_cache_limit_is_never_exceeded_and_shards_are_reused(tmp_path):
 
     def watch() -> None:
         while not stop.is_set():
-            # Under the cache's space lock, which every reservation and eviction holds: a
-            # scan without it can add a shard evicted mid-scan to the one that replaced it.
+            # Under the cache's space lock, which every reservation, eviction and rename into
+            # place holds: a scan without it can add a shard evicted mid-scan to the one that
+            # replaced it.  (The cache's own scans missed a shard renamed mid-scan, which let
+            # it reserve past the limit, about one run in thirty, until renames took it too.)
             with FileLock(str(cache / ".locks" / "space.lock")):
                 total = 0
                 for e in os.scandir(cache):

@@ -228,7 +228,7 @@ class ShardCache:
         mine = next_use(name)
         marked = False
         while True:
-            with FileLock(os.path.join(self.locks, "space.lock")):
+            with self._space_lock():
                 if self.limit is not None:
                     ents = self.entries()
                     used = sum(s for _n, s in ents)
@@ -333,6 +333,12 @@ class ShardCache:
             self.unpin(name)
             raise
 
+    def _space_lock(self) -> FileLock:
+        """The cache-wide lock under which files enter and leave the cache's listing: a
+        scan that races a rename can miss the renamed file, and a reservation that missed
+        a complete shard would let the cache outgrow its limit."""
+        return FileLock(os.path.join(self.locks, "space.lock"))
+
     def _full_mark(self, name: str) -> str:
         return os.path.join(self.locks, name + ".full")
 
@@ -403,7 +409,8 @@ class ShardCache:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
                 raise
-            os.replace(tmp, self.path(name))
+            with self._space_lock():
+                os.replace(tmp, self.path(name))
             return True
         return False  # pragma: no cover
 
