@@ -13,7 +13,7 @@ ROOT = "/srv/tier"
 
 
 @given(st.text(min_size=0, max_size=300))
-@settings(max_examples=2000)
+@settings(max_examples=2000, deadline=None)
 def test_no_valid_key_escapes_the_root(key):
     try:
         validate_key(key)
@@ -30,7 +30,7 @@ def test_no_valid_key_escapes_the_root(key):
         st.sampled_from(["..", ".", "", "a", "b", "/", "\\", "\x00", "é"]), min_size=1, max_size=12
     )
 )
-@settings(max_examples=2000)
+@settings(max_examples=2000, deadline=None)
 def test_adversarial_segments(parts):
     key = "/".join(parts)
     try:

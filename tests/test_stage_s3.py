@@ -359,6 +359,7 @@ def test_a_download_asks_for_each_object_once(s3env, s3_server, tmp_path):
         assert r.returncode == 0, r.stderr
         asked = [(s.method, s.path) for s in proxy.seen if s.path.startswith(f"/{bucket}/ds/once/")]
         one = tmp_path / "one"
+        first_run = len(proxy.seen)
         r = fm(
             "stage",
             "proxied:once",
@@ -371,13 +372,14 @@ def test_a_download_asks_for_each_object_once(s3env, s3_server, tmp_path):
             env=env,
         )
         assert r.returncode == 0, r.stderr
-        alone = [s for s in proxy.seen[len(asked) :] if s.path == f"/{bucket}/ds/once/f0.bin"]
+        alone = [s for s in proxy.seen[first_run:] if s.path == f"/{bucket}/ds/once/f0.bin"]
     for k, body in bodies.items():
         path = f"/{bucket}/ds/once/{k}"
         assert sorted(m for m, p in asked if p == path) == ["GET", "HEAD"], k
         assert (dst / k).read_bytes() == body
     assert [s.method for s in alone].count("HEAD") == 1
-    assert [s.range for s in alone if s.method == "GET"] == [
+    # Two ranged GETs, sent at once: the order they reach the server in is not fixed.
+    assert sorted(s.range for s in alone if s.method == "GET") == [
         "bytes=0-8388607",
         "bytes=8388608-12582911",
     ]

@@ -150,3 +150,26 @@ def test_a_copy_another_export_is_made_from_is_never_superseded():
     )
     sup = sorted(a.step for a in pol.plan(p, s) if isinstance(a, pol.Supersede))
     assert sup == [1, 3]  # 2 must reach lustre: s3 takes it from there
+
+
+def queue_depth(action: str) -> float | None:
+    return REGISTRY.get_sample_value("fmstore_tier_queue_depth", {"action": action})
+
+
+def test_queue_gauges_after_a_step_show_what_is_left_not_what_it_began_with(tmp_path):
+    policies = {
+        "export": [{"to": "lustre", "every_saves": 1}],
+        "retention": {"nvme": {"keep_latest": 2}},
+    }
+    cfg = posix_config(str(tmp_path), policies, tiers=("nvme", "lustre"))
+    run_saves(cfg, "run", range(1, 5), settle_each=False)
+    with Catalog.for_state_dir(cfg.state_dir) as catalog:
+        runner = PolicyRunner(cfg, pol.from_config(cfg), catalog)
+        # nvme keeps its oldest two until they are on lustre: the first step only exports.
+        rep = runner.step(blocking_lock=True)
+        assert not rep.errors and held(cfg, "lustre", "run") == [1, 2, 3, 4]
+        assert held(cfg, "nvme", "run") == [1, 2, 3, 4]
+        assert (queue_depth("export"), queue_depth("delete")) == (0, 2)
+        settle(runner)
+        assert held(cfg, "nvme", "run") == [3, 4]
+        assert (queue_depth("export"), queue_depth("delete")) == (0, 0)

@@ -155,7 +155,10 @@ class PolicyRunner:
                 rep.errors.append(str(e))
                 event("step_error", action=repr(action), error=str(e))
                 break
-        self._gauges(self.state(), None)
+        # Planned again for the gauges: the queues left after this step, not the ones it
+        # began with (deletes wait for exports, so a step that exports leaves deletes).
+        state = self.state()
+        self._gauges(state, plan(self.policies, state))
         return rep
 
     def state(self) -> State:
@@ -172,7 +175,7 @@ class PolicyRunner:
             usage=usage,
         )
 
-    def _gauges(self, state: State, actions: list | None) -> None:
+    def _gauges(self, state: State, actions: list) -> None:
         m.EXPORT_LAG.set(export_lag(self.policies, state))
         for lag in export_lags(self.policies, state):
             m.EXPORT_PENDING.labels(lag.root, lag.dest).set(lag.pending)
@@ -188,11 +191,10 @@ class PolicyRunner:
         for root in {c.root for c in state.checkpoints}:
             for tier in self.policies.ladder:
                 m.NEWEST_STEP.labels(root, tier).set(newest.get((root, tier), -1))
-        if actions is not None:
-            for kind in ("export", "supersede", "delete", "release"):
-                m.QUEUE_DEPTH.labels(kind).set(
-                    sum(1 for a in actions if type(a).__name__.lower() == kind)
-                )
+        for kind in ("export", "supersede", "delete", "release"):
+            m.QUEUE_DEPTH.labels(kind).set(
+                sum(1 for a in actions if type(a).__name__.lower() == kind)
+            )
         held = self.catalog.tier_bytes()
         for tier in self.policies.ladder:
             m.TIER_BYTES.labels(tier).set(held.get(tier, 0))
