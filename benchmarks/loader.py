@@ -222,6 +222,12 @@ def make_loader(lib: str, case: str, cfg: dict[str, Any], cache: str, epoch: int
             AWS_DEFAULT_REGION=opts.get("region") or "us-east-1",
         )
         ds = MDS(remote=f"s3://{bucket}/mds", local=cache, batch_size=batch, shuffle=True)
+        # The index was fetched here, in the parent, with a boto3 client the DataLoader's
+        # forked workers would inherit, open connection and all: two workers then read one
+        # socket (a 60 s read-timeout stall, or another response's bytes in a shard).  Drop
+        # it, so that each worker opens its own, as on a spawn start.
+        for stream in ds.streams:
+            stream._downloader.clean_up()
         return tud.DataLoader(ds, batch_size=batch, num_workers=workers)
     if lib == "litdata":
         import litdata
