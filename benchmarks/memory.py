@@ -53,11 +53,10 @@ def main() -> None:
                 "vs touched": warm / fresh,
             }
         )
-    cols = ["block", "resident GiB", "fresh s", "fresh GB/s", "touched s", "touched GB/s"]
     text = print_table(
         f"fresh memory: {count} blocks of {block >> 20} MiB, allocated in turn and kept",
         rows,
-        [*cols, "vs touched"],
+        list(rows[0]),
     )
     save_json("memory", {"rows": rows, "table": text})
 
