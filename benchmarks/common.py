@@ -38,6 +38,19 @@ def dirty_bytes() -> int:
     return total
 
 
+def busy_cpu_s() -> float:
+    """CPU seconds every core of the machine has spent busy since boot (user, nice, system,
+    irq, softirq from /proc/stat; 0.0 where unreadable): the difference over a timed span
+    is what everything on the machine, servers included, used in it."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:8]]
+    except (OSError, ValueError):
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
 _REPORTED = "/sys/module/page_reporting/parameters/reported_kib"
 
 

@@ -428,3 +428,41 @@ def test_a_shard_corrupted_in_transit_from_s3_is_refetched(tmp_path, s3_server, 
         assert [s["i"] for s in ds] == list(range(200))
         assert proxy.injected["corrupt_response"] == 1
     assert lm.REFETCHES._value.get() - before == 1
+
+
+_FAULTS_CHILD = r"""
+import json, resource, sys
+from fmstore.loaders import ShardCache
+from fmstore.loaders.formats import FormatOptions, load_format
+from fmstore.stores import open_store
+store = open_store(sys.argv[1], **json.loads(sys.argv[3]))
+shards = load_format(store, FormatOptions(seq_len=512, targets=False)).shards
+cache = ShardCache(sys.argv[2])
+cache.get("s0", store, shards[0], lambda n: 0.0)  # imports, connections, threads: once
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for i, spec in enumerate(shards[1:], 1):
+    cache.get(f"s{i}", store, spec, lambda n: 0.0)
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(json.dumps({"faults": faults, "bytes": sum(s.size for s in shards[1:])}))
+"""
+
+
+def test_a_download_goes_through_a_reused_buffer_not_fresh_memory(tmp_path, s3_server, s3_bucket):
+    """Shards are written to the cache from the transport's small reused buffer: received
+    into fresh memory instead, every 4 KiB page downloaded costs a page fault (which a
+    virtual machine's host may have to serve: several CPU-seconds per GiB)."""
+    import numpy as np
+
+    opts = s3_server.store_options()
+    url = f"s3://{s3_bucket}/faults"
+    npy = tmp_path / "tok.npy"
+    np.save(npy, np.arange(40 << 20 >> 1, dtype=np.uint16))  # 40 MiB of tokens
+    write_dataset(str(npy), open_store(url, **opts), shard_size=8 << 20)
+    out = subprocess.run(
+        [sys.executable, "-c", _FAULTS_CHILD, url, str(tmp_path / "cache"), json.dumps(opts)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    got = json.loads(out.stdout)
+    assert got["bytes"] >= 32 << 20
+    # One fault per downloaded page would be 8,192; the reused buffers take a few hundred.
+    assert got["faults"] < got["bytes"] / 4096 / 8, got

@@ -153,7 +153,7 @@ def test_full_disk_is_tier_full_and_leaves_nothing(tmp_path):
 def test_streamed_part_writes_leave_the_loop_when_slow_or_not_local(posix_root, monkeypatch):
     """Writes run on the event loop on a local file system until one is slow; then, and on
     a striped (Lustre) tier from the start, they go to the I/O pool (an awaitable)."""
-    from fmstore.stores import posix_writers
+    from fmstore.stores import posix_io
 
     data = os.urandom(1 << 20)
 
@@ -172,9 +172,9 @@ def test_streamed_part_writes_leave_the_loop_when_slow_or_not_local(posix_root, 
 
     local = PosixStore(posix_root)
     # No write counts as slow here however loaded the machine: 20 ms is the default.
-    monkeypatch.setattr(posix_writers, "SLOW_WRITE_S", 3600.0)
+    monkeypatch.setattr(posix_io, "SLOW_WRITE_S", 3600.0)
     assert runtime.run(write(local, "a")) == [False] * 4
-    monkeypatch.setattr(posix_writers, "SLOW_WRITE_S", 0.0)
+    monkeypatch.setattr(posix_io, "SLOW_WRITE_S", 0.0)
     assert runtime.run(write(local, "b")) == [False, True, True, True]
     striped = PosixStore(posix_root, options=PosixOptions(stripe_count=2))
     assert runtime.run(write(striped, "c")) == [True] * 4

@@ -31,7 +31,7 @@ import fcntl
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import xxhash
@@ -41,8 +41,7 @@ from .. import runtime
 from ..errors import CorruptData, FmstoreError, InvalidRange, NotFound, PermissionDenied, TierFull
 from ..format.codecs import zstd_decompress_exact
 from ..stores import Store
-from ..stores.base import nbytes
-from ..stores.posix_io import pwrite_all
+from ..stores.posix_io import QuickWrites, pwrite_all
 from . import metrics
 from .formats.base import ShardSpec
 
@@ -449,18 +448,27 @@ async def _download(store: Store, spec: ShardSpec, tmp: str) -> None:
         try:
             import asyncio
 
+            write = QuickWrites(lambda view, off: pwrite_all(fd, view, off))
+
             async def part(lo: int) -> None:
                 hi = min(spec.size, lo + CHUNK)
-                # Unjoined: written as the connection delivered them (one pwritev).
-                data = await store.get_range_pieces(spec.key, spec.start + lo, spec.start + hi)
-                got = nbytes(data)
+                pos = lo
+
+                # Written from the transport's small reused ring as the bytes arrive: received
+                # into fresh buffers instead, every 4 KiB page downloaded cost a page fault.
+                def take(view: memoryview) -> Awaitable[None] | None:
+                    nonlocal pos
+                    pos += view.nbytes
+                    return write(view, pos - view.nbytes)
+
+                await store.read_to(spec.key, spec.start + lo, spec.start + hi, take)
+                got = pos - lo
                 if got != hi - lo:
                     raise CorruptData(
                         f"short read: {got} of {hi - lo} bytes",
                         tier=store.tier,
                         key=spec.key,
                     )
-                await runtime.to_io(pwrite_all, fd, data, lo)
                 metrics.BYTES_DOWNLOADED.inc(got)
 
             # A fixed pool of workers, not one coroutine per piece: the piece count comes

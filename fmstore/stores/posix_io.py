@@ -17,8 +17,11 @@ import json
 import mmap
 import os
 import re
+import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from .. import runtime
 from .base import Buffer, Pieces, as_pieces
 
 if TYPE_CHECKING:
@@ -169,6 +172,29 @@ def fs_type(path: str) -> str | None:
         if inside and len(mount) >= len(best):
             best, kind = mount, right.split()[0]
     return kind
+
+
+#: A write slower than this (dirty-page throttling) sends a file's later writes to the I/O pool.
+SLOW_WRITE_S = 0.02
+
+
+class QuickWrites:
+    """``write(data, offset)`` on the event loop while writes are quick: a 256 KiB write
+    into the page cache takes tens of µs, less than handing it to a thread and back.  From
+    the first write slower than :data:`SLOW_WRITE_S` on, or from the start with
+    ``inline=False`` (Lustre, NFS, FUSE), in the I/O pool: then an awaitable is returned,
+    and ``data`` must stay valid until it is done."""
+
+    def __init__(self, write: Callable[[memoryview, int], None], inline: bool = True) -> None:
+        self._write, self.inline = write, inline
+
+    def __call__(self, data: memoryview, offset: int) -> Awaitable[None] | None:
+        if not self.inline:
+            return runtime.to_io(self._write, data, offset)
+        t0 = time.perf_counter()
+        self._write(data, offset)
+        self.inline = time.perf_counter() - t0 < SLOW_WRITE_S
+        return None
 
 
 def pwrite_all(fd: int, data: Buffer | Pieces, offset: int) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -29,13 +28,10 @@ from .base import (
     part_bounds,
     views_of,
 )
-from .posix_io import BLOCK, _start_writeback, pwrite_all
+from .posix_io import BLOCK, QuickWrites, _start_writeback, pwrite_all
 
 if TYPE_CHECKING:
     from .posix import PosixStore
-
-#: A streamed part's write that took longer moves that part's writes off the event loop.
-SLOW_WRITE_S = 0.02
 
 
 class _PosixWriter(Writer):
@@ -115,31 +111,21 @@ def _abort_tmp(dfd: int, tmp: str, fd: int) -> None:
 
 
 class _PosixPartStream(PartStream):
-    """A part ``pwrite``-n at its offset as its bytes arrive.
-
-    On a local file system, on the event loop while writes are quick: a 256 KiB write
-    into the page cache takes tens of µs, less than handing it to a thread and back.  From
-    the first write slower than :data:`SLOW_WRITE_S` (dirty-page throttling) on, and on
-    Lustre, NFS or FUSE from the start, in the I/O pool.
-    """
+    """A part ``pwrite``-n at its offset as its bytes arrive (:class:`QuickWrites`: on the
+    event loop while quick on a local file system; on Lustre, NFS or FUSE in the I/O pool)."""
 
     def __init__(self, writer: _PosixPartWriter, index: int) -> None:
         self.w, self.index = writer, index
         self.start, self.end = part_bounds(index, writer.size, writer.part_size)
         self.pos = self.start
-        self.inline = writer.store._inline_puts
+        self._out = QuickWrites(self._write, inline=writer.store._inline_puts)
 
     def write(self, data: memoryview) -> Awaitable[None] | None:
         n, off = data.nbytes, self.pos
         if off + n > self.end:
             raise ValueError(f"part {self.index} holds {self.end - self.start} bytes, no more")
         self.pos += n
-        if not self.inline:
-            return runtime.to_io(self._write, data, off)
-        t0 = time.perf_counter()
-        self._write(data, off)
-        self.inline = time.perf_counter() - t0 < SLOW_WRITE_S
-        return None
+        return self._out(data, off)
 
     def _write(self, data: memoryview, offset: int) -> None:
         try:  # one pwrite almost always: the general pwrite_all only for a short one
