@@ -135,6 +135,10 @@ def _loader(case: str, col: str, fmt: str = "{:.2f}×") -> Fig:
     return Fig("loader", table, {"library": "fmstore"}, col, fmt=fmt, last=True)
 
 
+def _ranks(col: str) -> Fig:
+    return Fig("loader", "Many ranks on one node", {"library": "fmstore"}, col, last=True)
+
+
 HEADLINES: tuple[Headline, ...] = (
     Headline(
         "PosixStore large write vs write+fsync floor (1 / 16 objects)",
@@ -219,6 +223,12 @@ HEADLINES: tuple[Headline, ...] = (
             _loader("b", "e1_first_batch_s", fmt="{:.2f} s"),
         ),
         (" / ", ", first batch "),
+    ),
+    Headline(
+        "StreamingDataset, 4 ranks × 2 workers on one node cache, vs in-memory floor, epoch 1 / "
+        "2; epoch 1 vs the floor + download on the same cores",
+        (_ranks("e1_vs_floor"), _ranks("e2_vs_floor"), _ranks("e1_vs_bound")),
+        (" / ", "; "),
     ),
     Headline(
         "`fmstore stage` vs s5cmd, 10,000 × 4 KiB up / down (synced vs s5cmd + sync; "
