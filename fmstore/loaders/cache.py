@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import time
 import uuid
@@ -448,7 +449,7 @@ async def _download(store: Store, spec: ShardSpec, tmp: str) -> None:
         try:
             import asyncio
 
-            write = QuickWrites(lambda view, off: pwrite_all(fd, view, off))
+            write = QuickWrites(functools.partial(pwrite_all, fd))
 
             async def part(lo: int) -> None:
                 hi = min(spec.size, lo + CHUNK)

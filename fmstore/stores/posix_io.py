@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from .. import runtime
-from .base import Buffer, Pieces, as_pieces
+from .base import Buffer, Pieces, views_of
 
 if TYPE_CHECKING:
     import ctypes
@@ -200,7 +200,12 @@ class QuickWrites:
 def pwrite_all(fd: int, data: Buffer | Pieces, offset: int) -> None:
     """Write a buffer or consecutive pieces at ``offset`` with as few ``pwritev`` calls as
     the kernel takes (short writes resumed where they stopped)."""
-    views = [v for v in (memoryview(p).cast("B") for p in as_pieces(data)) if len(v)]
+    if isinstance(data, memoryview):  # a streamed write: one pwrite almost always
+        n = os.pwrite(fd, data, offset)
+        if n == data.nbytes:
+            return
+        data, offset = data.cast("B")[n:], offset + n
+    views = views_of(data)
     while views:
         batch = views[:_IOV_MAX]
         n = os.pwritev(fd, batch, offset)

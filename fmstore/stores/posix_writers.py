@@ -128,10 +128,8 @@ class _PosixPartStream(PartStream):
         return self._out(data, off)
 
     def _write(self, data: memoryview, offset: int) -> None:
-        try:  # one pwrite almost always: the general pwrite_all only for a short one
-            n = os.pwrite(self.w.fd, data, offset)
-            if n < data.nbytes:
-                pwrite_all(self.w.fd, data[n:], offset + n)
+        try:
+            pwrite_all(self.w.fd, data, offset)
         except OSError as e:
             raise self.w.store._error(e, self.w.key) from e
 
