@@ -13,8 +13,10 @@ The state is a transformer's bf16 weights plus fp32 Adam moments (exp_avg, exp_a
   memcpy floor (copying every tensor once into preallocated, already touched memory).  Each
   first call runs in a fresh process (a process that has touched and freed memory before
   hands it out again without page faults): fmstore cold, fmstore after
-  ``prepare_async_save`` (its staging buffer faulted in beforehand), DCP; the steady state
-  is the best of the next two calls in the same process;
+  ``prepare_async_save`` (its staging buffer faulted in beforehand), DCP, and the first
+  call's own floor, every tensor copied into one freshly allocated buffer (a page fault per
+  page, which is what a first snapshot must pay); the steady state is the best of the next
+  two calls in the same process;
 * cold load (page cache dropped): fmstore.load (raw, raw+mmap, auto, bytegroup) vs
   torch.load vs DCP load vs the raw cold-read floor; a lazy load of 1% of the tensors (spread evenly; the
   share of bytes they hold is printed);
@@ -257,7 +259,22 @@ def bench_save(tag: str, state: Any, root: str, n: int) -> dict[str, float]:
     return t
 
 
-STALL_KINDS = ("fmstore", "fmstore-prepared", "dcp")
+STALL_KINDS = ("fmstore", "fmstore-prepared", "dcp", "fresh-memcpy")
+
+
+def fresh_memcpy(state: Any, root: str) -> dict[str, float]:
+    """The first call's floor: every tensor copied once into one buffer allocated for it,
+    from the same start as a first save (fresh process, settled machine)."""
+    srcs = [t.reshape(-1).view(torch.uint8) for t in tensors_of(state)]
+    clean(f"{root}/fresh-memcpy")
+    t0 = time.perf_counter()
+    buf = torch.empty(sum(s.numel() for s in srcs), dtype=torch.uint8)
+    pos = 0
+    for s in srcs:
+        buf[pos : pos + s.numel()].copy_(s)
+        pos += s.numel()
+    dt = time.perf_counter() - t0
+    return {"first": dt, "steady": dt, "commit s": dt}
 
 
 def stall_child(kind: str, size: str, root: str) -> dict[str, float]:
@@ -265,6 +282,8 @@ def stall_child(kind: str, size: str, root: str) -> dict[str, float]:
     of two more (steady state); ``fmstore-prepared`` calls ``prepare_async_save`` first."""
     state = make_state(parse_size(size))
     out: dict[str, float] = {}
+    if kind == "fresh-memcpy":
+        return fresh_memcpy(state, root)
     if kind == "dcp":
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
@@ -327,6 +346,11 @@ def bench_async(tag: str, size: str, state: Any, root: str, n: int) -> None:
     dsts.clear()  # give the memory back before the saves
     row(tag, "async stall", "floor: memcpy of every tensor", floor, n)
     got = {k: run_stall_child(k, size, root) for k in STALL_KINDS}
+    fresh = got.pop("fresh-memcpy")
+    if fresh is not None:
+        row(
+            tag, "async stall", "floor: memcpy into fresh memory (fresh process)", fresh["first"], n
+        )
     peer = got["dcp"]
     labels = {
         "fmstore": "fmstore.async_save",
@@ -334,7 +358,7 @@ def bench_async(tag: str, size: str, state: Any, root: str, n: int) -> None:
         "dcp": "DCP async_save",
     }
     for when, label in (("first", "first call, fresh process"), ("steady", "steady state")):
-        for kind in STALL_KINDS:
+        for kind in got:
             r = got[kind]
             if r is None or (when == "steady" and kind == "fmstore-prepared"):
                 continue  # steady state does not depend on how the first call went
@@ -342,6 +366,8 @@ def bench_async(tag: str, size: str, state: Any, root: str, n: int) -> None:
             if kind != "dcp" and peer is not None:
                 extra["vs DCP"] = peer[when] / r[when]
             if when == "first":
+                if fresh is not None:
+                    extra["vs fresh floor"] = fresh["first"] / r[when]
                 extra["commit s"] = r["commit s"]
                 if "prepare s" in r:
                     extra["prepare s"] = r["prepare s"]

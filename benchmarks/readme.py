@@ -181,15 +181,16 @@ HEADLINES: tuple[Headline, ...] = (
         ),
     ),
     Headline(
-        "`async_save` first-call stall (fresh process) vs memcpy floor / vs DCP; "
-        "after `prepare_async_save`",
+        "`async_save` first-call stall (fresh process) vs memcpy floor / vs copy into fresh "
+        "memory / vs DCP; after `prepare_async_save`",
         (
             _ckpt("fmstore.async_save (first call, fresh process)", "vs floor"),
+            _ckpt("fmstore.async_save (first call, fresh process)", "vs fresh floor"),
             _ckpt("fmstore.async_save (first call, fresh process)", "vs DCP"),
             _ckpt("fmstore.async_save after prepare_async_save (first*", "vs floor"),
             _ckpt("fmstore.async_save after prepare_async_save (first*", "vs DCP"),
         ),
-        (" / ", "; ", " / "),
+        (" / ", " / ", "; ", " / "),
     ),
     Headline(
         "`async_save` steady-state stall vs memcpy floor / vs DCP",
