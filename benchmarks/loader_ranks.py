@@ -10,7 +10,8 @@ batch to a barrier after the last), and fmstore / floor.  A second fmstore run g
 counting proxies (one per epoch) to report, per epoch, the GETs and bytes served per shard:
 the bytes of the cache's downloads over the dataset's bytes (``x dataset``; 1.00 = every
 shard once per node), the shards whose bytes came more than once, and the bytes read by
-range for the first batches (``direct``).
+range for the first batches (``direct``).  A third fmstore run turns those ranged reads off
+(``direct_reads=0``): what the first batches' head start costs, or saves, a cold epoch.
 
 A cold epoch here both feeds the samples and downloads every shard from a server on the
 same cores, so the memory floor is out of its reach.  The ``bound`` row says how far:
