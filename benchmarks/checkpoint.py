@@ -262,11 +262,11 @@ def bench_save(tag: str, state: Any, root: str, n: int) -> dict[str, float]:
 STALL_KINDS = ("fmstore", "fmstore-prepared", "dcp", "fresh-memcpy")
 
 
-def fresh_memcpy(state: Any, root: str) -> dict[str, float]:
+def fresh_memcpy(state: Any) -> dict[str, float]:
     """The first call's floor: every tensor copied once into one buffer allocated for it,
     from the same start as a first save (fresh process, settled machine)."""
     srcs = [t.reshape(-1).view(torch.uint8) for t in tensors_of(state)]
-    clean(f"{root}/fresh-memcpy")
+    settle()
     t0 = time.perf_counter()
     buf = torch.empty(sum(s.numel() for s in srcs), dtype=torch.uint8)
     pos = 0
@@ -282,7 +282,7 @@ def stall_child(kind: str, size: str, root: str) -> dict[str, float]:
     state = make_state(parse_size(size))
     out: dict[str, float] = {}
     if kind == "fresh-memcpy":
-        return fresh_memcpy(state, root)
+        return fresh_memcpy(state)
     if kind == "dcp":
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp

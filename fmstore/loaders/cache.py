@@ -459,8 +459,8 @@ async def _download(store: Store, spec: ShardSpec, tmp: str) -> None:
                 # into fresh buffers instead, every 4 KiB page downloaded cost a page fault.
                 def take(view: memoryview) -> Awaitable[None] | None:
                     nonlocal pos
-                    pos += view.nbytes
-                    return write(view, pos - view.nbytes)
+                    off, pos = pos, pos + view.nbytes
+                    return write(view, off)
 
                 await store.read_to(spec.key, spec.start + lo, spec.start + hi, take)
                 got = pos - lo
