@@ -420,3 +420,46 @@ def test_an_object_overwritten_between_its_ranges_is_copied_again_whole(s3env, s
     assert report.ok and report.progress.files_copied == 1
     assert (tmp_path / "dst" / "obj.bin").read_bytes() == new
     runtime.run(s3.close())
+
+
+def _dirty_pages(path) -> int:
+    """Pages of ``path`` in the page cache whose write-back has not started: the
+    kernel's ``cachestat`` (Linux 6.5+)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    rng = (ctypes.c_uint64 * 2)(0, 0)  # offset 0, length 0: the whole file
+    stats = (ctypes.c_uint64 * 5)()  # cache, dirty, writeback, evicted, recently evicted
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.syscall(451, fd, rng, stats, 0) != 0:
+            pytest.skip(f"no cachestat here: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(fd)
+    return stats[1]
+
+
+def test_fsync_none_leaves_write_back_to_the_kernel_and_batch_syncs(s3env, s3_server, tmp_path):
+    """``--fsync none`` is scratch data: its files are neither synced nor have their
+    write-back started part by part (that CPU is the copy's; the kernel's flusher writes
+    them later).  The default leaves nothing dirty behind it."""
+    src = _s3(s3_server, s3env["bucket"], "ds/scratch")
+    bodies = {"big.bin": os.urandom(24 << 20), "small.bin": os.urandom(64 << 10)}
+    for k, b in bodies.items():
+        runtime.run(src.put(k, b))
+    pages = {k: -(-len(b) // os.sysconf("SC_PAGE_SIZE")) for k, b in bodies.items()}
+    # Each run's files are looked at before the next: a sync of the file system (the
+    # default's) writes back everyone's dirty pages.
+    # The flusher starts on its own only past dirty_expire_centisecs (30 s by default) or
+    # under memory pressure; a few pages may have gone already.
+    for dst, extra in ((tmp_path / "scratch", ["--fsync", "none"]), (tmp_path / "durable", [])):
+        r = fm("stage", "s3:scratch", str(dst), "--no-progress", *extra, env=s3env["env"])
+        assert r.returncode == 0, r.stderr
+        dirty = {k: _dirty_pages(dst / k) for k in bodies}
+        for k, b in bodies.items():
+            assert (dst / k).read_bytes() == b
+        if extra:
+            assert dirty["big.bin"] >= pages["big.bin"] * 3 // 4
+            assert dirty["small.bin"] == pages["small.bin"]
+        else:
+            assert dirty == {"big.bin": 0, "small.bin": 0}

@@ -493,7 +493,13 @@ async def stage_async(
     try:
         check_destination(src, dst_url, delete=options.delete)
         if not (options.dry_run and local is not None and not os.path.exists(local)):
-            dst = open_store(dst_url, concurrency=concurrency)
+            # ``fsync="none"``: scratch data.  A local destination then neither syncs nor
+            # starts each part's write-back early (the kernel's flusher writes it later,
+            # off the copy's CPU).
+            scratch = local is not None and options.transfer.fsync == "none"
+            dst = open_store(
+                dst_url, concurrency=concurrency, **({"fsync": False} if scratch else {})
+            )
             if local is None:  # a remote destination, checked once open
                 check_locations(src, dst, delete=options.delete)
         plan = await plan_stage(
