@@ -496,10 +496,10 @@ async def stage_async(
             # ``fsync="none"``: scratch data.  A local destination then neither syncs nor
             # starts each part's write-back early (the kernel's flusher writes it later,
             # off the copy's CPU).
-            scratch = local is not None and options.transfer.fsync == "none"
-            dst = open_store(
-                dst_url, concurrency=concurrency, **({"fsync": False} if scratch else {})
-            )
+            if local is not None and options.transfer.fsync == "none":
+                dst = open_store(dst_url, concurrency=concurrency, fsync=False)
+            else:
+                dst = open_store(dst_url, concurrency=concurrency)
             if local is None:  # a remote destination, checked once open
                 check_locations(src, dst, delete=options.delete)
         plan = await plan_stage(
