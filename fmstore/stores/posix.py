@@ -101,9 +101,7 @@ class PosixStore(PosixTree):
         if self.options.direct_io and n >= 2 * BLOCK and hasattr(os, "O_DIRECT"):
             _write_direct(fd, dfd, tmp, data)
             return
-        off = 0
-        while off < n:
-            off += os.write(fd, data[off : off + BLOCK])
+        pwrite_all(fd, data, 0)
 
     def _finish_fd(self, fd: int, options: PutOptions) -> None:
         if options.metadata:

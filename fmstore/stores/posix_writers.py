@@ -26,9 +26,8 @@ from .base import (
     Writer,
     nbytes,
     part_bounds,
-    views_of,
 )
-from .posix_io import BLOCK, QuickWrites, _start_writeback, pwrite_all
+from .posix_io import QuickWrites, _start_writeback, pwrite_all
 
 if TYPE_CHECKING:
     from .posix import PosixStore
@@ -50,21 +49,20 @@ class _PosixWriter(Writer):
     ) -> None:
         self.store, self.key, self.dfd, self.name = store, key, dfd, name
         self.tmp, self.fd, self.options = tmp, fd, options
+        self.pos = 0
         self._done = False
 
     async def write(self, data: Buffer | Pieces) -> None:
         if self._done:
             raise ValueError("writer is closed")
-        views = views_of(data)
+        pos = self.pos
 
         def do() -> None:
             with self.store._translate(self.key):
-                for view in views:
-                    off = 0
-                    while off < len(view):
-                        off += os.write(self.fd, view[off : off + BLOCK])
+                pwrite_all(self.fd, data, pos)
 
         await runtime.to_io(do)
+        self.pos = pos + nbytes(data)
 
     async def commit(self) -> ObjectMeta:
         if self._done:
