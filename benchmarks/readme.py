@@ -174,7 +174,7 @@ HEADLINES: tuple[Headline, ...] = (
         (" at ",),
     ),
     Headline(
-        "checkpoint sync save vs raw floor / vs torch.save",
+        "checkpoint sync save vs O_DIRECT floor / vs torch.save",
         (
             _ckpt("fmstore.save compression=raw", "vs floor"),
             _ckpt("fmstore.save compression=raw", "vs torch.save"),

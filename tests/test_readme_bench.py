@@ -44,7 +44,7 @@ def test_readme_block_matches_current_results():
 
 def test_figures_come_from_the_results_text():
     block = readme.render(RESULTS)
-    assert _line(block, "checkpoint sync save vs raw floor / vs torch.save").endswith(
+    assert _line(block, "checkpoint sync save vs O_DIRECT floor / vs torch.save").endswith(
         "| 0.84× / 1.08× |"
     )
     # Several runs give a range; "newest run" rows read the last table only.
