@@ -151,8 +151,9 @@ def test_full_disk_is_tier_full_and_leaves_nothing(tmp_path):
 
 
 def test_streamed_part_writes_leave_the_loop_when_slow_or_not_local(posix_root, monkeypatch):
-    """Writes run on the event loop on a local file system until one is slow; then, and on
-    a striped (Lustre) tier from the start, they go to the I/O pool (an awaitable)."""
+    """Writes run on the event loop on a local file system until one is slow, or a window
+    of them is slow together; then, and on a striped (Lustre) tier from the start, they go
+    to the I/O pool (an awaitable)."""
     from fmstore.stores import posix_io
 
     data = os.urandom(1 << 20)
@@ -174,11 +175,16 @@ def test_streamed_part_writes_leave_the_loop_when_slow_or_not_local(posix_root, 
     # No write counts as slow here however loaded the machine: 20 ms is the default.
     monkeypatch.setattr(posix_io, "SLOW_WRITE_S", 3600.0)
     assert runtime.run(write(local, "a")) == [False] * 4
+    # Writes slow together: after a window of them (two here), no write on its own slow.
+    monkeypatch.setattr(posix_io, "SLOW_WRITE_RATE", float("inf"))
+    monkeypatch.setattr(posix_io, "WRITE_WINDOW", 2)
+    assert runtime.run(write(local, "d")) == [False, False, True, True]
+    monkeypatch.setattr(posix_io, "SLOW_WRITE_RATE", 0.0)
     monkeypatch.setattr(posix_io, "SLOW_WRITE_S", 0.0)
     assert runtime.run(write(local, "b")) == [False, True, True, True]
     striped = PosixStore(posix_root, options=PosixOptions(stripe_count=2))
     assert runtime.run(write(striped, "c")) == [True] * 4
-    for key in "abc":
+    for key in "abcd":
         assert runtime.run(local.get(key)) == data
 
 
