@@ -4,6 +4,7 @@ the fault proxy, a missing bucket."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -433,7 +434,10 @@ def _dirty_pages(path) -> int:
     fd = os.open(path, os.O_RDONLY)
     try:
         if libc.syscall(451, fd, rng, stats, 0) != 0:
-            pytest.skip(f"no cachestat here: {os.strerror(ctypes.get_errno())}")
+            err = ctypes.get_errno()
+            if err == errno.ENOSYS:
+                pytest.skip("this kernel has no cachestat (Linux 6.5+)")
+            raise OSError(err, os.strerror(err))
     finally:
         os.close(fd)
     return stats[1]

@@ -209,17 +209,14 @@ class QuickWrites:
         t0 = time.perf_counter()
         self._write(data, offset)
         dt = time.perf_counter() - t0
-        self._count, self._bytes, self._seconds = (
-            self._count + 1,
-            self._bytes + data.nbytes,
-            self._seconds + dt,
-        )
+        self._count += 1
+        self._bytes += data.nbytes
+        self._seconds += dt
+        slow = dt >= SLOW_WRITE_S
         if self._count == WRITE_WINDOW:
-            slow = self._bytes < self._seconds * SLOW_WRITE_RATE
+            slow = slow or self._bytes < self._seconds * SLOW_WRITE_RATE
             self._count, self._bytes, self._seconds = 0, 0, 0.0
-        else:
-            slow = False
-        self.inline = dt < SLOW_WRITE_S and not slow
+        self.inline = not slow
         return None
 
 
@@ -267,7 +264,6 @@ def _copy_fd(src: int, dst: int) -> None:
     except OSError as e:
         if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
             raise
-        os.lseek(dst, off, os.SEEK_SET)
         while off < size:
             buf = os.pread(src, BLOCK, off)
             if not buf:
