@@ -14,9 +14,22 @@ import torch
 
 import fmstore
 from fmstore.errors import AlreadyExists, NotFound
-from fmstore.format.dtypes import _NAMES
+from fmstore.format.dtypes import ITEMSIZES, _torch_names, dtype_from_name, dtype_name
 
-DTYPES = [dt for name, dt in _NAMES.items() if name not in ("complex32", "float8_e8m0fnu")]
+DTYPES = [dt for name, dt in _torch_names().items() if name not in ("complex32", "float8_e8m0fnu")]
+
+
+def test_dtype_table_agrees_with_torch():
+    """Manifests are checked against a plain table of names and element sizes (no torch
+    needed); it must match torch's own dtypes, both ways."""
+    names = _torch_names()
+    assert names, "this torch has none of the format's dtypes"
+    for name, dt in names.items():
+        assert ITEMSIZES[name] == dt.itemsize, name
+        assert dtype_name(dt) == name and dtype_from_name(name) is dt
+    assert set(names) == {n for n in ITEMSIZES if isinstance(getattr(torch, n, None), torch.dtype)}
+    with pytest.raises(KeyError):
+        dtype_from_name("float7")
 
 
 def _rand(dtype: torch.dtype, shape=(7, 33)) -> torch.Tensor:

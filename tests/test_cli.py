@@ -91,3 +91,27 @@ def test_copy_commands_start_without_metrics_or_rich(tmp_path):
     imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if "|" in line}
     assert "fmstore.stores.posix" in imported
     assert not {m for m in imported if m.startswith(("prometheus_client", "rich"))}
+
+
+def test_help_and_tiering_commands_start_without_torch(posix_cfg, tmp_path):
+    """torch takes about 0.8 s to import: ``--help``, ``ckpt list`` and the daemon's
+    modules read manifests and catalogs, never tensors, so they do not load it (nor
+    numpy, which only the codecs need)."""
+    import torch
+
+    fmstore.save({"w": torch.ones(4)}, str(tmp_path / "nvme" / "run" / "step_000000000007"))
+    probe = (
+        "import sys\n"
+        "from fmstore.cli.main import main\n"
+        "import fmstore.tiering.daemon, fmstore.checkpoint.verify, fmstore.checkpoint.gc\n"
+        "for args in (['--help'], ['ckpt', '--help'], ['daemon', '--help'], ['ckpt', 'list']):\n"
+        "    try:\n"
+        "        main(args)\n"
+        "    except SystemExit as e:\n"
+        "        assert not e.code, (args, e.code)\n"
+        "print('loaded:', sorted(m for m in ('torch', 'numpy') if m in sys.modules))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "run" in r.stdout and "present" in r.stdout, r.stdout[-2000:]
+    assert "loaded: []" in r.stdout, r.stdout[-2000:]

@@ -17,7 +17,7 @@ import torch
 
 import fmstore
 from fmstore import runtime
-from fmstore.checkpoint.reader import read_manifest_bytes
+from fmstore.checkpoint.layout import read_manifest_bytes
 from fmstore.checkpoint.verify import blob_checksums, verify_checkpoint
 from fmstore.stores import open_store
 from fmstore.stores.crc import composite_of, crc32c

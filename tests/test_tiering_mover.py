@@ -12,7 +12,7 @@ from tiering_helpers import state
 
 import fmstore
 from fmstore import runtime
-from fmstore.checkpoint.reader import read_manifest_bytes
+from fmstore.checkpoint.layout import read_manifest_bytes
 from fmstore.checkpoint.verify import verify_checkpoint
 from fmstore.errors import CorruptData, NotFound
 from fmstore.format.manifest import MANIFEST_KEY

@@ -8,20 +8,56 @@ lazy mapping), :mod:`.gc` (leftovers of crashed saves).  The format is in ``docs
 
 from __future__ import annotations
 
-from .api import (
-    SaveHandle,
-    aload,
-    asave,
-    async_save,
-    load,
-    prepare_async_save,
-    read_manifest_sync,
-    save,
-    wait_for_saves,
-)
-from .gc import GcReport, agc, find_checkpoints, gc
-from .loading import LazyDict
-from .reader import read_manifest
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .api import (
+        SaveHandle,
+        aload,
+        asave,
+        async_save,
+        load,
+        prepare_async_save,
+        read_manifest_sync,
+        save,
+        wait_for_saves,
+    )
+    from .gc import GcReport, agc, find_checkpoints, gc
+    from .layout import read_manifest
+    from .loading import LazyDict
+
+#: Where each name lives.  Imported on first use: most of them load torch, which the
+#: tiering daemon and the CLI, importing :mod:`.layout` or :mod:`.verify`, do not need.
+_HOMES = {
+    **dict.fromkeys(
+        (
+            "SaveHandle",
+            "aload",
+            "asave",
+            "async_save",
+            "load",
+            "prepare_async_save",
+            "read_manifest_sync",
+            "save",
+            "wait_for_saves",
+        ),
+        "api",
+    ),
+    **dict.fromkeys(("GcReport", "agc", "find_checkpoints", "gc"), "gc"),
+    "LazyDict": "loading",
+    "read_manifest": "layout",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{home}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "GcReport",

@@ -15,9 +15,10 @@ from ..errors import ConfigError, NotFound
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores import Location, open_store
 from ..stores.base import Store
+from .layout import read_manifest
 from .loading import LazyDict, Materializer
 from .planner import DEFAULT_BLOB_SIZE, DEFAULT_CHUNK_SIZE, Planned, plan_save, resolve_auto
-from .reader import MapLocation, ReadOptions, read_manifest
+from .reader import MapLocation, ReadOptions
 from .select import prune
 from .snapshot import STAGING, needs_staging, reserve_staging, take_views
 from .tree import UnsupportedValue

@@ -15,7 +15,9 @@ import secrets
 import time
 
 from .. import keys as _keys
-from ..format.manifest import MANIFEST_KEY
+from ..errors import NotFound
+from ..format.manifest import MANIFEST_KEY, Manifest
+from ..stores.base import Store
 
 STEP_RE = re.compile(r"^step_(\d{12})$")
 GENERATION_RE = re.compile(r"^g([0-9a-f]{12})-[0-9a-f]{8}$")
@@ -29,8 +31,11 @@ __all__ = [
     "blob_name",
     "checkpoint_key",
     "generation_age",
+    "manifest_bytes",
     "new_generation",
     "parse_step",
+    "read_manifest",
+    "read_manifest_bytes",
     "step_name",
 ]
 
@@ -64,3 +69,27 @@ def parse_step(name: str) -> int | None:
 
 def checkpoint_key(root: str, step: int) -> str:
     return _keys.join(root, step_name(step))
+
+
+async def manifest_bytes(store: Store) -> bytes:
+    """The bytes of the committed manifest at ``store``'s root, of either format; NotFound
+    (saying so) when the prefix holds no checkpoint."""
+    try:
+        return await store.get(MANIFEST_KEY)
+    except NotFound:
+        raise NotFound(
+            f"no checkpoint at {store.url} (no {MANIFEST_KEY})", tier=store.tier, key=MANIFEST_KEY
+        ) from None
+
+
+async def read_manifest_bytes(store: Store) -> tuple[bytes, Manifest]:
+    """The committed manifest of the checkpoint at ``store``'s root, with its bytes (their
+    CRC32C is what the catalog records); NotFound when the prefix holds no checkpoint,
+    CorruptData when the manifest does not parse."""
+    data = await manifest_bytes(store)
+    return data, Manifest.loads(data, where=store.url)
+
+
+async def read_manifest(store: Store) -> Manifest:
+    """The committed manifest; NotFound when the prefix holds no checkpoint."""
+    return (await read_manifest_bytes(store))[1]

@@ -24,7 +24,7 @@ from .. import runtime
 from ..errors import CorruptData, NotFound, StoreUnavailable
 from ..format.checksum import crc32c
 from ..format.codecs import decode_into
-from ..format.manifest import MANIFEST_KEY, ChunkEntry, Manifest
+from ..format.manifest import ChunkEntry, Manifest
 from ..stores.base import Store
 from .memory import empty_bytes
 from .snapshot import as_memoryview
@@ -35,30 +35,6 @@ COALESCE_GAP = 1 << 20
 COALESCE_MAX = 16 << 20
 #: Raw chunks are read and checksummed in pieces of this size (cache-sized).
 CRC_PIECE = 4 << 20
-
-
-async def manifest_bytes(store: Store) -> bytes:
-    """The bytes of the committed manifest at ``store``'s root, of either format; NotFound
-    (saying so) when the prefix holds no checkpoint."""
-    try:
-        return await store.get(MANIFEST_KEY)
-    except NotFound:
-        raise NotFound(
-            f"no checkpoint at {store.url} (no {MANIFEST_KEY})", tier=store.tier, key=MANIFEST_KEY
-        ) from None
-
-
-async def read_manifest_bytes(store: Store) -> tuple[bytes, Manifest]:
-    """The committed manifest of the checkpoint at ``store``'s root, with its bytes (their
-    CRC32C is what the catalog records); NotFound when the prefix holds no checkpoint,
-    CorruptData when the manifest does not parse."""
-    data = await manifest_bytes(store)
-    return data, Manifest.loads(data, where=store.url)
-
-
-async def read_manifest(store: Store) -> Manifest:
-    """The committed manifest; NotFound when the prefix holds no checkpoint."""
-    return (await read_manifest_bytes(store))[1]
 
 
 @dataclass(frozen=True)

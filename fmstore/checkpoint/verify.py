@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 from .. import runtime
 from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
@@ -26,13 +26,13 @@ from ..format.checksum import crc32c
 from ..format.manifest import DCP_FORMAT_NAME, MANIFEST_KEY, Manifest, sniff_format
 from ..stores.base import Store
 from ..stores.crc import combine_all
-from .reader import manifest_bytes
+from .layout import manifest_bytes
 
 if TYPE_CHECKING:
     from .dcp.manifest import DcpManifest
     from .dcp.native import NativeCheckpoint
 
-    AnyManifest = Manifest | DcpManifest | NativeCheckpoint
+    AnyManifest: TypeAlias = Manifest | DcpManifest | NativeCheckpoint
 
 
 #: Chunks of one blob are read in runs of at most this many bytes (memory stays bounded).

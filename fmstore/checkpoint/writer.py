@@ -189,7 +189,7 @@ async def write_checkpoint(
 
 
 async def _current_generation(store: Store) -> str | None:
-    from .reader import read_manifest
+    from .layout import read_manifest
 
     try:
         return (await read_manifest(store)).generation

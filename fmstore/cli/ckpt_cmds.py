@@ -23,7 +23,7 @@ def _manifest(uri: str) -> tuple[Store, Manifest]:
     # Imported here: the checkpoint package loads torch, which every other command
     # (stage, ls, cp) would otherwise pay for at start-up (seconds).
     from ..checkpoint.api import open_location
-    from ..checkpoint.reader import read_manifest
+    from ..checkpoint.layout import read_manifest
 
     store, _ = open_location(uri, for_read=True)
     return store, runtime.run(read_manifest(store))
@@ -119,12 +119,9 @@ def _inspect_json(url: str, m: Manifest, limit: int) -> None:
 
 
 def _itemsize(name: str) -> int:
-    from ..format.dtypes import dtype_from_name
+    from ..format.dtypes import ITEMSIZES
 
-    try:
-        return dtype_from_name(name).itemsize
-    except KeyError:
-        return 1
+    return ITEMSIZES.get(name, 1)
 
 
 @ckpt.command("verify")

@@ -13,7 +13,6 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import runtime
-from ..checkpoint.verify import verify_checkpoint
 from ..config import Config, load_config
 from ..tiering import catalog as cat
 from ..tiering.catalog import Catalog
@@ -133,6 +132,8 @@ def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = Fa
     """Verify every committed copy of every checkpoint of ``root`` on every tier; marks bad
     copies ``corrupt`` in the catalog and good ones verified.  Returns the exit code.
     ``as_json``: one JSON object on stdout instead of a line per copy."""
+    from ..checkpoint.verify import verify_checkpoint  # loads torch: only when verifying
+
     cfg = load_config(config)
     pol = from_config(cfg)
     root = root.strip("/")

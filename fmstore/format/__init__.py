@@ -6,8 +6,9 @@ these pieces to describe and transform the bytes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .checksum import crc32c
-from .codecs import CODECS, choose_codec, decode_into, encode
 from .manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -18,6 +19,24 @@ from .manifest import (
     StorageEntry,
     TensorEntry,
 )
+
+if TYPE_CHECKING:
+    from .codecs import CODECS, choose_codec, decode_into, encode
+
+#: Served by :mod:`.codecs` on first use: it loads numpy and zstandard, which reading a
+#: manifest does not need.
+_CODEC_NAMES = frozenset({"CODECS", "choose_codec", "decode_into", "encode"})
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _CODEC_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import codecs
+
+    value = getattr(codecs, name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CODECS",

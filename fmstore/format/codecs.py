@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import struct
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import zstandard
 
 from ..errors import CorruptData
 from ..stores.base import Buffer
 from . import zstdlib
+
+if TYPE_CHECKING:
+    import torch
 
 #: Every codec this version can read and write.
 CODECS = ("raw", "zstd", "bytegroup+zstd")

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import CorruptData, VersionError
 from .bounds import chunk_run_problem, is_int, view_problem
-from .dtypes import dtype_from_name
+from .dtypes import dtype_itemsize
 from .treecheck import tree_problem
 
 FORMAT_NAME = "fmstore-checkpoint"
@@ -261,7 +261,7 @@ class Manifest:
             if not 0 <= t.storage < len(self.storages):
                 raise bad(f"tensor {t.name!r}: storage {t.storage} is not a storage index")
             try:
-                itemsize = dtype_from_name(t.dtype).itemsize
+                itemsize = dtype_itemsize(t.dtype)
             except KeyError:
                 raise bad(f"tensor {t.name!r}: unknown dtype {t.dtype!r}") from None
             why = view_problem(

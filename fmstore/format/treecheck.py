@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from .bounds import MAX_DEPTH, is_int
-from .dtypes import dtype_from_name
+from .dtypes import dtype_itemsize
 
 #: Tags of the state tree's nodes (docs/format.md) that hold one value of a JSON type.
 _SCALAR_TAGS: dict[str, type] = {"dtype": str, "device": str, "bytes": str, "np": str}
@@ -81,7 +81,7 @@ def _node_children(
                 return f"{path}.{tag}: not a {typ.__name__}"
             if tag == "dtype":
                 try:
-                    dtype_from_name(n[tag])
+                    dtype_itemsize(n[tag])
                 except KeyError:
                     return f"{path}.dtype: unknown dtype {n[tag]!r:.40}"
             if tag == "np":

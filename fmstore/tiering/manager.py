@@ -50,8 +50,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from .. import runtime
-from ..checkpoint.layout import checkpoint_key
-from ..checkpoint.reader import read_manifest_bytes
+from ..checkpoint.layout import checkpoint_key, read_manifest_bytes
 from ..config import Config, get_config, load_config
 from ..errors import AlreadyExists, CorruptData, FmstoreError, NotFound, StoreUnavailable, TierFull
 from ..format.checksum import crc32c

@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..checkpoint.reader import read_manifest_bytes
+from ..checkpoint.layout import read_manifest_bytes
 from ..checkpoint.verify import VerifyResult, blob_checksums, verify_checkpoint
 from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable, TierFull
 from ..format.checksum import crc32c

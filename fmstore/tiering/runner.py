@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import filelock
 
 from .. import runtime
-from ..checkpoint.reader import read_manifest_bytes as _read_manifest
+from ..checkpoint.layout import read_manifest_bytes as _read_manifest
 from ..config import Config
 from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable, TierFull
 from . import catalog as cat
