@@ -8,7 +8,8 @@ The state is a transformer's bf16 weights plus fp32 Adam moments (exp_avg, exp_a
 
 * sync save to a local directory: fmstore (compression raw, auto, bytegroup+zstd) vs
   torch.save + fsync vs DCP save (FileSystemWriter, sync_files=True) vs the floor (the
-  same bytes written into one file with 16 MiB ``O_DIRECT`` writes + fsync);
+  same bytes written into one file with 16 MiB ``O_DIRECT`` writes + fsync); ``--rounds``
+  rounds of every case in rotating order, medians (and every run);
 * async stall (time the caller is blocked): fmstore.async_save vs DCP async_save vs the
   memcpy floor (copying every tensor once into preallocated, already touched memory).  Each
   first call runs in a fresh process (a process that has touched and freed memory before
@@ -219,63 +220,65 @@ def floor_read(path: str, into: torch.Tensor) -> None:
 # ---- sections ------------------------------------------------------------------------------
 
 
-def bench_save(tag: str, state: Any, root: str, n: int) -> dict[str, float]:
-    t: dict[str, float] = {}
-    views = raw_views(state)
-    clean(f"{root}/floor.bin")
-    t["floor"] = timed(lambda: floor_write(f"{root}/floor.bin", views))
-    row(tag, "sync save", "floor: O_DIRECT write+fsync, 1 file", t["floor"], n)
-    for comp in ("raw", "auto", "bytegroup+zstd"):
-        clean(f"{root}/fm-{comp}")
-        t[comp] = timed(lambda c=comp: fmstore.save(state, f"{root}/fm-{c}", compression=c))
-        row(
-            tag,
-            "sync save",
-            f"fmstore.save compression={comp}",
-            t[comp],
-            n,
-            **{"vs floor": t["floor"] / t[comp]},
-        )
-    clean(f"{root}/torch.pt")
+SAVE_LABELS = {
+    "floor": "floor: O_DIRECT write+fsync, 1 file",
+    "raw": "fmstore.save compression=raw",
+    "auto": "fmstore.save compression=auto",
+    "bytegroup+zstd": "fmstore.save compression=bytegroup+zstd",
+    "torch": "torch.save + fsync",
+    "dcp": "DCP save (FileSystemWriter, sync_files)",
+}
 
-    def torch_save() -> None:
-        with open(f"{root}/torch.pt", "wb") as f:
+
+def bench_save(tag: str, state: Any, root: str, n: int, rounds: int) -> dict[str, float]:
+    """Every case ``rounds`` times, in rotating order, each from a settled machine (its
+    file of the run before removed, every page written back and dropped); medians.  The
+    last run of each case stays on disk for the load section."""
+    views = raw_views(state)
+
+    def torch_save(path: str) -> None:
+        with open(path, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
 
-    t["torch"] = timed(torch_save)
-    row(
-        tag,
-        "sync save",
-        "torch.save + fsync",
-        t["torch"],
-        n,
-        **{"vs floor": t["floor"] / t["torch"]},
-    )
-    for back, comp in ((4, "raw"), (3, "auto"), (2, "bytegroup+zstd")):
-        ROWS[-back]["vs torch.save"] = t["torch"] / t[comp]
-    try:
+    def dcp_save(path: str) -> None:
         import torch.distributed.checkpoint as dcp
 
-        clean(f"{root}/dcp")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            t["dcp"] = timed(
-                lambda: dcp.save(
-                    state, storage_writer=dcp.FileSystemWriter(f"{root}/dcp", sync_files=True)
-                )
-            )
-        row(
-            tag,
-            "sync save",
-            "DCP save (FileSystemWriter, sync_files)",
-            t["dcp"],
-            n,
-            **{"vs floor": t["floor"] / t["dcp"]},
-        )
-    except Exception as e:  # pragma: no cover - depends on the torch build
-        NOTES.append(f"DCP save skipped: {e!r}")
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True))
+
+    cases: dict[str, Any] = {
+        "floor": lambda path: floor_write(path, views),
+        **{
+            c: (lambda path, c=c: fmstore.save(state, path, compression=c))
+            for c in ("raw", "auto", "bytegroup+zstd")
+        },
+        "torch": torch_save,
+        "dcp": dcp_save,
+    }
+    paths = {"floor": "floor.bin", "torch": "torch.pt", "dcp": "dcp"}
+    runs: dict[str, list[float]] = {}
+    kinds = list(cases)
+    for r in range(rounds):
+        for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
+            path = f"{root}/{paths.get(kind, f'fm-{kind}')}"
+            clean(path)
+            try:
+                runs.setdefault(kind, []).append(timed(lambda k=kind, p=path: cases[k](p)))
+            except Exception as e:  # pragma: no cover - depends on the torch build
+                NOTES.append(f"{SAVE_LABELS[kind]} skipped: {e!r}")
+                kinds.remove(kind)
+                runs.pop(kind, None)
+    t = {k: statistics.median(v) for k, v in runs.items()}
+    for kind, secs in t.items():
+        extra: dict[str, Any] = {"runs": " ".join(f"{x:.2f}" for x in runs[kind])}
+        if kind != "floor":
+            extra["vs floor"] = t["floor"] / secs
+        if kind in ("raw", "auto", "bytegroup+zstd") and "torch" in t:
+            extra["vs torch.save"] = t["torch"] / secs
+        row(tag, "sync save", SAVE_LABELS[kind], secs, n, **extra)
     return t
 
 
@@ -671,7 +674,10 @@ def main() -> None:
         help="which sections to run (load reads what save wrote)",
     )
     ap.add_argument(
-        "--rounds", type=int, default=3, help="S3: rounds of every client in turn (medians)"
+        "--rounds",
+        type=int,
+        default=3,
+        help="sync saves and S3: rounds of every case in turn (medians)",
     )
     ap.add_argument("--stall-child", choices=STALL_KINDS, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -694,7 +700,7 @@ def main() -> None:
             root = os.path.join(base, s)
             os.makedirs(root, exist_ok=True)
             if "save" in sections:
-                bench_save(tag, state, root, n)
+                bench_save(tag, state, root, n, args.rounds)
             if "async" in sections:
                 bench_async(tag, s, state, root, n)
             if "load" in sections:
