@@ -4,7 +4,6 @@ the fault proxy, a missing bucket."""
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import signal
@@ -14,6 +13,7 @@ import sys
 import time
 
 import pytest
+from pagecache import cachestat
 from stage_data import (
     BIG_N,
     BIG_SIZE,
@@ -423,26 +423,6 @@ def test_an_object_overwritten_between_its_ranges_is_copied_again_whole(s3env, s
     runtime.run(s3.close())
 
 
-def _dirty_pages(path) -> int:
-    """Pages of ``path`` in the page cache whose write-back has not started: the
-    kernel's ``cachestat`` (Linux 6.5+)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    rng = (ctypes.c_uint64 * 2)(0, 0)  # offset 0, length 0: the whole file
-    stats = (ctypes.c_uint64 * 5)()  # cache, dirty, writeback, evicted, recently evicted
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if libc.syscall(451, fd, rng, stats, 0) != 0:
-            err = ctypes.get_errno()
-            if err == errno.ENOSYS:
-                pytest.skip("this kernel has no cachestat (Linux 6.5+)")
-            raise OSError(err, os.strerror(err))
-    finally:
-        os.close(fd)
-    return stats[1]
-
-
 def test_fsync_none_leaves_write_back_to_the_kernel_and_batch_syncs(s3env, s3_server, tmp_path):
     """``--fsync none`` is scratch data: its files are neither synced nor have their
     write-back started part by part (that CPU is the copy's; the kernel's flusher writes
@@ -459,7 +439,7 @@ def test_fsync_none_leaves_write_back_to_the_kernel_and_batch_syncs(s3env, s3_se
     for dst, extra in ((tmp_path / "scratch", ["--fsync", "none"]), (tmp_path / "durable", [])):
         r = fm("stage", "s3:scratch", str(dst), "--no-progress", *extra, env=s3env["env"])
         assert r.returncode == 0, r.stderr
-        dirty = {k: _dirty_pages(dst / k) for k in bodies}
+        dirty = {k: cachestat(dst / k)[1] for k in bodies}
         for k, b in bodies.items():
             assert (dst / k).read_bytes() == b
         if extra:

@@ -6,6 +6,7 @@ import sys
 import time
 
 import pytest
+from pagecache import cachestat
 
 from fmstore import runtime
 from fmstore.errors import NotFound, PermissionDenied, PreconditionFailed, TierFull
@@ -398,3 +399,46 @@ def test_page_cache_writes_are_at_most_one_mib_each(tmp_path, monkeypatch):
     assert (root / "pieces").read_bytes() == bytes(4096) + body
     assert sum(sizes) == 3 * len(body)
     assert max(sizes) == CACHE_WRITE
+
+
+def test_large_synced_writes_leave_the_page_cache_behind_them(tmp_path, monkeypatch):
+    """A synced put or writer of a large file goes to disk as it is written, and the page
+    cache holds at most two windows of it at a time (fresh memory for the whole file is
+    what made big saves slow, see ``pwrite_behind``); once committed none of it is
+    cached, and the bytes are exact.  A store that does not sync leaves its file cached."""
+    import random
+
+    from fmstore.stores import posix_io
+
+    window = 1 << 20
+    monkeypatch.setattr(posix_io, "WRITE_BEHIND", window)
+    real_pwrite_all = posix_io.pwrite_all
+    cached_before_write: list[int] = []
+
+    def recording(fd, data, offset):
+        cached_before_write.append(cachestat(fd)[0])
+        return real_pwrite_all(fd, data, offset)
+
+    monkeypatch.setattr(posix_io, "pwrite_all", recording)
+    body = random.Random(3).randbytes(8 * window + 5)
+    root = tmp_path / "root"
+    s = PosixStore(str(root))
+    runtime.run(s.put("one", body))
+    w = runtime.run(s.open_writer("seq"))
+    # Windows carry over from one write to the next; the short last one is written plainly.
+    runtime.run(w.write([body[: 3 * window + 3], body[3 * window + 3 : 4 * window]]))
+    runtime.run(w.write(memoryview(body)[4 * window : 6 * window + 7]))
+    runtime.run(w.write(memoryview(body)[6 * window + 7 :]))
+    runtime.run(w.commit())
+    scratch = PosixStore(str(tmp_path / "scratch"), options=PosixOptions(fsync=False))
+    runtime.run(scratch.put("one", body))
+    monkeypatch.undo()
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    pages = -(-len(body) // page)
+    assert len(cached_before_write) >= 8 + 7  # window by window, both files
+    assert max(cached_before_write) <= 2 * window // page + 1
+    assert cachestat(root / "one")[0] == 0 and cachestat(root / "seq")[0] == 0
+    assert cachestat(tmp_path / "scratch" / "one")[0] == pages
+    for path in (root / "one", root / "seq", tmp_path / "scratch" / "one"):
+        assert path.read_bytes() == body

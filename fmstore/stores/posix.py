@@ -39,9 +39,11 @@ from .posix_io import (
     _write_direct,
     commit_at,
     commit_file,
+    drop_cached,
     fs_type,
     fsync_dir,
     pwrite_all,
+    pwrite_behind,
 )
 from .posix_tree import _LOCK_NAME, TMP_MARK, PosixOptions, PosixTree, _etag
 from .posix_writers import _PosixPartWriter, _PosixWriter
@@ -83,8 +85,10 @@ class PosixStore(PosixTree):
             dfd, name, tmp, fd = self._open_tmp(key, sync=options.durable)
             try:
                 try:
-                    self._write_all(fd, dfd, tmp, data)
+                    behind = self._write_all(fd, dfd, tmp, data, self._behind(options))
                     self._finish_fd(fd, options)
+                    if behind:
+                        drop_cached(fd)
                     st = os.fstat(fd)
                 finally:
                     os.close(fd)
@@ -96,12 +100,22 @@ class PosixStore(PosixTree):
             finally:
                 os.close(dfd)
 
-    def _write_all(self, fd: int, dfd: int, tmp: str, data: memoryview) -> None:
+    def _write_all(self, fd: int, dfd: int, tmp: str, data: memoryview, behind: bool) -> bool:
+        """Write ``data`` into the new file; True when written behind (:func:`pwrite_behind`)."""
         n = len(data)
         if self.options.direct_io and n >= 2 * BLOCK and hasattr(os, "O_DIRECT"):
             _write_direct(fd, dfd, tmp, data)
-            return
+            return False
+        if behind:
+            return pwrite_behind(fd, data, 0)
         pwrite_all(fd, data, 0)
+        return False
+
+    def _behind(self, options: PutOptions) -> bool:
+        """Whether writes of ``options`` go to disk as they are written, dropped from the
+        page cache behind them (:func:`pwrite_behind`): those synced when done, on local
+        file systems (Lustre and NFS clients cache and write back by their own rules)."""
+        return self._inline_puts and self.options.fsync and options.durable
 
     def _finish_fd(self, fd: int, options: PutOptions) -> None:
         if options.metadata:

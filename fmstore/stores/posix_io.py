@@ -43,6 +43,9 @@ BLOCK = 16 << 20
 #: reporting), every one is faulted in again at the host.  640 MiB written in 16 MiB
 #: writes took 0.7-1.6 s of system CPU here, in 1 MiB writes 0.13 s.
 CACHE_WRITE = 1 << 20
+#: A durable write of a large file keeps at most two windows of this size of it in the page
+#: cache (:func:`pwrite_behind`).
+WRITE_BEHIND = 16 << 20
 #: Most buffers one ``pwritev`` takes.
 _IOV_MAX = os.sysconf("SC_IOV_MAX")
 
@@ -138,6 +141,73 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
     and the sync that ends it finds little left.  A hint: failures are ignored."""
     with contextlib.suppress(AttributeError):
         _libc().sync_file_range(fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE
+
+
+@functools.cache
+def _has_write_behind() -> bool:
+    return hasattr(os, "posix_fadvise") and hasattr(_libc(), "sync_file_range")
+
+
+def _drop_behind(fd: int, offset: int, length: int) -> None:
+    """Wait until ``[offset, offset + length)`` of ``fd`` is on disk, then drop it from
+    the page cache.  A write error is raised here: the wait consumes it, so the file's
+    final sync would not see it."""
+    import ctypes
+
+    # SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER
+    if _libc().sync_file_range(fd, offset, length, 7) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
+def pwrite_behind(
+    fd: int, data: Buffer | Pieces, offset: int, started: list[tuple[int, int]] | None = None
+) -> bool:
+    """:func:`pwrite_all` for a file that is synced when written: in windows of
+    :data:`WRITE_BEHIND` bytes, each window's write-back starts as soon as it is written,
+    and the window before it is waited for and dropped from the page cache.  ``started``
+    carries the window whose write-back was started and not yet dropped from one call to
+    the next (a writer's).  True when it wrote so (the caller then drops what is left with
+    :func:`drop_cached` once the file is synced); data under two windows is written plainly.
+
+    A large write otherwise fills the page cache with the whole file before the sync
+    writes it out.  Here it recycles the memory of two windows: fresh memory costs a page
+    fault per page (on a VM whose host takes free memory back, a fault at the host too:
+    4 GiB written here took 7.7 s plainly, 2.45 s like this, 2.4 s with ``O_DIRECT``),
+    and the disk is kept busy during the write instead of after it.  The file is not
+    left in the cache: a checkpoint is rarely read back soon, and then at the disk's speed.
+    """
+    views = views_of(data)
+    if sum(v.nbytes for v in views) < 2 * WRITE_BEHIND or not _has_write_behind():
+        pwrite_all(fd, views, offset)
+        return False
+    started = [] if started is None else started
+    window: list[memoryview] = []
+    filled = 0
+    for v in views:
+        while v.nbytes:
+            piece = v[: WRITE_BEHIND - filled]
+            window.append(piece)
+            filled += piece.nbytes
+            v = v[piece.nbytes :]
+            if filled == WRITE_BEHIND:
+                pwrite_all(fd, window, offset)
+                _start_writeback(fd, offset, filled)
+                started.append((offset, filled))
+                while len(started) > 1:
+                    _drop_behind(fd, *started.pop(0))
+                offset += filled
+                window, filled = [], 0
+    if window:
+        pwrite_all(fd, window, offset)
+    return True
+
+
+def drop_cached(fd: int) -> None:
+    """Drop ``fd``'s clean pages from the page cache (a hint: failures are ignored)."""
+    with contextlib.suppress(OSError):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _syncfs(path: str) -> None:

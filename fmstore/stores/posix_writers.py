@@ -27,7 +27,7 @@ from .base import (
     nbytes,
     part_bounds,
 )
-from .posix_io import QuickWrites, _start_writeback, pwrite_all
+from .posix_io import QuickWrites, _start_writeback, drop_cached, pwrite_all, pwrite_behind
 
 if TYPE_CHECKING:
     from .posix import PosixStore
@@ -51,15 +51,21 @@ class _PosixWriter(Writer):
         self.tmp, self.fd, self.options = tmp, fd, options
         self.pos = 0
         self._done = False
+        self._behind = False  # some bytes were written behind: drop the rest once synced
+        self._started: list[tuple[int, int]] = []  # see pwrite_behind
 
     async def write(self, data: Buffer | Pieces) -> None:
         if self._done:
             raise ValueError("writer is closed")
         pos = self.pos
+        behind = self.store._behind(self.options)
 
         def do() -> None:
             with self.store._translate(self.key):
-                pwrite_all(self.fd, data, pos)
+                if behind:
+                    self._behind = pwrite_behind(self.fd, data, pos, self._started) or self._behind
+                else:
+                    pwrite_all(self.fd, data, pos)
 
         await runtime.to_io(do)
         self.pos = pos + nbytes(data)
@@ -69,7 +75,15 @@ class _PosixWriter(Writer):
             raise ValueError("writer is closed")
         self._done = True
         return await runtime.to_io(
-            _commit_tmp, self.store, self.key, self.dfd, self.name, self.tmp, self.fd, self.options
+            _commit_tmp,
+            self.store,
+            self.key,
+            self.dfd,
+            self.name,
+            self.tmp,
+            self.fd,
+            self.options,
+            self._behind,
         )
 
     async def abort(self) -> None:
@@ -80,13 +94,24 @@ class _PosixWriter(Writer):
 
 
 def _commit_tmp(
-    store: PosixStore, key: str, dfd: int, name: str, tmp: str, fd: int, options: PutOptions
+    store: PosixStore,
+    key: str,
+    dfd: int,
+    name: str,
+    tmp: str,
+    fd: int,
+    options: PutOptions,
+    drop: bool = False,
 ) -> ObjectMeta:
-    """Finish, close and publish a writer's temp file; the directory is closed after."""
+    """Finish, close and publish a writer's temp file; the directory is closed after.
+    ``drop``: it was written behind (:func:`pwrite_behind`): once synced, leave none of it
+    in the page cache."""
     try:
         with store._translate(key):
             try:
                 store._finish_fd(fd, options)
+                if drop:
+                    drop_cached(fd)
             finally:
                 os.close(fd)
             return store._publish(key, dfd, tmp, name, options)
