@@ -11,6 +11,11 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+# Eager: these need no torch, and ``gc`` must be the function, not the submodule that
+# importing ``fmstore.checkpoint.gc`` would otherwise leave under that name.
+from .gc import GcReport, agc, find_checkpoints, gc
+from .layout import read_manifest
+
 if TYPE_CHECKING:
     from .api import (
         SaveHandle,
@@ -23,12 +28,10 @@ if TYPE_CHECKING:
         save,
         wait_for_saves,
     )
-    from .gc import GcReport, agc, find_checkpoints, gc
-    from .layout import read_manifest
     from .loading import LazyDict
 
-#: Where each name lives.  Imported on first use: most of them load torch, which the
-#: tiering daemon and the CLI, importing :mod:`.layout` or :mod:`.verify`, do not need.
+#: Where each name that loads torch lives, imported on first use: the tiering daemon and
+#: the CLI import :mod:`.layout`, :mod:`.gc` or :mod:`.verify` and need no torch.
 _HOMES = {
     **dict.fromkeys(
         (
@@ -44,9 +47,7 @@ _HOMES = {
         ),
         "api",
     ),
-    **dict.fromkeys(("GcReport", "agc", "find_checkpoints", "gc"), "gc"),
     "LazyDict": "loading",
-    "read_manifest": "layout",
 }
 
 
