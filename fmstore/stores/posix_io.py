@@ -169,7 +169,8 @@ def pwrite_behind(
     and the window before it is waited for and dropped from the page cache.  ``started``
     carries the window whose write-back was started and not yet dropped from one call to
     the next (a writer's).  True when it wrote so (the caller then drops what is left with
-    :func:`drop_cached` once the file is synced); data under two windows is written plainly.
+    :func:`drop_cached` once the file is synced).  Data under two windows (one, for a
+    writer's call) is written plainly, as is what is left after the last whole window.
 
     A large write otherwise fills the page cache with the whole file before the sync
     writes it out.  Here it recycles the memory of two windows: fresh memory costs a page
@@ -179,7 +180,8 @@ def pwrite_behind(
     left in the cache: a checkpoint is rarely read back soon, and then at the disk's speed.
     """
     views = views_of(data)
-    if sum(v.nbytes for v in views) < 2 * WRITE_BEHIND or not _has_write_behind():
+    least = 2 * WRITE_BEHIND if started is None else WRITE_BEHIND
+    if sum(v.nbytes for v in views) < least or not _has_write_behind():
         pwrite_all(fd, views, offset)
         return False
     started = [] if started is None else started
