@@ -51,21 +51,21 @@ class _PosixWriter(Writer):
         self.tmp, self.fd, self.options = tmp, fd, options
         self.pos = 0
         self._done = False
-        self._behind = False  # some bytes were written behind: drop the rest once synced
-        self._started: list[tuple[int, int]] = []  # see pwrite_behind
+        # Written behind (pwrite_behind) when the store says so: the windows it carries
+        # between calls; any there once synced, the rest of the file is dropped too.
+        self._started: list[tuple[int, int]] | None = [] if store._behind(options) else None
 
     async def write(self, data: Buffer | Pieces) -> None:
         if self._done:
             raise ValueError("writer is closed")
-        pos = self.pos
-        behind = self.store._behind(self.options)
+        pos, started = self.pos, self._started
 
         def do() -> None:
             with self.store._translate(self.key):
-                if behind:
-                    self._behind = pwrite_behind(self.fd, data, pos, self._started) or self._behind
-                else:
+                if started is None:
                     pwrite_all(self.fd, data, pos)
+                else:
+                    pwrite_behind(self.fd, data, pos, started)
 
         await runtime.to_io(do)
         self.pos = pos + nbytes(data)
@@ -83,7 +83,7 @@ class _PosixWriter(Writer):
             self.tmp,
             self.fd,
             self.options,
-            self._behind,
+            bool(self._started),
         )
 
     async def abort(self) -> None:
