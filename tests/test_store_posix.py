@@ -147,8 +147,69 @@ def test_full_disk_is_tier_full_and_leaves_nothing(tmp_path):
         with pytest.raises(TierFull):
             runtime.run(streamed_part())
         assert sorted(os.listdir(mnt)) == ["small"]
+
+        async def ringed_part() -> None:  # received into its ring: written with O_DIRECT
+            pw = await s.open_part_writer("parts", 4 << 20, 4 << 20)
+            stream = pw.stream_part(0)
+            assert stream.ring is not None
+            try:
+                for _ in range(4):
+                    stream.ring[:] = os.urandom(stream.ring.nbytes)
+                    pending = stream.write(stream.ring)
+                    if pending is not None:
+                        await pending
+            finally:
+                await pw.abort()
+
+        with pytest.raises(TierFull):
+            runtime.run(ringed_part())
+        assert sorted(os.listdir(mnt)) == ["small"]
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_streamed_parts_go_to_disk_from_their_ring(posix_root):
+    """A streamed part of a local file offers its source a page-aligned ring; whole pages
+    handed over from the ring's start, at a page boundary of the file, are written from
+    it with O_DIRECT (none of them in the page cache after), everything else (bytes from
+    elsewhere, a piece not starting on a page of the file, a tail short of a page) through
+    the page cache.  The bytes are exact either way."""
+    mib = 1 << 20
+    size = 4 * mib - 100
+    data = os.urandom(size)
+    store = PosixStore(posix_root)
+
+    async def feed(stream, pieces) -> None:
+        for pos, n, from_ring in pieces:
+            view = stream.ring[:n] if from_ring else memoryview(data[pos : pos + n])
+            if from_ring:
+                view[:] = data[pos : pos + n]
+            pending = stream.write(view)
+            if pending is not None:
+                await pending
+        await stream.close()
+        assert stream.ring is None  # handed back
+
+    async def go() -> None:
+        pw = await store.open_part_writer("f", size, 2 * mib)
+        s0, s1 = pw.stream_part(0), pw.stream_part(1)
+        assert s0.ring is not None and s0.ring.nbytes == mib
+        # Part 0 never lines up: 1,000 bytes from the ring (not a whole page), then ring
+        # pieces at offsets off a page boundary, then bytes not from the ring.
+        await feed(s0, [(0, 1000, True), (1000, mib, True), (mib + 1000, mib - 1000, False)])
+        # Part 1: one whole ring, then the rest from the ring: its whole pages direct, the
+        # last 3,996 bytes (short of a page) through the cache.
+        await feed(s1, [(2 * mib, mib, True), (3 * mib, mib - 100, True)])
+        await pw.commit()
+
+    runtime.run(go())
+    path = os.path.join(posix_root, "f")
+    cached = cachestat(path)[0]
+    with open(path, "rb") as f:
+        assert f.read() == data
+    # Part 0's 512 pages and the tail's one; the 511 pages written direct are not cached
+    # (all 1,024 are when everything goes through the page cache).
+    assert cached <= 513
 
 
 def test_streamed_part_writes_leave_the_loop_when_slow_or_not_local(posix_root, monkeypatch):

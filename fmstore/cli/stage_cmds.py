@@ -154,8 +154,8 @@ def stage_cmd(
         "--fsync",
         help="Local destinations: 'batch' syncs every 30 s and before exiting (after a power "
         "cut the next run re-checks what the last sync did not cover); 'each' fsyncs every "
-        "file and part (slower with many small files); 'none' never syncs nor starts "
-        "write-back (scratch data).",
+        "file and part (slower with many small files); 'none' never syncs (scratch data; "
+        "big files still go to disk as they arrive, with O_DIRECT).",
     ),
     preserve_owner_flag: bool | None = typer.Option(
         None, "--preserve-owner/--no-preserve-owner", help=PRESERVE_OWNER_HELP

@@ -202,14 +202,23 @@ class Store(abc.ABC):
         out[:] = data
 
     async def read_to(
-        self, key: str, start: int, end: int, consume: Consumer, *, etag: str | None = None
+        self,
+        key: str,
+        start: int,
+        end: int,
+        consume: Consumer,
+        *,
+        etag: str | None = None,
+        ring: memoryview | None = None,
     ) -> None:
         """Hand bytes ``[start, end)`` of ``key`` to ``consume``, in order.
 
         The bytes passed are only valid during the call (or until its awaitable is done).
         Backends that stream (S3) call it as bytes arrive, from a buffer small enough to
-        stay in the CPU's cache, so a copy to a file never holds a whole range in memory;
-        this default reads the range, then hands over its pieces.  What ``consume`` raises
+        stay in the CPU's cache (``ring`` when given, at least 64 KiB: a consumer that
+        writes with ``O_DIRECT`` passes an aligned one, so what it is handed needs no
+        copy), so a copy to a file never holds a whole range in memory; this default reads
+        the range, then hands over its pieces.  What ``consume`` raises
         is raised as is.  With ``etag`` (from an earlier :meth:`stat`), the bytes must come
         from that version: another one is :class:`~fmstore.errors.StoreUnavailable` (S3
         asks with ``If-Match``; this default compares the etag after the read), so a caller
@@ -435,9 +444,16 @@ class PrefixStore(Store):
         await self.inner.get_into(self._full(key), start, out)
 
     async def read_to(
-        self, key: str, start: int, end: int, consume: Consumer, *, etag: str | None = None
+        self,
+        key: str,
+        start: int,
+        end: int,
+        consume: Consumer,
+        *,
+        etag: str | None = None,
+        ring: memoryview | None = None,
     ) -> None:
-        await self.inner.read_to(self._full(key), start, end, consume, etag=etag)
+        await self.inner.read_to(self._full(key), start, end, consume, etag=etag, ring=ring)
 
     async def stat(self, key: str) -> ObjectMeta:
         return self._strip(await self.inner.stat(self._full(key)))

@@ -121,10 +121,17 @@ class MeteredStore(Store):
         self._bytes("get", out.nbytes)
 
     async def read_to(
-        self, key: str, start: int, end: int, consume: Consumer, *, etag: str | None = None
+        self,
+        key: str,
+        start: int,
+        end: int,
+        consume: Consumer,
+        *,
+        etag: str | None = None,
+        ring: memoryview | None = None,
     ) -> None:
         with self._op("get_range"):
-            await self.inner.read_to(key, start, end, consume, etag=etag)
+            await self.inner.read_to(key, start, end, consume, etag=etag, ring=ring)
         self._bytes("get", end - start)
 
     async def stat(self, key: str) -> ObjectMeta:

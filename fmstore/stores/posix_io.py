@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from .. import runtime
+from ..buffers import huge_buffer
 from .base import Buffer, Pieces, views_of
 
 if TYPE_CHECKING:
@@ -204,6 +205,96 @@ def pwrite_behind(
     if window:
         pwrite_all(fd, window, offset)
     return True
+
+
+#: A part streamed into a file on a local disk is received into a page-aligned ring of
+#: this size and written from it with ``O_DIRECT`` (:class:`DirectWrites`).
+DIRECT_RING = 1 << 20
+#: Rings are cut from blocks of memory this big, in huge pages (a fault per 2 MiB).
+_RING_BLOCK = 16 << 20
+#: Rings kept for the next parts, at most (the rest go with their block).
+_RINGS_KEPT = 64
+_rings: list[memoryview] = []
+
+
+def take_ring() -> memoryview:
+    """A page-aligned :data:`DIRECT_RING` buffer, reused when one is spare: fresh memory
+    costs a fault per page."""
+    if not _rings:
+        block = memoryview(huge_buffer(_RING_BLOCK))
+        _rings.extend(block[i : i + DIRECT_RING] for i in range(0, _RING_BLOCK, DIRECT_RING))
+    return _rings.pop()
+
+
+def give_ring(ring: memoryview) -> None:
+    """Hand back a ring from :func:`take_ring` nothing reads or writes any more."""
+    if len(_rings) < _RINGS_KEPT:
+        _rings.append(ring)
+
+
+def _address(view: memoryview) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+class DirectWrites:
+    """``O_DIRECT`` writes to the file open as ``fd`` (reopened once, through
+    ``/proc/self/fd``: the same file whatever its name meanwhile), for bytes received
+    straight into a ring of :func:`take_ring`: they go from there to the disk, with no
+    copy into the page cache.  Fresh memory costs a page fault per page (on a VM whose
+    host takes free memory back, a fault at the host too): 3 × 300 MiB downloaded into
+    the page cache of such memory took 2.5 s here, written from reused rings 0.95 s.
+    Where the file system refuses ``O_DIRECT`` (tmpfs before Linux 6.6, some FUSE), or a
+    write is not aligned, the bytes go through the page cache as usual."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.direct: int | None = None
+        flags = os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC
+        with contextlib.suppress(OSError):
+            self.direct = os.open(f"/proc/self/fd/{fd}", flags)
+        # Cleared when a write is refused: kept open until close() (other parts' writes
+        # may be under way with it).
+        self.ok = self.direct is not None
+
+    def fits(self, view: memoryview, offset: int, ring: memoryview) -> bool:
+        """Whether ``view`` (written at ``offset``) goes straight to disk: a whole number
+        of pages from the start of ``ring``, to a page boundary of the file."""
+        return (
+            self.ok
+            and offset % _ALIGN == 0
+            and view.nbytes >= _ALIGN
+            and view.obj is ring.obj
+            and _address(view) == _address(ring)
+        )
+
+    def write(self, view: memoryview, offset: int) -> None:
+        """Write ``view`` at ``offset`` (see :meth:`fits`): its whole pages with
+        ``O_DIRECT``, what is left of the last through the page cache."""
+        bulk = view.nbytes - view.nbytes % _ALIGN
+        done = 0
+        if self.ok and self.direct is not None:
+            try:
+                while done < bulk:
+                    n = os.pwrite(self.direct, view[done:bulk], offset + done)
+                    if n <= 0 or n % _ALIGN:
+                        done += max(n, 0)
+                        break
+                    done += n
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.ok = False  # refused after all: the page cache from now on
+        if done < view.nbytes:
+            pwrite_all(self.fd, view[done:], offset + done)
+
+    def close(self) -> None:
+        """Once no write is under way."""
+        self.ok = False
+        if self.direct is not None:
+            os.close(self.direct)
+            self.direct = None
 
 
 def drop_cached(fd: int) -> None:

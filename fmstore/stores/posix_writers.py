@@ -27,7 +27,17 @@ from .base import (
     nbytes,
     part_bounds,
 )
-from .posix_io import QuickWrites, _start_writeback, drop_cached, pwrite_all, pwrite_behind
+from .posix_io import (
+    DIRECT_RING,
+    DirectWrites,
+    QuickWrites,
+    _start_writeback,
+    drop_cached,
+    give_ring,
+    pwrite_all,
+    pwrite_behind,
+    take_ring,
+)
 
 if TYPE_CHECKING:
     from .posix import PosixStore
@@ -135,20 +145,34 @@ def _abort_tmp(dfd: int, tmp: str, fd: int) -> None:
 
 class _PosixPartStream(PartStream):
     """A part ``pwrite``-n at its offset as its bytes arrive (:class:`QuickWrites`: on the
-    event loop while quick on a local file system; on Lustre, NFS or FUSE in the I/O pool)."""
+    event loop while quick on a local file system; on Lustre, NFS or FUSE in the I/O pool).
+
+    On a local file system, a part of at least a ring offers the source a ring to receive
+    into (:attr:`ring`), and what arrives there is written from it with ``O_DIRECT``
+    (:class:`DirectWrites`), in the I/O pool."""
 
     def __init__(self, writer: _PosixPartWriter, index: int) -> None:
         self.w, self.index = writer, index
         self.start, self.end = part_bounds(index, writer.size, writer.part_size)
         self.pos = self.start
         self._out = QuickWrites(self._write, inline=writer.store._inline_puts)
+        self.ring: memoryview | None = None
+        if self.end - self.start >= DIRECT_RING and writer._directly() is not None:
+            self.ring = take_ring()
 
     def write(self, data: memoryview) -> Awaitable[None] | None:
         n, off = data.nbytes, self.pos
         if off + n > self.end:
             raise ValueError(f"part {self.index} holds {self.end - self.start} bytes, no more")
         self.pos += n
+        direct = self.w._direct
+        if self.ring is not None and direct is not None and direct.fits(data, off, self.ring):
+            return runtime.to_io(self._write_direct, direct, data, off)
         return self._out(data, off)
+
+    def _write_direct(self, direct: DirectWrites, data: memoryview, offset: int) -> None:
+        with self.w.store._translate(self.w.key):
+            direct.write(data, offset)
 
     def _write(self, data: memoryview, offset: int) -> None:
         try:
@@ -157,6 +181,9 @@ class _PosixPartStream(PartStream):
             raise self.w.store._error(e, self.w.key) from e
 
     async def close(self) -> None:
+        if self.ring is not None:  # the source is done with it
+            give_ring(self.ring)
+            self.ring = None
         if self.pos != self.end:
             raise ValueError(
                 f"part {self.index}: {self.pos - self.start} of {self.end - self.start} bytes"
@@ -189,6 +216,17 @@ class _PosixPartWriter(PartWriter):
         self.token = tmp
         self.resumed = resumed
         self._done = False
+        self._direct: DirectWrites | None = None  # opened by the first part that streams
+
+    def _directly(self) -> DirectWrites | None:
+        """The file's ``O_DIRECT`` writes, for a local file system's parts."""
+        if self._direct is None and self.store._inline_puts:
+            self._direct = DirectWrites(self.fd)
+        return self._direct if self._direct is not None and self._direct.ok else None
+
+    def _close_direct(self) -> None:
+        if self._direct is not None:
+            self._direct.close()
 
     async def write_part(self, index: int, data: Buffer | Pieces) -> None:
         if self._done:
@@ -241,6 +279,7 @@ class _PosixPartWriter(PartWriter):
         if self._done:
             raise ValueError("writer is closed")
         self._done = True
+        self._close_direct()
         merged = {**(self.options.metadata or {}), **(metadata or {})}
         options = replace(self.options, metadata=merged or None)
         return await runtime.to_io(
@@ -251,4 +290,5 @@ class _PosixPartWriter(PartWriter):
         if self._done:
             return
         self._done = True
+        self._close_direct()
         await runtime.to_io(_abort_tmp, self.dfd, self.tmp, self.fd)

@@ -223,6 +223,10 @@ class PartStream(abc.ABC):
     """One part of a :class:`PartWriter`, written in order (see
     :meth:`PartWriter.stream_part`)."""
 
+    #: Where the source should receive the part's bytes (``ring`` of
+    #: :meth:`Store.read_to`), when the stream has a buffer it writes from best.
+    ring: memoryview | None = None
+
     @abc.abstractmethod
     def write(self, data: memoryview) -> Awaitable[None] | None:
         """Append ``data`` (a :data:`Consumer`): None once written, or an awaitable to

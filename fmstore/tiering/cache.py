@@ -107,15 +107,22 @@ class ReadThroughStore(Store):
         await store.get_into(key, start, out)
 
     async def read_to(
-        self, key: str, start: int, end: int, consume: Consumer, *, etag: str | None = None
+        self,
+        key: str,
+        start: int,
+        end: int,
+        consume: Consumer,
+        *,
+        etag: str | None = None,
+        ring: memoryview | None = None,
     ) -> None:
         if etag is not None:
             # The etags are the slow tier's and the cache keeps no versions: a read pinned
             # to one is the slow tier's to serve.
-            await self.slow.read_to(key, start, end, consume, etag=etag)
+            await self.slow.read_to(key, start, end, consume, etag=etag, ring=ring)
             return
         store = await self._ensure(self._key(key))
-        await store.read_to(key, start, end, consume)
+        await store.read_to(key, start, end, consume, ring=ring)
 
     async def stat(self, key: str) -> ObjectMeta:
         return await self.slow.stat(key)

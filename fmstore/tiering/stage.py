@@ -495,7 +495,7 @@ async def stage_async(
         if not (options.dry_run and local is not None and not os.path.exists(local)):
             # ``fsync="none"``: scratch data.  A local destination then neither syncs nor
             # starts each part's write-back early (the kernel's flusher writes it later,
-            # off the copy's CPU).
+            # off the copy's CPU); parts received into rings go to disk with O_DIRECT.
             if local is not None and options.transfer.fsync == "none":
                 dst = open_store(dst_url, concurrency=concurrency, fsync=False)
             else:

@@ -605,7 +605,7 @@ class Transfer:
             crc = crc32c(view, crc)
             return stream.write(view)
 
-        await self.src.read_to(key, start, end, take, etag=etag)
+        await self.src.read_to(key, start, end, take, etag=etag, ring=stream.ring)
         await stream.close()
         return crc
 

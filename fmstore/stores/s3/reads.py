@@ -102,9 +102,11 @@ class S3Reads(S3Base):
         consume: Callable[[memoryview], Any],
         *,
         etag: str | None = None,
+        ring: memoryview | None = None,
     ) -> None:
         """Bytes ``[start, end)`` to ``consume`` in order as they arrive (see
-        :meth:`Store.read_to`): one GET, received into a small ring on the lean transport.  A GET
+        :meth:`Store.read_to`): one GET, received into a small ring (``ring`` when given)
+        on the lean transport.  A GET
         that breaks off is resumed where it stopped, pinned to the ETag it began with (or to
         ``etag`` from the start); the object changing in between is :class:`StoreUnavailable`
         (what was consumed came from the old one).  Nothing is checked against a checksum
@@ -152,7 +154,8 @@ class S3Reads(S3Base):
             etag = etag or unquote(headers.get("etag"))
             return True
 
-        ring = memoryview(bytearray(STREAM_RING))
+        if ring is None:
+            ring = memoryview(bytearray(STREAM_RING))
 
         async def attempt() -> None:
             nonlocal etag
