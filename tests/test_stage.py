@@ -30,6 +30,7 @@ from stage_data import (
 from fmstore import runtime
 from fmstore.errors import ConfigError
 from fmstore.stores import PutOptions, open_store
+from fmstore.stores.base import PrefixStore
 from fmstore.tiering.stage import KeyFilter, compile_glob, in_shard, plan_stage, shard_from_env
 from fmstore.tiering.transfer import CopyItem, TransferOptions, copy_items
 
@@ -712,3 +713,47 @@ def test_crc_combine_equals_the_crc_of_the_concatenation():
         assert combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b)
     parts = [rng.randbytes(rng.choice([0, 1, 4096, 10_000])) for _ in range(12)]
     assert combine_all((crc32c(p), len(p)) for p in parts) == crc32c(b"".join(parts))
+
+
+class _RewrittenAfterRead(PrefixStore):
+    """A local tier whose file someone rewrites (same size) right after fmstore read it."""
+
+    def __init__(self, inner, rewrite) -> None:
+        super().__init__(inner, "")
+        self.rewrite = rewrite
+
+    async def get_into(self, key, start, out):
+        await super().get_into(key, start, out)
+        if self.rewrite is not None and key == "b.bin":
+            self.rewrite, rewrite = None, self.rewrite
+            rewrite()
+
+
+def test_local_files_read_whole_into_reused_buffers(tmp_path):
+    """Local files of 1 MiB and more copied whole are read into buffers reused from one
+    file to the next: a smaller file after a bigger one gets its own bytes only, and a
+    file rewritten while it was read is copied again (the version read is not published
+    with the checksum of another)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    bodies = {n: os.urandom(size) for n, size in (("a.bin", 3 << 20), ("b.bin", (1 << 20) + 7))}
+    bodies["c.bin"] = os.urandom(2 << 20)
+    for n, b in bodies.items():
+        (src / n).write_bytes(b)
+    new_b = os.urandom(len(bodies["b.bin"]))
+
+    def rewrite() -> None:
+        with open(src / "b.bin", "r+b") as f:
+            f.write(new_b)
+        st = os.stat(src / "b.bin")
+        os.utime(src / "b.bin", ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+
+    s = _RewrittenAfterRead(open_store(str(src)), rewrite)
+    d = open_store(f"memory://reuse-{uuid.uuid4().hex}")
+    items = [CopyItem(n, n, len(b)) for n, b in sorted(bodies.items())]
+    opts = TransferOptions(concurrency=1, multipart_threshold=64 << 20)
+    report = runtime.run(copy_items(s, d, items, opts))
+    assert report.ok and report.progress.files_copied == 3
+    assert runtime.run(d.get("a.bin")) == bodies["a.bin"]
+    assert runtime.run(d.get("b.bin")) == new_b
+    assert runtime.run(d.get("c.bin")) == bodies["c.bin"]

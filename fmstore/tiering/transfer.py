@@ -73,6 +73,8 @@ META_SRC_VERSION = "fmstore-src-version"
 MiB = 1 << 20
 #: From a remote store to a local file, objects bigger than this stream in parts.
 STREAM_OVER = 8 * MiB
+#: From a local file, objects this big or bigger copied whole are read into a reused buffer.
+REUSE_OVER = 1 * MiB
 
 
 @dataclass(frozen=True)
@@ -416,8 +418,13 @@ class Transfer:
 
     async def _copy_small(self, item: CopyItem) -> None:
         held = await self.budget.acquire(max(item.size, 1))
+        buf = None
+        data: Buffer
         try:
-            smeta, data = await self.src.get_with_meta(item.src_key)
+            if self.src_local and item.size >= REUSE_OVER:
+                smeta, data, buf = await self._read_local(item.src_key)
+            else:
+                smeta, data = await self.src.get_with_meta(item.src_key)
             if self.bucket:
                 await self.bucket.acquire(len(data))
             crc = await self._crc(data)
@@ -435,11 +442,26 @@ class Transfer:
             self._unsynced_writes = self.batch_sync
             self.progress.bytes_copied += len(data)
             del data
+            if buf is not None:
+                self._spare_buffer(buf)
             if self.opt.verify:
                 await self._verify_destination(item, crc)
             self._finish(item, dmeta, crc, version)
         finally:
             await self.budget.release(held)
+
+    async def _read_local(self, key: str) -> tuple[ObjectMeta, memoryview, mmap.mmap | bytearray]:
+        """A local file read whole into a reused buffer (fresh memory costs a page fault
+        per page: 640 MiB of 16 MiB files read into new ``bytes`` took 180,000 of them), with
+        its metadata; the stat after the read says the file did not change during it."""
+        meta = await self.src.stat(key)
+        buf = self._part_buffer(meta.size, meta.size)
+        data = memoryview(buf)[: meta.size]
+        await self.src.get_into(key, 0, data)
+        after = await self.src.stat(key)
+        if version_of(after) != version_of(meta) or after.size != meta.size:
+            raise StoreUnavailable("source changed while being copied", tier=self.src.tier, key=key)
+        return meta, data, buf
 
     async def _verify_destination(self, item: CopyItem, crc: int) -> None:
         """``verify``: the destination's checksum of its copy, as the store computed it
@@ -624,11 +646,14 @@ class Transfer:
         self._spare_buffer(buf)
         return c
 
-    def _part_buffer(self, n: int) -> mmap.mmap | bytearray:
+    def _part_buffer(self, n: int, least: int | None = None) -> mmap.mmap | bytearray:
+        """A buffer of at least ``n`` bytes: a spare one, else a new one of ``least``
+        rounded up to whole MiB (by default a part's: a last part's serves a full one)."""
         for i, b in enumerate(self._spare):
             if len(b) >= n:
                 return self._spare.pop(i)
-        return huge_buffer(max(n, self.opt.part_size))  # a last part's serves a full one
+        least = self.opt.part_size if least is None else -(-least // MiB) * MiB
+        return huge_buffer(max(n, least))
 
     def _spare_buffer(self, buf: mmap.mmap | bytearray) -> None:
         if (len(self._spare) + 1) * len(buf) <= self.opt.max_inflight_bytes // 2:
@@ -644,7 +669,12 @@ class Transfer:
             async with self.part_sem:
                 held = await self.budget.acquire(end - start)
                 try:
-                    out[i] = (await self._crc(await store.get_range(key, start, end)), end - start)
+                    buf = self._part_buffer(end - start)
+                    data = memoryview(buf)[: end - start]
+                    await store.get_into(key, start, data)
+                    out[i] = (await self._crc(data), end - start)
+                    del data
+                    self._spare_buffer(buf)  # after success: a cancelled read may still fill it
                 finally:
                     await self.budget.release(held)
 
