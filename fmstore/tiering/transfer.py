@@ -418,13 +418,11 @@ class Transfer:
 
     async def _copy_small(self, item: CopyItem) -> None:
         held = await self.budget.acquire(max(item.size, 1))
-        buf = None
-        data: Buffer
         try:
             if self.src_local and item.size >= REUSE_OVER:
                 smeta, data, buf = await self._read_local(item.src_key)
             else:
-                smeta, data = await self.src.get_with_meta(item.src_key)
+                (smeta, data), buf = await self.src.get_with_meta(item.src_key), None
             if self.bucket:
                 await self.bucket.acquire(len(data))
             crc = await self._crc(data)
@@ -450,10 +448,9 @@ class Transfer:
         finally:
             await self.budget.release(held)
 
-    async def _read_local(self, key: str) -> tuple[ObjectMeta, memoryview, mmap.mmap | bytearray]:
-        """A local file read whole into a reused buffer (fresh memory costs a page fault
-        per page: 640 MiB of 16 MiB files read into new ``bytes`` took 180,000 of them), with
-        its metadata; the stat after the read says the file did not change during it."""
+    async def _read_local(self, key: str) -> tuple[ObjectMeta, Buffer, mmap.mmap | bytearray]:
+        """A local file read whole into a reused buffer (fresh memory costs a fault per page),
+        with its metadata; a stat after the read says the file did not change meanwhile."""
         meta = await self.src.stat(key)
         buf = self._part_buffer(meta.size, meta.size)
         data = memoryview(buf)[: meta.size]
@@ -647,8 +644,8 @@ class Transfer:
         return c
 
     def _part_buffer(self, n: int, least: int | None = None) -> mmap.mmap | bytearray:
-        """A buffer of at least ``n`` bytes: a spare one, else a new one of ``least``
-        rounded up to whole MiB (by default a part's: a last part's serves a full one)."""
+        """A spare buffer of ``n`` bytes or more, else a new one of ``least`` (whole MiB), or
+        of a part's size by default (a last part's then serves a full one)."""
         for i, b in enumerate(self._spare):
             if len(b) >= n:
                 return self._spare.pop(i)
