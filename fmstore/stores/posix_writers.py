@@ -156,16 +156,15 @@ class _PosixPartStream(PartStream):
         self.start, self.end = part_bounds(index, writer.size, writer.part_size)
         self.pos = self.start
         self._out = QuickWrites(self._write, inline=writer.store._inline_puts)
-        self.ring: memoryview | None = None
-        if self.end - self.start >= DIRECT_RING and writer._directly() is not None:
-            self.ring = take_ring()
+        self._direct = writer._directly() if self.end - self.start >= DIRECT_RING else None
+        self.ring = take_ring() if self._direct is not None else None
 
     def write(self, data: memoryview) -> Awaitable[None] | None:
         n, off = data.nbytes, self.pos
         if off + n > self.end:
             raise ValueError(f"part {self.index} holds {self.end - self.start} bytes, no more")
         self.pos += n
-        direct = self.w._direct
+        direct = self._direct
         if self.ring is not None and direct is not None and direct.fits(data, off, self.ring):
             return runtime.to_io(self._write_direct, direct, data, off)
         return self._out(data, off)

@@ -452,7 +452,7 @@ class Transfer:
         """A local file read whole into a reused buffer (fresh memory costs a fault per page),
         with its metadata; a stat after the read says the file did not change meanwhile."""
         meta = await self.src.stat(key)
-        buf = self._part_buffer(meta.size, meta.size)
+        buf = self._part_buffer(meta.size, part=False)
         data = memoryview(buf)[: meta.size]
         await self.src.get_into(key, 0, data)
         after = await self.src.stat(key)
@@ -643,14 +643,13 @@ class Transfer:
         self._spare_buffer(buf)
         return c
 
-    def _part_buffer(self, n: int, least: int | None = None) -> mmap.mmap | bytearray:
-        """A spare buffer of ``n`` bytes or more, else a new one of ``least`` (whole MiB), or
-        of a part's size by default (a last part's then serves a full one)."""
+    def _part_buffer(self, n: int, part: bool = True) -> mmap.mmap | bytearray:
+        """A spare buffer of ``n`` bytes or more, else a new one: of a part's size (a last
+        part's then serves a full one), or without ``part`` of ``n`` in whole MiB."""
         for i, b in enumerate(self._spare):
             if len(b) >= n:
                 return self._spare.pop(i)
-        least = self.opt.part_size if least is None else -(-least // MiB) * MiB
-        return huge_buffer(max(n, least))
+        return huge_buffer(max(n, self.opt.part_size) if part else -(-n // MiB) * MiB)
 
     def _spare_buffer(self, buf: mmap.mmap | bytearray) -> None:
         if (len(self._spare) + 1) * len(buf) <= self.opt.max_inflight_bytes // 2:
