@@ -362,6 +362,13 @@ def main() -> None:
     )
     ap.add_argument("--ranks", type=int, default=4, help="ranks of the 'ranks' case")
     ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="'ranks' case: runs of s5cmd's download, the floor and fmstore, taking turns "
+        "(medians reported)",
+    )
+    ap.add_argument(
         "--peers", default=",".join(PEERS), help="comma-separated subset of " + ",".join(PEERS)
     )
     ap.add_argument("--workers", type=int, default=2)
