@@ -291,7 +291,6 @@ def _shared_cores_bound(floor: dict[str, Any], down: dict[str, Any]) -> dict[str
 def _download_floor(srv: Any, bucket: str, work: str, samples: int) -> dict[str, Any]:
     """The shards downloaded once by s5cmd (no reading), as samples/s: what a cold epoch
     could reach if it only had to download, from the same server on the same cores."""
-
     from benchmarks.common import busy_cpu_s
     from benchmarks.stage import Tools, run
 
