@@ -64,7 +64,7 @@ from typing import Any
 import torch
 
 import fmstore
-from benchmarks.common import disk_of, have, print_table, save_json, settle
+from benchmarks.common import cpu_of, disk_of, have, print_table, save_json, settle
 from fmstore.format.codecs import decode_into, encode
 
 BLOCK = 64 << 20
@@ -512,13 +512,6 @@ S3_LOADS = {
 }
 
 
-def _cpu_of(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (the SeaweedFS server) so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _own_cpu() -> float:
     """CPU seconds of this process, every thread (the runtime's pools, the CRT's) included."""
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -529,10 +522,10 @@ def _server_quiet(pid: int, timeout: float = 30.0) -> None:
     """Wait until the server stops working on what the case before left it (volume growth,
     flushes, a vacuum): under 5% of a core for half a second."""
     deadline = time.monotonic() + timeout
-    last = _cpu_of(pid)
+    last = cpu_of(pid)
     while time.monotonic() < deadline:
         time.sleep(0.5)
-        now = _cpu_of(pid)
+        now = cpu_of(pid)
         if now - last < 0.025:
             return
         last = now
@@ -629,10 +622,10 @@ def bench_s3(tag: str, state: Any, n: int, rounds: int) -> None:
         def measure(op: str, kind: str, fn: Any, key: str) -> None:
             settle()
             _server_quiet(pid)
-            c0, s0, t0 = _own_cpu(), _cpu_of(pid), time.perf_counter()
+            c0, s0, t0 = _own_cpu(), cpu_of(pid), time.perf_counter()
             fn(key)
             dt = time.perf_counter() - t0
-            got.setdefault((op, kind), []).append((dt, _own_cpu() - c0, _cpu_of(pid) - s0))
+            got.setdefault((op, kind), []).append((dt, _own_cpu() - c0, cpu_of(pid) - s0))
 
         kinds = list(saves)
         for r in range(rounds):

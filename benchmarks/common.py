@@ -51,6 +51,21 @@ def busy_cpu_s() -> float:
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_of(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (a SeaweedFS server) so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    """User + system CPU seconds of this process's waited-for children (and theirs)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 _REPORTED = "/sys/module/page_reporting/parameters/reported_kib"
 
 

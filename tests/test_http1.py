@@ -165,6 +165,27 @@ def test_a_request_the_server_drops_unanswered_on_a_reused_connection_goes_again
     go(main())
 
 
+def test_a_call_that_must_not_be_resent_fails_on_a_dropped_reused_connection():
+    """``resend=False`` (starting or completing a multipart upload): the caller's retry
+    must see the failure, so the request is not sent again behind its back."""
+
+    async def answer(n, head, body, w):
+        if n == 2:
+            return "close"
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n%d" % n)
+
+    async def main():
+        async with Server(answer) as s:
+            p = pool(s.port)
+            assert (await p.request("POST", "/", {}, b"a", resend=False)).body() == b"1"
+            with pytest.raises(ConnectionResetError):
+                await p.request("POST", "/", {}, b"b", resend=False)
+            assert [b for _, b in s.requests] == [b"a", b"b"]
+            await p.close()
+
+    go(main())
+
+
 def test_a_fresh_connection_dropped_unanswered_is_an_error():
     async def answer(n, head, body, w):
         return "close"

@@ -190,6 +190,36 @@ def test_put_commit_fault_is_retried(store, fault_proxy, boto, s3_bucket):
     assert pending(boto, s3_bucket) == []
 
 
+@pytest.mark.parametrize("lean", [True, False])
+def test_an_error_in_a_200_answer_is_retried(s3_server, s3_bucket, fault_proxy, boto, tier, lean):
+    """S3 may answer a CompleteMultipartUpload 200 and report its failure in the body: on
+    either transport that is a server error, retried, never a success."""
+    opts = {
+        **s3_server.store_options(),
+        "endpoint_url": fault_proxy.endpoint_url,
+        "retry_base_delay": 0.01,
+        "part_size": 5 << 20,
+        "lean_requests": lean,
+    }
+    store = open_store(f"s3://{s3_bucket}/e200-{lean}", tier=tier, metered=False, **opts)
+    data = os.urandom(11 << 20)
+    fault_proxy.set_plan(
+        [
+            Rule("error_200", method="POST", path=r"uploadId=", times=1),
+            Rule("error_200", method="POST", path=r"\?uploads", times=1),
+        ]
+    )
+    try:
+        run(store.put("big", data, PutOptions(mode="create")))
+        assert fault_proxy.injected["error_200"] == 2
+        assert (store._http is not None) == lean
+        got = boto.get_object(Bucket=s3_bucket, Key=f"e200-{lean}/big")["Body"].read()
+        assert got == data
+        assert pending(boto, s3_bucket) == []
+    finally:
+        run(store.close())
+
+
 def test_random_faults_every_operation_is_right_or_a_clear_error(
     store, fault_proxy, boto, s3_bucket
 ):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import uuid
 from urllib.parse import quote
 
@@ -19,6 +20,7 @@ from botocore.credentials import Credentials as BotoCredentials
 
 from fmstore import runtime
 from fmstore.errors import (
+    AlreadyExists,
     InvalidRange,
     NotFound,
     PermissionDenied,
@@ -170,6 +172,43 @@ def test_lean_requests_off_uses_botocore_only(s3_server, s3_bucket):
         run(store.close())
 
 
+def test_multipart_uploads_match_botocore(s3_server, s3_bucket):
+    """Started, completed and aborted by the lean transport or by botocore: the same
+    object, metadata and whole-object CRC32C; a create-only upload over an existing object
+    is refused; an aborted writer and a refused upload leave no upload behind."""
+    boto3 = s3_server.boto3_client()
+    data = os.urandom(12 << 20)
+    seen = {}
+    for lean in (True, False):
+        opts = {**s3_server.store_options(), "part_size": 5 << 20, "lean_requests": lean}
+        store = bare_store(f"s3://{s3_bucket}/mp-{lean}", **opts)
+        try:
+            meta = run(store.put("k", data, PutOptions(mode="create", metadata={"a": "1"})))
+            assert meta.etag and meta.etag.endswith("-3")
+            got, data_back = run(store.get_with_meta("k"))
+            assert data_back == data and got.metadata["a"] == "1"
+            assert lean == (_client_of(store) is None)
+            with pytest.raises(AlreadyExists):
+                run(store.put("k", os.urandom(12 << 20), PutOptions(mode="create")))
+
+            async def abandon(store=store):
+                w = await store.open_writer("w")
+                await w.write(os.urandom(6 << 20))
+                await w.abort()
+
+            run(abandon())
+            assert (store._http is not None) == lean
+            assert lean == (_client_of(store) is None)
+            assert not run(store.exists("w"))
+            seen[lean] = (got.metadata, run(store.stored_crc32c("k")))
+        finally:
+            run(store.close())
+    assert seen[True] == seen[False]
+    assert seen[True][1][1] is not None
+    uploads = boto3.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
+    assert [u["Key"] for u in uploads if u["Key"].startswith("mp-")] == []
+
+
 def test_listing_matches_botocore(s3_server, s3_bucket):
     """Keys XML cannot carry plainly, pagination, delimiters and start-after: the lean
     listing and botocore's agree entry for entry."""
@@ -212,8 +251,9 @@ def _client_of(store):
 
 
 def test_botocore_client_is_created_only_when_a_call_needs_it(s3_server, s3_bucket):
-    """With an endpoint, a region and keys given, reads, listings and small writes never
-    create botocore's client (0.6 s of start-up for a command); a multipart upload does."""
+    """With an endpoint, a region and keys given, reads, listings and writes, multipart
+    uploads included, never create botocore's client (0.6 s of start-up for a command); a
+    delete does."""
     store = bare_store(
         f"s3://{s3_bucket}/lazy", **{**s3_server.store_options(), "part_size": 5 << 20}
     )
@@ -242,8 +282,10 @@ def test_botocore_client_is_created_only_when_a_call_needs_it(s3_server, s3_buck
             run(fresh.put("small", b"x"))
             assert _client_of(fresh) is None
             run(fresh.put("big", big))
-            assert _client_of(fresh) is not None
             assert run(fresh.get("big")) == big
+            assert _client_of(fresh) is None
+            run(fresh.delete("big"))
+            assert _client_of(fresh) is not None
         finally:
             run(fresh.close())
     finally:

@@ -590,17 +590,17 @@ class Pool:
         *,
         into: memoryview | None = None,
         sink: Sink | None = None,
+        resend: bool = True,
     ) -> Response:
         """Send one request and read its whole response.  ``body``: a buffer, or pieces sent
-        one after the other, never joined.  ``into``: a successful (2xx) body that fits goes there, received in place, and the
-        response says ``filled``; any other body comes back as pieces.  ``sink``: a
-        successful body of known length is streamed to it instead (see :class:`Sink`).
-        Once this returns or raises, nothing more is written to ``into`` or the sink's
-        ring, and no ``take`` is under way.
+        one after the other, never joined.  ``into``: a successful (2xx) body that fits goes
+        there, in place (``filled``); any other body comes back as pieces.  ``sink``: a
+        successful body of known length is streamed to it instead (see :class:`Sink`);
+        once this returns or raises, nothing more goes to either, and no ``take`` runs.
 
         A kept-alive connection the server closed while idle fails before any byte of the
-        answer arrives; such a request is sent once more on a new connection (S3's calls
-        here are idempotent)."""
+        answer arrives; such a request is sent once more on a new connection, unless
+        ``resend`` is False (a call whose retries the caller must see)."""
         parts = [f"{method} {target} HTTP/1.1\r\n"]
         for k, v in headers.items():
             check_header(k, v)
@@ -623,7 +623,7 @@ class Pool:
                         head, views, head_only, self._read_timeout, into, sink
                     )
                 except ConnectionError:
-                    if reused and not conn.received:
+                    if resend and reused and not conn.received:
                         continue  # a stale kept-alive connection: once more on a fresh one
                     raise
                 finally:

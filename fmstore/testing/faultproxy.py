@@ -7,6 +7,9 @@ forwards requests and responses byte for byte, except where its *plan* says othe
   proper S3 XML error body, without contacting the server;
 * ``redirect``: answer ``301 PermanentRedirect`` (the bucket lives in another region, as
   AWS says it), likewise;
+* ``error_200``: answer ``200 OK`` with an ``InternalError`` document as its body, likewise:
+  S3 does that for a CompleteMultipartUpload (or a copy) that fails after it began to
+  answer;
 * ``reset``: forward the request, then send the response head and part of its body and
   reset the connection (RST);
 * ``truncate``: the same, but end with an orderly close, so ``Content-Length`` promised
@@ -55,6 +58,7 @@ FAULTS = (
     "slowdown",
     "error",
     "redirect",
+    "error_200",
     "reset",
     "truncate",
     "stall",
@@ -375,7 +379,12 @@ class FaultProxy:
                 seen = Seen(method, path, head.get("range"), at=time.perf_counter())
                 self.seen.append(seen)
                 rule = self._pick(method, path)
-                if rule is not None and rule.fault in ("slowdown", "error", "redirect"):
+                if rule is not None and rule.fault in (
+                    "slowdown",
+                    "error",
+                    "redirect",
+                    "error_200",
+                ):
                     await self._answer_error(writer, rule.fault, path)
                     return
                 if (head.get("expect") or "").lower() == "100-continue":
@@ -428,6 +437,12 @@ class FaultProxy:
             "error": (
                 500,
                 "Internal Server Error",
+                "InternalError",
+                "We encountered an internal error. Please try again.",
+            ),
+            "error_200": (
+                200,
+                "OK",
                 "InternalError",
                 "We encountered an internal error. Please try again.",
             ),

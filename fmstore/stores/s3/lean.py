@@ -1,5 +1,6 @@
-"""The lean transport: S3's hot calls (PutObject, UploadPart, GetObject, HeadObject and
-ListObjectsV2) signed and sent by fmstore itself.
+"""The lean transport: S3's hot calls (PutObject, UploadPart, GetObject, HeadObject,
+ListObjectsV2, and starting, completing and aborting multipart uploads) signed and sent by
+fmstore itself.
 
 botocore spends about 2 ms of CPU on every request (event hooks, model-driven
 serialisation and parsing, slow XML parsing of listings) where signing and sending it take
@@ -9,7 +10,9 @@ signs (SigV4, :class:`Signer`) and sends those calls itself on a small HTTP/1.1 
 its own (:mod:`..http1`), with the endpoint, region and credentials botocore resolved, and
 answers in botocore's shapes: the same response dict keys, and botocore ``ClientError`` for
 error responses, so retries and error translation (:mod:`.retry`) stay one code path.
-Everything else (multipart bookkeeping, copies, deletes) stays on botocore.
+Everything else (listing parts and uploads, copies, deletes) stays on botocore, whose
+client (about half a second to import and build) a plain upload or download then never
+needs.
 
 Where the lean transport cannot follow S3 (a redirect to another region, an endpoint that
 rejects our signature shape, an HTTP proxy in the environment), it raises
@@ -138,8 +141,8 @@ class Signer:
 
 
 class LeanTransport(Transport):
-    """Signs and sends PutObject / UploadPart / GetObject / HeadObject / ListObjectsV2 to
-    ``bucket``; see the module docstring.  The calls also take botocore's ``Bucket``, and
+    """Signs and sends the calls of :class:`~.transport.Transport` to ``bucket``; see the
+    module docstring.  The calls also take botocore's ``Bucket``, and
     ignore it: the bucket is bound here.
 
     ``credentials`` returns the current frozen credentials (refreshed by botocore's
@@ -219,15 +222,11 @@ class LeanTransport(Transport):
         SSEKMSKeyId: str | None = None,
     ) -> dict[str, Any]:
         del Bucket  # bound at construction
-        headers: dict[str, str] = {}
-        for k, v in (Metadata or {}).items():
-            headers[_META + k.lower()] = v
+        headers = _new_object(Metadata, ServerSideEncryption, SSEKMSKeyId)
         _opt(headers, "if-none-match", IfNoneMatch)
         _opt(headers, "if-match", IfMatch)
         _opt(headers, "x-amz-checksum-crc32c", ChecksumCRC32C)
         _opt(headers, "content-md5", ContentMD5)
-        _opt(headers, "x-amz-server-side-encryption", ServerSideEncryption)
-        _opt(headers, "x-amz-server-side-encryption-aws-kms-key-id", SSEKMSKeyId)
         digest = await self._payload_hash(Body)
         resp = await self._send("PUT", "PutObject", Key, headers, digest, Body)
         _raise_for(resp, "PutObject")
@@ -253,6 +252,87 @@ class LeanTransport(Transport):
         resp = await self._send("PUT", "UploadPart", Key, headers, digest, Body, query)
         _raise_for(resp, "UploadPart")
         return _put_fields(resp)
+
+    async def create_multipart_upload(
+        self,
+        *,
+        Bucket: str | None = None,
+        Key: str,
+        Metadata: Mapping[str, str] | None = None,
+        ChecksumAlgorithm: str | None = None,
+        ChecksumType: str | None = None,
+        ServerSideEncryption: str | None = None,
+        SSEKMSKeyId: str | None = None,
+    ) -> dict[str, Any]:
+        del Bucket
+        headers = _new_object(Metadata, ServerSideEncryption, SSEKMSKeyId)
+        _opt(headers, "x-amz-checksum-algorithm", ChecksumAlgorithm)
+        _opt(headers, "x-amz-checksum-type", ChecksumType)
+        op = "CreateMultipartUpload"
+        # Not resent behind the caller's back: a second upload would be left orphaned
+        # (the caller's retry aborts strays).
+        resp = await self._send(
+            "POST", op, Key, headers, EMPTY_SHA256, None, {"uploads": ""}, resend=False
+        )
+        _raise_for(resp, op)
+        upload_id = _result_field(resp, op, "UploadId")
+        if not upload_id:
+            raise _server_error(op, "the answer names no UploadId")
+        return {"UploadId": upload_id}
+
+    async def complete_multipart_upload(
+        self,
+        *,
+        Bucket: str | None = None,
+        Key: str,
+        UploadId: str,
+        MultipartUpload: Mapping[str, Any],
+        IfNoneMatch: str | None = None,
+        IfMatch: str | None = None,
+        ChecksumCRC32C: str | None = None,
+        ChecksumType: str | None = None,
+    ) -> dict[str, Any]:
+        del Bucket
+        headers = {"content-type": "application/xml"}
+        _opt(headers, "if-none-match", IfNoneMatch)
+        _opt(headers, "if-match", IfMatch)
+        _opt(headers, "x-amz-checksum-crc32c", ChecksumCRC32C)
+        _opt(headers, "x-amz-checksum-type", ChecksumType)
+        body = _completion(MultipartUpload.get("Parts", []))
+        op = "CompleteMultipartUpload"
+        # Not resent behind the caller's back: its retry must know, to tell a first attempt
+        # that landed (the upload is then gone) from a failure.
+        resp = await self._send(
+            "POST",
+            op,
+            Key,
+            headers,
+            await self._payload_hash(body),
+            body,
+            {"uploadId": UploadId},
+            resend=False,
+        )
+        _raise_for(resp, op)
+        # S3 answers 200 before the work is done and may then report an error in the body;
+        # botocore treats that as a server error (retried), and so does this.
+        etag = _result_field(resp, op, "ETag")
+        if not etag:
+            raise _server_error(op, "the answer names no ETag")
+        out: dict[str, Any] = {"ETag": etag}
+        for name in ("ChecksumCRC32C", "ChecksumType"):
+            value = _result_field(resp, op, name)
+            if value:
+                out[name] = value
+        return out
+
+    async def abort_multipart_upload(
+        self, *, Bucket: str | None = None, Key: str, UploadId: str
+    ) -> dict[str, Any]:
+        del Bucket
+        op = "AbortMultipartUpload"
+        resp = await self._send("DELETE", op, Key, {}, EMPTY_SHA256, None, {"uploadId": UploadId})
+        _raise_for(resp, op)
+        return {}
 
     async def _payload_hash(self, body: Buffer | Pieces) -> str:
         """The payload hash to sign: the body's SHA-256 where payloads are signed (off the
@@ -348,13 +428,16 @@ class LeanTransport(Transport):
         *,
         into: memoryview | None = None,
         sink: Sink | None = None,
+        resend: bool = True,
     ) -> Response:
         path = self._prefix + quote(key, safe="/~")
         qs = canonical_query(query) if query else ""
         creds = await self._frozen()
         self.signer.sign(method, path, headers, payload_hash, creds, query=qs)
         target = f"{path}?{qs}" if qs else path
-        return await self._pool.request(method, target, headers, body, into=into, sink=sink)
+        return await self._pool.request(
+            method, target, headers, body, into=into, sink=sink, resend=resend
+        )
 
     async def _frozen(self) -> Credentials:
         creds = self.credentials()
@@ -385,6 +468,42 @@ def _raise_for(resp: Response, op: str) -> None:
         },
         op,
     )
+
+
+def _server_error(op: str, message: str, code: str = "InternalError") -> bx.ClientError:
+    """A 200 answer that is not the result it should be, as botocore reports one: a
+    server error (HTTP 500), which the caller's retries retry."""
+    return bx.ClientError(
+        {
+            "Error": {"Code": code, "Message": message},
+            "ResponseMetadata": {"HTTPStatusCode": 500, "HTTPHeaders": {}},
+        },
+        op,
+    )
+
+
+def _result_field(resp: Response, op: str, tag: str) -> str | None:
+    """The text of ``tag`` in a 200 answer's XML result; an ``<Error>`` document in its
+    place raises as a server error."""
+    text = resp.body().decode("utf-8", "replace")
+    if re.match(r"\s*(<\?xml[^>]*>\s*)?<Error>", text):
+        raise _server_error(op, _xml(text, "Message") or "", _xml(text, "Code") or "InternalError")
+    return _xml(text, tag)
+
+
+def _completion(parts: Any) -> bytes:
+    """The CompleteMultipartUpload document for ``parts`` (botocore's ``Parts`` entries)."""
+    from xml.sax.saxutils import escape
+
+    out = ['<CompleteMultipartUpload xmlns="http://s3.amazonaws.com/doc/2006-03-01/">']
+    for p in parts:
+        out.append(f"<Part><PartNumber>{int(p['PartNumber'])}</PartNumber>")
+        out.append(f"<ETag>{escape(str(p['ETag']))}</ETag>")
+        if p.get("ChecksumCRC32C"):
+            out.append(f"<ChecksumCRC32C>{escape(str(p['ChecksumCRC32C']))}</ChecksumCRC32C>")
+        out.append("</Part>")
+    out.append("</CompleteMultipartUpload>")
+    return "".join(out).encode()
 
 
 def _parse_listing(text: bytes) -> dict[str, Any]:
@@ -432,6 +551,16 @@ def _put_fields(resp: Response) -> dict[str, Any]:
     if crc:
         out["ChecksumCRC32C"] = crc
     return out
+
+
+def _new_object(
+    metadata: Mapping[str, str] | None, sse: str | None, kms_key: str | None
+) -> dict[str, str]:
+    """The headers of a request that creates an object: its metadata and encryption."""
+    headers = {_META + k.lower(): v for k, v in (metadata or {}).items()}
+    _opt(headers, "x-amz-server-side-encryption", sse)
+    _opt(headers, "x-amz-server-side-encryption-aws-kms-key-id", kms_key)
+    return headers
 
 
 def _opt(headers: dict[str, str], name: str, value: str | None) -> None:

@@ -53,8 +53,9 @@ class S3Options:
     kernel send and receive buffers (capped by ``net.core.wmem_max`` / ``rmem_max``; 0
     leaves them to the kernel's autotuning): with the small default buffers most of a part
     is first copied into asyncio's own buffer, then trickled out one event-loop wake-up at
-    a time.  ``lean_requests``: send PutObject, GetObject and HeadObject through fmstore's
-    own signer and HTTP/1.1 client (:mod:`.lean`, a tenth of botocore's CPU per request);
+    a time.  ``lean_requests``: send PutObject, UploadPart, GetObject, HeadObject, listings
+    and the start, completion and abort of multipart uploads through fmstore's own signer
+    and HTTP/1.1 client (:mod:`.lean`, a tenth of botocore's CPU per request);
     False keeps every call on botocore.
     """
 

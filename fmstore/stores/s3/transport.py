@@ -1,8 +1,9 @@
 """How the S3 backend sends its hot calls: one :class:`Transport` interface, two
 implementations, and the choice between them, made here and nowhere else.
 
-The five calls that carry objects' bytes and listings (PutObject, UploadPart, GetObject,
-HeadObject, ListObjectsV2) go through a :class:`Transport`, bound to one bucket, with
+The calls that carry objects' bytes and listings (PutObject, UploadPart, GetObject,
+HeadObject, ListObjectsV2) and those that start, complete and abort the multipart uploads
+of every large write go through a :class:`Transport`, bound to one bucket, with
 botocore's parameter and response names and botocore's ``ClientError`` for error answers,
 so retries and error translation (:mod:`.retry`) are one code path whichever sends them:
 
@@ -15,7 +16,7 @@ botocore for good once the lean one raises :class:`LeanUnsupported` (a redirect 
 region, an endpoint that refuses our signature shape).  Whether a lean transport exists at
 all (``S3Options.lean_requests``, a proxy in the environment, an endpoint it cannot serve)
 is settled once per shared client, when :mod:`.client` makes it.  Every other call
-(multipart bookkeeping, copies, deletes) stays on botocore's client.
+(listing parts and uploads, copies, deletes) stays on botocore's client.
 
 A GetObject body is a :class:`Body` on either transport: the bytes already received, then
 (on botocore) the rest as it arrives, so readers never ask which transport answered.
@@ -83,7 +84,8 @@ class _StreamedBody(Body):
 
 
 class Transport(abc.ABC):
-    """PutObject / UploadPart / GetObject / HeadObject / ListObjectsV2 on one bucket.
+    """PutObject / UploadPart / Create-, Complete- and AbortMultipartUpload / GetObject /
+    HeadObject / ListObjectsV2 on one bucket.
 
     Parameters and response keys are botocore's (``Key``, ``Body``, ``IfMatch``… in;
     ``ETag``, ``ContentLength``, ``Metadata``… out); error answers raise botocore's
@@ -118,6 +120,38 @@ class Transport(abc.ABC):
         ContentMD5: str | None = None,
     ) -> dict[str, Any]:
         """``ETag`` and, where the server returns it, ``ChecksumCRC32C``."""
+
+    @abc.abstractmethod
+    async def create_multipart_upload(
+        self,
+        *,
+        Key: str,
+        Metadata: Mapping[str, str] | None = None,
+        ChecksumAlgorithm: str | None = None,
+        ChecksumType: str | None = None,
+        ServerSideEncryption: str | None = None,
+        SSEKMSKeyId: str | None = None,
+    ) -> dict[str, Any]:
+        """``UploadId``."""
+
+    @abc.abstractmethod
+    async def complete_multipart_upload(
+        self,
+        *,
+        Key: str,
+        UploadId: str,
+        MultipartUpload: Mapping[str, Any],
+        IfNoneMatch: str | None = None,
+        IfMatch: str | None = None,
+        ChecksumCRC32C: str | None = None,
+        ChecksumType: str | None = None,
+    ) -> dict[str, Any]:
+        """``ETag`` and, where the server returns them, ``ChecksumCRC32C`` and
+        ``ChecksumType``.  An error the server reports in a 200 answer raises like any
+        other (a server error: retried)."""
+
+    @abc.abstractmethod
+    async def abort_multipart_upload(self, *, Key: str, UploadId: str) -> dict[str, Any]: ...
 
     @abc.abstractmethod
     async def get_object(
@@ -174,6 +208,15 @@ class BotocoreTransport(Transport):
         # botocore sends one buffer: pieces are joined (a copy the lean transport avoids).
         return await self._send("upload_part", {**args, "Body": joined(args["Body"])})
 
+    async def create_multipart_upload(self, **args: Any) -> dict[str, Any]:
+        return await self._send("create_multipart_upload", args)
+
+    async def complete_multipart_upload(self, **args: Any) -> dict[str, Any]:
+        return await self._send("complete_multipart_upload", args)
+
+    async def abort_multipart_upload(self, **args: Any) -> dict[str, Any]:
+        return await self._send("abort_multipart_upload", args)
+
     async def get_object(
         self, *, into: memoryview | None = None, sink: Sink | None = None, **args: Any
     ) -> dict[str, Any]:
@@ -214,6 +257,15 @@ class FallbackTransport(Transport):
 
     async def upload_part(self, **args: Any) -> dict[str, Any]:
         return await self._send("upload_part", args)
+
+    async def create_multipart_upload(self, **args: Any) -> dict[str, Any]:
+        return await self._send("create_multipart_upload", args)
+
+    async def complete_multipart_upload(self, **args: Any) -> dict[str, Any]:
+        return await self._send("complete_multipart_upload", args)
+
+    async def abort_multipart_upload(self, **args: Any) -> dict[str, Any]:
+        return await self._send("abort_multipart_upload", args)
 
     async def get_object(self, **args: Any) -> dict[str, Any]:
         return await self._send("get_object", args)

@@ -133,7 +133,7 @@ class S3Uploads(S3Base):
             extra["ChecksumAlgorithm"] = "CRC32C"
             if full_object:
                 extra["ChecksumType"] = "FULL_OBJECT"
-        cli = await self._cli()
+        objects = await self._objects()
         retried = False
 
         def note(_: BaseException) -> None:
@@ -144,9 +144,7 @@ class S3Uploads(S3Base):
         resp = await self.retrier.call(
             "open_writer",
             key,
-            lambda: cli.create_multipart_upload(
-                Bucket=self.bucket, Key=full, Metadata=dict(metadata), **extra
-            ),
+            lambda: objects.create_multipart_upload(Key=full, Metadata=dict(metadata), **extra),
             on_retry=note,
         )
         upload_id = str(resp["UploadId"])
@@ -228,11 +226,10 @@ class S3Uploads(S3Base):
             nonlocal retried
             retried = True
 
-        cli = await self._cli()
+        objects = await self._objects()
 
         async def send() -> Any:
-            return await cli.complete_multipart_upload(
-                Bucket=self.bucket,
+            return await objects.complete_multipart_upload(
                 Key=full,
                 UploadId=upload_id,
                 MultipartUpload={"Parts": parts},
@@ -266,8 +263,11 @@ class S3Uploads(S3Base):
             raise
 
     async def _abort_upload(self, key: str, full: str, upload_id: str) -> None:
+        objects = await self._objects()
         with contextlib.suppress(NotFound):  # already gone: aborted or completed elsewhere
-            await self._call("abort", key, "abort_multipart_upload", Key=full, UploadId=upload_id)
+            await self.retrier.call(
+                "abort", key, lambda: objects.abort_multipart_upload(Key=full, UploadId=upload_id)
+            )
 
     async def _put_multipart(
         self, key: str, full: str, view: memoryview, options: PutOptions
