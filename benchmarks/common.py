@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import subprocess
 import time
 from collections.abc import Callable
@@ -60,8 +61,6 @@ def cpu_of(pid: int) -> float:
 
 def children_cpu_s() -> float:
     """User + system CPU seconds of this process's waited-for children (and theirs)."""
-    import resource
-
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
 

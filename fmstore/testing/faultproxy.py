@@ -72,6 +72,31 @@ _MAX_HEAD = 64 * 1024
 _CONTENT_RANGE = re.compile(r"\s*bytes\s+(\d+)-\d+/")
 
 
+#: The faults the proxy answers itself, without contacting the server: status, reason,
+#: S3 error code and message.
+_ANSWERS = {
+    "slowdown": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
+    "error": (
+        500,
+        "Internal Server Error",
+        "InternalError",
+        "We encountered an internal error. Please try again.",
+    ),
+    "error_200": (
+        200,
+        "OK",
+        "InternalError",
+        "We encountered an internal error. Please try again.",
+    ),
+    "redirect": (
+        301,
+        "Moved Permanently",
+        "PermanentRedirect",
+        "The bucket you are attempting to access must be addressed using the specified endpoint.",
+    ),
+}
+
+
 @dataclass
 class Rule:
     """One entry of a fault plan.
@@ -379,12 +404,7 @@ class FaultProxy:
                 seen = Seen(method, path, head.get("range"), at=time.perf_counter())
                 self.seen.append(seen)
                 rule = self._pick(method, path)
-                if rule is not None and rule.fault in (
-                    "slowdown",
-                    "error",
-                    "redirect",
-                    "error_200",
-                ):
+                if rule is not None and rule.fault in _ANSWERS:
                     await self._answer_error(writer, rule.fault, path)
                     return
                 if (head.get("expect") or "").lower() == "100-continue":
@@ -432,28 +452,7 @@ class FaultProxy:
                 writer.close()
 
     async def _answer_error(self, writer: asyncio.StreamWriter, fault: str, path: str) -> None:
-        status, reason, code, msg = {
-            "slowdown": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
-            "error": (
-                500,
-                "Internal Server Error",
-                "InternalError",
-                "We encountered an internal error. Please try again.",
-            ),
-            "error_200": (
-                200,
-                "OK",
-                "InternalError",
-                "We encountered an internal error. Please try again.",
-            ),
-            "redirect": (
-                301,
-                "Moved Permanently",
-                "PermanentRedirect",
-                "The bucket you are attempting to access must be addressed using the "
-                "specified endpoint.",
-            ),
-        }[fault]
+        status, reason, code, msg = _ANSWERS[fault]
         body = _slowdown_body(code, msg, path.split("?")[0])
         writer.write(
             f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\n"

@@ -275,7 +275,7 @@ class LeanTransport(Transport):
             "POST", op, Key, headers, EMPTY_SHA256, None, {"uploads": ""}, resend=False
         )
         _raise_for(resp, op)
-        upload_id = _result_field(resp, op, "UploadId")
+        upload_id = _xml(_result(resp, op), "UploadId")
         if not upload_id:
             raise _server_error(op, "the answer names no UploadId")
         return {"UploadId": upload_id}
@@ -315,12 +315,13 @@ class LeanTransport(Transport):
         _raise_for(resp, op)
         # S3 answers 200 before the work is done and may then report an error in the body;
         # botocore treats that as a server error (retried), and so does this.
-        etag = _result_field(resp, op, "ETag")
+        text = _result(resp, op)
+        etag = _xml(text, "ETag")
         if not etag:
             raise _server_error(op, "the answer names no ETag")
         out: dict[str, Any] = {"ETag": etag}
         for name in ("ChecksumCRC32C", "ChecksumType"):
-            value = _result_field(resp, op, name)
+            value = _xml(text, name)
             if value:
                 out[name] = value
         return out
@@ -482,13 +483,13 @@ def _server_error(op: str, message: str, code: str = "InternalError") -> bx.Clie
     )
 
 
-def _result_field(resp: Response, op: str, tag: str) -> str | None:
-    """The text of ``tag`` in a 200 answer's XML result; an ``<Error>`` document in its
-    place raises as a server error."""
+def _result(resp: Response, op: str) -> str:
+    """A 200 answer's XML result; an ``<Error>`` document in its place raises as a server
+    error."""
     text = resp.body().decode("utf-8", "replace")
     if re.match(r"\s*(<\?xml[^>]*>\s*)?<Error>", text):
         raise _server_error(op, _xml(text, "Message") or "", _xml(text, "Code") or "InternalError")
-    return _xml(text, tag)
+    return text
 
 
 def _completion(parts: Any) -> bytes:
