@@ -3,7 +3,6 @@ moments, S3 down through the fault proxy, and the ckpt list / verify --all-tiers
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -515,47 +514,4 @@ def test_a_real_prometheus_scrapes_the_daemon(tmp_path):
         server.wait(30)
         d.stop.set()
         t.join(30)
-        d.close()
-
-
-# ---- the HTTP endpoint under idle connections -------------------------------------------------
-
-
-def _handler_threads() -> int:
-    return sum("process_request_thread" in t.name for t in threading.enumerate())
-
-
-def test_idle_http_connections_are_bounded_and_closed_and_the_server_still_answers(
-    tmp_path, monkeypatch
-):
-    """Anyone who can reach 0.0.0.0 can open connections and say nothing: each holds a
-    handler thread only until its silence times out, and never more than the limit."""
-    import socket
-
-    from fmstore.tiering import daemon as dmod
-
-    monkeypatch.setattr(dmod, "HTTP_IDLE_S", 0.5)
-    monkeypatch.setattr(dmod, "HTTP_MAX_CONNECTIONS", 4)
-    cfg = posix_config(str(tmp_path), {"export": [{"to": "lustre", "every_saves": 1}]})
-    d = Daemon(cfg, settings=DaemonSettings(port=0, interval=0.1))
-    port = d.start_http()
-    idle = []
-    try:
-        idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(12)]
-        seen = 0
-        deadline = time.monotonic() + 30
-        while seen < 4 and time.monotonic() < deadline:  # the slots fill up...
-            seen = max(seen, _handler_threads())
-            assert _handler_threads() <= 4  # ...and never more than the limit
-            time.sleep(0.01)
-        assert seen == 4
-        # A scrape behind the idle connections is answered once their silence ends them.
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=30).read()
-        assert json.loads(body)["status"] == "ok"
-        for s in idle:  # every idle connection was closed by the server (EOF or reset)
-            with contextlib.suppress(ConnectionResetError):
-                assert s.recv(1) == b""
-    finally:
-        for s in idle:
-            s.close()
         d.close()

@@ -35,10 +35,8 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import filelock
@@ -51,6 +49,7 @@ from ..units import parse_duration, parse_size
 from . import metrics as m
 from .catalog import Catalog
 from .discovery import rediscover
+from .endpoint import Endpoint
 from .mover import CHECKPOINT_COPY
 from .policies import Policies, from_config
 from .priority import PRIORITIES, lower_priority
@@ -123,40 +122,6 @@ def settings_from_config(config: Config) -> DaemonSettings:
     )
 
 
-#: A metrics connection silent this long (between requests, or in the middle of one) is
-#: closed: a scrape sends its request at once, an idle or slow connection only holds a
-#: thread.
-HTTP_IDLE_S = 10.0
-#: Connections served at once; more wait in the listen queue until one ends (at the
-#: latest after ``HTTP_IDLE_S`` of silence), so idle connections cannot pile up threads.
-HTTP_MAX_CONNECTIONS = 16
-
-
-class _BoundedHTTPServer(ThreadingHTTPServer):
-    """A thread per connection, at most ``limit`` of them (the daemon may listen on
-    0.0.0.0, where anyone can connect)."""
-
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], handler: Any, limit: int) -> None:
-        super().__init__(address, handler)
-        self._slots = threading.BoundedSemaphore(limit)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        self._slots.acquire()  # the accept loop waits here while every slot is busy
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-
 class _JsonHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -209,7 +174,7 @@ class Daemon:
             mover=self.settings.transfer,
         )
         self.stop = self.runner.stop
-        self.server: ThreadingHTTPServer | None = None
+        self.server: Endpoint | None = None
         self.port: int | None = None
         self.last_step: float | None = None
         self.last_report: StepReport | None = None
@@ -223,36 +188,21 @@ class Daemon:
     # ---- HTTP ------------------------------------------------------------------------
 
     def start_http(self) -> int:
+        """Serve ``/metrics`` and ``/healthz`` (:mod:`.endpoint`: safe against slow clients)."""
         daemon = self
 
-        class Handler(BaseHTTPRequestHandler):
-            timeout = HTTP_IDLE_S  # set on the connection's socket: a silent client is dropped
+        def metrics() -> tuple[int, str, bytes]:
+            return 200, CONTENT_TYPE_LATEST, generate_latest()
 
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                if self.path.split("?")[0] == "/metrics":
-                    body = generate_latest()
-                    self._send(200, CONTENT_TYPE_LATEST, body)
-                elif self.path.split("?")[0] == "/healthz":
-                    body = json.dumps(daemon.health()).encode()
-                    self._send(200, "application/json", body)
-                else:
-                    self._send(404, "text/plain", b"not found\n")
+        def healthz() -> tuple[int, str, bytes]:
+            return 200, "application/json", json.dumps(daemon.health()).encode()
 
-            def _send(self, code: int, ctype: str, body: bytes) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass  # scrapes every few seconds would flood the log
-
-        self.server = _BoundedHTTPServer(
-            (self.settings.host, self.settings.port), Handler, HTTP_MAX_CONNECTIONS
+        self.server = Endpoint(
+            self.settings.host,
+            self.settings.port,
+            {"/metrics": metrics, "/healthz": healthz},
         )
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, name="fmstore-http", daemon=True).start()
+        self.port = self.server.start()
         return self.port
 
     def health(self) -> dict[str, Any]:
@@ -375,8 +325,7 @@ class Daemon:
 
     def close(self) -> None:
         if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
+            self.server.close()
         runtime.run(self.runner.tiers.close())
         self.catalog.close()
 
