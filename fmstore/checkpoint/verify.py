@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from .dcp.native import NativeCheckpoint
 
     AnyManifest: TypeAlias = Manifest | DcpManifest | NativeCheckpoint
+    #: A manifest fmstore committed itself (``manifest.json``), of either format.
+    AnyCommitted: TypeAlias = Manifest | DcpManifest
 
 
 #: Chunks of one blob are read in runs of at most this many bytes (memory stays bounded).
@@ -147,16 +149,28 @@ def _zeros_crc(n: int) -> int:
     return combine_all(pieces)
 
 
-async def read_any_manifest(
-    store: Store, *, native: bool = False
-) -> tuple[bytes, Manifest | DcpManifest | NativeCheckpoint]:
+async def read_committed(store: Store) -> tuple[bytes, AnyCommitted]:
+    """The manifest fmstore committed at ``store``'s root, of either of its formats (a
+    single-process checkpoint or one written by the DCP ``Writer``), with its bytes.
+
+    NotFound when the prefix holds no checkpoint; VersionError (a CorruptData) when it was
+    written by a newer fmstore; CorruptData when it does not parse."""
+    data = await manifest_bytes(store)
+    if DCP_FORMAT_NAME.encode() in data and sniff_format(data) == DCP_FORMAT_NAME:
+        from .dcp.manifest import DcpManifest  # imports torch.distributed: only when needed
+
+        return data, DcpManifest.loads(data, where=f"{store.url}/{MANIFEST_KEY}")
+    return data, Manifest.loads(data, where=store.url)
+
+
+async def read_any_manifest(store: Store, *, native: bool = False) -> tuple[bytes, AnyManifest]:
     """The committed manifest at ``store``'s root, of either format (NotFound / CorruptData).
 
     ``native``: without a ``manifest.json``, also accept a checkpoint written by torch's
     own ``FileSystemWriter`` (its ``.metadata``, read without unpickling code; the bytes
     returned are then empty)."""
     try:
-        data = await manifest_bytes(store)
+        return await read_committed(store)
     except NotFound:
         if not native:
             raise
@@ -165,11 +179,6 @@ async def read_any_manifest(
         if not await has_native_metadata(store):
             raise
         return b"", await read_native(store)
-    if DCP_FORMAT_NAME.encode() in data and sniff_format(data) == DCP_FORMAT_NAME:
-        from .dcp.manifest import DcpManifest  # imports torch.distributed: only when needed
-
-        return data, DcpManifest.loads(data, where=f"{store.url}/{MANIFEST_KEY}")
-    return data, Manifest.loads(data, where=store.url)
 
 
 async def verify_checkpoint(

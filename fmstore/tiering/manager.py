@@ -50,7 +50,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from .. import runtime
-from ..checkpoint.layout import checkpoint_key, read_manifest_bytes
+from ..checkpoint.layout import checkpoint_key
+from ..checkpoint.verify import read_committed
 from ..config import Config, get_config, load_config
 from ..errors import AlreadyExists, CorruptData, FmstoreError, NotFound, StoreUnavailable, TierFull
 from ..format.checksum import crc32c
@@ -300,7 +301,7 @@ class CheckpointManager:
 
     def _committed(self, step: int, tier: str, manifest: Manifest) -> Manifest:
         store = self.tiers.checkpoint(tier, self.root, step)
-        data, _ = runtime.run(read_manifest_bytes(store))
+        data, _ = runtime.run(read_committed(store))
         self.catalog.record_checkpoint(
             self.root, step, bytes=manifest.stored_bytes, manifest_crc32c=crc32c(data)
         )

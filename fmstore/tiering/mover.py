@@ -27,15 +27,18 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from ..checkpoint.layout import read_manifest_bytes
-from ..checkpoint.verify import VerifyResult, blob_checksums, verify_checkpoint
+from ..checkpoint.verify import VerifyResult, blob_checksums, read_committed, verify_checkpoint
 from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable, TierFull
 from ..format.checksum import crc32c
-from ..format.manifest import MANIFEST_KEY, Manifest
+from ..format.manifest import MANIFEST_KEY
 from ..stores.base import PutOptions, Store
 from .journal import Journal
 from .transfer import CopyItem, TransferOptions, copy_items
+
+if TYPE_CHECKING:
+    from ..checkpoint.verify import AnyCommitted
 
 #: How checkpoints are copied between tiers unless the config says otherwise (``[daemon]``
 #: concurrency, bwlimit and verify_destination: :func:`fmstore.tiering.daemon.settings_from_config`).
@@ -56,7 +59,7 @@ CHECKPOINT_COPY = TransferOptions(
 
 @dataclass
 class CopyResult:
-    manifest: Manifest
+    manifest: AnyCommitted
     manifest_crc32c: int
     bytes_copied: int
     bytes_skipped: int
@@ -82,7 +85,9 @@ async def copy_checkpoint(
     makes a killed copy resume without rewriting finished blobs or parts.
     """
     t0 = time.monotonic()
-    data, manifest = await read_manifest_bytes(src)
+    # Either format: a single-process checkpoint or one written by the DCP ``Writer``
+    # (blobs, sizes and chunk checksums are described alike by both).
+    data, manifest = await read_committed(src)
     mcrc = crc32c(data)
     try:
         existing = await dst.get(MANIFEST_KEY)
@@ -106,14 +111,15 @@ async def copy_checkpoint(
         pass
 
     crcs = blob_checksums(manifest)
+    sizes = [b.size for b in manifest.blobs]
     items = [
         CopyItem(
             src_key=manifest.blob_key(i),
             dst_key=manifest.blob_key(i),
-            size=b.size,
+            size=size,
             crc32c=crcs[i],
         )
-        for i, b in enumerate(manifest.blobs)
+        for i, size in enumerate(sizes)
     ]
     journal = await Journal.open(journal_path, fsync=True, dest=dst.url) if journal_path else None
     try:

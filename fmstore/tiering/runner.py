@@ -31,9 +31,16 @@ from dataclasses import dataclass, field
 import filelock
 
 from .. import runtime
-from ..checkpoint.layout import read_manifest_bytes as _read_manifest
+from ..checkpoint.verify import read_committed as _read_manifest
 from ..config import Config
-from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable, TierFull
+from ..errors import (
+    CorruptData,
+    FmstoreError,
+    NotFound,
+    StoreUnavailable,
+    TierFull,
+    VersionError,
+)
 from . import catalog as cat
 from . import metrics as m
 from .catalog import Catalog
@@ -250,6 +257,14 @@ class PolicyRunner:
         event("export_start", root=a.root, step=a.step, src=a.source, dst=a.dest)
         try:
             res = await copy_checkpoint(src, dst, options=self.mover, journal_path=jpath)
+        except VersionError as e:
+            # Written by a newer fmstore: not damage.  The source stays as it is (a newer
+            # daemon can carry it); the export is reported as failing until then.
+            m.ERRORS.labels("export", "VersionError").inc()
+            c.set_copy(a.root, a.step, a.dest, cat.EXPORTING, error=str(e))
+            rep.errors.append(str(e))
+            event("export_unreadable", root=a.root, step=a.step, tier=a.source, error=str(e))
+            return
         except CorruptData as e:
             bad = a.dest if e.tier == dst.tier else a.source
             m.COPIES.labels(a.source, a.dest, "corrupt").inc()
