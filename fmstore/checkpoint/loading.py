@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
 import threading
-from collections.abc import Iterator, Mapping
+from collections import OrderedDict
+from collections.abc import ItemsView, Iterator, Mapping, ValuesView
 from typing import Any
 
 import torch
@@ -15,9 +17,10 @@ from ..errors import CorruptData
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import Manifest, TensorEntry
 from ..stores.base import Store
-from .reader import MapLocation, ReadOptions, StorageReader, place_storage
+from .devring import cpu_routed
+from .reader import MapLocation, ReadOptions, StorageReader, device_for, place_storage
 from .select import has_pickle, tensor_indices
-from .tree import decode_tree
+from .tree import _hashable, decode_tree
 
 
 class PickleRefused(CorruptData):
@@ -42,6 +45,7 @@ class Materializer:
         self.weights_only = weights_only
         self.reader = StorageReader(store, manifest, read)
         self._placed: dict[int, torch.Tensor] = {}
+        self._devices: dict[str, torch.device | None] = {}
         self._lock = threading.Lock()
         #: True when load() opened the store for this lazy mapping (LazyDict.close closes it).
         self.owns_store = False
@@ -51,12 +55,32 @@ class Materializer:
         want = sorted({self.manifest.tensors[i].storage for i in tensor_ids} - set(self._placed))
         if not want:
             return
-        loaded = await self.reader.load(want)
+        # Storages bound for a device are read straight onto it through a ring of bounce
+        # buffers; the rest into host memory, then placed as map_location says.
+        direct: dict[int, torch.device] = {}
+        host: list[int] = []
+        for si in want:
+            dev = self._device(self.manifest.storages[si].device)
+            if dev is not None and (dev.type != "cpu" or cpu_routed()):
+                direct[si] = dev
+            else:
+                host.append(si)
+        if direct:
+            for si, t in (await self.reader.load_to(direct)).items():
+                self._placed.setdefault(si, t)
+        if not host:
+            return
+        loaded = await self.reader.load(host)
         for si, u8 in loaded.items():
             placed = await runtime.to_cpu(
                 place_storage, u8, self.manifest.storages[si].device, self.map_location
             )
             self._placed.setdefault(si, placed)
+
+    def _device(self, saved: str) -> torch.device | None:
+        if saved not in self._devices:
+            self._devices[saved] = device_for(self.map_location, saved)
+        return self._devices[saved]
 
     def tensor(self, i: int) -> Any:
         e = self.manifest.tensors[i]
@@ -116,43 +140,185 @@ def _view(e: TensorEntry, storage: torch.Tensor) -> Any:
     return t
 
 
-class LazyDict(Mapping[Any, Any]):
-    """A read-only mapping over a dict of the checkpoint: tensors are fetched on first access
-    (and cached; tensors sharing storage stay shared).  Nested dicts are LazyDicts too; other
-    values (lists, scalars) are built whole on access.  ``materialize()`` loads everything."""
+class _Unbuilt:
+    """A value of a lazy mapping not built yet: its encoded node."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node: Any) -> None:
+        self.node = node
+
+    def __repr__(self) -> str:
+        return "<not loaded>"
+
+
+def _is_mapping(node: Any) -> bool:
+    return isinstance(node, dict) and ("dict" in node or "odict" in node)
+
+
+class LazyDict(dict[Any, Any]):
+    """A dict over a dict of the checkpoint whose values are built on first access: tensors
+    are fetched then (and kept; tensors sharing storage stay shared), nested dicts are
+    LazyDicts too, other values (lists, scalars) are built whole.
+
+    It is a real ``dict`` (``isinstance(x, dict)``), usable wherever a dict from
+    ``torch.load`` is: ``copy()`` is a shallow copy that stays lazy; ``copy.deepcopy``,
+    ``pickle`` and ``torch.save`` load what they need and give plain dicts (``OrderedDict``
+    where one was saved); ``items()``, ``values()``, ``dict(x)`` and ``{**x}`` build every value
+    they hand out.  It can be changed like any dict.  ``materialize()`` loads everything at once
+    and returns plain dicts."""
+
+    __slots__ = ("_mat", "_node")
 
     def __init__(self, mat: Materializer, node: dict[str, Any]) -> None:
+        super().__init__()
         self._mat = mat
         self._node = node
         tag = "dict" if "dict" in node else "odict"
-        self._items: dict[Any, Any] = {}
         for k, v in node[tag]:
-            key = decode_tree(k, _no_tensor)
-            self._items[key] = v
+            dict.__setitem__(self, _hashable(decode_tree(k, _no_tensor)), _Unbuilt(v))
+
+    def _build(self, key: Any, v: Any) -> Any:
+        if not isinstance(v, _Unbuilt):
+            return v
+        built = LazyDict(self._mat, v.node) if _is_mapping(v.node) else self._mat.build_sync(v.node)
+        # Another thread may have built it meanwhile: keep the first, so every caller sees one object.
+        if dict.get(self, key, _MISSING) is v:
+            dict.__setitem__(self, key, built)
+            return built
+        return dict.get(self, key, built)
+
+    def _prefetch(self) -> None:
+        """Fetch every tensor below this mapping not fetched yet in one batch of reads
+        (value by value would read one tensor at a time)."""
+        nodes = self._unbuilt_nodes()
+        if nodes:
+            node = {"list": nodes}
+            self._mat.check_pickles(node)
+            with self._mat._lock:
+                runtime.run(self._mat.fetch(tensor_indices(node)))
+
+    def _unbuilt_nodes(self) -> list[Any]:
+        out: list[Any] = []
+        for v in dict.values(self):
+            if isinstance(v, _Unbuilt):
+                out.append(v.node)
+            elif isinstance(v, LazyDict):
+                out.extend(v._unbuilt_nodes())
+        return out
 
     def __getitem__(self, key: Any) -> Any:
-        v = self._items[key]
-        if isinstance(v, dict) and ("dict" in v or "odict" in v):
-            return LazyDict(self._mat, v)
-        return self._mat.build_sync(v)
+        return self._build(key, dict.__getitem__(self, key))
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        v = dict.get(self, key, _MISSING)
+        return default if v is _MISSING else self._build(key, v)
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._items)
+        # Overridden so that dict(x), {**x} and dict.update(x) take the slow path through
+        # keys() and __getitem__ instead of copying the unbuilt placeholders.
+        return iter(dict.keys(self))
+
+    def values(self) -> ValuesView[Any]:  # type: ignore[override]
+        return ValuesView(self)
+
+    def items(self) -> ItemsView[Any, Any]:  # type: ignore[override]
+        return ItemsView(self)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        if key not in self and default:
+            return default[0]
+        v = self[key]
+        dict.__delitem__(self, key)
+        return v
+
+    def popitem(self) -> tuple[Any, Any]:
+        key = next(reversed(dict.keys(self)))
+        return key, self.pop(key)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key in self:
+            return self[key]
+        dict.__setitem__(self, key, default)
+        return default
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        return len(self) == len(other) and dict(self.items()) == dict(other.items())
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __or__(self, other: Any) -> Any:
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        out = self.copy()
+        out.update(other)
+        return out
+
+    def copy(self) -> LazyDict:
+        """A shallow copy, still lazy: values built later are built for each copy apart
+        (over the same fetched storage)."""
+        out = LazyDict.__new__(LazyDict)
+        out._mat, out._node = self._mat, self._node
+        dict.update(out, dict.items(self))  # the placeholders and built values as they are
+        return out
+
+    def __copy__(self) -> LazyDict:
+        return self.copy()
+
+    def _plain_type(self) -> type[dict[Any, Any]]:
+        return OrderedDict if "odict" in self._node else dict
+
+    @property
+    def _metadata(self) -> Any:
+        """What ``nn.Module.load_state_dict`` reads of a saved ``OrderedDict`` (versions)."""
+        meta = self._node.get("meta")
+        return None if meta is None else decode_tree(meta, _no_tensor)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        self._prefetch()
+        out = self._plain_type()()
+        memo[id(self)] = out
+        for k in self:
+            out[copy.deepcopy(k, memo)] = copy.deepcopy(self[k], memo)
+        if self._metadata is not None:
+            out._metadata = copy.deepcopy(self._metadata, memo)  # type: ignore[attr-defined]
+        return out
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Pickled (torch.save) as the plain dict torch.load would have given.
+        self._prefetch()
+        meta = self._metadata
+        state = None if meta is None else {"_metadata": meta}
+        return (self._plain_type(), (), state, None, iter(self.items()))
+
+    def __reduce__(self) -> Any:
+        return self.__reduce_ex__(2)
 
     def holds_mapping(self, key: Any) -> bool:
         """Whether the value at ``key`` is a dict (a LazyDict on access); nothing is read."""
-        v = self._items[key]
-        return isinstance(v, dict) and ("dict" in v or "odict" in v)
-
-    def __len__(self) -> int:
-        return len(self._items)
+        v = dict.__getitem__(self, key)
+        return isinstance(v, dict) or (isinstance(v, _Unbuilt) and _is_mapping(v.node))
 
     def __repr__(self) -> str:
-        return f"LazyDict({list(self._items)!r})"
+        return f"LazyDict({list(self)!r})"
 
     def materialize(self) -> Any:
-        """Load every tensor below this mapping; returns plain dicts."""
-        return self._mat.build_sync(self._node)
+        """Load every tensor below this mapping; returns plain dicts (``OrderedDict`` where
+        one was saved)."""
+        self._prefetch()
+        out = self._plain_type()()
+        for k in self:
+            v = self[k]
+            out[k] = v.materialize() if isinstance(v, LazyDict) else v
+        if self._metadata is not None:
+            out._metadata = self._metadata  # type: ignore[attr-defined]
+        return out
 
     @property
     def manifest(self) -> Manifest:
@@ -164,6 +330,9 @@ class LazyDict(Mapping[Any, Any]):
         if self._mat.owns_store:
             self._mat.owns_store = False
             runtime.run(self._mat.store.close())
+
+
+_MISSING = object()
 
 
 def _no_tensor(i: int) -> Any:

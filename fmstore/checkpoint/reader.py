@@ -26,6 +26,7 @@ from ..format.checksum import crc32c
 from ..format.codecs import decode_into
 from ..format.manifest import ChunkEntry, Manifest
 from ..stores.base import Store
+from .devring import RingLoad, open_ring, run_all
 from .memory import empty_bytes
 from .snapshot import as_memoryview
 
@@ -96,6 +97,116 @@ class StorageReader:
         await asyncio.gather(*(self._read_group(g, gate) for g in groups))
         return out
 
+    async def load_to(self, targets: dict[int, torch.device]) -> dict[int, torch.Tensor]:
+        """Load storages straight onto their devices (``targets``: storage -> device)
+        through a ring of bounce buffers per device (see :mod:`.devring`): destinations
+        are allocated first, every chunk is read or decoded into a slot and copied from
+        there.  On a failure the copies queued are waited for and nothing is returned."""
+        out = {si: torch.empty(self.manifest.storages[si].nbytes, dtype=torch.uint8, device=dev)
+               for si, dev in targets.items()}  # fmt: skip
+        rings: dict[str, RingLoad] = {}
+        for dev in targets.values():
+            if str(dev) not in rings:
+                rings[str(dev)] = open_ring(dev)
+        raw: list[tuple[int, ChunkEntry, torch.Tensor, RingLoad]] = []
+        packed: list[tuple[int, ChunkEntry, torch.Tensor]] = []
+        for si, dev in targets.items():
+            dest = out[si]
+            for c in self.manifest.storages[si].chunks:
+                part = dest[c.raw_offset : c.raw_offset + c.raw]
+                if c.codec == "raw":
+                    raw.append((si, c, part, rings[str(dev)]))
+                else:
+                    packed.append((si, c, part))
+        gate = asyncio.Semaphore(max(1, self.options.concurrency))
+        # (storage, chunk, memoryview) groups for the coalescer: the view is never written.
+        none = memoryview(b"")
+        groups = (
+            [[(si, c, none)] for si, c, _ in packed] if self._local else
+            _coalesce([(si, c, none) for si, c, _ in packed])
+        )  # fmt: skip
+        dest_of = {(si, c.raw_offset): d for si, c, d in packed}
+
+        async def decoded(group: list[tuple[int, ChunkEntry, memoryview]]) -> None:
+            async with gate:
+                key = self.manifest.blob_key(group[0][1].blob)
+                lo = min(c.offset for _, c, _ in group)
+                hi = max(c.offset + c.length for _, c, _ in group)
+                data = memoryview(await self._get_range(key, lo, hi))
+            for si, c, _ in group:
+                stored = data[c.offset - lo : c.offset - lo + c.length]
+                await self._check(si, c, stored)
+                ring = rings[str(targets[si])]
+                await self._decode_to(si, c, stored, dest_of[(si, c.raw_offset)], ring)
+
+        try:
+            await run_all(
+                [self._raw_to(si, c, d, ring, gate) for si, c, d, ring in raw]
+                + [decoded(g) for g in groups]
+            )
+        except BaseException:
+            for ring in rings.values():
+                await ring.abort()
+            raise
+        for ring in rings.values():
+            await ring.finish()
+        return out
+
+    async def _raw_to(
+        self, si: int, c: ChunkEntry, dest: torch.Tensor, ring: RingLoad, gate: asyncio.Semaphore
+    ) -> None:
+        """A raw chunk into ``dest`` through the ring, a slot at a time (in order, so its
+        CRC32C is computed as the pieces arrive)."""
+        if c.length != c.raw:
+            raise self._corrupt(si, c, "raw chunk length does not match its size")
+        key = self.manifest.blob_key(c.blob)
+        path = self.store.local_path(key)
+        crc = 0
+        async with gate:
+            for pos in range(0, c.raw, ring.slot_bytes):
+                n = min(ring.slot_bytes, c.raw - pos)
+                i = await ring.slot()
+                try:
+                    piece = ring.view(i, n)
+                    if path is not None:
+                        crc = await runtime.to_io(
+                            self._read_local, path, key, c.offset + pos, piece, crc
+                        )
+                    else:
+                        await self._get_into(key, c.offset + pos, piece)
+                        if self.options.verify:
+                            crc = await runtime.to_cpu(crc32c, piece, crc)
+                except BaseException:
+                    ring.give_back(i)
+                    raise
+                await ring.submit(i, n, dest[pos : pos + n])
+        if self.options.verify and crc != c.crc32c:
+            raise self._corrupt(
+                si, c, f"checksum mismatch (crc32c {crc:08x}, expected {c.crc32c:08x})"
+            )
+
+    async def _decode_to(
+        self, si: int, c: ChunkEntry, stored: memoryview, dest: torch.Tensor, ring: RingLoad
+    ) -> None:
+        """Decode a checked chunk into a slot (a temporary when larger than one) and on."""
+        if c.raw > ring.slot_bytes:
+            tmp = memoryview(bytearray(c.raw))
+            try:
+                await runtime.to_cpu(decode_into, c.codec, stored, tmp, c.group)
+            except CorruptData as e:
+                raise self._corrupt(si, c, e.message) from None
+            await ring.copy_from(tmp, dest)
+            return
+        i = await ring.slot()
+        try:
+            await runtime.to_cpu(decode_into, c.codec, stored, ring.view(i, c.raw), c.group)
+        except BaseException as e:
+            ring.give_back(i)
+            if isinstance(e, CorruptData):
+                raise self._corrupt(si, c, e.message) from None
+            raise
+        await ring.submit(i, c.raw, dest)
+
     # ---- ranged reads ----------------------------------------------------------------
 
     async def _read_group(
@@ -141,8 +252,9 @@ class StorageReader:
                 si, c, f"checksum mismatch (crc32c {crc:08x}, expected {c.crc32c:08x})"
             )
 
-    def _read_local(self, path: str, key: str, start: int, dest: memoryview) -> int:
-        """``pread`` ``dest`` from ``path`` at ``start``; the CRC32C of what was read."""
+    def _read_local(self, path: str, key: str, start: int, dest: memoryview, crc: int = 0) -> int:
+        """``pread`` ``dest`` from ``path`` at ``start``; the CRC32C of what was read
+        (continuing ``crc``)."""
         n = len(dest)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -155,7 +267,6 @@ class StorageReader:
         try:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, start, n, os.POSIX_FADV_SEQUENTIAL)
-            crc = 0
             pos = 0
             while pos < n:
                 piece = dest[pos : pos + CRC_PIECE]
@@ -300,6 +411,35 @@ def target_device(map_location: MapLocation, saved: str) -> str | None:
     raise TypeError(
         f"map_location must be None, a str, a torch.device, a dict or a callable, not {map_location!r}"
     )
+
+
+def device_for(map_location: MapLocation, saved: str) -> torch.device | None:
+    """The device a storage saved on ``saved`` is loaded onto, known before it is read.
+
+    A callable ``map_location`` is asked once with an empty CPU storage: where it puts that
+    one, the real one goes (read straight onto that device).  None when it keeps the storage
+    on the CPU: it is then called with the loaded storage, as ``torch.load`` does."""
+    dev = target_device(map_location, saved)
+    if dev is None:
+        probe = map_location(torch.UntypedStorage(0), saved)
+        if probe is None:
+            dev = saved
+        else:
+            if isinstance(probe, torch.TypedStorage):
+                probe = probe._untyped_storage
+            if probe.device.type == "cpu":
+                return None
+            return torch.device(probe.device)
+    try:
+        device = torch.device(dev)
+    except RuntimeError:
+        raise CorruptData(f"a storage's device {dev!r} is not a device name") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"the checkpoint holds tensors saved on {saved} but CUDA is not available here; "
+            "pass map_location='cpu' (or another device) to load()"
+        )
+    return device
 
 
 def place_storage(u8: torch.Tensor, saved: str, map_location: MapLocation) -> torch.Tensor:
