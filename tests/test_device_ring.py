@@ -183,3 +183,46 @@ def test_cuda_load_while_the_default_stream_is_busy(tmp_path):
     finally:
         out.close()
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_dcp_reader_fills_its_destinations_through_the_ring(tmp_path, compression):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from fmstore.checkpoint.dcp import Reader, Writer
+
+    g = torch.Generator().manual_seed(5)
+    sd = {"w": torch.randn(100, 300, generator=g), "z": torch.zeros(30_000), "i": torch.arange(9)}
+    uri = str(tmp_path / "dcp")
+    out = {k: torch.empty_like(v) for k, v in sd.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=Writer(uri, compression=compression, chunk_size=64 * KIB),
+                 no_dist=True)  # fmt: skip
+        with route_cpu(slots=2, slot_bytes=40 * KIB) as rec:
+            dcp.load(out, storage_reader=Reader(uri, direct_min=4096), no_dist=True)
+    for k in sd:
+        assert torch.equal(out[k], sd[k])
+    assert {i for i, _ in rec.uses} == {0, 1}
+    assert sum(n for _, n in rec.uses) == sum(v.nbytes for v in sd.values())
+
+
+@cuda
+def test_cuda_dcp_reader_into_cuda_tensors_whole_and_resharded(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from fmstore.checkpoint.dcp import Reader, Writer
+
+    sd = {k: v for k, v in _cuda_state().items() if k != "wt"}
+    uri = str(tmp_path / "dcp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=Writer(uri, compression="zstd"), no_dist=True)
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}  # type: ignore[arg-type]
+        dcp.load(out, storage_reader=Reader(uri), no_dist=True)
+    for k, v in sd.items():
+        assert out[k].device == v.device and torch.equal(out[k].cpu(), v.cpu())  # type: ignore[union-attr]

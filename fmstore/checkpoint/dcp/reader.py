@@ -45,6 +45,7 @@ from ...format.dtypes import dtype_from_name
 from ...format.manifest import ChunkEntry
 from ...limits import ByteBudget
 from ...stores import Location, Store, open_store
+from ..devring import RingLoad, cpu_routed, open_ring, run_all
 from .manifest import MANIFEST_KEY, DcpItem, DcpManifest
 from .native import NativeCheckpoint, NativeItem, has_native_metadata, read_native, read_native_data
 
@@ -93,6 +94,10 @@ class _Target:
     dest: torch.Tensor | None  # the destination tensor (None for BYTE_IO)
     direct: memoryview | None  # dest's bytes when they equal the item's [lo, hi)
     buf: bytearray | None = None  # staging for [lo, hi) otherwise
+    #: dest's bytes on its device when they equal [lo, hi): filled through a ring
+    dev: torch.Tensor | None = None
+    #: a box that is not one run of its device destination, contiguous on the device
+    box: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,8 @@ class Reader(StorageReader):
         self.storage_data: dict[Any, Any] = {}
         self.load_id = str(uuid.uuid4())
         self.is_coordinator = False
+        #: ranks whose blobs this node holds (a checkpoint in parts), None: all of them
+        self.local_ranks: set[int] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         d = self.__dict__.copy()
@@ -177,7 +184,9 @@ class Reader(StorageReader):
                 raise
             md = self.native.to_metadata()
         else:
-            md = self.manifest.to_metadata(allow_pickle=self.options.allow_pickle)
+            md = self.manifest.to_metadata(
+                allow_pickle=self.options.allow_pickle, ranks=self._part_ranks(self.manifest)
+            )
         if md.storage_meta is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -199,6 +208,26 @@ class Reader(StorageReader):
         if self.manifest is None:
             # Metadata read elsewhere (another Reader instance): load the blob table too.
             self.manifest = runtime.run(read_manifest(self.store))
+            self._part_ranks(self.manifest)
+
+    def _part_ranks(self, m: DcpManifest) -> set[int] | None:
+        """On a node-local tier of several nodes, the ranks whose part is on this node (the
+        only blobs this node can read); None for a checkpoint in one part."""
+        if not m.parts:
+            self.local_ranks = None
+            return None
+        from .nodes import node_id
+
+        part = m.part_of(node_id())
+        if part is None:
+            raise NotFound(
+                f"this node ({node_id()}) holds no part of the checkpoint at {self.uri}: it "
+                f"was saved by nodes {', '.join(p.node for p in m.parts)}",
+                tier=self.store.tier,
+                key=MANIFEST_KEY,
+            )
+        self.local_ranks = set(part.ranks)
+        return self.local_ranks
 
     async def _read_native(self) -> NativeCheckpoint | None:
         """The native (torch ``FileSystemWriter``) checkpoint here, or None without one."""
@@ -237,7 +266,9 @@ class Reader(StorageReader):
                     assert t.buf is not None
                     planner.load_bytes(t.req, self._byte_io(t.item.fqn, bytes(t.buf)))
                 else:
-                    if t.direct is None:
+                    if t.box is not None:
+                        t.dest.copy_(t.box)
+                    elif t.direct is None and t.dev is None and t.dest.device.type == "cpu":
                         _copy_box(t)
                     planner.commit_tensor(t.req, t.dest)
         except BaseException as e:
@@ -284,6 +315,17 @@ class Reader(StorageReader):
                 tier=self.store.tier,
                 key=MANIFEST_KEY,
             )
+        if self.local_ranks is not None and item.chunks:
+            assert self.manifest is not None
+            rank = self.manifest.blobs[item.chunks[0].blob].rank
+            if rank not in self.local_ranks:
+                raise NotFound(
+                    f"{item.fqn!r} (offset {list(item.offset or ())}) is in the part of node "
+                    f"{self.manifest.node_of_rank(rank)} (rank {rank}), not on this node: the "
+                    "job's ranks or nodes changed since the save; restore from a shared tier",
+                    tier=self.store.tier,
+                    key=MANIFEST_KEY,
+                )
         if req.type == LoadItemType.BYTE_IO:
             return _Target(req, item, 0, item.nbytes, None, None, bytearray(item.nbytes))
         dtype = dtype_from_name(item.dtype)
@@ -308,17 +350,15 @@ class Reader(StorageReader):
                 key=MANIFEST_KEY,
             )
         direct = None
-        if (
-            contiguous
-            and dest.device.type == "cpu"
-            and dest.dtype == dtype
-            and dest.is_contiguous()
-            and dest.numel() > 0
-        ):
+        plain = contiguous and dest.dtype == dtype and dest.is_contiguous() and dest.numel() > 0
+        ringed = dest.device.type != "cpu" or cpu_routed()
+        if plain and not ringed:
             arr: Any = dest.reshape(-1).view(torch.uint8).numpy()
             direct = memoryview(arr)
         t = _Target(req, item, lo, hi, dest, direct)
-        if direct is None:
+        if plain and ringed:
+            t.dev = dest.reshape(-1).view(torch.uint8)
+        elif direct is None:
             t.buf = bytearray(hi - lo)
         return t
 
@@ -333,6 +373,13 @@ class Reader(StorageReader):
         needs: dict[tuple[int, int], list[_Part]] = {}
         chunk_of: dict[tuple[int, int], tuple[ChunkEntry, DcpItem]] = {}
         direct_jobs: list[tuple[_Target, ChunkEntry]] = []
+        ring_jobs: list[tuple[_Target, ChunkEntry]] = []
+        rings: dict[str, RingLoad] = {}
+        for t in targets:
+            dest = t.dest
+            on_ring = dest is not None and (dest.device.type != "cpu" or t.dev is not None)
+            if on_ring and dest is not None and str(dest.device) not in rings:
+                rings[str(dest.device)] = open_ring(dest.device)
         for ti, t in enumerate(targets):
             for c in t.item.chunks:
                 a, b = max(t.lo, c.raw_offset), min(t.hi, c.raw_offset + c.raw)
@@ -341,6 +388,9 @@ class Reader(StorageReader):
                 whole = a == c.raw_offset and b == c.raw_offset + c.raw
                 if t.direct is not None and c.codec == "raw" and whole and c.raw >= opts.direct_min:
                     direct_jobs.append((t, c))
+                    continue
+                if t.dev is not None and c.codec == "raw" and whole:
+                    ring_jobs.append((t, c))
                     continue
                 key = (c.blob, c.offset)
                 needs.setdefault(key, []).append(_Part(ti, a, b))
@@ -363,6 +413,29 @@ class Reader(StorageReader):
                     if crc != c.crc32c:
                         raise self._corrupt(t.item, c, key)
 
+        async def ringed(t: _Target, c: ChunkEntry) -> None:
+            """A raw chunk onto its device through the ring, a slot at a time."""
+            assert t.dev is not None and t.dest is not None
+            ring = rings[str(t.dest.device)]
+            key = manifest.blob_key(c.blob)
+            crc = 0
+            async with sem:
+                for pos in range(0, c.raw, ring.slot_bytes):
+                    n = min(ring.slot_bytes, c.raw - pos)
+                    i = await ring.slot()
+                    try:
+                        piece = ring.view(i, n)
+                        await store.get_into(key, c.offset + pos, piece)
+                        if opts.verify:
+                            crc = await runtime.to_cpu(crc32c, piece, crc)
+                    except BaseException:
+                        ring.give_back(i)
+                        raise
+                    out = c.raw_offset - t.lo + pos
+                    await ring.submit(i, n, t.dev[out : out + n])
+            if opts.verify and crc != c.crc32c:
+                raise self._corrupt(t.item, c, key)
+
         async def fetch(group: list[tuple[int, int]]) -> None:
             chunks = [chunk_of[k] for k in group]
             blob = group[0][0]
@@ -376,9 +449,14 @@ class Reader(StorageReader):
                 jobs = []
                 for k, (c, item) in zip(group, chunks, strict=True):
                     stored = data[c.offset - start : c.offset - start + c.length]
-                    jobs.append(
-                        runtime.to_cpu(self._deliver, targets, needs[k], c, item, stored, key)
-                    )
+                    if any(targets[p.target].dev is not None for p in needs[k]):
+                        jobs.append(
+                            self._deliver_ringed(targets, needs[k], c, item, stored, key, rings)
+                        )
+                    else:
+                        jobs.append(
+                            runtime.to_cpu(self._deliver, targets, needs[k], c, item, stored, key)
+                        )
                 await asyncio.gather(*jobs)
             finally:
                 await budget.release(held)
@@ -389,7 +467,23 @@ class Reader(StorageReader):
         # on object stores every chunk is its own request, all in parallel.
         gap = opts.max_request if _has_local_files(store, manifest) else 0
         runs = _direct_runs(direct_jobs, gap)
-        await asyncio.gather(*(direct(t, r) for t, r in runs), *(fetch(g) for g in groups))
+        try:
+            await run_all(
+                [direct(t, r) for t, r in runs]
+                + [fetch(g) for g in groups]
+                + [ringed(t, c) for t, c in ring_jobs]
+            )
+            # Boxes that are not one run of their destination: assembled on the host, sent
+            # through the ring into a contiguous copy on the device, then copied into place.
+            for t in targets:
+                if t.dest is not None and t.dev is None and t.dest.device.type != "cpu":
+                    await self._box_to_device(t, rings[str(t.dest.device)])
+        except BaseException:
+            for ring in rings.values():
+                await ring.abort()
+            raise
+        for ring in rings.values():
+            await ring.finish()
 
     def _deliver(
         self,
@@ -420,6 +514,63 @@ class Reader(StorageReader):
         for p in parts:
             t = targets[p.target]
             _out_view(t, p.a, p.b)[:] = raw[p.a - c.raw_offset : p.b - c.raw_offset]
+
+    async def _deliver_ringed(
+        self,
+        targets: list[_Target],
+        parts: list[_Part],
+        c: ChunkEntry,
+        item: DcpItem,
+        stored: memoryview,
+        key: str,
+        rings: dict[str, RingLoad],
+    ) -> None:
+        """:meth:`_deliver` where a target is on a device: decoded on the CPU pool into a
+        slot (when one target takes the whole chunk and it fits) or a temporary, and on."""
+        if self.options.verify and await runtime.to_cpu(crc32c, stored) != c.crc32c:
+            raise self._corrupt(item, c, key)
+        t0 = targets[parts[0].target]
+        if (
+            len(parts) == 1
+            and t0.dev is not None
+            and (parts[0].a, parts[0].b) == (c.raw_offset, c.raw_offset + c.raw)
+            and c.raw <= rings[str(t0.dest.device)].slot_bytes  # type: ignore[union-attr]
+        ):
+            ring = rings[str(t0.dest.device)]  # type: ignore[union-attr]
+            i = await ring.slot()
+            try:
+                await runtime.to_cpu(decode_into, c.codec, stored, ring.view(i, c.raw), c.group)
+            except BaseException as e:
+                ring.give_back(i)
+                if isinstance(e, CorruptData):
+                    raise self._corrupt(item, c, key, str(e)) from None
+                raise
+            await ring.submit(i, c.raw, t0.dev[c.raw_offset - t0.lo : c.raw_offset - t0.lo + c.raw])
+            return
+        raw = memoryview(bytearray(c.raw))
+        try:
+            await runtime.to_cpu(decode_into, c.codec, stored, raw, c.group)
+        except CorruptData as e:
+            raise self._corrupt(item, c, key, str(e)) from None
+        for p in parts:
+            t = targets[p.target]
+            piece = raw[p.a - c.raw_offset : p.b - c.raw_offset]
+            if t.dev is not None:
+                ring = rings[str(t.dest.device)]  # type: ignore[union-attr]
+                await ring.copy_from(piece, t.dev[p.a - t.lo : p.b - t.lo])
+            else:
+                _out_view(t, p.a, p.b)[:] = piece
+
+    async def _box_to_device(self, t: _Target, ring: RingLoad) -> None:
+        """A box staged in ``t.buf`` into its device destination through the ring."""
+        assert t.dest is not None
+        if t.hi == t.lo:
+            return
+        host = _box_view(t).contiguous()
+        tmp = torch.empty(host.shape, dtype=host.dtype, device=t.dest.device)
+        arr: Any = host.view(-1).view(torch.uint8).numpy()
+        await ring.copy_from(memoryview(arr), tmp.view(-1).view(torch.uint8))
+        t.box = tmp
 
     def _corrupt(self, item: DcpItem, c: ChunkEntry, key: str, why: str = "") -> CorruptData:
         what = why or "checksum mismatch"
@@ -516,16 +667,21 @@ def _box_span(
 def _copy_box(t: _Target) -> None:
     """Copy the box from the staged span into the destination (non-contiguous cases)."""
     assert t.dest is not None and t.buf is not None
+    if t.hi == t.lo:
+        return
+    t.dest.copy_(_box_view(t))
+
+
+def _box_view(t: _Target) -> torch.Tensor:
+    """The box of ``t``'s plan, as a strided view of its staged span."""
+    assert t.buf is not None
     item, req = t.item, t.req
     dtype = dtype_from_name(item.dtype)
     shape = item.shape
     strides = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * shape[i + 1]
-    if t.hi == t.lo:
-        return
     flat = torch.frombuffer(t.buf, dtype=torch.uint8).view(dtype)
     start = sum(o * s for o, s in zip(req.storage_offsets, strides, strict=True))
     base = t.lo // dtype.itemsize
-    src = flat.as_strided(tuple(req.lengths), tuple(strides), start - base)
-    t.dest.copy_(src)
+    return flat.as_strided(tuple(req.lengths), tuple(strides), start - base)
