@@ -11,7 +11,8 @@ lower-cased; values are parsed as TOML scalars when they parse, else kept as str
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,31 +20,147 @@ from typing import Any
 import tomllib
 
 from .errors import ConfigError
+from .units import parse_duration, parse_size
 
-#: Sections other layers read; each layer validates its own section.
-SECTIONS = ("tiers", "state_dir", "s3", "checkpoint", "policies", "daemon", "dataset", "stage")
-#: Keys a tier table may hold besides ``url``: the options of its backend.
-TIER_KEYS = {
-    "url",
-    # posix
-    "direct_io",
-    "stripe_count",
-    "stripe_size",
-    "fsync",
-    # s3
-    "endpoint_url",
-    "region",
-    "profile",
-    "addressing_style",
-    "max_concurrency",
-    "part_size",
-    "sse",
-    "sse_kms_key_id",
-    "max_attempts",
-    "connect_timeout",
-    "read_timeout",
-    "checksum",
+
+@dataclass(frozen=True)
+class Check:
+    """The rule of one key: ``parse`` returns the value to keep (converted where the key
+    reads a unit, e.g. a size string to bytes) or raises ``ValueError`` / ``TypeError``;
+    ``expected`` completes "must be ..." in the message."""
+
+    expected: str
+    parse: Callable[[Any], Any]
+
+
+def _typed(expected: str, *types: type, test: Callable[[Any], bool] = lambda v: True) -> Check:
+    def parse(v: Any) -> Any:
+        if isinstance(v, bool) and bool not in types or not isinstance(v, types) or not test(v):
+            raise ValueError(expected)
+        return v
+
+    return Check(expected, parse)
+
+
+def whole(least: int = 0, most: int | None = None) -> Check:
+    """An integer (not a boolean) in ``least..most``."""
+    span = f">= {least}" if most is None else f"{least}..{most}"
+    return _typed(
+        f"a whole number {span}", int, test=lambda v: v >= least and (most is None or v <= most)
+    )
+
+
+def one_of(*choices: str) -> Check:
+    return _typed(" or ".join(repr(c) for c in choices), str, test=lambda v: v in choices)
+
+
+def _size(v: Any) -> int:
+    if isinstance(v, bool):
+        raise TypeError(v)
+    return parse_size(v, "")
+
+
+def _duration(allow_zero: bool) -> Callable[[Any], float]:
+    def parse(v: Any) -> float:
+        if isinstance(v, bool):
+            raise TypeError(v)
+        return parse_duration(v, "", allow_zero=allow_zero)
+
+    return parse
+
+
+STRING = _typed("a string", str)
+BOOL = _typed("true or false (a TOML boolean, unquoted)", bool)
+STRINGS = _typed("a list of strings", list, test=lambda v: all(isinstance(x, str) for x in v))
+FRACTION = _typed("a fraction in (0, 1]", int, float, test=lambda v: 0 < v <= 1)
+SIZE = Check('a size in bytes, or a string like "64MiB"', _size)
+DURATION = Check('a duration in seconds, or a string like "30m"', _duration(False))
+DURATION0 = Check('a duration in seconds (0 allowed), or a string like "1h"', _duration(True))
+
+
+def _lfs_size(v: Any) -> str:
+    """``stripe_size`` goes to ``lfs setstripe -S`` as written; a number of bytes as text."""
+    return str(_typed("", str, int).parse(v))
+
+
+def _buffer(v: Any) -> int:
+    return 0 if v == 0 and not isinstance(v, bool) else _size(v)
+
+
+LFS_SIZE = Check('a size like "4M" or a number of bytes', _lfs_size)
+
+#: The options of an S3 tier, also the keys of ``[s3]`` (defaults for every S3 tier).
+_S3: dict[str, Check] = {
+    "endpoint_url": STRING,
+    "region": STRING,
+    "profile": STRING,
+    "addressing_style": one_of("path", "virtual", "auto"),
+    "max_concurrency": whole(1),
+    "part_size": SIZE,
+    "sse": STRING,
+    "sse_kms_key_id": STRING,
+    "max_attempts": whole(1),
+    "connect_timeout": DURATION,
+    "read_timeout": DURATION,
+    "checksum": one_of("crc32c", "md5", "off"),
+    "lean_requests": BOOL,
+    "socket_buffer": Check("a size in bytes, or 0 (the kernel's autotuning)", _buffer),
 }
+
+#: Every key fmstore.toml may hold, by table: ``"tiers.*"`` is each table under
+#: ``[tiers]``, ``"policies.export[]"`` each ``[[policies.export]]``, ``""`` the top level.
+#: A table named here may appear; a key not named in its table is an error that suggests
+#: the nearest.  Adding a key is one line in its table (and its layer reads it).
+SCHEMA: dict[str, dict[str, Check]] = {
+    "": {"state_dir": STRING},
+    "tiers.*": {
+        "url": STRING,
+        # "node": each node has its own copy (NVMe); see docs/distributed.md
+        "scope": one_of("shared", "node"),
+        # posix
+        "direct_io": BOOL,
+        "stripe_count": whole(-1),  # -1: every OST
+        "stripe_size": LFS_SIZE,
+        "fsync": BOOL,
+        **_S3,
+    },
+    "s3": _S3,
+    "checkpoint": {},
+    "dataset": {},
+    "stage": {"preserve_owner": BOOL},
+    "daemon": {
+        "host": STRING,
+        "port": whole(0, 65535),
+        "interval": DURATION,
+        "max_backoff": DURATION,
+        "concurrency": whole(1),
+        "bwlimit": SIZE,
+        "verify_destination": BOOL,
+        "orphan_grace": DURATION0,
+        "sweep_interval": DURATION,
+        "priority": STRING,
+    },
+    "policies": {"ladder": STRINGS, "write_tier": STRING, "on_full": one_of("fail", "fallback")},
+    "policies.export[]": {
+        "to": STRING,
+        "from": STRING,
+        "every_saves": whole(1),
+        "every_steps": whole(1),
+        "every_seconds": DURATION,
+    },
+    "policies.retention.*": {"keep_latest": whole(0), "keep_every": whole(1), "keep_for": DURATION},
+    "policies.release.*": {
+        "after": DURATION,
+        "high_watermark": FRACTION,
+        "low_watermark": FRACTION,
+        "durable": STRINGS,
+    },
+    "policies.restore": {"mode": one_of("lazy", "eager"), "cache_tier": STRING},
+}
+#: Keys a tier table may hold besides ``url``: the options of its backend.
+TIER_KEYS = set(SCHEMA["tiers.*"])
+#: Top-level keys: the tables of each layer, and ``state_dir``.
+SECTIONS = tuple(sorted({*SCHEMA[""], *(s.split(".")[0] for s in SCHEMA if s)}))
 
 
 @dataclass(frozen=True)
@@ -51,6 +168,8 @@ class TierConfig:
     name: str
     url: str
     options: Mapping[str, Any] = field(default_factory=dict)
+    #: ``"shared"`` (every node sees the same bytes) or ``"node"`` (each node its own copy)
+    scope: str = "shared"
 
 
 @dataclass(frozen=True)
@@ -72,15 +191,18 @@ class Config:
     def section(self, name: str) -> Mapping[str, Any]:
         return self.sections.get(name, {})
 
-    def table(self, name: str, allowed: Iterable[str]) -> tuple[Mapping[str, Any], str]:
-        """Section ``name``, checked to be a table whose keys are all in ``allowed``, and
+    def table(
+        self, name: str, allowed: Iterable[str] | None = None
+    ) -> tuple[Mapping[str, Any], str]:
+        """Section ``name``, checked to be a table whose keys are all in ``allowed`` (default:
+        its keys in :data:`SCHEMA`), and
         the prefix its layer's messages start with (``fmstore.toml: [daemon]``); raises
         :class:`ConfigError` naming the file, the section and the unknown key."""
         raw = self.section(name)
         w = f"{self.source or 'config'}: [{name}]"
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{w} must be a table")
-        known = sorted(allowed)
+        known = sorted(SCHEMA.get(name, {}) if allowed is None else allowed)
         for key in raw:
             if key not in known:
                 raise ConfigError(
@@ -125,26 +247,33 @@ def load_config(
     """Read, merge with the environment and validate; raises :class:`ConfigError`."""
     file = find_config_file(path)
     data: dict[str, Any]
+    text = None
     if file is None:
         data = default_dict()
     else:
+        text = file.read_text()
         try:
-            data = tomllib.loads(file.read_text())
+            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{file}: not valid TOML: {e}") from None
         data.setdefault("state_dir", default_dict()["state_dir"])
-    _apply_env(data, os.environ if env is None else env)
-    return from_dict(data, source=str(file) if file else None)
+    source = str(file) if file else None
+    origin = _Origin(source, text)
+    _apply_env(data, os.environ if env is None else env, origin)
+    return from_dict(data, source=source, _origin=origin)
 
 
-def from_dict(data: Mapping[str, Any], *, source: str | None = None) -> Config:
+def from_dict(
+    data: Mapping[str, Any], *, source: str | None = None, _origin: _Origin | None = None
+) -> Config:
+    """Validate ``data`` against :data:`SCHEMA` (converting sizes and durations where a
+    key reads them) and build the :class:`Config`; raises :class:`ConfigError` naming the
+    file, the line or environment variable, the ``[table] key`` and what it must be."""
     where = source or "config"
-    for key in data:
-        if key not in SECTIONS:
-            raise ConfigError(f"{where}: unknown section or key {key!r}{_suggest(key, SECTIONS)}")
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: a config is a table, not {_show(data)}")
+    data = _checked(data, "", (), _origin or _Origin(source))
     raw_tiers = data.get("tiers", {})
-    if not isinstance(raw_tiers, Mapping):
-        raise ConfigError(f"{where}: [tiers] must be a table of tables")
     tiers: dict[str, TierConfig] = {}
     for name, table in raw_tiers.items():
         tiers[name] = _tier(where, name, table, data.get("s3", {}))
@@ -160,25 +289,23 @@ def from_dict(data: Mapping[str, Any], *, source: str | None = None) -> Config:
 def _tier(where: str, name: str, table: Any, s3_defaults: Mapping[str, Any]) -> TierConfig:
     if not name.replace("_", "").replace("-", "").isalnum():
         raise ConfigError(f"{where}: tier name {name!r} must be letters, digits, '-' or '_'")
-    if not isinstance(table, Mapping):
-        raise ConfigError(f"{where}: [tiers.{name}] must be a table with at least 'url'")
-    for key in table:
-        if key not in TIER_KEYS:
-            raise ConfigError(
-                f"{where}: [tiers.{name}] unknown key {key!r}{_suggest(key, TIER_KEYS)}"
-            )
     url = table.get("url")
     if not isinstance(url, str) or not url:
         raise ConfigError(
             f"{where}: [tiers.{name}] needs 'url' (a path, file://, s3:// or fsspec URL)"
         )
-    options = {k: v for k, v in table.items() if k != "url"}
+    scope = table.get("scope", "shared")
+    if scope not in ("shared", "node"):
+        raise ConfigError(
+            f"{where}: [tiers.{name}] scope must be 'shared' or 'node', not {scope!r}"
+        )
+    options = {k: v for k, v in table.items() if k not in ("url", "scope")}
     if url.startswith("s3://"):
         options = {**dict(s3_defaults), **options}
-    return TierConfig(name=name, url=os.path.expanduser(url), options=options)
+    return TierConfig(name=name, url=os.path.expanduser(url), options=options, scope=scope)
 
 
-def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> None:
+def _apply_env(data: dict[str, Any], env: Mapping[str, str], origin: _Origin) -> None:
     for var, value in env.items():
         if not var.startswith("FMSTORE__"):
             continue
@@ -192,6 +319,7 @@ def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> None:
                 raise ConfigError(f"${var}: {p!r} is not a table in the config")
             node = nxt
         node[path[-1]] = _scalar(value)
+        origin.env[tuple(path)] = (var, value)
 
 
 def _scalar(value: str) -> Any:
@@ -199,6 +327,149 @@ def _scalar(value: str) -> Any:
         return tomllib.loads(f"v = {value}")["v"]
     except tomllib.TOMLDecodeError:
         return value
+
+
+# ---- checking against the schema -------------------------------------------------------
+
+KeyPath = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class _Origin:
+    """Where values came from, for messages: the file (its text, to find a key's line) and
+    the environment variables that set values (path -> (variable, its text))."""
+
+    source: str | None = None
+    text: str | None = None
+    env: dict[KeyPath, tuple[str, str]] = field(default_factory=dict)
+
+    def at(self, path: KeyPath) -> str:
+        """``fmstore.toml, line 7`` / ``fmstore.toml, set by $FMSTORE__S3__REGION``."""
+        for n in range(len(path), 0, -1):
+            if path[:n] in self.env:
+                var = f"${self.env[path[:n]][0]}"
+                return f"{self.source}, set by {var}" if self.source else var
+        where = self.source or "config"
+        if self.text is not None:
+            lines = _key_lines(self.text)
+            for n in range(len(path), 0, -1):
+                if path[:n] in lines:
+                    return f"{where}, line {lines[path[:n]]}"
+        return where
+
+
+def _children(pattern: str) -> set[str]:
+    """Names of the tables that may appear in the table ``pattern``."""
+    prefix = f"{pattern}." if pattern else ""
+    names = {s[len(prefix) :].split(".")[0] for s in SCHEMA if s.startswith(prefix) and s != ""}
+    return {n.removesuffix("[]") for n in names} - {"*"}
+
+
+def _name(path: KeyPath) -> str:
+    if path and isinstance(path[-1], int):
+        return f"[[{'.'.join(map(str, path[:-1]))}]] #{path[-1] + 1}"
+    return f"[{'.'.join(map(str, path))}]" if path else ""
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, bool):
+        return f"{str(v).lower()} (a boolean)"
+    if isinstance(v, str):
+        return f'"{v if len(v) <= 60 else v[:57] + "..."}" (a string)'
+    if isinstance(v, int | float):
+        return f"{v} ({'an integer' if isinstance(v, int) else 'a number'})"
+    if isinstance(v, list):
+        return "an array"
+    return "a table" if isinstance(v, Mapping) else repr(v)
+
+
+def _table_of(v: Any, path: KeyPath, origin: _Origin, what: str = "a table") -> Mapping[str, Any]:
+    if not isinstance(v, Mapping):
+        raise ConfigError(f"{origin.at(path)}: {_name(path)} must be {what}, not {_show(v)}")
+    return v
+
+
+def _checked(raw: Mapping[str, Any], pattern: str, path: KeyPath, origin: _Origin) -> dict:
+    """``raw`` (the table at ``path``, described by ``SCHEMA[pattern]``) with every key
+    checked and converted."""
+    keys, tables = SCHEMA.get(pattern, {}), _children(pattern)
+    out: dict[str, Any] = {}
+    for k, v in raw.items():
+        child, p = f"{pattern}.{k}" if pattern else k, (*path, k)
+        if f"{child}.*" in SCHEMA:
+            each = _table_of(v, p, origin, "a table of tables")
+            out[k] = {
+                n: _checked(_table_of(t, (*p, n), origin), f"{child}.*", (*p, n), origin)
+                for n, t in each.items()
+            }
+        elif f"{child}[]" in SCHEMA:
+            items = [v] if isinstance(v, Mapping) else v
+            if not isinstance(items, list):
+                raise ConfigError(f"{origin.at(p)}: {_name(p)} must be an array of tables")
+            out[k] = [
+                _checked(_table_of(t, (*p, i), origin), f"{child}[]", (*p, i), origin)
+                for i, t in enumerate(items)
+            ]
+        elif k in tables:
+            out[k] = _checked(_table_of(v, p, origin), child, p, origin)
+        elif k in keys:
+            out[k] = _value(keys[k], v, p, origin)
+        elif not pattern:
+            raise ConfigError(
+                f"{origin.at(p)}: unknown section or key {k!r}{_suggest(k, [*keys, *tables])}"
+            )
+        else:
+            known = sorted({*keys, *tables})
+            raise ConfigError(
+                f"{origin.at(p)}: {_name(path)} unknown key {k!r}{_suggest(k, known)}; "
+                f"allowed: {', '.join(known) or 'none yet'}"
+            )
+    return out
+
+
+def _value(check: Check, v: Any, path: KeyPath, origin: _Origin) -> Any:
+    try:
+        return check.parse(v)
+    except (ValueError, TypeError):
+        pass
+    if path in origin.env:  # a variable's text that TOML read as a number: the text itself
+        try:
+            return check.parse(origin.env[path][1])
+        except (ValueError, TypeError):
+            pass
+    key = f"{_name(path[:-1])} {path[-1]}".strip()
+    raise ConfigError(f"{origin.at(path)}: {key} must be {check.expected}, not {_show(v)}")
+
+
+_SEG = r"""(?:[A-Za-z0-9_-]+|"[^"\\]*"|'[^']*')"""
+_DOTTED = rf"{_SEG}(?:\s*\.\s*{_SEG})*"
+_HEADER = re.compile(rf"\s*(\[\[?)\s*({_DOTTED})\s*\]")
+_ASSIGN = re.compile(rf"\s*({_DOTTED})\s*=")
+
+
+def _segments(dotted: str) -> tuple[str, ...]:
+    return tuple(s.strip("\"'") for s in re.findall(_SEG, dotted))
+
+
+def _key_lines(text: str) -> dict[KeyPath, int]:
+    """The line (1-based) where each table and key of a TOML text first appears: a line
+    scan good enough for messages (a nested array spread over lines may confuse it, then a
+    message names the line of an enclosing key)."""
+    lines: dict[KeyPath, int] = {}
+    table: KeyPath = ()
+    arrays: dict[KeyPath, int] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        if m := _HEADER.match(line):
+            parts = _segments(m.group(2))
+            if m.group(1) == "[[":
+                arrays[parts] = arrays.get(parts, -1) + 1
+                table = (*parts, arrays[parts])
+            else:
+                table = parts
+            lines.setdefault(table, n)
+        elif m := _ASSIGN.match(line):
+            lines.setdefault((*table, *_segments(m.group(1))), n)
+    return lines
 
 
 def _suggest(word: str, choices: Any) -> str:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from fmstore.config import from_dict, load_config
@@ -80,3 +82,148 @@ def test_unknown_tier_and_scheme_are_clear(tmp_path):
 def test_missing_config_file_is_clear(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")
+
+
+# ---- every value type-checked at load time -------------------------------------------------
+
+TYPED = """\
+state_dir = "{tmp}/state"
+
+[tiers.nvme]
+url = "{tmp}/nvme"
+direct_io = false
+
+[tiers.s3]
+url = "s3://bucket/p"
+region = "us-east-1"
+max_concurrency = 32
+"""
+
+
+@pytest.mark.parametrize(
+    "old,new,message",
+    [
+        (
+            "max_concurrency = 32",
+            'max_concurrency = "32"',
+            'line 10: [tiers.s3] max_concurrency must be a whole number >= 1, not "32" (a string)',
+        ),
+        (
+            'region = "us-east-1"',
+            "region = 1",
+            "line 9: [tiers.s3] region must be a string, not 1 (an integer)",
+        ),
+        (
+            "direct_io = false",
+            'direct_io = "false"',
+            "line 5: [tiers.nvme] direct_io must be true or false (a TOML boolean, unquoted), "
+            'not "false" (a string)',
+        ),
+        ("direct_io = false", "ulr = 1", "line 5: [tiers.nvme] unknown key 'ulr'"),
+    ],
+)
+def test_a_value_of_the_wrong_type_names_file_line_table_key_and_type(tmp_path, old, new, message):
+    p = write(tmp_path, TYPED.format(tmp=tmp_path).replace(old, new))
+    with pytest.raises(ConfigError) as ei:
+        load_config(p, env={})
+    assert str(ei.value) == f"{p}, {message}" or str(ei.value).startswith(f"{p}, {message}")
+
+
+def test_an_environment_variable_is_named_when_it_set_the_bad_value(tmp_path):
+    p = write(tmp_path, TYPED.format(tmp=tmp_path))
+    with pytest.raises(ConfigError) as ei:
+        load_config(p, env={"FMSTORE__TIERS__S3__MAX_CONCURRENCY": "lots"})
+    assert str(ei.value) == (
+        f"{p}, set by $FMSTORE__TIERS__S3__MAX_CONCURRENCY: [tiers.s3] max_concurrency "
+        'must be a whole number >= 1, not "lots" (a string)'
+    )
+    # a variable's text is the string a string key asks for, even where TOML reads a number
+    cfg = load_config(p, env={"FMSTORE__TIERS__S3__REGION": "1", "FMSTORE__DAEMON__PORT": "9"})
+    assert cfg.tier("s3").options["region"] == "1" and cfg.section("daemon")["port"] == 9
+
+
+def test_sizes_and_durations_are_read_with_their_units(tmp_path):
+    p = write(
+        tmp_path,
+        TYPED.format(tmp=tmp_path)
+        + 'part_size = "16MiB"\nconnect_timeout = "2s"\n[s3]\nread_timeout = "1m"\n',
+    )
+    opts = load_config(p, env={}).tier("s3").options
+    assert opts["part_size"] == 16 << 20 and opts["connect_timeout"] == 2.0
+    assert opts["read_timeout"] == 60.0
+
+
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        ({"state_dir": 3}, "config: state_dir must be a string, not 3"),
+        ({"s3": {"region": True}}, "[s3] region must be a string, not true (a boolean)"),
+        ({"s3": {"part_size": "big"}}, "[s3] part_size must be a size"),
+        ({"daemon": {"port": "9464"}}, "[daemon] port must be a whole number 0..65535"),
+        ({"daemon": {"interval": "soon"}}, "[daemon] interval must be a duration"),
+        ({"stage": {"preserve_owner": "yes"}}, "[stage] preserve_owner must be true or false"),
+        ({"checkpoint": {"codec": "zstd"}}, "[checkpoint] unknown key 'codec'"),
+        ({"policies": {"ladder": "nvme"}}, "[policies] ladder must be a list of strings"),
+        (
+            {"policies": {"export": [{"to": "s3"}, {"to": "s3", "every_saves": "2"}]}},
+            "[[policies.export]] #2 every_saves must be a whole number >= 1",
+        ),
+        (
+            {"policies": {"retention": {"nvme": {"keep_latest": 1.5}}}},
+            "[policies.retention.nvme] keep_latest must be a whole number >= 0",
+        ),
+        (
+            {"policies": {"release": {"nvme": {"high_watermark": "90%"}}}},
+            "[policies.release.nvme] high_watermark must be a fraction",
+        ),
+        ({"policies": {"restore": {"mode": "lasy"}}}, "[policies.restore] mode must be 'lazy'"),
+        ({"policies": {"retention": []}}, "[policies.retention] must be a table of tables"),
+    ],
+)
+def test_every_section_is_checked_at_load_time(data, message):
+    with pytest.raises(ConfigError) as ei:
+        from_dict(data)
+    assert message in str(ei.value)
+
+
+def test_the_schema_and_the_layers_that_read_it_agree():
+    """A key added to a layer's reader and not to :data:`SCHEMA` (or the reverse) would be
+    refused at load time, or accepted and ignored."""
+    from dataclasses import fields
+
+    from fmstore.config import SCHEMA, TierConfig
+    from fmstore.stores.posix import PosixOptions
+    from fmstore.stores.s3 import S3Options
+    from fmstore.tiering import daemon, rules, stage
+
+    assert set(SCHEMA["daemon"]) == daemon._KEYS
+    assert set(SCHEMA["stage"]) == set(stage._STAGE_KEYS)
+    nested = {"export", "retention", "release", "restore"}
+    assert set(SCHEMA["policies"]) | nested == rules._TOP_KEYS
+    assert set(SCHEMA["policies.export[]"]) == rules._EXPORT_KEYS
+    assert set(SCHEMA["policies.retention.*"]) == rules._RETENTION_KEYS
+    assert set(SCHEMA["policies.release.*"]) == rules._RELEASE_KEYS
+    assert set(SCHEMA["policies.restore"]) == rules._RESTORE_KEYS
+    backend = {f.name for f in fields(S3Options)} | {f.name for f in fields(PosixOptions)}
+    assert set(SCHEMA["s3"]) <= backend
+    own = {f.name for f in fields(TierConfig)}  # url, scope: read by the config itself
+    assert set(SCHEMA["tiers.*"]) - own <= backend
+
+
+def test_the_cli_prints_one_error_line_for_a_bad_value(tmp_path):
+    import subprocess
+    import sys
+
+    p = write(tmp_path, TYPED.format(tmp=tmp_path).replace("= 32", '= "32"'))
+    r = subprocess.run(
+        [sys.executable, "-m", "fmstore", "ls", "nvme:"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "FMSTORE_CONFIG": str(p)},
+        timeout=120,
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f'error: {p}, line 10: [tiers.s3] max_concurrency must be a whole number >= 1, not "32" '
+        "(a string)"
+    ]
