@@ -20,12 +20,13 @@ from typing import Any
 import torch
 
 from .. import runtime
-from ..errors import AlreadyExists, ConfigError, NotFound
+from ..errors import AlreadyExists, ConfigError, CorruptData, NotFound
 from ..stores import Location, open_store
 from ..units import parse_size
 from .api import load, save
-from .hf import is_hf_dir, read_hf_dir, write_hf_dir
+from .hf import is_hf_dir, read_hf_dir, read_safetensors_fd, write_hf_dir
 from .loading import LazyDict
+from .zipguard import check_torch_zip, open_regular
 
 TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -63,17 +64,35 @@ def _read_all(location: str, kind: str) -> Any:
     if kind == "hf":
         return read_hf_dir(location)
     if kind == "safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(location)
+        with open_regular(location) as f:
+            return read_safetensors_fd(f.fileno(), location)
     if kind == "torch":
-        return torch.load(location, map_location="cpu", weights_only=True)
+        return _read_torch_file(location)
     from .dcp.api import is_dcp_checkpoint, load_full_state_dict
 
     if is_dcp_checkpoint(location):
         # A multi-rank (torch.distributed.checkpoint) checkpoint: gathered whole, on CPU.
         return load_full_state_dict(location)
     return load(location, map_location="cpu")
+
+
+def _read_torch_file(location: str) -> Any:
+    """A ``torch.save`` file read with ``weights_only=True``, after its zip members were
+    checked (:func:`~.zipguard.check_torch_zip`: nothing inflated, nothing read twice, so
+    what torch allocates is bounded by the file's size); CorruptData naming the file."""
+    with open_regular(location) as f:
+        check_torch_zip(f, name=location)
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        except MemoryError:
+            raise
+        except Exception as e:  # torch's message is a page of advice: keep its first line
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            why = next((ln for ln in lines if "Unpickler error" in ln), lines[0] if lines else "")
+            raise CorruptData(
+                f"{location} is not a torch.save file fmstore reads with weights_only=True: "
+                f"{why[:300] or type(e).__name__}"
+            ) from None
 
 
 def flatten_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:

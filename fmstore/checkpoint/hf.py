@@ -66,7 +66,8 @@ def _open_in(dirfd: int, name: str, where: str) -> int:
     ):
         raise CorruptData(f"{where}: {name!r} is not a plain file name in the same directory")
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+        # O_NONBLOCK: a FIFO would make the open wait for a writer; refused below.
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dirfd)
     except FileNotFoundError:
         raise NotFound(f"{where}: {name} does not exist") from None
     except OSError as e:
@@ -76,6 +77,7 @@ def _open_in(dirfd: int, name: str, where: str) -> int:
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise CorruptData(f"{where}: {name} is not a regular file")
+    os.set_blocking(fd, True)
     return fd
 
 
@@ -115,34 +117,40 @@ def read_index(dirfd: int, where: str) -> dict[str, str]:
 
 
 def _read_shard(dirfd: int, name: str, where: str) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError, safe_open
-
     fd = _open_in(dirfd, name, where)
     try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, 8, 0)
-        if len(head) < 8:
-            raise CorruptData(f"{where}/{name}: {size} bytes, too short for a safetensors file")
-        n = int.from_bytes(head, "little")
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise CorruptData(
-                f"{where}/{name}: header declares {n} bytes; the file holds {size} "
-                f"(at most {MAX_HEADER_BYTES} allowed)"
-            )
-        # Opened through this descriptor, so the file checked is the file read.
-        path = (
-            f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else os.path.join(where, name)
-        )
-        try:
-            out: dict[str, torch.Tensor] = {}
-            with safe_open(path, framework="pt") as f:  # type: ignore[no-untyped-call]
-                for k in f.keys():
-                    out[k] = f.get_tensor(k)
-            return out
-        except (SafetensorError, ValueError, OSError, RuntimeError) as e:
-            raise CorruptData(f"{where}/{name} is not a valid safetensors file: {e}") from None
+        return read_safetensors_fd(fd, f"{where}/{name}")
     finally:
         os.close(fd)
+
+
+def read_safetensors_fd(fd: int, where: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors file open at ``fd`` (a regular file), its header
+    size checked against the file before safetensors parses it; CorruptData naming
+    ``where`` when it does not parse."""
+    from safetensors import SafetensorError, safe_open
+
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        raise CorruptData(f"{where}: {size} bytes, too short for a safetensors file")
+    n = int.from_bytes(head, "little")
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise CorruptData(
+            f"{where}: header declares {n} bytes; the file holds {size} "
+            f"(at most {MAX_HEADER_BYTES} allowed)"
+        )
+    # Opened through this descriptor, so the file checked is the file read.
+    path = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else where
+    try:
+        out: dict[str, torch.Tensor] = {}
+        with safe_open(path, framework="pt") as f:  # type: ignore[no-untyped-call]
+            for k in f.keys():
+                out[k] = f.get_tensor(k)
+        return out
+    except (SafetensorError, ValueError, OSError, RuntimeError) as e:
+        why = " ".join(str(e).split())[:300]
+        raise CorruptData(f"{where} is not a valid safetensors file: {why}") from None
 
 
 def read_hf_dir(location: str) -> dict[str, torch.Tensor]:

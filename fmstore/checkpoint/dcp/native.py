@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import math
 import pathlib
 import pickle
@@ -45,6 +46,7 @@ from ...errors import CorruptData, FmstoreError, InvalidKey, NotFound
 from ...format.dtypes import dtype_from_name, dtype_name
 from ...keys import validate_key
 from ...stores import Store
+from ..zipguard import check_torch_zip
 
 __all__ = [
     "MAX_METADATA_BYTES",
@@ -143,9 +145,8 @@ class NativeItem:
         return math.prod(self.shape) * dtype_from_name(self.dtype).itemsize
 
     def where(self, url: str) -> str:
-        return (
-            f"{self.fqn!r} (bytes {self.start}..{self.start + self.length} of {self.path} in {url})"
-        )
+        span = f"bytes {self.start}..{self.start + self.length}"
+        return f"{short(self.fqn)} ({span} of {self.path} in {url})"
 
 
 @dataclass
@@ -207,7 +208,7 @@ async def read_native(store: Store, *, allow_pickle: bool = False) -> NativeChec
             key=METADATA_KEY,
         )
     data = await store.get_range(METADATA_KEY, 0, size)
-    md = _unpickle(data, where, allow_pickle)
+    md = _checked(_unpickle(data, where, allow_pickle), where)
     items = _items(md, where)
     files: dict[str, int] = {}
     for path in sorted({it.path for it in items}):
@@ -256,43 +257,92 @@ def _unpickle(data: bytes, where: str, allow_pickle: bool) -> dmd.Metadata:
     return md
 
 
-def _ints(v: Any) -> tuple[int, ...] | None:
-    if not isinstance(v, (tuple, list)) or not all(
-        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v
-    ):
-        return None
-    return tuple(v)
+def short(v: Any, depth: int = 3) -> str:
+    """A bounded repr of a value read from a file, for error messages: at most a few
+    elements per container and ``depth`` levels, strings and numbers cut short.  Never
+    calls the value's own ``__repr__`` (a pickled list DAG a few levels deep has an
+    exponential one)."""
+    if isinstance(v, bool) or v is None or isinstance(v, (float, torch.dtype)):
+        return repr(v)
+    if isinstance(v, int):
+        return repr(v) if v.bit_length() <= 128 else f"<an int of {v.bit_length()} bits>"
+    if isinstance(v, (str, bytes)):
+        return repr(v[:80]) + ("..." if len(v) > 80 else "")
+    name = type(v).__name__[:60]
+    if depth <= 0:
+        return f"<{name}>"
+    if isinstance(v, (list, tuple, set, frozenset)):
+        head = [short(x, depth - 1) for x in list(itertools.islice(v, 4))]
+        more = ", ..." if len(v) > 4 else ""
+        return f"{name}({', '.join(head)}{more})"
+    if isinstance(v, dict):
+        pairs = [
+            f"{short(k, depth - 1)}: {short(x, depth - 1)}"
+            for k, x in itertools.islice(v.items(), 4)
+        ]
+        return "{" + ", ".join(pairs) + (", ..." if len(v) > 4 else "") + "}"
+    attrs = getattr(v, "__dict__", None)
+    if isinstance(attrs, dict):
+        shown = itertools.islice(attrs.items(), 6)
+        return f"{name}({', '.join(f'{str(k)[:40]}={short(x, depth - 1)}' for k, x in shown)})"
+    return f"<{name}>"
 
 
-def _items(md: dmd.Metadata, where: str) -> list[NativeItem]:
-    """Every saved item of ``md``, checked (sizes, boxes, offsets, paths)."""
+_MISSING = object()
+
+
+def _checked(md: dmd.Metadata, where: str) -> dmd.Metadata:
+    """``md`` rebuilt from its checked fields: a pickle may give a ``Metadata`` (or any
+    of DCP's classes) no attributes at all, or attributes of any type.  The state-dict
+    metadata is rebuilt from the fields fmstore checked, so the planners torch runs on it
+    meet only well-formed values."""
 
     def bad(why: str) -> CorruptData:
         return CorruptData(f"not a valid checkpoint at {where}: {why}"[:500], key=METADATA_KEY)
 
-    sdm, sd = md.state_dict_metadata, md.storage_data
+    fields = {
+        k: getattr(md, k, _MISSING)
+        for k in ("state_dict_metadata", "storage_data", "planner_data", "version")
+    }
+    sdm, sd, pd, version = fields.values()
     if not isinstance(sdm, dict) or not isinstance(sd, dict):
-        raise bad("state_dict_metadata or storage_data is not a dict")
-    shapes: dict[
-        str, tuple[tuple[int, ...], str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
-    ] = {}
+        raise bad("state_dict_metadata or storage_data is missing or not a dict")
+    if version is _MISSING or (version is not None and not isinstance(version, str)):
+        raise bad(f"version {short(version)} is not a str")
+    if pd is _MISSING or pd is None:
+        pd = None
+    elif not isinstance(pd, dict) or not all(
+        isinstance(k, str)
+        and isinstance(v, (tuple, list))
+        and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v)
+        for k, v in pd.items()
+    ):
+        raise bad(f"planner_data {short(pd)} is not a map of names to key paths")
+    else:
+        pd = {k: tuple(v) for k, v in pd.items()}
+    clean: dict[str, Any] = {}
     for fqn, m in sdm.items():
         if not isinstance(fqn, str):
-            raise bad(f"state_dict_metadata key {fqn!r} is not a str")
+            raise bad(f"state_dict_metadata key {short(fqn)} is not a str")
         if isinstance(m, dmd.BytesStorageMetadata):
+            clean[fqn] = dmd.BytesStorageMetadata()
             continue
-        if not isinstance(m, dmd.TensorStorageMetadata) or not isinstance(
-            m.properties, dmd.TensorProperties
+        props = getattr(m, "properties", None)
+        dtype = getattr(props, "dtype", None)
+        size, chunks = _ints(getattr(m, "size", None)), getattr(m, "chunks", None)
+        if (
+            not isinstance(m, dmd.TensorStorageMetadata)
+            or not isinstance(dtype, torch.dtype)
+            or dtype_name(dtype) is None
+            or size is None
+            or not isinstance(chunks, list)
         ):
-            raise bad(f"state_dict_metadata[{fqn!r}] is a {type(m).__name__}")
-        name = (
-            dtype_name(m.properties.dtype) if isinstance(m.properties.dtype, torch.dtype) else None
-        )
-        size = _ints(m.size)
-        if name is None or size is None or not isinstance(m.chunks, list):
-            raise bad(f"state_dict_metadata[{fqn!r}]: bad dtype or size")
+            raise bad(
+                f"state_dict_metadata[{short(fqn)}]: {short(m)} is not a tensor's "
+                "metadata (dtype, size, chunks)"
+            )
         boxes = []
-        for c in m.chunks:
+        for c in chunks:
             offs, lens = _ints(getattr(c, "offsets", None)), _ints(getattr(c, "sizes", None))
             if (
                 offs is None
@@ -302,49 +352,85 @@ def _items(md: dmd.Metadata, where: str) -> list[NativeItem]:
                 or any(o + n > s for o, n, s in zip(offs, lens, size, strict=True))
             ):
                 raise bad(
-                    f"state_dict_metadata[{fqn!r}]: chunk {c!r} does not fit size {list(size)}"
+                    f"state_dict_metadata[{short(fqn)}]: chunk {short(c)} does not fit "
+                    f"size {list(size)}"
                 )
-            boxes.append((offs, lens))
-        shapes[fqn] = (size, name, boxes)
+            boxes.append(dmd.ChunkStorageMetadata(torch.Size(offs), torch.Size(lens)))
+        clean[fqn] = dmd.TensorStorageMetadata(
+            dmd.TensorProperties(dtype=dtype), torch.Size(size), boxes
+        )
+    return dmd.Metadata(
+        state_dict_metadata=clean, planner_data=pd, storage_data=sd, version=version
+    )
+
+
+def _ints(v: Any) -> tuple[int, ...] | None:
+    if not isinstance(v, (tuple, list)) or not all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v
+    ):
+        return None
+    return tuple(v)
+
+
+def _items(md: dmd.Metadata, where: str) -> list[NativeItem]:
+    """Every saved item of ``md`` (as :func:`_checked` returns it), checked: sizes, boxes,
+    offsets, paths."""
+
+    def bad(why: str) -> CorruptData:
+        return CorruptData(f"not a valid checkpoint at {where}: {why}"[:500], key=METADATA_KEY)
+
+    sdm, sd = md.state_dict_metadata, md.storage_data
+    shapes: dict[
+        str, tuple[tuple[int, ...], str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
+    ] = {}
+    for fqn, m in sdm.items():
+        if isinstance(m, dmd.TensorStorageMetadata):
+            name = dtype_name(m.properties.dtype)
+            assert name is not None  # checked by _checked
+            boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in m.chunks]
+            shapes[fqn] = (tuple(m.size), name, boxes)
     items: list[NativeItem] = []
     held: dict[str, int] = {}
     for idx, info in sd.items():
-        if not isinstance(idx, dmd.MetadataIndex) or not isinstance(idx.fqn, str):
-            raise bad(f"storage_data key {idx!r} is not a MetadataIndex")
-        fqn = idx.fqn
+        key, offset, index = (getattr(idx, k, _MISSING) for k in ("fqn", "offset", "index"))
+        if not isinstance(idx, dmd.MetadataIndex) or not isinstance(key, str):
+            raise bad(f"storage_data key {short(idx)} is not a MetadataIndex")
+        fqn = key
         path, start, length = (
             getattr(info, k, None) for k in ("relative_path", "offset", "length")
         )
         if not isinstance(path, str) or _ints((start, length)) is None:
-            raise bad(f"storage_data[{fqn!r}]: bad file, offset or length ({info!r})")
+            raise bad(f"storage_data[{short(fqn)}]: bad file, offset or length ({short(info)})")
         assert isinstance(start, int) and isinstance(length, int)
         try:
             validate_key(path)
         except InvalidKey as e:
-            raise bad(f"storage_data[{fqn!r}]: file {path!r} is not a key ({e.message})") from None
+            raise bad(
+                f"storage_data[{short(fqn)}]: file {path!r} is not a key ({e.message})"
+            ) from None
         if getattr(info, "transform_descriptors", None):
             raise bad(
-                f"storage_data[{fqn!r}] was written with stream transforms "
-                f"{list(info.transform_descriptors)} (compression extensions), which fmstore "
+                f"storage_data[{short(fqn)}] was written with stream transforms "
+                f"{short(info.transform_descriptors)} (compression extensions), which fmstore "
                 "does not read"
             )
         if fqn not in sdm:
-            raise bad(f"storage_data names {fqn!r}, which state_dict_metadata lacks")
-        index = idx.index if isinstance(idx.index, int) else None
+            raise bad(f"storage_data names {short(fqn)}, which state_dict_metadata lacks")
+        index = index if isinstance(index, int) and not isinstance(index, bool) else None
         if fqn not in shapes:
-            if idx.offset is not None:
-                raise bad(f"storage_data[{fqn!r}]: a bytes entry with a tensor offset")
+            if offset is not None and offset is not _MISSING:
+                raise bad(f"storage_data[{short(fqn)}]: a bytes entry with a tensor offset")
             items.append(NativeItem(fqn, None, index, "bytes", "", (), path, start, length))
             continue
         size, name, boxes = shapes[fqn]
-        offs = _ints(idx.offset)
+        offs = _ints(offset)
         lens = next((n for o, n in boxes if o == offs), None)
         if offs is None or lens is None:
-            raise bad(f"storage_data[{fqn!r}]: offset {idx.offset!r} is none of its chunks")
+            raise bad(f"storage_data[{short(fqn)}]: offset {short(offset)} is none of its chunks")
         raw = math.prod(lens) * dtype_from_name(name).itemsize
         if raw > length:
             raise bad(
-                f"storage_data[{fqn!r}] (offset {list(offs)}): a shard of {list(lens)} "
+                f"storage_data[{short(fqn)}] (offset {list(offs)}): a shard of {list(lens)} "
                 f"({raw} bytes) cannot be stored in {length} bytes"
             )
         held[fqn] = held.get(fqn, 0) + raw
@@ -353,7 +439,7 @@ def _items(md: dmd.Metadata, where: str) -> list[NativeItem]:
         total = math.prod(size) * dtype_from_name(name).itemsize
         if total > held.get(fqn, 0):
             raise bad(
-                f"state_dict_metadata[{fqn!r}]: a tensor of size {list(size)} ({total} bytes) "
+                f"state_dict_metadata[{short(fqn)}]: a tensor of size {list(size)} ({total} bytes) "
                 f"has only {held.get(fqn, 0)} bytes saved"
             )
     return items
@@ -376,19 +462,18 @@ async def read_item(store: Store, item: NativeItem) -> bytes:
     return data
 
 
-def check_archive(data: bytes, item: NativeItem, url: str) -> None:
-    """Check the CRC32 that ``torch.save``'s zip archive records for every member (torch
-    itself does not check them on load).  Only stored (uncompressed) members are accepted,
-    as ``torch.save`` writes them, so the check reads no more than ``data``."""
+def check_archive(data: bytes, item: NativeItem, url: str, *, crc: bool = True) -> None:
+    """Check that ``data`` is one ``torch.save`` archive of disjoint, stored, uniquely named
+    members (:func:`~fmstore.checkpoint.zipguard.check_torch_zip`: nothing is inflated and
+    no member is read twice, whatever its central directory lists), then with ``crc`` the
+    CRC32 it records for every member (torch itself does not check them on load)."""
+    check_torch_zip(data, name=f"corrupt item {item.where(url)}", key=item.path)
+    if not crc:
+        return
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
-            infos = z.infolist()
-            packed = [i.filename for i in infos if i.compress_type != zipfile.ZIP_STORED]
-            if packed:
-                why = f"compressed members {packed[:3]} (torch.save writes none)"
-            else:
-                bad = z.testzip()
-                why = "" if bad is None else f"member {bad} fails its CRC32"
+            bad = z.testzip()
+            why = "" if bad is None else f"member {bad[:100]!r} fails its CRC32"
     except Exception as e:  # zipfile raises many kinds on a garbled archive
         why = f"not a torch.save archive ({str(e)[:200] or type(e).__name__})"
     if why:
@@ -397,9 +482,9 @@ def check_archive(data: bytes, item: NativeItem, url: str) -> None:
 
 def decode_tensor(data: bytes, item: NativeItem, url: str, *, verify: bool = True) -> torch.Tensor:
     """The tensor ``torch.save`` wrote for ``item``, checked against its metadata (and its
-    archive's CRC32s when ``verify``)."""
-    if verify:
-        check_archive(data, item, url)
+    archive's CRC32s when ``verify``; its members and their sizes whatever ``verify`` says,
+    before torch reads any)."""
+    check_archive(data, item, url, crc=verify)
     try:
         t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
@@ -460,8 +545,7 @@ def read_native_data(
         datas = runtime.run(fetch())
         for (req, item), data in zip(batch, datas, strict=True):
             if req.type == LoadItemType.BYTE_IO:
-                if verify:
-                    check_archive(data, item, store.url)
+                check_archive(data, item, store.url, crc=verify)
                 planner.load_bytes(req, byte_io(item, data))
                 continue
             if item.kind != "tensor":

@@ -1,0 +1,145 @@
+"""Checking a ``torch.save`` zip archive before torch reads it.
+
+``torch.load`` trusts the archive's central directory: a member listed many times is read
+once per listing, a deflated member is inflated whole before any size is checked (a
+262 KB file becomes a 256 MiB tensor), and members may overlap so the same bytes count
+many times.  :func:`check_torch_zip` reads only the central directory and one local header
+per member (no member data) and refuses, with one :class:`~fmstore.errors.CorruptData`
+naming the file and the member:
+
+* anything that is not a zip archive (torch has written zip archives since 1.6; the older
+  tar/pickle layout allocates whatever its pickle declares and is not read);
+* members that are compressed or encrypted (``torch.save`` stores every member as is), or
+  whose declared sizes disagree;
+* a member name listed twice, and members whose bytes overlap each other or the central
+  directory, or run past the end of the file;
+* an archive that is not one ``torch.save`` archive (one top directory holding
+  ``data.pkl``).
+
+After the check the archive's members are disjoint stored byte ranges of the file, so what
+torch reads from it is bounded by the file's size.  It is the same for any ``torch.save``
+output: a ``.pt`` file or an item of a native DCP ``.distcp`` file.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import struct
+import zipfile
+from typing import IO
+
+from ..errors import CorruptData, NotFound
+
+__all__ = ["MAX_MEMBERS", "check_torch_zip", "open_regular"]
+
+#: More members than this is no ``torch.save`` archive (one per storage, plus five).
+MAX_MEMBERS = 1 << 20
+
+_LOCAL = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
+_LOCAL_SIG = b"PK\x03\x04"
+
+
+def open_regular(path: str | os.PathLike[str], *, name: str | None = None) -> IO[bytes]:
+    """``path`` opened for reading, refused (:class:`CorruptData`) unless a regular file:
+    ``O_NONBLOCK`` so that a FIFO cannot make the open wait for a writer."""
+    where = name or os.fspath(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise NotFound(f"{where} does not exist") from None
+    except OSError as e:
+        raise CorruptData(f"{where} cannot be opened ({e.strerror})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptData(f"{where} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_torch_zip(
+    src: str | os.PathLike[str] | bytes | bytearray | memoryview | IO[bytes],
+    *,
+    name: str,
+    key: str | None = None,
+    tier: str | None = None,
+) -> None:
+    """Refuse (:class:`CorruptData` naming ``name``) a ``torch.save`` archive whose members
+    are not disjoint, stored, uniquely named byte ranges inside it (see the module's
+    docstring).  ``src``: a path (opened as a regular file), the archive's bytes, or a
+    seekable binary file (its position is restored).  Reads no member data: cost grows
+    with the number of members, not their sizes."""
+    if isinstance(src, (str, os.PathLike)):
+        with open_regular(src, name=name) as f:
+            _check(f, name, key, tier)
+    elif isinstance(src, (bytes, bytearray, memoryview)):
+        _check(io.BytesIO(src), name, key, tier)
+    else:
+        pos = src.tell()
+        try:
+            _check(src, name, key, tier)
+        finally:
+            src.seek(pos)
+
+
+def _check(f: IO[bytes], name: str, key: str | None, tier: str | None) -> None:
+    def bad(why: str) -> CorruptData:
+        return CorruptData(
+            f"{name} is not a torch.save archive fmstore reads: {why}"[:600], key=key, tier=tier
+        )
+
+    size = f.seek(0, os.SEEK_END)
+    f.seek(0)
+    try:
+        with zipfile.ZipFile(f) as z:
+            infos = z.infolist()
+            end = getattr(z, "start_dir", size)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError) as e:
+        raise bad(
+            f"not a zip archive ({str(e)[:200] or type(e).__name__}); torch.save's "
+            "pre-1.6 layout is not read"
+        ) from None
+    if not infos:
+        raise bad("an empty zip archive")
+    if len(infos) > MAX_MEMBERS:
+        raise bad(f"{len(infos)} members, more than the {MAX_MEMBERS} allowed")
+    top = infos[0].filename.split("/", 1)[0]
+    seen: set[str] = set()
+    spans: list[tuple[int, int, str]] = []
+    for i in infos:
+        member = i.filename
+        shown = repr(member[:100])
+        if member in seen:
+            raise bad(f"member {shown} is listed more than once")
+        seen.add(member)
+        if member.split("/", 1)[0] != top or "/" not in member:
+            raise bad(f"member {shown} is outside the archive's directory {top[:100]!r}")
+        if i.compress_type != zipfile.ZIP_STORED:
+            raise bad(f"member {shown} is compressed (torch.save stores members as they are)")
+        if i.flag_bits & 0x1:
+            raise bad(f"member {shown} is encrypted")
+        if i.compress_size != i.file_size:
+            raise bad(f"member {shown} declares {i.file_size} bytes but stores {i.compress_size}")
+        if i.header_offset < 0 or i.header_offset + _LOCAL.size > end:
+            raise bad(
+                f"member {shown} starts at {i.header_offset}, outside the members' {end} bytes"
+            )
+        f.seek(i.header_offset)
+        head = f.read(_LOCAL.size)
+        sig, nlen, xlen = _LOCAL.unpack(head) if len(head) == _LOCAL.size else (b"", 0, 0)
+        if sig != _LOCAL_SIG:
+            raise bad(f"member {shown} has no local header at {i.header_offset}")
+        stop = i.header_offset + _LOCAL.size + nlen + xlen + i.compress_size
+        if stop > end:
+            raise bad(f"member {shown} runs to byte {stop}, past the members' {end} bytes")
+        spans.append((i.header_offset, stop, member))
+    if f"{top}/data.pkl" not in seen:
+        raise bad(f"no {top[:100]}/data.pkl member")
+    spans.sort()
+    for (_, stop, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < stop:
+            raise bad(f"members {a[:100]!r} and {b[:100]!r} overlap")

@@ -1,0 +1,311 @@
+"""Hostile input, third round: native DCP metadata and zip members, torch.save and
+safetensors files given to ``ckpt convert``, Hugging Face directories holding FIFOs,
+Parquet footers, and resume journals.
+
+Each test builds the hostile file from a real one (written by torch, safetensors, pyarrow or
+fmstore itself) and checks that fmstore refuses it with one fmstore error, within a memory
+limit where the attack is an allocation, without hanging where it is a FIFO.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hostile_helpers import run_limited
+from stage_data import fm_here
+from torch.distributed.checkpoint import metadata as dmd
+
+import fmstore
+from fmstore import runtime
+from fmstore.checkpoint.dcp.native import read_native
+from fmstore.checkpoint.zipguard import check_torch_zip
+from fmstore.errors import CorruptData
+from fmstore.stores import open_store
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+# ---- crafting zip archives ----------------------------------------------------------------
+
+
+def torch_bytes(obj: object) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def deflated(data: bytes) -> bytes:
+    """The same archive with every member deflated (torch.save stores them)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info), compress_type=zipfile.ZIP_DEFLATED)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def bomb() -> bytes:
+    """A 5 MB torch.save file of a 1 GiB tensor of zeros: its storage member deflated
+    (torch.save stores members; torch inflates whatever it is given)."""
+    n, small = 256 << 20, 123457
+    src = io.BytesIO(torch_bytes(torch.zeros(small)))
+    out = io.BytesIO()
+    with (
+        zipfile.ZipFile(src) as z,
+        zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as dst,
+    ):
+        for info in z.infolist():
+            data = z.read(info)
+            if info.filename.endswith("/data/0"):
+                piece = bytes(1 << 20)
+                with dst.open(info.filename, "w", force_zip64=True) as w:
+                    for _ in range(n * 4 >> 20):
+                        w.write(piece)
+                continue
+            if info.filename.endswith("/data.pkl"):  # the storage's and the tensor's sizes
+                data = data.replace(b"J" + struct.pack("<i", small), b"J" + struct.pack("<i", n))
+            dst.writestr(info.filename, data)
+    return out.getvalue()
+
+
+def _central_entries(cd: bytes) -> list[bytes]:
+    out, at = [], 0
+    while at < len(cd):
+        assert cd[at : at + 4] == b"PK\x01\x02"
+        n, m, k = struct.unpack_from("<HHH", cd, at + 28)
+        out.append(cd[at : at + 46 + n + m + k])
+        at += 46 + n + m + k
+    return out
+
+
+def listed_again(data: bytes, member_suffix: str, times: int) -> bytes:
+    """``data`` (a torch.save archive) with the central directory entry of the member
+    ending in ``member_suffix`` repeated ``times`` more times: one stored member, many
+    listings."""
+    eocd = data.rindex(b"PK\x05\x06")
+    z64 = data.rindex(b"PK\x06\x06")
+    count, cd_size, cd_off = struct.unpack_from("<QQQ", data, z64 + 32)
+    entries = _central_entries(data[cd_off : cd_off + cd_size])
+    assert len(entries) == count
+    extra = next(
+        e
+        for e in entries
+        if e[46 : 46 + struct.unpack_from("<H", e, 28)[0]].decode().endswith(member_suffix)
+    )
+    cd = b"".join(entries) + extra * times
+    head = data[:cd_off]
+    z64rec = bytearray(data[z64:eocd])
+    struct.pack_into("<QQQQ", z64rec, 24, count + times, count + times, len(cd), cd_off)
+    # the zip64 locator (just before the end record) points at the zip64 end record
+    loc_at = len(z64rec) - 20
+    struct.pack_into("<Q", z64rec, loc_at + 8, cd_off + len(cd))
+    end = bytearray(data[eocd:])
+    struct.pack_into("<HHII", end, 8, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF)
+    return head + cd + bytes(z64rec) + bytes(end)
+
+
+def test_check_torch_zip_accepts_torch_save_output(tmp_path):
+    data = torch_bytes({"a": torch.arange(10), "b": [1, "x"]})
+    check_torch_zip(data, name="a.pt")
+    (tmp_path / "a.pt").write_bytes(data)
+    check_torch_zip(tmp_path / "a.pt", name="a.pt")
+    with open(tmp_path / "a.pt", "rb") as f:
+        f.seek(7)
+        check_torch_zip(f, name="a.pt")
+        assert f.tell() == 7
+
+
+def test_check_torch_zip_refusals(tmp_path):
+    good = torch_bytes(torch.arange(100))
+    with pytest.raises(CorruptData, match="x.pt .*listed more than once"):
+        check_torch_zip(listed_again(good, "data/0", 3), name="x.pt")
+    with pytest.raises(CorruptData, match="compressed"):
+        check_torch_zip(deflated(good), name="x.pt")
+    with pytest.raises(CorruptData, match="not a zip archive"):
+        check_torch_zip(pickle.dumps({"a": 1}), name="x.pt")
+    with pytest.raises(CorruptData, match="no .*data.pkl"):
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w") as z:
+            z.writestr("archive/other", b"x")
+        check_torch_zip(out.getvalue(), name="x.pt")
+    os.mkfifo(tmp_path / "fifo.pt")
+    with pytest.raises(CorruptData, match="not a regular file"):
+        check_torch_zip(tmp_path / "fifo.pt", name="fifo.pt")
+
+
+# ---- native DCP checkpoints ---------------------------------------------------------------
+
+
+def _native(path: Path) -> dict:
+    st = {"model": {"w": torch.randn(64, 32), "b": torch.zeros(7)}, "step": 3}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(st, storage_writer=dcp.FileSystemWriter(str(path)))
+    return st
+
+
+def _rewrite_metadata(path: Path, change) -> None:
+    md = pickle.loads((path / ".metadata").read_bytes())  # written by torch in this test
+    md = change(md) or md
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def _replace_item(path: Path, fqn: str, make) -> None:
+    """Append ``make(old item bytes)`` to the item's data file and point the metadata at it."""
+    md = pickle.loads((path / ".metadata").read_bytes())
+    idx, info = next((i, v) for i, v in md.storage_data.items() if i.fqn == fqn)
+    f = path / info.relative_path
+    data = f.read_bytes()
+    new = make(data[info.offset : info.offset + info.length])
+    info.offset, info.length = len(data), len(new)
+    f.write_bytes(data + new)
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def test_metadata_with_a_deep_list_dag_is_refused_at_once(tmp_path):
+    _native(tmp_path / "c")
+    dag: list = []
+    for _ in range(40):
+        dag = [dag, dag]  # repr() of this has 2**40 pieces; the pickle ~1 KB
+
+    def plant(md):
+        next(iter(md.storage_data.values())).relative_path = dag
+
+    _rewrite_metadata(tmp_path / "c", plant)
+    assert (tmp_path / "c" / ".metadata").stat().st_size < 4096
+    res = run_limited(
+        f"""
+        from fmstore.checkpoint.dcp.api import inspect_checkpoint
+        report(lambda: fmstore.load({str(tmp_path / "c")!r}))
+        report(lambda: inspect_checkpoint({str(tmp_path / "c")!r}))
+        """,
+        timeout=60,
+    )
+    for r in res:
+        assert r["fmstore"] and r["error"] == "CorruptData", r
+        assert "bad file, offset or length" in r["msg"] and len(r["msg"]) < 1000
+
+
+def test_metadata_without_fields_is_corrupt_data(tmp_path, monkeypatch):
+    _native(tmp_path / "c")
+    _rewrite_metadata(tmp_path / "c", lambda md: dmd.Metadata.__new__(dmd.Metadata))
+    with pytest.raises(CorruptData, match="state_dict_metadata or storage_data is missing"):
+        fmstore.load(tmp_path / "c")
+
+    def hollow(md):  # every tensor entry without its attributes, every index without its own
+        for k in md.state_dict_metadata:
+            md.state_dict_metadata[k] = dmd.TensorStorageMetadata.__new__(dmd.TensorStorageMetadata)
+
+    _native(tmp_path / "d")
+    _rewrite_metadata(tmp_path / "d", hollow)
+    with pytest.raises(CorruptData, match="is not a tensor's metadata"):
+        fmstore.load(tmp_path / "d")
+    monkeypatch.setenv("COLUMNS", "200")
+    r = fm_here("ckpt", "inspect", str(tmp_path / "d"))
+    assert r.returncode == 1 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
+
+
+def test_item_listing_one_member_many_times_is_refused(tmp_path, monkeypatch):
+    _native(tmp_path / "c")
+    _replace_item(tmp_path / "c", "model.w", lambda b: listed_again(b, "data/0", 2000))
+    for verify in (True, False):
+        with pytest.raises(CorruptData, match="model.w.*listed more than once"):
+            fmstore.load(tmp_path / "c", verify=verify)
+    monkeypatch.setenv("COLUMNS", "200")
+    r = fm_here("ckpt", "verify", str(tmp_path / "c"))
+    assert r.returncode == 1 and "listed more than once" in r.stdout + r.stderr
+
+
+def test_deflated_item_is_refused_before_inflating(tmp_path, bomb):
+    _native(tmp_path / "c")
+    # model.b is 7 floats; its item becomes the 5 MB archive of a 1 GiB tensor, which torch
+    # would inflate whole before the shape check (beyond the memory limit of the load).
+    _replace_item(tmp_path / "c", "model.b", lambda b: bomb)
+    assert (tmp_path / "c" / "__0_0.distcp").stat().st_size < 8 << 20
+    res = run_limited(
+        f"""
+        report(lambda: fmstore.load({str(tmp_path / "c")!r}, verify=False))
+        report(lambda: fmstore.load({str(tmp_path / "c")!r}))
+        """
+    )
+    for r in res:
+        assert r["fmstore"] and r["error"] == "CorruptData", r
+        assert "model.b" in r["msg"] and "compressed" in r["msg"]
+
+
+def test_native_checkpoint_still_loads_after_the_checks(tmp_path):
+    want = _native(tmp_path / "c")
+    got = fmstore.load(tmp_path / "c", verify=False)
+    assert torch.equal(got["model"]["w"], want["model"]["w"]) and got["step"] == 3
+    store = open_store(str(tmp_path / "c"))
+    try:
+        ck = runtime.run(read_native(store))
+    finally:
+        runtime.run(store.close())
+    assert ck.metadata.planner_data == {
+        "model.w": ("model", "w"),
+        "model.b": ("model", "b"),
+        "step": ("step",),
+    }
+
+
+# ---- ckpt convert of torch.save and safetensors files -------------------------------------
+
+
+@pytest.fixture
+def fm(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    return fm_here
+
+
+def _one_error_line(r) -> str:
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    return lines[0]
+
+
+def test_convert_of_a_deflated_pt_is_refused(tmp_path, bomb):
+    (tmp_path / "x.pt").write_bytes(bomb)
+    res = run_limited(
+        f"""
+        from fmstore.checkpoint.convert import convert
+        report(lambda: convert({str(tmp_path / "x.pt")!r}, {str(tmp_path / "y")!r}))
+        """
+    )
+    assert res[0]["fmstore"] and res[0]["error"] == "CorruptData", res
+    assert "x.pt" in res[0]["msg"] and "compressed" in res[0]["msg"]
+    assert not (tmp_path / "y").exists()
+
+
+def test_convert_of_garbage_files_is_one_error_line(tmp_path, fm):
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json!!!!!!}")
+    line = _one_error_line(
+        fm("ckpt", "convert", str(tmp_path / "bad.safetensors"), str(tmp_path / "out.pt"))
+    )
+    assert "bad.safetensors" in line
+    (tmp_path / "bad.pt").write_bytes(pickle.dumps({"a": 1})[:-3])
+    line = _one_error_line(
+        fm("ckpt", "convert", str(tmp_path / "bad.pt"), str(tmp_path / "out.safetensors"))
+    )
+    assert "bad.pt" in line
+    # a zip archive that passes the member checks but whose pickle torch refuses
+    arch = io.BytesIO()
+    with zipfile.ZipFile(arch, "w") as z:
+        z.writestr("archive/data.pkl", b"\x80\x02cos\nsystem\nq\x00.")
+    (tmp_path / "evil.pt").write_bytes(arch.getvalue())
+    line = _one_error_line(
+        fm("ckpt", "convert", str(tmp_path / "evil.pt"), str(tmp_path / "out.safetensors"))
+    )
+    assert "evil.pt" in line
+    assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "out.pt").exists()
