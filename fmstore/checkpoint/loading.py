@@ -111,6 +111,12 @@ class Materializer:
         await self.fetch(tensor_indices(node))
         return decode_tree(node, self.tensor, self.unpickle)
 
+    def fetch_sync(self, node: Any) -> None:
+        """Fetch every tensor under the encoded ``node`` in one batch of reads."""
+        self.check_pickles(node)
+        with self._lock:
+            runtime.run(self.fetch(tensor_indices(node)))
+
     def build_sync(self, node: Any) -> Any:
         with self._lock:
             return runtime.run(self.build(node))
@@ -194,9 +200,7 @@ class LazyDict(dict[Any, Any]):
         nodes = self._unbuilt_nodes()
         if nodes:
             node = {"list": nodes}
-            self._mat.check_pickles(node)
-            with self._mat._lock:
-                runtime.run(self._mat.fetch(tensor_indices(node)))
+            self._mat.fetch_sync(node)
 
     def _unbuilt_nodes(self) -> list[Any]:
         out: list[Any] = []
@@ -291,11 +295,13 @@ class LazyDict(dict[Any, Any]):
         return out
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        # Pickled (torch.save) as the plain dict torch.load would have given.
+        # Pickled (torch.save) as an OrderedDict: a pickle can build an exact dict only from
+        # an exact dict, and OrderedDict is the one other mapping torch.load(weights_only=True)
+        # accepts.
         self._prefetch()
         meta = self._metadata
         state = None if meta is None else {"_metadata": meta}
-        return (self._plain_type(), (), state, None, iter(self.items()))
+        return (OrderedDict, (), state, None, iter(self.items()))
 
     def __reduce__(self) -> Any:
         return self.__reduce_ex__(2)
