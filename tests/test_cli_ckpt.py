@@ -68,6 +68,25 @@ def test_gc_removes_leftovers_and_dry_run_only_reports(tmp_path, fm):
     )
 
 
+def test_durations_are_read_alike_by_every_flag(tmp_path, fm, posix_cfg):
+    m = fmstore.save(_state(), tmp_path / "crashed")
+    (tmp_path / "crashed" / "manifest.json").unlink()
+    leftover = tmp_path / "crashed" / m.generation / m.blobs[0].name
+    r = fm("ckpt", "gc", str(tmp_path), "--older-than", "1h")
+    assert r.returncode == 0 and leftover.exists(), r.stderr
+    r = fm("ckpt", "gc", str(tmp_path), "--older-than", "an hour")
+    assert r.returncode == 1 and "--older-than: 'an hour' is not a duration" in r.stderr
+    r = fm("daemon", "--drain", "--timeout", "soon", "--no-http")
+    assert r.returncode == 1 and "--timeout: 'soon' is not a duration" in r.stderr
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_bytes(b"x")
+    dst = str(tmp_path / "dst")
+    r = fm("stage", str(tmp_path / "src"), dst, "--no-progress", "--log-interval", "1m")
+    assert r.returncode == 0 and (tmp_path / "dst" / "f").read_bytes() == b"x", r.stderr
+    r = fm("stage", str(tmp_path / "src"), dst, "--log-interval", "0")
+    assert r.returncode == 2 and "--log-interval" in r.stderr
+
+
 def test_convert_between_fmstore_torch_and_safetensors(tmp_path, fm):
     st = _state()
     torch.save(st, tmp_path / "a.pt")

@@ -257,15 +257,18 @@ def _inspect_dcp(uri: str, limit: int, as_json: bool = False) -> None:
 def gc_cmd(
     root: str = typer.Argument(..., help="Directory or prefix holding checkpoints."),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Only show what would be removed."),
-    older_than: float = typer.Option(
-        3600.0,
+    older_than_s: str = typer.Option(
+        "1h",
         "--older-than",
-        help="Leave leftovers younger than this many seconds (saves may still be running).",
+        help="Leave leftovers younger than this (like 30m, 2h, 0, or seconds): saves may "
+        "still be running.",
     ),
 ) -> None:
     """Remove leftovers of crashed or superseded saves; committed checkpoints are kept."""
     from ..checkpoint.gc import gc
+    from ..units import parse_duration
 
+    older_than = parse_duration(older_than_s, "--older-than", allow_zero=True)
     rep = gc(root, older_than=older_than, dry_run=dry_run)
     console = Console()
     verb = "would remove" if dry_run else "removed"

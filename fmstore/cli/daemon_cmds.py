@@ -26,8 +26,10 @@ def daemon(
         help="Run until every policy is satisfied (all exports done), then exit 0 "
         "(end-of-job export, Slurm epilog).",
     ),
-    timeout: float = typer.Option(
-        None, "--timeout", help="With --drain: give up after this many seconds (exit 3)."
+    timeout_s: str = typer.Option(
+        None,
+        "--timeout",
+        help="With --drain: give up after this long (like 90s, 15m, or seconds; exit 3).",
     ),
     no_http: bool = typer.Option(False, "--no-http", help="Serve no /metrics endpoint."),
     check: bool = typer.Option(
@@ -55,6 +57,7 @@ def daemon(
             f"{plural(len(pol.retention), 'tier')}, release on {plural(len(pol.release), 'tier')}"
         )
         return
+    from ..units import parse_duration
     from . import main as cli_main
 
     sys.exit(
@@ -63,7 +66,7 @@ def daemon(
             port=port,
             once=once,
             drain=drain,
-            timeout=timeout,
+            timeout=None if timeout_s is None else parse_duration(timeout_s, "--timeout"),
             http=not no_http,
             log_level=cli_main.log_level,
         )

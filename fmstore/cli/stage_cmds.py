@@ -27,6 +27,7 @@ from ..tiering.stage import (
     stage_async,
 )
 from ..tiering.transfer import TransferOptions, TransferProgress
+from ..units import parse_duration
 from .main import app
 from .progress import (
     EXIT_FAILED,
@@ -166,8 +167,10 @@ def stage_cmd(
     progress: bool = typer.Option(
         True, "--progress/--no-progress", help="Progress bar (terminal) or log lines."
     ),
-    interval: float = typer.Option(
-        10.0, "--log-interval", help="Seconds between progress lines when not on a terminal."
+    interval_s: str = typer.Option(
+        "10s",
+        "--log-interval",
+        help="Time between progress lines when not on a terminal (like 10s, 1m, or seconds).",
     ),
 ) -> None:
     """Copy a dataset between any two locations: parallel, resumable, verified.
@@ -181,8 +184,10 @@ def stage_cmd(
     topts = _transfer_options(
         concurrency, bwlimit, part_size, verify, fsync, preserve_owner(preserve_owner_flag)
     )
-    if interval <= 0:
-        raise typer.BadParameter("must be more than 0", param_hint="--log-interval")
+    try:
+        interval = parse_duration(interval_s, "--log-interval")
+    except ConfigError as e:
+        raise typer.BadParameter(e.message, param_hint="--log-interval") from None
     try:
         KeyFilter.of(include, exclude)
     except ConfigError as e:
