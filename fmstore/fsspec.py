@@ -22,6 +22,7 @@ system as a Store).  It sits above ``tiering`` because lazy read-through needs i
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Coroutine
@@ -31,7 +32,7 @@ from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from . import runtime
 from .config import Config, get_config, load_config
-from .errors import InvalidKey, NotFound, NotSupported
+from .errors import InvalidKey, NotFound, NotSupported, PermissionDenied
 from .keys import validate_key
 from .stores import open_store
 from .stores.base import ObjectMeta, PutOptions, Store, Writer
@@ -39,6 +40,7 @@ from .stores.base import ObjectMeta, PutOptions, Store, Writer
 T = TypeVar("T")
 
 PROTOCOL = "fmstore"
+log = logging.getLogger(__name__)
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
@@ -121,32 +123,39 @@ class FmstoreFileSystem(AbstractFileSystem):
 
     # ---- lazy staging ---------------------------------------------------------------
 
-    def _lazy(self, tier: str, key: str) -> tuple[Any, Any] | None:
-        """(index, entry) when ``key`` on ``tier`` is listed by a lazy index and absent."""
+    def _find_index(self, tier: str, key: str) -> tuple[Any, str, str] | None:
+        """(index, key below it, the tier's real root) of the lazy index governing ``key``
+        on a POSIX ``tier``, looked for no higher than the tier's root.  An index that is
+        not trusted (:mod:`fmstore.tiering.lazy_index`) is not used: logged, not raised,
+        so a file someone else planted cannot make reads of absent files fail."""
         root = self.store(tier).local_root
-        if root is None or not key:
+        if root is None:
             return None
         from .tiering.lazy import find_index
 
-        found = find_index(os.path.join(root, key))
+        try:
+            found = find_index(os.path.join(root, key) if key else root, stop=root)
+        except PermissionDenied as e:
+            log.warning("%s", e)
+            return None
+        return None if found is None else (found[0], found[1], os.path.realpath(root))
+
+    def _lazy(self, tier: str, key: str) -> tuple[Any, Any] | None:
+        """(index, entry) when ``key`` on ``tier`` is listed by a lazy index and absent."""
+        found = self._find_index(tier, key) if key else None
         if found is None:
             return None
-        idx, rel = found
+        idx, rel, _root = found
         entry = idx.entries.get(rel)
         return None if entry is None else (idx, entry)
 
     def _lazy_under(self, tier: str, key: str) -> list[tuple[str, int]]:
         """(key below the tier, size) of every lazily listed file directly or deeper under
         the prefix ``key``, as keys of the tier."""
-        root = self.store(tier).local_root
-        if root is None:
-            return []
-        from .tiering.lazy import find_index
-
-        found = find_index(os.path.join(root, key) if key else root)
+        found = self._find_index(tier, key)
         if found is None:
             return []
-        idx, rel = found
+        idx, rel, root = found
         base = os.path.relpath(idx.root, root).replace(os.sep, "/")
         base = "" if base == "." else base
         if base.startswith(".."):

@@ -235,7 +235,7 @@ def test_lazily_staged_files_read_through(posix_cfg, tmp_path):
     from fmstore.tiering.lazy import write_index
     from fmstore.tiering.transfer import CopyItem
 
-    src = tmp_path / "source"
+    src = tmp_path / "lustre" / "source"  # an index may name only tiers (or lazy_sources)
     (src / "train").mkdir(parents=True)
     df = _frame(200)
     df.to_parquet(src / "train" / "p0.parquet")

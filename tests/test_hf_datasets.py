@@ -176,7 +176,7 @@ def test_lazily_staged_parquet_is_fetched_on_first_read(posix_cfg, hf_cache, tmp
     from fmstore.tiering.lazy import write_index
     from fmstore.tiering.transfer import CopyItem
 
-    src = tmp_path / "source"
+    src = tmp_path / "lustre" / "source"  # an index may name only tiers (or lazy_sources)
     (src / "train").mkdir(parents=True)
     frames = [_frame(200, k * 200) for k in range(2)]
     items = []

@@ -242,15 +242,29 @@ def test_cli_ckpt_inspect_and_verify(world, form):
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_cli_lazy_stage_hydrate_release(world, form, tmp_path):
-    """Lazy staging keeps a listing in a local directory: every form is a source; only
-    local forms are destinations, the others are refused with a one-line ConfigError."""
+def test_cli_lazy_stage_hydrate_release(world, form, tmp_path, monkeypatch):
+    """Lazy staging keeps a listing in a local directory: a source is a tier, below one,
+    or below a location of ``[stage] lazy_sources`` (other fsspec protocols are refused up
+    front); only local forms are destinations, the others are refused up front, and
+    ``hydrate`` of them too, with a one-line ConfigError."""
+    allowed = [str(world.tmp / "plain"), f"file://{world.tmp / 'viafile'}"]
+    monkeypatch.setenv("FMSTORE__STAGE__LAZY_SOURCES", json.dumps(allowed))
+    set_config(load_config())
     src_dir = tmp_path / "src"
     _tree(src_dir)
     remote = world.loc(form)
     assert fm_here("stage", str(src_dir), remote).returncode == 0
+    if form not in LOCAL_FORMS:
+        r = fm_here("stage", "--lazy", str(src_dir), remote)
+        assert r.returncode == 1 and "--lazy: the destination must be a local" in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert ".fmstore-lazy.jsonl" not in fm_here("ls", "-r", remote).stdout
     local = tmp_path / "lazy"
     r = fm_here("stage", "--lazy", remote, str(local))
+    if form in ("memory", "fsspec"):
+        assert r.returncode == 1 and "lazy_sources" in r.stderr, r.stderr
+        assert not local.exists()
+        return
     assert r.returncode == 0, r.stderr
     r = fm_here("hydrate", str(local))
     assert r.returncode == 0, r.stderr

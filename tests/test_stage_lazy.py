@@ -10,6 +10,7 @@ import pytest
 from stage_data import file_crcs, fm, kill9_when
 
 import fmstore
+from fmstore.config import set_config
 from fmstore.errors import NotFound
 from fmstore.stores.crc import crc32c
 from fmstore.tiering.lazy import INDEX_NAME
@@ -17,8 +18,11 @@ from fmstore.tiering.lazy import INDEX_NAME
 
 @pytest.fixture
 def lazy_tree(tmp_path, monkeypatch):
+    """A source directory outside the tiers, allowed by ``[stage] lazy_sources``."""
     monkeypatch.setenv("FMSTORE_HOME", str(tmp_path / "home"))
     src = tmp_path / "src"
+    monkeypatch.setenv("FMSTORE__STAGE__LAZY_SOURCES", json.dumps([str(src)]))
+    set_config(None)
     (src / "train").mkdir(parents=True)
     (src / "val").mkdir()
     for i in range(20):
@@ -28,7 +32,8 @@ def lazy_tree(tmp_path, monkeypatch):
     r = fm("stage", str(src), str(dst), "--lazy", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["lazy_entries"] == 21
-    return src, dst
+    yield src, dst
+    set_config(None)
 
 
 def test_lazy_stage_writes_only_the_listing(lazy_tree):

@@ -12,7 +12,7 @@ import re
 import typer
 
 from .. import runtime
-from ..errors import ConfigError
+from ..errors import ConfigError, PermissionDenied
 from ..stores.base import ObjectMeta, Store
 from .main import app
 from .util import human_bytes, is_root, plural, split_object
@@ -196,7 +196,11 @@ def _lazy_entries(url: str, present: set[str], recursive: bool) -> dict[str, tup
         return {}
     if os.path.isfile(path):
         return {}
-    found = lazy.find_index(path)
+    try:
+        found = lazy.find_index(path)
+    except PermissionDenied as denied:  # someone else's index: not used, and said so
+        typer.echo(f"warning: {denied}", err=True)
+        return {}
     if found is None:
         return {}
     idx, prefix = found

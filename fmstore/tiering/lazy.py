@@ -17,6 +17,10 @@ source location, then one line per file with its key, size, source version and c
   since): the next read fetches the listed version.  A copy changed locally since it was
   fetched is kept, and named.
 
+The index is data written by whoever can write where it lies: it is used only where
+nobody but root and the caller could have written it, read bounded, and its source fetched
+from only where the configuration allows (:mod:`fmstore.tiering.lazy_index`).
+
 Index format (JSON lines)::
 
     {"fmstore_lazy": 1, "source": "s3://bucket/ds"}
@@ -27,19 +31,32 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import dataclasses
 import json
 import os
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from .. import runtime
 from ..config import get_config
-from ..errors import ConfigError, CorruptData, FmstoreError, NotFound
-from ..stores import Location, open_store, split_tier
+from ..errors import ConfigError, FmstoreError, NotFound
+from ..stores import open_store
 from ..stores.base import ObjectMeta, PutOptions, Store
 from ..stores.crc import crc32c, from_hex, to_hex
 from .journal import Journal
+from .lazy_index import (
+    INDEX_NAME,
+    LazyEntry,
+    LazyIndex,
+    find_index,
+    load_index,
+    local_dir,
+    match_source,
+    open_source,
+    refusal,
+)
 from .transfer import (
     META_CRC,
     META_SRC_VERSION,
@@ -51,31 +68,19 @@ from .transfer import (
     version_of,
 )
 
-INDEX_NAME = ".fmstore-lazy.jsonl"
+__all__ = [
+    "INDEX_NAME",
+    "LazyEntry",
+    "LazyIndex",
+    "find_index",
+    "load_index",
+    "local_dir",
+    "open_source",
+]
 
 
-@dataclass(frozen=True)
-class LazyEntry:
-    key: str
-    size: int
-    version: str | None = None
-    crc: int | None = None
-
-    def item(self) -> CopyItem:
-        return CopyItem(self.key, self.key, self.size, self.version, self.crc)
-
-
-@dataclass
-class LazyIndex:
-    root: str  # local directory holding the index
-    source: str
-    entries: dict[str, LazyEntry] = field(default_factory=dict)
-
-    def under(self, prefix: str) -> list[LazyEntry]:
-        if not prefix:
-            return list(self.entries.values())
-        p = prefix.rstrip("/")
-        return [e for k, e in self.entries.items() if k == p or k.startswith(p + "/")]
+def _item(e: LazyEntry) -> CopyItem:
+    return CopyItem(e.key, e.key, e.size, e.version, e.crc)
 
 
 async def write_index(dst: Store, source: str, items: Sequence[CopyItem]) -> int:
@@ -87,7 +92,42 @@ async def write_index(dst: Store, source: str, items: Sequence[CopyItem]) -> int
             rec["c"] = to_hex(i.crc32c)
         lines.append(json.dumps(rec, separators=(",", ":")))
     await dst.put(INDEX_NAME, ("\n".join(lines) + "\n").encode(), PutOptions())
+    path = dst.local_path(INDEX_NAME)
+    if path is not None:
+        await runtime.to_io(_not_group_writable, path)
     return len(items)
+
+
+def _not_group_writable(path: str) -> None:
+    """Drop group and other write from the index just written (a umask of 002 leaves
+    them): an index others may write is not used (:mod:`.lazy_index`)."""
+    mode = stat.S_IMODE(os.lstat(path).st_mode)
+    if mode & 0o022:
+        os.chmod(path, mode & ~0o022, follow_symlinks=False)
+
+
+def check_stage(src_url: str, dst_url: str) -> None:
+    """Refuse a lazy staging whose listing could not be used, before anything is opened:
+    a destination that is not a local directory, a source that an index may not name
+    (:func:`fmstore.tiering.lazy_index.match_source`).  ``src_url`` as it will be
+    recorded (absolute when a path)."""
+    try:
+        local_dir(dst_url)
+    except ConfigError as e:
+        raise ConfigError(
+            f"--lazy: the destination must be a local directory (a path or a POSIX tier), "
+            f"where the listing and the files fetched on first read are kept: {e.message}"
+        ) from None
+    if match_source(src_url) is None:
+        raise ConfigError(
+            f"--lazy: {refusal(src_url)}, so its listing would not be used; list it there "
+            "to allow it (docs/staging.md)"
+        )
+
+
+def _fetching(options: TransferOptions) -> TransferOptions:
+    """Fetches carry the source's mode as staging does (never wider, never special bits)."""
+    return dataclasses.replace(options, posix_attrs=True)
 
 
 async def drop_stale(
@@ -126,72 +166,12 @@ async def drop_stale(
     return sorted(dropped), sorted(kept)
 
 
-def _parse(root: str, raw: bytes) -> LazyIndex:
-    lines = raw.decode("utf-8").splitlines()
-    try:
-        head = json.loads(lines[0]) if lines else {}
-    except ValueError:
-        head = {}
-    if not isinstance(head, dict) or head.get("fmstore_lazy") != 1 or not head.get("source"):
-        raise CorruptData("not an fmstore lazy index", key=os.path.join(root, INDEX_NAME))
-    idx = LazyIndex(root, str(head["source"]))
-    for line in lines[1:]:
-        if line.strip():
-            r = json.loads(line)
-            idx.entries[r["k"]] = LazyEntry(r["k"], int(r["s"]), r.get("v"), from_hex(r.get("c")))
-    return idx
-
-
-_cache: dict[str, tuple[int, LazyIndex]] = {}
-
-
-def load_index(root: str) -> LazyIndex | None:
-    """The index at directory ``root`` (cached while the file is unchanged), or None."""
-    path = os.path.join(root, INDEX_NAME)
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    hit = _cache.get(root)
-    if hit is not None and hit[0] == st.st_mtime_ns:
-        return hit[1]
-    with builtins.open(path, "rb") as f:
-        idx = _parse(root, f.read())
-    _cache[root] = (st.st_mtime_ns, idx)
-    return idx
-
-
-def local_dir(path: str) -> str:
-    """A path, ``file://`` URL or ``TIER:path`` on a POSIX tier as an absolute local path."""
-    local = Location.parse(path).local_root
-    if local is None:
-        tier, _rest = split_tier(path)
-        where = f", and {tier} is {get_config().tier(tier).url}" if tier else ""
-        raise ConfigError(f"{path!r}: lazy staging works on local paths (POSIX tiers){where}")
-    return os.path.abspath(local)
-
-
-def find_index(path: str) -> tuple[LazyIndex, str] | None:
-    """The lazy index governing ``path`` and the key of ``path`` below it, or None."""
-    path = local_dir(path)
-    d = path if os.path.isdir(path) else os.path.dirname(path)
-    while True:
-        idx = load_index(d)
-        if idx is not None:
-            rel = os.path.relpath(path, d)
-            return idx, "" if rel == "." else rel.replace(os.sep, "/")
-        parent = os.path.dirname(d)
-        if parent == d:
-            return None
-        d = parent
-
-
 async def fetch_async(
     idx: LazyIndex, entries: Sequence[LazyEntry], options: TransferOptions = TransferOptions()
 ) -> TransferReport:
     """Copy ``entries`` from the index's source into its root (files already there are
     skipped); a file whose source changed size since the listing is reported as failed."""
-    src = open_store(idx.source)
+    src = open_source(idx)
     dst = open_store(idx.root)
     try:
         existing = {}
@@ -200,7 +180,7 @@ async def fetch_async(
             if os.path.exists(p):
                 existing[e.key] = await dst.stat(e.key)
         return await copy_items(
-            src, dst, [e.item() for e in entries], options, dst_existing=existing
+            src, dst, [_item(e) for e in entries], _fetching(options), dst_existing=existing
         )
     finally:
         # Each fetch opens its own stores: close them, or every lazy open leaks a client.
@@ -223,7 +203,7 @@ def open(path: str, mode: str = "rb", **kwargs: Any) -> IO[Any]:  # noqa: A001 (
         raise FmstoreError(
             f"lazy fetch from {idx.source} failed: {report.failures[0].error}", key=key
         )
-    return builtins.open(local, mode, **kwargs)
+    return builtins.open(os.path.join(idx.root, key), mode, **kwargs)
 
 
 async def hydrate_async(
@@ -250,7 +230,7 @@ async def hydrate_async(
     entries = idx.under(prefix)
     if not entries:
         raise NotFound("nothing in the lazy index under this path", key=path)
-    src = open_store(idx.source, concurrency=options.concurrency)
+    src = open_source(idx, concurrency=options.concurrency)
     dst = open_store(idx.root)
     try:
         existing = {}
@@ -263,8 +243,8 @@ async def hydrate_async(
             return await copy_items(
                 src,
                 dst,
-                [e.item() for e in entries],
-                options,
+                [_item(e) for e in entries],
+                _fetching(options),
                 journal=journal,
                 progress=progress,
                 dst_existing=existing,
@@ -301,7 +281,7 @@ async def release_async(path: str, *, concurrency: int = 32) -> ReleaseResult:
             "not inside a lazily staged directory (no .fmstore-lazy.jsonl above it)", key=path
         )
     idx, prefix = found
-    src = open_store(idx.source)
+    src = open_source(idx)
     dst = open_store(idx.root)
     out = ReleaseResult()
     sem = asyncio.Semaphore(concurrency)

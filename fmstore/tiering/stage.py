@@ -341,7 +341,7 @@ async def plan_stage(
 # ---- settings ---------------------------------------------------------------------------
 
 #: Keys of the config's ``[stage]`` table.
-_STAGE_KEYS = ("preserve_owner",)
+_STAGE_KEYS = ("preserve_owner", "lazy_sources")
 
 
 def preserve_owner_setting(config: Config | None = None) -> bool:
@@ -485,6 +485,10 @@ async def stage_async(
     counters, readable from any thread while the run goes on).  The stores are closed
     before this returns."""
     key_filter = KeyFilter.of(options.includes, options.excludes)
+    if options.lazy:
+        from .lazy import check_stage
+
+        check_stage(resolve_url(src_url), dst_url)
     # The stores allow as many requests as the copy keeps in flight (S3 alone allows 16).
     concurrency = options.transfer.concurrency
     src = open_source(src_url, concurrency=concurrency)
