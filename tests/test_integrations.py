@@ -255,8 +255,10 @@ def test_hf_callback_protocol_saves_and_resumes(tmp_path):
         str(tmp_path / "tiers"), {"ladder": ["nvme", "lustre"]}, ("nvme", "lustre")
     )
     with CheckpointManager("runs/gpt", config=config, run_policies=False) as mgr:
-        run = _run_like_the_trainer(_tiny_gpt2(), FmstoreCallback(mgr), max_steps=6)
+        first = FmstoreCallback(mgr)
+        run = _run_like_the_trainer(_tiny_gpt2(), first, max_steps=6)
         assert run.state.global_step == 6
+        first.prepared.result(timeout=60)  # staging prepared after the first step
         assert mgr.steps() == [3, 6]
         final = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
         opt = _cloned(run.optimizer.state_dict())

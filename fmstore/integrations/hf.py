@@ -154,6 +154,9 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
         self.weights_only = weights_only
         self.restored_step: int | None = None
         self._saved: set[int] = set()
+        #: The manager's :meth:`~fmstore.CheckpointManager.prepare`, started after the
+        #: first step (when the optimizer's state exists).
+        self.prepared: Any = None
 
     def _save(self, state: TrainerState, kwargs: dict[str, Any]) -> None:
         step = int(state.global_step)
@@ -183,6 +186,16 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        if self.prepared is None and "model" in kwargs:
+            # Staging memory and discovery off the stall of the first save.
+            ckpt = training_state(
+                kwargs["model"],
+                kwargs.get("optimizer"),
+                kwargs.get("lr_scheduler"),
+                state,
+                include_rng=self.include_rng,
+            )
+            self.prepared = self.manager.prepare(ckpt)
         if self.replace_trainer_save and control.should_save:
             self._save(state, kwargs)
             control.should_save = False

@@ -21,7 +21,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ..checkpoint import SaveHandle, async_save, load, save
+from ..checkpoint import SaveHandle, async_save, load, prepare_async_save, save
 from ..stores import Location, open_store
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,7 +47,7 @@ else:
 
     CheckpointIO = _checkpoint_io_base()
 
-__all__ = ["FmstoreCheckpointIO"]
+__all__ = ["FmstoreCheckpointIO", "prepare_callback"]
 
 
 def _url(path: Any) -> str:
@@ -128,6 +128,14 @@ class FmstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
         with self._lock:
             self._pending.append(handle)
 
+    def prepare(self, state: Any) -> Any:
+        """Allocate and fault in the staging buffer of a checkpoint like ``state`` in the
+        background (:func:`fmstore.prepare_async_save`), so the first save stalls no longer
+        than the later ones; returns its future.  :func:`prepare_callback` calls it."""
+        if not self.async_save:
+            return None
+        return prepare_async_save(state)
+
     def _raise_failed(self, *, wait: bool = False) -> None:
         """Forget finished saves; raise the first failure among them (all of them, waiting
         for those in flight, with ``wait``)."""
@@ -194,3 +202,33 @@ def _remove_prefix(url: str) -> None:
             await store.close()
 
     runtime.run(go())
+
+
+def prepare_callback() -> Any:
+    """A Lightning ``Callback`` (``Trainer(callbacks=[prepare_callback()])``) that, after
+    the first training batch (the optimizer's state exists then), has the trainer's
+    :class:`FmstoreCheckpointIO` prepare its staging for the module's and optimizers' state
+    off the training loop (see :meth:`FmstoreCheckpointIO.prepare`).  Its ``future``
+    attribute is the preparation's (None before, or without an fmstore plugin)."""
+    pkg = "lightning.pytorch" if CheckpointIO.__module__.startswith("lightning.") else None
+    base = importlib.import_module(pkg or "pytorch_lightning").Callback
+
+    class FmstorePrepare(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            self.future: Any = None
+            self._done = False
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            if self._done:
+                return
+            self._done = True
+            io = getattr(trainer.strategy, "checkpoint_io", None)
+            if isinstance(io, FmstoreCheckpointIO):
+                state = {
+                    "state_dict": pl_module.state_dict(),
+                    "optimizer_states": [o.state_dict() for o in trainer.optimizers],
+                }
+                self.future = io.prepare(state)
+
+    return FmstorePrepare()

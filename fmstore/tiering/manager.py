@@ -164,6 +164,7 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._pins: list[int] = []
         self._discovered = False
+        self._discover_lock = threading.Lock()
         self.restored_step: int | None = None
         #: The tier the last :meth:`restore` read from.
         self.restored_tier: str | None = None
@@ -353,8 +354,34 @@ class CheckpointManager:
         self._discovered = True
 
     def _ensure_discovered(self) -> None:
-        if not self._discovered:
-            self.refresh()
+        with self._discover_lock:
+            if not self._discovered:
+                self.refresh()
+
+    def prepare(self, state: Any) -> cf.Future[int]:
+        """Get the first :meth:`save` of a state like ``state`` ready, off the training loop.
+
+        Returns at once.  A background thread learns what the tiers hold (the first save
+        would do it on the caller's thread) and, with ``async_save``, allocates and faults in
+        the staging buffer a snapshot of ``state`` takes (see
+        :func:`fmstore.prepare_async_save`), so the first save stalls no longer than the
+        later ones.  Call it once the model and optimizer state exist (optimizer moments
+        appear at the first ``step()``).  The future gives the staging buffer's size."""
+        from ..checkpoint import api
+
+        fut: cf.Future[int] = cf.Future()
+
+        def run() -> None:
+            try:
+                self._ensure_discovered()
+                size = api.prepare_async_save(state).result() if self.async_save else 0
+            except BaseException as e:
+                fut.set_exception(e)
+            else:
+                fut.set_result(size)
+
+        threading.Thread(target=run, name="fmstore-ckpt-prepare", daemon=True).start()
+        return fut
 
     def steps(self, tier: str | None = None) -> list[int]:
         """Steps with a complete copy (on ``tier``, or anywhere), ascending."""

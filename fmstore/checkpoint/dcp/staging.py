@@ -24,7 +24,9 @@ previous future before staging again, as DCP asks for its own cached staging.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -33,6 +35,8 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
+
+from ..memory import populate
 
 __all__ = ["Stager", "claim_leases", "release_leases"]
 
@@ -179,6 +183,44 @@ class Stager(AsyncStager):
             self._lease = lease
             return out
 
+    def prepare(self, state_dict: dict[str, Any]) -> Future[int]:
+        """Get the buffers of a state like ``state_dict`` ready, off the training loop.
+
+        Returns at once.  A background thread allocates the buffer of every tensor (pinned
+        for CUDA tensors: page-locking is the slow part of a first save) and faults its pages
+        in, so that the first :meth:`stage` stalls no longer than the later ones.  Call it
+        once the model and optimizer state exist (optimizer moments appear at the first
+        ``step()``).  The future gives the bytes prepared.  A :meth:`stage` that comes
+        meanwhile waits for the buffer being made, then makes the rest itself."""
+        todo: list[tuple[tuple[Any, ...], torch.Tensor]] = []
+
+        def note(path: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
+            todo.append((path, t.detach()))
+            return t
+
+        _map(state_dict, (), note, deep=False)
+        fut: Future[int] = Future()
+
+        def run() -> None:
+            with contextlib.suppress(OSError, AttributeError):
+                # One-time kernel work: let the training threads go first.
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            try:
+                done = 0
+                for path, src in todo:
+                    with self._lock:
+                        fresh = (path, src.dtype, tuple(src.shape)) not in self._buffers
+                        buf = self._buffer(path, src)
+                        if fresh and not buf.is_pinned() and buf.numel():
+                            populate(buf.view(-1).view(torch.uint8))
+                    done += buf.numel() * buf.element_size()
+                fut.set_result(done)
+            except BaseException as e:
+                fut.set_exception(e)
+
+        threading.Thread(target=run, name="fmstore-stager-prepare", daemon=True).start()
+        return fut
+
     def synchronize_staging(self) -> None:
         """Nothing to do: :meth:`stage` returns a complete copy."""
 
@@ -243,9 +285,14 @@ class Stager(AsyncStager):
 
 
 def _map(
-    obj: Any, path: tuple[Any, ...], fn: Callable[[tuple[Any, ...], torch.Tensor], torch.Tensor]
+    obj: Any,
+    path: tuple[Any, ...],
+    fn: Callable[[tuple[Any, ...], torch.Tensor], torch.Tensor],
+    *,
+    deep: bool = True,
 ) -> Any:
-    """Copy a state tree, staging tensors with ``fn`` and deep-copying other leaves."""
+    """Copy a state tree, staging tensors with ``fn`` and deep-copying other leaves
+    (``deep=False``: other leaves are kept as they are)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(obj, DTensor):
@@ -261,10 +308,10 @@ def _map(
     if isinstance(obj, torch.Tensor):
         return fn(path, obj)
     if isinstance(obj, dict):
-        items = [(k, _map(v, (*path, k), fn)) for k, v in obj.items()]
+        items = [(k, _map(v, (*path, k), fn, deep=deep)) for k, v in obj.items()]
         return dict(items) if type(obj) is dict else type(obj)(items)
     if isinstance(obj, list):
-        return [_map(v, (*path, i), fn) for i, v in enumerate(obj)]
+        return [_map(v, (*path, i), fn, deep=deep) for i, v in enumerate(obj)]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_map(v, (*path, i), fn) for i, v in enumerate(obj))
-    return copy.deepcopy(obj)
+        return tuple(_map(v, (*path, i), fn, deep=deep) for i, v in enumerate(obj))
+    return copy.deepcopy(obj) if deep else obj
