@@ -350,6 +350,9 @@ class PosixStore(PosixTree):
                 dfd, name = self._parent(key)
             except (FileNotFoundError, NotADirectoryError):
                 return None
+            if not _tmp_of(token, name):  # another key's temp file: never reopened or removed
+                os.close(dfd)
+                return None
             try:
                 fd = os.open(token, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dfd)
             except FileNotFoundError:
@@ -391,6 +394,14 @@ class PosixStore(PosixTree):
         ``durable=False`` write (and whatever else is dirty there)."""
         if self.options.fsync:
             await runtime.to_io(_syncfs, self.root)
+
+
+def _tmp_of(token: str, name: str) -> bool:
+    """Whether ``token`` is a temp file name :meth:`PosixTree._open_tmp` gives a write of
+    ``name`` (a resume token read from a journal names nothing else)."""
+    rand, dot, rest = token[len(TMP_MARK) :].partition(".")
+    hexed = len(rand) == 32 and all(c in "0123456789abcdef" for c in rand)
+    return token.startswith(TMP_MARK) and hexed and dot == "." and rest == name[:100]
 
 
 #: Small writes without an fsync are done on the event loop on local file systems: a 4 KiB

@@ -41,11 +41,13 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from .. import runtime
+from ..errors import CorruptData
 
 #: A journal no run has opened for this long is removed (see the module docstring).
 KEEP_DAYS = 30
@@ -123,8 +125,14 @@ class Journal:
                 continue
             try:
                 rec = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue  # a torn last line from a killed run
+            why = check_record(rec)
+            if why:
+                raise CorruptData(
+                    f"resume journal {self.path}, line {n + 1} ({line[:100]!r}): {why}; "
+                    "remove the file to start the copy afresh"
+                )
             if "b" in rec:
                 began[rec["b"]] = n
             elif "y" in rec:
@@ -330,10 +338,53 @@ def inspect(path: str) -> JournalInfo:
         os.close(fd)
     j = Journal(path)
     for line in lines:
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            if line.strip():
-                j._apply(json.loads(line))
+        with contextlib.suppress(ValueError, RecursionError):
+            rec = json.loads(line) if line.strip() else None
+            if rec is not None and not check_record(rec):
+                j._apply(rec)
     return JournalInfo(path, live, j.dest, frozenset(p.token for p in j.pending.values()), mtime)
+
+
+_KINDS = ("b", "y", "f", "u", "p", "to", "x")
+_HEX8 = re.compile(r"[0-9a-f]{8}")
+
+
+def _count(v: object, least: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def _str_or_none(v: object) -> bool:
+    return v is None or isinstance(v, str)
+
+
+def check_record(rec: object) -> str:
+    """Why ``rec`` (one parsed line) is no journal record, or "" when it is one (records
+    of kinds this version does not know are accepted and ignored)."""
+    if not isinstance(rec, dict):
+        return f"a JSON {type(rec).__name__}, not an object"
+    kind = next((k for k in _KINDS if k in rec), None)
+    if kind is None:
+        return ""
+    if kind in ("b", "y"):
+        return "" if _count(rec[kind]) else f"{kind!r} is not a sync number"
+    if not isinstance(rec[kind], str):
+        return f"{kind!r} is not a key"
+    if kind == "f":
+        ok = (
+            _count(rec.get("s", -1), -1)
+            and all(_str_or_none(rec.get(k)) for k in ("v", "d", "c"))
+            and (rec.get("c") is None or _HEX8.fullmatch(rec["c"]))
+        )
+        return "" if ok else "a file record with a bad size, version, checksum or etag"
+    if kind == "u":
+        ok = isinstance(rec.get("t"), str) and rec["t"] and _str_or_none(rec.get("v"))
+        ok = ok and _count(rec.get("z"), 1)
+        return "" if ok else "a part-write record with a bad token, version or part size"
+    if kind == "p":
+        ok = isinstance(rec.get("t"), str) and _count(rec.get("i")) and _count(rec.get("n"))
+        ok = ok and isinstance(rec.get("c"), str) and _HEX8.fullmatch(rec["c"]) is not None
+        return "" if ok else "a part record with a bad token, index, checksum or length"
+    return ""
 
 
 def _line(rec: dict) -> bytes:
