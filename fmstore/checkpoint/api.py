@@ -5,18 +5,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import os
+import pickle as _pickle
 import threading
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .. import runtime
-from ..errors import ConfigError, NotFound
+from ..errors import ConfigError, CorruptData, FmstoreError, NotFound
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores import Location, open_store
 from ..stores.base import Store
 from .layout import read_manifest
-from .loading import LazyDict, Materializer
+from .loading import LazyDict, Materializer, PickleRefused, place_tree
 from .planner import DEFAULT_BLOB_SIZE, DEFAULT_CHUNK_SIZE, Planned, plan_save, resolve_auto
 from .reader import MapLocation, ReadOptions
 from .select import prune
@@ -98,6 +102,28 @@ async def _save_core(obj: Any, uri: Uri, o: SaveOptions) -> Manifest:
             await store.close()
 
 
+#: Names ``torch.save`` files usually have; a checkpoint saved under one is still a directory.
+TORCH_SUFFIXES = (".pt", ".pth", ".ckpt")
+
+
+class TorchSuffixWarning(UserWarning):
+    """``fmstore.save`` to a name that looks like a ``torch.save`` file."""
+
+
+def _warn_torch_suffix(uri: Uri) -> None:
+    if isinstance(uri, Store):
+        return
+    url = os.fspath(uri)
+    if isinstance(url, str) and url.rstrip("/").lower().endswith(TORCH_SUFFIXES):
+        warnings.warn(
+            f"{url} will be an fmstore checkpoint (a directory), which torch.load cannot "
+            "open; fmstore.load reads it, and `fmstore ckpt convert SRC DST.pt` writes a "
+            "torch.save file from it",
+            TorchSuffixWarning,
+            stacklevel=3,
+        )
+
+
 def _options(kw: dict[str, Any]) -> SaveOptions:
     try:
         return SaveOptions(**kw)
@@ -107,6 +133,7 @@ def _options(kw: dict[str, Any]) -> SaveOptions:
 
 async def asave(obj: Any, uri: Uri, **options: Any) -> Manifest:
     """Async twin of :func:`save`.  Tensors must not change until it returns."""
+    _warn_torch_suffix(uri)
     return await _in_runtime(_save_core(obj, uri, _options(options)))
 
 
@@ -135,6 +162,7 @@ def save(
     without it such a value raises TypeError naming its path.  A failed save leaves nothing
     visible.
     """
+    _warn_torch_suffix(uri)
     o = SaveOptions(
         compression, overwrite, pickle, chunk_size, blob_size, io_concurrency, max_inflight
     )
@@ -153,19 +181,24 @@ async def _load_core(
     mmap: bool,
     verify: bool,
 ) -> Any:
+    torch_file = _torch_file(uri)
+    if torch_file is not None:
+        return await _load_torch_file(torch_file, map_location, lazy, keys, weights_only, mmap)
     store, owned = open_location(uri, for_read=True)
     keep_open = False
     try:
         for attempt in range(3):
             try:
                 manifest = await read_manifest(store)
-            except NotFound:
-                if attempt or not await _has_native_dcp(store):
+            except (NotFound, CorruptData) as e:
+                if attempt or not await _is_dcp(store, e):
                     raise
-                # A checkpoint written by torch.distributed.checkpoint's FileSystemWriter.
-                return await asyncio.to_thread(
-                    _load_native_dcp, store, map_location, lazy, keys, weights_only, mmap, verify
+                # A checkpoint of torch.distributed.checkpoint: written by fmstore's DCP
+                # Writer or by torch's FileSystemWriter; its shards assembled whole.
+                sd = await asyncio.to_thread(
+                    _load_dcp, store, map_location, lazy, keys, weights_only, mmap, verify
                 )
+                return await _to_map_location(sd, map_location)
             tree = manifest.tree
             if keys is not None:
                 pats = [keys] if isinstance(keys, str) else list(keys)
@@ -200,13 +233,28 @@ async def _load_core(
             await store.close()
 
 
-async def _has_native_dcp(store: Store) -> bool:
-    from .dcp.native import has_native_metadata
+async def _is_dcp(store: Store, error: Exception) -> bool:
+    """Whether the manifest could not be read because this is a DCP checkpoint."""
+    if isinstance(error, NotFound):
+        from .dcp.native import has_native_metadata
 
-    return await has_native_metadata(store)
+        return await has_native_metadata(store)
+    from .dcp.manifest import DCP_FORMAT_NAME, sniff_format
+
+    try:
+        return sniff_format(await store.get(MANIFEST_KEY)) == DCP_FORMAT_NAME
+    except (FmstoreError, ValueError):
+        return False
 
 
-def _load_native_dcp(
+async def _to_map_location(sd: Any, map_location: MapLocation) -> Any:
+    """A state read whole on the host, onto the device ``map_location`` names."""
+    if map_location is None:
+        return sd
+    return await place_tree(sd, torch.device(map_location))
+
+
+def _load_dcp(
     store: Store,
     map_location: MapLocation,
     lazy: bool,
@@ -215,9 +263,8 @@ def _load_native_dcp(
     mmap: bool,
     verify: bool,
 ) -> Any:
-    """The whole state dict of a native torch DCP checkpoint (``.metadata`` + ``.distcp``)."""
-    import torch
-
+    """The whole state dict of a DCP checkpoint (fmstore's ``fmstore-dcp`` manifest, or
+    torch's ``.metadata`` + ``.distcp``) on the host: every item's shards assembled."""
     from .dcp.api import load_full_state_dict
 
     if lazy or keys is not None or mmap:
@@ -230,20 +277,50 @@ def _load_native_dcp(
             f"{store.url} is a torch.distributed.checkpoint directory: map_location must be "
             "a device for it"
         )
-    sd = load_full_state_dict(store, allow_pickle=not weights_only, verify=verify)
-    if map_location is None:
-        return sd
+    return load_full_state_dict(store, allow_pickle=not weights_only, verify=verify)
 
-    def move(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return v.to(map_location)
-        if isinstance(v, dict):
-            return {k: move(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [move(x) for x in v]
-        return v
 
-    return move(sd)
+def _torch_file(uri: Uri) -> str | None:
+    """The path of a local ``torch.save`` file at ``uri`` (None: not a local file)."""
+    if isinstance(uri, Store):
+        return None
+    url = os.fspath(uri)
+    if not isinstance(url, str):
+        return None
+    local = Location.parse(url).local_root if url else None
+    return local if local is not None and os.path.isfile(local) else None
+
+
+async def _load_torch_file(
+    path: str,
+    map_location: MapLocation,
+    lazy: bool,
+    keys: str | Sequence[str] | None,
+    weights_only: bool,
+    mmap: bool,
+) -> Any:
+    """A ``torch.save`` file, through the zip guard, with ``torch.load(weights_only=…)``.
+    Onto a device it is read on the host (memory-mapped) and moved through the ring."""
+    from .zipguard import check_torch_zip
+
+    await asyncio.to_thread(check_torch_zip, path, name=path)
+    device = isinstance(map_location, (str, torch.device))
+    where = "cpu" if device else map_location
+    try:
+        obj = await asyncio.to_thread(
+            torch.load, path, map_location=where, weights_only=weights_only, mmap=True
+        )
+    except _pickle.UnpicklingError as e:
+        raise PickleRefused(
+            f"{path} holds objects torch.load(weights_only=True) refuses; load with "
+            f"weights_only=False if you trust it ({str(e).splitlines()[0][:200]})",
+            key=path,
+        ) from None
+    if keys is not None:
+        from .convert import select
+
+        obj = select(obj, [keys] if isinstance(keys, str) else list(keys), path)
+    return await _to_map_location(obj, map_location) if device else obj
 
 
 async def aload(
@@ -350,6 +427,7 @@ def async_save(
     its own handle), so host memory for staging stays bounded by the largest state saved.
     """
     global _inflight
+    _warn_torch_suffix(uri)
     o = SaveOptions(
         compression, overwrite, pickle, chunk_size, blob_size, io_concurrency, max_inflight
     )

@@ -209,3 +209,36 @@ async def run_all(coros: list[Any]) -> None:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+async def tensors_to(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host tensors onto ``device`` through a ring, storage by storage (tensors that share
+    a storage share it on the device too); for checkpoints read whole on the host first
+    (DCP directories, ``torch.save`` files)."""
+    ring = open_ring(device)
+    placed: dict[tuple[int, int], torch.Tensor] = {}
+    out: list[torch.Tensor] = []
+    try:
+        for t in tensors:
+            st = t.untyped_storage()
+            key = (st.data_ptr(), st.nbytes())
+            dest = placed.get(key)
+            if dest is None:
+                dest = torch.empty(st.nbytes(), dtype=torch.uint8, device=device)
+                if st.nbytes():
+                    src: Any = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,))
+                    await ring.copy_from(memoryview(src.numpy()).cast("B"), dest)
+                placed[key] = dest
+            moved = torch.empty(0, dtype=t.dtype, device=device).set_(
+                dest.untyped_storage(), t.storage_offset(), t.shape, t.stride()
+            )
+            if isinstance(t, torch.nn.Parameter):
+                moved = torch.nn.Parameter(moved, requires_grad=t.requires_grad)
+            elif t.requires_grad:
+                moved.requires_grad_(True)
+            out.append(moved)
+    except BaseException:
+        await ring.abort()
+        raise
+    await ring.finish()
+    return out

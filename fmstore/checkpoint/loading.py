@@ -17,7 +17,7 @@ from ..errors import CorruptData
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import Manifest, TensorEntry
 from ..stores.base import Store
-from .devring import cpu_routed
+from .devring import cpu_routed, tensors_to
 from .reader import MapLocation, ReadOptions, StorageReader, device_for, place_storage
 from .select import has_pickle, tensor_indices
 from .tree import _hashable, decode_tree
@@ -339,6 +339,42 @@ class LazyDict(dict[Any, Any]):
 
 
 _MISSING = object()
+
+
+async def place_tree(obj: Any, device: torch.device) -> Any:
+    """``obj`` (a state tree read on the host) with its tensors moved onto ``device``
+    through a ring of bounce buffers (see :mod:`.devring`); ties between tensors survive."""
+    found: list[torch.Tensor] = []
+
+    def collect(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            found.append(o)
+        elif isinstance(o, dict):
+            for v in o.values():
+                collect(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                collect(v)
+
+    collect(obj)
+    if not found or (device.type == "cpu" and not cpu_routed()):
+        return obj
+    moved = iter(await tensors_to(found, device))
+
+    def rebuild(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            return next(moved)
+        if isinstance(o, dict):
+            items = [(k, rebuild(v)) for k, v in o.items()]
+            return dict(items) if type(o) is dict else type(o)(items)
+        if isinstance(o, list):
+            return [rebuild(v) for v in o]
+        if isinstance(o, tuple):
+            vals = [rebuild(v) for v in o]
+            return type(o)(*vals) if hasattr(o, "_fields") else type(o)(vals)
+        return o
+
+    return rebuild(obj)
 
 
 def _no_tensor(i: int) -> Any:
