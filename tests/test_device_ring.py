@@ -116,6 +116,21 @@ def test_s3_loads_through_the_ring_with_ranged_reads(s3_store):
     assert {i for i, _ in rec.uses} == {0, 1}
 
 
+def test_manager_restore_goes_through_the_ring(tmp_path):
+    from tiering_helpers import posix_config
+
+    from fmstore import CheckpointManager
+
+    config = posix_config(str(tmp_path / "t"), {"ladder": ["nvme", "lustre"]}, ("nvme", "lustre"))
+    state = _state()
+    with CheckpointManager("runs/r", config=config, run_policies=False) as mgr:
+        mgr.save(5, state).result()
+        with route_cpu(slots=2, slot_bytes=64 * KIB) as rec:
+            out = mgr.restore(map_location="cpu")
+    _same(out, state)
+    assert {i for i, _ in rec.uses} == {0, 1}
+
+
 # ---- CUDA (skipped without it) -------------------------------------------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
