@@ -127,7 +127,7 @@ SCHEMA: dict[str, dict[str, Check]] = {
     "s3": _S3,
     "checkpoint": {},
     "dataset": {},
-    "stage": {"preserve_owner": BOOL},
+    "stage": {"preserve_owner": BOOL, "lazy_sources": STRINGS},
     "daemon": {
         "host": STRING,
         "port": whole(0, 65535),
