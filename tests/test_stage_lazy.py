@@ -7,13 +7,15 @@ import json
 import os
 
 import pytest
-from stage_data import file_crcs, fm, kill9_when
+from stage_data import file_crcs, fm, fm_here, kill9_when
 
 import fmstore
 from fmstore.config import set_config
-from fmstore.errors import NotFound
+from fmstore.errors import CorruptData, NotFound, PermissionDenied
 from fmstore.stores.crc import crc32c
+from fmstore.tiering import lazy
 from fmstore.tiering.lazy import INDEX_NAME
+from fmstore.tiering.lazy_index import MAX_INDEX_BYTES as LAZY_MAX
 
 
 @pytest.fixture
@@ -184,3 +186,327 @@ def _parts_journaled(home: str) -> bool:
 def test_hydrate_outside_a_lazy_tree_is_a_clear_error(tmp_path):
     r = fm("hydrate", str(tmp_path))
     assert r.returncode == 1 and "not inside a lazily staged directory" in r.stderr
+
+
+# ---- the index is hostile data (who wrote it, where it lies, what it names) --------------
+
+ROOT = os.geteuid() == 0
+as_root = pytest.mark.skipif(not ROOT, reason="needs root to give files to another user")
+OTHER_UID = 12345
+
+
+@pytest.fixture
+def hostile(tmp_path, monkeypatch):
+    """A config with POSIX tiers ``nvme`` and ``lustre`` and ``[stage] lazy_sources``
+    naming ``tmp_path/allowed``; a file there (``ok.bin``) and a root-only file outside
+    (``secret/key``, 0600 in a 0700 directory)."""
+    (tmp_path / "allowed").mkdir()
+    (tmp_path / "allowed" / "ok.bin").write_bytes(b"allowed bytes")
+    secret = tmp_path / "secret"
+    secret.mkdir(mode=0o700)
+    (secret / "key").write_bytes(b"root only")
+    (secret / "key").chmod(0o600)
+    cfg = tmp_path / "fmstore.toml"
+    cfg.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n'
+        f'[tiers.nvme]\nurl = "{tmp_path / "nvme"}"\n'
+        f'[tiers.lustre]\nurl = "{tmp_path / "lustre"}"\n'
+        f'[stage]\nlazy_sources = ["{tmp_path / "allowed"}"]\n'
+    )
+    monkeypatch.setenv("FMSTORE_CONFIG", str(cfg))
+    monkeypatch.setenv("FMSTORE_HOME", str(tmp_path / "home"))
+    set_config(None)
+    yield tmp_path
+    set_config(None)
+
+
+def _index(where, source: str, keys=("ok.bin",), *, uid: int | None = None, size: int = 13):
+    where.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"fmstore_lazy": 1, "source": source})]
+    lines += [json.dumps({"k": k, "s": size}) for k in keys]
+    (where / INDEX_NAME).write_text("\n".join(lines) + "\n")
+    if uid is not None:
+        os.chown(where / INDEX_NAME, uid, uid)
+    return where / INDEX_NAME
+
+
+def _refused(r, *words: str) -> None:
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    for w in words:
+        assert w in r.stderr, r.stderr
+
+
+@as_root
+def test_a_root_only_file_is_not_copied_by_a_users_index(hostile):
+    """The issue's first case: a user's index names a root-only file (``local://``); root's
+    hydrate refuses the index (owned by the user) and copies nothing."""
+    user_dir = hostile / "user"
+    user_dir.mkdir()
+    os.chown(user_dir, OTHER_UID, OTHER_UID)
+    _index(user_dir, f"local://{hostile / 'secret'}", ["key"], uid=OTHER_UID, size=9)
+    _refused(fm_here("hydrate", str(user_dir)), "not trusted", f"owned by uid {OTHER_UID}")
+    assert not (user_dir / "key").exists()
+    with pytest.raises(PermissionDenied):
+        fmstore.open(str(user_dir / "key"))
+    assert not (user_dir / "key").exists()
+
+
+@pytest.mark.parametrize(
+    "form", ["local", "file", "path", "simplecache", "relative", "dotdot", "s3-other"]
+)
+def test_sources_that_are_no_tier_and_not_allowed_are_never_opened(hostile, form):
+    """A trusted index (root's, in root's directory) still names its source only among the
+    configured tiers and [stage] lazy_sources: no other path or protocol is opened."""
+    secret = hostile / "secret"
+    source = {
+        "local": f"local://{secret}",
+        "file": f"file://{secret}",
+        "path": str(secret),
+        "simplecache": f"simplecache::file://{secret}",
+        "relative": "secret",
+        "dotdot": f"{hostile / 'allowed'}/../secret",
+        "s3-other": "s3://some-bucket/ds",
+    }[form]
+    dst = hostile / "dst"
+    _index(dst, source, ["key"], size=9)
+    _refused(fm_here("hydrate", str(dst)), "neither a configured tier", "lazy_sources")
+    with pytest.raises(PermissionDenied):
+        fmstore.open(str(dst / "key"))
+    assert os.listdir(dst) == [INDEX_NAME]
+
+
+def test_sources_in_a_tier_or_lazy_sources_are_fetched_with_their_mode(hostile):
+    """Allowed: a tier (as ``TIER:path`` or its directory) and a location of lazy_sources.
+    The copy keeps the source's mode: a 0600 file is not made readable by others."""
+    lustre = hostile / "lustre" / "ds"
+    lustre.mkdir(parents=True)
+    (lustre / "ok.bin").write_bytes(b"lustre bytes")
+    (lustre / "ok.bin").chmod(0o600)
+    for n, source in enumerate(["lustre:ds", str(lustre), str(hostile / "allowed")]):
+        dst = hostile / f"dst{n}"
+        _index(dst, source, size=(lustre / "ok.bin").stat().st_size if n < 2 else 13)
+        r = fm_here("hydrate", str(dst), "--json", "--no-progress")
+        assert r.returncode == 0, r.stderr
+        assert (dst / "ok.bin").read_bytes() == (b"lustre bytes" if n < 2 else b"allowed bytes")
+        want = 0o600 if n < 2 else (hostile / "allowed" / "ok.bin").stat().st_mode & 0o777
+        assert (dst / "ok.bin").stat().st_mode & 0o777 == want
+
+
+@pytest.fixture
+def http_server():
+    """A loopback HTTP server standing in for an instance-metadata endpoint; it counts
+    the requests it gets."""
+    import http.server
+    import threading
+
+    hits: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            body = b'{"secret": "credentials"}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command == "GET":
+                self.wfile.write(body)
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", hits
+    server.shutdown()
+    server.server_close()
+    t.join()
+
+
+def test_an_http_source_is_never_fetched(hostile, http_server):
+    """The issue's second case: an index naming an HTTP endpoint fetches nothing through
+    hydrate, fmstore.open or the fsspec protocol; the server sees no request."""
+    import fsspec
+
+    url, hits = http_server
+    dst = hostile / "nvme" / "ds"
+    _index(dst, f"{url}/latest/meta-data", ["iam"], size=25)
+    _refused(fm_here("hydrate", str(dst)), "neither a configured tier")
+    with pytest.raises(PermissionDenied):
+        fmstore.open(str(dst / "iam"))
+    fs = fsspec.filesystem("fmstore", skip_instance_cache=True)
+    with pytest.raises(PermissionDenied):
+        fs.cat_file("nvme/ds/iam")
+    assert hits == [] and os.listdir(dst) == [INDEX_NAME]
+
+
+@pytest.mark.parametrize("owner", ["user", "root"])
+def test_an_index_in_a_sticky_scratch_directory_is_not_used(hostile, owner):
+    """The issue's third case: an index in a 1777 scratch directory does not govern root's
+    0755 directory below it, whoever owns the index; nothing is written there."""
+    if owner == "user" and not ROOT:
+        pytest.skip("needs root to give files to another user")
+    scratch = hostile / "scratch"
+    scratch.mkdir()
+    scratch.chmod(0o1777)
+    (scratch / "rootdir").mkdir(mode=0o755)
+    (hostile / "allowed" / "rootdir").mkdir()
+    (hostile / "allowed" / "rootdir" / "ok.bin").write_bytes(b"allowed bytes")
+    _index(
+        scratch,
+        str(hostile / "allowed"),
+        ["rootdir/ok.bin"],
+        uid=OTHER_UID if owner == "user" else None,
+    )
+    r = fm_here("hydrate", str(scratch / "rootdir"))
+    why = f"owned by uid {OTHER_UID}" if owner == "user" else "writable by others (mode 1777)"
+    _refused(r, "not trusted", why)
+    with pytest.raises(PermissionDenied):
+        fmstore.open(str(scratch / "rootdir" / "ok.bin"))
+    assert os.listdir(scratch / "rootdir") == []
+
+
+def test_directories_others_can_write_or_own_make_an_index_untrusted(hostile):
+    """Writable by others anywhere on its path (not only the index's own directory), or
+    the index itself writable by others: not used.  A sticky ancestor whose next directory
+    down is root's is fine (every test tree here lies below /tmp)."""
+    top = hostile / "open"
+    dst = top / "ds"
+    _index(dst, str(hostile / "allowed"))
+    top.chmod(0o777)
+    _refused(fm_here("hydrate", str(dst)), f"directory {top} is writable by others (mode 0777)")
+    top.chmod(0o755)
+    (dst / INDEX_NAME).chmod(0o666)
+    _refused(fm_here("hydrate", str(dst)), "writable by others (mode 0666)")
+    (dst / INDEX_NAME).chmod(0o644)
+    assert fm_here("hydrate", str(dst), "--no-progress").returncode == 0
+    assert (dst / "ok.bin").read_bytes() == b"allowed bytes"
+
+
+@as_root
+def test_a_directory_owned_by_another_user_makes_an_index_untrusted(hostile):
+    top = hostile / "theirs"
+    dst = top / "ds"
+    _index(dst, str(hostile / "allowed"))
+    os.chown(top, OTHER_UID, OTHER_UID)
+    _refused(fm_here("hydrate", str(dst)), f"directory {top} is owned by uid {OTHER_UID}")
+
+
+def test_the_fsspec_protocol_uses_no_index_above_the_tier_or_of_another_user(hostile):
+    """The issue's fourth case, through ``fmstore://``: ``cat_file`` of a missing key
+    fetches nothing from an index above the tier's root, nor from one another user owns."""
+    import fsspec
+
+    (hostile / "nvme").mkdir()
+    above = _index(hostile, str(hostile / "allowed"), ["nvme/ok.bin"])
+    fs = fsspec.filesystem("fmstore", skip_instance_cache=True)
+    with pytest.raises(FileNotFoundError):
+        fs.cat_file("nvme/ok.bin")
+    assert not fs.exists("nvme/ok.bin") and fs.ls("nvme", detail=False) == []
+    above.unlink()
+    if ROOT:
+        _index(hostile / "nvme" / "ds", str(hostile / "allowed"), uid=OTHER_UID)
+        with pytest.raises(FileNotFoundError):
+            fs.cat_file("nvme/ds/ok.bin")
+        assert not fs.exists("nvme/ds/ok.bin")
+        assert fs.ls("nvme/ds", detail=False) == [f"nvme/ds/{INDEX_NAME}"]
+    assert not (hostile / "nvme" / "ok.bin").exists()
+    assert not (hostile / "nvme" / "ds" / "ok.bin").exists()
+
+
+# ---- the index is read bounded, without following links or blocking ---------------------
+
+
+def test_an_index_linked_to_dev_zero_or_a_fifo_is_refused_at_once(hostile):
+    """Linked to /dev/zero the old reader died of MemoryError; as a FIFO, hydrate hung.
+    Both are refused, without opening the file (the FIFO is run in a child with a time
+    limit, so a hang fails instead of blocking the suite)."""
+    dst = hostile / "dst"
+    dst.mkdir()
+    os.symlink("/dev/zero", dst / INDEX_NAME)
+    _refused(fm_here("hydrate", str(dst)), "lazy index is a symbolic link")
+    (dst / INDEX_NAME).unlink()
+    os.mkfifo(dst / INDEX_NAME)
+    _refused(fm("hydrate", str(dst)), "lazy index is a FIFO")
+    (dst / INDEX_NAME).unlink()
+    with open(dst / INDEX_NAME, "wb") as f:  # sparse: its size alone is refused
+        f.truncate(LAZY_MAX + 1)
+    _refused(fm_here("hydrate", str(dst)), "over the")
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        (b"[1]", "must be a JSON object"),
+        (b'{"k":"a","s":"x"}', "'s' (the size)"),
+        (b'{"k":"a","s":true}', "'s' (the size)"),
+        (b'{"k":"a","s":-1}', "'s' (the size)"),
+        (b'{"k":5,"s":1}', "'k' (the key)"),
+        (b'{"k":"../x","s":1}', "bad key"),
+        (b'{"k":"/etc/passwd","s":1}', "bad key"),
+        (b'{"k":".fmstore-lazy.jsonl","s":1}', "fmstore keeps for itself"),
+        (b'{"k":"a","s":1,"c":5}', "'c' (the checksum)"),
+        (b'{"k":"a","s":1,"v":[1]}', "'v' (the source version)"),
+        (b'{"k":"ok.bin","s":1}', "listed twice"),
+        (b"\xff\xfe{}", "not UTF-8"),
+        (b'{"k": "a", "s": 1', "not a JSON value"),
+        (b"[" * 200_000, "longer than"),
+        (b"[" * 30_000 + b"]" * 30_000, "not a JSON value"),
+        (b'{"k":"a","s":1e999}', "'s' (the size)"),
+    ],
+)
+def test_bad_lines_are_corrupt_data_naming_the_file_and_line(hostile, line, why):
+    dst = hostile / "dst"
+    _index(dst, str(hostile / "allowed"))
+    with open(dst / INDEX_NAME, "ab") as f:
+        f.write(line + b"\n")
+    with pytest.raises(CorruptData) as e:
+        lazy.find_index(str(dst))
+    assert (
+        "line 3" in str(e.value) and why in str(e.value) and str(dst / INDEX_NAME) in str(e.value)
+    )
+
+
+def test_a_bad_line_is_one_error_line_on_the_command_line(hostile):
+    dst = hostile / "dst"
+    _index(dst, str(hostile / "allowed"))
+    with open(dst / INDEX_NAME, "ab") as f:
+        f.write(b'{"k":"a","s":"x"}\n')
+    _refused(fm_here("hydrate", str(dst)), "lazy index line 3", str(dst / INDEX_NAME))
+    assert "Traceback" not in fm_here("ls", str(dst)).stderr
+
+
+# ---- stage --lazy refuses up front what its listing could not be used for ----------------
+
+
+def test_stage_lazy_refuses_a_source_an_index_may_not_name(hostile):
+    src = hostile / "elsewhere"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"a")
+    r = fm_here("stage", "--lazy", str(src), str(hostile / "dst"))
+    _refused(r, "--lazy:", "lazy_sources")
+    assert not (hostile / "dst").exists()
+    assert (
+        fm_here("stage", "--lazy", str(hostile / "allowed"), str(hostile / "dst")).returncode == 0
+    )
+    (hostile / "nvme").mkdir()
+    assert fm_here("stage", "--lazy", "nvme:", str(hostile / "dst2")).returncode == 0
+    assert (hostile / "dst" / INDEX_NAME).stat().st_mode & 0o022 == 0
+
+
+def test_lazy_sources_must_be_a_list_of_local_or_s3_locations(hostile, monkeypatch):
+    for bad, why in [
+        ('"/x"', "must be a list"),
+        ('["http://127.0.0.1/x"]', "only paths, file://, s3:// or TIER:path"),
+        ('["relative/dir"]', "must be absolute"),
+        ('["nope:x"]', "unknown tier"),
+    ]:
+        monkeypatch.setenv("FMSTORE__STAGE__LAZY_SOURCES", bad)
+        set_config(None)
+        dst = hostile / "dst"
+        _index(dst, "s3://bucket/x")
+        r = fm_here("hydrate", str(dst))
+        assert r.returncode == 1 and why in r.stderr, (bad, r.stderr)
