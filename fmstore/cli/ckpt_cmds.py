@@ -266,10 +266,15 @@ def gc_cmd(
 ) -> None:
     """Remove leftovers of crashed or superseded saves; committed checkpoints are kept."""
     from ..checkpoint.gc import gc
+    from ..stores.location import open_existing
     from ..units import parse_duration
 
     older_than = parse_duration(older_than_s, "--older-than", allow_zero=True)
-    rep = gc(root, older_than=older_than, dry_run=dry_run)
+    store = open_existing(root)
+    try:
+        rep = gc(store, older_than=older_than, dry_run=dry_run)
+    finally:
+        runtime.run(store.close())
     console = Console()
     verb = "would remove" if dry_run else "removed"
     for key in rep.removed:

@@ -96,10 +96,12 @@ def inspect(
 ) -> None:
     """Show a dataset's format, shards, samples and bytes."""
     from ..loaders.formats import FormatOptions, load_format
-    from ..stores import open_store
+    from ..stores.location import open_existing
 
     cols = tuple(c.strip() for c in columns.split(",") if c.strip()) if columns else None
-    fmt = load_format(open_store(url), FormatOptions(format, seq_len, dtype, columns=cols))
+    fmt = load_format(
+        open_existing(url, role="dataset"), FormatOptions(format, seq_len, dtype, columns=cols)
+    )
     info = fmt.describe()
     rows: list[dict[str, Any]] = [
         {"key": s.key, "samples": s.samples, "bytes": s.size, "compression": s.compression}

@@ -24,7 +24,8 @@ def _age(seconds: float) -> str:
 def gc_cmd(
     location: str = typer.Argument(
         ...,
-        help="A tier or a prefix on one: TIER, TIER:PREFIX (like s3:runs/a), or a URL.",
+        help="A tier or a prefix on one: TIER: (with the colon), TIER:PREFIX (like "
+        "s3:runs/a), a path or a URL; it must exist.",
     ),
     dry_run: bool = typer.Option(
         False, "--dry-run", "-n", help="Show what would go (kind, size, age); remove nothing."
@@ -60,6 +61,9 @@ def gc_cmd(
         else parse_duration(older_than, "--older-than", allow_zero=True)
     )
     loc = Location.parse(location, config)
+    # A sweep only removes: a location that is not there is an error (as for ls), never
+    # something to create, least of all for a dry run.
+    loc.check_exists()
     store = loc.open(tier=loc.tier)
 
     async def go() -> SweepReport:

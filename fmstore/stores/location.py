@@ -6,7 +6,7 @@ manager, ``StreamingDataset``, the CLI) accepts the same forms:
 ==========================  ==============================================================
 ``/path``, ``./path``, ``~/p``  a local directory (a POSIX store)
 ``file:///path``            the same
-``TIER:path``               ``path`` below the tier named in ``fmstore.toml`` (any kind)
+``TIER:path``, ``TIER:``     ``path`` below the tier named in ``fmstore.toml`` (any kind)
 ``s3://bucket/prefix``      S3, with endpoint, region and addressing from ``[s3]`` of
                             ``fmstore.toml``, then ``AWS_ENDPOINT_URL_S3`` /
                             ``AWS_ENDPOINT_URL``, then botocore's own chain (the
@@ -17,6 +17,13 @@ any other fsspec URL        that fsspec protocol (``file::``-chained URLs includ
 
 :meth:`Location.parse` answers, before anything is opened (opening a POSIX store creates
 its directory): which tier, which backend, and the local directory where there is one.
+Whatever reads a location, or only looks (a dry run), opens it with :func:`open_existing`,
+which never creates anything.
+
+A bare word that is the name of a configured tier (``nvme``, no colon, no slash) is refused
+with :class:`ConfigError` wherever a location is taken: it could mean the tier or a directory
+of that name below the working directory, and guessing wrong sweeps or deletes the wrong
+thing.  ``nvme:`` is the tier, ``./nvme`` the directory.
 """
 
 from __future__ import annotations
@@ -28,13 +35,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..config import Config, get_config
-from ..errors import ConfigError
+from ..errors import ConfigError, NotFound, PermissionDenied
 
 if TYPE_CHECKING:
     from .base import Store
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 _TIER = re.compile(r"^([A-Za-z0-9_-]+):(?!//)(.*)$")
+_BARE = re.compile(r"^[A-Za-z0-9_-]+$")
 _POSIX_KEYS = frozenset({"direct_io", "stripe_count", "stripe_size", "fsync", "read_threads"})
 #: Environment variables naming an S3 endpoint, in botocore's order of precedence.
 _ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
@@ -43,7 +51,16 @@ _ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 def split_tier(url: str, config: Config | None = None) -> tuple[str | None, str]:
     """``"nvme:ckpts/a"`` → ``("nvme", "ckpts/a")`` when ``nvme`` is a configured tier;
     ``(None, url)`` for every other form.  ``NAME:path`` with an unknown ``NAME`` raises
-    :class:`ConfigError` naming the configured tiers."""
+    :class:`ConfigError` naming the configured tiers, and so does a bare word that is a
+    tier's name (``nvme``: the tier, ``nvme:``, or the directory, ``./nvme``?)."""
+    if _BARE.match(url):
+        cfg = config or get_config()
+        if url in cfg.tiers:
+            raise ConfigError(
+                f"{url!r} is the name of a configured tier: write '{url}:' for the tier "
+                f"(or '{url}:PATH' below it), or './{url}' for a directory of that name here"
+            )
+        return None, url
     m = _TIER.match(url)
     if m and not _SCHEME.match(url) and "::" not in url.split("/", 1)[0]:
         cfg = config or get_config()
@@ -83,6 +100,24 @@ class Location:
     @property
     def is_local(self) -> bool:
         return self.local_root is not None
+
+    def check_exists(self, role: str = "location") -> None:
+        """Raise unless a location on this machine is an existing, readable directory:
+        :class:`NotFound` (naming the directory a tier's location resolved to), or
+        :class:`ConfigError` for a file, :class:`PermissionDenied` for an unreadable one.
+        Remote locations pass: an S3 prefix is there as long as objects are under it,
+        which the caller's listing finds out."""
+        path = self.local_root
+        if path is None:
+            return
+        if os.path.isfile(path):
+            raise ConfigError(f"{role} {self.url!r} is a file: use 'fmstore cp' for single objects")
+        if not os.path.isdir(path):
+            # Name the directory a tier's location resolved to (nvme:ds → /local/nvme/ds).
+            where = "" if os.path.abspath(os.path.expanduser(self.url)) == path else f" ({path})"
+            raise NotFound(f"{role} {self.url!r}{where} does not exist")
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise PermissionDenied(f"{role} {self.url!r} is not readable")
 
     @classmethod
     def parse(cls, url: str, config: Config | None = None) -> Location:
@@ -186,3 +221,19 @@ def _open_backend(loc: Location, tier: str | None, options: dict[str, Any]) -> S
 
 def _strip_file(url: str) -> str:
     return url[len("file://") :] if url.startswith("file://") else url
+
+
+def open_existing(
+    url: str,
+    *,
+    role: str = "location",
+    config: Config | None = None,
+    **kwargs: Any,
+) -> Store:
+    """:func:`~fmstore.stores.open_store` for a location that must already exist: a missing
+    local directory is :class:`NotFound` (``role`` names it in the message: ``source``,
+    ``location``), never created.  For reads, listings and dry runs."""
+    from . import open_store
+
+    Location.parse(url, config).check_exists(role)
+    return open_store(url, config=config, **kwargs)

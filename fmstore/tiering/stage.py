@@ -38,7 +38,7 @@ from ..errors import ConfigError, FmstoreError, NotFound, PermissionDenied
 from ..stores import Location, open_store, split_tier
 from ..stores.base import ObjectMeta, Store
 from ..stores.crc import crc32c
-from ..stores.location import scheme_of
+from ..stores.location import open_existing, scheme_of
 from .journal import Journal
 from .transfer import (
     CopyItem,
@@ -193,17 +193,7 @@ def local_dir(url: str) -> str | None:
 def open_source(url: str, *, role: str = "source", concurrency: int | None = None) -> Store:
     """Open a location that must already exist (a missing POSIX directory is an error,
     not something to create); ``concurrency`` as for :func:`~fmstore.stores.open_store`."""
-    path = local_dir(url)
-    if path is not None:
-        if os.path.isfile(path):
-            raise ConfigError(f"{role} {url!r} is a file: use 'fmstore cp' for single objects")
-        if not os.path.isdir(path):
-            # Name the directory a tier's location resolved to (nvme:ds → /local/nvme/ds).
-            where = "" if os.path.abspath(os.path.expanduser(url)) == path else f" ({path})"
-            raise NotFound(f"{role} {url!r}{where} does not exist")
-        if not os.access(path, os.R_OK | os.X_OK):
-            raise PermissionDenied(f"{role} {url!r} is not readable")
-    return open_store(url, concurrency=concurrency)
+    return open_existing(url, role=role, concurrency=concurrency)
 
 
 def _root_of(store: Store) -> str:
