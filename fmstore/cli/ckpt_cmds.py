@@ -7,12 +7,13 @@ from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
 from .. import runtime
 from ..stores.base import Store
 from .main import ckpt
+from .progress import byte_columns
 from .util import human_bytes, plural
 
 if TYPE_CHECKING:
@@ -152,8 +153,7 @@ def verify(
     with Progress(
         TextColumn("verifying"),
         BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
+        *byte_columns(),
         console=console,
     ) as progress:
         task = progress.add_task("verify", total=m.stored_bytes)

@@ -39,13 +39,14 @@ def write(
     ),
 ) -> None:
     """Convert SRC into an fmstore dataset at DST (shards first, index.json last)."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+    from rich.progress import BarColumn, Progress, TextColumn
 
     from ..loaders.writer import write_dataset
+    from .progress import byte_columns
 
     total = _src_bytes(src)
     with Progress(
-        TextColumn("[bold]writing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        TextColumn("[bold]writing"), BarColumn(), *byte_columns(),
         TextColumn("{task.fields[samples]} samples"), transient=True,
     ) as bar:  # fmt: skip
         task = bar.add_task("write", total=total or None, samples=0)

@@ -5,9 +5,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import typer
+import typer.core
 
 from .. import __version__
 from ..errors import FmstoreError
@@ -189,10 +193,68 @@ def _unwrap_help(group: typer.Typer) -> None:
             _unwrap_help(sub.typer_instance)
 
 
+#: Commands users bring from s5cmd, rclone and the aws cli, and the fmstore way to do them.
+OTHER_TOOLS = {
+    "sync": "fmstore stage SRC DST --delete (copies what differs and deletes what SRC lacks; "
+    "--dry-run shows the plan first)",
+    "mv": "fmstore cp SRC DST (or, for many, fmstore stage SRC DST --include GLOB), "
+    "then fmstore rm SRC (-r for a prefix)",
+    "move": "fmstore cp SRC DST (or, for many, fmstore stage SRC DST --include GLOB), "
+    "then fmstore rm SRC (-r for a prefix)",
+    "copy": "fmstore stage SRC DST (many files, resumable) or fmstore cp SRC DST (one object, "
+    "or -r / a glob)",
+}
+#: The root's options, also taken after the command (``fmstore stage -v …``): no command
+#: has options of these names.
+_ROOT_FLAGS = re.compile(r"-v+|--verbose|-q|--quiet")
+
+
+def hoist_root_options(args: list[str]) -> list[str]:
+    """``-v``/``-vv``/``--verbose``/``-q``/``--quiet`` given after the command moved before
+    it, where the root's parser reads them (up to a ``--``)."""
+    first = next((i for i, a in enumerate(args) if not a.startswith("-")), None)
+    if first is None:
+        return args
+    end = args.index("--") if "--" in args else len(args)
+    moved = [a for a in args[first + 1 : end] if _ROOT_FLAGS.fullmatch(a)]
+    if not moved:
+        return args
+    rest = [a for a in args[first + 1 : end] if not _ROOT_FLAGS.fullmatch(a)]
+    return [*args[:first], *moved, args[first], *rest, *args[end:]]
+
+
+def _usage_metavar(make: Callable[..., str]) -> Callable[..., str]:
+    """Arguments in usage lines as CLI convention writes them, ``fmstore ls URL``: typer
+    writes a required one ``{url}``."""
+
+    def metavar(self: Any, ctx: Any, *, usage: bool = False) -> str:
+        var = make(self, ctx, usage=usage)
+        if usage:
+            var = re.sub(r"^\{([^}]*)\}", r"\1", var)
+            var = re.sub(r"[a-z_]+", lambda m: m.group(0).upper().replace("_", "-"), var)
+        return var
+
+    return metavar
+
+
+typer.core.TyperArgument.make_metavar = _usage_metavar(  # type: ignore[method-assign]
+    typer.core.TyperArgument.make_metavar
+)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry: fmstore errors become one clear line and exit code 1."""
     global log_level
     log_level = None
+    argv = hoist_root_options(sys.argv[1:] if argv is None else list(argv))
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command in OTHER_TOOLS:
+        typer.secho(
+            f"error: fmstore has no '{command}' command; use {OTHER_TOOLS[command]}",
+            fg=typer.colors.RED,
+            err=True,
+        )
+        sys.exit(2)
     _register(argv)
     logger = logging.getLogger("fmstore")
     level_before = logger.level

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 
 import typer
 
@@ -31,10 +32,73 @@ def _is_local_file(url: str) -> bool:
     return path is not None and os.path.isfile(path)
 
 
+#: A glob character in a ``cp`` source (``s3:ds/train/*.bin``).
+_GLOB = re.compile(r"[*?[]")
+
+
+def _split_glob(src: str) -> tuple[str, str] | None:
+    """``s3:ds/train/*.bin`` -> ``("s3:ds/train", "*.bin")``: the directory before the first
+    glob character and the pattern below it; None without a glob."""
+    m = _GLOB.search(src)
+    if m is None:
+        return None
+    head = src[: m.start()]
+    cut = head.rfind("/")
+    scheme = src.find("://")
+    if scheme >= 0 and cut < scheme + 3:
+        raise ConfigError(f"{src!r}: a glob in a bucket name is not supported")
+    if cut >= 0:
+        return src[:cut] or "/", src[cut + 1 :]
+    tier, rest = split_tier(src) if ":" in head else (None, src)
+    return (f"{tier}:", rest) if tier is not None else (".", src)
+
+
+def _cp_many(
+    src: str, pattern: str | None, dst: str, recursive: bool, topts: TransferOptions, shown: str
+) -> None:
+    """``cp -r`` and ``cp GLOB``: what ``fmstore stage`` does (parallel, resumable,
+    identical files skipped), restricted to ``pattern``, with no deletes and no shard.  A
+    pattern of one segment matches names in ``src`` itself, or at any depth with ``-r``
+    (as ``ls`` reads it)."""
+    from ..tiering.stage import StageOptions, stage
+
+    top_only = pattern is not None and "/" not in pattern and not recursive
+    opts = StageOptions(
+        includes=(pattern,) if pattern else (),
+        excludes=("*/**",) if top_only else (),
+        transfer=topts,
+    )
+    result = stage(src, dst, opts)
+    if result.report.failures:
+        list_failures(result.report)
+        raise typer.Exit(EXIT_FAILED)
+    p = result.report.progress
+    if pattern is not None and p.files_total == 0:
+        raise NotFound(f"no object under {src} matches {pattern!r}")
+    skipped = f", {p.files_skipped} identical skipped" if p.files_skipped else ""
+    typer.echo(
+        f"{shown} -> {dst}: copied {plural(p.files_copied, 'file')} "
+        f"({human_bytes(p.bytes_copied)}){skipped}",
+        err=True,
+    )
+
+
 @app.command("cp")
 def cp_cmd(
-    src: str = typer.Argument(..., help="Source object (path, s3://bucket/key, TIER:path/key)."),
-    dst: str = typer.Argument(..., help="Destination object, or a directory/prefix ending in '/'."),
+    src: str = typer.Argument(
+        ...,
+        metavar="SRC",
+        help="Source object (path, s3://bucket/key, TIER:path/key); with a glob (quoted: "
+        "'s3:ds/train/*.bin') every object it matches; with -r a directory or prefix.",
+    ),
+    dst: str = typer.Argument(
+        ...,
+        metavar="DST",
+        help="Destination object, or a directory/prefix ending in '/' (the one for -r and globs).",
+    ),
+    recursive: bool = typer.Option(
+        False, "--recursive", "-r", help="Copy a directory or prefix and everything under it."
+    ),
     verify: bool = typer.Option(False, "--verify", help="Re-read the copy and compare checksums."),
     force: bool = typer.Option(
         False, "--force", "-f", help="Copy even when an identical copy is present."
@@ -43,10 +107,27 @@ def cp_cmd(
         None, "--preserve-owner/--no-preserve-owner", help=PRESERVE_OWNER_HELP
     ),
 ) -> None:
-    """Copy one object between any two locations (checksummed, atomic)."""
+    """Copy one object between any two locations (checksummed, atomic).
+
+    With a glob in SRC ('s3:ds/train/*.bin', quoted so the shell leaves it) or with -r, copy
+    many into the directory DST: every object the glob matches in its directory (with -r,
+    at any depth below it, as for ls), or everything under SRC, keeping their paths
+    relative to that directory. This is 'fmstore stage DIR DST --include GLOB' without its
+    deletes, shards and progress bar."""
     topts = TransferOptions(
         verify=verify, skip_identical=not force, preserve_owner=preserve_owner(preserve_owner_flag)
     )
+    glob = _split_glob(src)
+    if glob is not None or (recursive and not _is_local_file(src)):  # ``cp -r FILE``: as cp
+        base, pattern = glob if glob is not None else (src, None)
+        _cp_many(base, pattern, dst, recursive, topts, src)
+        return
+    local = local_dir(src)
+    if local is not None and os.path.isdir(local):
+        raise ConfigError(
+            f"{src!r} is a directory: use 'fmstore cp -r' to copy it and what it holds "
+            "(or 'fmstore stage', which also resumes, shards and syncs)"
+        )
     s_parent, s_key = split_object(src)
     if os.path.isdir(dst) or dst.endswith("/"):
         d_parent, d_key = dst.rstrip("/") or "/", s_key
@@ -65,7 +146,14 @@ def cp_cmd(
         item = CopyItem(s_key, d_key, meta.size, version_of(meta))
         return await copy_items(sstore, dstore, [item], topts)
 
-    report = runtime.run(go())
+    try:
+        report = runtime.run(go())
+    except NotFound:
+        if local is None and _has_objects_under(src):
+            raise ConfigError(
+                f"{src!r} is a prefix: use 'fmstore cp -r' to copy every object under it"
+            ) from None
+        raise
     if report.failures:
         list_failures(report)
         raise typer.Exit(EXIT_FAILED)

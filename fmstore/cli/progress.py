@@ -127,23 +127,52 @@ def run_with_progress(
         raise
 
 
+#: Below this rate (bytes/s) no time left is shown: a stalled or throttled copy's estimate
+#: ("ETA 5628339 s") says nothing.
+ETA_MIN_RATE = 1024
+#: Nor beyond this many seconds (a week).
+ETA_MAX_S = 7 * 86400
+
+
+def rate_text(rate: float | None) -> str:
+    """A rate in the binary units of the byte counts beside it (``12.5 MiB/s``)."""
+    return "?/s" if rate is None else f"{human_bytes(rate)}/s"
+
+
+def eta_text(left: float, rate: float | None) -> str:
+    """Time left as ``h:mm:ss``, or ``?`` while the rate is about 0 or the estimate absurd."""
+    if not left:
+        return "0:00:00"
+    if rate is None or rate < ETA_MIN_RATE or left / rate > ETA_MAX_S:
+        return "?"
+    s = int(left / rate + 0.5)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def byte_columns(*, eta: bool = True) -> list[Any]:
+    """The columns of every progress bar that counts bytes: done/total, rate and (``eta``)
+    time left, all in binary units (MiB, MiB/s), the time left hidden while the rate is
+    about 0 (:func:`eta_text`)."""
+    from rich.progress import DownloadColumn, ProgressColumn
+    from rich.text import Text
+
+    class Rate(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            return Text(rate_text(task.speed), style="progress.data.speed")
+
+    class Eta(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            left = (task.total or 0) - task.completed
+            return Text(f"ETA {eta_text(left, task.speed)}", style="progress.remaining")
+
+    return [DownloadColumn(binary_units=True), Rate(), *([Eta()] if eta else [])]
+
+
 def _rich_loop(fut: Any, p: TransferProgress, label: str, err: Console) -> Any:
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
+    from rich.progress import BarColumn, Progress, TextColumn
 
     with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=err,
+        TextColumn("[bold]{task.description}"), BarColumn(), *byte_columns(), console=err
     ) as bar:
         task = bar.add_task(label, total=max(p.bytes_total, 1))
         while True:
@@ -172,10 +201,9 @@ def _log_loop(fut: Any, p: TransferProgress, label: str, interval: float) -> Any
             el = max(now - p.started, 1e-6)
             rate = p.bytes_copied / el
             left = max(p.bytes_total - p.bytes_done, 0)
-            eta = f"{left / rate:.0f} s" if rate > 0 else "?"
             typer.echo(
                 f"{label}: {p.files_done}/{p.files_total} files, {human_bytes(p.bytes_done)}/"
-                f"{human_bytes(p.bytes_total)}, {human_bytes(rate)}/s, ETA {eta}"
+                f"{human_bytes(p.bytes_total)}, {rate_text(rate)}, ETA {eta_text(left, rate)}"
                 + (f", {p.files_failed} failed" if p.files_failed else ""),
                 err=True,
             )
