@@ -7,6 +7,11 @@ committed (no manifest at ``P``), and generations an overwrite superseded.  Othe
 are never touched; a manifest that does not parse keeps its prefix untouched.  POSIX temp
 files of interrupted writes are removed too.
 
+A generation holding a rank record (``rank-NNNNNN.json``) that no manifest names is a
+*pending* part of a sharded checkpoint on a node-local tier: its save may have committed on
+another node, whose manifest has not reached this one yet.  It is never garbage here,
+however old; only a restore's collective decides about it (``docs/distributed.md``).
+
 ``older_than`` protects saves still running: a generation is removed only when it was
 started, and last written, at least that many seconds ago.  Never run gc with a small
 ``older_than`` while a save under the same root may be in progress.
@@ -22,7 +27,7 @@ from .. import runtime
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores import open_store
 from ..stores.base import Store
-from .layout import BLOB_RE, GENERATION_RE, generation_age
+from .layout import BLOB_RE, GENERATION_RE, RANK_RECORD_RE, generation_age
 
 
 @dataclass
@@ -31,16 +36,20 @@ class GcReport:
     removed: list[str] = field(default_factory=list)
     removed_bytes: int = 0
     young: list[str] = field(default_factory=list)
+    #: pending parts (``P/GEN``) of sharded checkpoints on a node-local tier: kept
+    pending: list[str] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
     temp_files: int = 0
     dry_run: bool = False
 
 
-async def _scan(
-    store: Store,
-) -> tuple[dict[str, str | None], dict[tuple[str, str], list[tuple[str, int, float | None]]]]:
+_Gens = dict[tuple[str, str], list[tuple[str, int, float | None]]]
+
+
+async def _scan(store: Store) -> tuple[dict[str, str | None], _Gens, set[tuple[str, str]]]:
     manifests: dict[str, str | None] = {}
-    gens: dict[tuple[str, str], list[tuple[str, int, float | None]]] = {}
+    gens: _Gens = {}
+    pending: set[tuple[str, str]] = set()
     async for m in store.list("", recursive=True):
         if m.is_dir:
             continue
@@ -49,13 +58,15 @@ async def _scan(
             manifests["/".join(parts[:-1])] = None
         elif len(parts) >= 2 and BLOB_RE.match(parts[-1]) and GENERATION_RE.match(parts[-2]):
             gens.setdefault(("/".join(parts[:-2]), parts[-2]), []).append((m.key, m.size, m.mtime))
+        elif len(parts) >= 2 and RANK_RECORD_RE.match(parts[-1]) and GENERATION_RE.match(parts[-2]):
+            pending.add(("/".join(parts[:-2]), parts[-2]))
     for prefix in manifests:
         key = f"{prefix}/{MANIFEST_KEY}" if prefix else MANIFEST_KEY
         try:
             manifests[prefix] = _generation_of(await store.get(key))
         except Exception:
             manifests[prefix] = "?"  # unreadable: keep everything under it
-    return manifests, gens
+    return manifests, gens, pending
 
 
 def _generation_of(data: bytes) -> str:
@@ -68,7 +79,7 @@ def _generation_of(data: bytes) -> str:
 
 
 async def find_checkpoints_async(store: Store) -> list[str]:
-    manifests, _ = await _scan(store)
+    manifests, _, _ = await _scan(store)
     return sorted(p for p, g in manifests.items() if g not in (None, "?"))
 
 
@@ -107,15 +118,23 @@ class Generation:
     age: float
 
 
-async def orphan_generations(store: Store) -> tuple[list[Generation], list[str], list[str]]:
+async def orphan_generations(
+    store: Store, pending_out: list[str] | None = None
+) -> tuple[list[Generation], list[str], list[str]]:
     """Every generation under ``store`` that no manifest names, and the prefixes of the
-    committed checkpoints and of the unreadable manifests (whose generations are kept)."""
-    manifests, gens = await _scan(store)
+    committed checkpoints and of the unreadable manifests (whose generations are kept).
+    Pending parts (a rank record, no manifest naming them) are never in the list; their
+    ``P/GEN`` are appended to ``pending_out``."""
+    manifests, gens, pending = await _scan(store)
     now = time.time()
     out: list[Generation] = []
     for (prefix, gen), objs in sorted(gens.items()):
         current = manifests.get(prefix)
         if current == gen or current == "?":
+            continue
+        if (prefix, gen) in pending:
+            if pending_out is not None:
+                pending_out.append(f"{prefix}/{gen}" if prefix else gen)
             continue
         mtimes = [t for _, _, t in objs if t is not None]
         age = (
@@ -130,7 +149,7 @@ async def orphan_generations(store: Store) -> tuple[list[Generation], list[str],
 
 async def _gc(store: Store, older_than: float, dry_run: bool) -> GcReport:
     rep = GcReport(dry_run=dry_run)
-    gens, rep.checkpoints, rep.unreadable = await orphan_generations(store)
+    gens, rep.checkpoints, rep.unreadable = await orphan_generations(store, rep.pending)
     doomed: list[str] = []
     for g in gens:
         if g.age < older_than:

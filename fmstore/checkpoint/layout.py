@@ -6,6 +6,8 @@ listings sort by step) on every tier.  Inside a checkpoint prefix:
 manifest.json                the commit (written last)
 gMMMMMMMMMMMM-RRRRRRRR/      one generation per save: ms timestamp (hex) + random
     000000.bin ...           data blobs
+    rank-000003.json         on a node-local tier of several nodes: a rank's record of its
+                             blobs; in a generation no manifest names, a *pending* part
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from ..stores.base import Store
 STEP_RE = re.compile(r"^step_(\d{12})$")
 GENERATION_RE = re.compile(r"^g([0-9a-f]{12})-[0-9a-f]{8}$")
 BLOB_RE = re.compile(r"^[0-9]{6,}\.bin$")
+#: A rank's record of its blobs in a checkpoint on a node-local tier (``dcp/nodes.py``).
+RANK_RECORD_RE = re.compile(r"^rank-([0-9]{6})\.json$")
 
 __all__ = [
     "BLOB_RE",
     "GENERATION_RE",
     "MANIFEST_KEY",
+    "RANK_RECORD_RE",
     "STEP_RE",
     "blob_name",
     "checkpoint_key",

@@ -3,7 +3,9 @@
 * :class:`Writer` / :class:`Reader`: DCP's ``StorageWriter`` / ``StorageReader`` over any
   fmstore Store (a directory, ``s3://``, ``memory://``, a configured tier);
 * :class:`Stager`: DCP's ``AsyncStager`` with staging buffers reused across saves;
-* :func:`async_save`: ``dcp.async_save`` with both, releasing the buffers when the save ends.
+* :func:`save` / :func:`async_save` / :func:`load`: DCP's with both, on a gloo group of
+  their own; on a node-local tier of several nodes the committed manifest is copied to
+  every node, and ``load`` is a collective restore (``docs/distributed.md``).
 
 Usage::
 
@@ -16,7 +18,8 @@ Usage::
 
 from __future__ import annotations
 
-from .api import async_save, inspect_checkpoint, is_dcp_checkpoint, to_torch_save, verify_checkpoint
+from .api import inspect_checkpoint, is_dcp_checkpoint, to_torch_save, verify_checkpoint
+from .collective import async_save, checkpoint_group, load, save
 from .manifest import DCP_FORMAT_NAME, DCP_FORMAT_VERSION, DcpManifest
 from .reader import Reader, ReadOptions, read_manifest
 from .staging import Stager
@@ -32,9 +35,12 @@ __all__ = [
     "WriteOptions",
     "Writer",
     "async_save",
+    "checkpoint_group",
     "inspect_checkpoint",
     "is_dcp_checkpoint",
+    "load",
     "read_manifest",
+    "save",
     "to_torch_save",
     "verify_checkpoint",
 ]

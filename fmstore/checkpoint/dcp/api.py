@@ -1,10 +1,9 @@
-"""Helpers around DCP checkpoints: ``async_save`` with fmstore staging, inspection,
-verification and conversion to a whole (unsharded) state dict."""
+"""Helpers around DCP checkpoints: inspection, verification and conversion to a whole
+(unsharded) state dict.  (``save`` / ``async_save`` / ``load`` are in :mod:`.collective`.)"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,52 +18,14 @@ from ..verify import verify_checkpoint as verify_store
 from .manifest import DCP_FORMAT_NAME, MANIFEST_KEY, DcpManifest, sniff_format
 from .native import NativeCheckpoint, has_native_metadata, read_native
 from .reader import Reader, read_manifest
-from .staging import Stager
-from .writer import Writer
 
 __all__ = [
-    "async_save",
     "inspect_checkpoint",
     "is_dcp_checkpoint",
     "load_full_state_dict",
     "to_torch_save",
     "verify_checkpoint",
 ]
-
-
-def async_save(
-    state_dict: dict[str, Any],
-    writer: Writer,
-    *,
-    stager: Stager | None = None,
-    process: bool = False,
-    **kwargs: Any,
-) -> Future[Any]:
-    """``dcp.async_save`` through ``writer``, staged by ``stager`` (reused across calls).
-
-    Returns once the state is staged: the caller may change its tensors; the checkpoint
-    keeps the values of this moment.  The returned future completes when the checkpoint is
-    committed.  ``process=True`` runs the save in DCP's checkpoint process (the stager should
-    then be made with ``share_memory=True``).  A later call with the same stager waits for
-    this save to finish before it overwrites the buffers.  ``kwargs`` go to
-    ``dcp.async_save`` (``process_group``, ``planner``, ...).
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-    if stager is None:
-        stager = Stager(share_memory=process)
-    kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
-    fut = dcp.async_save(
-        state_dict,
-        storage_writer=writer,
-        async_stager=stager,
-        async_checkpointer_type=kind,
-        **kwargs,
-    )
-    upload = fut.upload_completion if hasattr(fut, "upload_completion") else fut
-    stager.track(upload)
-    return upload
 
 
 def _open(uri: str, store_options: dict[str, Any]) -> Store:

@@ -58,9 +58,14 @@ __all__ = [
     "DcpBlob",
     "DcpItem",
     "DcpManifest",
+    "DcpPart",
 ]
 
-DCP_FORMAT_VERSION = 1
+#: The newest manifest version this fmstore reads.  Version 1: one part (every blob where
+#: the manifest is).  Version 2: ``parts``, one per node of a node-local tier; a save writes
+#: 2 only when there are several parts, so an older fmstore still reads everything else,
+#: and reports a version-2 manifest as a newer format, never as damage.
+DCP_FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,22 @@ class DcpBlob:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> DcpBlob:
         return cls(name=field_str(d, "name"), size=field_int(d, "size"), rank=field_int(d, "rank"))
+
+
+@dataclass(frozen=True)
+class DcpPart:
+    """One node's part of a checkpoint on a node-local tier: the blobs its ``ranks`` wrote,
+    found on that node alone."""
+
+    node: str
+    ranks: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "ranks": list(self.ranks)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> DcpPart:
+        return cls(node=field_str(d, "node"), ranks=field_ints(d, "ranks"))
 
 
 @dataclass(frozen=True)
@@ -314,7 +335,29 @@ class DcpManifest:
     storage_meta: dict[str, Any] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     writer: str = ""
-    version: int = DCP_FORMAT_VERSION
+    version: int = 1
+    #: one per node when written to a node-local tier by a job of several nodes, else empty
+    parts: list[DcpPart] = field(default_factory=list)
+
+    def part_of(self, node: str) -> DcpPart | None:
+        return next((p for p in self.parts if p.node == node), None)
+
+    def node_of_rank(self, rank: int) -> str | None:
+        return next((p.node for p in self.parts if rank in p.ranks), None)
+
+    def storage_for(self, ranks: set[int] | None) -> dict[MetadataIndex, DcpItem]:
+        """Each saved item's record; where an item is saved on several nodes (a value DCP
+        deduplicated, copied into every node's part), the copy written by one of ``ranks``."""
+        out: dict[MetadataIndex, DcpItem] = {}
+        for it in self.items:
+            mine = (
+                ranks is not None
+                and bool(it.chunks)
+                and self.blobs[it.chunks[0].blob].rank in ranks
+            )
+            if mine or it.md_index not in out:
+                out[it.md_index] = it
+        return out
 
     def blob_key(self, blob: int) -> str:
         return f"{self.generation}/{self.blobs[blob].name}"
@@ -329,15 +372,16 @@ class DcpManifest:
 
     # -- DCP objects --
 
-    def to_metadata(self, *, allow_pickle: bool = False) -> Metadata:
-        """DCP's ``Metadata``; ``storage_data`` maps each ``MetadataIndex`` to its item."""
+    def to_metadata(self, *, allow_pickle: bool = False, ranks: set[int] | None = None) -> Metadata:
+        """DCP's ``Metadata``; ``storage_data`` maps each ``MetadataIndex`` to its item (the
+        copy in the part of ``ranks`` where there are several, see :meth:`storage_for`)."""
         sm = self.storage_meta
         return Metadata(
             state_dict_metadata=_sd_md_from_json(self.state_dict_metadata),
             planner_data=decode_value(
                 self.planner_data, allow_pickle=allow_pickle, what="the checkpoint's planner data"
             ),
-            storage_data={it.md_index: it for it in self.items},
+            storage_data=self.storage_for(ranks),
             storage_meta=StorageMeta(
                 checkpoint_id=sm.get("checkpoint_id"),
                 save_id=sm.get("save_id"),
@@ -357,9 +401,13 @@ class DcpManifest:
         blobs: list[DcpBlob],
         allow_pickle: bool,
         writer: str,
+        parts: list[DcpPart] | None = None,
     ) -> DcpManifest:
         sm = md.storage_meta
+        parts = list(parts or [])
         return cls(
+            parts=parts if len(parts) > 1 else [],
+            version=2 if len(parts) > 1 else 1,
             generation=generation,
             world_size=world_size,
             state_dict_metadata=_sd_md_to_json(md.state_dict_metadata),
@@ -382,7 +430,7 @@ class DcpManifest:
     # -- JSON --
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "format": DCP_FORMAT_NAME,
             "version": self.version,
             "generation": self.generation,
@@ -396,6 +444,9 @@ class DcpManifest:
             "blobs": [b.to_json() for b in self.blobs],
             "items": [i.to_json() for i in self.items],
         }
+        if self.parts:
+            d["parts"] = [p.to_json() for p in self.parts]
+        return d
 
     def dumps(self) -> bytes:
         return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
@@ -424,6 +475,7 @@ class DcpManifest:
                 created=float(d.get("created", 0.0)),
                 writer=str(d.get("writer", "")),
                 version=version,
+                parts=[DcpPart.from_json(p) for p in d.get("parts") or []],
             )
             _sd_md_from_json(m.state_dict_metadata)  # parses, or raises below
             sm = m.storage_meta
@@ -452,6 +504,14 @@ class DcpManifest:
         for b in self.blobs:
             if b.size < 0:
                 raise bad(f"blob {b.name!r} has negative size {b.size}")
+        if self.parts:
+            ranks = sorted(r for p in self.parts for r in p.ranks)
+            if ranks != list(range(self.world_size)):
+                raise bad(f"parts hold ranks {ranks[:16]}, not each of the {self.world_size}")
+            if len({p.node for p in self.parts}) != len(self.parts):
+                raise bad("two parts name the same node")
+            if any(not 0 <= b.rank < self.world_size for b in self.blobs):
+                raise bad("a blob names a rank outside the world")
         held: dict[str, int] = {}
         for it in self.items:
             what = f"item {it.fqn!r} (offset {list(it.offset or ())})"

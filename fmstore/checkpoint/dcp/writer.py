@@ -5,23 +5,31 @@ Call order (from ``torch.distributed.checkpoint.save``; "all" means every rank):
 0. (all) ``reset(checkpoint_id)`` when the caller passes a ``checkpoint_id``;
    ``storage_meta()``
 1. (all) ``set_up_storage_writer(is_coordinator, rank=...)``
-2. (all) ``prepare_local_plan(plan)``: nothing to add
+2. (all) ``prepare_local_plan(plan)``: adds the rank's node id and its items as planned
+   before DCP's deduplication
 3. (coordinator) ``prepare_global_plan(plans)``: picks a fresh *generation* (a sub-prefix
    for this save's blobs) and gives every rank its number and the world size; refuses to
-   replace a committed checkpoint unless ``overwrite=True``
+   replace a committed checkpoint unless ``overwrite=True``.  On a node-local tier
+   (``scope = "node"``) with ranks on several nodes, every value DCP deduplicated onto a
+   rank of another node is also given to a rank of each node whose ranks hold it, so each
+   node's part holds what its ranks need (see ``docs/distributed.md``)
 4. (all) ``write_data(plan, planner)``: every item is cut into ``chunk_size`` chunks, each
    checksummed (and encoded, when compressing) in the CPU pool.  An item stored raw of at
    least ``direct_min`` bytes is a blob of its own, written with one ``put`` straight from
    the tensor's memory (on S3 a multipart upload whose parts are views of the tensor: the
    bytes are never copied); the other items are packed into up to ``streams`` blobs written
    as streams, with at most ``max_inflight`` bytes of encoded data held.  At most
-   ``streams`` blobs of a rank are in flight at once.  Returns one ``WriteResult`` per item,
-   once every blob is committed
+   ``streams`` blobs of a rank are in flight at once.  On a node-local tier of several
+   nodes the rank then writes its rank record (blob names and sizes) after its blobs are
+   durable.  Returns one ``WriteResult`` per item, once every blob is committed
 5. (coordinator) ``finish(metadata, results)``: DCP calls it only when every rank's
    ``write_data`` succeeded; it checks anyway that every rank answered for every item of its
    plan and that every blob is present with its size (one listing of the generation), and
    only then writes ``manifest.json`` (the commit).  A missing rank or blob raises and
-   nothing is committed.
+   nothing is committed.  On a node-local tier of several nodes it can list only its own
+   node's blobs; the other ranks' blobs are vouched for by their reports, sent after their
+   blobs and rank records were fsynced; the manifest then lists one part per node, and
+   :func:`fmstore.checkpoint.dcp.save` copies it to every node.
 
 Guarantees: a checkpoint is visible only once complete; ``overwrite=True`` replaces a
 committed one atomically (the old generation is deleted after the new manifest is in place);
@@ -57,7 +65,8 @@ from ...limits import ByteBudget
 from ...stores import PutOptions, Store, open_store
 from ..layout import blob_name, new_generation
 from . import staging
-from .manifest import MANIFEST_KEY, DcpBlob, DcpItem, DcpManifest
+from .manifest import MANIFEST_KEY, DcpBlob, DcpItem, DcpManifest, DcpPart
+from .nodes import RankRecord, node_id, rank_record_key, tier_scope
 
 __all__ = ["WriteOptions", "Writer"]
 
@@ -98,6 +107,15 @@ class WriteOptions:
 
 
 @dataclass(frozen=True)
+class _LocalInfo:
+    """What each rank tells the coordinator in its local plan's ``storage_data``: its node,
+    and its items before DCP's deduplication dropped the ones another rank also holds."""
+
+    node: str
+    items: tuple[WriteItem, ...]
+
+
+@dataclass(frozen=True)
 class _RankPlan:
     """What the coordinator tells each rank in ``SavePlan.storage_data``."""
 
@@ -109,6 +127,9 @@ class _RankPlan:
     #: item count plus ``streams``), so names are unique without the ranks talking
     blob_base: int = 0
     blob_count: int = 0
+    #: each rank's node, when the tier is node-local and the ranks span several nodes
+    nodes: tuple[str, ...] = ()
+    save_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -199,6 +220,9 @@ class Writer(StorageWriter):
         self.save_id = str(uuid.uuid4())
         self._plans: list[SavePlan] | None = None
         self._used_generations: set[str] = set()
+        #: set by fmstore.checkpoint.dcp.save / async_save, which copy the committed
+        #: manifest to every node; a bare Writer refuses a node-local tier of several nodes
+        self.distributes = False
 
     # ---- pickling (process-based async_save) ------------------------------------------
 
@@ -250,7 +274,7 @@ class Writer(StorageWriter):
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        return replace(plan, storage_data=_LocalInfo(node_id(), tuple(plan.items)))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if not self.options.overwrite and runtime.run(self.store.exists(MANIFEST_KEY)):
@@ -261,15 +285,46 @@ class Writer(StorageWriter):
             )
         generation = new_generation()
         streams = self.options.streams
+        nodes = self._node_local(plans)
+        if nodes:
+            plans = _local_copies(plans, nodes)
         out = []
         base = 0
         for i, p in enumerate(plans):
             count = len(p.items) + streams
-            rp = _RankPlan(generation, i, len(plans), streams, base, count)
+            rp = _RankPlan(generation, i, len(plans), streams, base, count, nodes, self.save_id)
             out.append(replace(p, storage_data=rp))
             base += count
         self._plans = out
         return out
+
+    def _node_local(self, plans: list[SavePlan]) -> tuple[str, ...]:
+        """Each rank's node, when this save writes one part per node (a node-local tier,
+        ranks on several nodes); ``()`` otherwise."""
+        infos = [p.storage_data for p in plans]
+        if not all(isinstance(i, _LocalInfo) for i in infos):
+            return ()
+        nodes = tuple(i.node for i in infos)  # type: ignore[union-attr]
+        if len(set(nodes)) < 2 or tier_scope(self.uri) != "node":
+            return ()
+        where = f'{self.uri} is on a node-local tier (scope = "node") and this job spans nodes {", ".join(sorted(set(nodes))[:4])}'
+        if not self.distributes:
+            raise FmstoreError(
+                f"{where}: a bare dcp.save(storage_writer=Writer(...)) would commit a manifest "
+                "only the coordinator's node can read; save with "
+                "fmstore.checkpoint.dcp.save(state, uri) or async_save(state, uri), which "
+                "copy the committed manifest to every node",
+                tier=self.store.tier,
+                key=MANIFEST_KEY,
+            )
+        if self.options.overwrite:
+            raise FmstoreError(
+                f"{where}: overwrite=True is not supported there (a node's old part could "
+                "outlive the new commit); save each step under its own prefix",
+                tier=self.store.tier,
+                key=MANIFEST_KEY,
+            )
+        return nodes
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rp = plan.storage_data
@@ -333,6 +388,19 @@ class Writer(StorageWriter):
                 "global planning (was the plan changed after prepare_global_plan?)"
             )
         per_blob = await _all_or_cancel([one(b) for b in blobs])
+        if rp.nodes:
+            # The rank's part of its node: written (fsynced) after its blobs, before it
+            # reports, so a part a report vouches for is on disk with its record.
+            rec = RankRecord(
+                rp.generation,
+                rp.save_id,
+                rp.rank,
+                rp.nodes[rp.rank],
+                tuple((b.name, b.size) for b in blobs),
+            )
+            await store.put(
+                rank_record_key(rp.generation, rp.rank), rec.dumps(), PutOptions(mode="create")
+            )
         results: list[WriteResult] = []
         for b, recs in zip(blobs, per_blob, strict=True):
             for wi, item in recs:
@@ -521,10 +589,19 @@ class Writer(StorageWriter):
                     key=MANIFEST_KEY,
                 )
         gen = rp0.generation
+        nodes = rp0.nodes
+        parts = [
+            DcpPart(node, tuple(r for r, n in enumerate(nodes) if n == node))
+            for node in dict.fromkeys(nodes)
+        ]
 
         # One listing of the generation instead of a HEAD per blob (ranks x streams of them).
+        # On a node-local tier this node sees its own part only: the other ranks' blobs
+        # are vouched for by their reports, sent once their blobs and records were durable.
         have = {m.key: m.size async for m in store.list(f"{gen}/") if not m.is_dir}
         for b in blobs:
+            if nodes and nodes[b.rank] != nodes[0]:
+                continue
             key = f"{gen}/{b.name}"
             size = have.get(key)
             if size is None:
@@ -546,6 +623,7 @@ class Writer(StorageWriter):
             blobs=blobs,
             allow_pickle=self.options.allow_pickle,
             writer=f"fmstore (torch {torch.__version__})",
+            parts=parts,
         )
         manifest.validate(MANIFEST_KEY)
         old_gen = await self._old_generation(store) if self.options.overwrite else None
@@ -570,6 +648,24 @@ class Writer(StorageWriter):
             return _generation_of(data)
         except FmstoreError:
             return None
+
+
+def _local_copies(plans: list[SavePlan], nodes: tuple[str, ...]) -> list[SavePlan]:
+    """Plans in which every node's ranks write every item one of them held before DCP's
+    deduplication (``dedup_save_plans`` keeps a replicated value on one rank, maybe on
+    another node): the copy goes to the lowest rank of the node that held it."""
+    out = [list(p.items) for p in plans]
+    for node in dict.fromkeys(nodes):
+        ranks = [r for r, n in enumerate(nodes) if n == node]
+        have = {wi.index for r in ranks for wi in plans[r].items}
+        for r in ranks:
+            info = plans[r].storage_data
+            assert isinstance(info, _LocalInfo)
+            for wi in info.items:
+                if wi.index not in have:
+                    out[r].append(wi)
+                    have.add(wi.index)
+    return [replace(p, items=items) for p, items in zip(plans, out, strict=True)]
 
 
 def _off(wi: WriteItem) -> tuple[int, ...] | None:

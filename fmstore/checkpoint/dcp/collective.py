@@ -1,0 +1,441 @@
+"""``save`` / ``async_save`` / ``load``: DCP's collectives, made safe for node-local tiers.
+
+On a shared tier (Lustre, S3) these are ``dcp.save`` / ``dcp.async_save`` / ``dcp.load``
+with fmstore's ``Writer`` and ``Reader`` on a gloo group of their own.  On a node-local tier
+(``[tiers.X] scope = "node"``) of a job that spans several nodes they also do what DCP
+cannot: only DCP's coordinator runs ``finish`` (the commit), on its own node, so
+
+* :func:`save` and :func:`async_save` copy the committed manifest to every node after the
+  commit (the coordinator broadcasts its bytes, the lowest rank of each other node writes
+  them, create-only, beside its node's part);
+* :func:`load` is a collective restore: every rank says what its node holds of each
+  candidate (a committed manifest, a pending part), all ranks take the first candidate that
+  every rank can read, adopt a pending part whose manifest another node holds, and if any
+  rank fails to read it, all of them go on to the next candidate together.  No rank ever
+  loads a different checkpoint from another.
+
+Every collective here runs on ``process_group`` (default: one gloo group of its own, made
+on first use), never on the training group.  See ``docs/distributed.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ... import runtime
+from ...errors import AlreadyExists, FmstoreError, NotFound
+from ...stores import PutOptions, Store
+from ..layout import GENERATION_RE
+from .manifest import MANIFEST_KEY, DcpManifest
+from .nodes import RankRecord, node_id, rank_record_key, tier_scope
+from .reader import Reader
+from .staging import Stager
+from .writer import Writer
+
+__all__ = ["async_save", "checkpoint_group", "load", "save"]
+
+_lock = threading.Lock()
+_groups: dict[int, Any] = {}
+_after: dict[int, Future[None]] = {}
+_pool: ThreadPoolExecutor | None = None
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def checkpoint_group() -> Any:
+    """A gloo group of every rank, made once per world (a collective on first use: every
+    rank must call it, from the training thread), for checkpoint traffic only."""
+    dist = _dist()
+    if dist is None:
+        return None
+    key = id(dist.group.WORLD)
+    with _lock:
+        if key not in _groups:
+            _groups[key] = dist.new_group(backend="gloo")
+        return _groups[key]
+
+
+def _writer(target: Writer | str, store_options: dict[str, Any] | None, opts: Any) -> Writer:
+    w = (
+        target
+        if isinstance(target, Writer)
+        else Writer(target, store_options=store_options, **opts)
+    )
+    w.distributes = True
+    return w
+
+
+def _spans_nodes(uri: str, pg: Any) -> bool:
+    """Whether a save to ``uri`` may be in parts (decided alike on every rank, from the
+    configuration alone)."""
+    dist = _dist()
+    return dist is not None and dist.get_world_size(pg) > 1 and tier_scope(uri) == "node"
+
+
+def save(
+    state_dict: dict[str, Any],
+    uri: Writer | str,
+    *,
+    process_group: Any = None,
+    planner: Any = None,
+    store_options: dict[str, Any] | None = None,
+    **options: Any,
+) -> None:
+    """``dcp.save`` to ``uri`` (a URI, or a :class:`Writer`; ``options`` are its
+    :class:`WriteOptions`), then, on a node-local tier of several nodes, the committed
+    manifest copied to every node.  Returns once every node holds it."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = _writer(uri, store_options, options)
+    pg = process_group if process_group is not None else checkpoint_group()
+    if _dist() is None:
+        dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=True)
+        return
+    _wait_previous(pg)
+    dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=pg)
+    if _spans_nodes(writer.uri, pg):
+        _distribute(writer, pg)
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    uri: Writer | str,
+    *,
+    stager: Stager | None = None,
+    process: bool = False,
+    process_group: Any = None,
+    store_options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Future[Any]:
+    """``dcp.async_save`` to ``uri`` (a URI or a :class:`Writer`), staged by ``stager``
+    (reused across calls).
+
+    Returns once the state is staged: the caller may change its tensors; the checkpoint
+    keeps the values of this moment.  The returned future completes when the checkpoint is
+    committed, and on a node-local tier of several nodes, once every node holds its
+    manifest.  ``process=True`` runs the save in DCP's checkpoint process (the stager should
+    then be made with ``share_memory=True``).  A later call with the same stager, or on the
+    same group, waits for this save to finish first.  ``kwargs`` go to ``dcp.async_save``
+    (``planner``, ...).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    writer = _writer(uri, store_options, {})
+    if stager is None:
+        stager = Stager(share_memory=process)
+    pg = process_group if process_group is not None else checkpoint_group()
+    _wait_previous(pg)
+    kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
+    fut = dcp.async_save(
+        state_dict,
+        storage_writer=writer,
+        async_stager=stager,
+        async_checkpointer_type=kind,
+        process_group=pg,
+        **kwargs,
+    )
+    upload: Future[Any] = fut.upload_completion if hasattr(fut, "upload_completion") else fut
+    if pg is not None and _spans_nodes(writer.uri, pg):
+        out: Future[Any] = Future()
+
+        def then(f: Future[Any]) -> None:
+            try:
+                f.result()
+                _distribute(writer, pg)
+            except BaseException as e:
+                out.set_exception(e)
+            else:
+                out.set_result(None)
+
+        upload.add_done_callback(lambda f: _executor().submit(then, f))
+        upload = out
+    if pg is not None:
+        with _lock:
+            _after[id(pg)] = upload
+    stager.track(upload)
+    return upload
+
+
+def _executor() -> ThreadPoolExecutor:
+    """One thread: the manifests' distribution, in the order the saves were made."""
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(1, thread_name_prefix="fmstore-dcp-commit")
+        return _pool
+
+
+def _wait_previous(pg: Any) -> None:
+    """Wait for the previous asynchronous save on ``pg`` (its collectives must not
+    interleave with this one's); its failure was the caller's to see on its future."""
+    with _lock:
+        prev = _after.pop(id(pg), None)
+    if prev is not None:
+        with contextlib.suppress(BaseException):
+            prev.result()
+
+
+def _distribute(writer: Writer, pg: Any) -> None:
+    """After the commit: the coordinator's manifest bytes to every rank, written by the
+    lowest rank of each other node; raises on every rank if some node could not write it
+    (the checkpoint stays committed; a restore adopts that node's part)."""
+    dist = _dist()
+    rank = dist.get_rank(pg)
+    box: list[Any] = [None]
+    if rank == 0:
+        box[0] = runtime.run(writer.store.get(MANIFEST_KEY))
+    dist.broadcast_object_list(box, group=pg, group_src=0)
+    err = ""
+    try:
+        m = DcpManifest.loads(box[0], where=f"{writer.uri}/{MANIFEST_KEY}")
+        me = node_id()
+        part = m.part_of(me)
+        if part is not None and rank == min(part.ranks) and 0 not in part.ranks:
+            runtime.run(_put_manifest(writer.store, box[0]))
+    except Exception as e:  # reported to every rank below
+        err = f"node {node_id()}: {type(e).__name__}: {e}"
+    errors = _gather(pg, err)
+    bad = [e for e in errors if e]
+    if bad:
+        raise FmstoreError(
+            f"{writer.uri} is committed, but its manifest could not be copied to every node "
+            f"({'; '.join(bad)[:400]}); a restore adopts those nodes' parts",
+            key=MANIFEST_KEY,
+        )
+
+
+async def _put_manifest(store: Store, data: bytes) -> None:
+    try:
+        await store.put(MANIFEST_KEY, data, PutOptions(mode="create"))
+    except AlreadyExists:
+        if await store.get(MANIFEST_KEY) != data:
+            raise FmstoreError(
+                "another manifest is already committed here", tier=store.tier, key=MANIFEST_KEY
+            ) from None
+
+
+def _gather(pg: Any, obj: Any) -> list[Any]:
+    dist = _dist()
+    out: list[Any] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(out, obj, group=pg)
+    return out
+
+
+# ---- the collective restore -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _View:
+    """What one rank's node holds of one candidate."""
+
+    rank: int
+    node: str
+    digest: str | None  # sha256 of the manifest this node holds, None: no manifest
+    pending: tuple[str, ...]  # generations holding this rank's record, no manifest here
+    error: str = ""
+
+
+def load(
+    state_dict: dict[str, Any],
+    uri: str,
+    *,
+    fallbacks: Sequence[str] = (),
+    process_group: Any = None,
+    planner: Any = None,
+    store_options: dict[str, Any] | None = None,
+    **options: Any,
+) -> str:
+    """Load the first of ``uri`` and ``fallbacks`` that every rank can read into
+    ``state_dict`` (in place, like ``dcp.load``), the same one on every rank; returns it.
+
+    Candidates on a node-local tier are used only when every rank's node holds its part
+    (checked with the manifest, before anything is read) under the same rank-to-node map
+    as the save; a pending part whose manifest another node holds is adopted, and pending
+    parts of a save no node holds a manifest of are removed.  If any rank's read fails (a
+    bad checksum, a missing blob) every rank goes on to the next candidate.  Raises
+    :class:`NotFound` naming every candidate and why it was passed over.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    so = dict(store_options or {})
+    pg = process_group if process_group is not None else checkpoint_group()
+    why: list[str] = []
+    for cand in [uri, *fallbacks]:
+        if _dist() is None:
+            try:
+                dcp.load(
+                    state_dict,
+                    storage_reader=Reader(cand, store_options=so, **options),
+                    no_dist=True,
+                )
+                return cand
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                why.append(f"{cand}: {_reason(e)}")
+                continue
+        problem = _prepare(cand, so, pg)
+        if problem:
+            why.append(f"{cand}: {problem}")
+            continue
+        err = ""
+        try:
+            dcp.load(
+                state_dict,
+                storage_reader=Reader(cand, store_options=so, **options),
+                planner=planner,
+                process_group=pg,
+            )
+        except BaseException as e:
+            err = _reason(e)
+        errors = [e for e in _gather(pg, err) if e]
+        if not errors:
+            return cand
+        why.append(f"{cand}: {errors[0]}")
+    raise NotFound("no checkpoint every rank can read: " + "; ".join(why)[:1500])
+
+
+def _reason(e: BaseException) -> str:
+    """The first line of an error, and the fmstore error a DCP CheckpointException wraps."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):
+        for exc, *_t in failures.values():
+            if isinstance(exc, BaseException):
+                return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text}"[:400]
+
+
+def _prepare(uri: str, so: dict[str, Any], pg: Any) -> str:
+    """Agree on whether ``uri`` is readable by every rank, adopting or removing pending
+    parts; '' when it is (the same answer on every rank)."""
+    dist = _dist()
+    rank = dist.get_rank(pg)
+    views: list[_View] = _gather(pg, runtime.run(_look(uri, so, rank)))
+    holders = [v for v in views if v.digest is not None]
+    if not holders:
+        pending = [v for v in views if v.pending]
+        if any(v.rank == rank for v in pending):
+            runtime.run(_drop_pending(uri, so, rank, views[rank].pending))
+        errs = sorted({v.error for v in views if v.error})
+        extra = f" ({errs[0]})" if errs else ""
+        if pending:
+            return f"never committed: no node holds its manifest; removed the pending parts{extra}"
+        return f"no committed checkpoint there{extra}"
+    src = holders[0]
+    box: list[Any] = [None]
+    if rank == src.rank:
+        box[0] = runtime.run(_open(uri, so).get(MANIFEST_KEY))
+    dist.broadcast_object_list(box, group=pg, group_src=src.rank)
+    problem = ""
+    try:
+        m = DcpManifest.loads(box[0], where=f"{uri}/{MANIFEST_KEY}")
+        problem = runtime.run(_check_part(uri, so, m, views, rank, src))
+    except Exception as e:
+        problem = _reason(e)
+    problems = [p for p in _gather(pg, problem) if p]
+    if problems:
+        return problems[0]
+    # Every rank can read its part: the nodes that lacked the manifest adopt theirs.
+    err = ""
+    if m.parts and views[rank].digest is None:
+        part = m.part_of(views[rank].node)
+        if part is not None and rank == min(part.ranks):
+            try:
+                runtime.run(_put_manifest(_open(uri, so), box[0]))
+            except Exception as e:
+                err = f"node {views[rank].node} could not adopt its part: {_reason(e)}"
+    errs = [e for e in _gather(pg, err) if e]
+    return errs[0] if errs else ""
+
+
+def _open(uri: str, so: dict[str, Any]) -> Store:
+    return Reader(uri, store_options=so).store
+
+
+async def _look(uri: str, so: dict[str, Any], rank: int) -> _View:
+    me = node_id()
+    try:
+        store = _open(uri, so)
+    except NotFound:
+        return _View(rank, me, None, ())
+    try:
+        data = await store.get(MANIFEST_KEY)
+    except NotFound:
+        data = None
+    except Exception as e:
+        return _View(rank, me, None, (), _reason(e))
+    if data is not None:
+        return _View(rank, me, hashlib.sha256(data).hexdigest(), ())
+    pending = []
+    if tier_scope(uri) == "node":
+        async for o in store.list("", recursive=False):
+            gen = o.key.rstrip("/").rsplit("/", 1)[-1]
+            if GENERATION_RE.match(gen) and await store.exists(rank_record_key(gen, rank)):
+                pending.append(gen)
+    return _View(rank, me, None, tuple(sorted(pending)))
+
+
+async def _drop_pending(uri: str, so: dict[str, Any], rank: int, gens: Sequence[str]) -> None:
+    """Remove this rank's blobs and record of saves no node committed (the collective
+    decided so: no rank's node holds their manifest)."""
+    store = _open(uri, so)
+    for gen in gens:
+        key = rank_record_key(gen, rank)
+        try:
+            rec = RankRecord.loads(await store.get(key), where=f"{store.url}/{key}")
+        except FmstoreError:
+            continue
+        await store.delete_many([f"{gen}/{name}" for name, _size in rec.blobs])
+        await store.delete(key)
+
+
+async def _check_part(
+    uri: str, so: dict[str, Any], m: DcpManifest, views: list[_View], rank: int, src: _View
+) -> str:
+    """Why this rank cannot read its share of the checkpoint ``m`` at ``uri`` ('' if it can)."""
+    me = views[rank]
+    if me.digest is not None and me.digest != src.digest:
+        return (
+            f"node {me.node} holds another manifest than node {src.node} (two saves to one prefix?)"
+        )
+    if not m.parts:
+        # In one part: where every rank sees the same store, DCP's read checks the rest.
+        if me.digest is None:
+            return f"node {me.node} (rank {me.rank}) cannot see the manifest node {src.node} reads"
+        return ""
+    if m.world_size != len(views):
+        return (
+            f"saved by {m.world_size} ranks in node-local parts, restored by {len(views)}: "
+            "node-local parts are not used; restore from a shared tier"
+        )
+    node = m.node_of_rank(me.rank)
+    if node != me.node:
+        return (
+            f"rank {me.rank} runs on node {me.node} but its part was saved on node {node}: "
+            "the job's ranks or nodes changed since the save (node-local parts are not used; "
+            "restore from a shared tier)"
+        )
+    store = _open(uri, so)
+    have = {o.key: o.size async for o in store.list(f"{m.generation}/") if not o.is_dir}
+    for b in m.blobs:
+        if b.rank != me.rank:
+            continue
+        key = f"{m.generation}/{b.name}"
+        size = have.get(key)
+        if size != b.size:
+            state = "missing" if size is None else f"{size} bytes, not {b.size}"
+            return (
+                f"node {me.node} lacks its part (rank {me.rank}'s blob {key} is {state}; "
+                "was the node replaced or its NVMe wiped?)"
+            )
+    return ""

@@ -1,0 +1,119 @@
+"""Nodes of a multi-node job, and the part records of a checkpoint on a node-local tier.
+
+A tier is *shared* (every node sees the same bytes: Lustre, S3) or *node-local* (``[tiers.X]
+scope = "node"``: each node has its own copy, like NVMe).  On a node-local tier a DCP
+checkpoint of a job that spans several nodes has one *part* per node: the blobs of that
+node's ranks, each rank's blobs described by a *rank record* (``GEN/rank-RRRRRR.json``:
+rank, node, save id, blob names and sizes) written, fsynced, after the rank's blobs are.
+A node's part is its ranks' blobs and records.  See ``docs/distributed.md``.
+
+A rank record in a generation that no manifest names marks a *pending* part: a save whose
+commit this node has not seen yet (the global manifest is written on the coordinator's node
+first, then copied to every node).  Only a restore's collective decides about a pending
+part (it adopts it when some node holds the manifest, removes it when none does); the
+orphan sweep's age rule never removes one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import ConfigError, CorruptData
+from ...format.manifest import field_int, field_list, field_str, parse_header
+from ..layout import RANK_RECORD_RE
+
+__all__ = [
+    "NODE_ENV",
+    "RANK_RECORD_RE",
+    "RankRecord",
+    "node_id",
+    "rank_record_key",
+    "tier_scope",
+]
+
+#: Environment variable naming this node (containers, several nodes on one host).
+NODE_ENV = "FMSTORE_NODE_ID"
+RANK_FORMAT_NAME = "fmstore-dcp-rank"
+RANK_FORMAT_VERSION = 1
+_NODE_RE = re.compile(r"^[A-Za-z0-9._:@+-]{1,200}$")
+
+
+def node_id() -> str:
+    """This node's stable id: ``$FMSTORE_NODE_ID`` where set, else the host name."""
+    raw = os.environ.get(NODE_ENV) or socket.gethostname()
+    if not _NODE_RE.match(raw):
+        raise ConfigError(
+            f"node id {raw!r} (from ${NODE_ENV} or the host name) must be 1-200 letters, "
+            "digits or ._:@+-"
+        )
+    return raw
+
+
+def tier_scope(uri: str) -> str:
+    """``"node"`` when ``uri`` is on a tier configured with ``scope = "node"``, else
+    ``"shared"`` (a path or URL outside the configured tiers counts as shared)."""
+    from ...config import get_config
+    from ...stores import split_tier
+
+    name, _rest = split_tier(uri)
+    if name is None:
+        return "shared"
+    return get_config().tier(name).scope
+
+
+def rank_record_key(generation: str, rank: int) -> str:
+    return f"{generation}/rank-{rank:06d}.json"
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """What one rank wrote on its node: made durable after its blobs, before it reports."""
+
+    generation: str
+    save_id: str
+    rank: int
+    node: str
+    blobs: tuple[tuple[str, int], ...]  # (name, size)
+    created: float = 0.0
+
+    def dumps(self) -> bytes:
+        d: dict[str, Any] = {
+            "format": RANK_FORMAT_NAME,
+            "version": RANK_FORMAT_VERSION,
+            "generation": self.generation,
+            "save_id": self.save_id,
+            "rank": self.rank,
+            "node": self.node,
+            "created": self.created or time.time(),
+            "blobs": [{"name": n, "size": s} for n, s in self.blobs],
+        }
+        return json.dumps(d, separators=(",", ":")).encode()
+
+    @classmethod
+    def loads(cls, data: bytes, *, where: str) -> RankRecord:
+        d, _v = parse_header(
+            data,
+            where=where,
+            format_name=RANK_FORMAT_NAME,
+            max_version=RANK_FORMAT_VERSION,
+            kind="rank record of a sharded checkpoint",
+        )
+        try:
+            return cls(
+                generation=field_str(d, "generation"),
+                save_id=field_str(d, "save_id"),
+                rank=field_int(d, "rank"),
+                node=field_str(d, "node"),
+                blobs=tuple(
+                    (field_str(b, "name"), field_int(b, "size")) for b in field_list(d, "blobs")
+                ),
+                created=float(d.get("created", 0.0)),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CorruptData(f"rank record at {where} is malformed ({e!r})"[:300]) from None
