@@ -63,6 +63,7 @@ _FLAT = {
     "allow_pickle": ("format", "allow_pickle"),
     "shard_bytes": ("format", "shard_bytes"),
     "columns": ("format", "columns"),
+    "sample_dtype": ("format", "sample_dtype"),
 }
 
 
@@ -107,7 +108,8 @@ class StreamingDataset(tud.IterableDataset):
     Each field may also be given as a flat keyword, which sets that field: ``seed``,
     ``shuffle_window``, ``cache_limit``, ``prefetch``, ``max_concurrency``,
     ``direct_reads``, ``seq_len``, ``dtype``, ``targets``, ``allow_pickle``,
-    ``shard_bytes``, ``columns``.
+    ``shard_bytes``, ``columns``, ``sample_dtype`` (token samples come out as ``int64``
+    unless it says otherwise; None keeps the storage dtype).
 
     ``batch_size``: the DataLoader's batch size, which makes the order a rank sees the same
     for any number of workers.  ``storage_options`` go to ``open_store``.
@@ -181,7 +183,7 @@ class StreamingDataset(tud.IterableDataset):
         for i, s in enumerate(self.streams):
             opts = FormatOptions(
                 s.format, s.seq_len, s.dtype, s.targets, fo.shard_bytes, s.allow_pickle,
-                None if s.columns is None else tuple(s.columns),
+                None if s.columns is None else tuple(s.columns), fo.sample_dtype,
             )  # fmt: skip
             store = self._stores[i] = open_store(s.remote, **(s.storage_options or {}))
             self.formats.append(load_format(store, opts, index_dir=self.local))
@@ -281,9 +283,15 @@ class StreamingDataset(tud.IterableDataset):
         """Global sample ids one worker of this rank yields this epoch, in order."""
         start = self._begin()
         count = rank_count(self.plan.length, start, self.world_size)
-        j = worker_indices(count, worker, num_workers, self.batch_size or 1)
-        pos = positions(self.plan.length, start, self.rank, self.world_size, j)
-        return self.plan.epoch(self.epoch)[pos]
+        try:
+            j = worker_indices(count, worker, num_workers, self.batch_size or 1)
+            pos = positions(self.plan.length, start, self.rank, self.world_size, j)
+            return self.plan.epoch(self.epoch)[pos]
+        except MemoryError:  # the order of an epoch is a few arrays of 8 bytes a sample
+            raise FmstoreError(
+                f"the sample order of an epoch of {self.plan.length} samples does not fit in "
+                "memory (its shards declare that many)"
+            ) from None
 
     def _direct_budget(self) -> int:
         return (self.batch_size or 32) if self.direct_reads is None else self.direct_reads

@@ -37,7 +37,10 @@ class FormatOptions:
     ``format``: one of ``fmstore``, ``tokens``, ``webdataset``, ``mds``, ``parquet``
     (``None``: detect).
     ``seq_len`` / ``dtype`` / ``targets``: token streams (sample = ``seq_len`` tokens, plus one
-    for the targets when ``targets``).  ``shard_bytes``: size of the virtual shards a large
+    for the targets when ``targets``); ``dtype`` is how the tokens are stored.
+    ``sample_dtype``: the dtype token samples are yielded as, ``int64`` by default (what
+    ``nn.Embedding`` and ``cross_entropy`` take; the storage stays compact), None: the
+    storage dtype (a quarter of the bytes of ``uint16`` tokens; cast them on the device).  ``shard_bytes``: size of the virtual shards a large
     token file is cut into.  ``allow_pickle``: read MDS ``pkl`` columns.  ``columns``: the
     Parquet columns to read (``None``: all).
     """
@@ -49,8 +52,14 @@ class FormatOptions:
     shard_bytes: int = 64 << 20
     allow_pickle: bool = False
     columns: tuple[str, ...] | None = None
+    sample_dtype: str | None = "int64"
 
     def __post_init__(self) -> None:
+        if self.sample_dtype is not None and self.sample_dtype not in tokens.DTYPES:
+            raise ConfigError(
+                f"sample_dtype must be one of {', '.join(tokens.DTYPES)} or None, "
+                f"not {self.sample_dtype!r}"
+            )
         if self.columns is not None:
             if isinstance(self.columns, str) or not all(isinstance(c, str) for c in self.columns):
                 raise ConfigError(f"columns must be a list of column names, not {self.columns!r}")
@@ -109,7 +118,7 @@ def _load(store: Store, o: FormatOptions, index_dir: str | None) -> DatasetForma
                 if n:
                     shards.append(dataclasses.replace(s, samples=n))
             _check_sizes(store, specs)
-            return tokens.TokenFormat(shards, dtype, seq_len, o.targets)
+            return tokens.TokenFormat(shards, dtype, seq_len, o.targets, o.sample_dtype)
         if o.format not in (None, "fmstore"):
             raise ConfigError(f"{store.url} is an fmstore dataset, not {o.format}")
         fmt = fms.from_index(doc, where=fms.INDEX_KEY)
@@ -184,7 +193,7 @@ def _tokens(store: Store, metas: list[Any], o: FormatOptions) -> DatasetFormat:
             m.key, data_start=start, data_bytes=m.size - start, itemsize=itemsize, seq_len=seq_len,
             extra=1 if o.targets else 0, shard_bytes=o.shard_bytes,
         )  # fmt: skip
-    return tokens.TokenFormat(shards, dtype, seq_len, o.targets)
+    return tokens.TokenFormat(shards, dtype, seq_len, o.targets, o.sample_dtype)
 
 
 def _npy_header(store: Store, key: str) -> tuple[int, np.dtype]:

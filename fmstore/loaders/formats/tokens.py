@@ -4,7 +4,10 @@ The input is one or more flat little-endian ``uint16`` / ``uint32`` arrays: nano
 Megatron's ``.bin`` files (no header), ``.npy`` files, or the tokens shards fmstore's writer
 produces.  Sample ``i`` of a file is ``tokens[i * seq_len : i * seq_len + seq_len + extra]``
 with ``extra = 1`` when ``targets=True`` (inputs plus the shifted targets), so consecutive
-samples share that one token.  A file's last ``< seq_len`` tokens are not read.
+samples share that one token.  A file's last ``< seq_len`` tokens are not read.  Samples
+are yielded as ``int64`` arrays by default (``sample_dtype``): a DataLoader would make
+``uint16`` ones ``torch.uint16`` tensors, which ``nn.Embedding`` and ``cross_entropy``
+refuse.
 
 Large files are cut into virtual shards of about ``shard_bytes`` each (on sequence
 boundaries), so the node cache holds pieces, not whole multi-GiB files.
@@ -22,7 +25,7 @@ DTYPES = ("uint16", "uint32", "int32", "int64", "uint8")
 
 class TokenShardReader(ShardReader):
     def __init__(
-        self, path: str, spec: ShardSpec, dtype: np.dtype, seq_len: int, extra: int
+        self, path: str, spec: ShardSpec, dtype: np.dtype, seq_len: int, extra: int, out: np.dtype
     ) -> None:
         super().__init__(path)
         n = len(self.buf) // dtype.itemsize
@@ -36,26 +39,36 @@ class TokenShardReader(ShardReader):
         self.seq_len = seq_len
         self.width = seq_len + extra
         self.n = spec.samples
+        self.out = out
 
     def __len__(self) -> int:
         return self.n
 
     def get(self, index: int) -> np.ndarray:
         lo = index * self.seq_len
-        return self.tokens[lo : lo + self.width].copy()
+        return self.tokens[lo : lo + self.width].astype(self.out)  # a copy, in any case
 
 
 class TokenFormat(DatasetFormat):
     name = "tokens"
 
-    def __init__(self, shards: list[ShardSpec], dtype: str, seq_len: int, targets: bool) -> None:
+    def __init__(
+        self,
+        shards: list[ShardSpec],
+        dtype: str,
+        seq_len: int,
+        targets: bool,
+        sample_dtype: str | None = "int64",
+    ) -> None:
         super().__init__(shards)
         self.dtype = np.dtype(dtype).newbyteorder("<")
+        #: What samples are yielded as (native byte order).
+        self.out = np.dtype(sample_dtype or dtype)
         self.seq_len = seq_len
         self.extra = 1 if targets else 0
 
     def open_shard(self, path: str, spec: ShardSpec) -> ShardReader:
-        return TokenShardReader(path, spec, self.dtype, self.seq_len, self.extra)
+        return TokenShardReader(path, spec, self.dtype, self.seq_len, self.extra, self.out)
 
     def header_size(self, spec: ShardSpec) -> int | None:
         return None if spec.compression else 0
@@ -65,10 +78,15 @@ class TokenFormat(DatasetFormat):
         return lo, lo + (self.seq_len + self.extra) * self.dtype.itemsize
 
     def decode(self, spec: ShardSpec, data: bytes) -> np.ndarray:
-        return np.frombuffer(data, self.dtype).copy()
+        return np.frombuffer(data, self.dtype).astype(self.out)
 
     def describe(self) -> dict:
-        return {**super().describe(), "dtype": self.dtype.name, "seq_len": self.seq_len}
+        return {
+            **super().describe(),
+            "dtype": self.dtype.name,
+            "sample_dtype": self.out.name,
+            "seq_len": self.seq_len,
+        }
 
 
 def check_options(dtype: str | None, seq_len: int | None) -> tuple[str, int]:
