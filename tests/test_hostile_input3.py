@@ -341,9 +341,16 @@ def _staged_once(tmp_path: Path, home: Path, size: int) -> tuple[Path, Path, Pat
 
 @pytest.mark.parametrize(
     "line",
-    ["5", '{"p":"a.bin"}', '{"u":"a.bin","t":"x"}', '{"y":"zz"}', '{"f":["x"]}',
-     '{"p":"a.bin","t":"x","i":-1,"c":"00000000","n":1}', '{"b":true}'],
-)  # fmt: skip
+    [
+        "5",
+        '{"p":"a.bin"}',
+        '{"u":"a.bin","t":"x"}',
+        '{"y":"zz"}',
+        '{"f":["x"]}',
+        '{"p":"a.bin","t":"x","i":-1,"c":"00000000","n":1}',
+        '{"b":true}',
+    ],
+)
 def test_a_bad_journal_line_is_one_error(tmp_path, home, line):
     src, dst, journal = _staged_once(tmp_path, home, 1000)
     journal.write_text('{"to":"x"}\n' + line + "\n")
@@ -363,3 +370,85 @@ def test_a_journal_token_cannot_remove_another_files_temp(tmp_path, home):
     assert r.returncode == 0, r.stderr
     assert sibling.read_bytes() == b"another copy's bytes"
     assert (dst / "a.bin").read_bytes() == (src / "a.bin").read_bytes()
+
+
+# ---- Hugging Face directories -------------------------------------------------------------
+
+
+def test_a_fifo_in_a_hugging_face_dir_is_refused_without_waiting(tmp_path):
+    from safetensors.torch import save_file
+
+    single = tmp_path / "single"
+    single.mkdir()
+    os.mkfifo(single / "model.safetensors")
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    save_file({"a": torch.zeros(3)}, str(sharded / "model-00001-of-00002.safetensors"))
+    os.mkfifo(sharded / "model-00002-of-00002.safetensors")
+    index = {
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+        }
+    }
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    res = run_limited(
+        f"""
+        from fmstore.checkpoint.convert import convert
+        for d in ({str(single)!r}, {str(sharded)!r}):
+            report(lambda: convert(d, d + ".pt"))
+        """,
+        timeout=60,  # a FIFO opened without O_NONBLOCK waits for a writer for ever
+    )
+    assert [r["error"] for r in res] == ["CorruptData", "CorruptData"], res
+    assert "model.safetensors is not a regular file" in res[0]["msg"]
+    assert "model-00002-of-00002.safetensors is not a regular file" in res[1]["msg"]
+
+
+# ---- Parquet footers ----------------------------------------------------------------------
+
+
+def declaring_rows(rows: int, *, pad: int = 0) -> bytes:
+    """A real Parquet file of 10 rows (one row group) whose footer declares ``rows`` rows
+    (the file's and the row group's counts agreeing), ``pad`` bytes of slack before it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from thrift_compact import I64, field, join_parquet, split_parquet
+
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"x": list(range(10))}), buf)
+    body, md = split_parquet(buf.getvalue())
+    field(md, 3)[2] = rows
+    for rg in field(md, 4)[2][1]:
+        assert field(rg, 3)[1] == I64
+        field(rg, 3)[2] = rows
+    return join_parquet(body + bytes(pad), md)
+
+
+def test_parquet_footer_declaring_more_rows_than_its_bytes_hold_is_refused(tmp_path, fm):
+    from fmstore.loaders import StreamingDataset
+
+    d = tmp_path / "ds"
+    d.mkdir()
+    (d / "a.parquet").write_bytes(declaring_rows(1 << 40))
+    assert (d / "a.parquet").stat().st_size < 1000
+    with pytest.raises(CorruptData, match="1099511627776 rows in .* bytes"):
+        StreamingDataset(str(d), local=str(tmp_path / "cache"))
+    line = _one_error_line(fm("dataset", "inspect", str(d)))
+    assert "a.parquet" in line and "rows a byte" in line
+
+
+def test_an_epoch_order_too_big_for_memory_is_an_fmstore_error(tmp_path):
+    # 2**30 rows in a 1 MiB file: believable by the bytes, 8 GiB an order array.
+    d = tmp_path / "ds"
+    d.mkdir()
+    (d / "a.parquet").write_bytes(declaring_rows(1 << 30, pad=1 << 20))
+    res = run_limited(
+        f"""
+        from fmstore.loaders import StreamingDataset
+        ds = StreamingDataset({str(d)!r}, local={str(tmp_path / "cache")!r}, shuffle=False)
+        report(lambda: next(iter(ds)))
+        """
+    )
+    assert res[0]["fmstore"], res
+    assert "does not fit in memory" in res[0]["msg"], res

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import os
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import ConfigError, CorruptData, NotSupported
+from ...errors import ConfigError, CorruptData, FmstoreError, NotSupported
 from ...stores import Store
 from .base import DatasetFormat, ShardReader, ShardSpec, decoding
 
@@ -34,6 +35,11 @@ MAGIC = b"PAR1"
 TAIL = 64 << 10
 #: The largest footer believed (Thrift metadata of a file; real ones are KBs to a few MBs).
 MAX_FOOTER = 64 << 20
+#: Rows a file may declare per byte it holds.  Parquet can encode a run of equal values in
+#: a few bytes, so no format rule bounds this; the densest files pyarrow writes (a column
+#: of nulls, one of zeros) hold about 500 rows a byte.  A footer declaring more is refused:
+#: the row counts size every epoch's sample order (8 bytes a row, several times over).
+MAX_ROWS_PER_BYTE = 2048
 #: Decoded row groups one open shard keeps (Arrow bytes), least recently used dropped first.
 ROW_GROUP_CACHE = 512 << 20
 
@@ -85,15 +91,18 @@ async def read_footer(store: Store, key: str, size: int) -> bytes:
     return footer
 
 
-def parse_footer(footer: bytes, *, key: str, tier: str | None = None) -> Any:
-    """The ``FileMetaData`` of a footer with its row counts checked; CorruptData naming the
-    file otherwise."""
+def parse_footer(
+    footer: bytes, *, key: str, tier: str | None = None, size: int | None = None
+) -> Any:
+    """The ``FileMetaData`` of a footer with its row counts checked (against the file's
+    ``size`` too, when given: see :func:`check_metadata`); CorruptData naming the file
+    otherwise."""
     pa, pq = _pa()
     n = len(footer)
     blob = MAGIC + footer + struct.pack("<I", n) + MAGIC
     try:
         md = pq.read_metadata(pa.BufferReader(blob))
-        check_metadata(md)
+        check_metadata(md, size)
     except ValueError as e:  # our checks
         raise CorruptData(f"Parquet footer: {e}", tier=tier, key=key) from None
     except (pa.ArrowException, OSError, RuntimeError) as e:
@@ -101,8 +110,9 @@ def parse_footer(footer: bytes, *, key: str, tier: str | None = None) -> Any:
     return md
 
 
-def check_metadata(md: Any) -> None:
-    """Raise ValueError unless the row groups' row counts are sane and add up.
+def check_metadata(md: Any, size: int | None = None) -> None:
+    """Raise ValueError unless the row groups' row counts are sane and add up, and (with
+    the file's ``size``) are at most :data:`MAX_ROWS_PER_BYTE` a byte of the file.
 
     Column chunks' byte ranges are not read here: pyarrow's ``RowGroupMetaData.column()``
     aborts the process (an uncaught C++ exception) on some damaged footers, e.g. a size
@@ -117,6 +127,11 @@ def check_metadata(md: Any) -> None:
         total += rows
     if total != md.num_rows:
         raise ValueError(f"row groups hold {total} rows but the file says {md.num_rows}")
+    if size is not None and total > size * MAX_ROWS_PER_BYTE:
+        raise ValueError(
+            f"it declares {total} rows in {size} bytes, more than the {MAX_ROWS_PER_BYTE} "
+            "rows a byte fmstore believes"
+        )
 
 
 # ---- the format -------------------------------------------------------------------------
@@ -155,7 +170,7 @@ def load(
     schema: list[tuple[str, str]] | None = None
     first = ""
     for m, footer in zip(metas, footers, strict=True):
-        md = parse_footer(footer, key=m.key, tier=store.tier)
+        md = parse_footer(footer, key=m.key, tier=store.tier, size=m.size)
         pa, _pq = _pa()
         try:
             cols = _schema(md, columns, m.key)
@@ -264,7 +279,7 @@ class ParquetShardReader(ShardReader):
                 if f.read(4) != MAGIC:
                     raise ValueError("no PAR1 magic at the start")
             md = self.pf.metadata
-            check_metadata(md)
+            check_metadata(md, os.path.getsize(path))
             groups = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
             if groups != list(spec.extra["row_groups"]):
                 raise ValueError(
@@ -296,6 +311,11 @@ class ParquetShardReader(ShardReader):
             cols = [(nm, _accessor(pa, table.column(nm))) for nm in table.column_names]
         except (pa.ArrowException, OSError, ValueError) as e:
             raise CorruptData(f"row group {g} does not decode: {e}"[:300], key=self.key) from None
+        except MemoryError:
+            rows = self.starts[g + 1] - self.starts[g]
+            raise FmstoreError(
+                f"row group {g} ({rows} rows) does not fit in memory when decoded", key=self.key
+            ) from None
         if table.num_rows != self.starts[g + 1] - self.starts[g]:
             raise CorruptData(f"row group {g} decodes to {table.num_rows} rows", key=self.key)
         size = int(table.nbytes)
