@@ -18,10 +18,27 @@ def posix_root(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def s3_server():
+def seaweed_server():
     """One real SeaweedFS S3 server for the whole test session."""
     with SeaweedServer() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """The second S3 implementation: moto's standalone ``moto_server`` on loopback."""
+    from fmstore.testing.motoserver import MotoServer
+
+    with MotoServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def s3_server(seaweed_server):
+    """The S3 server of most tests: SeaweedFS.  The S3 suites (store conformance, transport,
+    the location matrix's S3 cells) override it to run on both servers
+    (``tests/s3_servers.py``)."""
+    return seaweed_server
 
 
 @pytest.fixture

@@ -79,6 +79,8 @@ class SeaweedServer:
     """
 
     region = "us-east-1"
+    #: Which implementation this is (tests keep a table of where servers differ).
+    name = "seaweed"
 
     def __init__(self, *, weed: str | None = None, base_dir: str | None = None) -> None:
         self.weed = weed or find_weed()
