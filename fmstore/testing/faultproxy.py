@@ -25,6 +25,8 @@ forwards requests and responses byte for byte, except where its *plan* says othe
   (or response) body and forward it, as a bad NIC or proxy would;
 * ``strip_checksums``: forward the response without its ``x-amz-checksum-*`` headers, as
   a server without flexible checksums would answer.
+* ``answer``: answer ``200 OK`` with the rule's ``answer(method, path)`` as an XML body,
+  without contacting the server (a hostile listing page: :mod:`.s3pages`).
 
 Rules match by method and path (a regular expression), fire with a probability
 (``rate``) and/or a fixed number of times (``times``), and can be changed at runtime with
@@ -50,7 +52,7 @@ import struct
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -67,6 +69,7 @@ FAULTS = (
     "corrupt_request",
     "corrupt_response",
     "strip_checksums",
+    "answer",
 )
 _MAX_HEAD = 64 * 1024
 _CONTENT_RANGE = re.compile(r"\s*bytes\s+(\d+)-\d+/")
@@ -109,7 +112,7 @@ class Rule:
     the body).  ``delay``: seconds a ``stall`` or a ``pause`` lasts.  ``skip``: the first
     ``skip`` matching requests pass untouched before the rule fires (a test that must
     interrupt a run after N requests stalls every later one, so the run cannot finish
-    first however fast the machine is).
+    first however fast the machine is).  ``answer``: the body of an ``answer`` fault.
     """
 
     fault: str
@@ -120,6 +123,7 @@ class Rule:
     after_bytes: int | None = None
     delay: float = 3600.0
     skip: int = 0
+    answer: Callable[[str, str], bytes] | None = None
 
     def __post_init__(self) -> None:
         if self.fault not in FAULTS:
@@ -407,6 +411,9 @@ class FaultProxy:
                 if rule is not None and rule.fault in _ANSWERS:
                     await self._answer_error(writer, rule.fault, path)
                     return
+                if rule is not None and rule.fault == "answer" and rule.answer is not None:
+                    await self._answer(writer, 200, "OK", rule.answer(method, path))
+                    return
                 if (head.get("expect") or "").lower() == "100-continue":
                     # Answer the client's Expect ourselves; the server gets the body at once.
                     writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -453,7 +460,11 @@ class FaultProxy:
 
     async def _answer_error(self, writer: asyncio.StreamWriter, fault: str, path: str) -> None:
         status, reason, code, msg = _ANSWERS[fault]
-        body = _slowdown_body(code, msg, path.split("?")[0])
+        await self._answer(writer, status, reason, _slowdown_body(code, msg, path.split("?")[0]))
+
+    async def _answer(
+        self, writer: asyncio.StreamWriter, status: int, reason: str, body: bytes
+    ) -> None:
         writer.write(
             f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()

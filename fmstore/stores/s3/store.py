@@ -40,6 +40,7 @@ from typing import Any
 from ...errors import ConfigError, InvalidRange, NotFound
 from ..base import Leftover, ObjectMeta, PartWriter, PutOptions, Writer, part_count
 from ..parts import TMP_MARK
+from . import pages
 from .options import MAX_PART, MAX_PARTS, MIN_PART, S3Options, parse_s3_url
 from .reads import S3Reads
 from .retry import translate
@@ -102,6 +103,9 @@ class S3Store(S3Reads, S3Uploads):
         out: list[Leftover] = []
         kw: dict[str, Any] = {"Prefix": prefix}
         now = time.time()
+        guard = pages.Pages(
+            "multipart upload", tier=self.tier, key=under, max_pages=pages.MAX_UPLOAD_PAGES
+        )
         while True:
             resp = await self._call("list_uploads", None, "list_multipart_uploads", **kw)
             for u in resp.get("Uploads", []):
@@ -116,11 +120,11 @@ class S3Store(S3Reads, S3Uploads):
                 out.append(Leftover("upload", rel, size, max(0.0, now - last), upload_id))
             if not resp.get("IsTruncated"):
                 return out
-            kw = {
-                "Prefix": prefix,
-                "KeyMarker": resp.get("NextKeyMarker"),
-                "UploadIdMarker": resp.get("NextUploadIdMarker"),
-            }
+            key_marker, id_marker = resp.get("NextKeyMarker"), resp.get("NextUploadIdMarker")
+            guard.next((key_marker, id_marker) if key_marker else None)
+            kw = {"Prefix": prefix, "KeyMarker": key_marker}
+            if id_marker:
+                kw["UploadIdMarker"] = id_marker
 
     async def _upload_parts(self, full: str, upload_id: str) -> tuple[int, float]:
         """Bytes held by an upload's parts and when the newest was written (0: none)."""
@@ -166,6 +170,7 @@ class S3Store(S3Reads, S3Uploads):
             base["StartAfter"] = self.root + start_after
         cut = len(self.root)
         token: str | None = None
+        guard = pages.Pages("object", tier=self.tier, key=p, max_pages=pages.MAX_LIST_PAGES)
         while True:
             req = dict(base)
             if token:
@@ -193,9 +198,13 @@ class S3Store(S3Reads, S3Uploads):
             entries.sort(key=lambda m: m.key.encode("utf-8", "surrogatepass"))
             for m in entries:
                 yield m
-            token = resp.get("NextContinuationToken")
-            if not resp.get("IsTruncated") or not token:
+            if not resp.get("IsTruncated"):
                 return
+            raw = [o["Key"] for o in resp.get("Contents", [])]
+            raw += [c["Prefix"] for c in resp.get("CommonPrefixes", [])]
+            guard.forward(max(raw, key=_utf8, default=None))
+            token = resp.get("NextContinuationToken")
+            guard.next(token, entries=len(raw))
 
     async def delete(self, key: str) -> None:
         full = self._full(key)
@@ -228,6 +237,11 @@ class S3Store(S3Reads, S3Uploads):
                 )
 
         await all_or_cancel(one(b) for b in batches)
+
+
+def _utf8(key: str) -> bytes:
+    """S3's order of keys: by their UTF-8 bytes."""
+    return key.encode("utf-8", "surrogatepass")
 
 
 def _timestamp(value: Any) -> float:

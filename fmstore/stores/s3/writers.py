@@ -57,6 +57,7 @@ from ..base import (
     views_of,
 )
 from ..crc import combine_all, from_b64
+from . import pages
 from .options import META_PART_SIZE, writer_part_size
 from .uploads import S3Uploads
 from .util import b64, crc_off_loop, unquote
@@ -153,6 +154,9 @@ class S3PartWriter(PartWriter):
     async def _parts(self) -> dict[int, dict[str, Any]]:
         out: dict[int, dict[str, Any]] = {}
         marker = 0
+        guard = pages.Pages(
+            "upload part", tier=self.store.tier, key=self.key, max_pages=pages.MAX_PART_PAGES
+        )
         while True:
             resp = await self.store._call(
                 "commit",
@@ -166,7 +170,7 @@ class S3PartWriter(PartWriter):
                 out[int(p["PartNumber"])] = p
             if not resp.get("IsTruncated"):
                 return out
-            marker = int(resp["NextPartNumberMarker"])
+            marker = guard.next_part(resp.get("NextPartNumberMarker"))
 
     async def commit(
         self,

@@ -1,0 +1,104 @@
+"""Guards for S3's paginated answers: a server that pages forever must not hold us forever.
+
+Every loop that follows ``IsTruncated`` (objects, multipart uploads, an upload's parts, an
+object's parts) asks a :class:`Pages` guard before it requests the next page.  The guard
+refuses a page marker (continuation token, key/upload-id marker, part-number marker) it has
+seen before, a truncated page without a marker, and more pages than the listing can hold;
+where the order of the answer is known it also refuses a page that does not move forward.
+Each refusal is a :class:`~fmstore.errors.CorruptData` naming the tier, the listing and the
+page, and ends the loop before any more memory or time goes into it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+
+from ...errors import CorruptData
+
+#: S3 numbers parts 1..10,000: no part listing can have more pages than that.
+MAX_PART_PAGES = 10_000
+#: Pages of a multipart-upload listing (1,000 uploads each): far past any real bucket.
+MAX_UPLOAD_PAGES = 100_000
+#: Truncated pages in a row that bring nothing; a real listing skips over hidden entries
+#: (our own temporary objects) but not for this long.
+MAX_EMPTY_PAGES = 1_000
+#: Pages of a bucket listing: 10 billion keys at 1,000 a page.  A server that invents
+#: fresh keys for ever looks like a big bucket until then; the caller's own limits (what it
+#: keeps of the listing) apply first.
+MAX_LIST_PAGES = 10_000_000
+#: Markers remembered when a listing may be longer than :data:`MAX_UPLOAD_PAGES`: a cycle
+#: longer than this still has to move its keys forward, which :meth:`Pages.forward` checks.
+RECENT_MARKERS = 1_024
+
+
+class Pages:
+    """One paginated listing's guard.
+
+    ``max_pages``: the most pages the listing can have.  Past :data:`MAX_UPLOAD_PAGES`
+    (a bucket's objects) only the last :data:`RECENT_MARKERS` markers are remembered and
+    :meth:`forward` must be called with each page's greatest key."""
+
+    def __init__(self, what: str, *, tier: str | None, key: str | None, max_pages: int) -> None:
+        self.what = what
+        self.tier = tier
+        self.key = key
+        self.max_pages = max_pages
+        self.pages = 1
+        self.empty = 0
+        self._seen: set[Hashable] = set()
+        self._recent: deque[Hashable] = deque()
+        self._last: bytes | None = None
+        self._part = 0
+
+    def _fail(self, why: str) -> CorruptData:
+        return CorruptData(
+            f"the server's {self.what} listing {why} (page {self.pages}); "
+            "its pagination is broken, the listing was stopped",
+            tier=self.tier,
+            key=self.key,
+        )
+
+    def next(self, marker: Hashable, *, entries: int | None = None) -> None:
+        """Before asking for the page after ``marker``; ``entries``: how many the page
+        just read held (pages in a row with none are bounded)."""
+        if marker is None or marker == "":
+            raise self._fail("said it goes on but gave no marker for the next page")
+        if marker in self._seen:
+            raise self._fail(f"repeated its page marker {str(marker)[:80]!r}")
+        if self.pages >= self.max_pages:
+            raise self._fail(f"ran past {self.max_pages} pages")
+        if entries is not None:
+            self.empty = 0 if entries else self.empty + 1
+            if self.empty >= MAX_EMPTY_PAGES:
+                raise self._fail(f"gave {self.empty} empty pages in a row")
+        self._seen.add(marker)
+        if self.max_pages > MAX_UPLOAD_PAGES:
+            self._recent.append(marker)
+            if len(self._recent) > RECENT_MARKERS:
+                self._seen.discard(self._recent.popleft())
+        self.pages += 1
+
+    def next_part(self, value: object) -> int:
+        """:meth:`next` for a part listing: ``NextPartNumberMarker`` as a part number, past
+        the previous page's and within S3's 10,000."""
+        try:
+            n = int(str(value)) if value is not None else None
+        except ValueError:
+            n = -1
+        if n is not None and not self._part < n <= self.max_pages:
+            raise self._fail(f"gave part number marker {str(value)[:80]!r} after {self._part}")
+        self.next(n)
+        assert n is not None
+        self._part = n
+        return n
+
+    def forward(self, greatest: str | None) -> None:
+        """A page of keys in S3's order (UTF-8 bytes): its greatest key must lie past the
+        previous page's, or the server is answering the same entries again."""
+        if greatest is None:
+            return
+        b = greatest.encode("utf-8", "surrogatepass")
+        if self._last is not None and b <= self._last:
+            raise self._fail(f"went back to key {greatest[:80]!r} instead of forward")
+        self._last = b
