@@ -145,6 +145,28 @@ def test_if_match_conditional_put(s3_store):
     assert runtime.run(s3_store.get("k")) == b"two"
 
 
+def test_if_match_holds_for_a_multipart_write_too(s3_server, s3_bucket, s3_store):
+    """AWS checks If-Match at CompleteMultipartUpload: a stale ETag fails the write (412)
+    and leaves neither the new bytes nor an upload behind; the current one commits."""
+    unlike_aws(s3_server, "if_match_on_complete")
+    m1 = runtime.run(s3_store.put("k", b"one"))
+    m2 = runtime.run(s3_store.put("k", b"two"))
+    big = os.urandom(9 << 20)
+
+    async def write(etag: str) -> None:
+        opts = PutOptions(mode="if_match", if_match=etag)
+        async with await s3_store.open_writer("k", opts) as w:
+            await w.write(big)
+
+    with pytest.raises(PreconditionFailed):
+        runtime.run(write(m1.etag))
+    assert runtime.run(s3_store.get("k")) == b"two"
+    uploads = s3_server.boto3_client().list_multipart_uploads(Bucket=s3_bucket)
+    assert uploads.get("Uploads", []) == []
+    runtime.run(write(m2.etag))
+    assert runtime.run(s3_store.get("k")) == big
+
+
 def test_create_mode_multipart_on_existing_key_leaves_no_upload(s3_server, s3_bucket, s3_store):
     runtime.run(s3_store.put("exists", b"first"))
 
