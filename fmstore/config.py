@@ -140,7 +140,12 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "sweep_interval": DURATION,
         "priority": STRING,
     },
-    "policies": {"ladder": STRINGS, "write_tier": STRING, "on_full": one_of("fail", "fallback")},
+    "policies": {
+        "ladder": STRINGS,
+        "write_tier": STRING,
+        "on_full": one_of("fail", "fallback"),
+        "warn_after_failures": whole(1),
+    },
     "policies.export[]": {
         "to": STRING,
         "from": STRING,

@@ -7,6 +7,7 @@ they also work on a node whose catalog is new or lost.
 from __future__ import annotations
 
 import json
+import time
 
 import typer
 from rich.console import Console
@@ -78,7 +79,8 @@ def list_checkpoints(
     config: str = typer.Option(None, "--config", "-c", help="fmstore.toml to use."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """A table of steps × tiers with each copy's state and size."""
+    """A table of steps × tiers with each copy's state and size; below it the export lag
+    and, for each copy whose export keeps failing, its failures and the last error."""
     cfg = load_config(config)
     pol = from_config(cfg)
     with Catalog.for_state_dir(cfg.state_dir) as catalog:
@@ -87,6 +89,7 @@ def list_checkpoints(
         rows = [c for r in roots for c in catalog.copies(r)]
         ckpts = {(c.root, c.step): c for r in roots for c in catalog.checkpoints(r)}
         lags = _lag_lines(pol, catalog, roots)
+        now = catalog.now()
     by_step: dict[tuple[str, int], dict[str, cat.Copy]] = {}
     for c in rows:
         by_step.setdefault((c.root, c.step), {})[c.tier] = c
@@ -98,6 +101,11 @@ def list_checkpoints(
                 "bytes": ckpts[(r, s)].bytes if (r, s) in ckpts else None,
                 "tiers": {
                     t: {"state": c.state, "bytes": c.bytes, "verified": c.verified}
+                    | (
+                        {"failures": c.failures, "error": c.error, "error_at": c.error_at}
+                        if c.failures
+                        else {}
+                    )
                     for t, c in copies.items()
                 },
             }
@@ -119,6 +127,7 @@ def list_checkpoints(
                 continue
             size = f" {human_bytes(cp.bytes)}" if cp.state in cat.HOLDS_BYTES and cp.bytes else ""
             mark = "✓" if cp.state == cat.PRESENT and cp.verified else ""
+            mark += f" ✗{cp.failures}" if cp.failures else ""
             cells.append(f"[{_STYLE.get(cp.state, '')}]{cp.state}{mark}{size}[/]")
         table.add_row(r, str(s), *cells)
     console = Console()
@@ -126,6 +135,23 @@ def list_checkpoints(
     console.print(f"[dim]{plural(len(by_step), 'checkpoint')}; ✓ = verified[/dim]")
     for line in lags:
         console.print(line, highlight=False, markup=False)
+    for line in _failure_lines(rows, now):
+        console.print(line, style="red", highlight=False, markup=False)
+
+
+def _failure_lines(rows: list[cat.Copy], now: float) -> list[str]:
+    """One line per copy whose export keeps failing: the count, the last error, when."""
+    out = []
+    for c in rows:
+        if not c.failures:
+            continue
+        at = c.error_at or now
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))
+        out.append(
+            f"failing {c.root} step {c.step} → {c.tier}: {plural(c.failures, 'failure')}, "
+            f"last at {when} ({_age(max(0.0, now - at))} ago): {c.error}"
+        )
+    return out
 
 
 def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = False) -> int:

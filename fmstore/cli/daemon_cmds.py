@@ -33,7 +33,11 @@ def daemon(
     ),
     no_http: bool = typer.Option(False, "--no-http", help="Serve no /metrics endpoint."),
     check: bool = typer.Option(
-        False, "--check", help="Validate the configuration and policies, then exit."
+        False,
+        "--check",
+        help="Validate the configuration and policies and prove every tier usable "
+        "(reachable, bucket present, credentials accepted, writable where policies write), "
+        "then exit 0, or 1 naming each problem and the setting to fix.",
     ),
 ) -> None:
     """Export, retain and release checkpoints by the policies in fmstore.toml.
@@ -49,10 +53,18 @@ def daemon(
 
     cfg = load_config(config)
     if check:
+        from ..tiering.probe import probe_once_per_node
+
         pol = from_config(cfg)
         d.settings_from_config(cfg)
+        probed = probe_once_per_node(cfg, pol, force=True)
+        for p in probed.problems:
+            typer.echo(f"error: {p.describe()}", err=True)
+        if probed.problems:
+            raise typer.Exit(1)
+        checked = ", ".join(f"{t} ({'+'.join(c)})" for t, c in probed.checked.items())
         typer.echo(
-            f"ok: tiers {', '.join(pol.ladder)}; write tier {pol.write_tier}; "
+            f"ok: tiers {checked}; write tier {pol.write_tier}; "
             f"{plural(len(pol.exports), 'export rule')}, retention on "
             f"{plural(len(pol.retention), 'tier')}, release on {plural(len(pol.release), 'tier')}"
         )

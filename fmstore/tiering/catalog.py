@@ -26,6 +26,11 @@ States of a copy (one row per checkpoint per tier):
 ``superseded`` (on the destination) an export that was pending when a newer checkpoint was
                committed, skipped because the destination's retention would not keep it.
 
+A copy whose export keeps failing stays ``exporting`` and counts its failures: ``failures``
+(since its last success), ``error`` and ``error_at`` (the last one), ``failing_since`` (the
+first of the run); :meth:`Catalog.record_failure` writes them, any other state clears them.
+Schema 2 added those columns; a schema-1 catalog is migrated in place when opened.
+
 A catalog that SQLite cannot read is moved aside by :meth:`Catalog.open_or_move_aside`
 (``catalog.sqlite3.corrupt-<time>``) so that a new one can be rebuilt from the tiers.
 """
@@ -66,7 +71,7 @@ STATES = (
 HOLDS_BYTES = (WRITING, PRESENT, EXPORTING, DELETING, CORRUPT)
 
 DB_NAME = "catalog.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -91,6 +96,9 @@ CREATE TABLE IF NOT EXISTS copies (
     verified REAL,
     attempts INTEGER NOT NULL DEFAULT 0,
     error TEXT,
+    failures INTEGER NOT NULL DEFAULT 0,
+    error_at REAL,
+    failing_since REAL,
     PRIMARY KEY (root, step, tier)
 );
 CREATE INDEX IF NOT EXISTS copies_by_tier ON copies (tier, state);
@@ -150,6 +158,11 @@ class Copy:
     verified: float | None
     attempts: int = 0
     error: str | None = None
+    #: Failed attempts since the copy last succeeded (0: not failing), the time of the
+    #: last one and of the first one of this run of failures.
+    failures: int = 0
+    error_at: float | None = None
+    failing_since: float | None = None
 
 
 @dataclass(frozen=True)
@@ -324,6 +337,8 @@ class Catalog:
                     f"catalog {self.path!r} has schema {row[0]}, newer than this fmstore's "
                     f"{SCHEMA_VERSION}; upgrade fmstore"
                 )
+            elif int(row[0]) < SCHEMA_VERSION:
+                _migrate(c)
 
     def close(self) -> None:
         with self._lock:
@@ -457,10 +472,16 @@ class Catalog:
                     ),
                 )
             else:
+                keep = state == EXPORTING and row[0] == EXPORTING
                 c.execute(
                     "UPDATE copies SET state = ?, updated = ?, "
                     "bytes = COALESCE(?, bytes), verified = COALESCE(?, verified), error = ?, "
-                    "attempts = attempts + ? WHERE root = ? AND step = ? AND tier = ?",
+                    "attempts = attempts + ?, "
+                    # a new attempt of a failing export keeps its record until it ends
+                    "failures = CASE WHEN ? THEN failures ELSE 0 END, "
+                    "error_at = CASE WHEN ? THEN error_at END, "
+                    "failing_since = CASE WHEN ? THEN failing_since END "
+                    "WHERE root = ? AND step = ? AND tier = ?",
                     (
                         state,
                         now,
@@ -468,12 +489,43 @@ class Catalog:
                         verified,
                         error,
                         1 if count_attempt else 0,
+                        keep,
+                        keep,
+                        keep,
                         root,
                         step,
                         tier,
                     ),
                 )
         return True
+
+    def record_failure(self, root: str, step: int, tier: str, error: str) -> Copy:
+        """Record a failed attempt of the copy onto ``tier`` (it stays ``exporting``,
+        resumable): one more failure, the error and its time.  Returns the row."""
+        now = self.now()
+        with self._tx() as c:
+            c.execute(
+                "INSERT INTO copies (root, step, tier, state, created, updated, last_access, "
+                "error, failures, error_at, failing_since) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1, ?, ?) "
+                "ON CONFLICT (root, step, tier) DO UPDATE SET state = excluded.state, "
+                "updated = excluded.updated, error = excluded.error, "
+                "failures = copies.failures + 1, error_at = excluded.error_at, "
+                "failing_since = COALESCE(copies.failing_since, excluded.failing_since)",
+                (root, step, tier, EXPORTING, now, now, now, error, now, now),
+            )
+            row = c.execute(
+                "SELECT * FROM copies WHERE root = ? AND step = ? AND tier = ?", (root, step, tier)
+            ).fetchone()
+        return _copy(row)
+
+    def failing(self, root: str | None = None) -> list[Copy]:
+        """Copies whose export is failing (oldest failure first)."""
+        sql, args = "SELECT * FROM copies WHERE state = ? AND failures > 0", [EXPORTING]
+        if root is not None:
+            sql += " AND root = ?"
+            args.append(root)
+        rows = self._conn().execute(sql + " ORDER BY failing_since, root, step, tier", args)
+        return [_copy(r) for r in rows.fetchall()]
 
     def touch(self, root: str, step: int, tier: str) -> None:
         """Record a read of the copy (release-by-age counts from the last access)."""
@@ -602,6 +654,24 @@ class Catalog:
         ]
 
 
+#: Columns added after schema 1, with their declarations (added by :func:`_migrate`).
+_ADDED_COLUMNS = {
+    "failures": "INTEGER NOT NULL DEFAULT 0",
+    "error_at": "REAL",
+    "failing_since": "REAL",
+}
+
+
+def _migrate(c: sqlite3.Connection) -> None:
+    """Bring an older catalog to :data:`SCHEMA_VERSION` inside the caller's transaction
+    (schema 1 -> 2: the failure columns of ``copies``; existing rows count no failure)."""
+    have = {r[1] for r in c.execute("PRAGMA table_info(copies)").fetchall()}
+    for name, decl in _ADDED_COLUMNS.items():
+        if name not in have:
+            c.execute(f"ALTER TABLE copies ADD COLUMN {name} {decl}")
+    c.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (str(SCHEMA_VERSION),))
+
+
 def _ckpt(r: sqlite3.Row) -> Checkpoint:
     return Checkpoint(
         r["root"], r["step"], r["seq"], r["created"], r["bytes"], r["manifest_crc32c"]
@@ -621,4 +691,7 @@ def _copy(r: sqlite3.Row) -> Copy:
         r["verified"],
         r["attempts"],
         r["error"],
+        r["failures"],
+        r["error_at"],
+        r["failing_since"],
     )

@@ -53,7 +53,8 @@ from .endpoint import Endpoint
 from .mover import CHECKPOINT_COPY
 from .policies import Policies, from_config
 from .priority import PRIORITIES, lower_priority
-from .runner import PolicyRunner, StepReport, event, log, log_record_json
+from .probe import ProbeReport, probe_once_per_node
+from .runner import PolicyRunner, StepReport, event, log, log_record_json, warn_event
 from .sweep import SweepReport, sweep
 from .transfer import TransferOptions
 
@@ -141,6 +142,21 @@ def setup_logging(level: int = logging.INFO) -> None:
         root.addHandler(_JsonHandler())
     root.setLevel(level)
     root.propagate = False
+
+
+def _gave_up(timeout: float | None, rep: StepReport) -> None:
+    """The last line of a drain that timed out: what is left, and why."""
+    why = f"; last error: {rep.errors[-1]}" if rep.errors else ""
+    log.error(
+        "drain timed out after %ss, actions left: %d (resumable)%s",
+        timeout,
+        rep.pending,
+        why,
+        extra={
+            "event": "drain_timeout",
+            "fields": {"pending": rep.pending, "errors": rep.errors[-3:]},
+        },
+    )
 
 
 class Daemon:
@@ -237,6 +253,7 @@ class Daemon:
 
         ``drain``: stop as soon as a step finds nothing to do (every policy satisfied; exit
         0), or when ``timeout`` seconds pass first (exit 3: work remains, resumable).
+        ``max_steps`` (``--once``): exit 1 when an action of the last step failed.
         """
         try:
             self.runner.lock.acquire(timeout=0)
@@ -266,7 +283,7 @@ class Daemon:
                 except FmstoreError as e:
                     rep = StepReport(errors=[str(e)])
                     m.ERRORS.labels("step", type(e).__name__).inc()
-                    event("step_error", error=str(e))
+                    warn_event("step_error", f"policy step failed: {e}", error=str(e))
                 self.last_report = rep
                 self.last_step = time.time()
                 steps += 1
@@ -278,11 +295,14 @@ class Daemon:
                     self.backoff = 0.0
                 m.BACKOFF.set(self.backoff)
                 if max_steps is not None and steps >= max_steps:
+                    code = 1 if rep.errors else 0
                     break
                 if drain and not rep.did_something and not rep.errors and not rep.pending:
                     break
                 if deadline is not None and time.monotonic() >= deadline:
                     code = 3 if (rep.pending or rep.errors) else 0
+                    if code:
+                        _gave_up(timeout, rep)
                     break
                 if rep.did_something and not rep.errors:
                     continue  # more may be due (the plan changed while we acted)
@@ -294,6 +314,20 @@ class Daemon:
             event("daemon_stop", steps=steps)
             self.runner.lock.release()
         return code
+
+    def check_tiers(self) -> ProbeReport:
+        """Prove every tier usable (:mod:`.probe`) under the node's probe lock, logging
+        each problem at error; the daemon runs on (a tier down now may come back)."""
+        rep = probe_once_per_node(self.config, self.policies, self.runner.tiers, force=True)
+        for p in rep.problems:
+            log.error(
+                p.describe(),
+                extra={
+                    "event": "tier_check_failed",
+                    "fields": {"tier": p.tier, "check": p.check, "error": p.error, "fix": p.fix},
+                },
+            )
+        return rep
 
     def sweep(self) -> SweepReport:
         """The orphan sweep of :mod:`.sweep` over every configured tier (the runner lock is
@@ -351,6 +385,7 @@ def main(
     lower_priority(settings.priority)
     d = Daemon(config, settings=settings)
     d.install_signals()
+    d.check_tiers()
     if http:
         d.start_http()
     try:

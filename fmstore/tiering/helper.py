@@ -10,7 +10,9 @@ per message:
   with it, after the copy in flight, which is resumable anyway);
 * helper → parent: ``idle N`` after a step that found nothing to do, ``N`` being the pokes
   it had read before that step began, which is what :meth:`PolicyHelper.wait_idle` waits
-  for.
+  for; ``warn TEXT`` (TEXT a JSON string) for what the training process must hear: a tier
+  the start-up check (:mod:`.probe`, once per node) found unusable, an export that has
+  failed ``[policies] warn_after_failures`` times.  The parent logs it at warning.
 
 The helper lowers its priority (:func:`~fmstore.tiering.priority.lower_priority`, from
 ``[daemon] priority``) before it starts a thread, and then runs the same
@@ -34,6 +36,7 @@ from typing import IO, Any
 from ..config import Config, TierConfig
 from .catalog import Catalog
 from .priority import lower_priority
+from .probe import probe_once_per_node
 from .rules import ExportRule, Policies, ReleaseRule, RestoreRule, RetentionRule
 from .runner import BackgroundRunner, IdleSignal, PolicyRunner
 from .transfer import TransferOptions
@@ -122,6 +125,8 @@ class PolicyHelper:
         )
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._stdin = self._proc.stdin
+        #: What the helper warned about, newest last (also logged at warning here).
+        self.warnings: list[str] = []
         self._write_lock = threading.Lock()
         self._signal = IdleSignal()
         self._send(line)
@@ -151,6 +156,12 @@ class PolicyHelper:
             parts = raw.split()
             if len(parts) == 2 and parts[0] == b"idle" and parts[1].isdigit():
                 self._signal.idle(int(parts[1]))
+            elif raw.startswith(b"warn "):
+                with contextlib.suppress(ValueError):
+                    text = json.loads(raw[5:])
+                    if isinstance(text, str):
+                        self.warnings = [*self.warnings[-9:], text]
+                        log.warning("%s", text)
         self._signal.end()
 
     def poke(self) -> int:
@@ -185,6 +196,13 @@ class PolicyHelper:
         self._reader.join(5)
 
 
+def tier_problems(runner: PolicyRunner) -> list[str]:
+    """The tier check of :mod:`.probe` (once per node: a fresh result of another process is
+    reused), as warnings for the training process."""
+    rep = probe_once_per_node(runner.config, runner.policies, runner.tiers)
+    return [f"fmstore tier check: {p.describe()}" for p in rep.problems]
+
+
 def main() -> int:
     # Ctrl-C reaches the whole foreground group; the trainer decides when this one stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -201,14 +219,26 @@ def main() -> int:
     out = sys.stdout.buffer
     out_lock = threading.Lock()
 
-    def on_idle(n: int) -> None:
+    def send(line: bytes) -> None:
         with out_lock, contextlib.suppress(OSError, ValueError):
-            out.write(b"idle %d\n" % n)
+            out.write(line)
             out.flush()
+
+    def on_idle(n: int) -> None:
+        send(b"idle %d\n" % n)
+
+    def on_warn(text: str) -> None:
+        send(b"warn " + json.dumps(text).encode() + b"\n")
 
     catalog = Catalog.for_state_dir(s["config"].state_dir)
     runner = PolicyRunner(s["config"], s["policies"], catalog, mover=s["transfer"])
-    bg = BackgroundRunner(runner, interval=s["interval"], on_idle=on_idle)
+    bg = BackgroundRunner(
+        runner,
+        interval=s["interval"],
+        on_idle=on_idle,
+        on_warn=on_warn,
+        startup_check=lambda: tier_problems(runner),
+    )
     try:
         for line in sys.stdin.buffer:
             if line.strip() == b"poke":

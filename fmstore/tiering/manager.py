@@ -49,6 +49,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import filelock
+
 from .. import runtime
 from ..checkpoint.layout import checkpoint_key
 from ..checkpoint.verify import read_committed
@@ -60,7 +62,8 @@ from . import catalog as cat
 from .cache import ReadThroughStore
 from .catalog import Catalog
 from .discovery import rediscover
-from .helper import PolicyHelper
+from .failures import PolicyWait, close_warning, policy_wait
+from .helper import PolicyHelper, tier_problems
 from .mover import copy_checkpoint
 from .policies import Policies, from_config
 from .runner import BackgroundRunner, PolicyRunner, event
@@ -181,7 +184,10 @@ class CheckpointManager:
             )
         self._background: BackgroundRunner | PolicyHelper | None = None
         if run_policies == "thread":
-            self._background = BackgroundRunner(self._runner, interval=policy_interval)
+            runner = self._runner
+            self._background = BackgroundRunner(
+                runner, interval=policy_interval, startup_check=lambda: tier_problems(runner)
+            )
         elif run_policies:
             self._background = PolicyHelper(
                 self.config,
@@ -333,13 +339,22 @@ class CheckpointManager:
         if errors:
             raise errors[0]
 
-    def wait_for_policies(self, timeout: float | None = None) -> bool:
+    def wait_for_policies(self, timeout: float | None = None) -> PolicyWait:
         """Wait until the background policies have nothing left to do (tests, shutdown).
-        Returns False on timeout or when no background runner is active."""
+
+        Returns a :class:`~fmstore.tiering.failures.PolicyWait`, truthy when every policy
+        is satisfied; falsy on timeout or when no background runner is active, carrying
+        the exports still pending for this root (``pending``, ``pending_steps``), those
+        that keep failing (``failing``) and the newest error (``last_error``), so
+        ``if mgr.wait_for_policies(): ...`` keeps working and ``print(result.describe())``
+        says why not."""
         self.wait()
         if self._background is None:
-            return False
-        return self._background.wait_idle(timeout)
+            reason = "no background policies in this process (run_policies=False)"
+            return policy_wait(False, self.policies, self.catalog, self.root, reason)
+        done = self._background.wait_idle(timeout)
+        why = None if done else f"still working after {timeout} s"
+        return policy_wait(done, self.policies, self.catalog, self.root, why)
 
     # ---- what exists -----------------------------------------------------------------
 
@@ -517,12 +532,16 @@ class CheckpointManager:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def close(self) -> None:
-        """Wait for saves, stop the background policies (after the current copy)."""
+        """Wait for saves, stop the background policies (after the current copy); warn
+        when exports of this root are still pending or failing, naming the steps and the
+        command that finishes them."""
         try:
             self.wait()
         finally:
             if self._background is not None:
                 self._background.close()
+            with contextlib.suppress(Exception):  # a warning must never fail the close
+                self._warn_unfinished()
             for pin in self._pins:
                 with contextlib.suppress(FmstoreError):
                     self.catalog.unpin(pin)
@@ -534,6 +553,18 @@ class CheckpointManager:
             with contextlib.suppress(Exception):
                 runtime.run(self.tiers.close(), timeout=30)
             self.catalog.close()
+
+    def _warn_unfinished(self) -> None:
+        daemon = False
+        try:
+            self._runner.lock.acquire(timeout=0)
+            self._runner.lock.release()
+        except filelock.Timeout:
+            daemon = True  # another runner (the daemon) holds the node's state directory
+        wait = policy_wait(False, self.policies, self.catalog, self.root)
+        text = close_warning(wait, self.root, daemon)
+        if text is not None:
+            log.warning("%s", text, extra={"event": "close_unfinished", "fields": {}})
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -29,6 +29,17 @@ EXPORTS_SUPERSEDED = Counter(
     "Pending exports skipped because a newer checkpoint was committed (backlog control)",
     ["src", "dst"],
 )
+EXPORT_FAILURES = Counter(
+    "fmstore_tier_export_failures_total",
+    "Failed export attempts, by the class of the error (NotFound, PermissionDenied, "
+    "StoreUnavailable, TierFull, ...)",
+    ["src", "dst", "reason"],
+)
+EXPORT_FAILING_SECONDS = Gauge(
+    "fmstore_tier_export_failing_seconds",
+    "How long the oldest failing export to the tier has been failing (0: none fails)",
+    ["dst"],
+)
 EXPORT_PENDING = Gauge(
     "fmstore_tier_export_pending",
     "Exports still to make (after coalescing) per run root and destination",

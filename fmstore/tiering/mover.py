@@ -30,12 +30,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..checkpoint.verify import VerifyResult, blob_checksums, read_committed, verify_checkpoint
-from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable, TierFull
+from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
 from ..stores.base import PutOptions, Store
 from .journal import Journal
-from .transfer import CopyItem, TransferOptions, copy_items
+from .transfer import CopyItem, Failure, TransferOptions, copy_items
 
 if TYPE_CHECKING:
     from ..checkpoint.verify import AnyCommitted
@@ -185,15 +185,19 @@ async def copy_checkpoint(
     )
 
 
-def _raise_for(failures: Sequence[object], src: Store, dst: Store) -> None:
-    text = "; ".join(f"{getattr(f, 'key', '?')}: {getattr(f, 'error', '?')}" for f in failures[:3])
-    lowered = text.lower()
-    if "checksum" in lowered or "crc" in lowered or "corrupt" in lowered:
+def _raise_for(failures: Sequence[Failure], src: Store, dst: Store) -> None:
+    """Raise the class of the first typed failure (never guessed from a message), naming
+    the tier it came from; an untyped one (a bug, an unexpected OS error) is reported as
+    the destination being unavailable."""
+    text = "; ".join(f"{f.key}: {f.error}" for f in failures[:3])
+    first = next((f.exc for f in failures if f.exc is not None), None)
+    if isinstance(first, CorruptData):
         raise CorruptData(f"copy failed verification: {text}", tier=src.tier, key=src.url)
-    if "no space" in lowered or "full" in lowered:
-        raise TierFull(f"copy failed: {text}", tier=dst.tier, key=dst.url)
-    if "not found" in lowered or "no such" in lowered:
+    if isinstance(first, NotFound) and first.tier != dst.tier:
         raise NotFound(f"copy failed, source blob missing: {text}", tier=src.tier, key=src.url)
+    if first is not None:
+        side = src if first.tier == src.tier and src.tier != dst.tier else dst
+        raise type(first)(f"copy failed: {text}", tier=side.tier, key=side.url)
     raise StoreUnavailable(f"copy failed: {text}", tier=dst.tier, key=dst.url)
 
 

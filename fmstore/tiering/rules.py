@@ -71,6 +71,8 @@ class Policies:
     release: Mapping[str, ReleaseRule] = field(default_factory=dict)
     restore: RestoreRule = RestoreRule()
     on_full: Literal["fail", "fallback"] = "fail"
+    #: A training process is warned when an export has failed this many times in a row.
+    warn_after_failures: int = 3
 
     def rank(self, tier: str) -> int:
         return self.ladder.index(tier)
@@ -90,7 +92,16 @@ class Policies:
 # ---- parsing and validation --------------------------------------------------------------
 
 
-_TOP_KEYS = {"ladder", "write_tier", "on_full", "export", "retention", "release", "restore"}
+_TOP_KEYS = {
+    "ladder",
+    "write_tier",
+    "on_full",
+    "warn_after_failures",
+    "export",
+    "retention",
+    "release",
+    "restore",
+}
 _EXPORT_KEYS = {"to", "from", "every_saves", "every_steps", "every_seconds"}
 _RETENTION_KEYS = {"keep_latest", "keep_every", "keep_for"}
 _RELEASE_KEYS = {"after", "high_watermark", "low_watermark", "durable"}
@@ -121,6 +132,9 @@ def from_dict(
     if on_full not in ("fail", "fallback"):
         raise ConfigError(f"{w} on_full must be 'fail' or 'fallback', not {on_full!r}")
 
+    warn_after = data.get("warn_after_failures", 3)
+    if not isinstance(warn_after, int) or isinstance(warn_after, bool) or warn_after < 1:
+        raise ConfigError(f"{w} warn_after_failures must be a whole number >= 1")
     raw_exports = data.get("export", [])
     if isinstance(raw_exports, Mapping):
         raw_exports = [raw_exports]
@@ -214,6 +228,7 @@ def from_dict(
         release=release,
         restore=RestoreRule(mode=mode, cache_tier=str(cache_tier) if cache_tier else None),
         on_full=on_full,
+        warn_after_failures=warn_after,
     )
     _validate(policies, set(tiers), where=w)
     return policies

@@ -37,13 +37,12 @@ from ..errors import (
     CorruptData,
     FmstoreError,
     NotFound,
-    StoreUnavailable,
-    TierFull,
     VersionError,
 )
 from . import catalog as cat
 from . import metrics as m
 from .catalog import Catalog
+from .failures import DRAIN_COMMAND, ActionFailure, FailureLog, reason_of, warn_due
 from .mover import CHECKPOINT_COPY, copy_checkpoint, delete_checkpoint, has_checkpoint
 from .policies import (
     Delete,
@@ -78,6 +77,8 @@ class StepReport:
     pending: int = 0
     errors: list[str] = field(default_factory=list)
     skipped_locked: bool = False
+    #: The actions that failed in this step, with how many times in a row each has.
+    failed: list[ActionFailure] = field(default_factory=list)
 
     @property
     def did_something(self) -> bool:
@@ -89,6 +90,11 @@ class StepReport:
 def event(kind: str, **fields: object) -> None:
     """One structured log line (the daemon formats records as JSON)."""
     log.info(kind, extra={"event": kind, "fields": fields})
+
+
+def warn_event(kind: str, message: str, **fields: object) -> None:
+    """A structured line at ``warning``: something failed and someone should look."""
+    log.warning(message, extra={"event": kind, "fields": fields})
 
 
 class PolicyRunner:
@@ -113,6 +119,8 @@ class PolicyRunner:
         self.lock = filelock.FileLock(os.path.join(config.state_dir, LOCK_NAME))
         #: Checked between actions: set it to stop after the current copy.
         self.stop = threading.Event()
+        #: Failing actions: warning, then error, rate-limited (:mod:`.failures`).
+        self.failure_log = FailureLog()
 
     # ---- the step --------------------------------------------------------------------
 
@@ -139,6 +147,7 @@ class PolicyRunner:
         for action in actions:
             if self.stop.is_set():
                 break
+            recorded = len(rep.failed)
             try:
                 if isinstance(action, Export):
                     await self._export(action, rep)
@@ -155,12 +164,20 @@ class PolicyRunner:
                     )
                 elif isinstance(action, Release):
                     await self._remove(action.root, action.step, action.tier, "release", rep)
-            except (StoreUnavailable, TierFull) as e:
-                # The tier is down or full: stop this step (the daemon backs off); all the
-                # copies stay resumable.
-                m.ERRORS.labels(type(action).__name__.lower(), type(e).__name__).inc()
+            except FmstoreError as e:
+                # A tier down, full, missing or refusing us: stop this step (the daemon
+                # backs off); all the copies stay resumable.  Logged loud (warning, then
+                # error), never only at info.
+                kind = type(action).__name__.lower()
+                m.ERRORS.labels(kind, reason_of(e)).inc()
                 rep.errors.append(str(e))
-                event("step_error", action=repr(action), error=str(e))
+                if len(rep.failed) == recorded:  # not an export's copy (it records itself)
+                    src, dst = _tiers_of(action)
+                    f = ActionFailure(
+                        kind, action.root, action.step, src, dst, reason_of(e), str(e), 0
+                    )
+                    rep.failed.append(f)
+                self.failure_log.failed(rep.failed[-1])
                 break
         # Planned again for the gauges: the queues left after this step, not the ones it
         # began with (deletes wait for exports, so a step that exports leaves deletes).
@@ -191,6 +208,12 @@ class PolicyRunner:
                 -1 if step is None else step
             )
             m.EXPORT_OLDEST_PENDING_SECONDS.labels(lag.root, lag.dest).set(lag.oldest_pending_age)
+        since: dict[str, float] = {e.to: state.now for e in self.policies.exports}
+        for cp in state.copies:
+            if cp.state == cat.EXPORTING and cp.failures and cp.failing_since is not None:
+                since[cp.tier] = min(since.get(cp.tier, state.now), cp.failing_since)
+        for dst, t in since.items():
+            m.EXPORT_FAILING_SECONDS.labels(dst).set(max(0.0, state.now - t))
         newest: dict[tuple[str, str], int] = {}
         for cp in state.copies:
             if cp.state == cat.PRESENT:
@@ -261,9 +284,9 @@ class PolicyRunner:
             # Written by a newer fmstore: not damage.  The source stays as it is (a newer
             # daemon can carry it); the export is reported as failing until then.
             m.ERRORS.labels("export", "VersionError").inc()
-            c.set_copy(a.root, a.step, a.dest, cat.EXPORTING, error=str(e))
             rep.errors.append(str(e))
             event("export_unreadable", root=a.root, step=a.step, tier=a.source, error=str(e))
+            self.failure_log.failed(self._failed(a, e, rep))
             return
         except CorruptData as e:
             bad = a.dest if e.tier == dst.tier else a.source
@@ -271,17 +294,33 @@ class PolicyRunner:
             m.ERRORS.labels("export", "CorruptData").inc()
             c.set_copy(a.root, a.step, bad, cat.CORRUPT, error=str(e))
             rep.errors.append(str(e))
-            event("export_corrupt", root=a.root, step=a.step, tier=bad, error=str(e))
+            warn_event(
+                "export_corrupt",
+                f"export {a.source} → {a.dest} of {a.root!r} step {a.step}: {e}",
+                root=a.root,
+                step=a.step,
+                tier=bad,
+                error=str(e),
+            )
             return
         except NotFound as e:
+            if e.tier == dst.tier:  # the destination's bucket or directory is missing
+                self._failed(a, e, rep)
+                raise
             m.ERRORS.labels("export", "NotFound").inc()
             c.set_copy(a.root, a.step, a.source, cat.MISSING, error=str(e))
             rep.errors.append(str(e))
-            event("export_source_missing", root=a.root, step=a.step, tier=a.source)
+            warn_event(
+                "export_source_missing",
+                f"export {a.source} → {a.dest} of {a.root!r} step {a.step}: {e}",
+                root=a.root,
+                step=a.step,
+                tier=a.source,
+                error=str(e),
+            )
             return
-        except (StoreUnavailable, TierFull) as e:
-            m.COPIES.labels(a.source, a.dest, "error").inc()
-            c.set_copy(a.root, a.step, a.dest, cat.EXPORTING, error=str(e))
+        except FmstoreError as e:
+            self._failed(a, e, rep)
             raise
         seconds = time.monotonic() - t0
         c.record_checkpoint(
@@ -297,6 +336,7 @@ class PolicyRunner:
         )
         with contextlib.suppress(OSError):
             os.unlink(jpath)
+        self.failure_log.succeeded("export", a.root, a.step, a.source, a.dest)
         m.COPY_BYTES.labels(a.source, a.dest).inc(res.bytes_copied)
         m.COPY_SECONDS.labels(a.source, a.dest).observe(seconds)
         m.COPIES.labels(a.source, a.dest, "ok").inc()
@@ -310,6 +350,18 @@ class PolicyRunner:
             bytes=res.bytes_copied,
             seconds=round(seconds, 3),
         )
+
+    def _failed(self, a: Export, e: FmstoreError, rep: StepReport) -> ActionFailure:
+        """Record a failed attempt of export ``a`` (catalog, metrics, the step's report);
+        the caller logs it (:class:`~.failures.FailureLog`) or raises it on."""
+        m.COPIES.labels(a.source, a.dest, "error").inc()
+        m.EXPORT_FAILURES.labels(a.source, a.dest, reason_of(e)).inc()
+        cp = self.catalog.record_failure(a.root, a.step, a.dest, str(e))
+        f = ActionFailure(
+            "export", a.root, a.step, a.source, a.dest, reason_of(e), str(e), cp.failures
+        )
+        rep.failed.append(f)
+        return f
 
     async def _supersede(self, a: Supersede, rep: StepReport) -> None:
         """Record the skipped export; remove what a started copy left on the destination
@@ -388,6 +440,13 @@ class PolicyRunner:
         )
 
 
+def _tiers_of(action: object) -> tuple[str | None, str]:
+    """(source, tier acted on) of a planned action, for its failure's report."""
+    if isinstance(action, Export | Supersede):
+        return action.source, action.dest
+    return None, str(getattr(action, "tier", ""))
+
+
 class IdleSignal:
     """Pokes counted, and the count a step that found nothing to do had seen: a waiter
     for poke ``n`` is released by such a step that began after it (or when ``gone``)."""
@@ -428,6 +487,11 @@ class BackgroundRunner:
     it stays idle.  After a step that found nothing to do it calls ``on_idle(n)``, ``n``
     being the number of pokes it had seen before that step began.  :meth:`close` stops it
     after the current copy.
+
+    ``on_warn`` hears what the training process must know: each problem ``startup_check``
+    (run once, before the first step) returns, and an export that has failed
+    ``[policies] warn_after_failures`` times in a row (again at twice, four times as
+    many...).  Without it those are logged at warning here.
     """
 
     def __init__(
@@ -436,10 +500,14 @@ class BackgroundRunner:
         *,
         interval: float = 5.0,
         on_idle: Callable[[int], None] | None = None,
+        on_warn: Callable[[str], None] | None = None,
+        startup_check: Callable[[], list[str]] | None = None,
     ) -> None:
         self.runner = runner
         self.interval = interval
         self._on_idle = on_idle
+        self._on_warn = on_warn or (lambda text: log.warning("%s", text))
+        self._startup_check = startup_check
         self._wake = threading.Event()
         self._signal = IdleSignal()
         self._thread = threading.Thread(target=self._main, name="fmstore-policies", daemon=True)
@@ -451,20 +519,43 @@ class BackgroundRunner:
         self._wake.set()
         return n
 
+    def _warn_failures(self, rep: StepReport) -> None:
+        every = self.runner.policies.warn_after_failures
+        for f in rep.failed:
+            if f.action == "export" and warn_due(f.failures, every):
+                self._on_warn(
+                    f"{f.describe()}; the checkpoint is not on {f.dst} yet (`fmstore daemon "
+                    f"--check` names the setting to fix; `{DRAIN_COMMAND}` finishes the exports)"
+                )
+
+    def _check(self) -> None:
+        if self._startup_check is None:
+            return
+        try:
+            problems = self._startup_check()
+        except Exception as e:  # the check must never take the training process down
+            problems = [f"the tier check could not run: {e}"]
+        for text in problems:
+            self._on_warn(text)
+
     def _main(self) -> None:
         backoff = 0.0
+        self._check()
         while not self.runner.stop.is_set():
             self._wake.clear()
             seen = self._signal.poked
+            fresh: StepReport | None = None
             try:
-                self.last = self.runner.step()
-                backoff = 0.0 if not self.last.errors else min(max(1.0, backoff * 2), 60.0)
+                self.last = fresh = self.runner.step()
+                backoff = 0.0 if not fresh.errors else min(max(1.0, backoff * 2), 60.0)
             except FmstoreError as e:
-                event("step_error", error=str(e))
+                warn_event("step_error", f"policy step failed: {e}", error=str(e))
                 backoff = min(max(1.0, backoff * 2), 60.0)
             except Exception as e:  # keep the training process alive whatever happens here
                 log.exception("policy step failed: %s", e)
                 backoff = min(max(1.0, backoff * 2), 60.0)
+            if fresh is not None:
+                self._warn_failures(fresh)
             last = self.last
             if (
                 last is not None

@@ -147,6 +147,7 @@ class TransferProgress:
 class Failure:
     key: str
     error: str
+    exc: FmstoreError | None = None  # typed, for callers that classify (never by message)
 
 
 @dataclass
@@ -311,7 +312,7 @@ class Transfer:
             raise
         except FmstoreError as e:
             p.files_failed += 1
-            self.failures.append(Failure(item.src_key, str(e)))
+            self.failures.append(Failure(item.src_key, str(e), e))
         except Exception as e:  # a bug or an unexpected OS error: report it, keep going
             p.files_failed += 1
             self.failures.append(Failure(item.src_key, f"{type(e).__name__}: {e}"))
