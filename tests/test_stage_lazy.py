@@ -493,6 +493,7 @@ def test_stage_lazy_refuses_a_source_an_index_may_not_name(hostile):
         fm_here("stage", "--lazy", str(hostile / "allowed"), str(hostile / "dst")).returncode == 0
     )
     (hostile / "nvme").mkdir()
+    (hostile / "nvme" / "b.bin").write_bytes(b"b")  # an empty source is refused as such
     assert fm_here("stage", "--lazy", "nvme:", str(hostile / "dst2")).returncode == 0
     assert (hostile / "dst" / INDEX_NAME).stat().st_mode & 0o022 == 0
 

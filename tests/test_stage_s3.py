@@ -288,6 +288,21 @@ def test_missing_bucket_is_a_clear_error(s3env, s3_server, tmp_path):
     assert r.returncode == 1 and "does not exist" in r.stderr, r.stderr
 
 
+def test_a_source_with_no_files_is_an_error_and_creates_nothing(s3env, tmp_path):
+    """A Slurm prolog staging from a mistyped prefix must fail, not start the job."""
+    env = s3env["env"]
+    for extra in ([], ["--dry-run"]):
+        r = fm("stage", "s3:nods", str(tmp_path / "x"), *extra, env=env)
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert "source 's3:nods' has no objects" in r.stderr and "missing one" in r.stderr
+        assert not (tmp_path / "x").exists()
+    (tmp_path / "empty").mkdir()
+    r = fm("stage", str(tmp_path / "empty"), "s3:y", env=env)
+    assert r.returncode == 1 and "is an empty directory" in r.stderr, r.stderr
+    r = fm("stage", str(tmp_path / "empty"), str(tmp_path / "z"), env=env)
+    assert r.returncode == 1 and not (tmp_path / "z").exists()
+
+
 def test_stage_concurrency_is_the_s3_stores_request_limit(s3env, s3_server, tmp_path):
     """``fmstore stage --concurrency 40`` has 40 requests in flight on S3, not the S3
     store's own default of 16: every GET of a file is held by the proxy (a read timeout

@@ -218,8 +218,8 @@ def stage_cmd(
         typer.echo(f"staging shard {k_n[0]}/{k_n[1]}", err=True)
 
     def ask(plan: StagePlan) -> bool:
-        """Before anything changes: warn of an empty source, list what would be deleted
-        and ask."""
+        """Before anything changes: warn when nothing is selected, list what would be
+        deleted and ask."""
         _warn_if_empty(plan, src)
         if not plan.delete:
             return True
@@ -263,8 +263,14 @@ def stage_cmd(
 
 
 def _warn_if_empty(plan: StagePlan, src: str) -> None:
-    if not plan.src_listing:
-        typer.echo(f"warning: source {src} has no files", err=True)
+    # A source without any file is refused before this (exit 1); filters or a shard that
+    # select none of its files are only worth a warning.
+    if plan.src_listing and not plan.items:
+        typer.echo(
+            f"warning: none of the {plural(len(plan.src_listing), 'file')} of source {src} "
+            "is selected (--include, --exclude, --shard)",
+            err=True,
+        )
 
 
 def _print_result(

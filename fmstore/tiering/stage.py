@@ -219,6 +219,21 @@ def check_destination(src: Store, dst_url: str, *, delete: bool) -> None:
         check_roots(_root_of(src), "file://" + os.path.realpath(path), delete=delete)
 
 
+def check_source_has_files(src_url: str, src: Store, plan: StagePlan) -> None:
+    """Refuse a source with no files at all (:class:`NotFound`): a job staged from it would
+    start without its data.  On S3 an empty prefix and a missing one are the same thing; a
+    local directory that exists but is empty is named as such.  A source with files none of
+    which the filters select is not refused here (the caller warns)."""
+    if plan.src_listing:
+        return
+    if src.local_root is not None:
+        raise NotFound(f"source {src_url!r} is an empty directory: nothing to stage")
+    raise NotFound(
+        f"source {src_url!r} has no objects ({src.url}): on S3 an empty prefix and a "
+        "missing one are the same"
+    )
+
+
 def check_roots(s: str, d: str, *, delete: bool) -> None:
     if s == d:
         raise ConfigError(f"source and destination are the same location ({s})")
@@ -484,23 +499,31 @@ async def stage_async(
     src = open_source(src_url, concurrency=concurrency)
     local = local_dir(dst_url)
     dst: Store | None = None
+
+    def open_destination() -> Store:
+        # ``fsync="none"``: scratch data.  A local destination then neither syncs nor
+        # starts each part's write-back early (the kernel's flusher writes it later,
+        # off the copy's CPU); parts received into rings go to disk with O_DIRECT.
+        if local is not None and options.transfer.fsync == "none":
+            return open_store(dst_url, concurrency=concurrency, fsync=False)
+        return open_store(dst_url, concurrency=concurrency)
+
     try:
         check_destination(src, dst_url, delete=options.delete)
-        if not (options.dry_run and local is not None and not os.path.exists(local)):
-            # ``fsync="none"``: scratch data.  A local destination then neither syncs nor
-            # starts each part's write-back early (the kernel's flusher writes it later,
-            # off the copy's CPU); parts received into rings go to disk with O_DIRECT.
-            if local is not None and options.transfer.fsync == "none":
-                dst = open_store(dst_url, concurrency=concurrency, fsync=False)
-            else:
-                dst = open_store(dst_url, concurrency=concurrency)
+        # A local destination that is not there yet has nothing to list: it is created
+        # (opened) only once the source proved to have files and the run is not a dry one.
+        if not (local is not None and not os.path.exists(local)):
+            dst = open_destination()
             if local is None:  # a remote destination, checked once open
                 check_locations(src, dst, delete=options.delete)
         plan = await plan_stage(
             src, dst, key_filter=key_filter, shard=options.shard, delete=options.delete
         )
-        if options.dry_run or dst is None:
+        check_source_has_files(src_url, src, plan)
+        if options.dry_run:
             return StageResult(TransferReport(progress or TransferProgress(), [], 0.0), plan=plan)
+        if dst is None:
+            dst = open_destination()
         if confirm is not None:
             go_on = confirm(plan)
             if inspect.isawaitable(go_on):
