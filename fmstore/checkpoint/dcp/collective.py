@@ -425,8 +425,13 @@ async def _check_part(
             "the job's ranks or nodes changed since the save (node-local parts are not used; "
             "restore from a shared tier)"
         )
-    store = _open(uri, so)
-    have = {o.key: o.size async for o in store.list(f"{m.generation}/") if not o.is_dir}
+    have: dict[str, int] = {}
+    try:
+        store = _open(uri, so)
+    except NotFound:
+        pass  # not even the checkpoint's directory on this node
+    else:
+        have = {o.key: o.size async for o in store.list(f"{m.generation}/") if not o.is_dir}
     for b in m.blobs:
         if b.rank != me.rank:
             continue
