@@ -37,8 +37,15 @@ def write(
     dtype: str | None = typer.Option(
         None, "--dtype", help="Token dtype of raw .bin files (uint16, uint32)."
     ),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="Replace a dataset already at DST, removing the shards the new index does not name.",
+    ),
 ) -> None:
-    """Convert SRC into an fmstore dataset at DST (shards first, index.json last)."""
+    """Convert SRC into an fmstore dataset at DST (shards first, index.json last).
+
+    A DST that already holds a dataset is refused unless --overwrite."""
     from rich.progress import BarColumn, Progress, TextColumn
 
     from ..loaders.writer import write_dataset
@@ -62,6 +69,7 @@ def write(
             compression=None if compression == "none" else compression,
             dtype=dtype,
             progress=progress,
+            overwrite=overwrite,
         )
     noun = "tokens" if r.kind == "tokens" else "samples"
     Console().print(f"wrote {r.shards} shards, {r.samples} {noun}, {human_bytes(r.bytes)} to {dst}")

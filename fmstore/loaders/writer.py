@@ -2,13 +2,18 @@
 arrays into fmstore shards on any store.
 
 Shards are written first, ``index.json`` last: a destination without an index is not a
-dataset, so an interrupted conversion is never mistaken for a finished one.
+dataset, so an interrupted conversion is never mistaken for a finished one.  A destination
+that already holds a dataset is refused unless ``overwrite``; then its index goes first
+(no reader pairs the old index with new shards) and, once the new index is written, the
+shards it does not name (the old index's, and any ``shard-NNNNN`` this writer left) go too.
+Other files under the destination are left alone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +24,7 @@ import xxhash
 import zstandard
 
 from .. import runtime
-from ..errors import ConfigError, NotFound
+from ..errors import AlreadyExists, ConfigError, CorruptData, NotFound
 from ..stores import Store, open_store
 from .formats import fmstore as fms
 
@@ -28,6 +33,8 @@ DEFAULT_SHARD_SIZE = 64 << 20
 
 #: ``progress(bytes_read, samples_written)``
 Progress = Callable[[int, int], None]
+#: The names this writer gives shards.
+_SHARD_KEY = re.compile(r"shard-\d{5,}\.(?:fms|tok)(?:\.zst)?")
 
 
 def checksum(data: bytes | memoryview) -> str:
@@ -72,6 +79,7 @@ def write_dataset(
     compression: str | None = None,
     dtype: str | None = None,
     progress: Progress | None = None,
+    overwrite: bool = False,
 ) -> WriteResult:
     """Convert ``src`` (a local file or directory) into an fmstore dataset at ``dst``.
 
@@ -79,7 +87,9 @@ def write_dataset(
     sample per file, read back as ``str``), ``files`` (one sample per file, read back as
     ``{"__key__": relative path, "data": bytes}``), ``tokens`` (``.npy`` or raw ``.bin``
     token arrays, ``dtype`` needed for ``.bin``; read back as fixed-length sequences), or
-    ``auto`` (by extension).  ``compression``: ``None`` or ``"zstd"``.
+    ``auto`` (by extension).  ``compression``: ``None`` or ``"zstd"``.  ``overwrite``:
+    replace a dataset already at ``dst`` (:class:`AlreadyExists` without it), removing the
+    shards the new index does not name.
     """
     srcp = Path(src)
     if not srcp.exists():
@@ -92,6 +102,7 @@ def write_dataset(
         raise ConfigError("shard_size must be positive")
     kind = detect_input(srcp) if input_format == "auto" else input_format
     store = open_store(dst) if isinstance(dst, str) else dst
+    stale = _make_room(store, overwrite)
     w = _ShardWriter(store, shard_size, compression, progress)
     if kind == "tokens":
         dt = w.write_tokens(_files(srcp), dtype)
@@ -111,7 +122,53 @@ def write_dataset(
         "shards": w.entries,
     }
     runtime.run(store.put(fms.INDEX_KEY, json.dumps(index, indent=1).encode()))
+    _drop_stale(store, stale, w.entries)
     return WriteResult(shards=len(w.entries), samples=w.samples, bytes=w.bytes, kind=doc["kind"])
+
+
+def _make_room(store: Store, overwrite: bool) -> set[str]:
+    """Before a write: refuse a destination holding a dataset (an ``index.json``) unless
+    ``overwrite``, then remove that index; return the keys that may be stale once the new
+    index is written (the shards the old index named, and this writer's)."""
+
+    async def go() -> set[str]:
+        try:
+            old = await store.get(fms.INDEX_KEY)
+        except NotFound:
+            old = None
+        if old is not None and not overwrite:
+            raise AlreadyExists(
+                f"{store.url} already holds a dataset: pass --overwrite (overwrite=True) to "
+                "replace it (shards the new index does not name are then removed)",
+                tier=store.tier,
+                key=fms.INDEX_KEY,
+            )
+        try:
+            keys = await store.list_keys()
+        except NotFound:
+            keys = []
+        stale = {k for k in keys if _SHARD_KEY.fullmatch(k)}
+        if old is not None:
+            stale |= set(keys) & _named(old)
+            await store.delete(fms.INDEX_KEY)
+        return stale
+
+    return runtime.run(go())
+
+
+def _named(index: bytes) -> set[str]:
+    """The shard keys an existing ``index.json`` names (none when it is not fmstore's)."""
+    try:
+        doc = fms.parse_index(index, where=fms.INDEX_KEY)
+    except (CorruptData, ValueError):
+        return set()
+    return {s["key"] for s in doc.get("shards", []) if isinstance(s, dict) and "key" in s}
+
+
+def _drop_stale(store: Store, stale: set[str], entries: list[dict]) -> None:
+    gone = stale - {e["key"] for e in entries} - {fms.INDEX_KEY}
+    if gone:
+        runtime.run(store.delete_many(sorted(gone)))
 
 
 def write_samples(
@@ -122,11 +179,13 @@ def write_samples(
     shard_size: int = DEFAULT_SHARD_SIZE,
     compression: str | None = None,
     progress: Progress | None = None,
+    overwrite: bool = False,
 ) -> WriteResult:
     """Write samples from Python into an fmstore dataset at ``dst``.
 
     ``encoding``: ``bytes`` (each sample ``bytes``), ``text`` (``str``) or ``json`` (any
-    JSON-serialisable value); samples read back the same way.
+    JSON-serialisable value); samples read back the same way.  ``overwrite``: as for
+    :func:`write_dataset`.
     """
     if encoding not in ("bytes", "text", "json"):
         raise ConfigError(f"encoding must be bytes, text or json, not {encoding!r}")
@@ -145,6 +204,7 @@ def write_samples(
             yield bytes(b), len(b)
 
     store = open_store(dst) if isinstance(dst, str) else dst
+    stale = _make_room(store, overwrite)
     w = _ShardWriter(store, shard_size, compression, progress)
     w.write_samples(encoded())
     if not w.entries:
@@ -159,6 +219,7 @@ def write_samples(
         "shards": w.entries,
     }
     runtime.run(store.put(fms.INDEX_KEY, json.dumps(index, indent=1).encode()))
+    _drop_stale(store, stale, w.entries)
     return WriteResult(shards=len(w.entries), samples=w.samples, bytes=w.bytes, kind="samples")
 
 
