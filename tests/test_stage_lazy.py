@@ -498,6 +498,17 @@ def test_stage_lazy_refuses_a_source_an_index_may_not_name(hostile):
     assert (hostile / "dst" / INDEX_NAME).stat().st_mode & 0o022 == 0
 
 
+def test_stage_lazy_keeps_no_listing_that_would_not_be_used(hostile):
+    """A listing written straight into a sticky scratch directory would never be used:
+    stage --lazy says so (exit 1) and leaves none, instead of reporting success."""
+    scratch = hostile / "scratch"
+    scratch.mkdir()
+    scratch.chmod(0o1777)
+    r = fm_here("stage", "--lazy", str(hostile / "allowed"), str(scratch))
+    _refused(r, "lazy listing not kept", "writable by others (mode 1777)")
+    assert os.listdir(scratch) == []
+
+
 def test_lazy_sources_must_be_a_list_of_local_or_s3_locations(hostile, monkeypatch):
     for bad, why in [
         ('"/x"', "must be a list"),

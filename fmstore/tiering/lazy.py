@@ -41,7 +41,7 @@ from typing import IO, Any
 
 from .. import runtime
 from ..config import get_config
-from ..errors import ConfigError, FmstoreError, NotFound
+from ..errors import ConfigError, FmstoreError, NotFound, PermissionDenied
 from ..stores import open_store
 from ..stores.base import ObjectMeta, PutOptions, Store
 from ..stores.crc import crc32c, from_hex, to_hex
@@ -94,16 +94,25 @@ async def write_index(dst: Store, source: str, items: Sequence[CopyItem]) -> int
     await dst.put(INDEX_NAME, ("\n".join(lines) + "\n").encode(), PutOptions())
     path = dst.local_path(INDEX_NAME)
     if path is not None:
-        await runtime.to_io(_not_group_writable, path)
+        await runtime.to_io(_usable, path)
     return len(items)
 
 
-def _not_group_writable(path: str) -> None:
+def _usable(path: str) -> None:
     """Drop group and other write from the index just written (a umask of 002 leaves
-    them): an index others may write is not used (:mod:`.lazy_index`)."""
+    them), then check that it will be used where it lies (:mod:`.lazy_index`): one that
+    would not be (in a directory others can write, say) is removed, and the error says
+    why, rather than reporting a staging that no read could use."""
     mode = stat.S_IMODE(os.lstat(path).st_mode)
     if mode & 0o022:
         os.chmod(path, mode & ~0o022, follow_symlinks=False)
+    try:
+        load_index(os.path.realpath(os.path.dirname(path)))
+    except PermissionDenied as e:
+        os.unlink(path)
+        raise ConfigError(
+            f"lazy listing not kept, as it would not be used: {e.message}", key=path
+        ) from None
 
 
 def check_stage(src_url: str, dst_url: str) -> None:
