@@ -32,6 +32,8 @@ BENCHMARKS: dict[str, list[str]] = {
     "loader": [],
     "stage": [],
     "tiering": [],
+    # 4 GiB onto the GPU where CUDA is present; 1 GiB with CPU targets otherwise.
+    "gpu": [],
 }
 #: ``--quick``: sizes that finish in minutes on a 2-core machine, still past cache effects
 #: where it matters (others use their own ``--quick``).
