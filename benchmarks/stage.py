@@ -339,6 +339,8 @@ def main() -> None:
     directions = [v for k, v in wanted_dirs.items() if k in args.directions.split(",")]
     if not wanted_sets <= set(SETS) or not directions:
         ap.error("--sets takes small, medium and/or big, --directions up and/or down")
+    if args.dir is not None and not os.path.isdir(args.dir):
+        ap.error(f"--dir {args.dir}: no such directory (the sets go in a new one inside it)")
     if args.quick or args.size == "quick":
         args.small_n, args.medium_n, args.big_n, args.big_mib = 1000, 8, 2, 64
     # An installed package has its bytecode compiled (pip does it); a source checkout run

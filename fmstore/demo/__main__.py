@@ -1,4 +1,5 @@
-"""``python -m fmstore.demo``: see the package docstring; ``--help`` lists the options."""
+"""``python -m fmstore.demo``: the command line of the demo (:mod:`fmstore.demo` says what
+it does; ``--help`` prints that and every option)."""
 
 from __future__ import annotations
 
@@ -284,10 +285,30 @@ class Demo:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m fmstore.demo", description=__doc__)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--ckpt-every", type=int, default=25)
-    ap.add_argument("--sentences", type=int, default=20000, help="corpus size")
+    from . import __doc__ as what
+
+    ap = argparse.ArgumentParser(
+        prog="python -m fmstore.demo",
+        description=" ".join((what or "").replace("``", "'").split()),
+        epilog="Needs the SeaweedFS binary (make setup installs it) and a few minutes of CPU; "
+        "the work directory keeps the tiers, logs, result.json and the plot. Guide: "
+        "docs/demo.md.",
+    )
+    ap.add_argument(
+        "--steps", type=int, default=300, help="training steps of each run (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=25,
+        help="save a checkpoint every N steps (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--sentences",
+        type=int,
+        default=20000,
+        help="sentences in the generated corpus (default: %(default)s)",
+    )
     ap.add_argument(
         "--crash", action="store_true", help="also kill a run with SIGKILL and check the resume"
     )

@@ -176,6 +176,20 @@ class Manifest:
     version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        """One line (the generated repr printed every tensor and chunk: screens of text
+        in a notebook); the entries are in the fields."""
+        from ..units import human_bytes
+
+        def n(count: int, what: str) -> str:
+            return f"{count} {what}{'' if count == 1 else 's'}"
+
+        return (
+            f"<Manifest {self.generation}: {n(len(self.tensors), 'tensor')}, "
+            f"{human_bytes(self.nbytes)} in {n(len(self.blobs), 'blob')} "
+            f"({human_bytes(self.stored_bytes)} stored)>"
+        )
+
     def blob_key(self, blob: int) -> str:
         return f"{self.generation}/{self.blobs[blob].name}"
 
