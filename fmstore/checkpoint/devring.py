@@ -89,6 +89,8 @@ _rings_lock = threading.Lock()
 
 def open_ring(device: torch.device) -> RingLoad:
     """A ring for one load onto ``device``: a cached one when free, else a new one."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     route = _route if device.type == "cpu" else None
     if route is not None:
         return RingLoad(Ring(device, route.slots, route.slot_bytes), route)
@@ -165,12 +167,15 @@ class RingLoad:
     async def copy_from(self, data: memoryview, dest: torch.Tensor) -> None:
         """Send host bytes ``data`` to ``dest`` through the slots, a slot's worth at a time
         (chunks larger than a slot, boxes assembled on the host)."""
+        if not len(data):
+            return
+        src = torch.frombuffer(data, dtype=torch.uint8)
         size = self.slot_bytes
         for pos in range(0, len(data), size):
             n = min(size, len(data) - pos)
             i = await self.slot()
-            try:
-                self.view(i, n)[:] = data[pos : pos + n]
+            try:  # torch's copy releases the GIL (a memoryview's slice assignment holds it)
+                await runtime.to_cpu(self.ring.bufs[i][:n].copy_, src[pos : pos + n])
             except BaseException:
                 self.give_back(i)
                 raise
