@@ -227,3 +227,24 @@ def test_the_cli_prints_one_error_line_for_a_bad_value(tmp_path):
         f'error: {p}, line 10: [tiers.s3] max_concurrency must be a whole number >= 1, not "32" '
         "(a string)"
     ]
+
+
+def test_every_config_the_docs_show_passes_the_schema():
+    """The examples in docs/, the README and the Kubernetes ConfigMap use only keys and
+    types that load: a key added to a guide and not to :data:`SCHEMA` fails here."""
+    import re
+    from pathlib import Path
+
+    import tomllib
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent
+    examples = []
+    for md in [*sorted((root / "docs").glob("*.md")), root / "README.md"]:
+        examples += [(md.name, b) for b in re.findall(r"```toml\n(.*?)```", md.read_text(), re.S)]
+    for doc in yaml.safe_load_all((root / "deploy/kubernetes/daemonset.yaml").read_text()):
+        if doc and doc.get("kind") == "ConfigMap" and "fmstore.toml" in doc.get("data", {}):
+            examples.append(("daemonset.yaml", doc["data"]["fmstore.toml"]))
+    assert len(examples) >= 6
+    for name, text in examples:
+        from_dict(tomllib.loads(text), source=name)
