@@ -424,10 +424,14 @@ def test_an_index_linked_to_dev_zero_or_a_fifo_is_refused_at_once(hostile):
     """Linked to /dev/zero the old reader died of MemoryError; as a FIFO, hydrate hung.
     Both are refused, without opening the file (the FIFO is run in a child with a time
     limit, so a hang fails instead of blocking the suite)."""
-    dst = hostile / "dst"
-    dst.mkdir()
+    import fsspec
+
+    dst = hostile / "nvme" / "ds"
+    dst.mkdir(parents=True)
     os.symlink("/dev/zero", dst / INDEX_NAME)
     _refused(fm_here("hydrate", str(dst)), "lazy index is a symbolic link")
+    with pytest.raises(CorruptData, match="symbolic link"):
+        fsspec.filesystem("fmstore", skip_instance_cache=True).ls("nvme/ds/sub")
     (dst / INDEX_NAME).unlink()
     os.mkfifo(dst / INDEX_NAME)
     _refused(fm("hydrate", str(dst)), "lazy index is a FIFO")
