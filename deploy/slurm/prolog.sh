@@ -16,7 +16,9 @@ export FMSTORE_CONFIG=${FMSTORE_CONFIG:-/etc/fmstore/fmstore.toml}
 LOG=/var/log/fmstore/prolog-${SLURM_JOB_ID:-0}.log
 mkdir -p "$(dirname "$LOG")"
 
-# Fail fast on a bad configuration: the job would otherwise start without its data.
+# Fail fast on a bad configuration or a tier that is not usable (a misspelt bucket, refused
+# credentials, a read-only bucket): the job would otherwise start without its data, or its
+# checkpoints would never reach their durable tier.
 "$FMSTORE" daemon --check >>"$LOG" 2>&1
 
 if [[ -n "${FMSTORE_STAGE_IN:-}" ]]; then

@@ -177,6 +177,21 @@ def policy_wait(
     )
 
 
+def failing_since_wait(
+    catalog: Catalog, root: str, since: float, policies: Policies
+) -> Callable[[], bool]:
+    """For a wait that began at ``since``: true once an export of ``root`` has failed
+    again after that, ``warn_after_failures`` times in a row or more."""
+    every = policies.warn_after_failures
+
+    def stuck() -> bool:
+        return any(
+            c.failures >= every and (c.error_at or 0.0) > since for c in catalog.failing(root)
+        )
+
+    return stuck
+
+
 def close_warning(wait: PolicyWait, root: str, daemon_running: bool) -> str | None:
     """The warning ``CheckpointManager.close()`` logs, or None when nothing is left (or a
     daemon on the node will finish what is pending and nothing fails)."""

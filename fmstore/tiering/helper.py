@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from typing import IO, Any
 
 from ..config import Config, TierConfig
@@ -173,10 +174,12 @@ class PolicyHelper:
             self._signal.end()
         return n
 
-    def wait_idle(self, timeout: float | None = None) -> bool:
+    def wait_idle(
+        self, timeout: float | None = None, give_up: Callable[[], bool] | None = None
+    ) -> bool:
         """Wait until a step of the helper that began after this call finds nothing to do;
-        False on timeout or when the helper is gone."""
-        return self._signal.wait(self.poke(), timeout)
+        False on timeout, when the helper is gone or as soon as ``give_up()`` is true."""
+        return self._signal.wait(self.poke(), timeout, give_up)
 
     def close(self, timeout: float | None = 60.0) -> None:
         """Stop after the copy in flight; kill the helper if it has not exited by then."""

@@ -62,7 +62,7 @@ from . import catalog as cat
 from .cache import ReadThroughStore
 from .catalog import Catalog
 from .discovery import rediscover
-from .failures import PolicyWait, close_warning, policy_wait
+from .failures import PolicyWait, close_warning, failing_since_wait, policy_wait
 from .helper import PolicyHelper, tier_problems
 from .mover import copy_checkpoint
 from .policies import Policies, from_config
@@ -343,7 +343,9 @@ class CheckpointManager:
         """Wait until the background policies have nothing left to do (tests, shutdown).
 
         Returns a :class:`~fmstore.tiering.failures.PolicyWait`, truthy when every policy
-        is satisfied; falsy on timeout or when no background runner is active, carrying
+        is satisfied; falsy on timeout, when no background runner is active, or as soon as
+        an export of this root fails again after ``[policies] warn_after_failures``
+        failures in a row (waiting longer does not help until its tier is fixed), carrying
         the exports still pending for this root (``pending``, ``pending_steps``), those
         that keep failing (``failing``) and the newest error (``last_error``), so
         ``if mgr.wait_for_policies(): ...`` keeps working and ``print(result.describe())``
@@ -352,8 +354,12 @@ class CheckpointManager:
         if self._background is None:
             reason = "no background policies in this process (run_policies=False)"
             return policy_wait(False, self.policies, self.catalog, self.root, reason)
-        done = self._background.wait_idle(timeout)
-        why = None if done else f"still working after {timeout} s"
+        since = self.catalog.now()
+        stuck = failing_since_wait(self.catalog, self.root, since, self.policies)
+        done = self._background.wait_idle(timeout, give_up=stuck)
+        why = None
+        if not done:
+            why = "an export keeps failing" if stuck() else f"still working after {timeout} s"
         return policy_wait(done, self.policies, self.catalog, self.root, why)
 
     # ---- what exists -----------------------------------------------------------------

@@ -447,6 +447,10 @@ def _tiers_of(action: object) -> tuple[str | None, str]:
     return None, str(getattr(action, "tier", ""))
 
 
+#: How often a wait for idle policies asks whether to give up (exports that keep failing).
+GIVE_UP_EVERY = 0.25
+
+
 class IdleSignal:
     """Pokes counted, and the count a step that found nothing to do had seen: a waiter
     for poke ``n`` is released by such a step that began after it (or when ``gone``)."""
@@ -472,10 +476,23 @@ class IdleSignal:
             self.gone = True
             self._cond.notify_all()
 
-    def wait(self, n: int, timeout: float | None) -> bool:
+    def wait(
+        self, n: int, timeout: float | None, give_up: Callable[[], bool] | None = None
+    ) -> bool:
+        """Wait for an idle step after poke ``n``; ``give_up`` is asked every
+        :data:`GIVE_UP_EVERY` seconds and ends the wait (False) when it says so."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            self._cond.wait_for(lambda: self.idle_at >= n or self.gone, timeout)
-            return self.idle_at >= n
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if give_up is not None:
+                    left = GIVE_UP_EVERY if left is None else min(left, GIVE_UP_EVERY)
+                if self._cond.wait_for(lambda: self.idle_at >= n or self.gone, left):
+                    return self.idle_at >= n
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                if give_up is not None and give_up():
+                    return False
 
 
 class BackgroundRunner:
@@ -568,10 +585,13 @@ class BackgroundRunner:
                     self._on_idle(seen)
             self._wake.wait(backoff or self.interval)
 
-    def wait_idle(self, timeout: float | None = None) -> bool:
+    def wait_idle(
+        self, timeout: float | None = None, give_up: Callable[[], bool] | None = None
+    ) -> bool:
         """Wait until a step that began after this call finds nothing to do (every policy
-        satisfied, including for the saves recorded before the call)."""
-        return self._signal.wait(self.poke(), timeout)
+        satisfied, including for the saves recorded before the call); False on timeout or
+        as soon as ``give_up()`` is true."""
+        return self._signal.wait(self.poke(), timeout, give_up)
 
     def close(self, timeout: float | None = 60.0) -> None:
         self.runner.stop.set()
