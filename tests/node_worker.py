@@ -46,6 +46,7 @@ import fmstore.checkpoint.dcp as fdcp  # noqa: E402
 from fmstore import runtime  # noqa: E402
 from fmstore.checkpoint.dcp.nodes import node_id  # noqa: E402
 from fmstore.stores import open_store  # noqa: E402
+from fmstore.tiering.sharded import ShardedCheckpointManager  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -107,6 +108,28 @@ def local_copy_of_replicated(uri: str) -> bool:
     )
 
 
+def managed(ckpt: Any) -> dict[str, Any]:
+    """The sharded manager: an asynchronous save while training goes on, restored bit-exact,
+    on node-local NVMe and with Lustre (shared) as the write tier."""
+    rep: dict[str, Any] = {}
+    for root, tier, step in (("mgr", "nvme", 40), ("mgr2", "lustre", 50)):
+        mgr = ShardedCheckpointManager(root, process_group=ckpt, write_tier=tier)
+        model, opt = trained(2)
+        snap = full(model, opt, extra(step))
+        fut = mgr.save(step, {**state(model, opt), "extra": extra(step)})
+        train(model, opt, 1, 5)  # the save runs meanwhile; it keeps the staged values
+        fut.result()
+        mgr.wait()
+        latest = mgr.latest_step()
+        m2, o2 = make_model(1)
+        sd = {**state(m2, o2), "extra": extra(99)}
+        got = mgr.restore(sd)
+        set_state_dict(m2, o2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        same(full(m2, o2, sd["extra"]), snap, f"manager {root} step {step}")
+        rep[root] = [latest, got, mgr.restored_step, mgr.restored_tier]
+    return rep
+
+
 class Blocking(DefaultSavePlanner):
     """The chosen rank writes ``marker`` and stops after resolving a few items."""
 
@@ -146,6 +169,7 @@ def scenario(name: str, out: str, ckpt: Any) -> dict[str, Any]:
         used, got = restore([step_uri("nvme", 10)], ckpt)
         same(got, ref(out, 10), "nvme step 10")
         rep["used"] = used
+        rep.update(managed(ckpt))
     elif name == "kill":
         model, opt = trained(3)
         sd = {**state(model, opt), "extra": extra(20)}

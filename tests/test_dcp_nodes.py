@@ -178,6 +178,17 @@ def test_two_nodes_save_commit_and_restore_bit_exact_from_their_nvme(cluster):
         assert not [k for k in rep.removed if STEP.format(10) in k]
 
 
+def test_sharded_manager_saves_async_and_restores_on_nvme_and_on_a_shared_write_tier(cluster):
+    # The worker checked each restore bit-exact against the state staged by save().
+    for r in cluster.saved:
+        assert r["mgr"] == [40, 40, 40, "nvme"]
+        assert r["mgr2"] == [50, 50, 50, "lustre"]
+    m = json.loads((cluster.nvme("n1") / "mgr" / f"step_{40:012d}" / "manifest.json").read_text())
+    assert [p["node"] for p in m["parts"]] == ["n0", "n1"]
+    m2 = json.loads((cluster.lustre / "mgr2" / f"step_{50:012d}" / "manifest.json").read_text())
+    assert m2["version"] == 1 and "parts" not in m2
+
+
 def test_node_killed_mid_save_commits_nothing_and_the_relaunch_falls_back_and_saves(cluster):
     procs = cluster.start("kill", ["n0", "n1"], pg_timeout=30)
     try:
