@@ -37,7 +37,14 @@ import filelock
 
 from .. import runtime
 from ..config import Config
-from ..errors import FmstoreError, NotFound, PermissionDenied, StoreUnavailable, TierFull
+from ..errors import (
+    ConfigError,
+    FmstoreError,
+    NotFound,
+    PermissionDenied,
+    StoreUnavailable,
+    TierFull,
+)
 from ..stores.base import Store
 from .rules import Policies
 from .tiers import Tiers
@@ -200,10 +207,17 @@ def probe_once_per_node(
     """:func:`probe_tiers`, run by one process of the node at a time: a result another
     process wrote less than ``max_age`` seconds ago for the same tiers and policies is
     returned (``cached``) instead of probing again, unless ``force``."""
-    os.makedirs(config.state_dir, exist_ok=True)
+    try:
+        os.makedirs(config.state_dir, exist_ok=True)
+        lock = filelock.FileLock(os.path.join(config.state_dir, LOCK_NAME))
+        lock.acquire()
+    except OSError as e:
+        raise ConfigError(
+            f"cannot use the state directory {config.state_dir!r}: {e.strerror or e}"
+        ) from None
     marker = os.path.join(config.state_dir, MARKER_NAME)
     fp = _fingerprint(config, policies)
-    with filelock.FileLock(os.path.join(config.state_dir, LOCK_NAME)):
+    try:
         if not force:
             with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
                 with open(marker) as f:
@@ -223,7 +237,10 @@ def probe_once_per_node(
             "problems": [asdict(p) for p in rep.problems],
         }
         tmp = f"{marker}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-        os.replace(tmp, marker)
+        with contextlib.suppress(OSError):  # without a marker, the next process probes too
+            with open(tmp, "w") as f:
+                json.dump(doc, f)
+            os.replace(tmp, marker)
         return rep
+    finally:
+        lock.release()
