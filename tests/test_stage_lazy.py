@@ -177,6 +177,8 @@ def test_the_library_hydrate_resumes_as_the_command_does(lazy_tree, tmp_path):
 def _parts_journaled(home: str) -> bool:
     d = os.path.join(home, "state", "transfers")
     for name in os.listdir(d) if os.path.isdir(d) else []:
+        if not os.path.isfile(os.path.join(d, name)):
+            continue  # the stage locks' directory
         with open(os.path.join(d, name), "rb") as f:
             if b'{"p":' in f.read():
                 return True
