@@ -40,6 +40,7 @@ from ..stores.base import ObjectMeta, Store
 from ..stores.crc import crc32c
 from ..stores.location import open_existing, scheme_of
 from .journal import Journal
+from .stagelock import DestinationLock, lock_destination
 from .transfer import (
     CopyItem,
     TransferOptions,
@@ -508,8 +509,18 @@ async def stage_async(
             return open_store(dst_url, concurrency=concurrency, fsync=False)
         return open_store(dst_url, concurrency=concurrency)
 
+    lock: DestinationLock | None = None
     try:
         check_destination(src, dst_url, delete=options.delete)
+        if not options.dry_run:
+            # One stage at a time into a destination (shards of one side by side): a second
+            # identical stage waits, then plans against what the first one copied.
+            lock = await lock_destination(
+                options.state_dir or get_config().state_dir,
+                dst_url,
+                options.shard,
+                on_wait=lambda msg: log.warning("%s", msg),
+            )
         # A local destination that is not there yet has nothing to list: it is created
         # (opened) only once the source proved to have files and the run is not a dry one.
         if not (local is not None and not os.path.exists(local)):
@@ -535,6 +546,8 @@ async def stage_async(
     finally:
         opened = [s for s in (src, dst) if s is not None]
         await asyncio.shield(asyncio.gather(*(s.close() for s in opened), return_exceptions=True))
+        if lock is not None:
+            lock.release()
 
 
 def stage(
