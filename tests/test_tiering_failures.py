@@ -148,6 +148,13 @@ def test_check_names_refused_credentials_and_a_read_only_identity(
     code, _, err = cli(capsys, "daemon", "--check", "--config", cfg)
     assert code == 1 and "tier s3: write failed" in err and "must allow writes" in err
     assert "tier nvme" not in err  # the local tier is fine
+    # an export under those credentials fails, counted by the error's class
+    save_one(load_config(cfg))
+    before = failures_metric("PermissionDenied")
+    code, _, err = cli(capsys, "daemon", "--once", "--no-http", "--config", cfg)
+    failed = [d for d in json_lines(err) if d.get("event") == "export_failed"]
+    assert code == 1 and failed[0]["reason"] == "PermissionDenied"
+    assert failures_metric("PermissionDenied") == before + 1
 
 
 def test_a_node_probes_once_however_many_processes_start(tmp_path):
