@@ -13,11 +13,14 @@ import uuid
 from pathlib import Path
 
 import pytest
+from s3_servers import both_s3_servers
 
 from fmstore import runtime
 from fmstore.errors import ConfigError, StoreUnavailable
 from fmstore.stores import open_store
 from fmstore.stores.s3 import S3Options
+
+s3_server = both_s3_servers()
 
 BAD_HOST = "no-such-host.invalid"
 BAD = f"http://{BAD_HOST}:9000"

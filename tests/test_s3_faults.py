@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 from prometheus_client import REGISTRY
+from s3_servers import both_s3_servers, like_aws, unlike_aws
 
 from fmstore import runtime
 from fmstore.errors import CorruptData, FmstoreError, StoreUnavailable
@@ -18,6 +19,8 @@ from fmstore.stores.s3 import S3Store
 from fmstore.testing.faultproxy import Rule
 
 pytestmark = pytest.mark.s3
+
+s3_server = both_s3_servers()
 
 #: Upper bound for any single operation in these tests; a hang fails the test.
 BOUND = 60
@@ -157,7 +160,11 @@ def test_streamed_object_is_checked_against_the_composite_checksum(store, fault_
 @pytest.mark.parametrize(
     "fault", ["reset_request", "corrupt_request", "slowdown", "reset", "stall"]
 )
-def test_multipart_upload_survives_faults(store, fault_proxy, fault, boto, s3_bucket, tier):
+def test_multipart_upload_survives_faults(
+    store, fault_proxy, fault, boto, s3_bucket, tier, s3_server
+):
+    if fault == "corrupt_request":
+        unlike_aws(s3_server, "checksum_verified")
     parts = [os.urandom(4 << 20) for _ in range(4)]
     fault_proxy.set_plan([Rule(fault, method="PUT", path=r"partNumber=", times=2, delay=30)])
 
@@ -177,7 +184,8 @@ def test_multipart_upload_survives_faults(store, fault_proxy, fault, boto, s3_bu
         assert retries(tier, "checksum") + retries(tier, "timeout") >= 2
 
 
-def test_put_commit_fault_is_retried(store, fault_proxy, boto, s3_bucket):
+def test_put_commit_fault_is_retried(store, fault_proxy, boto, s3_bucket, s3_server):
+    unlike_aws(s3_server, "checksum_verified")
     data = os.urandom(11 << 20)
     fault_proxy.set_plan(
         [
@@ -221,7 +229,7 @@ def test_an_error_in_a_200_answer_is_retried(s3_server, s3_bucket, fault_proxy, 
 
 
 def test_random_faults_every_operation_is_right_or_a_clear_error(
-    store, fault_proxy, boto, s3_bucket
+    store, fault_proxy, boto, s3_bucket, s3_server
 ):
     """Faults at random on every kind of request: nothing is ever returned wrong or short."""
     fault_proxy.set_plan(
@@ -261,7 +269,8 @@ def test_random_faults_every_operation_is_right_or_a_clear_error(
         assert e.tier == store.tier
     assert sum(fault_proxy.injected.values()) > 0
     fault_proxy.clear()
-    assert pending(boto, s3_bucket) == []
+    if like_aws(s3_server, "upload_initiated"):  # strays of lost attempts are found
+        assert pending(boto, s3_bucket) == []
     for k in run(store.list_keys("r")):  # whatever is there is intact
         assert run(store.get(k)) == blobs[k]
 
@@ -367,10 +376,11 @@ def test_dropped_writer_is_aborted_when_collected(store, boto, s3_bucket):
 
 @pytest.mark.parametrize("fault", ["reset", "truncate", "stall"])
 def test_lost_create_upload_answer_leaves_no_stray_upload(
-    store, fault_proxy, fault, boto, s3_bucket
+    store, fault_proxy, fault, boto, s3_bucket, s3_server
 ):
     """The server creates an upload but its answer is lost: the retry makes a second one,
     and the first (whose id we never learnt) must not be orphaned."""
+    unlike_aws(s3_server, "upload_initiated")
     fault_proxy.set_plan([Rule(fault, method="POST", path=r"\?uploads", times=1, delay=30)])
     data = os.urandom(11 << 20)
     run(store.put("mp", data))
@@ -379,7 +389,10 @@ def test_lost_create_upload_answer_leaves_no_stray_upload(
     assert pending(boto, s3_bucket) == []
 
 
-def test_cancelled_big_write_stops_its_direct_parts_and_aborts(store, fault_proxy, boto, s3_bucket):
+def test_cancelled_big_write_stops_its_direct_parts_and_aborts(
+    store, fault_proxy, boto, s3_bucket, s3_server
+):
+    unlike_aws(s3_server, "cancelled_big_write")
     # 8 parts of 5 MiB in one write: the leading ones go out straight from the caller's
     # buffer, and all stall on the way.
     data = os.urandom(40 << 20)

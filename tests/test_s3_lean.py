@@ -17,6 +17,7 @@ import pytest
 from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials as BotoCredentials
+from s3_servers import both_s3_servers, unlike_aws
 
 from fmstore import runtime
 from fmstore.errors import (
@@ -33,6 +34,8 @@ from fmstore.stores.s3.lean import EMPTY_SHA256, Credentials, Signer
 from fmstore.testing.faultproxy import Rule
 
 pytestmark = pytest.mark.s3
+
+s3_server = both_s3_servers()
 
 STAMP = 1795305600.0  # 2026-11-22T00:00:00Z
 
@@ -134,6 +137,7 @@ def test_round_trip_of_awkward_keys_and_metadata(lean_store):
 
 
 def test_wrong_secret_is_a_clear_permission_error(s3_server, s3_bucket):
+    unlike_aws(s3_server, "wrong_credentials")
     opts = {**s3_server.store_options(), "secret_key": "wrong-" + uuid.uuid4().hex}
     store = bare_store(f"s3://{s3_bucket}/p", **opts)
     try:
