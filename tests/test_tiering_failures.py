@@ -166,6 +166,11 @@ def test_a_node_probes_once_however_many_processes_start(tmp_path):
         f'[tiers.lustre]\nurl = "{tmp_path / "lustre"}"\n'
         '[[policies.export]]\nto = "lustre"\nevery_saves = 1\n'
     )
+    # a probe object left by a process killed between its write and its delete, long ago
+    stale = tmp_path / "nvme" / PROBE_PREFIX / "node-1-dead"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"x")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
     code = (
         "import sys, json; from fmstore.config import load_config; "
         "from fmstore.tiering.policies import from_config; "
@@ -181,7 +186,8 @@ def test_a_node_probes_once_however_many_processes_start(tmp_path):
     ]
     results = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
     assert sorted(results) == [[False, True]] + [[True, True]] * 3
-    # both tiers are written (write tier, export destination): created, probed, left clean
+    # both tiers are written (write tier, export destination): created, probed, left
+    # clean, the stale probe object removed
     for tier in ("nvme", "lustre"):
         assert os.listdir(tmp_path / tier) == []
     config = load_config(str(cfg))

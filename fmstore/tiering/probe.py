@@ -8,7 +8,8 @@ start run :func:`probe_tiers` over every tier of the ladder:
 * **write** (the tiers the policies write to: the write tier, its fallbacks, export
   destinations, the restore cache, tiers with retention or release): put a tiny object
   under :data:`PROBE_PREFIX` at the tier's root, read it back and delete it.  The prefix is
-  one of fmstore's reserved names (``.fmstore…``) that discovery, ``ls`` and ``stage`` skip.
+  one of fmstore's reserved names (``.fmstore…``) that discovery, ``ls`` and ``stage`` skip;
+  one left by a process killed half-way is removed by a later probe after an hour.
 
 Each failure is a :class:`TierProblem` naming the tier, what failed and the setting to fix.
 A missing root directory of a local tier is not a failure where nothing writes (reads find
@@ -53,6 +54,8 @@ from .tiers import Tiers
 PROBE_PREFIX = ".fmstore-probe"
 #: How long one process's probe result stands for every other process of the node.
 PROBE_TTL = 600.0
+#: Probe objects older than this are leftovers of killed processes (removed by the next probe).
+STALE_AFTER = 3600.0
 MARKER_NAME = "probe.json"
 LOCK_NAME = "probe.lock"
 
@@ -156,7 +159,22 @@ async def _probe_tier(
         await store.delete(key)
     except FmstoreError as e:
         problems.append(TierProblem(tier, "write", str(e), _fix(config, tier, e, "write")))
+    with contextlib.suppress(FmstoreError):  # housekeeping: never a problem of the tier
+        await _remove_stale(store)
     return problems
+
+
+async def _remove_stale(store: Store) -> None:
+    """Probe objects of processes killed between the write and the delete: removed once
+    they are :data:`STALE_AFTER` old (a live probe lasts milliseconds)."""
+    now = time.time()
+    stale = [
+        m.key
+        async for m in store.list(PROBE_PREFIX + "/")
+        if not m.is_dir and m.mtime is not None and now - m.mtime > STALE_AFTER
+    ]
+    if stale:
+        await store.delete_many(stale)
 
 
 async def aprobe_tiers(config: Config, policies: Policies, tiers: Tiers) -> ProbeReport:
