@@ -70,3 +70,33 @@ def test_a_missing_location_is_an_error_and_is_never_created(here, tmp_path, arg
     r = fm_here(*(a.format(missing) for a in args))
     assert r.returncode == 1 and "does not exist" in r.stderr, r.stdout + r.stderr
     assert not (tmp_path / "does").exists()
+
+
+def test_rm_lists_the_tracked_checkpoints_it_deletes_and_keeps_the_catalog_true(posix_cfg):
+    from fmstore import CheckpointManager
+    from fmstore.config import load_config
+    from fmstore.tiering import catalog as cat
+
+    cfg = load_config(str(posix_cfg))
+    with CheckpointManager("runs/a", config=cfg, run_policies=False, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(4)})
+        mgr.save(2, {"w": torch.ones(4)})
+
+    def states() -> dict[int, str]:
+        with cat.Catalog.for_state_dir(cfg.state_dir) as c:
+            return {x.step: x.state for x in c.copies("runs/a", tier="nvme")}
+
+    r = fm_here("rm", "-r", "--dry-run", "nvme:")
+    assert r.returncode == 0, r.stderr
+    assert "2 checkpoint copies the catalog tracks" in r.stderr
+    assert "runs/a step 1 on nvme (present; the only copy)" in r.stderr
+    assert "nothing deleted" in r.stderr and states() == {1: "present", 2: "present"}
+    # One object of step 1: that copy is missing (repairable), not present.
+    r = fm_here("rm", "-y", "nvme:runs/a/step_000000000001/manifest.json")
+    assert r.returncode == 0 and "some of its objects" in r.stderr, r.stderr
+    assert states() == {1: "missing", 2: "present"}
+    r = fm_here("rm", "-r", "-y", "nvme:")
+    assert r.returncode == 0 and "runs/a step 2 on nvme (present" in r.stderr, r.stderr
+    assert states() == {1: "missing", 2: "deleted"}
+    r = fm_here("ckpt", "list", "--json")
+    assert r.returncode == 0 and "present" not in r.stdout, r.stdout

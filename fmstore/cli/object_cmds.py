@@ -224,11 +224,19 @@ def rm_cmd(
         False, "--recursive", "-r", help="Delete every object under URL."
     ),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", "-n", help="Say what would be deleted; delete nothing."
+    ),
 ) -> None:
     """Delete an object, or every object under a prefix (asks first unless --yes).
 
     A prefix (a directory) needs --recursive; on a file system the directories it
-    empties are removed too."""
+    empties are removed too.
+
+    Checkpoints the catalog tracks on a tier are listed before anything goes (and by
+    --dry-run), and the catalog records them deleted afterwards."""
+    from ..tiering.removal import record_removed, tracked_copies
+
     local = local_dir(url)
     if recursive and not _is_local_file(url):  # ``rm -r FILE`` deletes the file, as rm does
         from ..tiering.stage import list_tree
@@ -255,6 +263,20 @@ def rm_cmd(
             raise  # a clear error, exit 1
         keys = [key]
         total = url
+    tracked = tracked_copies(url, keys if recursive else [""], recursive=recursive)
+    if tracked:
+        typer.echo(
+            f"{plural(len(tracked), 'checkpoint copy', 'checkpoint copies')} the catalog "
+            "tracks would go with it (the catalog then records them deleted):",
+            err=True,
+        )
+        for c in tracked[:20]:
+            typer.echo(f"  {c.describe()}", err=True)
+        if len(tracked) > 20:
+            typer.echo(f"  … and {len(tracked) - 20} more", err=True)
+    if dry_run:
+        typer.echo(f"dry run: would delete {total}; nothing deleted", err=True)
+        return
     if not ask_yes(f"Delete {total}?", yes):
         raise typer.Exit(EXIT_USAGE)
 
@@ -262,7 +284,12 @@ def rm_cmd(
         for i in range(0, len(keys), 1000):
             await store.delete_many(keys[i : i + 1000])
 
-    runtime.run(go())
+    try:
+        runtime.run(go())
+    finally:
+        # Also after a failure part-way: a copy rm set out to delete, even in part, is no
+        # longer one to restore from or to count as a replica.
+        record_removed(tracked)
     if recursive:
         _remove_empty_dirs(local, keep_top=is_root(url))
     typer.echo(f"deleted {plural(len(keys), 'object')}", err=True)
