@@ -6,7 +6,9 @@ Columns are the forms a user may write (docs/configuration.md, "Locations"): a p
 another fsspec protocol (``local://``).  Rows are the operations.  Each cell passes, or
 raises the documented :class:`~fmstore.errors.NotSupported` /
 :class:`~fmstore.errors.ConfigError` -- never an ``AttributeError``, and never a network
-error caused by a setting that was ignored.  The S3 tier is a real SeaweedFS.
+error caused by a setting that was ignored.  The S3 cells run on both real S3 servers:
+``s3tier`` and ``s3url`` on SeaweedFS, ``s3tier@moto`` and ``s3url@moto`` on moto_server
+(where they differ from AWS: ``tests/s3_servers.py``).
 """
 
 from __future__ import annotations
@@ -26,15 +28,28 @@ from fmstore import runtime
 from fmstore.config import load_config, set_config
 from fmstore.stores import Location, open_store
 
-FORMS = ["path", "file", "nvme", "lustre", "s3tier", "s3url", "memory", "fsspec"]
+S3_FORMS = ["s3tier", "s3url"]
+FORMS = ["path", "file", "nvme", "lustre", *S3_FORMS, "memory", "fsspec"]
+FORMS += [f"{f}@moto" for f in S3_FORMS]  # the S3 cells again, on the second server
 LOCAL_FORMS = {"path", "file", "nvme", "lustre"}
 
 
+def _server_name(request) -> str:
+    """``moto`` for a cell of the second S3 server (form ``...@moto``, or ``server``)."""
+    callspec = getattr(request.node, "callspec", None)
+    params = callspec.params if callspec is not None else {}
+    if str(params.get("form", "")).endswith("@moto") or params.get("server") == "moto":
+        return "moto"
+    return "seaweed"
+
+
 @pytest.fixture
-def world(tmp_path, s3_server, s3_bucket, monkeypatch, request):
+def world(tmp_path, monkeypatch, request):
     """A config as docs/configuration.md shows it: nvme and lustre directories, an S3 tier
     ``s3://BUCKET/tier-prefix`` and the endpoint only in ``[s3]``.  Credentials come from
     the environment (botocore's chain); no endpoint does."""
+    s3_server = request.getfixturevalue(f"{_server_name(request)}_server")
+    s3_bucket = s3_server.create_bucket(f"t-{uuid.uuid4().hex[:20]}")
     for var in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
@@ -57,6 +72,7 @@ def world(tmp_path, s3_server, s3_bucket, monkeypatch, request):
     set_config(load_config())
     yield _World(tmp_path, s3_bucket)
     set_config(None)
+    s3_server.delete_bucket(s3_bucket)
 
 
 class _World:
@@ -66,6 +82,7 @@ class _World:
     def loc(self, form: str, name: str | None = None) -> str:
         """A fresh location of ``form``."""
         name = name or f"x-{uuid.uuid4().hex[:8]}"
+        form = form.partition("@")[0]  # the same form on the other S3 server
         t = self.tmp
         return {
             "path": str(t / "plain" / name),
@@ -162,9 +179,12 @@ def test_dcp_writer_and_reader(world, form):
 # ---- the checkpoint manager: the only copy on each tier --------------------------------
 
 
-@pytest.mark.parametrize("tier", ["nvme", "lustre", "s3", "s3root"])
+@pytest.mark.parametrize(
+    ("tier", "server"),
+    [(t, "seaweed") for t in ("nvme", "lustre", "s3", "s3root")] + [("s3", "moto")],
+)
 @pytest.mark.parametrize("world", ["eager", "lazy"], indirect=True)
-def test_manager_restores_the_only_copy_on_each_tier_after_losing_the_catalog(world, tier):
+def test_manager_restores_the_only_copy_on_each_tier_after_losing_the_catalog(world, tier, server):
     from fmstore import CheckpointManager
 
     big = _state(1 << 20)
