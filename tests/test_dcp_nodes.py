@@ -178,6 +178,43 @@ def test_two_nodes_save_commit_and_restore_bit_exact_from_their_nvme(cluster):
         assert not [k for k in rep.removed if STEP.format(10) in k]
 
 
+def fmstore_cli(cluster: Cluster, node: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "FMSTORE_CONFIG": str(cluster.config(node)),
+        "FMSTORE_NODE_ID": node,
+        "COLUMNS": "400",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "fmstore", *args], env=env, capture_output=True, text=True
+    )
+
+
+def test_ckpt_list_and_verify_show_and_check_this_nodes_part(cluster):
+    uri = "nvme:" + STEP.format(10)
+    res = fmstore_cli(cluster, "n1", "ckpt", "verify", uri)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "the part of node n1" in res.stdout
+    res = fmstore_cli(cluster, "n1", "ckpt", "list", "run", "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    (row,) = [r for r in json.loads(res.stdout) if r["step"] == 10]
+    assert row["tiers"]["nvme"]["part"] == {"index": 2, "of": 2, "node": "n1"}
+    assert "part" not in row["tiers"]["lustre"]
+    # A flipped byte in one of n1's blobs: verify on n1 names it and exits 1.
+    ck = cluster.nvme("n1") / STEP.format(10)
+    m = json.loads((ck / "manifest.json").read_text())
+    blob = ck / m["generation"] / next(b["name"] for b in m["blobs"] if b["rank"] == 2)
+    data = bytearray(blob.read_bytes())
+    data[0] ^= 0xFF
+    try:
+        blob.write_bytes(bytes(data))
+        res = fmstore_cli(cluster, "n1", "ckpt", "verify", uri)
+        assert res.returncode == 1 and blob.name in res.stdout, res.stdout + res.stderr
+    finally:
+        data[0] ^= 0xFF
+        blob.write_bytes(bytes(data))
+
+
 def test_sharded_manager_saves_async_and_restores_on_nvme_and_on_a_shared_write_tier(cluster):
     # The worker checked each restore bit-exact against the state staged by save().
     for r in cluster.saved:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -149,6 +149,7 @@ def verify(
         raise typer.Exit(verify_all_tiers(uri, as_json=as_json))
     store, _ = open_location(uri, for_read=True)
     _, m = runtime.run(read_any_manifest(store, native=True))
+    m, part = _node_part(m, store)
     console = Console(stderr=True)
     with Progress(
         TextColumn("verifying"),
@@ -156,7 +157,8 @@ def verify(
         *byte_columns(),
         console=console,
     ) as progress:
-        task = progress.add_task("verify", total=m.stored_bytes)
+        total = m.part_bytes(part) if part else m.stored_bytes
+        task = progress.add_task("verify", total=total)
         res = runtime.run(verify_checkpoint(store, m, progress=lambda n: progress.advance(task, n)))
     if as_json:
         doc = {
@@ -166,6 +168,8 @@ def verify(
             "bytes": res.bytes,
             "problems": list(res.problems),
         }
+        if part:
+            doc["part"] = part
         typer.echo(json.dumps(doc))
         if not res.ok:
             raise typer.Exit(1)
@@ -176,9 +180,36 @@ def verify(
             out.print(f"[red]BAD[/red] {problem}", highlight=False)
         out.print(f"{len(res.problems)} problem(s) in {store.url}")
         raise typer.Exit(1)
+    where = f" (the part of node {part})" if part else ""
     out.print(
-        f"ok: {plural(res.chunks, 'chunk')}, {human_bytes(res.bytes)} verified in {store.url}"
+        f"ok: {plural(res.chunks, 'chunk')}, {human_bytes(res.bytes)} verified in "
+        f"{store.url}{where}"
     )
+
+
+def _node_part(m: Any, store: Store) -> tuple[Any, str]:
+    """A sharded checkpoint on a node-local tier: this node's part of ``m`` and the node's
+    id (the other nodes' blobs are not here to verify); else ``m`` and ''."""
+    from ..format.manifest import Manifest
+
+    if isinstance(m, Manifest):
+        return m, ""
+    from ..checkpoint.dcp.manifest import DcpManifest
+    from ..checkpoint.dcp.nodes import node_id
+
+    if not isinstance(m, DcpManifest) or not m.parts:
+        return m, ""
+    me = node_id()
+    view = m.part_view(me)
+    if view is None:
+        from ..errors import NotFound
+
+        raise NotFound(
+            f"this node ({me}) holds no part of {store.url}; its parts are on nodes "
+            f"{', '.join(p.node for p in m.parts)}",
+            tier=store.tier,
+        )
+    return view, me
 
 
 def _inspect_dcp(uri: str, limit: int, as_json: bool = False) -> None:

@@ -93,6 +93,7 @@ def list_checkpoints(
     by_step: dict[tuple[str, int], dict[str, cat.Copy]] = {}
     for c in rows:
         by_step.setdefault((c.root, c.step), {})[c.tier] = c
+    parts = _parts(cfg, rows)
     if as_json:
         out = [
             {
@@ -106,6 +107,7 @@ def list_checkpoints(
                         if c.failures
                         else {}
                     )
+                    | ({"part": parts[(r, s, t)]} if (r, s, t) in parts else {})
                     for t, c in copies.items()
                 },
             }
@@ -128,7 +130,9 @@ def list_checkpoints(
             size = f" {human_bytes(cp.bytes)}" if cp.state in cat.HOLDS_BYTES and cp.bytes else ""
             mark = "✓" if cp.state == cat.PRESENT and cp.verified else ""
             mark += f" ✗{cp.failures}" if cp.failures else ""
-            cells.append(f"[{_STYLE.get(cp.state, '')}]{cp.state}{mark}{size}[/]")
+            part = parts.get((r, s, t))
+            where = f" part {part['index']}/{part['of']} ({part['node']})" if part else ""
+            cells.append(f"[{_STYLE.get(cp.state, '')}]{cp.state}{mark}{where}{size}[/]")
         table.add_row(r, str(s), *cells)
     console = Console()
     console.print(table)
@@ -152,6 +156,35 @@ def _failure_lines(rows: list[cat.Copy], now: float) -> list[str]:
             f"last at {when} ({_age(max(0.0, now - at))} ago): {c.error}"
         )
     return out
+
+
+def _parts(cfg: Config, rows: list[cat.Copy]) -> dict[tuple[str, int, str], dict[str, object]]:
+    """For copies on node-local tiers of sharded checkpoints in several parts: which part
+    this node holds (``index`` of ``of``, ``node``), from each manifest's ``parts``."""
+    local = [c for c in rows if c.state in cat.HOLDS_BYTES and cfg.tier(c.tier).scope == "node"]
+    if not local:
+        return {}
+    from ..checkpoint.dcp.nodes import node_id  # loads torch: only with node-local copies
+
+    me = node_id()
+    tiers = Tiers(cfg)
+
+    async def read() -> dict[tuple[str, int, str], dict[str, object]]:
+        out: dict[tuple[str, int, str], dict[str, object]] = {}
+        for c in local:
+            try:
+                data = await tiers.checkpoint(c.tier, c.root, c.step).get("manifest.json")
+                ps = json.loads(data).get("parts") or []
+                nodes = [p["node"] for p in ps]
+            except Exception:
+                continue  # the copy's state says what is wrong with it
+            if nodes:
+                idx = nodes.index(me) + 1 if me in nodes else 0
+                out[(c.root, c.step, c.tier)] = {"index": idx, "of": len(nodes), "node": me}
+        await tiers.close()
+        return out
+
+    return runtime.run(read())
 
 
 def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = False) -> int:

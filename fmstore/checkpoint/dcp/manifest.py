@@ -22,7 +22,7 @@ import json
 import math
 import pickle
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -341,6 +341,25 @@ class DcpManifest:
 
     def part_of(self, node: str) -> DcpPart | None:
         return next((p for p in self.parts if p.node == node), None)
+
+    def part_view(self, node: str) -> DcpManifest | None:
+        """This manifest restricted to ``node``'s part: its ranks' blobs and the items in
+        them (None: no such part)."""
+        part = self.part_of(node)
+        if part is None:
+            return None
+        keep = [i for i, b in enumerate(self.blobs) if b.rank in part.ranks]
+        index = {old: new for new, old in enumerate(keep)}
+        items = [
+            it.with_blob(index[it.chunks[0].blob])
+            for it in self.items
+            if it.chunks and it.chunks[0].blob in index
+        ]
+        return replace(self, items=items, blobs=[self.blobs[i] for i in keep])
+
+    def part_bytes(self, node: str) -> int:
+        part = self.part_of(node)
+        return sum(b.size for b in self.blobs if part is None or b.rank in part.ranks)
 
     def node_of_rank(self, rank: int) -> str | None:
         return next((p.node for p in self.parts if rank in p.ranks), None)
