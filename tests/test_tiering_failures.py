@@ -24,6 +24,7 @@ from fmstore import CheckpointManager
 from fmstore.config import Config, load_config
 from fmstore.tiering.catalog import SCHEMA_VERSION, Catalog
 from fmstore.tiering.failures import ActionFailure, FailureLog, warn_due
+from fmstore.tiering.helper import PolicyHelper
 from fmstore.tiering.policies import from_config
 from fmstore.tiering.probe import PROBE_PREFIX, probe_once_per_node
 
@@ -265,15 +266,16 @@ def test_training_process_is_warned_and_told_why_and_what_to_run(
         try:
             mgr.save(1, state(1, n=100)).result()
             helper = mgr._background
+            assert isinstance(helper, PolicyHelper)
             deadline = time.monotonic() + 120
-            while not any("has failed 2 times" in w for w in helper.warnings):  # type: ignore[union-attr]
-                assert time.monotonic() < deadline, helper.warnings  # type: ignore[union-attr]
+            while not any("has failed 2 times" in w for w in helper.warnings):
+                assert time.monotonic() < deadline, helper.warnings
                 time.sleep(0.05)
             res = mgr.wait_for_policies(timeout=0.2)
             assert not res
             assert res.pending_steps == [1] and res.pending == ((1, "s3"),)
             assert res.last_error is not None and "does not exist" in res.last_error
-            assert "steps 1 not yet exported to s3" in res.describe()
+            assert "step 1 not yet exported to s3" in res.describe()
             # without a timeout it does not wait forever on an export that keeps failing:
             # it gives up once the export has failed again (the call pokes the helper)
             res = mgr.wait_for_policies(timeout=600)
@@ -286,7 +288,7 @@ def test_training_process_is_warned_and_told_why_and_what_to_run(
     assert any("fmstore tier check: tier s3: read failed" in w for w in warned), warned
     assert any("has failed 2 times" in w and "fmstore daemon --drain" in w for w in warned)
     closing = [w for w in warned if "at close" in w]
-    assert len(closing) == 1 and "(steps 1)" in closing[0]
+    assert len(closing) == 1 and "(step 1)" in closing[0]
     assert "run `fmstore daemon --drain`" in closing[0] and "does not exist" in closing[0]
 
 

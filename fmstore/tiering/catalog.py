@@ -506,7 +506,8 @@ class Catalog:
         with self._tx() as c:
             c.execute(
                 "INSERT INTO copies (root, step, tier, state, created, updated, last_access, "
-                "error, failures, error_at, failing_since) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1, ?, ?) "
+                "error, failures, error_at, failing_since) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1, ?, ?) "
                 "ON CONFLICT (root, step, tier) DO UPDATE SET state = excluded.state, "
                 "updated = excluded.updated, error = excluded.error, "
                 "failures = copies.failures + 1, error_at = excluded.error_at, "

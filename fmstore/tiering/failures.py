@@ -135,19 +135,21 @@ class PolicyWait:
             for s, d in self.pending:
                 by_dst.setdefault(d, []).append(s)
             parts.append(
-                "; ".join(
-                    f"steps {', '.join(map(str, sorted(v)))} not yet exported to {d}"
-                    for d, v in sorted(by_dst.items())
-                )
+                "; ".join(f"{_steps(v)} not yet exported to {d}" for d, v in sorted(by_dst.items()))
             )
         elif self.reason:
             parts.append(self.reason)
         if self.failing:
-            worst = max(self.failing, key=lambda c: c.failures)
-            parts.append(f"the export has failed {worst.failures} times")
+            worst = max(self.failing, key=lambda c: c.failures).failures
+            parts.append(f"the export has failed {'once' if worst == 1 else f'{worst} times'}")
         if self.last_error:
             parts.append(f"last error: {self.last_error}")
         return "; ".join(parts) or "work remains"
+
+
+def _steps(steps: list[int]) -> str:
+    s = sorted(set(steps))
+    return f"step{'s' if len(s) > 1 else ''} {', '.join(map(str, s))}"
 
 
 def pending_exports(policies: Policies, catalog: Catalog, root: str) -> tuple[tuple[int, str], ...]:
@@ -199,9 +201,9 @@ def close_warning(wait: PolicyWait, root: str, daemon_running: bool) -> str | No
         return None
     if daemon_running and not wait.failing:
         return None
-    steps = ", ".join(map(str, wait.pending_steps or sorted({c.step for c in wait.failing})))
+    steps = _steps(wait.pending_steps or [c.step for c in wait.failing])
     what = "failing" if wait.failing else "pending"
-    msg = f"exports of {root!r} are {what} at close (steps {steps}): {wait.describe()}"
+    msg = f"exports of {root!r} are {what} at close ({steps}): {wait.describe()}"
     if daemon_running:
         return msg + "; the fmstore daemon on this node keeps retrying"
     return msg + f"; run `{DRAIN_COMMAND}` on this node to finish them"
