@@ -72,6 +72,18 @@ def test_a_missing_location_is_an_error_and_is_never_created(here, tmp_path, arg
     assert not (tmp_path / "does").exists()
 
 
+def test_reading_a_missing_location_from_python_creates_nothing(tmp_path):
+    from fmstore.errors import NotFound
+    from fmstore.loaders import StreamingDataset
+
+    missing = tmp_path / "does" / "not" / "exist"
+    with pytest.raises(NotFound, match="does not exist"):
+        StreamingDataset(str(missing), local=str(tmp_path / "cache"))
+    with pytest.raises(NotFound):
+        fmstore.load(missing)
+    assert not (tmp_path / "does").exists()
+
+
 def test_rm_lists_the_tracked_checkpoints_it_deletes_and_keeps_the_catalog_true(posix_cfg):
     from fmstore import CheckpointManager
     from fmstore.config import load_config

@@ -24,6 +24,7 @@ from .. import runtime
 from ..config import get_config
 from ..errors import ConfigError, CorruptData, FmstoreError, InvalidRange, NotFound
 from ..stores import ByteRange, Location, Store, open_store
+from ..stores.location import open_existing
 from . import metrics
 from .cache import CacheOptions, ShardCache
 from .formats import DatasetFormat, FormatOptions, ShardReader, ShardSpec, load_format
@@ -185,7 +186,10 @@ class StreamingDataset(tud.IterableDataset):
                 s.format, s.seq_len, s.dtype, s.targets, fo.shard_bytes, s.allow_pickle,
                 None if s.columns is None else tuple(s.columns), fo.sample_dtype,
             )  # fmt: skip
-            store = self._stores[i] = open_store(s.remote, **(s.storage_options or {}))
+            # Reading never creates: a missing local dataset is NotFound, not a new directory.
+            store = self._stores[i] = open_existing(
+                s.remote, role="dataset", **(s.storage_options or {})
+            )
             self.formats.append(load_format(store, opts, index_dir=self.local))
         self.specs: list[tuple[int, ShardSpec]] = [
             (i, sp) for i, f in enumerate(self.formats) for sp in f.shards
