@@ -356,6 +356,12 @@ def test_a_schema_1_catalog_is_migrated_in_place(tmp_path):
         after = c.record_failure("run", 1, "s3", "bucket gone")
         assert after.failures == 1 and after.error_at == after.failing_since
         assert c.failing() == [after]
+        # the next attempt keeps the record (and the error) until it ends
+        c.set_copy("run", 1, "s3", "exporting", count_attempt=True)
+        again = c.copy("run", 1, "s3")
+        assert again is not None and (again.failures, again.error) == (1, "bucket gone")
+        c.set_copy("run", 1, "s3", "present")
+        assert c.failing() == [] and c.copy("run", 1, "s3").error_at is None  # type: ignore[union-attr]
     db = sqlite3.connect(path)
     assert db.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
     db.close()

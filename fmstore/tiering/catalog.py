@@ -26,10 +26,9 @@ States of a copy (one row per checkpoint per tier):
 ``superseded`` (on the destination) an export that was pending when a newer checkpoint was
                committed, skipped because the destination's retention would not keep it.
 
-A copy whose export keeps failing stays ``exporting`` and counts its failures: ``failures``
-(since its last success), ``error`` and ``error_at`` (the last one), ``failing_since`` (the
-first of the run); :meth:`Catalog.record_failure` writes them, any other state clears them.
-Schema 2 added those columns; a schema-1 catalog is migrated in place when opened.
+A copy whose export keeps failing stays ``exporting`` with ``failures`` (in a row), ``error``,
+``error_at`` and ``failing_since`` (:meth:`Catalog.record_failure`; any other state clears
+them), columns of schema 2, to which a schema-1 catalog is migrated when opened.
 
 A catalog that SQLite cannot read is moved aside by :meth:`Catalog.open_or_move_aside`
 (``catalog.sqlite3.corrupt-<time>``) so that a new one can be rebuilt from the tiers.
@@ -475,9 +474,10 @@ class Catalog:
                 keep = state == EXPORTING and row[0] == EXPORTING
                 c.execute(
                     "UPDATE copies SET state = ?, updated = ?, "
-                    "bytes = COALESCE(?, bytes), verified = COALESCE(?, verified), error = ?, "
+                    "bytes = COALESCE(?, bytes), verified = COALESCE(?, verified), "
                     "attempts = attempts + ?, "
                     # a new attempt of a failing export keeps its record until it ends
+                    "error = CASE WHEN ? THEN COALESCE(?, error) ELSE ? END, "
                     "failures = CASE WHEN ? THEN failures ELSE 0 END, "
                     "error_at = CASE WHEN ? THEN error_at END, "
                     "failing_since = CASE WHEN ? THEN failing_since END "
@@ -487,8 +487,10 @@ class Catalog:
                         now,
                         bytes,
                         verified,
-                        error,
                         1 if count_attempt else 0,
+                        keep,
+                        error,
+                        error,
                         keep,
                         keep,
                         keep,
@@ -664,8 +666,7 @@ _ADDED_COLUMNS = {
 
 
 def _migrate(c: sqlite3.Connection) -> None:
-    """Bring an older catalog to :data:`SCHEMA_VERSION` inside the caller's transaction
-    (schema 1 -> 2: the failure columns of ``copies``; existing rows count no failure)."""
+    """Schema 1 -> 2 in the caller's transaction: the failure columns of ``copies``."""
     have = {r[1] for r in c.execute("PRAGMA table_info(copies)").fetchall()}
     for name, decl in _ADDED_COLUMNS.items():
         if name not in have:
