@@ -312,6 +312,11 @@ def gc_cmd(
         console.print(f"{verb} {key}", highlight=False)
     for y in rep.young:
         console.print(f"[dim]kept (younger than {older_than:.0f} s): {y}[/dim]", highlight=False)
+    for p in rep.pending:
+        console.print(
+            f"[dim]kept (pending part of a sharded checkpoint; a restore decides): {p}[/dim]",
+            highlight=False,
+        )
     for u in rep.unreadable:
         console.print(
             f"[yellow]unreadable manifest, left alone: {u or '.'}[/yellow]", highlight=False
