@@ -3,6 +3,8 @@ listing or a dry run never creates anything, a missing location is an error."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from stage_data import fm_here
@@ -91,8 +93,8 @@ def test_rm_lists_the_tracked_checkpoints_it_deletes_and_keeps_the_catalog_true(
 
     cfg = load_config(str(posix_cfg))
     with CheckpointManager("runs/a", config=cfg, run_policies=False, async_save=False) as mgr:
-        mgr.save(1, {"w": torch.ones(4)})
-        mgr.save(2, {"w": torch.ones(4)})
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.ones(4)})
 
     def states() -> dict[int, str]:
         with cat.Catalog.for_state_dir(cfg.state_dir) as c:
@@ -100,15 +102,19 @@ def test_rm_lists_the_tracked_checkpoints_it_deletes_and_keeps_the_catalog_true(
 
     r = fm_here("rm", "-r", "--dry-run", "nvme:")
     assert r.returncode == 0, r.stderr
-    assert "2 checkpoint copies the catalog tracks" in r.stderr
+    assert "3 checkpoint copies the catalog tracks" in r.stderr
     assert "runs/a step 1 on nvme (present; the only copy)" in r.stderr
-    assert "nothing deleted" in r.stderr and states() == {1: "present", 2: "present"}
+    assert "nothing deleted" in r.stderr and set(states().values()) == {"present"}
     # One object of step 1: that copy is missing (repairable), not present.
     r = fm_here("rm", "-y", "nvme:runs/a/step_000000000001/manifest.json")
     assert r.returncode == 0 and "some of its objects" in r.stderr, r.stderr
-    assert states() == {1: "missing", 2: "present"}
-    r = fm_here("rm", "-r", "-y", "nvme:")
+    assert states() == {1: "missing", 2: "present", 3: "present"}
+    # A path inside the tier's directory is that tier too.
+    r = fm_here("rm", "-r", "-y", os.path.join(cfg.tier("nvme").url, "runs/a/step_000000000002"))
     assert r.returncode == 0 and "runs/a step 2 on nvme (present" in r.stderr, r.stderr
-    assert states() == {1: "missing", 2: "deleted"}
+    assert states() == {1: "missing", 2: "deleted", 3: "present"}
+    r = fm_here("rm", "-r", "-y", "nvme:")
+    assert r.returncode == 0 and "runs/a step 3 on nvme (present" in r.stderr, r.stderr
+    assert states() == {1: "missing", 2: "deleted", 3: "deleted"}
     r = fm_here("ckpt", "list", "--json")
     assert r.returncode == 0 and "present" not in r.stdout, r.stdout
