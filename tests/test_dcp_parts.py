@@ -111,5 +111,7 @@ def test_a_pending_part_is_kept_by_gc_and_the_sweep_with_no_grace(tmp_path):
     sw = Sweeper(str(tmp_path / "state"), grace=0)
     runtime.run(sw.tier("nvme", store))
     assert not sw.report.removed
+    kept = [o.where for o in sw.report.orphans if o.action == "kept: pending part"]
+    assert kept == [f"run/step_000000000020/{gen}"]
     assert (tmp_path / "nvme" / blob).exists()
     runtime.run(store.close())

@@ -25,7 +25,9 @@ Ownership is never guessed.  An item is removed only when
   generation's newest blob), so a write in progress on another node survives even when it
   began long ago;
 * it is not part of a committed checkpoint (pinned ones included): the generation a manifest
-  names is never garbage, and a manifest that does not parse keeps its whole prefix.
+  names is never garbage, and a manifest that does not parse keeps its whole prefix;
+* it is not a pending part of a sharded checkpoint on a node-local tier (a generation with a
+  rank record no manifest names: its commit may not have reached this node yet).
 
 A replaced node (its state directory gone) finds its predecessor's leftovers the same way,
 by listing the tiers.  Exports the daemon had in progress are not the sweep's to resume:
@@ -66,7 +68,7 @@ class Orphan:
     where: str
     size: int
     age: float
-    action: str  # "removed", "would remove", "kept: live copy", "kept: young"
+    action: str  # "removed", "would remove", "kept: live copy", "kept: young", "kept: pending part"
 
 
 @dataclass
@@ -125,7 +127,8 @@ class Sweeper:
         self._stores.append(store)
         try:
             leftovers = await store.leftovers()
-            gens, _, _ = await orphan_generations(store)
+            pending: list[str] = []
+            gens, _, _ = await orphan_generations(store, pending)
         except FmstoreError as e:
             self.report.errors.append(f"{tier}: {e}")
             log.warning("sweep of %s failed: %s", tier, e)
@@ -138,6 +141,12 @@ class Sweeper:
                 self._count(tier, item.kind, item.size)
                 # What a journal calls this pending write: the upload id, the temp file.
                 self._aborted.add(item.token or item.key.rsplit("/", 1)[-1])
+        for where in pending:
+            # A part of a sharded checkpoint whose manifest has not reached this node: only
+            # a restore's collective decides about it (docs/distributed.md).
+            self.report.orphans.append(
+                Orphan(tier, "generation", where, 0, 0.0, "kept: pending part")
+            )
         for g in gens:
             if self._decide(
                 tier, "generation", g.where, _url(store, g.where), g.size, g.age
