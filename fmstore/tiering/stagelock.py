@@ -12,7 +12,7 @@ exclusively; a shard takes it shared, plus the lock of its own shard exclusively
 runs of the same shard wait for each other, and a whole stage waits for every shard (and
 the other way round).
 
-The locks are ``flock`` s on files under ``<state_dir>/transfers/locks/`` (released by the
+The locks are ``flock`` s on files under ``<state_dir>/stage-locks/`` (released by the
 kernel when a process dies): they order the stages of one node.  Nodes do not see each
 other's state directories; stages into one shared directory from several nodes are
 sharded by the caller (``--shard``), as the docs say.
@@ -98,7 +98,7 @@ async def lock_destination(
     once, with a sentence saying who is waited for."""
     dest = destination_id(dst_url)
     digest = hashlib.sha256(dest.encode()).hexdigest()[:24]
-    directory = os.path.join(state_dir, "transfers", "locks")
+    directory = os.path.join(state_dir, "stage-locks")
     os.makedirs(directory, exist_ok=True)
     sharded = shard is not None and shard[1] > 1
     wanted = [
