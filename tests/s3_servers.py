@@ -73,7 +73,7 @@ def seaweed_only(name: str):
     assert name in ONE_SERVER, f"{name} runs on one server without a row in ONE_SERVER"
 
     @pytest.fixture(scope="class")
-    def s3_server(seaweed_server):
+    def s3_server(self, seaweed_server):  # a method of the class it is set on
         return seaweed_server
 
     return s3_server
