@@ -15,7 +15,7 @@ Scenarios (every rank writes ``OUT/SCENARIO-RANK.json``; any failed check exits 
 * ``kill``: saves step 20; the lowest rank of the node without rank 0 stops mid-save after
   writing ``OUT/blocked`` (the test then SIGKILLs that node);
 * ``resume``: restores the newest of step 20 and step 10 every rank can read (10), saves
-  step 30 and restores it bit-exact;
+  step 30 (``async_save`` in DCP's checkpoint process) and restores it bit-exact;
 * ``replaced``: restores step 30 with no fallback (the test wiped one node) and reports the
   error every rank got;
 * ``reshard``: on fewer ranks, restores step 10 from ``lustre:`` bit-exact.
@@ -86,11 +86,27 @@ def restore(uris: list[str], ckpt: Any) -> tuple[str, dict[str, Any]]:
     return used, full(model, opt, sd["extra"])
 
 
-def save_step(step: int, tier: str, model: Any, opt: Any, ckpt: Any, out: str) -> None:
+def save_step(
+    step: int, tier: str, model: Any, opt: Any, ckpt: Any, out: str, process: bool = False
+) -> None:
+    """Saved through fmstore.checkpoint.dcp.save, or with ``process`` through async_save
+    in DCP's checkpoint process, waited for."""
     sd = {**state(model, opt), "extra": extra(step)}
     snap = full(model, opt, extra(step))  # a collective
     if dist.get_rank() == 0:
         torch.save(snap, os.path.join(out, f"ref-{step}.pt"))
+    if process:
+        stager = fdcp.Stager(share_memory=True)
+        fut = fdcp.async_save(
+            sd,
+            step_uri(tier, step),
+            stager=stager,
+            process=True,
+            process_group=ckpt,
+            planner=planner(),
+        )
+        fut.result()
+        return
     fdcp.save(sd, step_uri(tier, step), process_group=ckpt, planner=planner())
 
 
@@ -186,7 +202,7 @@ def scenario(name: str, out: str, ckpt: Any) -> dict[str, Any]:
         same(got, ref(out, 10), "resumed from step 10")
         rep["used"] = used
         model, opt = trained(4)
-        save_step(30, "nvme", model, opt, ckpt, out)
+        save_step(30, "nvme", model, opt, ckpt, out, process=True)
         used30, got30 = restore([step_uri("nvme", 30)], ckpt)
         same(got30, ref(out, 30), "nvme step 30")
         rep["used30"] = used30
