@@ -243,7 +243,7 @@ async def _is_dcp(store: Store, error: Exception) -> bool:
 
     try:
         return sniff_format(await store.get(MANIFEST_KEY)) == DCP_FORMAT_NAME
-    except (FmstoreError, ValueError):
+    except (FmstoreError, ValueError, RecursionError):  # a hostile manifest stays its error
         return False
 
 
