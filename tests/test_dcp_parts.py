@@ -115,3 +115,21 @@ def test_a_pending_part_is_kept_by_gc_and_the_sweep_with_no_grace(tmp_path):
     assert kept == [f"run/step_000000000020/{gen}"]
     assert (tmp_path / "nvme" / blob).exists()
     runtime.run(store.close())
+
+
+def test_the_mover_reports_a_checkpoint_in_node_parts_as_unreadable_not_missing(tmp_path):
+    from fmstore.tiering.mover import copy_checkpoint
+
+    m = _manifest([DcpPart("n0", (0, 1)), DcpPart("n1", (2, 3))])
+    src = open_store(str(tmp_path / "nvme" / "run" / "step_000000000010"))
+    dst = open_store(str(tmp_path / "lustre" / "run" / "step_000000000010"))
+
+    async def go() -> None:
+        for b in m.blobs[:2]:  # this node's part only
+            await src.put(m.blob_key(m.blobs.index(b)), b"")
+        await src.put("manifest.json", m.dumps())
+        await copy_checkpoint(src, dst)
+
+    with pytest.raises(VersionError, match="node parts"):
+        runtime.run(go())
+    assert not (tmp_path / "lustre" / "run" / "step_000000000010" / "manifest.json").exists()

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..checkpoint.verify import VerifyResult, blob_checksums, read_committed, verify_checkpoint
-from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
+from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable, VersionError
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
 from ..stores.base import PutOptions, Store
@@ -88,6 +88,17 @@ async def copy_checkpoint(
     # Either format: a single-process checkpoint or one written by the DCP ``Writer``
     # (blobs, sizes and chunk checksums are described alike by both).
     data, manifest = await read_committed(src)
+    if _in_parts(manifest):
+        # A multi-node sharded checkpoint: this node holds its own part only.  Exporting
+        # parts needs a commit on the destination that waits for every node's part
+        # (docs/distributed.md); until then the copy is reported as unreadable here, never
+        # as missing or corrupt.
+        raise VersionError(
+            f"{src.url} is a sharded checkpoint in node parts (docs/distributed.md); "
+            "this fmstore does not export node parts yet",
+            tier=src.tier,
+            key=MANIFEST_KEY,
+        )
     mcrc = crc32c(data)
     try:
         existing = await dst.get(MANIFEST_KEY)
@@ -199,6 +210,17 @@ def _raise_for(failures: Sequence[Failure], src: Store, dst: Store) -> None:
         side = src if first.tier == src.tier and src.tier != dst.tier else dst
         raise type(first)(f"copy failed: {text}", tier=side.tier, key=side.url)
     raise StoreUnavailable(f"copy failed: {text}", tier=dst.tier, key=dst.url)
+
+
+def _in_parts(manifest: AnyCommitted) -> bool:
+    """Whether ``manifest`` is a DCP checkpoint saved in one part per node."""
+    from ..format.manifest import Manifest
+
+    if isinstance(manifest, Manifest):
+        return False
+    from ..checkpoint.dcp.manifest import DcpManifest  # torch is loaded already
+
+    return isinstance(manifest, DcpManifest) and bool(manifest.parts)
 
 
 async def delete_checkpoint(store: Store) -> int:
