@@ -1,4 +1,4 @@
-"""Fuzzing S3 listing pages: repeated tokens, pages that go back, empty pages, truncated
+"""Fuzzing S3 listing pages: repeated tokens, pages answered again, empty pages, truncated
 pages without a token, and pages that never end.
 
 Each example scripts a listing (a few pages of keys, each truncated or not, with a token
@@ -7,8 +7,8 @@ it stops, repeats its last page, or runs on for ever with fresh tokens (with fre
 empty).  The fault proxy answers the object listing (lean transport) or the multipart-upload
 listing (botocore) from the script, with no server behind it.  Whatever the pages say, the
 listing ends with the right keys or an fmstore error, within a bounded number of pages,
-bounded time and bounded memory; a well-formed script (distinct tokens, keys moving
-forward, an end) is listed whole.  ``FMSTORE_FUZZ_EXAMPLES`` raises the number of examples.
+bounded time and bounded memory; a well-formed script (distinct tokens, each key once, an
+end) is listed whole.  ``FMSTORE_FUZZ_EXAMPLES`` raises the number of examples.
 """
 
 from __future__ import annotations
@@ -65,21 +65,20 @@ def scripts(draw: st.DrawFn) -> tuple[list[Page], str]:
 
 
 def well_formed(script: list[Page], tail: str) -> list[str] | None:
-    """The keys a correct client lists, or None where the script is broken."""
-    keys: list[bytes] = []
+    """The keys a correct client lists (each page's in UTF-8 order, pages in turn), or None
+    where the script is broken (a key twice, a token twice or missing, no end)."""
+    keys: list[str] = []
     seen: set[str] = set()
     for page in script:
-        for k in page.keys:
-            b = k.encode()
-            if keys and b <= keys[-1]:
-                return None
-            keys.append(b)
+        if set(page.keys) & set(keys) or len(set(page.keys)) != len(page.keys):
+            return None
+        keys += sorted(page.keys, key=lambda k: k.encode())
         if not page.truncated:
-            return [k.decode() for k in keys]
+            return keys
         if not page.token or page.token in seen:
             return None
         seen.add(page.token)
-    return None if tail != "stop" else [k.decode() for k in keys]
+    return None if tail != "stop" else keys
 
 
 class Script:

@@ -161,3 +161,24 @@ def test_the_object_part_listing_of_a_checksum_stops(proxied, s3_server, s3_buck
         run(store.stored_crc32c("obj"))
     assert (ei.value.tier, ei.value.key) == (tier, "obj")
     assert proxy.injected["answer"] <= 3
+
+
+def test_a_listing_in_directory_order_is_not_refused(s3_server, s3_bucket):
+    """AWS lists keys in UTF-8 order; SeaweedFS walks its directory tree (``d1/k0`` before
+    ``d1.x``): the guards refuse repeats, not an order, so both list whole at any page size."""
+    store = open_store(f"s3://{s3_bucket}/r", **s3_server.store_options())
+    keys = ["d1", "d1.x", "d1/k0", "d1/k1", "d1~", "d10", "d0/k0", "d2/k0"]
+
+    async def go():
+        for k in keys:
+            await store.put(k, b"x")
+        flat = [m.key async for m in store.list("", page_size=2)]
+        top = [m.key async for m in store.list("", recursive=False, page_size=1)]
+        return flat, top
+
+    try:
+        flat, top = run(go())
+    finally:
+        run(store.close())
+    assert sorted(flat) == sorted(keys)
+    assert sorted(top) == ["d0/", "d1", "d1.x", "d1/", "d10", "d1~", "d2/"]

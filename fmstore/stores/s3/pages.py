@@ -4,13 +4,17 @@ Every loop that follows ``IsTruncated`` (objects, multipart uploads, an upload's
 object's parts) asks a :class:`Pages` guard before it requests the next page.  The guard
 refuses a page marker (continuation token, key/upload-id marker, part-number marker) it has
 seen before, a truncated page without a marker, and more pages than the listing can hold;
-where the order of the answer is known it also refuses a page that does not move forward.
+a listing of keys also refuses a page whose entries are those of a recent page again (fresh
+markers over the same page).  Keys are not required to move forward page by page: AWS lists
+in UTF-8 order, but SeaweedFS (and other servers walking a directory tree) list ``a/b``
+before ``a.x``.
 Each refusal is a :class:`~fmstore.errors.CorruptData` naming the tier, the listing and the
 page, and ends the loop before any more memory or time goes into it.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from collections.abc import Hashable
 
@@ -20,15 +24,15 @@ from ...errors import CorruptData
 MAX_PART_PAGES = 10_000
 #: Pages of a multipart-upload listing (1,000 uploads each): far past any real bucket.
 MAX_UPLOAD_PAGES = 100_000
-#: Truncated pages in a row that bring nothing; a real listing skips over hidden entries
-#: (our own temporary objects) but not for this long.
+#: Truncated pages in a row that bring nothing: a real server may send an empty page now
+#: and then (over keys it skipped), not a thousand in a row.
 MAX_EMPTY_PAGES = 1_000
 #: Pages of a bucket listing: 10 billion keys at 1,000 a page.  A server that invents
 #: fresh keys for ever looks like a big bucket until then; the caller's own limits (what it
 #: keeps of the listing) apply first.
 MAX_LIST_PAGES = 10_000_000
-#: Markers remembered when a listing may be longer than :data:`MAX_UPLOAD_PAGES`: a cycle
-#: longer than this still has to move its keys forward, which :meth:`Pages.forward` checks.
+#: Markers (and pages of keys, by digest) remembered when a listing may be longer than
+#: :data:`MAX_UPLOAD_PAGES`: a longer cycle runs into :data:`MAX_LIST_PAGES`.
 RECENT_MARKERS = 1_024
 
 
@@ -36,8 +40,8 @@ class Pages:
     """One paginated listing's guard.
 
     ``max_pages``: the most pages the listing can have.  Past :data:`MAX_UPLOAD_PAGES`
-    (a bucket's objects) only the last :data:`RECENT_MARKERS` markers are remembered and
-    :meth:`forward` must be called with each page's greatest key."""
+    (a bucket's objects) only the last :data:`RECENT_MARKERS` markers are remembered.
+    :meth:`entries` takes each page's keys where a listing's keys are unique."""
 
     def __init__(self, what: str, *, tier: str | None, key: str | None, max_pages: int) -> None:
         self.what = what
@@ -48,7 +52,8 @@ class Pages:
         self.empty = 0
         self._seen: set[Hashable] = set()
         self._recent: deque[Hashable] = deque()
-        self._last: bytes | None = None
+        self._pages: set[bytes] = set()
+        self._page_order: deque[bytes] = deque()
         self._part = 0
 
     def _fail(self, why: str) -> CorruptData:
@@ -93,12 +98,17 @@ class Pages:
         self._part = n
         return n
 
-    def forward(self, greatest: str | None) -> None:
-        """A page of keys in S3's order (UTF-8 bytes): its greatest key must lie past the
-        previous page's, or the server is answering the same entries again."""
-        if greatest is None:
+    def entries(self, keys: list[str]) -> None:
+        """A page of a listing whose keys are unique: the same entries as one of the last
+        :data:`RECENT_MARKERS` pages means the server is answering that page again."""
+        if not keys:
             return
-        b = greatest.encode("utf-8", "surrogatepass")
-        if self._last is not None and b <= self._last:
-            raise self._fail(f"went back to key {greatest[:80]!r} instead of forward")
-        self._last = b
+        digest = hashlib.blake2b(
+            "\0".join(sorted(keys)).encode("utf-8", "surrogatepass"), digest_size=16
+        ).digest()
+        if digest in self._pages:
+            raise self._fail(f"answered the entries of an earlier page again ({keys[0][:80]!r}...)")
+        self._pages.add(digest)
+        self._page_order.append(digest)
+        if len(self._page_order) > RECENT_MARKERS:
+            self._pages.discard(self._page_order.popleft())

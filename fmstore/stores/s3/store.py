@@ -202,7 +202,7 @@ class S3Store(S3Reads, S3Uploads):
                 return
             raw = [o["Key"] for o in resp.get("Contents", [])]
             raw += [c["Prefix"] for c in resp.get("CommonPrefixes", [])]
-            guard.forward(max(raw, key=_utf8, default=None))
+            guard.entries(raw)
             token = resp.get("NextContinuationToken")
             guard.next(token, entries=len(raw))
 
@@ -237,11 +237,6 @@ class S3Store(S3Reads, S3Uploads):
                 )
 
         await all_or_cancel(one(b) for b in batches)
-
-
-def _utf8(key: str) -> bytes:
-    """S3's order of keys: by their UTF-8 bytes."""
-    return key.encode("utf-8", "surrogatepass")
 
 
 def _timestamp(value: Any) -> float:
