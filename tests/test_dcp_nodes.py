@@ -200,6 +200,10 @@ def test_ckpt_list_and_verify_show_and_check_this_nodes_part(cluster):
     (row,) = [r for r in json.loads(res.stdout) if r["step"] == 10]
     assert row["tiers"]["nvme"]["part"] == {"index": 2, "of": 2, "node": "n1"}
     assert "part" not in row["tiers"]["lustre"]
+    # Every tier of the run: n1's part on its NVMe, the whole checkpoint on Lustre.
+    res = fmstore_cli(cluster, "n1", "ckpt", "verify", "--all-tiers", "run")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "0 bad" in res.stdout, res.stdout
     # A flipped byte in one of n1's blobs: verify on n1 names it and exits 1.
     ck = cluster.nvme("n1") / STEP.format(10)
     m = json.loads((ck / "manifest.json").read_text())

@@ -149,7 +149,7 @@ def verify(
         raise typer.Exit(verify_all_tiers(uri, as_json=as_json))
     store, _ = open_location(uri, for_read=True)
     _, m = runtime.run(read_any_manifest(store, native=True))
-    m, part = _node_part(m, store)
+    m, part = _node_part(m, store, uri)
     console = Console(stderr=True)
     with Progress(
         TextColumn("verifying"),
@@ -187,17 +187,18 @@ def verify(
     )
 
 
-def _node_part(m: Any, store: Store) -> tuple[Any, str]:
-    """A sharded checkpoint on a node-local tier: this node's part of ``m`` and the node's
-    id (the other nodes' blobs are not here to verify); else ``m`` and ''."""
+def _node_part(m: Any, store: Store, uri: str) -> tuple[Any, str]:
+    """A sharded checkpoint in node parts on a node-local tier: this node's part of ``m``
+    and the node's id (the other nodes' blobs are not here to verify); else ``m`` and ''
+    (on a shared tier every part is checked)."""
     from ..format.manifest import Manifest
 
     if isinstance(m, Manifest):
         return m, ""
     from ..checkpoint.dcp.manifest import DcpManifest
-    from ..checkpoint.dcp.nodes import node_id
+    from ..checkpoint.dcp.nodes import node_id, tier_scope
 
-    if not isinstance(m, DcpManifest) or not m.parts:
+    if not isinstance(m, DcpManifest) or not m.parts or tier_scope(uri) != "node":
         return m, ""
     me = node_id()
     view = m.part_view(me)
