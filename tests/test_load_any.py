@@ -39,9 +39,9 @@ def test_checkpoint_of_fmstores_dcp_writer_loads_whole(tmp_path, compression):
     assert out.keys() == sd.keys()
     for k in sd:
         assert torch.equal(out[k], sd[k])
-    # Through the ring twice: the Reader's host destinations (routed too), then the move
-    # onto map_location's device that a real device load makes once.
-    assert sum(n for _, n in rec.uses) == 2 * sum(v.nbytes for v in sd.values())
+    # Once through the ring: the Reader fills tensors allocated on map_location's device
+    # (a load assembled on the host and then moved would pass twice).
+    assert sum(n for _, n in rec.uses) == sum(v.nbytes for v in sd.values())
 
 
 def test_native_dcp_directory_still_loads(tmp_path):
@@ -105,3 +105,20 @@ def test_save_to_a_torch_file_name_warns(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fmstore.save(_sd(), str(tmp_path / "plain"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_dcp_and_torch_files_load_onto_the_gpu(tmp_path):
+    sd = _sd()
+    uri = str(tmp_path / "dcp")
+    _dcp_save(sd, storage_writer=Writer(uri, compression="zstd"))
+    native = str(tmp_path / "native")
+    _dcp_save(sd, storage_writer=dcp.FileSystemWriter(native))
+    torch.save({"model": sd}, tmp_path / "m.pt")
+    for got in (
+        fmstore.load(uri, map_location="cuda"),
+        fmstore.load(native, map_location="cuda"),
+        fmstore.load(str(tmp_path / "m.pt"), map_location="cuda")["model"],
+    ):
+        for k in sd:
+            assert got[k].is_cuda and torch.equal(got[k].cpu(), sd[k])

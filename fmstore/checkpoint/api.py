@@ -19,6 +19,7 @@ from ..errors import ConfigError, CorruptData, FmstoreError, NotFound
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores import Location, open_store
 from ..stores.base import Store
+from .devring import cpu_routed
 from .layout import read_manifest
 from .loading import LazyDict, Materializer, PickleRefused, place_tree
 from .planner import DEFAULT_BLOB_SIZE, DEFAULT_CHUNK_SIZE, Planned, plan_save, resolve_auto
@@ -195,10 +196,11 @@ async def _load_core(
                     raise
                 # A checkpoint of torch.distributed.checkpoint: written by fmstore's DCP
                 # Writer or by torch's FileSystemWriter; its shards assembled whole.
-                sd = await asyncio.to_thread(
-                    _load_dcp, store, map_location, lazy, keys, weights_only, mmap, verify
+                native = isinstance(e, NotFound)  # torch's layout: no manifest.json
+                sd, placed = await asyncio.to_thread(
+                    _load_dcp, store, native, map_location, lazy, keys, weights_only, mmap, verify
                 )
-                return await _to_map_location(sd, map_location)
+                return sd if placed else await _to_map_location(sd, map_location)
             tree = manifest.tree
             if keys is not None:
                 pats = [keys] if isinstance(keys, str) else list(keys)
@@ -256,15 +258,17 @@ async def _to_map_location(sd: Any, map_location: MapLocation) -> Any:
 
 def _load_dcp(
     store: Store,
+    native: bool,
     map_location: MapLocation,
     lazy: bool,
     keys: str | Sequence[str] | None,
     weights_only: bool,
     mmap: bool,
     verify: bool,
-) -> Any:
+) -> tuple[Any, bool]:
     """The whole state dict of a DCP checkpoint (fmstore's ``fmstore-dcp`` manifest, or
-    torch's ``.metadata`` + ``.distcp``) on the host: every item's shards assembled."""
+    torch's ``.metadata`` + ``.distcp``): every item's shards assembled; with True when it
+    is already on ``map_location``'s device, False when it is on the host."""
     from .dcp.api import load_full_state_dict
 
     if lazy or keys is not None or mmap:
@@ -277,7 +281,14 @@ def _load_dcp(
             f"{store.url} is a torch.distributed.checkpoint directory: map_location must be "
             "a device for it"
         )
-    return load_full_state_dict(store, allow_pickle=not weights_only, verify=verify)
+    onto = None if map_location is None else torch.device(map_location)
+    if onto is not None and not native and (onto.type != "cpu" or cpu_routed()):
+        # fmstore's layout: read onto the device through the Reader's ring, no host copy.
+        sd = load_full_state_dict(
+            store, allow_pickle=not weights_only, verify=verify, device=map_location
+        )
+        return sd, True
+    return load_full_state_dict(store, allow_pickle=not weights_only, verify=verify), False
 
 
 def _torch_file(uri: Uri) -> str | None:

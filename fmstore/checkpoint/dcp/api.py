@@ -172,13 +172,15 @@ def load_full_state_dict(
     *,
     allow_pickle: bool = False,
     verify: bool = True,
+    device: torch.device | str | None = None,
     **store_options: Any,
 ) -> dict[str, Any]:
     """The whole state dict of a DCP checkpoint (fmstore's layout or torch's own) in this
-    process, unsharded, on CPU.  ``uri`` may be an open store (it is not closed)."""
+    process, unsharded, on CPU (or with its tensors allocated on ``device`` and filled
+    there: through the Reader's ring of pinned bounce buffers for fmstore's layout).
+    ``uri`` may be an open store (it is not closed)."""
     # The same private helpers torch's own dcp_to_torch_save uses.
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     sd: dict[str, Any] = {}
@@ -195,7 +197,7 @@ def load_full_state_dict(
         _load_state_dict(
             sd,
             storage_reader=reader,
-            planner=_EmptyStateDictLoadPlanner(),
+            planner=_onto(device)(),
             no_dist=True,
         )
     except CheckpointException as e:
@@ -210,6 +212,36 @@ def load_full_state_dict(
             key=MANIFEST_KEY,
         ) from None
     return sd
+
+
+def _onto(device: torch.device | str | None) -> Any:
+    """torch's planner that rebuilds a whole state dict from the metadata, with its tensors
+    allocated on ``device`` (torch's own allocates them on the CPU)."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import (
+        DefaultLoadPlanner,
+        _EmptyStateDictLoadPlanner,
+    )
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if device is None:
+        return _EmptyStateDictLoadPlanner
+
+    class OntoDevice(_EmptyStateDictLoadPlanner):  # type: ignore[misc]
+        def set_up_planner(
+            self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False
+        ) -> None:
+            assert not state_dict and metadata is not None
+            for k, v in metadata.state_dict_metadata.items():
+                if isinstance(v, TensorStorageMetadata):
+                    v = torch.empty(v.size, dtype=v.properties.dtype, device=device)
+                if metadata.planner_data is not None and k in metadata.planner_data:
+                    set_element(state_dict, metadata.planner_data[k], v)
+                else:
+                    state_dict[k] = v
+            DefaultLoadPlanner.set_up_planner(self, state_dict, metadata, is_coordinator)
+
+    return OntoDevice
 
 
 def to_torch_save(uri: str, path: str, **store_options: Any) -> None:
