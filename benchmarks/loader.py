@@ -5,7 +5,10 @@ against the floor (the same samples fed from memory), one run, one SeaweedFS.
 
 (a) ``--size`` bytes of uint16 tokens read as 2048-token sequences (and, as
 ``fmstore-parquet``, the same sequences as a Parquet ``fixed_size_list<uint16>[2048]``
-column, files of 64 MiB, row groups of 1024 rows, pyarrow's default snappy); (b) ``--b-samples``
+column, files of 64 MiB, row groups of 1024 rows, pyarrow's default snappy; as
+``litdata-tokens``, litdata's own layout for token streams, its ``TokensLoader``, beside
+``litdata``'s one numpy array per item); every reader yields uint16 arrays, as the floor
+does (fmstore's ``sample_dtype=None``: by default it yields int64); (b) ``--b-samples``
 samples of ~100 KB.  Each library converts the data with its own writer; everything is
 served from the same SeaweedFS started here.  Each reader runs in its own process through
 the same ``DataLoader`` (``--workers`` workers, batch ``--batch``): epoch 1 with an empty
@@ -44,8 +47,10 @@ from benchmarks.common import have, print_table, save_json
 SEQ = 2048
 B_SIZE = 100_000
 SHARD = 64 << 20
-PEERS = ("fmstore", "fmstore-parquet", "mosaic", "litdata", "webdataset")
+PEERS = ("fmstore", "fmstore-parquet", "mosaic", "litdata", "litdata-tokens", "webdataset")
 PQ_ROW_GROUP = 1024
+#: Where each litdata layout goes in the bucket (neither a prefix of the other).
+LIT_PREFIX = {"litdata": "lit-items", "litdata-tokens": "lit-tokens"}
 
 
 def _size(text: str) -> int:
@@ -120,16 +125,20 @@ def write_all(
                 w.write({"tokens": x} if case == "a" else {"data": x})
         upload_dir(client, out, bucket, "mds")
         shutil.rmtree(out)  # the local copy is only the writer's staging
-    if "litdata" in peers:
+    for lit in [p for p in ("litdata", "litdata-tokens") if p in peers]:
+        from litdata.streaming.item_loader import TokensLoader
         from litdata.streaming.writer import BinaryWriter
 
-        out = os.path.join(work, "lit")
-        w = BinaryWriter(out, chunk_bytes=SHARD)
+        if lit == "litdata-tokens" and case != "a":
+            continue
+        out = os.path.join(work, lit)
+        loader = TokensLoader() if lit == "litdata-tokens" else None
+        w = BinaryWriter(out, chunk_bytes=SHARD, item_loader=loader)
         for i, x in enumerate(samples()):
             w[i] = x
         w.done()
         w.merge()
-        upload_dir(client, out, bucket, "lit")
+        upload_dir(client, out, bucket, LIT_PREFIX[lit])
         shutil.rmtree(out)
     if "webdataset" in peers and case == "b":
         import webdataset as wds
@@ -194,7 +203,8 @@ def make_loader(lib: str, case: str, cfg: dict[str, Any], cache: str, epoch: int
     if lib == "fmstore":
         from fmstore.loaders import StreamingDataLoader, StreamingDataset
 
-        kw = {"seq_len": SEQ, "targets": False} if case == "a" else {}
+        # uint16 samples, as the floor and the peers yield them (int64 is the default).
+        kw = {"seq_len": SEQ, "targets": False, "sample_dtype": None} if case == "a" else {}
         ds = StreamingDataset(
             f"s3://{bucket}/fmstore", cache, batch_size=batch, storage_options=opts, **kw
         )
@@ -229,9 +239,10 @@ def make_loader(lib: str, case: str, cfg: dict[str, Any], cache: str, epoch: int
         for stream in ds.streams:
             stream._downloader.clean_up()
         return tud.DataLoader(ds, batch_size=batch, num_workers=workers)
-    if lib == "litdata":
+    if lib in ("litdata", "litdata-tokens"):
         import litdata
         import litdata.streaming.downloader as dl
+        from litdata.streaming.item_loader import TokensLoader
 
         # obstore refuses plain-http endpoints unless its client options allow them.
         dl._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"
@@ -242,12 +253,15 @@ def make_loader(lib: str, case: str, cfg: dict[str, Any], cache: str, epoch: int
             "region_name": opts.get("region") or "us-east-1",
         }
         # litdata yields bytes items as memoryviews, which workers cannot pickle back.
+        # litdata-tokens: the layout litdata's guide gives token streams (chunks read as
+        # one memory map, whichever workers share them); litdata: one array per item.
         ds = litdata.StreamingDataset(
-            f"s3://{bucket}/lit",
+            f"s3://{bucket}/{LIT_PREFIX[lib]}",
             cache_dir=cache,
             shuffle=True,
             storage_options=storage,
             transform=None if case == "a" else bytes,
+            item_loader=TokensLoader(block_size=SEQ) if lib == "litdata-tokens" else None,
         )
         return litdata.StreamingDataLoader(ds, batch_size=batch, num_workers=workers)
     if lib == "webdataset":
@@ -339,6 +353,7 @@ def available(peers: list[str]) -> tuple[list[str], list[str]]:
         "fmstore-parquet": "pyarrow",
         "mosaic": "streaming",
         "litdata": "litdata",
+        "litdata-tokens": "litdata",
         "webdataset": "webdataset",
     }
     for p in peers:
@@ -418,7 +433,7 @@ def main() -> None:
                     "work": case_work,
                     "timeout": args.timeout,
                 }
-                only = {"webdataset": "b", "fmstore-parquet": "a"}
+                only = {"webdataset": "b", "fmstore-parquet": "a", "litdata-tokens": "a"}
                 libs = ["floor", *[p for p in peers if only.get(p, case) == case]]
                 for lib in libs:
                     rows.append(_subprocess(lib, case, cfg))

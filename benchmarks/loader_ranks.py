@@ -69,6 +69,7 @@ def _loader(cfg: dict[str, Any], epoch: int, rank: int, world: int) -> Any:
     sds = StreamingDataset(
         cfg["remote"], cfg["cache"], batch_size=batch, storage_options=cfg["epochs"][epoch - 1],
         seq_len=SEQ, targets=False, direct_reads=cfg.get("direct_reads"),
+        sample_dtype=None,  # uint16, as the floor yields them
     )  # fmt: skip
     sds.set_epoch(epoch)
     return StreamingDataLoader(sds, batch_size=batch, num_workers=workers)
