@@ -33,6 +33,9 @@ def test_cp_of_a_glob_copies_what_it_matches_below_its_directory(tree, tmp_path)
     assert "copied 1 file (20 B), 1 identical skipped" in r.stderr
     r = fm_here("cp", f"{tree}/*.zip", f"{tmp_path}/out/")
     assert r.returncode == 1 and "no object under" in r.stderr and "'*.zip'" in r.stderr
+    (tree / "run[1].bin").write_bytes(b"r")  # a path that exists is itself, not a glob
+    r = fm_here("cp", f"{tree}/run[1].bin", f"{tmp_path}/lit/")
+    assert r.returncode == 0 and files(tmp_path / "lit") == {"run[1].bin"}, r.stderr
 
 
 def test_cp_r_copies_a_tree_and_cp_of_a_directory_says_to_add_r(tree, tmp_path):

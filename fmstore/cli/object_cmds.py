@@ -117,12 +117,13 @@ def cp_cmd(
     topts = TransferOptions(
         verify=verify, skip_identical=not force, preserve_owner=preserve_owner(preserve_owner_flag)
     )
-    glob = _split_glob(src)
+    local = local_dir(src)
+    # A path that exists is itself, even with a glob character in its name (``run[1]/x``).
+    glob = None if local is not None and os.path.exists(local) else _split_glob(src)
     if glob is not None or (recursive and not _is_local_file(src)):  # ``cp -r FILE``: as cp
         base, pattern = glob if glob is not None else (src, None)
         _cp_many(base, pattern, dst, recursive, topts, src)
         return
-    local = local_dir(src)
     if local is not None and os.path.isdir(local):
         raise ConfigError(
             f"{src!r} is a directory: use 'fmstore cp -r' to copy it and what it holds "
