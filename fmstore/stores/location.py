@@ -54,7 +54,10 @@ def split_tier(url: str, config: Config | None = None) -> tuple[str | None, str]
     :class:`ConfigError` naming the configured tiers, and so does a bare word that is a
     tier's name (``nvme``: the tier, ``nvme:``, or the directory, ``./nvme``?)."""
     if _BARE.match(url):
-        cfg = config or get_config()
+        try:
+            cfg = config or get_config()
+        except ConfigError:  # a plain relative path needs no config: its error comes later
+            return None, url
         if url in cfg.tiers:
             raise ConfigError(
                 f"{url!r} is the name of a configured tier: write '{url}:' for the tier "
