@@ -364,8 +364,8 @@ def load(
     CRC32C (``verify=False`` skips that).  ``map_location`` works as in ``torch.load``
     (str, torch.device, dict of location -> location, or callable(storage, location)).
     ``keys``: names or glob patterns of entries to load (``"model.*"``, ``"optim"``): the
-    result keeps only those.  ``lazy=True``: a read-only mapping whose tensors are fetched on
-    first access.  ``mmap=True``: on POSIX, uncompressed storages are memory-mapped
+    result keeps only those.  ``lazy=True``: a dict (:class:`LazyDict`) whose tensors are
+    fetched on first access, usable wherever a dict from ``torch.load`` is.  ``mmap=True``: on POSIX, uncompressed storages are memory-mapped
     (copy-on-write) instead of read.  Pickled values (saved with ``pickle=True``) need
     ``weights_only=False``.  Errors: NotFound (no checkpoint), CorruptData (bad manifest or
     chunk: names the tensor, blob and store), VersionError (written by a newer fmstore).
