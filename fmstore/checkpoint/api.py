@@ -21,7 +21,7 @@ from ..stores import Location, open_store
 from ..stores.base import Store
 from .devring import cpu_routed
 from .layout import read_manifest
-from .loading import LazyDict, Materializer, PickleRefused, place_tree
+from .loading import LazyDict, Materializer, PickleRefused, place_tree, select
 from .planner import DEFAULT_BLOB_SIZE, DEFAULT_CHUNK_SIZE, Planned, plan_save, resolve_auto
 from .reader import MapLocation, ReadOptions
 from .select import prune
@@ -328,8 +328,6 @@ async def _load_torch_file(
             key=path,
         ) from None
     if keys is not None:
-        from .convert import select
-
         obj = select(obj, [keys] if isinstance(keys, str) else list(keys), path)
     return await _to_map_location(obj, map_location) if device else obj
 

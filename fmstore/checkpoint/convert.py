@@ -11,21 +11,20 @@ tensors sharing storage are copied apart (safetensors refuses shared tensors).
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from .. import runtime
-from ..errors import AlreadyExists, ConfigError, CorruptData, NotFound
+from ..errors import AlreadyExists, ConfigError, CorruptData
 from ..stores import Location, open_store
 from ..units import parse_size
 from .api import load, save
 from .hf import is_hf_dir, read_hf_dir, read_safetensors_fd, write_hf_dir
-from .loading import LazyDict
+from .loading import LazyDict, select
 from .zipguard import check_torch_zip, open_regular
 
 TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
@@ -107,51 +106,6 @@ def flatten_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
         for i, v in enumerate(obj):
             out.update(flatten_tensors(v, f"{prefix}.{i}" if prefix else str(i)))
     return out
-
-
-def select(obj: Any, patterns: Sequence[str], where: str) -> Any:
-    """``obj`` pruned to the entries ``patterns`` name, as ``fmstore.load(keys=...)`` does:
-    a pattern selects an entry by its dotted name (``model``, ``model.h.0.attn``), by a
-    glob (``model.*.weight``), or, in a flat dict of dotted names, every name under it."""
-    matched: set[str] = set()
-    drop = object()
-
-    def hit(name: str) -> bool:
-        ok = False
-        for p in patterns:
-            if name == p or fnmatch.fnmatchcase(name, p) or name.startswith(p + "."):
-                matched.add(p)
-                ok = True
-        return ok
-
-    def may_hold(name: str) -> bool:
-        return any(p.startswith(name + ".") or any(c in p for c in "*?[") for p in patterns)
-
-    def walk(n: Any, name: str) -> Any:
-        if name and hit(name):
-            return n.materialize() if isinstance(n, LazyDict) else n
-        if isinstance(n, Mapping):
-            out = {}
-            for k in n:
-                child = f"{name}.{k}" if name else str(k)
-                # A leaf or a list of a lazy load is read only when it may be selected.
-                lazy_leaf = isinstance(n, LazyDict) and not n.holds_mapping(k)
-                if lazy_leaf and not (hit(child) or may_hold(child)):
-                    continue
-                r = walk(n[k], child)
-                if r is not drop:
-                    out[k] = r
-            return out if out else drop
-        if isinstance(n, (list, tuple)):
-            kept = [walk(v, f"{name}.{i}" if name else str(i)) for i, v in enumerate(n)]
-            return n if any(r is not drop for r in kept) else drop
-        return drop
-
-    r = walk(obj, "")
-    missing = [p for p in patterns if p not in matched]
-    if missing:
-        raise NotFound(f"nothing in {where} matches {', '.join(map(repr, missing))}")
-    return {} if r is drop else r
 
 
 def strip_prefix(flat: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

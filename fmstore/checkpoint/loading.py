@@ -4,16 +4,17 @@
 from __future__ import annotations
 
 import copy
+import fnmatch
 import pickle
 import threading
 from collections import OrderedDict
-from collections.abc import ItemsView, Iterator, Mapping, ValuesView
+from collections.abc import ItemsView, Iterator, Mapping, Sequence, ValuesView
 from typing import Any
 
 import torch
 
 from .. import runtime
-from ..errors import CorruptData
+from ..errors import CorruptData, NotFound
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import Manifest, TensorEntry
 from ..stores.base import Store
@@ -379,3 +380,48 @@ async def place_tree(obj: Any, device: torch.device) -> Any:
 
 def _no_tensor(i: int) -> Any:
     raise CorruptData("a dict key refers to a tensor")
+
+
+def select(obj: Any, patterns: Sequence[str], where: str) -> Any:
+    """``obj`` pruned to the entries ``patterns`` name, as ``fmstore.load(keys=...)`` does:
+    a pattern selects an entry by its dotted name (``model``, ``model.h.0.attn``), by a
+    glob (``model.*.weight``), or, in a flat dict of dotted names, every name under it."""
+    matched: set[str] = set()
+    drop = object()
+
+    def hit(name: str) -> bool:
+        ok = False
+        for p in patterns:
+            if name == p or fnmatch.fnmatchcase(name, p) or name.startswith(p + "."):
+                matched.add(p)
+                ok = True
+        return ok
+
+    def may_hold(name: str) -> bool:
+        return any(p.startswith(name + ".") or any(c in p for c in "*?[") for p in patterns)
+
+    def walk(n: Any, name: str) -> Any:
+        if name and hit(name):
+            return n.materialize() if isinstance(n, LazyDict) else n
+        if isinstance(n, Mapping):
+            out = {}
+            for k in n:
+                child = f"{name}.{k}" if name else str(k)
+                # A leaf or a list of a lazy load is read only when it may be selected.
+                lazy_leaf = isinstance(n, LazyDict) and not n.holds_mapping(k)
+                if lazy_leaf and not (hit(child) or may_hold(child)):
+                    continue
+                r = walk(n[k], child)
+                if r is not drop:
+                    out[k] = r
+            return out if out else drop
+        if isinstance(n, (list, tuple)):
+            kept = [walk(v, f"{name}.{i}" if name else str(i)) for i, v in enumerate(n)]
+            return n if any(r is not drop for r in kept) else drop
+        return drop
+
+    r = walk(obj, "")
+    missing = [p for p in patterns if p not in matched]
+    if missing:
+        raise NotFound(f"nothing in {where} matches {', '.join(map(repr, missing))}")
+    return {} if r is drop else r
