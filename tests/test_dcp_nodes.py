@@ -24,7 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from test_dcp import equal_trees
 
+from fmstore.checkpoint.dcp.api import load_full_state_dict
 from fmstore.checkpoint.gc import gc
 from fmstore.testing.seaweed import free_ports
 
@@ -172,6 +175,16 @@ def test_two_nodes_save_commit_and_restore_bit_exact_from_their_nvme(cluster):
     # A bare dcp.save with a Writer onto the node-local tier is refused, naming the way.
     assert all("fmstore.checkpoint.dcp.save" in r["bare"] for r in reps)
     assert not (cluster.nvme("n0") / STEP.format(11) / "manifest.json").exists()
+    # Both parts put side by side (what a shared tier will hold): one process reads the
+    # whole state from them, bit-exact.
+    whole = cluster.base / "whole"
+    shutil.copytree(cluster.nvme("n0") / STEP.format(10), whole)
+    shutil.copytree(cluster.nvme("n1") / STEP.format(10), whole, dirs_exist_ok=True)
+    full = load_full_state_dict(str(whole))
+    ref = torch.load(cluster.out / "ref-10.pt", weights_only=False)
+    equal_trees(full["model"], ref["model"])
+    equal_trees(full["optim"], ref["optim"])
+    equal_trees(full["extra"], ref["extra"])
     # gc with no grace keeps every part of the committed checkpoint on each node.
     for node in ("n0", "n1"):
         rep = gc(str(cluster.nvme(node)), older_than=0, dry_run=True)

@@ -347,7 +347,7 @@ def _prepare(uri: str, so: dict[str, Any], pg: Any) -> str:
         return problems[0]
     # Every rank can read its part: the nodes that lacked the manifest adopt theirs.
     err = ""
-    if m.parts and views[rank].digest is None:
+    if m.parts and views[rank].digest is None and tier_scope(uri) == "node":
         part = m.part_of(views[rank].node)
         if part is not None and rank == min(part.ranks):
             try:
@@ -408,8 +408,9 @@ async def _check_part(
         return (
             f"node {me.node} holds another manifest than node {src.node} (two saves to one prefix?)"
         )
-    if not m.parts:
-        # In one part: where every rank sees the same store, DCP's read checks the rest.
+    if not m.parts or tier_scope(uri) != "node":
+        # In one part, or on a shared tier: every rank sees the same store, DCP's read
+        # checks the rest.
         if me.digest is None:
             return f"node {me.node} (rank {me.rank}) cannot see the manifest node {src.node} reads"
         return ""

@@ -211,12 +211,14 @@ class Reader(StorageReader):
             self._part_ranks(self.manifest)
 
     def _part_ranks(self, m: DcpManifest) -> set[int] | None:
-        """On a node-local tier of several nodes, the ranks whose part is on this node (the
-        only blobs this node can read); None for a checkpoint in one part."""
-        if not m.parts:
+        """On a node-local tier, the ranks whose part is on this node (the only blobs this
+        node can read); None for a checkpoint in one part or on a shared tier."""
+        from .nodes import node_id, tier_scope
+
+        if not m.parts or tier_scope(self.uri) != "node":
+            # In one part, or every part on a shared tier (a copy of the whole checkpoint).
             self.local_ranks = None
             return None
-        from .nodes import node_id
 
         part = m.part_of(node_id())
         if part is None:
