@@ -39,7 +39,9 @@ MAX_PAGES = 32
 MAX_EMPTY = 16
 #: Most memory one listing may take (its pages are a few hundred bytes each).
 MEMORY_BOUND = 8 << 20
-KEYS = ["a", "b", "b/c", "c", "d~", "é", "z"]
+#: A key the server lists outside the prefix it was asked for.
+OUTSIDE = "!outside"
+KEYS = ["a", "b", "b/c", "c", "d~", "é", "z", OUTSIDE]
 TOKENS = ["t1", "t2", "t3", "", " ", "t1 ", "%2F", "<", "\u00e9"]
 _NS = 'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"'
 
@@ -64,15 +66,19 @@ def scripts(draw: st.DrawFn) -> tuple[list[Page], str]:
     return out, draw(st.sampled_from(["stop", "repeat", "fresh_keys", "fresh_empty"]))
 
 
-def well_formed(script: list[Page], tail: str) -> list[str] | None:
-    """The keys a correct client lists (each page's in UTF-8 order, pages in turn), or None
-    where the script is broken (a key twice, a token twice or missing, no end)."""
+def well_formed(script: list[Page], tail: str, uploads: bool) -> list[str] | None:
+    """The keys a correct client lists (pages in turn, objects of a page in UTF-8 order,
+    uploads as listed), or None where the script is broken (a key twice, a token twice or
+    missing, no end, an object outside the prefix; an upload outside it is passed over)."""
     keys: list[str] = []
     seen: set[str] = set()
     for page in script:
         if set(page.keys) & set(keys) or len(set(page.keys)) != len(page.keys):
             return None
-        keys += sorted(page.keys, key=lambda k: k.encode())
+        if OUTSIDE in page.keys and not uploads:
+            return None
+        listed = [k for k in page.keys if k != OUTSIDE]
+        keys += listed if uploads else sorted(listed, key=lambda k: k.encode())
         if not page.truncated:
             return keys
         if not page.token or page.token in seen:
@@ -114,7 +120,7 @@ class Script:
         more = f"<IsTruncated>{'true' if p.truncated else 'false'}</IsTruncated>"
         if "uploads" in q:
             rows = "".join(
-                f"<Upload><Key>{escape(prefix + k)}</Key><UploadId>u{i}</UploadId>"
+                f"<Upload><Key>{escape(_full(prefix, k))}</Key><UploadId>u{i}</UploadId>"
                 f"<Initiated>2026-01-01T00:00:00.000Z</Initiated></Upload>"
                 for i, k in enumerate(p.keys)
             )
@@ -126,7 +132,7 @@ class Script:
             )
             return _doc("ListMultipartUploadsResult", f"<Bucket>bkt</Bucket>{marker}{more}{rows}")
         rows = "".join(
-            f'<Contents><Key>{escape(prefix + k)}</Key><Size>1</Size><ETag>"e"</ETag>'
+            f'<Contents><Key>{escape(_full(prefix, k))}</Key><Size>1</Size><ETag>"e"</ETag>'
             "<LastModified>2026-01-01T00:00:00.000Z</LastModified></Contents>"
             for k in p.keys
         )
@@ -136,6 +142,10 @@ class Script:
             else ""
         )
         return _doc("ListBucketResult", f"<Name>bkt</Name>{more}{rows}{token}")
+
+
+def _full(prefix: str, key: str) -> str:
+    return "root/other/x" if key == OUTSIDE else prefix + key
 
 
 def _doc(root: str, inner: str) -> bytes:
@@ -202,10 +212,11 @@ def test_any_listing_ends_with_its_keys_or_an_fmstore_error_in_bounded_pages(rig
     assert peak < MEMORY_BOUND, peak
     # Never more pages than the bounds allow (+1 for the page that trips a guard).
     assert script.asked <= max(MAX_PAGES, MAX_EMPTY) + 1, script.asked
-    want = well_formed(pages_, tail)
+    want = well_formed(pages_, tail, uploads)
     if isinstance(got, FmstoreError):
         assert got.tier == "fuzz"
         assert want is None, f"a well-formed listing was refused: {got!r}"
         return
+    assert all(k.startswith("d/") for k in got)  # nothing outside the listed prefix
     if want is not None:
         assert got == [f"d/{k}" for k in want]

@@ -94,6 +94,32 @@ def test_object_listing_stops_on_pages_that_never_end(lone_proxy, tier, small_bo
         run(store.close())
 
 
+@pytest.mark.parametrize("key", ["root/elsewhere", "root/d", "", "other/d/x"])
+def test_a_listed_key_outside_the_prefix_is_refused_before_it_is_yielded(lone_proxy, tier, key):
+    """S3 lists only keys under the prefix asked for; one outside it would be taken for
+    another key of ours (``root/elsewhere`` as ``here`` under ``d/``) and, say, deleted."""
+    body = (
+        '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+        f"<Contents><Key>root/d/ok</Key></Contents><Contents><Key>{key}</Key></Contents>"
+        "<IsTruncated>false</IsTruncated></ListBucketResult>"
+    ).encode()
+    lone_proxy.set_plan([Rule("answer", method="GET", answer=lambda m, p: body)])
+    store = _store("s3://bkt/root", lone_proxy.endpoint_url, tier)
+    got: list[str] = []
+
+    async def drain() -> None:
+        async for m in store.list("d"):
+            got.append(m.key)
+
+    try:
+        with pytest.raises(CorruptData, match="outside the prefix") as ei:
+            run(drain())
+        assert ei.value.tier == tier
+        assert got == []  # not even the good key of that page
+    finally:
+        run(store.close())
+
+
 @pytest.mark.parametrize("mode", ["same", "cycle", "no_marker", "endless"])
 def test_upload_listing_stops_on_pages_that_never_end(lone_proxy, tier, small_bounds, mode):
     lone_proxy.set_plan(

@@ -56,10 +56,11 @@ class Pages:
         self._page_order: deque[bytes] = deque()
         self._part = 0
 
-    def _fail(self, why: str) -> CorruptData:
+    def _fail(self, why: str, *, paging: bool = True) -> CorruptData:
+        broken = "its pagination is broken, " if paging else ""
         return CorruptData(
             f"the server's {self.what} listing {why} (page {self.pages}); "
-            "its pagination is broken, the listing was stopped",
+            f"{broken}the listing was stopped",
             tier=self.tier,
             key=self.key,
         )
@@ -97,6 +98,14 @@ class Pages:
         assert n is not None
         self._part = n
         return n
+
+    def under(self, keys: list[str], prefix: str) -> None:
+        """Every key of a page lies under the listed prefix, as S3 promises: one that does
+        not would be taken for another key of ours (and, say, deleted)."""
+        for k in keys:
+            if not isinstance(k, str) or not k.startswith(prefix):
+                why = f"gave key {str(k)[:80]!r} outside the prefix {prefix[:80]!r}"
+                raise self._fail(why, paging=False)
 
     def entries(self, keys: list[str]) -> None:
         """A page of a listing whose keys are unique: the same entries as one of the last

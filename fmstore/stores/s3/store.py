@@ -180,6 +180,9 @@ class S3Store(S3Reads, S3Uploads):
                 return await (await self._objects()).list_objects_v2(**req)
 
             resp = await self.retrier.call("list", p or None, page)
+            raw = [o["Key"] for o in resp.get("Contents", [])]
+            raw += [c["Prefix"] for c in resp.get("CommonPrefixes", [])]
+            guard.under(raw, base["Prefix"])
             entries = [
                 ObjectMeta(
                     key=o["Key"][cut:],
@@ -200,8 +203,6 @@ class S3Store(S3Reads, S3Uploads):
                 yield m
             if not resp.get("IsTruncated"):
                 return
-            raw = [o["Key"] for o in resp.get("Contents", [])]
-            raw += [c["Prefix"] for c in resp.get("CommonPrefixes", [])]
             guard.entries(raw)
             token = resp.get("NextContinuationToken")
             guard.next(token, entries=len(raw))
