@@ -528,3 +528,20 @@ def test_lazy_sources_must_be_a_list_of_local_or_s3_locations(hostile, monkeypat
         _index(dst, "s3://bucket/x")
         r = fm_here("hydrate", str(dst))
         assert r.returncode == 1 and why in r.stderr, (bad, r.stderr)
+
+
+def test_a_fetch_is_not_readable_by_others_when_its_source_was_not(hostile):
+    """Staging's mode rule for fetches: a 0644 file below a 0700 directory of a tier is
+    hidden from other users there, so its copy gets no bits for others either."""
+    private = hostile / "lustre" / "ds" / "private"
+    private.mkdir(parents=True)
+    (hostile / "lustre" / "ds").chmod(0o700)
+    (private / "ok.bin").write_bytes(b"private bytes")
+    (private / "ok.bin").chmod(0o644)
+    (hostile / "lustre" / "ds" / "open.bin").write_bytes(b"open bytes")
+    dst = hostile / "dst"
+    _index(dst, "lustre:ds", ["private/ok.bin"], size=13)
+    r = fm_here("hydrate", str(dst), "--json", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert (dst / "private" / "ok.bin").read_bytes() == b"private bytes"
+    assert (dst / "private" / "ok.bin").stat().st_mode & 0o777 == 0o640

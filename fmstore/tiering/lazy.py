@@ -134,9 +134,61 @@ def check_stage(src_url: str, dst_url: str) -> None:
         )
 
 
-def _fetching(options: TransferOptions) -> TransferOptions:
-    """Fetches carry the source's mode as staging does (never wider, never special bits)."""
-    return dataclasses.replace(options, posix_attrs=True)
+def _hidden_from_others(path: str, copy: str) -> bool:
+    """Whether users other than the owner and group could not read ``path`` where they
+    can reach ``copy``: the file lacks other-read, or a directory above it and not above
+    ``copy`` too lacks other-search (directories above both hide both alike)."""
+    if not os.stat(path, follow_symlinks=False).st_mode & stat.S_IROTH:
+        return True
+    common = os.path.commonpath([os.path.abspath(path), os.path.abspath(copy)])
+    d = os.path.dirname(os.path.abspath(path))
+    while d != common and d.startswith(common):
+        if not os.stat(d).st_mode & stat.S_IXOTH:
+            return True
+        d = os.path.dirname(d)
+    return False
+
+
+def _keep_private(src: Store, root: str, keys: Sequence[str]) -> None:
+    """A fetched copy is never readable by others when its source was not: a 0644 file in
+    a 0700 directory is hidden by that directory, which the copy does not sit below."""
+    for key in keys:
+        source = src.local_path(key)
+        local = os.path.join(root, key)
+        try:
+            if source is None or not _hidden_from_others(source, local):
+                continue
+            mode = stat.S_IMODE(os.lstat(local).st_mode)
+            if mode & 0o007:
+                os.chmod(local, mode & ~0o007, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # not fetched (a failure the report names) or gone meanwhile
+
+
+async def _fetch(
+    src: Store,
+    dst: Store,
+    root: str,
+    entries: Sequence[LazyEntry],
+    options: TransferOptions,
+    existing: Mapping[str, ObjectMeta],
+    **kwargs: Any,
+) -> TransferReport:
+    """Copy ``entries`` not in ``existing``; fetches carry the source's mode as staging
+    does (never wider, never special bits), and never readable by others when the source
+    was not (:func:`_keep_private`)."""
+    report = await copy_items(
+        src,
+        dst,
+        [_item(e) for e in entries],
+        dataclasses.replace(options, posix_attrs=True),
+        dst_existing=existing,
+        **kwargs,
+    )
+    fetched = [e.key for e in entries if e.key not in existing]
+    if fetched and src.local_root is not None:
+        await runtime.to_io(_keep_private, src, root, fetched)
+    return report
 
 
 async def drop_stale(
@@ -188,9 +240,7 @@ async def fetch_async(
             p = os.path.join(idx.root, e.key)
             if os.path.exists(p):
                 existing[e.key] = await dst.stat(e.key)
-        return await copy_items(
-            src, dst, [_item(e) for e in entries], _fetching(options), dst_existing=existing
-        )
+        return await _fetch(src, dst, idx.root, entries, options, existing)
     finally:
         # Each fetch opens its own stores: close them, or every lazy open leaks a client.
         closing = asyncio.gather(src.close(), dst.close(), return_exceptions=True)
@@ -249,14 +299,8 @@ async def hydrate_async(
         where = Journal.path_for(state_dir or get_config().state_dir, src.url, dst.url)
         journal = await Journal.open(where, dest=dst.url)
         try:
-            return await copy_items(
-                src,
-                dst,
-                [_item(e) for e in entries],
-                _fetching(options),
-                journal=journal,
-                progress=progress,
-                dst_existing=existing,
+            return await _fetch(
+                src, dst, idx.root, entries, options, existing, journal=journal, progress=progress
             )
         finally:
             await asyncio.shield(journal.close())
