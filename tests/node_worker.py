@@ -14,7 +14,8 @@ Scenarios (every rank writes ``OUT/SCENARIO-RANK.json``; any failed check exits 
   ``nvme:`` is refused, and restores step 10 from ``nvme:`` bit-exact into a fresh model;
 * ``kill``: saves step 20; the lowest rank of the node without rank 0 stops mid-save after
   writing ``OUT/blocked`` (the test then SIGKILLs that node);
-* ``resume``: restores the newest of step 20 and step 10 every rank can read (10), saves
+* ``resume``: restores the first of step 20 and step 10 on NVMe, then on Lustre, that every
+  rank can read (the test corrupted a chunk of n1's part of step 10: Lustre's), saves
   step 30 (``async_save`` in DCP's checkpoint process) and restores it bit-exact;
 * ``replaced``: restores step 30 with no fallback (the test wiped one node) and reports the
   error every rank got;
@@ -198,7 +199,8 @@ def scenario(name: str, out: str, ckpt: Any) -> dict[str, Any]:
         )
         rep["committed"] = True
     elif name == "resume":
-        used, got = restore([step_uri("nvme", 20), step_uri("nvme", 10)], ckpt)
+        cands = [step_uri("nvme", 20), step_uri("nvme", 10), step_uri("lustre", 10)]
+        used, got = restore(cands, ckpt)
         same(got, ref(out, 10), "resumed from step 10")
         rep["used"] = used
         model, opt = trained(4)

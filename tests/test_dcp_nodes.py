@@ -271,10 +271,18 @@ def test_node_killed_mid_save_commits_nothing_and_the_relaunch_falls_back_and_sa
     assert "pending part" in res.stdout + res.stderr
     assert sorted((cluster.nvme("n0") / step20).glob("g*/rank-*.json")) == records
     assert sorted((cluster.nvme("n0") / step20).glob("g*/*.bin")) == blobs
+    # A flipped byte in n1's part of step 10: rank 2's read fails its checksum.
+    ck = cluster.nvme("n1") / STEP.format(10)
+    m = json.loads((ck / "manifest.json").read_text())
+    blob = ck / m["generation"] / next(b["name"] for b in m["blobs"] if b["rank"] == 2)
+    data = bytearray(blob.read_bytes())
+    data[0] ^= 0xFF
+    blob.write_bytes(bytes(data))
     reps = cluster.run("resume", ["n0", "n1"])
-    # Step 20 was never committed: every rank fell back to step 10 together (bit-exact,
-    # checked by the worker), its pending parts are gone, and step 30 saved and restored.
-    assert all(r["used"] == "nvme:" + STEP.format(10) for r in reps)
+    # Step 20 was never committed, and n1 cannot read step 10 from its NVMe: every rank
+    # fell back together to step 10 on Lustre (bit-exact, checked by the worker); step 20's
+    # pending parts are gone, and step 30 saved and restored.
+    assert all(r["used"] == "lustre:" + STEP.format(10) for r in reps)
     assert all(r["used30"] == "nvme:" + STEP.format(30) for r in reps)
     assert not list((cluster.nvme("n0") / step20).glob("g*/rank-*.json"))
     for node in ("n0", "n1"):
