@@ -102,7 +102,7 @@ class Endpoint:
             finally:
                 for w in list(self._open):
                     w.transport.abort()
-                loop.run_until_complete(asyncio.sleep(0))
+                loop.run_until_complete(_cancel_the_rest())
                 loop.close()
 
         self._thread = threading.Thread(target=main, name="fmstore-http", daemon=True)
@@ -194,6 +194,14 @@ class Endpoint:
                 except Exception as e:  # noqa: BLE001 (a route's failure is the answer)
                     status, ctype, body = 500, "text/plain", f"{type(e).__name__}\n".encode()
         return _response(status, ctype, body)
+
+
+async def _cancel_the_rest() -> None:
+    """Cancel and wait for every other task of the loop (connections still open)."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _response(status: int, ctype: str, body: bytes) -> bytes:
