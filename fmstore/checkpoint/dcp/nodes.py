@@ -21,8 +21,10 @@ import os
 import re
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from ...errors import ConfigError, CorruptData
 from ...format.manifest import field_int, field_list, field_str, parse_header
@@ -30,8 +32,10 @@ from ..layout import RANK_RECORD_RE
 
 __all__ = [
     "NODE_ENV",
+    "LocalInfo",
     "RANK_RECORD_RE",
     "RankRecord",
+    "local_copies",
     "node_id",
     "rank_record_key",
     "tier_scope",
@@ -117,3 +121,30 @@ class RankRecord:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptData(f"rank record at {where} is malformed ({e!r})"[:300]) from None
+
+
+@dataclass(frozen=True)
+class LocalInfo:
+    """What each rank tells the coordinator in its local plan's ``storage_data``: its node,
+    and its items before DCP's deduplication dropped the ones another rank also holds."""
+
+    node: str
+    items: tuple[WriteItem, ...]
+
+
+def local_copies(plans: list[SavePlan], nodes: tuple[str, ...]) -> list[SavePlan]:
+    """Plans in which every node's ranks write every item one of them held before DCP's
+    deduplication (``dedup_save_plans`` keeps a replicated value on one rank, maybe on
+    another node): the copy goes to the lowest rank of the node that held it."""
+    out = [list(p.items) for p in plans]
+    for node in dict.fromkeys(nodes):
+        ranks = [r for r, n in enumerate(nodes) if n == node]
+        have = {wi.index for r in ranks for wi in plans[r].items}
+        for r in ranks:
+            info = plans[r].storage_data
+            assert isinstance(info, LocalInfo)
+            for wi in info.items:
+                if wi.index not in have:
+                    out[r].append(wi)
+                    have.add(wi.index)
+    return [replace(p, items=items) for p, items in zip(plans, out, strict=True)]

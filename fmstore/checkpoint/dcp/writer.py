@@ -66,7 +66,7 @@ from ...stores import PutOptions, Store, open_store
 from ..layout import blob_name, new_generation
 from . import staging
 from .manifest import MANIFEST_KEY, DcpBlob, DcpItem, DcpManifest, DcpPart
-from .nodes import RankRecord, node_id, rank_record_key, tier_scope
+from .nodes import LocalInfo, RankRecord, local_copies, node_id, rank_record_key, tier_scope
 
 __all__ = ["WriteOptions", "Writer"]
 
@@ -104,15 +104,6 @@ class WriteOptions:
         if self.max_inflight < self.chunk_size:
             raise ValueError("max_inflight must be at least chunk_size")
         choose_codec(self.compression, torch.float32)  # validates the name
-
-
-@dataclass(frozen=True)
-class _LocalInfo:
-    """What each rank tells the coordinator in its local plan's ``storage_data``: its node,
-    and its items before DCP's deduplication dropped the ones another rank also holds."""
-
-    node: str
-    items: tuple[WriteItem, ...]
 
 
 @dataclass(frozen=True)
@@ -274,7 +265,7 @@ class Writer(StorageWriter):
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return replace(plan, storage_data=_LocalInfo(node_id(), tuple(plan.items)))
+        return replace(plan, storage_data=LocalInfo(node_id(), tuple(plan.items)))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if not self.options.overwrite and runtime.run(self.store.exists(MANIFEST_KEY)):
@@ -287,7 +278,7 @@ class Writer(StorageWriter):
         streams = self.options.streams
         nodes = self._node_local(plans)
         if nodes:
-            plans = _local_copies(plans, nodes)
+            plans = local_copies(plans, nodes)
         out = []
         base = 0
         for i, p in enumerate(plans):
@@ -302,7 +293,7 @@ class Writer(StorageWriter):
         """Each rank's node, when this save writes one part per node (a node-local tier,
         ranks on several nodes); ``()`` otherwise."""
         infos = [p.storage_data for p in plans]
-        if not all(isinstance(i, _LocalInfo) for i in infos):
+        if not all(isinstance(i, LocalInfo) for i in infos):
             return ()
         nodes = tuple(i.node for i in infos)  # type: ignore[union-attr]
         if len(set(nodes)) < 2 or tier_scope(self.uri) != "node":
@@ -648,24 +639,6 @@ class Writer(StorageWriter):
             return _generation_of(data)
         except FmstoreError:
             return None
-
-
-def _local_copies(plans: list[SavePlan], nodes: tuple[str, ...]) -> list[SavePlan]:
-    """Plans in which every node's ranks write every item one of them held before DCP's
-    deduplication (``dedup_save_plans`` keeps a replicated value on one rank, maybe on
-    another node): the copy goes to the lowest rank of the node that held it."""
-    out = [list(p.items) for p in plans]
-    for node in dict.fromkeys(nodes):
-        ranks = [r for r, n in enumerate(nodes) if n == node]
-        have = {wi.index for r in ranks for wi in plans[r].items}
-        for r in ranks:
-            info = plans[r].storage_data
-            assert isinstance(info, _LocalInfo)
-            for wi in info.items:
-                if wi.index not in have:
-                    out[r].append(wi)
-                    have.add(wi.index)
-    return [replace(p, items=items) for p, items in zip(plans, out, strict=True)]
 
 
 def _off(wi: WriteItem) -> tuple[int, ...] | None:
