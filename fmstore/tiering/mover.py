@@ -35,6 +35,7 @@ from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
 from ..stores.base import PutOptions, Store
 from .journal import Journal
+from .parts import export_part, in_parts
 from .transfer import CopyItem, Failure, TransferOptions, copy_items
 
 if TYPE_CHECKING:
@@ -68,6 +69,9 @@ class CopyResult:
     #: The check of the destination before the commit (None with ``verify`` off): how
     #: many blobs the store's checksum, the written bytes' checksum or a read-back vouched for.
     check: VerifyResult | None = None
+    #: A checkpoint in node parts (:mod:`.parts`): the nodes whose parts are not on the
+    #: destination yet; empty once the copy there is committed.
+    waiting_for: tuple[str, ...] = ()
 
 
 async def copy_checkpoint(
@@ -76,8 +80,15 @@ async def copy_checkpoint(
     *,
     options: TransferOptions = CHECKPOINT_COPY,
     journal_path: str | None = None,
+    node: str | None = None,
+    shared_source: bool = False,
 ) -> CopyResult:
     """Copy the checkpoint at ``src``'s root to ``dst``'s root; see the module guarantees.
+
+    A sharded checkpoint in node parts is copied whole from a shared tier
+    (``shared_source``: every part is there); from a node-local tier only node ``node``'s
+    part is (:func:`fmstore.tiering.parts.export_part`: the copy commits once every node's
+    part is there).  Without either it is refused as a format this copy cannot read.
 
     Raises :class:`NotFound` (no checkpoint at ``src``), :class:`CorruptData` (the source
     fails its checksums: the copy is not committed), :class:`TierFull`,
@@ -88,14 +99,15 @@ async def copy_checkpoint(
     # Either format: a single-process checkpoint or one written by the DCP ``Writer``
     # (blobs, sizes and chunk checksums are described alike by both).
     data, manifest = await read_committed(src)
-    if _in_parts(manifest):
-        # A multi-node sharded checkpoint: this node holds its own part only.  Exporting
-        # parts needs a commit on the destination that waits for every node's part
-        # (docs/distributed.md); until then the copy is reported as unreadable here, never
-        # as missing or corrupt.
+    if in_parts(manifest) and not shared_source:
+        if node is not None:
+            return await export_part(src, dst, node, options=options, journal_path=journal_path)
+        # This node holds its own part only, and no node was named to export it: copied
+        # whole it would find the other nodes' blobs missing.  Reported as unreadable
+        # here, never as missing or corrupt.
         raise VersionError(
             f"{src.url} is a sharded checkpoint in node parts (docs/distributed.md); "
-            "this fmstore does not export node parts yet",
+            "only a node's own part can be exported from a node-local tier",
             tier=src.tier,
             key=MANIFEST_KEY,
         )
@@ -210,17 +222,6 @@ def _raise_for(failures: Sequence[Failure], src: Store, dst: Store) -> None:
         side = src if first.tier == src.tier and src.tier != dst.tier else dst
         raise type(first)(f"copy failed: {text}", tier=side.tier, key=side.url)
     raise StoreUnavailable(f"copy failed: {text}", tier=dst.tier, key=dst.url)
-
-
-def _in_parts(manifest: AnyCommitted) -> bool:
-    """Whether ``manifest`` is a DCP checkpoint saved in one part per node."""
-    from ..format.manifest import Manifest
-
-    if isinstance(manifest, Manifest):
-        return False
-    from ..checkpoint.dcp.manifest import DcpManifest  # torch is loaded already
-
-    return isinstance(manifest, DcpManifest) and bool(manifest.parts)
 
 
 async def delete_checkpoint(store: Store) -> int:

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import filelock
 
@@ -44,6 +45,7 @@ from . import metrics as m
 from .catalog import Catalog
 from .failures import DRAIN_COMMAND, ActionFailure, FailureLog, reason_of, warn_due
 from .mover import CHECKPOINT_COPY, copy_checkpoint, delete_checkpoint, has_checkpoint
+from .parts import remove_uncommitted, this_node
 from .policies import (
     Delete,
     Export,
@@ -279,7 +281,9 @@ class PolicyRunner:
         t0 = time.monotonic()
         event("export_start", root=a.root, step=a.step, src=a.source, dst=a.dest)
         try:
-            res = await copy_checkpoint(src, dst, options=self.mover, journal_path=jpath)
+            res = await copy_checkpoint(
+                src, dst, options=self.mover, journal_path=jpath, **self._part_args(a.source)
+            )
         except VersionError as e:
             # Written by a newer fmstore: not damage.  The source stays as it is (a newer
             # daemon can carry it); the export is reported as failing until then.
@@ -323,6 +327,27 @@ class PolicyRunner:
             self._failed(a, e, rep)
             raise
         seconds = time.monotonic() - t0
+        if res.waiting_for:
+            # This node's part is there and verified; the commit waits for the others'
+            # (whichever node finds them all commits: docs/distributed.md).  Not a failure:
+            # the next step looks again, on this node or any other.
+            waiting = ", ".join(res.waiting_for)
+            c.set_copy(
+                a.root, a.step, a.dest, cat.EXPORTING, error=f"waiting for the parts of {waiting}"
+            )
+            with contextlib.suppress(OSError):
+                os.unlink(jpath)
+            m.COPY_BYTES.labels(a.source, a.dest).inc(res.bytes_copied)
+            event(
+                "export_part_done",
+                root=a.root,
+                step=a.step,
+                src=a.source,
+                dst=a.dest,
+                bytes=res.bytes_copied,
+                waiting_for=list(res.waiting_for),
+            )
+            return
         c.record_checkpoint(
             a.root, a.step, bytes=res.manifest.stored_bytes, manifest_crc32c=res.manifest_crc32c
         )
@@ -350,6 +375,13 @@ class PolicyRunner:
             bytes=res.bytes_copied,
             seconds=round(seconds, 3),
         )
+
+    def _part_args(self, source: str) -> dict[str, Any]:
+        """How to copy from ``source``: this node's part of a checkpoint in node parts on
+        a node-local tier, the whole checkpoint from a shared one."""
+        if self.config.tier(source).scope == "node":
+            return {"node": this_node()}
+        return {"shared_source": True}
 
     def _failed(self, a: Export, e: FmstoreError, rep: StepReport) -> ActionFailure:
         """Record a failed attempt of export ``a`` (catalog, metrics, the step's report);
@@ -379,7 +411,10 @@ class PolicyRunner:
         ):
             return
         if before in (cat.WRITING, cat.EXPORTING, cat.CORRUPT):
-            await delete_checkpoint(self.tiers.checkpoint(a.dest, a.root, a.step))
+            dstore = self.tiers.checkpoint(a.dest, a.root, a.step)
+            sstore = self.tiers.checkpoint(a.source, a.root, a.step)
+            if not await remove_uncommitted(dstore, sstore, **self._part_args(a.source)):
+                await delete_checkpoint(dstore)
             for src in self.policies.ladder:
                 with contextlib.suppress(OSError):
                     os.unlink(self.journal_path(a.root, a.step, src, a.dest))

@@ -1,0 +1,176 @@
+"""Records of the exports of a checkpoint in node parts onto a shared tier.
+
+A sharded checkpoint of a job of several nodes lives on node-local tiers in one part per
+node (``docs/distributed.md``).  Each node exports its own part to a shared tier (Lustre,
+S3); the copy there becomes a checkpoint only when every node's part is there.  Two small
+objects per node, in the checkpoint's generation on the shared tier, carry that protocol
+through the destination store itself (no node talks to another):
+
+``GEN/part-NODE.json`` (a *part record*)
+    written by node ``NODE`` after every blob of its part is copied and verified there:
+    its ranks, its blobs (name, size, CRC32C) and the SHA-256 of the global manifest it
+    belongs to.  Whoever finds a part record for every part of the manifest writes the
+    manifest (create-only, the save's exact bytes): the commit.
+``GEN/export-NODE.json`` (an *export lease*)
+    written when node ``NODE``'s exporter starts an attempt, renewed while it copies, and
+    removed after the commit: while it is younger than :data:`LEASE_TTL`, no sweep and no
+    ``gc`` on any node removes anything of that generation, whatever the grace period.
+
+Both are kept out of the blob names (``BLOB_RE``) so that no reader takes them for data.
+This module is torch-free: the orphan sweep (:mod:`.gc`) reads these records too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CorruptData
+from ..format.manifest import field_int, field_ints, field_list, field_str, parse_header
+
+__all__ = [
+    "LEASE_RE",
+    "LEASE_RENEW",
+    "LEASE_TTL",
+    "PART_RECORD_RE",
+    "ExportLease",
+    "PartRecord",
+    "lease_key",
+    "manifest_sha256",
+    "part_record_key",
+]
+
+PART_FORMAT_NAME = "fmstore-dcp-part"
+LEASE_FORMAT_NAME = "fmstore-export-lease"
+_NODE = r"[A-Za-z0-9._:@+-]{1,200}"
+PART_RECORD_RE = re.compile(rf"^part-({_NODE})\.json$")
+LEASE_RE = re.compile(rf"^export-({_NODE})\.json$")
+
+#: Seconds an export lease keeps a generation alive after its last renewal
+#: (``$FMSTORE_EXPORT_LEASE_TTL`` overrides it).  Nodes' clocks must agree to well within
+#: it (NTP does); an exporter renews its lease every :data:`LEASE_RENEW` seconds.
+LEASE_TTL = float(os.environ.get("FMSTORE_EXPORT_LEASE_TTL", "120"))
+LEASE_RENEW = max(0.05, LEASE_TTL / 6)
+
+
+def part_record_key(generation: str, node: str) -> str:
+    return f"{generation}/part-{node}.json"
+
+
+def lease_key(generation: str, node: str) -> str:
+    return f"{generation}/export-{node}.json"
+
+
+def manifest_sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class PartRecord:
+    """Node ``node``'s part of the checkpoint whose manifest hashes to ``manifest_sha256``,
+    complete and verified on the tier it lies on."""
+
+    node: str
+    ranks: tuple[int, ...]
+    generation: str
+    manifest_sha256: str
+    blobs: tuple[tuple[str, int, int | None], ...]  # (name, size, crc32c)
+    written: float = 0.0
+
+    @property
+    def size(self) -> int:
+        return sum(s for _, s, _ in self.blobs)
+
+    def dumps(self) -> bytes:
+        d: dict[str, Any] = {
+            "format": PART_FORMAT_NAME,
+            "version": 1,
+            "node": self.node,
+            "ranks": list(self.ranks),
+            "generation": self.generation,
+            "manifest_sha256": self.manifest_sha256,
+            "written": self.written or time.time(),
+            "blobs": [{"name": n, "size": s, "crc32c": c} for n, s, c in self.blobs],
+        }
+        return json.dumps(d, separators=(",", ":")).encode()
+
+    @classmethod
+    def loads(cls, data: bytes, *, where: str) -> PartRecord:
+        d, _v = parse_header(
+            data, where=where, format_name=PART_FORMAT_NAME, max_version=1, kind="part record"
+        )
+        try:
+            return cls(
+                node=field_str(d, "node"),
+                ranks=field_ints(d, "ranks"),
+                generation=field_str(d, "generation"),
+                manifest_sha256=field_str(d, "manifest_sha256"),
+                blobs=tuple(
+                    (
+                        field_str(b, "name"),
+                        field_int(b, "size"),
+                        None if b.get("crc32c") is None else field_int(b, "crc32c"),
+                    )
+                    for b in field_list(d, "blobs")
+                ),
+                written=float(d.get("written", 0.0)),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CorruptData(f"part record at {where} is malformed ({e!r})"[:300]) from None
+
+
+@dataclass(frozen=True)
+class ExportLease:
+    """Node ``node``'s exporter (process ``pid``) of a generation was alive at ``renewed``
+    (its clock)."""
+
+    node: str
+    pid: int
+    renewed: float
+
+    def dumps(self) -> bytes:
+        d = {
+            "format": LEASE_FORMAT_NAME,
+            "version": 1,
+            "node": self.node,
+            "pid": self.pid,
+            "renewed": self.renewed,
+        }
+        return json.dumps(d, separators=(",", ":")).encode()
+
+    @classmethod
+    def loads(cls, data: bytes, *, where: str) -> ExportLease:
+        d, _v = parse_header(
+            data, where=where, format_name=LEASE_FORMAT_NAME, max_version=1, kind="export lease"
+        )
+        try:
+            return cls(field_str(d, "node"), field_int(d, "pid"), float(d["renewed"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptData(f"export lease at {where} is malformed ({e!r})"[:300]) from None
+
+    def alive(self, now: float | None = None, *, ttl: float | None = None) -> bool:
+        """Renewed within the TTL; a lease of this very node whose process is gone is dead
+        at once (``$FMSTORE_NODE_ID`` or the host name names this node)."""
+        now = time.time() if now is None else now
+        if now - self.renewed >= (LEASE_TTL if ttl is None else ttl):
+            return False
+        here = os.environ.get("FMSTORE_NODE_ID") or _hostname()
+        if self.node == here and self.pid != os.getpid():
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False
+            except OSError:
+                pass
+        return True
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()

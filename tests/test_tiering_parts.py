@@ -1,0 +1,169 @@
+"""Tiering of checkpoints in node parts, the rules one process can check: each node's runner
+exports its own part, the copy on the shared tier commits when every part is there, crash
+points of the protocol, cadence and retention every node decides alike, and the sweep's
+idleness and live exports.  The nodes are two state directories and two NVMe directories
+beside one shared ``lustre`` directory (and SeaweedFS where S3 is the point); the real
+multi-process nodes are in tests/test_tiering_nodes.py."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+from fmstore import runtime
+from fmstore.checkpoint.dcp.manifest import DcpBlob, DcpItem, DcpManifest, DcpPart
+from fmstore.checkpoint.dcp.nodes import NODE_ENV, RankRecord, rank_record_key
+from fmstore.checkpoint.layout import checkpoint_key, new_generation
+from fmstore.checkpoint.partrecords import part_record_key
+from fmstore.checkpoint.verify import verify_checkpoint
+from fmstore.config import Config, from_dict
+from fmstore.format.checksum import crc32c
+from fmstore.format.manifest import ChunkEntry
+from fmstore.stores import open_store
+from fmstore.tiering import catalog as cat
+from fmstore.tiering.catalog import Catalog
+from fmstore.tiering.rules import from_config
+from fmstore.tiering.runner import PolicyRunner
+
+ROOT = "run"
+NODES = ("n0", "n1")
+
+
+def node_config(base: Path, node: str, policies: dict[str, Any], s3: str | None = None) -> Config:
+    tiers: dict[str, Any] = {
+        "nvme": {"url": str(base / node / "nvme"), "scope": "node"},
+        "lustre": {"url": str(base / "lustre")},
+    }
+    if s3 is not None:
+        tiers["s3"] = {"url": s3}
+    return from_dict(
+        {"tiers": tiers, "state_dir": str(base / node / "state"), "policies": policies}
+    )
+
+
+def save_parts(base: Path, step: int, nodes: tuple[str, ...] = NODES, size: int = 3000) -> bytes:
+    """A committed checkpoint of ``len(nodes)`` nodes x 1 rank on the nodes' NVMe, as
+    ``fdcp.save`` leaves it: each node its rank's blob and record, every node the same
+    manifest.  Returns the manifest's bytes."""
+    gen = new_generation()
+    blobs, items, payloads = [], [], []
+    for r in range(len(nodes)):
+        data = os.urandom(size) + bytes([step % 256, r])
+        payloads.append(data)
+        blobs.append(DcpBlob(f"{r:06d}.bin", len(data), r))
+        chunk = ChunkEntry(r, 0, len(data), 0, len(data), "raw", crc32c(data))
+        items.append(DcpItem(f"x{r}", None, "bytes", "", (), len(data), (chunk,)))
+    md = Metadata(state_dict_metadata={f"x{r}": BytesStorageMetadata() for r in range(len(nodes))})
+    m = DcpManifest.from_metadata(
+        md,
+        generation=gen,
+        world_size=len(nodes),
+        items=items,
+        blobs=blobs,
+        allow_pickle=False,
+        writer="test",
+        parts=[DcpPart(n, (r,)) for r, n in enumerate(nodes)],
+    )
+    raw = m.dumps()
+    for r, node in enumerate(nodes):
+        d = base / node / "nvme" / checkpoint_key(ROOT, step)
+        (d / gen).mkdir(parents=True, exist_ok=True)
+        (d / gen / blobs[r].name).write_bytes(payloads[r])
+        rec = RankRecord(gen, "s", r, node, ((blobs[r].name, blobs[r].size),))
+        (d / rank_record_key(gen, r)).write_bytes(rec.dumps())
+        (d / "manifest.json").write_bytes(raw)
+    return raw
+
+
+class Node:
+    """One node's runner: its own catalog and state directory, FMSTORE_NODE_ID set while it
+    steps."""
+
+    def __init__(self, base: Path, name: str, policies: dict[str, Any], **kw: Any) -> None:
+        self.name = name
+        self.cfg = node_config(base, name, policies, **kw)
+        self.catalog = Catalog.for_state_dir(self.cfg.state_dir)
+        self.runner = PolicyRunner(self.cfg, from_config(self.cfg), self.catalog)
+
+    def record(self, step: int, created: float | None = None) -> None:
+        """What the sharded manager does after a save commits on this node."""
+        self.catalog.record_checkpoint(ROOT, step, created=created)
+        self.catalog.set_copy(ROOT, step, "nvme", cat.PRESENT)
+
+    def step(self, monkeypatch: pytest.MonkeyPatch) -> Any:
+        monkeypatch.setenv(NODE_ENV, self.name)
+        rep = self.runner.step(blocking_lock=True)
+        assert not rep.errors, rep.errors
+        return rep
+
+    def state(self, step: int, tier: str) -> str | None:
+        cp = self.catalog.copy(ROOT, step, tier)
+        return None if cp is None else cp.state
+
+
+EXPORT = {"ladder": ["nvme", "lustre"], "export": [{"to": "lustre", "every_steps": 10}]}
+
+
+def lustre(base: Path, step: int) -> Path:
+    return base / "lustre" / checkpoint_key(ROOT, step)
+
+
+def test_each_node_exports_its_own_part_and_the_last_one_commits(tmp_path, monkeypatch):
+    raw = save_parts(tmp_path, 10)
+    n0, n1 = (Node(tmp_path, n, EXPORT) for n in NODES)
+    for n in (n0, n1):
+        n.record(10)
+    n0.step(monkeypatch)
+    # n0's part is there and recorded; no manifest yet, and n0 says whom it waits for.
+    gen = DcpManifest.loads(raw).generation
+    assert (lustre(tmp_path, 10) / part_record_key(gen, "n0")).exists()
+    assert not (lustre(tmp_path, 10) / "manifest.json").exists()
+    assert n0.state(10, "lustre") == cat.EXPORTING
+    assert "waiting for the parts of n1" in (n0.catalog.copy(ROOT, 10, "lustre").error or "")
+    n1.step(monkeypatch)
+    # n1 found the set complete: the manifest is the save's, byte for byte, and verifies.
+    assert (lustre(tmp_path, 10) / "manifest.json").read_bytes() == raw
+    res = runtime.run(verify_checkpoint(open_store(str(lustre(tmp_path, 10)))))
+    assert res.ok and res.chunks == 2, res.problems
+    assert n1.state(10, "lustre") == cat.PRESENT
+    assert not list(lustre(tmp_path, 10).glob("*/export-*.json"))  # leases dropped
+    n0.step(monkeypatch)  # n0's next step sees the commit
+    assert n0.state(10, "lustre") == cat.PRESENT
+    assert n0.catalog.copy(ROOT, 10, "lustre").verified is not None
+
+
+def test_a_node_dying_between_its_part_and_the_commit_is_finished_by_any_node(
+    tmp_path, monkeypatch
+):
+    raw = save_parts(tmp_path, 10)
+    gen = DcpManifest.loads(raw).generation
+    n0, n1 = (Node(tmp_path, n, EXPORT) for n in NODES)
+    for n in (n0, n1):
+        n.record(10)
+    n0.step(monkeypatch)
+    n1.step(monkeypatch)
+    # n1 "died" after its part record, before the commit: take the manifest away again.
+    (lustre(tmp_path, 10) / "manifest.json").unlink()
+    n1.catalog.set_copy(ROOT, 10, "lustre", cat.EXPORTING)
+    # A reader sees no checkpoint meanwhile; n0's next step (not n1's) commits.
+    n0.step(monkeypatch)
+    assert (lustre(tmp_path, 10) / "manifest.json").read_bytes() == raw
+    assert (lustre(tmp_path, 10) / part_record_key(gen, "n1")).exists()
+
+
+def test_a_reader_never_sees_a_manifest_while_a_part_is_missing(tmp_path, monkeypatch):
+    save_parts(tmp_path, 10, nodes=("n0", "n1", "n2"))
+    nodes = [Node(tmp_path, n, EXPORT) for n in ("n0", "n1", "n2")]
+    for n in nodes:
+        n.record(10)
+    for n in nodes[:2]:
+        n.step(monkeypatch)
+        n.step(monkeypatch)
+        assert not (lustre(tmp_path, 10) / "manifest.json").exists()
+    nodes[2].step(monkeypatch)
+    assert (lustre(tmp_path, 10) / "manifest.json").exists()
