@@ -8,7 +8,6 @@ multi-process nodes are in tests/test_tiering_nodes.py."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
