@@ -1,0 +1,367 @@
+"""The model of checkpointing at scale behind ``benchmarks/scale.py`` and ``docs/scale.md``.
+
+Pure arithmetic, no I/O: every phase of a save or a restore is a set of *limits*, each a
+number of bytes (or requests) pushed through a rate; the phase takes as long as its slowest
+limit, and that limit is the one that *binds*.  A limit is either **per node** (the node's
+own GPUs' PCIe links, its NVMe, its client's rate to Lustre or S3, its NIC: every node has
+its own, so the time does not grow with the node count) or **shared** by every node (the
+FSx for Lustre file system's throughput, S3's request rate per partitioned prefix: the time
+grows with the job).  The same functions give the 1-3 node runs of this machine, where the
+disk, the S3 server and the two cores are shared by every "node" (:func:`local_check`).
+
+Units: bytes, seconds, bytes per second, requests per second.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+MiB = 1 << 20
+TiB = 1 << 40
+
+
+@dataclass(frozen=True)
+class Job:
+    """A training job: a Llama-shaped model sharded by FSDP over every GPU.
+
+    ``bytes_per_param``: the saved state per parameter (bf16 weights, fp32 master weights and
+    two Adam moments: about 14).  The tensor shapes (``hidden``, ``ffn``, ``kv``, ``vocab``,
+    ``layers``) only decide how many items each rank holds and how big they are, which sets
+    the number of blobs, S3 objects and requests."""
+
+    name: str
+    gpus: int
+    gpus_per_node: int
+    layers: int
+    hidden: int
+    ffn: int
+    kv: int
+    vocab: int
+    bytes_per_param: float = 14.0
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.gpus / self.gpus_per_node)
+
+    def tensors(self) -> list[int]:
+        """Element counts of the model's tensors (one entry per tensor)."""
+        h = self.hidden
+        layer = [h * h, h * self.kv, h * self.kv, h * h, h * self.ffn, h * self.ffn]
+        layer += [self.ffn * h, h, h]
+        return layer * self.layers + [self.vocab * h, self.vocab * h, h]
+
+    @property
+    def params(self) -> int:
+        return sum(self.tensors())
+
+    @property
+    def total_bytes(self) -> float:
+        return self.params * self.bytes_per_param
+
+    @property
+    def node_bytes(self) -> float:
+        return self.total_bytes / self.nodes
+
+    @property
+    def rank_bytes(self) -> float:
+        return self.total_bytes / self.gpus
+
+    def rank_items(self) -> list[float]:
+        """Bytes of each item one rank saves: every tensor's shard of its weights and its
+        optimizer state (three items per tensor sharing ``bytes_per_param``)."""
+        out: list[float] = []
+        for n in self.tensors():
+            share = n * self.bytes_per_param / 3 / self.gpus
+            out += [share, share, share]
+        return out
+
+
+LLAMA_70B = Job("Llama-70B", 1024, 8, layers=80, hidden=8192, ffn=28672, kv=1024, vocab=128256)
+LLAMA_405B = Job("Llama-405B", 16384, 8, layers=126, hidden=16384, ffn=53248, kv=1024, vocab=128256)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The figures the model runs on, each with where it came from (``sources``).
+
+    Per node, measured on one node (``benchmarks/scale.py`` measures them):
+    ``nvme_write`` / ``nvme_read`` (fmstore's DCP Writer and Reader on the node's disk),
+    ``lustre_export`` / ``s3_export`` (the mover copying a committed checkpoint from NVMe),
+    ``lustre_read`` / ``s3_read`` (a restore reading from that tier), ``replica_pair`` (gloo
+    send/recv between two ranks; a node sends ``gpus_per_node`` such streams).
+    Per GPU or per node, published: ``d2h_gpu`` (device-to-host copy into pinned memory),
+    ``nic`` (the node's network), ``fsx_per_tib`` (FSx for Lustre throughput per TiB),
+    ``fsx_copies`` (the file system is sized to hold this many checkpoints), the S3 request
+    rates per partitioned prefix.  fmstore's layout: ``part_size`` (S3 multipart part),
+    ``chunk_size`` (checksummed chunk, one GET each on restore), ``streams`` and
+    ``direct_min`` (the Writer's packing of items into blobs), ``prefixes`` (partitioned S3
+    prefixes one save's keys spread over)."""
+
+    nvme_write: float
+    nvme_read: float
+    lustre_export: float
+    s3_export: float
+    lustre_read: float
+    s3_read: float
+    replica_pair: float
+    #: fmstore's DCP Writer straight onto S3 (the 1-3 node check saves that way); 0: s3_export
+    s3_save: float = 0.0
+    #: seconds of a save (to NVMe, to S3) and a restore of almost nothing by one process
+    #: (plans, manifest, fsyncs, requests): the fixed part of each phase of the 1-3 node
+    #: check, whose sizes are small.  Not in the predictions at scale (see docs/scale.md)
+    save_fixed_s: float = 0.0
+    s3_save_fixed_s: float = 0.0
+    load_fixed_s: float = 0.0
+    d2h_gpu: float = 25e9
+    nic: float = 400e9
+    fsx_per_tib: float = 1000e6
+    fsx_copies: float = 10.0
+    s3_put_per_prefix: float = 3500.0
+    s3_get_per_prefix: float = 5500.0
+    prefixes: int = 1
+    part_size: int = 8 * MiB
+    chunk_size: int = 8 * MiB
+    read_direct_min: int = 1 * MiB
+    read_max_request: int = 64 * MiB
+    streams: int = 4
+    direct_min: int = 4 * MiB
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Inputs:
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    def but(self, **changes: Any) -> Inputs:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Limit:
+    """``amount`` (bytes or requests) through ``rate``; ``shared``: by every node."""
+
+    name: str
+    amount: float
+    rate: float
+    shared: bool = False
+
+    @property
+    def seconds(self) -> float:
+        return self.amount / self.rate if self.rate > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase: ``before`` seconds that must pass first (the phases it waits for), then
+    its own limits, all at once; the slowest binds."""
+
+    name: str
+    limits: tuple[Limit, ...]
+    before: float = 0.0
+
+    @property
+    def binding(self) -> Limit:
+        return max(self.limits, key=lambda lim: lim.seconds)
+
+    @property
+    def own(self) -> float:
+        return self.binding.seconds
+
+    @property
+    def seconds(self) -> float:
+        return self.before + self.own
+
+
+def s3_objects(job: Job, inp: Inputs) -> list[float]:
+    """Sizes of the objects one rank's part becomes on S3 (one per blob): items of at least
+    ``direct_min`` bytes are a blob each; the rest is packed into ``streams`` blobs."""
+    items = job.rank_items()
+    direct = [b for b in items if b >= inp.direct_min]
+    packed = sum(b for b in items if b < inp.direct_min)
+    n = min(inp.streams, max(1, sum(1 for b in items if b < inp.direct_min)))
+    return direct + ([packed / n] * n if packed else [])
+
+
+def put_requests(size: float, part_size: int) -> int:
+    """PUT-class requests for one object: one PUT up to ``part_size``, else create + parts +
+    complete (parts grow so that no more than 10,000 are needed, as the S3 store does)."""
+    if size <= part_size:
+        return 1
+    part = max(part_size, math.ceil(size / 10_000 / MiB) * MiB)
+    return math.ceil(size / part) + 2
+
+
+def get_requests(job: Job, inp: Inputs) -> int:
+    """GETs of one rank's restore from S3: items of at least ``read_direct_min`` bytes one
+    per chunk; smaller ones merged into ranged requests of up to ``read_max_request``."""
+    n, small = 0, 0.0
+    for b in job.rank_items():
+        if b >= inp.read_direct_min:
+            n += math.ceil(b / inp.chunk_size)
+        else:
+            small += b
+    return n + math.ceil(small / inp.read_max_request)
+
+
+def s3_save_requests(job: Job, inp: Inputs) -> int:
+    """PUT-class requests of one save of the whole job to S3 (blobs, rank records, manifest)."""
+    per_rank = sum(put_requests(s, inp.part_size) for s in s3_objects(job, inp)) + 1
+    return per_rank * job.gpus + 1
+
+
+def fsx_throughput(job: Job, inp: Inputs) -> float:
+    """FSx for Lustre's aggregate throughput when sized for ``fsx_copies`` checkpoints
+    (PERSISTENT_2 grows in 2.4 TiB steps, from 1.2 TiB)."""
+    tib = inp.fsx_copies * job.total_bytes / TiB
+    tib = 1.2 if tib <= 1.2 else math.ceil(tib / 2.4) * 2.4
+    return tib * inp.fsx_per_tib
+
+
+def _stall(job: Job, inp: Inputs) -> Phase:
+    return Phase("stall", (Limit("device-to-host copy, per GPU", job.rank_bytes, inp.d2h_gpu),))
+
+
+def replica_link(job: Job, inp: Inputs) -> float:
+    """A node's rate to its partner: one gloo stream per rank, capped by the NIC."""
+    return min(inp.replica_pair * job.gpus_per_node, inp.nic)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    job: Job
+    phases: dict[str, Phase]
+    save_requests: int
+    restore_gets: int
+    fsx: float
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "job": self.job.name,
+                "what": p.name,
+                "s": p.seconds,
+                "binds": p.binding.name,
+                "scope": "shared" if p.binding.shared else "per node",
+            }
+            for p in self.phases.values()
+        ]
+
+
+def predict(job: Job, inp: Inputs) -> Prediction:
+    """Every phase of a save and of a restore after one node is lost, for ``job``."""
+    nb, total = job.node_bytes, job.total_bytes
+    stall = _stall(job, inp)
+    # The node's part, written from the staged host copy once the snapshot is taken.
+    nvme = Phase("on NVMe", (Limit("NVMe write", nb, inp.nvme_write),), stall.seconds)
+    # Each node sends its part to its partner and receives its own ward's: the partner's
+    # NVMe writes two parts (its own and the replica) at the same time.
+    peer = Phase(
+        "on a peer",
+        (
+            Limit("replica link: gloo streams over the NIC", nb, replica_link(job, inp)),
+            Limit("partner's NVMe writes its part and the replica", 2 * nb, inp.nvme_write),
+        ),
+        stall.seconds,
+    )
+    fsx = fsx_throughput(job, inp)
+    lustre = Phase(
+        "on Lustre",
+        (
+            Limit("Lustre export", nb, inp.lustre_export),
+            Limit("FSx throughput", total, fsx, shared=True),
+        ),
+        nvme.seconds,
+    )
+    puts = s3_save_requests(job, inp)
+    s3 = Phase(
+        "on S3",
+        (
+            Limit("S3 export", nb, inp.s3_export),
+            Limit(
+                f"S3 PUTs per prefix x {inp.prefixes}",
+                puts,
+                inp.s3_put_per_prefix * inp.prefixes,
+                shared=True,
+            ),
+        ),
+        nvme.seconds,
+    )
+    h2d = Limit("host-to-device copy, per GPU", job.rank_bytes, inp.d2h_gpu)
+    with_replica = Phase(
+        "restore, one node lost, from the replica",
+        (
+            Limit("survivors read their NVMe", nb, inp.nvme_read),
+            Limit("replica link to the new node", nb, replica_link(job, inp)),
+            Limit("partner reads the replica beside its own part", 2 * nb, inp.nvme_read),
+            h2d,
+        ),
+    )
+    from_lustre = Phase(
+        "restore, one node lost, no replica: every rank from Lustre",
+        (
+            Limit("Lustre read", nb, inp.lustre_read),
+            Limit("FSx throughput", total, fsx, shared=True),
+            h2d,
+        ),
+    )
+    gets = get_requests(job, inp) * job.gpus
+    from_s3 = Phase(
+        "restore, one node lost, no replica: every rank from S3",
+        (
+            Limit("S3 read", nb, inp.s3_read),
+            Limit(
+                f"S3 GETs per prefix x {inp.prefixes}",
+                gets,
+                inp.s3_get_per_prefix * inp.prefixes,
+                shared=True,
+            ),
+            h2d,
+        ),
+    )
+    phases = [stall, nvme, peer, lustre, s3, with_replica, from_lustre, from_s3]
+    return Prediction(job, {p.name: p for p in phases}, puts, gets, fsx)
+
+
+def prefixes_needed(job: Job, inp: Inputs) -> dict[str, int]:
+    """Partitioned prefixes that keep one save's PUTs and one restore's GETs within S3's
+    per-prefix rates while every node moves at its own S3 rate."""
+    put_s = job.node_bytes / inp.s3_export
+    get_s = job.node_bytes / inp.s3_read
+    return {
+        "put": math.ceil(s3_save_requests(job, inp) / put_s / inp.s3_put_per_prefix),
+        "get": math.ceil(get_requests(job, inp) * job.gpus / get_s / inp.s3_get_per_prefix),
+    }
+
+
+def local_check(inp: Inputs, nodes: int, node_bytes: float) -> dict[str, Phase]:
+    """The model for ``nodes`` "nodes" on this one machine, each saving ``node_bytes``:
+    every per-node figure is this machine's, and the disk (NVMe and Lustre are directories
+    on it) and the S3 server are shared, so each also binds for all nodes' bytes at once; a
+    phase starts with the fixed cost of a save or restore of almost nothing."""
+    total = nodes * node_bytes
+
+    def phase(name: str, what: str, rate: float, before: float) -> Phase:
+        return Phase(
+            name,
+            (
+                Limit(what, node_bytes, rate),
+                Limit(f"{what}, one for all nodes", total, rate, shared=True),
+            ),
+            before,
+        )
+
+    return {
+        "save to NVMe": phase("save to NVMe", "disk write", inp.nvme_write, inp.save_fixed_s),
+        "save to Lustre": phase("save to Lustre", "disk write", inp.nvme_write, inp.save_fixed_s),
+        "save to S3": phase(
+            "save to S3", "S3 server", inp.s3_save or inp.s3_export, inp.s3_save_fixed_s
+        ),
+        "restore from NVMe": phase(
+            "restore from NVMe", "disk read", inp.nvme_read, inp.load_fixed_s
+        ),
+    }

@@ -1,0 +1,58 @@
+"""One rank of ``benchmarks/scale.py``'s 1-3 node check, under ``torchrun`` agents on loopback
+(each agent a node with its own ``FMSTORE_CONFIG`` and ``FMSTORE_NODE_ID``).
+
+``python -m torch.distributed.run ... benchmarks/scale_worker.py NODE_BYTES OUT``
+
+Every rank holds ``NODE_BYTES / local world size`` bytes of fp32 tensors and saves them with
+``fmstore.checkpoint.dcp.save`` to ``nvme:`` (node-local), ``lustre:`` and ``s3:`` (shared),
+then restores the ``nvme:`` copy; each phase between two barriers of the checkpoint group,
+timed on rank 0, which writes ``OUT/times.json``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import fmstore.checkpoint.dcp as fdcp
+from benchmarks.common import settle
+
+
+def main() -> None:
+    node_bytes, out = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    pg = dist.new_group(backend="gloo")
+    rank, local = dist.get_rank(), int(os.environ["LOCAL_WORLD_SIZE"])
+    n = max(1, node_bytes // local // 4 // 8)
+    gen = torch.Generator().manual_seed(rank)
+    state = {f"t{i}": torch.rand(n, generator=gen) for i in range(8)}
+    times: dict[str, float] = {}
+
+    def timed(name: str, fn: object) -> None:
+        dist.barrier(group=pg)
+        t0 = time.perf_counter()
+        fn()  # type: ignore[operator]
+        dist.barrier(group=pg)
+        times[name] = time.perf_counter() - t0
+
+    for tier in ("nvme", "lustre", "s3"):
+        timed(f"save to {tier}", lambda t=tier: fdcp.save(state, f"{t}:scale/s1", process_group=pg))
+    if rank == 0:
+        settle()
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    timed("restore from nvme", lambda: fdcp.load(back, "nvme:scale/s1", process_group=pg))
+    assert all(torch.equal(back[k], state[k]) for k in state), "restore is not bit-exact"
+    if rank == 0:
+        with open(os.path.join(out, "times.json"), "w") as f:
+            json.dump({"world": dist.get_world_size(), "times": times}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
