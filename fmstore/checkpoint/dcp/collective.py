@@ -325,11 +325,14 @@ def _prepare(uri: str, so: dict[str, Any], pg: Any) -> str:
     if not holders:
         pending = [v for v in views if v.pending]
         if any(v.rank == rank for v in pending):
-            runtime.run(_drop_pending(uri, so, rank, views[rank].pending))
+            layout = tuple(v.node for v in views)
+            runtime.run(_drop_pending(uri, so, rank, views[rank].pending, layout))
         errs = sorted({v.error for v in views if v.error})
         extra = f" ({errs[0]})" if errs else ""
         if pending:
-            return f"never committed: no node holds its manifest; removed the pending parts{extra}"
+            return (
+                f"never committed: no node holds its manifest; its pending parts are removed{extra}"
+            )
         return f"no committed checkpoint there{extra}"
     src = holders[0]
     box: list[Any] = [None]
@@ -385,15 +388,21 @@ async def _look(uri: str, so: dict[str, Any], rank: int) -> _View:
     return _View(rank, me, None, tuple(sorted(pending)))
 
 
-async def _drop_pending(uri: str, so: dict[str, Any], rank: int, gens: Sequence[str]) -> None:
-    """Remove this rank's blobs and record of saves no node committed (the collective
-    decided so: no rank's node holds their manifest)."""
+async def _drop_pending(
+    uri: str, so: dict[str, Any], rank: int, gens: Sequence[str], layout: tuple[str, ...]
+) -> None:
+    """Remove this rank's blobs and record of saves no node committed: the collective found
+    no manifest on any node, and the job has the save's layout (``layout``: each rank's
+    node), so every node of the save answered.  A part of a save with another layout
+    stays pending (a job with that layout decides about it)."""
     store = _open(uri, so)
     for gen in gens:
         key = rank_record_key(gen, rank)
         try:
             rec = RankRecord.loads(await store.get(key), where=f"{store.url}/{key}")
         except FmstoreError:
+            continue
+        if rec.nodes != layout:
             continue
         await store.delete_many([f"{gen}/{name}" for name, _size in rec.blobs])
         await store.delete(key)

@@ -85,6 +85,9 @@ class RankRecord:
     node: str
     blobs: tuple[tuple[str, int], ...]  # (name, size)
     created: float = 0.0
+    #: the node of every rank of the save: a restore removes a pending part only when its
+    #: own job has this layout (then every node of the save said it holds no manifest)
+    nodes: tuple[str, ...] = ()
 
     def dumps(self) -> bytes:
         d: dict[str, Any] = {
@@ -96,6 +99,7 @@ class RankRecord:
             "node": self.node,
             "created": self.created or time.time(),
             "blobs": [{"name": n, "size": s} for n, s in self.blobs],
+            "nodes": list(self.nodes),
         }
         return json.dumps(d, separators=(",", ":")).encode()
 
@@ -118,6 +122,7 @@ class RankRecord:
                     (field_str(b, "name"), field_int(b, "size")) for b in field_list(d, "blobs")
                 ),
                 created=float(d.get("created", 0.0)),
+                nodes=tuple(str(n) for n in field_list(d, "nodes")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptData(f"rank record at {where} is malformed ({e!r})"[:300]) from None

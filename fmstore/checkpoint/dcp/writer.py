@@ -388,6 +388,7 @@ class Writer(StorageWriter):
                 rp.rank,
                 rp.nodes[rp.rank],
                 tuple((b.name, b.size) for b in blobs),
+                nodes=rp.nodes,
             )
             await store.put(
                 rank_record_key(rp.generation, rp.rank), rec.dumps(), PutOptions(mode="create")
