@@ -8,7 +8,7 @@ BSTAMP  := $(VENV)/.installed-bench
 PIP     := $(BIN)/python -m pip
 TORCH   := torch==2.13.0
 
-.PHONY: setup setup-bench setup-prometheus demo test test-fast fuzz lint format bench clean
+.PHONY: setup setup-bench setup-prometheus demo test test-fast test-chaos fuzz lint format bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,11 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -x -q -m "not slow" tests
+
+# The kill schedules at length: the three-node job killed at least 20 times (make test runs
+# a short schedule of it), and the single-node tiering chaos test.
+test-chaos: $(STAMP)
+	FMSTORE_CHAOS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -s tests/test_cluster_chaos.py tests/test_tiering_chaos.py
 
 # The property-based tests of hostile input with a larger budget than `make test` gives them.
 fuzz: $(STAMP)

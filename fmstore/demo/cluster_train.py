@@ -15,12 +15,14 @@ resumes from them).
 
 What it reports, for the demo and the tests (``--out``):
 
-* ``events.jsonl`` (rank 0): ``restore`` (step, tier, seconds), ``save`` (step, stall:
+* ``events.jsonl`` (rank 0): ``restore`` (step, tier, seconds; step None on a fresh
+  start), ``save`` (step, stall:
   the seconds ``save()`` held training), ``committed`` (step, tier, seconds until the
   commit), ``step`` (loss), ``done`` (the final step);
 * ``hash/STEP-RANK``: SHA-256 of the rank's shards of model and optimizer at every saved
   step.  A rank that saves a step again (after a resume) or restores one checks its
-  state against the hash recorded first, and exits non-zero on a difference;
+  state against the hash recorded first; on a difference it writes ``MISMATCH-STEP-RANK``
+  and exits non-zero;
 * ``final-RANK.json``: the rank's hash after the last step.
 """
 
@@ -93,7 +95,9 @@ def check_hash(out: Path, step: int, rank: int, digest: str, what: str) -> None:
     if path.exists():
         first = path.read_text()
         if first != digest:
-            raise SystemExit(f"rank {rank}: {what} step {step} differs from its first save")
+            msg = f"rank {rank}: {what} step {step} differs from its first save"
+            (out / f"MISMATCH-{step}-{rank}").write_text(msg)
+            raise SystemExit(msg)
         return
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(digest)
@@ -165,13 +169,13 @@ def main(argv: list[str] | None = None) -> None:
 
             set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
             check_hash(out, start, rank, local_hash(state_of(model, opt, start)), "restored")
-            emit(
-                ev="restore",
-                step=start,
-                tier=mgr.restored_tier,
-                seconds=time.perf_counter() - t0,
-                nodes=dist.get_world_size() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-            )
+        emit(
+            ev="restore",
+            step=start,
+            tier=mgr.restored_tier if start is not None else None,
+            seconds=time.perf_counter() - t0,
+            nodes=dist.get_world_size() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        )
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             drop_newer(mgr, start)
         dist.barrier(group=ckpt)

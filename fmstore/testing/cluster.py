@@ -47,8 +47,12 @@ class S3Tier:
     """The shared ``s3`` tier of every node: ``url`` (``s3://bucket/prefix``), the endpoint
     every node talks to (a fault proxy's, or the server's) and the credentials' environment."""
 
-    def __init__(self, url: str, endpoint_url: str, env: Mapping[str, str], region: str) -> None:
+    def __init__(
+        self, url: str, endpoint_url: str, env: Mapping[str, str], region: str, extra: str = ""
+    ) -> None:
         self.url, self.endpoint_url, self.env, self.region = url, endpoint_url, dict(env), region
+        #: more lines of the ``[s3]`` table (``max_attempts = 20``)
+        self.extra = extra
 
 
 def kill_tree(pid: int) -> None:
@@ -121,7 +125,7 @@ class Cluster:
             text += (
                 f'[tiers.s3]\nurl = "{self.s3.url}"\n'
                 f'[s3]\nendpoint_url = "{self.s3.endpoint_url}"\n'
-                f'region = "{self.s3.region}"\naddressing_style = "path"\n'
+                f'region = "{self.s3.region}"\naddressing_style = "path"\n{self.s3.extra}\n'
             )
         cfg.write_text(text + self.policies)
         return cfg

@@ -60,7 +60,8 @@ def descendants(pid: int) -> list[int]:
                 parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
     out, todo = [], [pid]
     while todo:
-        kids = [c for c, pp in parent.items() if pp == todo.pop()]
+        cur = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == cur]
         out += kids
         todo += kids
     return out
