@@ -8,6 +8,7 @@ multi-process nodes are in tests/test_tiering_nodes.py."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +46,20 @@ def node_config(base: Path, node: str, policies: dict[str, Any], s3: str | None 
     )
 
 
-def save_parts(base: Path, step: int, nodes: tuple[str, ...] = NODES, size: int = 3000) -> bytes:
+def save_parts(
+    base: Path,
+    step: int,
+    nodes: tuple[str, ...] = NODES,
+    size: int = 3000,
+    age: float = 0.0,
+) -> bytes:
     """A committed checkpoint of ``len(nodes)`` nodes x 1 rank on the nodes' NVMe, as
     ``fdcp.save`` leaves it: each node its rank's blob and record, every node the same
-    manifest.  Returns the manifest's bytes."""
+    manifest; saved ``age`` seconds ago (its generation's name and its files' times).
+    Returns the manifest's bytes."""
     gen = new_generation()
+    if age:
+        gen = f"g{int((time.time() - age) * 1000):012x}-{gen[-8:]}"
     blobs, items, payloads = [], [], []
     for r in range(len(nodes)):
         data = os.urandom(size) + bytes([step % 256, r])
@@ -76,6 +86,9 @@ def save_parts(base: Path, step: int, nodes: tuple[str, ...] = NODES, size: int 
         rec = RankRecord(gen, "s", r, node, ((blobs[r].name, blobs[r].size),))
         (d / rank_record_key(gen, r)).write_bytes(rec.dumps())
         (d / "manifest.json").write_bytes(raw)
+        if age:
+            for f in [*(d / gen).iterdir(), d / "manifest.json"]:
+                os.utime(f, (time.time() - age, time.time() - age))
     return raw
 
 
@@ -166,3 +179,97 @@ def test_a_reader_never_sees_a_manifest_while_a_part_is_missing(tmp_path, monkey
         assert not (lustre(tmp_path, 10) / "manifest.json").exists()
     nodes[2].step(monkeypatch)
     assert (lustre(tmp_path, 10) / "manifest.json").exists()
+
+
+def sweep_lustre(base: Path, grace: float, dry_run: bool = False) -> dict[str, str]:
+    from fmstore.tiering.sweep import sweep
+
+    cfg = node_config(base, "n1", EXPORT)
+    store = open_store(str(base / "lustre"))
+    rep = runtime.run(sweep(cfg, {"lustre": store}, grace=grace, dry_run=dry_run))
+    runtime.run(store.close())
+    return {o.where.rsplit("/", 1)[-1]: o.action for o in rep.orphans if o.kind == "generation"}
+
+
+def test_an_export_of_an_old_save_is_young_on_the_shared_tier_and_a_live_one_is_kept(
+    tmp_path, monkeypatch
+):
+    # The save is two hours old (its generation's name and its files' mtimes), and the copy
+    # carries the source's mtime: the sweep measured it "idle for 2 h" and removed a part
+    # exported a second ago.  Idle is now counted from when the copy was written.
+    raw = save_parts(tmp_path, 10, age=7200)
+    gen = DcpManifest.loads(raw).generation
+    n0 = Node(tmp_path, "n0", EXPORT)
+    n0.record(10)
+    n0.step(monkeypatch)
+    blob = lustre(tmp_path, 10) / gen / "000000.bin"
+    assert time.time() - blob.stat().st_mtime > 7000  # the copy kept the source's mtime
+    # A live lease (n0 waits for n1's part) keeps it whatever the grace period...
+    assert sweep_lustre(tmp_path, grace=0, dry_run=True) == {gen: "kept: live export"}
+    # ... and without the lease (its exporter gone), it is young: written just now.
+    for lease in (lustre(tmp_path, 10) / gen).glob("export-*.json"):
+        lease.unlink()
+    assert sweep_lustre(tmp_path, grace=3600, dry_run=True) == {gen: "kept: young"}
+
+
+def test_a_lease_past_its_ttl_keeps_nothing_and_records_go_with_the_blobs(
+    tmp_path, monkeypatch, capsys
+):
+    from fmstore.checkpoint.partrecords import LEASE_TTL, ExportLease, lease_key
+
+    raw = save_parts(tmp_path, 10)
+    gen = DcpManifest.loads(raw).generation
+    n0 = Node(tmp_path, "n0", EXPORT)
+    n0.record(10)
+    n0.step(monkeypatch)
+    # n0's exporter on another host died long ago: its lease was last renewed past the TTL.
+    dead = ExportLease("elsewhere", 1, time.time() - LEASE_TTL - 1)
+    (lustre(tmp_path, 10) / lease_key(gen, "n0")).write_bytes(dead.dumps())
+    assert sweep_lustre(tmp_path, grace=0) == {gen: "removed"}
+    assert not (lustre(tmp_path, 10) / gen).exists() or not any(
+        (lustre(tmp_path, 10) / gen).iterdir()
+    )
+
+
+def test_ckpt_gc_keeps_what_a_live_export_on_this_node_writes(tmp_path, monkeypatch, capsys):
+    """``fmstore ckpt gc`` consulted no journals: with no grace it removed the blobs of an
+    export in flight on its own node."""
+    from fmstore import config as fm_config
+    from fmstore.cli.main import main
+    from fmstore.tiering.journal import Journal
+
+    dst = tmp_path / "lustre" / "run" / "step_000000000010"
+    gen = new_generation()
+    (dst / gen).mkdir(parents=True)
+    (dst / gen / "000000.bin").write_bytes(b"x" * 100)
+    cfg = tmp_path / "fmstore.toml"
+    cfg.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n[tiers.lustre]\nurl = "{tmp_path / "lustre"}"\n'
+    )
+    monkeypatch.setenv("FMSTORE_CONFIG", str(cfg))
+    fm_config.set_config(None)
+    jpath = tmp_path / "state" / "transfers" / "ckpt-x.jsonl"
+    jpath.parent.mkdir(parents=True)
+
+    def gc_cli() -> str:
+        capsys.readouterr()
+        try:
+            main(["ckpt", "gc", str(tmp_path / "lustre"), "--older-than", "0"])
+        except SystemExit as e:
+            assert not e.code
+        return capsys.readouterr().out
+
+    async def hold() -> Journal:
+        j = await Journal.open(str(jpath), fsync=True, dest=open_store(str(dst)).url)
+        await j.flush()  # as the copy's first record does
+        return j
+
+    j = runtime.run(hold())
+    try:
+        out = gc_cli()
+        assert "kept (an export writes there now)" in out
+        assert (dst / gen / "000000.bin").exists()
+    finally:
+        runtime.run(j.close())
+    gc_cli()  # the copy is gone (its journal released): now it is garbage
+    assert not (dst / gen / "000000.bin").exists()

@@ -12,22 +12,36 @@ A generation holding a rank record (``rank-NNNNNN.json``) that no manifest names
 another node, whose manifest has not reached this one yet.  It is never garbage here,
 however old; only a restore's collective decides about it (``docs/distributed.md``).
 
+On a shared tier, the copy of a checkpoint in node parts being exported by the nodes
+(:mod:`.partrecords`) holds part records (``part-NODE.json``) and export leases
+(``export-NODE.json``) beside its blobs until it commits.  Such a generation is kept while
+any lease in it is alive, whatever ``older_than``; when it goes, its records and leases go
+first, then it is looked at again (a lease renewed, a manifest naming it: it stays), then
+its blobs, so a node that starts exporting meanwhile never commits over missing blobs.
+
 ``older_than`` protects saves still running: a generation is removed only when it was
-started, and last written, at least that many seconds ago.  Never run gc with a small
-``older_than`` while a save under the same root may be in progress.
+started, and last written, at least that many seconds ago.  "Written" is when each object
+was written *there*: a copy carries its source's modification time (a POSIX tier keeps it),
+so on a file system the later of the file's mtime and ctime (a copy's ctime is the copy's
+own) counts.  ``live`` (URLs under the store) are destinations of copies in progress on this
+node (their journals): nothing under them goes.  Never run gc with a small ``older_than``
+while a save under the same root may be in progress.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .. import runtime
+from ..errors import FmstoreError, NotFound
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores import open_store
-from ..stores.base import Store
+from ..stores.base import ObjectMeta, Store
 from .layout import BLOB_RE, GENERATION_RE, RANK_RECORD_RE, generation_age
+from .partrecords import LEASE_RE, PART_RECORD_RE, ExportLease
 
 
 @dataclass
@@ -38,12 +52,23 @@ class GcReport:
     young: list[str] = field(default_factory=list)
     #: pending parts (``P/GEN``) of sharded checkpoints on a node-local tier: kept
     pending: list[str] = field(default_factory=list)
+    #: generations some node exports into now (a live lease, or a live journal here): kept
+    exporting: list[str] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
     temp_files: int = 0
     dry_run: bool = False
 
 
 _Gens = dict[tuple[str, str], list[tuple[str, int, float | None]]]
+
+
+def written_at(meta: ObjectMeta) -> float | None:
+    """When ``meta``'s object was written where it lies: on a file system the later of its
+    mtime and ctime (a copy carries its source's mtime; its ctime is its own), elsewhere
+    the store's modification time (S3: the upload's)."""
+    if meta.stat is not None:
+        return max(meta.stat.st_mtime, meta.stat.st_ctime)
+    return meta.mtime
 
 
 async def _scan(store: Store) -> tuple[dict[str, str | None], _Gens, set[tuple[str, str]]]:
@@ -56,8 +81,18 @@ async def _scan(store: Store) -> tuple[dict[str, str | None], _Gens, set[tuple[s
         parts = m.key.split("/")
         if parts[-1] == MANIFEST_KEY:
             manifests["/".join(parts[:-1])] = None
-        elif len(parts) >= 2 and BLOB_RE.match(parts[-1]) and GENERATION_RE.match(parts[-2]):
-            gens.setdefault(("/".join(parts[:-2]), parts[-2]), []).append((m.key, m.size, m.mtime))
+        elif (
+            len(parts) >= 2
+            and GENERATION_RE.match(parts[-2])
+            and (
+                BLOB_RE.match(parts[-1])
+                or PART_RECORD_RE.match(parts[-1])
+                or LEASE_RE.match(parts[-1])
+            )
+        ):
+            gens.setdefault(("/".join(parts[:-2]), parts[-2]), []).append(
+                (m.key, m.size, written_at(m))
+            )
         elif len(parts) >= 2 and RANK_RECORD_RE.match(parts[-1]) and GENERATION_RE.match(parts[-2]):
             pending.add(("/".join(parts[:-2]), parts[-2]))
     for prefix in manifests:
@@ -97,11 +132,17 @@ def find_checkpoints(root: str | Store) -> list[str]:
     return runtime.run(go())
 
 
-async def agc(root: str | Store, *, older_than: float = 3600.0, dry_run: bool = False) -> GcReport:
+async def agc(
+    root: str | Store,
+    *,
+    older_than: float = 3600.0,
+    dry_run: bool = False,
+    live: Sequence[str] = (),
+) -> GcReport:
     """Async twin of :func:`gc`."""
     store = root if isinstance(root, Store) else open_store(os.fspath(root))
     try:
-        return await _gc(store, older_than, dry_run)
+        return await _gc(store, older_than, dry_run, live)
     finally:
         if not isinstance(root, Store):
             await store.close()
@@ -110,12 +151,59 @@ async def agc(root: str | Store, *, older_than: float = 3600.0, dry_run: bool = 
 @dataclass(frozen=True)
 class Generation:
     """A generation no manifest names: its prefix (``P/GEN``), objects, bytes and age (the
-    younger of its start and its last write)."""
+    younger of its start and its last write), and whether a node's export lease in it is
+    alive (then nothing of it goes)."""
 
     where: str
     keys: list[str]
     size: int
     age: float
+    exporting: bool = False
+
+    @property
+    def records(self) -> list[str]:
+        """Its part records and export leases: removed before its blobs."""
+        return [k for k in self.keys if not BLOB_RE.match(k.rsplit("/", 1)[-1])]
+
+
+async def _live_lease(store: Store, keys: list[str]) -> bool:
+    for key in keys:
+        if not LEASE_RE.match(key.rsplit("/", 1)[-1]):
+            continue
+        try:
+            if ExportLease.loads(await store.get(key), where=f"{store.url}/{key}").alive():
+                return True
+        except NotFound:
+            continue
+        except FmstoreError:
+            return True  # unreadable: assume alive rather than delete under an exporter
+    return False
+
+
+async def remove_generation(store: Store, g: Generation) -> bool:
+    """Remove orphan generation ``g``: part records and leases first, then, unless an
+    exporter came back meanwhile (a live lease) or a manifest now names it, its blobs.
+    False when it stopped before the blobs."""
+    records = g.records
+    if records:
+        await store.delete_many(records)
+        prefix, _, gen = g.where.rpartition("/")
+        leases = []
+        async for meta in store.list(f"{g.where}/", recursive=False):
+            if LEASE_RE.match(meta.key.rsplit("/", 1)[-1]):
+                leases.append(meta.key)
+        if await _live_lease(store, leases):
+            return False
+        try:
+            key = f"{prefix}/{MANIFEST_KEY}" if prefix else MANIFEST_KEY
+            if _generation_of(await store.get(key)) == gen:
+                return False
+        except NotFound:
+            pass
+        except Exception:
+            return False  # an unreadable manifest keeps its prefix
+    await store.delete_many([k for k in g.keys if k not in records])
+    return True
 
 
 async def orphan_generations(
@@ -141,33 +229,50 @@ async def orphan_generations(
             min(generation_age(gen, now), now - max(mtimes)) if mtimes else generation_age(gen, now)
         )
         where = f"{prefix}/{gen}" if prefix else gen
-        out.append(Generation(where, [k for k, _, _ in objs], sum(n for _, n, _ in objs), age))
+        keys = [k for k, _, _ in objs]
+        size = sum(n for k, n, _ in objs if BLOB_RE.match(k.rsplit("/", 1)[-1]))
+        out.append(Generation(where, keys, size, age, await _live_lease(store, keys)))
     committed = sorted(p for p, g in manifests.items() if g not in (None, "?"))
     unreadable = sorted(p for p, g in manifests.items() if g == "?")
     return out, committed, unreadable
 
 
-async def _gc(store: Store, older_than: float, dry_run: bool) -> GcReport:
+def _under(url: str, dests: Sequence[str]) -> bool:
+    return any(url == d or url.startswith(d.rstrip("/") + "/") for d in dests)
+
+
+async def _gc(store: Store, older_than: float, dry_run: bool, live: Sequence[str]) -> GcReport:
     rep = GcReport(dry_run=dry_run)
     gens, rep.checkpoints, rep.unreadable = await orphan_generations(store, rep.pending)
-    doomed: list[str] = []
+    base = store.url.rstrip("/")
     for g in gens:
+        if g.exporting or _under(f"{base}/{g.where}", live):
+            rep.exporting.append(g.where)
+            continue
         if g.age < older_than:
             rep.young.append(g.where)
             continue
-        doomed += g.keys
-        rep.removed_bytes += g.size
-    rep.removed = doomed
+        if dry_run or await remove_generation(store, g):
+            rep.removed += g.keys
+            rep.removed_bytes += g.size
+        else:
+            rep.exporting.append(g.where)
     if not dry_run:
-        await store.delete_many(doomed)
         rep.temp_files = await store.cleanup_temp(older_than)
     return rep
 
 
-def gc(root: str | Store, *, older_than: float = 3600.0, dry_run: bool = False) -> GcReport:
+def gc(
+    root: str | Store,
+    *,
+    older_than: float = 3600.0,
+    dry_run: bool = False,
+    live: Sequence[str] = (),
+) -> GcReport:
     """Remove leftovers of crashed or superseded saves under ``root``; see the module doc.
 
     Returns what was (or, with ``dry_run``, would be) removed and the committed checkpoints
-    found.  Committed checkpoints are never touched.
+    found.  Committed checkpoints are never touched, nor a generation some node exports
+    into (a live lease) or that lies under one of ``live`` (URLs of copies in progress).
     """
-    return runtime.run(agc(root, older_than=older_than, dry_run=dry_run))
+    return runtime.run(agc(root, older_than=older_than, dry_run=dry_run, live=live))

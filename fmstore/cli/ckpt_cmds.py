@@ -285,6 +285,19 @@ def _inspect_dcp(uri: str, limit: int, as_json: bool = False) -> None:
     )
 
 
+def _live_copies() -> list[str]:
+    """Destinations of this node's copies in progress (their journals in the state
+    directory), when a config is there to name it; gc keeps what lies under them."""
+    from ..config import get_config
+    from ..errors import FmstoreError
+    from ..tiering.sweep import live_destinations
+
+    try:
+        return live_destinations(get_config().state_dir)
+    except (FmstoreError, OSError):
+        return []
+
+
 @ckpt.command("gc")
 def gc_cmd(
     root: str = typer.Argument(..., help="Directory or prefix holding checkpoints."),
@@ -304,7 +317,7 @@ def gc_cmd(
     older_than = parse_duration(older_than_s, "--older-than", allow_zero=True)
     store = open_existing(root)
     try:
-        rep = gc(store, older_than=older_than, dry_run=dry_run)
+        rep = gc(store, older_than=older_than, dry_run=dry_run, live=_live_copies())
     finally:
         runtime.run(store.close())
     console = Console()
@@ -318,6 +331,8 @@ def gc_cmd(
             f"[dim]kept (pending part of a sharded checkpoint; a restore decides): {p}[/dim]",
             highlight=False,
         )
+    for x in rep.exporting:
+        console.print(f"[dim]kept (an export writes there now): {x}[/dim]", highlight=False)
     for u in rep.unreadable:
         console.print(
             f"[yellow]unreadable manifest, left alone: {u or '.'}[/yellow]", highlight=False

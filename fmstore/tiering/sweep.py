@@ -22,8 +22,12 @@ Ownership is never guessed.  An item is removed only when
   kept, however old;
 * it has been idle for at least the grace period (``[daemon] orphan_grace``, 1 h): idle is
   the time since it last changed (an upload's newest part, a temp file's mtime, a
-  generation's newest blob), so a write in progress on another node survives even when it
+  generation's newest object as written *there*: a copy carries its source's mtime, so a
+  file's ctime counts too), so a write in progress on another node survives even when it
   began long ago;
+* no node's export lease in it is alive (an export of a checkpoint in node parts, on any
+  node: ``docs/distributed.md``), whatever its age and the grace period; its part records
+  and leases are removed before its blobs, and it is looked at again in between;
 * it is not part of a committed checkpoint (pinned ones included): the generation a manifest
   names is never garbage, and a manifest that does not parse keeps its whole prefix;
 * it is not a pending part of a sharded checkpoint on a node-local tier (a generation with a
@@ -44,7 +48,7 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
-from ..checkpoint.gc import orphan_generations
+from ..checkpoint.gc import Generation, orphan_generations, remove_generation
 from ..config import Config
 from ..errors import FmstoreError
 from ..stores.base import Store
@@ -68,7 +72,9 @@ class Orphan:
     where: str
     size: int
     age: float
-    action: str  # "removed", "would remove", "kept: live copy", "kept: young", "kept: pending part"
+    #: "removed", "would remove", "kept: live copy", "kept: young", "kept: pending part",
+    #: "kept: live export"
+    action: str
 
 
 @dataclass
@@ -148,10 +154,21 @@ class Sweeper:
                 Orphan(tier, "generation", where, 0, 0.0, "kept: pending part")
             )
         for g in gens:
+            if g.exporting:
+                # Some node's exporter renewed its lease in it lately (docs/distributed.md):
+                # kept whatever its age and the grace period.
+                self.report.orphans.append(
+                    Orphan(tier, "generation", g.where, g.size, g.age, "kept: live export")
+                )
+                continue
             if self._decide(
                 tier, "generation", g.where, _url(store, g.where), g.size, g.age
-            ) and await self._remove(tier, g.where, store.delete_many(g.keys)):
+            ) and await self._remove(tier, g.where, self._gone_gen(store, g)):
                 self._count(tier, "generation", g.size)
+
+    async def _gone_gen(self, store: Store, g: Generation) -> None:
+        if not await remove_generation(store, g):
+            raise ValueError("an exporter came back to it meanwhile; kept")
 
     async def _remove(self, tier: str, where: str, removal: Awaitable[None]) -> bool:
         try:
@@ -205,6 +222,14 @@ class Sweeper:
         m.ORPHANS_REMOVED.labels(tier, kind).inc()
         m.ORPHAN_BYTES.labels(tier).inc(size)
         log.info("removed orphan %s on %s (%d bytes)", kind, tier, size)
+
+
+def live_destinations(state_dir: str) -> list[str]:
+    """Destinations (URLs) of the copies in progress on this node: the journals in
+    ``state_dir`` that a live process holds.  ``fmstore ckpt gc`` keeps what lies under
+    them, as the sweep does."""
+    journals = _read_journals(os.path.join(state_dir, "transfers"))
+    return [j.dest.rstrip("/") for j in journals if j.live and j.dest]
 
 
 def _read_journals(directory: str) -> list[_journal.JournalInfo]:
