@@ -53,8 +53,8 @@ class MotoServer(SeaweedServer):
     name = "moto"
 
     def __init__(self, *, binary: str | None = None, base_dir: str | None = None) -> None:
-        super().__init__(weed="", base_dir=base_dir)
-        self.weed = binary or find_moto_server()
+        # The binary goes where SeaweedServer keeps weed's (it needs no weed of its own).
+        super().__init__(weed=binary or find_moto_server(), base_dir=base_dir)
         self.access_key = "fmstore-admin"
         self.readonly_access_key = "fmstore-reader"
 
