@@ -194,10 +194,15 @@ def _distribute(writer: Writer, pg: Any) -> None:
     rank = dist.get_rank(pg)
     box: list[Any] = [None]
     if rank == 0:
-        box[0] = runtime.run(writer.store.get(MANIFEST_KEY))
+        try:
+            box[0] = runtime.run(writer.store.get(MANIFEST_KEY))
+        except Exception as e:  # every rank raises it below, none waits for the others
+            box[0] = f"the coordinator could not read its manifest again: {_reason(e)}"
     dist.broadcast_object_list(box, group=pg, group_src=0)
     err = ""
     try:
+        if isinstance(box[0], str):
+            raise FmstoreError(box[0])
         m = DcpManifest.loads(box[0], where=f"{writer.uri}/{MANIFEST_KEY}")
         me = node_id()
         part = m.part_of(me)
@@ -320,13 +325,20 @@ def _prepare(uri: str, so: dict[str, Any], pg: Any) -> str:
     parts; '' when it is (the same answer on every rank)."""
     dist = _dist()
     rank = dist.get_rank(pg)
-    views: list[_View] = _gather(pg, runtime.run(_look(uri, so, rank)))
+    # Every step below answers on every rank, errors included: a rank that raised here
+    # would leave the others waiting in the next collective.
+    try:
+        mine = runtime.run(_look(uri, so, rank))
+    except Exception as e:
+        mine = _View(rank, node_id(), None, (), _reason(e))
+    views: list[_View] = _gather(pg, mine)
     holders = [v for v in views if v.digest is not None]
     if not holders:
         pending = [v for v in views if v.pending]
         if any(v.rank == rank for v in pending):
             layout = tuple(v.node for v in views)
-            runtime.run(_drop_pending(uri, so, rank, views[rank].pending, layout))
+            with contextlib.suppress(Exception):  # stays pending: the next restore retries
+                runtime.run(_drop_pending(uri, so, rank, views[rank].pending, layout))
         errs = sorted({v.error for v in views if v.error})
         extra = f" ({errs[0]})" if errs else ""
         if pending:
@@ -337,8 +349,13 @@ def _prepare(uri: str, so: dict[str, Any], pg: Any) -> str:
     src = holders[0]
     box: list[Any] = [None]
     if rank == src.rank:
-        box[0] = runtime.run(_open(uri, so).get(MANIFEST_KEY))
+        try:
+            box[0] = runtime.run(_open(uri, so).get(MANIFEST_KEY))
+        except Exception as e:
+            box[0] = f"node {src.node} could not read its manifest again: {_reason(e)}"
     dist.broadcast_object_list(box, group=pg, group_src=src.rank)
+    if isinstance(box[0], str):
+        return box[0]
     problem = ""
     try:
         m = DcpManifest.loads(box[0], where=f"{uri}/{MANIFEST_KEY}")
