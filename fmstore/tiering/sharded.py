@@ -104,7 +104,12 @@ class ShardedCheckpointManager:
         """This rank's view: per tier, the steps it sees committed and every step directory."""
         out: dict[str, tuple[set[int], set[int]]] = {}
         for tier in self.ladder:
-            out[tier] = runtime.run(self._steps_on(tier))
+            try:
+                out[tier] = runtime.run(self._steps_on(tier))
+            except Exception:
+                # Unreachable from this rank: it sees nothing there (and must still answer
+                # the collective, or the other ranks would wait for it).
+                out[tier] = (set(), set())
         return out
 
     async def _steps_on(self, tier: str) -> tuple[set[int], set[int]]:
