@@ -107,10 +107,10 @@ def read_index(dirfd: int, where: str) -> dict[str, str]:
         raise CorruptData(f"{where}/{INDEX}: 'weight_map' must be a non-empty object")
     for k, v in wm.items():
         if not isinstance(v, str):
-            raise CorruptData(f"{where}/{INDEX}: weight_map[{k!r}] is not a file name")
+            raise CorruptData(f"{where}/{INDEX}: weight_map[{k[:100]!r}] is not a file name")
         if v in ("", ".", "..") or "/" in v or "\\" in v or "\0" in v:
             raise CorruptData(
-                f"{where}/{INDEX}: weight_map[{k!r}] = {v!r} is not a plain file name "
+                f"{where}/{INDEX}: weight_map[{k[:100]!r}] = {v[:100]!r} is not a plain file name "
                 "in the same directory"
             )
     return dict(wm)
@@ -170,7 +170,8 @@ def read_hf_dir(location: str) -> dict[str, torch.Tensor]:
             for k, t in _read_shard(dirfd, shard, d).items():
                 if wm.get(k) != shard:
                     raise CorruptData(
-                        f"{d}/{shard} holds {k!r}, which {INDEX} places in {wm.get(k)!r}"
+                        f"{d}/{shard} holds {k[:100]!r}, which {INDEX} places in "
+                        f"{str(wm.get(k))[:100]!r}"
                     )
                 out[k] = t
         missing = [k for k in wm if k not in out]

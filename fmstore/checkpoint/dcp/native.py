@@ -117,7 +117,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         try:
             return self.allowed[(module, name)]
         except KeyError:
-            raise pickle.UnpicklingError(f"global {module}.{name} is not DCP metadata") from None
+            raise pickle.UnpicklingError(
+                f"global {module[:100]}.{name[:100]} is not DCP metadata"
+            ) from None
 
 
 @dataclass(frozen=True)
