@@ -273,3 +273,86 @@ def test_ckpt_gc_keeps_what_a_live_export_on_this_node_writes(tmp_path, monkeypa
         runtime.run(j.close())
     gc_cli()  # the copy is gone (its journal released): now it is garbage
     assert not (dst / gen / "000000.bin").exists()
+
+
+# ---- cadence and retention every node decides alike (pure rules) ------------------------
+
+
+def _ck(step: int) -> Any:
+    return cat.Checkpoint(ROOT, step, step, float(step), 10, 1)
+
+
+def _cp(step: int, tier: str, st: str = cat.PRESENT, verified: float | None = 1.0) -> Any:
+    return cat.Copy(ROOT, step, tier, st, 10, float(step), float(step), None, verified)
+
+
+def _policies(data: dict[str, Any]) -> Any:
+    from fmstore.tiering import policies as pol
+
+    return pol.from_dict(data, tiers=["nvme", "lustre"], node_tiers=["nvme"])
+
+
+def test_every_seconds_is_refused_for_checkpoints_on_a_node_local_tier():
+    from fmstore.errors import ConfigError
+
+    data = {"export": [{"to": "lustre", "every_seconds": "10m"}]}
+    with pytest.raises(ConfigError, match="every_seconds cannot be decided alike.*'nvme'"):
+        _policies(data)
+    with pytest.raises(ConfigError, match="every_seconds"):
+        from_config(node_config(Path("/x"), "n0", data))
+    from fmstore.tiering import policies as pol
+
+    assert pol.from_dict(data, tiers=["nvme", "lustre"])  # every tier shared: as before
+
+
+def test_every_saves_counts_only_checkpoints_committed_on_the_shared_tier():
+    from fmstore.tiering import policies as pol
+
+    p = _policies({"export": [{"to": "lustre", "every_saves": 2}]})
+    steps = [_ck(i) for i in range(1, 7)]
+    nvme = [_cp(i, "nvme") for i in range(1, 7)]
+    # Node a holds a half-made export of step 1 (a row node b, replaced, never had).
+    a = pol.wanted_tiers(p, steps, [*nvme, _cp(1, "lustre", cat.EXPORTING)])
+    b = pol.wanted_tiers(p, steps, nvme)
+    assert a == b
+    assert sorted(k[1] for k, v in a.items() if v) == [2, 4, 6]
+    # A committed copy on the destination restarts the count on every node alike.
+    c = pol.wanted_tiers(p, steps, [*nvme, _cp(3, "lustre")])
+    assert sorted(k[1] for k, v in c.items() if v) == [2, 3, 5]
+
+
+def test_keep_latest_on_a_node_local_tier_is_the_same_window_on_a_node_that_released():
+    from fmstore.tiering import policies as pol
+
+    p = _policies(
+        {
+            "export": [{"to": "lustre", "every_steps": 10}],
+            "retention": {"nvme": {"keep_latest": 2}},
+        }
+    )
+    steps = [_ck(s) for s in (10, 20, 30)]
+    shared = [_cp(s, "lustre") for s in (10, 20, 30)]
+    a = [_cp(10, "nvme"), _cp(20, "nvme", cat.RELEASED), _cp(30, "nvme")]  # released 20
+    b = [_cp(s, "nvme") for s in (10, 20, 30)]
+    deletes = []
+    for copies in (a, b):
+        acts = pol.plan_retention(p, pol.State(steps, [*copies, *shared], now=100.0))
+        deletes.append(sorted((d.step, d.tier) for d in acts))
+    assert deletes[0] == deletes[1] == [(10, "nvme")]
+
+
+def test_the_newest_step_is_never_deleted_from_a_node_while_no_shared_tier_holds_it():
+    from fmstore.tiering import policies as pol
+
+    p = _policies(
+        {
+            "export": [{"to": "lustre", "every_steps": 1000}],
+            "retention": {"nvme": {"keep_latest": 0}},
+        }
+    )
+    steps = [_ck(10), _ck(20)]
+    copies = [_cp(10, "nvme"), _cp(20, "nvme")]
+    acts = pol.plan_retention(p, pol.State(steps, copies, now=100.0))
+    assert [(d.step, d.tier) for d in acts] == [(10, "nvme")]
+    acts = pol.plan_retention(p, pol.State(steps, [*copies, _cp(20, "lustre")], now=100.0))
+    assert sorted(d.step for d in acts if d.tier == "nvme") == [10, 20]

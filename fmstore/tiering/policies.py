@@ -171,7 +171,10 @@ def wanted_tiers(
     ``every_seconds`` picks one created at least that long after the previous pick.
     """
     out: dict[tuple[str, int], set[str]] = {(c.root, c.step): set() for c in checkpoints}
-    on = {(cp.root, cp.step, cp.tier) for cp in copies}
+    # With node-local tiers every node must pick alike, so only what every node sees counts:
+    # copies committed on the (shared) destination, never a node's own rows (a superseded,
+    # deleted or half-made export) that a replaced node would not have.
+    on = {(cp.root, cp.step, cp.tier) for cp in copies if not p.node_tiers or cp.state == PRESENT}
     by_root: dict[str, list[Checkpoint]] = {}
     for c in checkpoints:
         by_root.setdefault(c.root, []).append(c)
@@ -317,9 +320,17 @@ def _kept(p: Policies, s: State) -> dict[tuple[str, int], set[str]]:
     for cp in s.copies:
         if cp.state == PRESENT:
             present.setdefault((cp.root, cp.tier), []).append(cp.step)
+    steps_of: dict[str, list[int]] = {}
+    for c in s.checkpoints:
+        steps_of.setdefault(c.root, []).append(c.step)
     for (root, tier), steps in present.items():
         rule = p.retention.get(tier)
         n = (rule.keep_latest or 0) if rule else 0
+        if tier in p.node_tiers:
+            # A node-local tier: the run's newest steps, whether this node still holds
+            # them or released them, so that a release on one node never moves the window
+            # of what the others keep.
+            steps = steps_of.get(root, steps)
         latest[(root, tier)] = set(sorted(steps, reverse=True)[:n])
     for cp in s.copies:
         if cp.state not in (PRESENT, CORRUPT, MISSING):
@@ -343,6 +354,12 @@ def plan_retention(p: Policies, s: State) -> list[Delete]:
     blocked = _blocked(p, s)
     kept = _kept(p, s)
     complete = {k: {t for t, cp in v.items() if cp.state == PRESENT} for k, v in idx.items()}
+    shared = [t for t in p.ladder if t not in p.node_tiers]
+    for c in _newest(s):
+        # A node never deletes its part of a run's newest step while no shared tier holds
+        # it: some rank could restore it from nowhere else.
+        if not complete.get((c.root, c.step), set()) & set(shared):
+            blocked.add((c.root, c.step))
     out: list[Delete] = []
     for tier in p.ladder:
         if tier not in p.retention:
@@ -360,6 +377,15 @@ def plan_retention(p: Policies, s: State) -> list[Delete]:
             out.append(Delete(cp.root, cp.step, tier, last_copy=last))
             complete.get(key, set()).discard(tier)
     return out
+
+
+def _newest(s: State) -> list[Checkpoint]:
+    """Each root's newest checkpoint."""
+    out: dict[str, Checkpoint] = {}
+    for c in s.checkpoints:
+        if c.root not in out or c.step > out[c.root].step:
+            out[c.root] = c
+    return list(out.values())
 
 
 def plan_release(p: Policies, s: State, *, after_deletes: Sequence[Delete] = ()) -> list[Release]:

@@ -73,6 +73,10 @@ class Policies:
     on_full: Literal["fail", "fallback"] = "fail"
     #: A training process is warned when an export has failed this many times in a row.
     warn_after_failures: int = 3
+    #: Tiers each node has its own copy of (``scope = "node"``): a checkpoint there may be
+    #: in node parts, and what every node decides of it must come out alike on every node
+    #: (``docs/distributed.md``: cadence and retention of parts).
+    node_tiers: tuple[str, ...] = ()
 
     def rank(self, tier: str) -> int:
         return self.ladder.index(tier)
@@ -110,13 +114,23 @@ _RESTORE_KEYS = {"mode", "cache_tier"}
 
 def from_config(config: Config) -> Policies:
     """The ``[policies]`` section of ``config``, parsed and validated against its tiers."""
-    return from_dict(config.section("policies"), tiers=list(config.tiers), where=config.source)
+    return from_dict(
+        config.section("policies"),
+        tiers=list(config.tiers),
+        where=config.source,
+        node_tiers=[t for t, c in config.tiers.items() if c.scope == "node"],
+    )
 
 
 def from_dict(
-    data: Mapping[str, Any], *, tiers: Sequence[str], where: str | None = None
+    data: Mapping[str, Any],
+    *,
+    tiers: Sequence[str],
+    where: str | None = None,
+    node_tiers: Sequence[str] = (),
 ) -> Policies:
-    """Parse a ``[policies]`` table; ``tiers``: the configured tier names, in config order."""
+    """Parse a ``[policies]`` table; ``tiers``: the configured tier names, in config order;
+    ``node_tiers``: those of them with ``scope = "node"``."""
     w = f"{where or 'config'}: [policies]"
     if not isinstance(data, Mapping):
         raise ConfigError(f"{w} must be a table")
@@ -229,8 +243,20 @@ def from_dict(
         restore=RestoreRule(mode=mode, cache_tier=str(cache_tier) if cache_tier else None),
         on_full=on_full,
         warn_after_failures=warn_after,
+        node_tiers=tuple(t for t in ladder if t in node_tiers),
     )
     _validate(policies, set(tiers), where=w)
+    for e in policies.exports:
+        sources = [e.source] if e.source else list(policies.ladder)
+        local = [t for t in sources if t in policies.node_tiers and t != e.to]
+        if e.every_seconds is not None and local:
+            # Each node would pick by its own history and clock: nodes would export
+            # different steps, and a step commits on the destination only with every part.
+            raise ConfigError(
+                f"{w} export to {e.to!r}: every_seconds cannot be decided alike by every node "
+                f'for checkpoints on node-local tier {local[0]!r} (scope = "node"); use '
+                "every_steps or every_saves (docs/distributed.md)"
+            )
     return policies
 
 
