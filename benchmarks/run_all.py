@@ -34,6 +34,8 @@ BENCHMARKS: dict[str, list[str]] = {
     "tiering": [],
     # 4 GiB onto the GPU where CUDA is present; 1 GiB with CPU targets otherwise.
     "gpu": [],
+    # this node's figures, the predictions at 1,024 and 16,384 GPUs, the 1-3 node check
+    "scale": [],
 }
 #: ``--quick``: sizes that finish in minutes on a 2-core machine, still past cache effects
 #: where it matters (others use their own ``--quick``).

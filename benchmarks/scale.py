@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -166,32 +167,45 @@ def d2h_rate(nbytes: int) -> float | None:
     return 3 * nbytes / (time.perf_counter() - t0)
 
 
-def measure(size: int, base: str, s3: SeaweedServer) -> tuple[Inputs, dict[str, str]]:
-    """This node's figures, each over ``size`` bytes of fp32 state."""
+def measure(size: int, rounds: int, base: str, s3: SeaweedServer) -> tuple[Inputs, dict[str, str]]:
+    """This node's figures over ``size`` bytes of fp32 state: medians of ``rounds`` runs,
+    after a warm-up save of almost nothing (threads, pools and connections started)."""
     bucket = s3.create_bucket("bench-scale")
     so = s3.store_options()
     state = _state(size)
     nbytes = sum(t.numel() * 4 for t in state.values())
     back = {k: torch.zeros_like(v) for k, v in state.items()}
-    nvme, lustre = os.path.join(base, "nvme", "s1"), os.path.join(base, "lustre", "s1")
-    s3url, s3save = f"s3://{bucket}/export/s1", f"s3://{bucket}/save/s1"
-    settle()
-    w = _timed(lambda: fdcp.save(state, nvme))
-    settle()
-    r = _timed(lambda: fdcp.load(back, nvme))
-    settle()
-    le = _copy(nvme, lustre)
-    settle()
-    lr = _timed(lambda: fdcp.load(back, lustre))
-    se = _copy(nvme, s3url, **so)
-    sr = _timed(lambda: fdcp.load(back, s3url, store_options=so))
-    ss = _timed(lambda: fdcp.save(state, s3save, store_options=so))
-    puts, gets = _requests(f"s3://{bucket}/reqs", so, 400 if size <= 256 * MiB else 2000)
     tiny = _state(64 << 10)
     tiny_back = {k: torch.zeros_like(v) for k, v in tiny.items()}
-    fixed = _timed(lambda: fdcp.save(tiny, os.path.join(base, "nvme", "tiny")))
-    fixed_load = _timed(lambda: fdcp.load(tiny_back, os.path.join(base, "nvme", "tiny")))
-    s3_fixed = _timed(lambda: fdcp.save(tiny, f"s3://{bucket}/save/tiny", store_options=so))
+    fdcp.save(tiny, os.path.join(base, "nvme", "warm"))
+    fdcp.save(tiny, f"s3://{bucket}/save/warm", store_options=so)
+    runs: dict[str, list[float]] = {}
+
+    def one(name: str, fn: Any, cold: bool = True, own_time: bool = False) -> None:
+        """Time ``fn`` (``own_time``: it returns its own seconds), cold: page cache dropped."""
+        if cold:
+            settle()
+        runs.setdefault(name, []).append(fn() if own_time else _timed(fn))
+
+    for i in range(rounds):
+        nvme, lustre = os.path.join(base, "nvme", f"r{i}"), os.path.join(base, "lustre", f"r{i}")
+        s3url, s3save = f"s3://{bucket}/export/r{i}", f"s3://{bucket}/save/r{i}"
+        one("w", lambda n=nvme: fdcp.save(state, n))
+        one("r", lambda n=nvme: fdcp.load(back, n))
+        one("le", lambda n=nvme, d=lustre: _copy(n, d), own_time=True)
+        one("lr", lambda n=lustre: fdcp.load(back, n))
+        one("se", lambda n=nvme, u=s3url: _copy(n, u, **so), own_time=True)
+        one("sr", lambda u=s3url: fdcp.load(back, u, store_options=so), cold=False)
+        one("ss", lambda u=s3save: fdcp.save(state, u, store_options=so), cold=False)
+        t = os.path.join(base, "nvme", f"tiny{i}")
+        one("fixed", lambda t=t: fdcp.save(tiny, t), cold=False)
+        one("fixed_load", lambda t=t: fdcp.load(tiny_back, t), cold=False)
+        u = f"s3://{bucket}/save/tiny{i}"
+        one("s3_fixed", lambda u=u: fdcp.save(tiny, u, store_options=so), cold=False)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    w, r, le, lr, se, sr, ss = (med[k] for k in ("w", "r", "le", "lr", "se", "sr", "ss"))
+    fixed, fixed_load, s3_fixed = med["fixed"], med["fixed_load"], med["s3_fixed"]
+    puts, gets = _requests(f"s3://{bucket}/reqs", so, 400 if size <= 256 * MiB else 2000)
     rep = replica_rate(min(size, 512 * MiB), base)
     d2h = d2h_rate(min(size, 1 << 30))
     fig = {
@@ -229,7 +243,9 @@ def measure(size: int, base: str, s3: SeaweedServer) -> tuple[Inputs, dict[str, 
     return inp, {"s3_put_per_s_here": f"{puts:.0f}", "s3_get_per_s_here": f"{gets:.0f}"}
 
 
-def run_nodes(nodes: int, node_bytes: int, base: str, s3: SeaweedServer) -> dict[str, float]:
+def run_nodes(
+    nodes: int, node_bytes: int, rounds: int, base: str, s3: SeaweedServer
+) -> dict[str, Any]:
     """``nodes`` torchrun agents on loopback, one rank each, running scale_worker.py."""
     root = Path(base) / f"nodes{nodes}"
     root.mkdir(parents=True)
@@ -266,6 +282,7 @@ def run_nodes(nodes: int, node_bytes: int, base: str, s3: SeaweedServer) -> dict
             "--max-restarts=0",
             str(HERE / "scale_worker.py"),
             str(node_bytes),
+            str(rounds),
             str(root),
         ]
         log = open(root / f"n{i}.log", "w")  # noqa: SIM115
@@ -275,8 +292,8 @@ def run_nodes(nodes: int, node_bytes: int, base: str, s3: SeaweedServer) -> dict
     if rcs != [0] * nodes:
         logs = "\n".join((root / f"n{i}.log").read_text()[-3000:] for i in range(nodes))
         raise RuntimeError(f"{nodes}-node run failed: {rcs}\n{logs}")
-    times: dict[str, float] = json.loads((root / "times.json").read_text())["times"]
-    return times
+    got: dict[str, Any] = json.loads((root / "times.json").read_text())
+    return got
 
 
 def _fmt_s(s: float) -> str:
@@ -296,12 +313,19 @@ def report(inp: Inputs, jobs: list[Job]) -> dict[str, Any]:
             "prefixes_needed": prefixes_needed(job, inp),
         }
         for r in p.rows():
-            rows.append({**r, "s": _fmt_s(r["s"])})
+            above = r["shared binds above"]
+            rows.append(
+                {
+                    **r,
+                    "s": _fmt_s(r["s"]),
+                    "shared binds above": "" if above is None else f"{above / 1e6:,.0f} MB/s",
+                }
+            )
     print_table(
         f"scale: predictions ({LLAMA_70B.name} on {LLAMA_70B.gpus:,} GPUs, "
         f"{LLAMA_405B.name} on {LLAMA_405B.gpus:,})",
         rows,
-        ["job", "what", "s", "binds", "scope"],
+        ["job", "what", "s", "binds", "scope", "shared binds above"],
     )
     layout = []
     for job in jobs:
@@ -341,13 +365,13 @@ def report(inp: Inputs, jobs: list[Job]) -> dict[str, Any]:
     return out
 
 
-def check(inp: Inputs, runs: dict[int, dict[str, float]], node_bytes: int) -> list[dict[str, Any]]:
+def check(inp: Inputs, runs: dict[int, dict[str, Any]], node_bytes: int) -> list[dict[str, Any]]:
     rows = []
     for nodes, times in sorted(runs.items()):
         model = local_check(inp, nodes, node_bytes)
         for name, ph in model.items():
             key = name.replace("NVMe", "nvme").replace("Lustre", "lustre").replace("S3", "s3")
-            got = times.get(key)
+            got = times["times"].get(key)
             if got is None:
                 continue
             rows.append(
@@ -372,9 +396,10 @@ def check(inp: Inputs, runs: dict[int, dict[str, float]], node_bytes: int) -> li
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="256 MiB figures, 64 MiB per node")
-    ap.add_argument("--size", type=int, default=1024, help="MiB for this node's figures")
+    ap.add_argument("--size", type=int, default=512, help="MiB for this node's figures")
     ap.add_argument("--node-mib", type=int, default=256, help="MiB per node in the check")
     ap.add_argument("--nodes", default="1,2,3", help="node counts of the check")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each measure (medians)")
     ap.add_argument("--inputs", help="a JSON of Inputs fields (skips measuring them)")
     ap.add_argument("--no-check", action="store_true", help="predictions only")
     ap.add_argument("--dir", default=None, help="where the tiers' directories go")
@@ -389,7 +414,7 @@ def main() -> None:
                 inp = Inputs.from_json(json.loads(Path(args.inputs).read_text()))
                 extra: dict[str, str] = {}
             else:
-                inp, extra = measure(size, base, s3)
+                inp, extra = measure(size, args.rounds, base, s3)
             irows = [
                 {"input": k, "value": _fmt_rate(k, getattr(inp, k)), "source": inp.sources.get(k)}
                 for k in inp.__dataclass_fields__
@@ -401,7 +426,8 @@ def main() -> None:
             payload["predictions"] = report(inp, [LLAMA_70B, LLAMA_405B])
             if not args.no_check:
                 runs = {
-                    n: run_nodes(n, node_bytes, base, s3) for n in map(int, args.nodes.split(","))
+                    n: run_nodes(n, node_bytes, args.rounds, base, s3)
+                    for n in map(int, args.nodes.split(","))
                 }
                 payload["runs"] = runs
                 payload["check"] = check(inp, runs, node_bytes)

@@ -176,6 +176,12 @@ class Phase:
     def seconds(self) -> float:
         return self.before + self.own
 
+    def shared_above(self, node_bytes: float) -> float | None:
+        """The per-node rate above which a shared limit, not the node, binds this phase
+        (None when the phase has no shared limit)."""
+        shared = [lim.seconds for lim in self.limits if lim.shared]
+        return node_bytes / max(shared) if shared else None
+
 
 def s3_objects(job: Job, inp: Inputs) -> list[float]:
     """Sizes of the objects one rank's part becomes on S3 (one per blob): items of at least
@@ -247,6 +253,7 @@ class Prediction:
                 "s": p.seconds,
                 "binds": p.binding.name,
                 "scope": "shared" if p.binding.shared else "per node",
+                "shared binds above": p.shared_above(self.job.node_bytes),
             }
             for p in self.phases.values()
         ]

@@ -1,12 +1,13 @@
 """One rank of ``benchmarks/scale.py``'s 1-3 node check, under ``torchrun`` agents on loopback
 (each agent a node with its own ``FMSTORE_CONFIG`` and ``FMSTORE_NODE_ID``).
 
-``python -m torch.distributed.run ... benchmarks/scale_worker.py NODE_BYTES OUT``
+``python -m torch.distributed.run ... benchmarks/scale_worker.py NODE_BYTES ROUNDS OUT``
 
 Every rank holds ``NODE_BYTES / local world size`` bytes of fp32 tensors and saves them with
 ``fmstore.checkpoint.dcp.save`` to ``nvme:`` (node-local), ``lustre:`` and ``s3:`` (shared),
-then restores the ``nvme:`` copy; each phase between two barriers of the checkpoint group,
-timed on rank 0, which writes ``OUT/times.json``.
+then restores the ``nvme:`` copy (page cache dropped), ``ROUNDS`` times after a warm-up save
+of almost nothing; each phase between two barriers of the checkpoint group, timed on rank 0,
+which writes the medians (and every run) to ``OUT/times.json``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -25,32 +27,41 @@ from benchmarks.common import settle
 
 
 def main() -> None:
-    node_bytes, out = int(sys.argv[1]), sys.argv[2]
+    node_bytes, rounds, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     pg = dist.new_group(backend="gloo")
     rank, local = dist.get_rank(), int(os.environ["LOCAL_WORLD_SIZE"])
     n = max(1, node_bytes // local // 4 // 8)
     gen = torch.Generator().manual_seed(rank)
     state = {f"t{i}": torch.rand(n, generator=gen) for i in range(8)}
-    times: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
 
     def timed(name: str, fn: object) -> None:
         dist.barrier(group=pg)
         t0 = time.perf_counter()
         fn()  # type: ignore[operator]
         dist.barrier(group=pg)
-        times[name] = time.perf_counter() - t0
+        times.setdefault(name, []).append(time.perf_counter() - t0)
 
+    # Threads, pools and connections started, outside the timed phases.
+    tiny = {"t": torch.zeros(16)}
     for tier in ("nvme", "lustre", "s3"):
-        timed(f"save to {tier}", lambda t=tier: fdcp.save(state, f"{t}:scale/s1", process_group=pg))
-    if rank == 0:
-        settle()
+        fdcp.save(tiny, f"{tier}:scale/warm", process_group=pg)
     back = {k: torch.zeros_like(v) for k, v in state.items()}
-    timed("restore from nvme", lambda: fdcp.load(back, "nvme:scale/s1", process_group=pg))
-    assert all(torch.equal(back[k], state[k]) for k in state), "restore is not bit-exact"
+    for r in range(rounds):
+        for tier in ("nvme", "lustre", "s3"):
+            uri = f"{tier}:scale/r{r}"
+            timed(f"save to {tier}", lambda u=uri: fdcp.save(state, u, process_group=pg))
+        if rank == 0:
+            settle()
+        timed(
+            "restore from nvme", lambda r=r: fdcp.load(back, f"nvme:scale/r{r}", process_group=pg)
+        )
+        assert all(torch.equal(back[k], state[k]) for k in state), "restore is not bit-exact"
     if rank == 0:
+        med = {k: statistics.median(v) for k, v in times.items()}
         with open(os.path.join(out, "times.json"), "w") as f:
-            json.dump({"world": dist.get_world_size(), "times": times}, f)
+            json.dump({"world": dist.get_world_size(), "times": med, "runs": times}, f)
     dist.destroy_process_group()
 
 

@@ -116,6 +116,12 @@ def test_more_prefixes_lift_the_request_limit_until_the_nodes_rate_binds():
     assert enough.binding.name == "S3 export"
     short = predict(job, INP.but(prefixes=need - 1)).phases["on S3"]
     assert short.binding.name.startswith("S3 PUTs per prefix")
+    # a node faster than this would be held back by one prefix
+    above = one.shared_above(job.node_bytes)
+    assert above == pytest.approx(
+        job.node_bytes * INP.s3_put_per_prefix / s3_save_requests(job, INP)
+    )
+    assert predict(job, INP).phases["stall"].shared_above(job.node_bytes) is None
     # larger parts need fewer requests
     assert s3_save_requests(job, INP.but(part_size=64 * MiB)) < s3_save_requests(job, INP)
 
