@@ -452,3 +452,39 @@ def test_an_epoch_order_too_big_for_memory_is_an_fmstore_error(tmp_path):
     )
     assert res[0]["fmstore"], res
     assert "does not fit in memory" in res[0]["msg"], res
+
+
+def test_fmstore_dcp_value_holding_a_deflated_archive_is_refused(tmp_path, bomb):
+    from fmstore.checkpoint.dcp import Writer
+    from fmstore.format.checksum import crc32c
+
+    uri = tmp_path / "c"
+    dcp.save(
+        {"w": torch.randn(4, 4), "meta": {"step": 5}}, storage_writer=Writer(str(uri)), no_dist=True
+    )
+    doc = json.loads((uri / "manifest.json").read_text())
+    (uri / doc["generation"] / "planted.bin").write_bytes(bomb)
+    doc["blobs"].append({"name": "planted.bin", "size": len(bomb), "rank": 0})
+    item = next(it for it in doc["items"] if it["kind"] == "bytes")
+    item["nbytes"] = len(bomb)
+    item["chunks"] = [
+        {
+            "blob": len(doc["blobs"]) - 1,
+            "offset": 0,
+            "length": len(bomb),
+            "raw_offset": 0,
+            "raw": len(bomb),
+            "codec": "raw",
+            "crc32c": crc32c(bomb),
+        }
+    ]
+    (uri / "manifest.json").write_text(json.dumps(doc))
+    res = run_limited(
+        f"""
+        from fmstore.checkpoint.dcp.api import load_full_state_dict
+        report(lambda: load_full_state_dict({str(uri)!r}))
+        report(lambda: load_full_state_dict({str(uri)!r}, allow_pickle=True))
+        """
+    )
+    for r in res:
+        assert r["fmstore"] and "compressed" in r["msg"], r

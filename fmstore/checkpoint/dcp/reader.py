@@ -46,6 +46,7 @@ from ...format.manifest import ChunkEntry
 from ...limits import ByteBudget
 from ...stores import Location, Store, open_store
 from ..devring import RingLoad, cpu_routed, open_ring, run_all
+from ..zipguard import check_torch_zip
 from .manifest import MANIFEST_KEY, DcpItem, DcpManifest
 from .native import NativeCheckpoint, NativeItem, has_native_metadata, read_native, read_native_data
 
@@ -284,7 +285,12 @@ class Reader(StorageReader):
         ``weights_only=False``, which runs whatever the pickle says: unless the caller passed
         ``allow_pickle=True``, the value is decoded here with ``weights_only=True`` (plain
         containers, numbers, strings, tensors) and handed on re-serialized, so the planner
-        only ever unpickles bytes fmstore wrote from a safe object."""
+        only ever unpickles bytes fmstore wrote from a safe object.  Either way its zip
+        members are checked first (:func:`~fmstore.checkpoint.zipguard.check_torch_zip`:
+        torch inflates a compressed member whole before any size is checked)."""
+        check_torch_zip(
+            data, name=f"{fqn[:200]!r} in {self.store.url}", tier=self.store.tier, key=MANIFEST_KEY
+        )
         if self.options.allow_pickle:
             return io.BytesIO(data)
         try:
