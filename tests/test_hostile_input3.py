@@ -215,6 +215,28 @@ def test_metadata_without_fields_is_corrupt_data(tmp_path, monkeypatch):
     assert r.returncode == 1 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
 
 
+def test_metadata_is_parsed_off_the_event_loop(tmp_path, monkeypatch):
+    import threading
+
+    from fmstore.checkpoint.dcp import native
+
+    _native(tmp_path / "c")
+    threads = []
+    real = native._checked
+
+    def spy(md, where):
+        threads.append(threading.current_thread().name)
+        return real(md, where)
+
+    monkeypatch.setattr(native, "_checked", spy)
+    store = open_store(str(tmp_path / "c"))
+    try:
+        runtime.run(read_native(store))
+    finally:
+        runtime.run(store.close())
+    assert threads and "fmstore-loop" not in threads  # a big pickle would hold every transfer
+
+
 def test_item_listing_one_member_many_times_is_refused(tmp_path, monkeypatch):
     _native(tmp_path / "c")
     _replace_item(tmp_path / "c", "model.w", lambda b: listed_again(b, "data/0", 2000))

@@ -210,8 +210,7 @@ async def read_native(store: Store, *, allow_pickle: bool = False) -> NativeChec
             key=METADATA_KEY,
         )
     data = await store.get_range(METADATA_KEY, 0, size)
-    md = _checked(_unpickle(data, where, allow_pickle), where)
-    items = _items(md, where)
+    md, items = await runtime.to_cpu(_parse, data, where, allow_pickle)
     files: dict[str, int] = {}
     for path in sorted({it.path for it in items}):
         try:
@@ -229,6 +228,12 @@ async def read_native(store: Store, *, allow_pickle: bool = False) -> NativeChec
                 key=METADATA_KEY,
             )
     return NativeCheckpoint(store.url, md, items, files)
+
+
+def _parse(data: bytes, where: str, allow_pickle: bool) -> tuple[dmd.Metadata, list[NativeItem]]:
+    """``.metadata``'s checked contents: off the event loop (a big pickle takes seconds)."""
+    md = _checked(_unpickle(data, where, allow_pickle), where)
+    return md, _items(md, where)
 
 
 def _unpickle(data: bytes, where: str, allow_pickle: bool) -> dmd.Metadata:
