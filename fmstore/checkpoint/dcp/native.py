@@ -363,8 +363,10 @@ def _checked(md: dmd.Metadata, where: str) -> dmd.Metadata:
                     f"size {list(size)}"
                 )
             boxes.append(dmd.ChunkStorageMetadata(torch.Size(offs), torch.Size(lens)))
+        # Strided, unpinned (pinning needs a GPU); whether it needs a gradient is kept.
+        grad = getattr(props, "requires_grad", False) is True
         clean[fqn] = dmd.TensorStorageMetadata(
-            dmd.TensorProperties(dtype=dtype), torch.Size(size), boxes
+            dmd.TensorProperties(dtype=dtype, requires_grad=grad), torch.Size(size), boxes
         )
     return dmd.Metadata(
         state_dict_metadata=clean, planner_data=pd, storage_data=sd, version=version
