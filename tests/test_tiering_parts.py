@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from fmstore import runtime
@@ -137,6 +138,17 @@ def test_each_node_exports_its_own_part_and_the_last_one_commits(tmp_path, monke
     assert not (lustre(tmp_path, 10) / "manifest.json").exists()
     assert n0.state(10, "lustre") == cat.EXPORTING
     assert "waiting for the parts of n1" in (n0.catalog.copy(ROOT, 10, "lustre").error or "")
+    # The daemon's /metrics carries it, labelled with the node.
+    assert (
+        REGISTRY.get_sample_value(
+            "fmstore_parts", {"node": "n0", "tier": "lustre", "state": "waiting"}
+        )
+        == 1
+    )
+    assert (
+        REGISTRY.get_sample_value("fmstore_parts", {"node": "n0", "tier": "nvme", "state": "held"})
+        == 1
+    )
     n1.step(monkeypatch)
     # n1 found the set complete: the manifest is the save's, byte for byte, and verifies.
     assert (lustre(tmp_path, 10) / "manifest.json").read_bytes() == raw

@@ -6,6 +6,7 @@ they also work on a node whose catalog is new or lost.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import Any
@@ -22,6 +23,7 @@ from ..stores.base import Store
 from ..tiering import catalog as cat
 from ..tiering.catalog import Catalog
 from ..tiering.discovery import Rediscovered, rediscover
+from ..tiering.parts import parts_on
 from ..tiering.policies import Policies, State, export_lags, from_config
 from ..tiering.tiers import Tiers
 from .main import ckpt
@@ -111,7 +113,11 @@ def list_checkpoints(
                         if c.failures
                         else {}
                     )
-                    | ({"part": parts[(r, s, t)]} if (r, s, t) in parts else {})
+                    | (
+                        {"parts" if "present" in parts[(r, s, t)] else "part": parts[(r, s, t)]}
+                        if (r, s, t) in parts
+                        else {}
+                    )
                     for t, c in copies.items()
                 },
             }
@@ -136,6 +142,9 @@ def list_checkpoints(
             mark += f" ✗{cp.failures}" if cp.failures else ""
             part = parts.get((r, s, t))
             where = f" part {part['index']}/{part['of']} ({part['node']})" if part else ""
+            if part and "present" in part:  # a shared tier: the nodes whose parts are there
+                present: list[str] = part["present"]  # type: ignore[assignment]
+                where = f" parts {len(present)}/{part['of'] or '?'} ({','.join(present)})"
             cells.append(f"[{_STYLE.get(cp.state, '')}]{cp.state}{mark}{where}{size}[/]")
         table.add_row(r, str(s), *cells)
     console = Console()
@@ -164,10 +173,18 @@ def _failure_lines(rows: list[cat.Copy], now: float) -> list[str]:
 
 def _parts(cfg: Config, rows: list[cat.Copy]) -> dict[tuple[str, int, str], dict[str, object]]:
     """For copies on node-local tiers of sharded checkpoints in several parts: which part
-    this node holds (``index`` of ``of``, ``node``), from each manifest's ``parts``."""
+    this node holds (``index`` of ``of``, ``node``), from each manifest's ``parts``.  For
+    copies on shared tiers of checkpoints whose node-local copies are in parts: which nodes'
+    parts are there (``present``, ``of``, ``committed``), from the destination's part
+    records (every node sees every part there)."""
     local = [c for c in rows if c.state in cat.HOLDS_BYTES and cfg.tier(c.tier).scope == "node"]
     if not local:
         return {}
+    shared = [
+        c
+        for c in rows
+        if c.state in (cat.EXPORTING, cat.PRESENT, cat.CORRUPT) and cfg.tier(c.tier).scope != "node"
+    ]
     from ..checkpoint.dcp.nodes import node_id  # loads torch: only with node-local copies
 
     me = node_id()
@@ -185,6 +202,15 @@ def _parts(cfg: Config, rows: list[cat.Copy]) -> dict[tuple[str, int, str], dict
             if nodes:
                 idx = nodes.index(me) + 1 if me in nodes else 0
                 out[(c.root, c.step, c.tier)] = {"index": idx, "of": len(nodes), "node": me}
+        in_parts = {(r, s): p["of"] for (r, s, _t), p in out.items()}
+        for c in shared:
+            if (c.root, c.step) not in in_parts:
+                continue
+            with contextlib.suppress(FmstoreError):
+                got = await parts_on(tiers.checkpoint(c.tier, c.root, c.step))
+                if got is not None:
+                    got["of"] = got["of"] or in_parts[(c.root, c.step)]
+                    out[(c.root, c.step, c.tier)] = got
         await tiers.close()
         return out
 

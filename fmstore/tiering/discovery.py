@@ -9,7 +9,8 @@ of every tier, at start-up) and ``fmstore ckpt list`` use.
 What it records: each committed copy the catalog does not know (or knows as ``deleted``,
 ``released`` or ``missing``) becomes ``present``; a checkpoint new to the catalog is
 recorded with the earliest commit time found on any tier as its creation time, steps in
-ascending order.  Known copies are left alone, so running it again changes nothing.
+ascending order (a sharded checkpoint's: the creation time its global manifest records, the
+same on every node).  Known copies are left alone, so running it again changes nothing.
 """
 
 from __future__ import annotations
@@ -91,7 +92,10 @@ async def rediscover(
     for (root, step), on in sorted(found.items()):
         if catalog.checkpoint(root, step) is None:
             times = [t for t in on.values() if t is not None]
-            catalog.record_checkpoint(root, step, created=min(times) if times else now)
+            created = await _saved_at(tiers, next(iter(on)), root, step)
+            if created is None:
+                created = min(times) if times else now
+            catalog.record_checkpoint(root, step, created=created)
             rep.checkpoints += 1
         for tier in ladder:
             if tier not in on:
@@ -101,3 +105,23 @@ async def rediscover(
                 catalog.set_copy(root, step, tier, cat.PRESENT)
                 rep.copies += 1
     return rep
+
+
+async def _saved_at(tiers: Tiers, tier: str, root: str, step: int) -> float | None:
+    """The creation time a sharded (DCP) checkpoint's global manifest records: the same on
+    every node and tier, where a manifest's modification time is not (each node writes its
+    copy, each export commits its own), so that rules by age decide alike on every node.
+    None for a single-process checkpoint (its commit time is used) or on any error."""
+    import json
+
+    from ..format.manifest import DCP_FORMAT_NAME, MANIFEST_KEY
+
+    try:
+        data = await tiers.checkpoint(tier, root, step).get(MANIFEST_KEY)
+        if DCP_FORMAT_NAME.encode() not in data:
+            return None
+        d = json.loads(data)
+        created = d.get("created") if isinstance(d, dict) else None
+        return float(created) if isinstance(created, int | float) and created > 0 else None
+    except (FmstoreError, ValueError, RecursionError):
+        return None

@@ -79,3 +79,16 @@ ORPHANS_REMOVED = Counter(
 ORPHAN_BYTES = Counter(
     "fmstore_orphan_bytes_reclaimed", "Bytes the orphan sweep reclaimed", ["tier"]
 )
+# Checkpoints in node parts (docs/distributed.md), with the node's id as a label so that a
+# cluster's scrape of every node's daemon compares the nodes.
+PARTS = Gauge(
+    "fmstore_parts",
+    "Checkpoints in node parts per tier, by state: held (this node's part, node-local "
+    "tier), waiting (exported, the commit waits for other nodes' parts), committed (shared tier)",
+    ["node", "tier", "state"],
+)
+NODE_EXPORT_LAG = Gauge(
+    "fmstore_node_export_lag_seconds",
+    "Age of the oldest checkpoint this node still has to export to the destination (0: none)",
+    ["node", "dest"],
+)

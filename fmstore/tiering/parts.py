@@ -400,3 +400,29 @@ async def part_records_anywhere(dst: Store) -> bool:
             if PART_RECORD_RE.match(meta.key.rsplit("/", 1)[-1]):
                 return True
     return False
+
+
+async def parts_on(store: Store) -> dict[str, object] | None:
+    """Which nodes' parts of the sharded checkpoint at ``store``'s root (a shared tier) are
+    there, from the destination's part records: ``{"present": [nodes], "of": N or None,
+    "committed": bool}``; None when no generation there holds a part record.  ``of`` comes
+    from the manifest where one is committed (else it is not known from here).  No torch."""
+    import json
+
+    of: int | None = None
+    gen: str | None = None
+    committed = False
+    with contextlib.suppress(NotFound, ValueError, KeyError, TypeError):
+        d = json.loads(await store.get(MANIFEST_KEY))
+        gen, committed = str(d["generation"]), True
+        of = len(d.get("parts") or []) or None
+    gens = [gen] if gen else []
+    if not gens:
+        with contextlib.suppress(NotFound):
+            names = [m.key.rstrip("/") async for m in store.list("", recursive=False) if m.is_dir]
+            gens = sorted(names, reverse=True)
+    for g in gens:
+        records = await part_records(store, g)
+        if records:
+            return {"present": sorted(records), "of": of, "committed": committed}
+    return None

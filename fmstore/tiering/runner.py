@@ -227,12 +227,37 @@ class PolicyRunner:
             m.QUEUE_DEPTH.labels(kind).set(
                 sum(1 for a in actions if type(a).__name__.lower() == kind)
             )
+        if self.policies.node_tiers:
+            self._part_gauges(state)
         held = self.catalog.tier_bytes()
         for tier in self.policies.ladder:
             m.TIER_BYTES.labels(tier).set(held.get(tier, 0))
             u = state.usage.get(tier) or self.tiers.usage(tier)
             if u is not None:
                 m.TIER_FS_USED.labels(tier).set(u.fraction)
+
+    def _part_gauges(self, state: State) -> None:
+        """Per node: its parts held, exported and waiting, committed; its export lag."""
+        node = this_node()
+        local = set(self.policies.node_tiers)
+        on_node = {(cp.root, cp.step) for cp in state.copies if cp.tier in local}
+        counts = {(t, s): 0 for t in self.policies.ladder for s in ("held", "waiting", "committed")}
+        for cp in state.copies:
+            if (cp.root, cp.step) not in on_node:
+                continue
+            if cp.tier in local and cp.state == cat.PRESENT:
+                counts[(cp.tier, "held")] += 1
+            elif cp.state == cat.PRESENT:
+                counts[(cp.tier, "committed")] += 1
+            elif cp.state == cat.EXPORTING and (cp.error or "").startswith("waiting for the parts"):
+                counts[(cp.tier, "waiting")] += 1
+        for (tier, st), n in counts.items():
+            m.PARTS.labels(node, tier, st).set(n)
+        lag: dict[str, float] = {e.to: 0.0 for e in self.policies.exports}
+        for x in export_lags(self.policies, state):
+            lag[x.dest] = max(lag.get(x.dest, 0.0), x.oldest_pending_age)
+        for dest, seconds in lag.items():
+            m.NODE_EXPORT_LAG.labels(node, dest).set(seconds)
 
     # ---- reconcile -------------------------------------------------------------------
 

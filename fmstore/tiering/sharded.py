@@ -16,15 +16,17 @@ Every method but :meth:`save`'s wait is a collective of every rank of ``process_
   ladder that holds it for every rank (:func:`fmstore.checkpoint.dcp.load`): all ranks fall
   back together to a slower tier, then to an older step.
 
-It works the same with every tier shared (one node, or Lustre as the write tier).  Exports
-of sharded checkpoints by the policies and the daemon are not done yet (see
-``docs/distributed.md``).
+It works the same with every tier shared (one node, or Lustre as the write tier).  Each
+committed step is recorded in the node's catalog (by the node's lowest rank), so the node's
+``fmstore daemon`` exports its part, retains and releases it by ``[policies]``
+(``docs/distributed.md``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import threading
 from typing import Any
 
 from .. import keys as _keys
@@ -59,6 +61,7 @@ class ShardedCheckpointManager:
         ladder: list[str] | None = None,
         stager: Stager | None = None,
         write_options: dict[str, Any] | None = None,
+        record: bool | None = None,
     ) -> None:
         if isinstance(config, Config):
             self.config = config
@@ -76,6 +79,10 @@ class ShardedCheckpointManager:
         self.write_options = dict(write_options or {})
         self.tiers = Tiers(self.config)
         self._pending: list[cf.Future[Any]] = []
+        self._records: list[threading.Event] = []
+        #: Record each committed step in this node's catalog (its lowest rank does, by
+        #: default), for the node's ``fmstore daemon`` to tier it.
+        self.record = os.environ.get("LOCAL_RANK", "0") == "0" if record is None else record
         self.restored_step: int | None = None
         #: the tier the last :meth:`restore` read from
         self.restored_tier: str | None = None
@@ -91,14 +98,63 @@ class ShardedCheckpointManager:
 
         w = Writer(self.uri(self.write_tier, step), **self.write_options)
         fut = dcp_async_save(state, w, stager=self.stager, process_group=self.pg)
+        if self.record:
+            done = threading.Event()
+            self._records = [e for e in self._records if not e.is_set()] + [done]
+            fut.add_done_callback(lambda f: self._recorded(f, step, done))
         self._pending = [f for f in self._pending if not f.done()] + [fut]
         return fut
+
+    def _recorded(self, fut: cf.Future[Any], step: int, done: threading.Event) -> None:
+        """Once ``step`` is committed (and on this node), record it in this node's catalog
+        so that its ``fmstore daemon`` exports, retains and releases it by ``[policies]``
+        (the same rows on every node: the step and its manifest's creation time)."""
+        if fut.cancelled() or fut.exception() is not None:
+            done.set()
+            return
+
+        def record() -> None:
+            try:
+                self._record(step)
+            finally:
+                done.set()
+
+        # Off the thread that completed the future (it may be an event loop's); wait()
+        # waits for it, so a job that waits for its saves has them recorded too.
+        threading.Thread(target=record, name="fmstore-record").start()
+
+    def _record(self, step: int) -> None:
+        import logging
+
+        from ..checkpoint.verify import read_committed
+        from ..format.checksum import crc32c
+        from . import catalog as cat
+
+        try:
+            store = self.tiers.checkpoint(self.write_tier, self.root, step)
+            data, m = runtime.run(read_committed(store))
+            with cat.Catalog.for_state_dir(self.config.state_dir) as c:
+                c.record_checkpoint(
+                    self.root,
+                    step,
+                    bytes=m.stored_bytes,
+                    manifest_crc32c=crc32c(data),
+                    created=getattr(m, "created", None) or None,
+                )
+                c.set_copy(self.root, step, self.write_tier, cat.PRESENT, bytes=m.stored_bytes)
+        except Exception as e:  # the save stands; a daemon's rescan finds it again
+            logging.getLogger("fmstore.tiering").warning(
+                "could not record step %d of %r in the catalog: %s", step, self.root, e
+            )
 
     def wait(self, timeout: float | None = None) -> None:
         """Until every save of this manager is committed; raises the first failure."""
         pending, self._pending = self._pending, []
         for f in pending:
             f.result(timeout)
+        records, self._records = self._records, []
+        for done in records:
+            done.wait(timeout)
 
     def _steps(self) -> dict[str, tuple[set[int], set[int]]]:
         """This rank's view: per tier, the steps it sees committed and every step directory."""
