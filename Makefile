@@ -8,7 +8,7 @@ BSTAMP  := $(VENV)/.installed-bench
 PIP     := $(BIN)/python -m pip
 TORCH   := torch==2.13.0
 
-.PHONY: setup setup-bench setup-prometheus demo test test-fast test-chaos fuzz lint format bench clean
+.PHONY: setup setup-bench setup-prometheus demo demo-cluster test test-fast test-chaos fuzz lint format bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,12 @@ demo: $(STAMP)
 # only surviving copy is on S3), resumed and compared bit for bit with the uninterrupted run.
 demo-crash: $(STAMP)
 	$(BIN)/python -m fmstore.demo --crash --wipe-nvme --lose-lustre $(DEMO_ARGS)
+
+# Two nodes x two ranks (torchrun agents on loopback, each node its own NVMe, state and
+# daemon) train the demo's model sharded; one node is killed and replaced mid-run; the job
+# resumes and ends bit-identical to an uninterrupted run.
+demo-cluster: $(STAMP)
+	$(BIN)/python -m fmstore.demo.cluster $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

@@ -1,0 +1,266 @@
+"""``python -m fmstore.demo.cluster`` (``make demo-cluster``): a job of two nodes x two ranks
+on this machine, one node killed and replaced mid-run, resumed bit-exact.
+
+1. starts SeaweedFS (S3) on loopback and two nodes (``torchrun`` agents on loopback, each
+   with its own NVMe directory, ``scope = "node"``, its own state directory and its own
+   ``fmstore daemon``; a Lustre directory and S3 shared: :mod:`fmstore.testing.cluster`);
+2. trains the demo's tiny GPT sharded with FSDP2 over the four ranks
+   (:mod:`fmstore.demo.cluster_train`), saving every ``--ckpt-every`` steps to each node's
+   NVMe through ``ShardedCheckpointManager``; every 2nd save is also written to Lustre and
+   every 4th to S3 by the job itself (the daemons' exports of node parts are not built
+   yet: these copies stand in for them);
+3. once a step is on Lustre, kills node ``n1`` (SIGKILL of its agent, its ranks and its
+   daemon) at ``--kill-at``, wipes its NVMe and state (a replaced node), and relaunches
+   the job: it restores the newest step every rank can read (n1's NVMe is empty, so from
+   Lustre or S3) and trains to the end;
+4. runs the same job uninterrupted in a directory of its own, and compares every rank's
+   final shards, model and optimizer, bit for bit;
+5. prints a summary and writes ``cluster.png``: each node's checkpoints per tier over time,
+   the stall of every save, and where the restore read from; ``result.json`` holds the
+   figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ..testing.cluster import Cluster, S3Tier
+from ..testing.seaweed import SeaweedServer
+
+console = Console()
+NODES = ["n0", "n1"]
+ROOT = "runs/cluster"
+POLICIES = '[policies]\nladder = ["nvme", "lustre", "s3"]\nwrite_tier = "nvme"\n'
+
+
+def events(out: Path) -> list[dict[str, Any]]:
+    try:
+        text = (out / "events.jsonl").read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+
+
+def committed_steps(root: Path) -> int:
+    """Checkpoints committed under ``root`` (a tier's directory of the run): manifests."""
+    return len(list(root.glob("step_*/manifest.json"))) if root.is_dir() else 0
+
+
+class Sampler:
+    """Every half second: each node's committed checkpoints on its NVMe, Lustre's, S3's."""
+
+    def __init__(self, c: Cluster, s3: SeaweedServer, bucket: str) -> None:
+        self.c, self.s3, self.bucket = c, s3, bucket
+        self.rows: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+
+    def s3_steps(self) -> int:
+        client = self.s3.boto3_client()
+        pages = client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=f"fm/{ROOT}/"
+        )
+        keys = [o["Key"] for p in pages for o in p.get("Contents", [])]
+        return sum(1 for k in keys if k.endswith("/manifest.json") and k.count("/") == 4)
+
+    def sample(self) -> None:
+        row: dict[str, Any] = {"t": time.time()}
+        for n in NODES:
+            row[f"nvme {n}"] = committed_steps(self.c.nvme(n) / ROOT)
+        row["lustre"] = committed_steps(self.c.lustre / ROOT)
+        try:
+            row["s3"] = self.s3_steps()
+        except Exception:  # a sample missed is a gap in the plot, nothing more
+            row["s3"] = None
+        self.rows.append(row)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.5):
+            self.sample()
+
+    def __enter__(self) -> Sampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._t.join()
+        self.sample()
+
+
+def train_args(c: Cluster, a: argparse.Namespace) -> list[str]:
+    return [
+        "--out", str(c.out), "--root", ROOT, "--steps", str(a.steps),
+        "--ckpt-every", str(a.ckpt_every), "--shared-every", "2", "--s3-every", "4",
+        "--sentences", str(a.sentences),
+    ]  # fmt: skip
+
+
+def finals(out: Path, ranks: int) -> list[str]:
+    return [json.loads((out / f"final-{r}.json").read_text())["hash"] for r in range(ranks)]
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="fmstore-demo-cluster-")).resolve()
+    if work.exists() and any(work.iterdir()):
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    console.print(f"[bold]fmstore cluster demo[/bold] in {work}")
+    # SeaweedFS's data in a temporary directory of its own: its unix sockets live there,
+    # and a socket's path must stay short (108 bytes).
+    with SeaweedServer() as s3:
+        bucket = s3.create_bucket("demo-cluster")
+        # The uninterrupted run, the reference for the bit-for-bit check (its S3 copies
+        # under a prefix of their own).
+        tier = S3Tier(f"s3://{bucket}/reference", s3.endpoint_url, s3.env(), s3.region)
+        with Cluster(work / "reference", s3=tier, policies=POLICIES, pg_timeout=300) as ref:
+            console.print("uninterrupted run (the reference) ...")
+            t0 = time.perf_counter()
+            rcs = ref.run("fmstore.demo.cluster_train", train_args(ref, a), NODES, module=True)
+            if rcs != [0, 0]:
+                raise SystemExit(ref.logs("job", NODES))
+            console.print(f"  done in {time.perf_counter() - t0:.0f} s")
+        tier = S3Tier(f"s3://{bucket}/fm", s3.endpoint_url, s3.env(), s3.region)
+        # Seconds, not gloo's 30 minutes: n0 gives up soon after n1 dies.
+        c = Cluster(work / "job", s3=tier, policies=POLICIES, pg_timeout=20)
+        with c, Sampler(c, s3, bucket) as sampler:
+            for n in NODES:
+                c.start_daemon(n)
+            console.print(f"run 1: {len(NODES)} nodes x 2 ranks, n1 replaced at step {a.kill_at}")
+            procs = c.start("fmstore.demo.cluster_train", train_args(c, a), NODES, module=True)
+            deadline = time.monotonic() + 900
+            while True:
+                ev = events(c.out)
+                on_lustre = any(e["ev"] == "committed" and e["tier"] == "lustre" for e in ev)
+                top = max([e["step"] for e in ev if e["ev"] == "step"], default=0)
+                if on_lustre and top >= a.kill_at:
+                    break
+                if all(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+                    raise SystemExit("run 1 ended before the kill:\n" + c.logs("job", NODES))
+                time.sleep(0.05)
+            killed = {"t": time.time(), "step": top}
+            c.replace("n1")  # agent, ranks and daemon SIGKILLed; NVMe and state wiped
+            console.print(f"  n1 killed at step {top} and replaced (its NVMe and state wiped)")
+            c.start_daemon("n1")
+            for p in procs:
+                p.wait(timeout=300)  # n0 gives up at its process group's timeout
+            console.print("run 2: the job relaunched on n0 and the new n1")
+            c.pg_timeout = 300
+            rcs = c.run("fmstore.demo.cluster_train", train_args(c, a), NODES, module=True)
+            if rcs != [0, 0]:
+                raise SystemExit(c.logs("job", NODES))
+        ev = events(c.out)
+        restore = [e for e in ev if e["ev"] == "restore" and e["step"] is not None]
+        same = finals(c.out, 4) == finals(ref.out, 4)
+        result = {
+            "bit_identical": same,
+            "kill": killed,
+            "restore": restore[-1] if restore else None,
+            "saves": [e for e in ev if e["ev"] == "save"],
+            "tiers": sampler.rows,
+            "steps": a.steps,
+            "workdir": str(work),
+        }
+        (work / "result.json").write_text(json.dumps(result, indent=1))
+        summary(result)
+        png = plot(work, ev, result)
+        console.print(f"plot: {png}")
+        return result
+
+
+def summary(r: dict[str, Any]) -> None:
+    t = Table(title="fmstore cluster demo")
+    t.add_column("what")
+    t.add_column("value")
+    rest = r["restore"]
+    t.add_row("node n1 killed and replaced at step", str(r["kill"]["step"]))
+    if rest:
+        t.add_row("restored step", f"{rest['step']} from {rest['tier']} ({rest['seconds']:.1f} s)")
+    for tier in ("nvme", "lustre", "s3"):
+        stalls = [s["stall"] for s in r["saves"] if s["tier"] == tier]
+        if stalls:
+            t.add_row(
+                f"save stall on {tier} (median, max)",
+                f"{sorted(stalls)[len(stalls) // 2] * 1e3:.0f} ms, {max(stalls) * 1e3:.0f} ms"
+                f" over {len(stalls)} saves",
+            )
+    last = r["tiers"][-1] if r["tiers"] else {}
+    t.add_row("checkpoints at the end", ", ".join(f"{k}: {v}" for k, v in last.items() if k != "t"))
+    t.add_row(
+        "final weights vs uninterrupted run", "bit-identical" if r["bit_identical"] else "DIFFER"
+    )
+    console.print(t)
+
+
+def plot(work: Path, ev: list[dict[str, Any]], r: dict[str, Any]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min([e["t"] for e in ev] + [row["t"] for row in r["tiers"]])
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(10, 10))
+    for key in [k for k in (r["tiers"][0] if r["tiers"] else {}) if k != "t"]:
+        pts = [(row["t"] - t0, row[key]) for row in r["tiers"] if row[key] is not None]
+        ax1.step([p[0] for p in pts], [p[1] for p in pts], where="post", label=key)
+    ax1.set_ylabel("committed checkpoints")
+    ax1.set_title("each node's checkpoints on its NVMe, and the shared tiers'")
+    for ax in (ax1, ax3):
+        ax.axvline(r["kill"]["t"] - t0, color="red", ls="--", label="n1 killed + replaced")
+    ax1.legend(loc="upper left")
+    for tier, color in (("nvme", "C0"), ("lustre", "C1"), ("s3", "C2")):
+        saves = [s for s in r["saves"] if s["tier"] == tier]
+        ax2.scatter(
+            [s["step"] for s in saves], [s["stall"] * 1e3 for s in saves], color=color, label=tier
+        )
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("save stall (ms)")
+    ax2.set_title("how long each save held training")
+    ax2.legend(loc="upper left")
+    steps = [e for e in ev if e["ev"] == "step"]
+    ax3.plot([e["t"] - t0 for e in steps], [e["loss"] for e in steps], ".", ms=3)
+    rest = r["restore"]
+    if rest:
+        ax3.annotate(
+            f"restored step {rest['step']} from {rest['tier']}",
+            (rest["t"] - t0, max(e["loss"] for e in steps)),
+        )
+    ax3.set_xlabel("seconds")
+    ax3.set_ylabel("training loss")
+    ax3.set_title(
+        "training; final weights "
+        + ("bit-identical to" if r["bit_identical"] else "DIFFER from")
+        + " an uninterrupted run"
+    )
+    fig.tight_layout()
+    png = work / "cluster.png"
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+    return png
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m fmstore.demo.cluster", description=__doc__)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--ckpt-every", type=int, default=5)
+    ap.add_argument("--kill-at", type=int, default=35, help="kill n1 once this step is reached")
+    ap.add_argument("--sentences", type=int, default=2000)
+    ap.add_argument("--workdir", default=None)
+    a = ap.parse_args(argv)
+    r = run(a)
+    if not r["bit_identical"]:
+        raise SystemExit("the final weights differ from the uninterrupted run")
+
+
+if __name__ == "__main__":
+    main()
