@@ -53,6 +53,7 @@ def save_parts(
     nodes: tuple[str, ...] = NODES,
     size: int = 3000,
     age: float = 0.0,
+    blobs_per_rank: int = 1,
 ) -> bytes:
     """A committed checkpoint of ``len(nodes)`` nodes x 1 rank on the nodes' NVMe, as
     ``fdcp.save`` leaves it: each node its rank's blob and record, every node the same
@@ -63,12 +64,14 @@ def save_parts(
         gen = f"g{int((time.time() - age) * 1000):012x}-{gen[-8:]}"
     blobs, items, payloads = [], [], []
     for r in range(len(nodes)):
-        data = os.urandom(size) + bytes([step % 256, r])
-        payloads.append(data)
-        blobs.append(DcpBlob(f"{r:06d}.bin", len(data), r))
-        chunk = ChunkEntry(r, 0, len(data), 0, len(data), "raw", crc32c(data))
-        items.append(DcpItem(f"x{r}", None, "bytes", "", (), len(data), (chunk,)))
-    md = Metadata(state_dict_metadata={f"x{r}": BytesStorageMetadata() for r in range(len(nodes))})
+        for k in range(blobs_per_rank):
+            i = len(blobs)
+            data = os.urandom(size) + bytes([step % 256, r])
+            payloads.append(data)
+            blobs.append(DcpBlob(f"{i:06d}.bin", len(data), r))
+            chunk = ChunkEntry(i, 0, len(data), 0, len(data), "raw", crc32c(data))
+            items.append(DcpItem(f"x{r}.{k}", None, "bytes", "", (), len(data), (chunk,)))
+    md = Metadata(state_dict_metadata={it.fqn: BytesStorageMetadata() for it in items})
     m = DcpManifest.from_metadata(
         md,
         generation=gen,
@@ -83,8 +86,10 @@ def save_parts(
     for r, node in enumerate(nodes):
         d = base / node / "nvme" / checkpoint_key(ROOT, step)
         (d / gen).mkdir(parents=True, exist_ok=True)
-        (d / gen / blobs[r].name).write_bytes(payloads[r])
-        rec = RankRecord(gen, "s", r, node, ((blobs[r].name, blobs[r].size),))
+        mine = [i for i, b in enumerate(blobs) if b.rank == r]
+        for i in mine:
+            (d / gen / blobs[i].name).write_bytes(payloads[i])
+        rec = RankRecord(gen, "s", r, node, tuple((blobs[i].name, blobs[i].size) for i in mine))
         (d / rank_record_key(gen, r)).write_bytes(rec.dumps())
         (d / "manifest.json").write_bytes(raw)
         if age:
@@ -97,10 +102,12 @@ class Node:
     """One node's runner: its own catalog and state directory, FMSTORE_NODE_ID set while it
     steps."""
 
-    def __init__(self, base: Path, name: str, policies: dict[str, Any], **kw: Any) -> None:
+    def __init__(
+        self, base: Path, name: str, policies: dict[str, Any], clock: Any = None, **kw: Any
+    ) -> None:
         self.name = name
         self.cfg = node_config(base, name, policies, **kw)
-        self.catalog = Catalog.for_state_dir(self.cfg.state_dir)
+        self.catalog = Catalog.for_state_dir(self.cfg.state_dir, clock=clock)
         self.runner = PolicyRunner(self.cfg, from_config(self.cfg), self.catalog)
 
     def record(self, step: int, created: float | None = None) -> None:
@@ -368,3 +375,107 @@ def test_the_newest_step_is_never_deleted_from_a_node_while_no_shared_tier_holds
     assert [(d.step, d.tier) for d in acts] == [(10, "nvme")]
     acts = pol.plan_retention(p, pol.State(steps, [*copies, _cp(20, "lustre")], now=100.0))
     assert sorted(d.step for d in acts if d.tier == "nvme") == [10, 20]
+
+
+# ---- backlog, release, resume -------------------------------------------------------------
+
+BACKLOG = {
+    "ladder": ["nvme", "lustre"],
+    "export": [{"to": "lustre", "every_steps": 10}],
+    "retention": {"lustre": {"keep_latest": 1}},
+}
+
+
+def test_a_superseded_export_removes_this_nodes_part_only_and_every_node_ends_alike(
+    tmp_path, monkeypatch
+):
+    nodes3 = ("n0", "n1", "n2")
+    raw10 = save_parts(tmp_path, 10, nodes=nodes3)
+    gen10 = DcpManifest.loads(raw10).generation
+    n0, n1, n2 = (Node(tmp_path, n, BACKLOG) for n in nodes3)
+    for n in (n0, n1, n2):
+        n.record(10)
+    n0.step(monkeypatch)
+    n1.step(monkeypatch)  # n2 is behind: step 10 is not committed
+    save_parts(tmp_path, 20, nodes=nodes3)
+    for n in (n0, n1, n2):
+        n.record(20)
+    n0.step(monkeypatch)  # supersedes its export of 10 (lustre keeps 1), exports 20
+    d10 = lustre(tmp_path, 10) / gen10
+    assert n0.state(10, "lustre") == cat.SUPERSEDED
+    assert not (d10 / "part-n0.json").exists() and not (d10 / "000000.bin").exists()
+    # n1's part of step 10 is n1's: a commit of step 10 could still need it.
+    assert (d10 / "part-n1.json").exists() and (d10 / "000001.bin").exists()
+    n1.step(monkeypatch)
+    n2.step(monkeypatch)
+    for n in (n0, n1, n2):
+        n.step(monkeypatch)
+        present = [
+            cp.step for cp in n.catalog.copies(ROOT, states=[cat.PRESENT]) if cp.tier == "lustre"
+        ]
+        assert present == [20], (n.name, present)
+    assert not (lustre(tmp_path, 10) / "manifest.json").exists()
+    assert (lustre(tmp_path, 20) / "manifest.json").exists()
+
+
+def test_a_node_releases_its_part_only_once_the_shared_copy_is_committed(tmp_path, monkeypatch):
+    pol = {**EXPORT, "release": {"nvme": {"after": "1s"}}}
+    save_parts(tmp_path, 10)
+    now = [time.time()]
+    n0, n1 = (Node(tmp_path, n, pol, clock=lambda: now[0]) for n in NODES)
+    for n in (n0, n1):
+        n.record(10)
+    now[0] += 10  # unused for longer than "after"
+    part = tmp_path / "n0" / "nvme" / checkpoint_key(ROOT, 10) / "manifest.json"
+    n0.step(monkeypatch)
+    n0.step(monkeypatch)
+    assert n0.state(10, "nvme") == cat.PRESENT and part.exists()  # n1's part is not there
+    n1.step(monkeypatch)  # commits
+    n0.step(monkeypatch)  # sees the commit
+    n0.step(monkeypatch)
+    assert n0.state(10, "nvme") == cat.RELEASED and not part.exists()
+
+
+def test_a_node_killed_mid_export_resumes_from_its_journal(tmp_path, monkeypatch):
+    import signal
+    import subprocess
+    import sys
+
+    raw = save_parts(tmp_path, 10, size=256 << 10, blobs_per_rank=6)
+    gen = DcpManifest.loads(raw).generation
+    cfg = tmp_path / "n0.toml"
+    cfg.write_text(
+        f'state_dir = "{tmp_path / "n0" / "state"}"\n'
+        f'[tiers.nvme]\nurl = "{tmp_path / "n0" / "nvme"}"\nscope = "node"\n'
+        f'[tiers.lustre]\nurl = "{tmp_path / "lustre"}"\n'
+        '[policies]\nladder = ["nvme", "lustre"]\n'
+        '[[policies.export]]\nto = "lustre"\nevery_steps = 10\n'
+        '[daemon]\nconcurrency = 1\nbwlimit = "1MB"\n'
+    )
+    n0 = Node(tmp_path, "n0", EXPORT)
+    n0.record(10)
+    env = {**os.environ, "FMSTORE_CONFIG": str(cfg), NODE_ENV: "n0"}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "fmstore", "daemon", "--once", "--no-http"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    journals = tmp_path / "n0" / "state" / "transfers"
+    try:
+        # Killed once its journal records a finished blob (bwlimit keeps the rest going).
+        while not any(b'"f"' in j.read_bytes() for j in journals.glob("ckpt-*.jsonl")):
+            assert p.poll() is None, "the export ended before it could be killed"
+            time.sleep(0.01)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    done = [f for f in (lustre(tmp_path, 10) / gen).glob("*.bin")]
+    assert done and not (lustre(tmp_path, 10) / gen / "part-n0.json").exists()
+    inodes = {f.name: f.stat().st_ino for f in done}
+    n0.step(monkeypatch)
+    # The blobs the killed run finished were not written again; the part is complete.
+    for name, ino in inodes.items():
+        assert (lustre(tmp_path, 10) / gen / name).stat().st_ino == ino, name
+    assert (lustre(tmp_path, 10) / gen / "part-n0.json").exists()
+    assert len(list((lustre(tmp_path, 10) / gen).glob("*.bin"))) == 6
