@@ -120,6 +120,54 @@ def _requests(url: str, so: dict[str, Any], n: int, conc: int = 32) -> tuple[flo
     return runtime.run(go())
 
 
+def disk_all(nbytes: int, base: str, streams: int = 8) -> tuple[float, float]:
+    """What this disk serves ``streams`` writers (buffered, fsynced) and then readers (page
+    cache dropped) at once, each with its own file: bytes per second, write and read."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    d = os.path.join(base, "disk")
+    os.makedirs(d, exist_ok=True)
+    block = os.urandom(16 * MiB)
+    per = max(1, nbytes // streams // len(block))
+
+    def write(i: int) -> None:
+        with open(os.path.join(d, f"f{i}"), "wb") as f:
+            for _ in range(per):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read(i: int) -> None:
+        with open(os.path.join(d, f"f{i}"), "rb", buffering=0) as f:
+            while f.read(16 * MiB):
+                pass
+
+    total = per * len(block) * streams
+    with ThreadPoolExecutor(streams) as pool:
+        settle()
+        w = _timed(lambda: list(pool.map(write, range(streams))))
+        settle()
+        r = _timed(lambda: list(pool.map(read, range(streams))))
+    shutil.rmtree(d, ignore_errors=True)
+    return total / w, total / r
+
+
+def s3_all(url: str, so: dict[str, Any], nbytes: int, streams: int = 16) -> float:
+    """Bytes per second the S3 server takes from ``streams`` uploads at once."""
+
+    async def go() -> float:
+        store = open_store(url, concurrency=streams, **so)
+        body = os.urandom(max(1, nbytes // streams))
+        try:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(store.put(f"all/{i:03d}", body) for i in range(streams)))
+            return len(body) * streams / (time.perf_counter() - t0)
+        finally:
+            await store.close()
+
+    return runtime.run(go())
+
+
 def _gloo_rank(rank: int, port: int, nbytes: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -206,6 +254,9 @@ def measure(size: int, rounds: int, base: str, s3: SeaweedServer) -> tuple[Input
     w, r, le, lr, se, sr, ss = (med[k] for k in ("w", "r", "le", "lr", "se", "sr", "ss"))
     fixed, fixed_load, s3_fixed = med["fixed"], med["fixed_load"], med["s3_fixed"]
     puts, gets = _requests(f"s3://{bucket}/reqs", so, 400 if size <= 256 * MiB else 2000)
+    alls = [disk_all(size, base) for _ in range(rounds)]
+    dw, dr = statistics.median(a[0] for a in alls), statistics.median(a[1] for a in alls)
+    sa = statistics.median(s3_all(f"s3://{bucket}/all{i}", so, size) for i in range(rounds))
     rep = replica_rate(min(size, 512 * MiB), base)
     d2h = d2h_rate(min(size, 1 << 30))
     fig = {
@@ -217,6 +268,9 @@ def measure(size: int, rounds: int, base: str, s3: SeaweedServer) -> tuple[Input
         "s3_read": nbytes / sr,
         "s3_save": nbytes / ss,
         "replica_pair": rep,
+        "disk_write_all": dw,
+        "disk_read_all": dr,
+        "s3_server_all": sa,
         "save_fixed_s": fixed,
         "s3_save_fixed_s": s3_fixed,
         "load_fixed_s": fixed_load,
@@ -230,11 +284,14 @@ def measure(size: int, rounds: int, base: str, s3: SeaweedServer) -> tuple[Input
         "s3_read": "fmstore DCP Reader from SeaweedFS",
         "s3_save": "fmstore DCP Writer straight to SeaweedFS",
         "replica_pair": "gloo send/recv of 64 MiB tensors between two processes, loopback",
+        "disk_write_all": "8 writers at once, one file each, buffered + fsync (the shared disk)",
+        "disk_read_all": "8 readers at once, page cache dropped (the shared disk)",
+        "s3_server_all": "16 uploads at once to SeaweedFS (the shared server)",
         "save_fixed_s": "fmstore DCP save of 64 KiB to this disk, one process",
         "s3_save_fixed_s": "fmstore DCP save of 64 KiB to SeaweedFS, one process",
         "load_fixed_s": "fmstore DCP load of 64 KiB from this disk, one process",
     }
-    sources = {k: f"measured here: {v}" for k, v in how.items()}
+    sources = {k: f"measured here (median of {rounds}): {v}" for k, v in how.items()}
     sources["s3_requests"] = f"SeaweedFS here: {puts:.0f} PUT/s, {gets:.0f} GET/s (1 KiB objects)"
     if d2h is not None:
         fig["d2h_gpu"] = d2h
@@ -329,8 +386,9 @@ def report(inp: Inputs, jobs: list[Job]) -> dict[str, Any]:
     )
     layout = []
     for job in jobs:
-        for part in (8 * MiB, 64 * MiB):
-            for prefixes in (1, 16):
+        need = prefixes_needed(job, inp)["put"]
+        for part in (8 * MiB, 64 * MiB, 128 * MiB):
+            for prefixes in sorted({1, need}):
                 i2 = inp.but(part_size=part, prefixes=prefixes)
                 p = predict(job, i2)
                 s3 = p.phases["on S3"]

@@ -111,6 +111,11 @@ class Inputs:
     #: seconds of a save (to NVMe, to S3) and a restore of almost nothing by one process
     #: (plans, manifest, fsyncs, requests): the fixed part of each phase of the 1-3 node
     #: check, whose sizes are small.  Not in the predictions at scale (see docs/scale.md)
+    #: what the machine's shared parts serve to many clients at once (several writers and
+    #: readers of the disk, many uploads to the S3 server); 0: one node's rate
+    disk_write_all: float = 0.0
+    disk_read_all: float = 0.0
+    s3_server_all: float = 0.0
     save_fixed_s: float = 0.0
     s3_save_fixed_s: float = 0.0
     load_fixed_s: float = 0.0
@@ -347,28 +352,32 @@ def prefixes_needed(job: Job, inp: Inputs) -> dict[str, int]:
 
 def local_check(inp: Inputs, nodes: int, node_bytes: float) -> dict[str, Phase]:
     """The model for ``nodes`` "nodes" on this one machine, each saving ``node_bytes``:
-    every per-node figure is this machine's, and the disk (NVMe and Lustre are directories
-    on it) and the S3 server are shared, so each also binds for all nodes' bytes at once; a
-    phase starts with the fixed cost of a save or restore of almost nothing."""
+    a node's limit is one process's rate (``nvme_write``, ...), and the disk (NVMe and Lustre
+    are directories on it) and the S3 server are shared: all nodes' bytes at what they serve
+    many clients (``disk_write_all``, ...); a phase starts with the fixed cost of a save or
+    restore of almost nothing."""
     total = nodes * node_bytes
 
-    def phase(name: str, what: str, rate: float, before: float) -> Phase:
+    def phase(name: str, what: str, rate: float, shared: float, before: float) -> Phase:
         return Phase(
             name,
             (
-                Limit(what, node_bytes, rate),
-                Limit(f"{what}, one for all nodes", total, rate, shared=True),
+                Limit(f"{what}, one node", node_bytes, rate),
+                Limit(f"{what}, one for all nodes", total, shared or rate, shared=True),
             ),
             before,
         )
 
+    s3 = inp.s3_save or inp.s3_export
     return {
-        "save to NVMe": phase("save to NVMe", "disk write", inp.nvme_write, inp.save_fixed_s),
-        "save to Lustre": phase("save to Lustre", "disk write", inp.nvme_write, inp.save_fixed_s),
-        "save to S3": phase(
-            "save to S3", "S3 server", inp.s3_save or inp.s3_export, inp.s3_save_fixed_s
+        "save to NVMe": phase(
+            "save to NVMe", "disk write", inp.nvme_write, inp.disk_write_all, inp.save_fixed_s
         ),
+        "save to Lustre": phase(
+            "save to Lustre", "disk write", inp.nvme_write, inp.disk_write_all, inp.save_fixed_s
+        ),
+        "save to S3": phase("save to S3", "S3 server", s3, inp.s3_server_all, inp.s3_save_fixed_s),
         "restore from NVMe": phase(
-            "restore from NVMe", "disk read", inp.nvme_read, inp.load_fixed_s
+            "restore from NVMe", "disk read", inp.nvme_read, inp.disk_read_all, inp.load_fixed_s
         ),
     }

@@ -145,6 +145,12 @@ def test_on_this_machine_the_shared_disk_binds_once_there_are_two_nodes():
     assert three["save to NVMe"].seconds == pytest.approx(0.5 + 3e9 / inp.nvme_write)
     assert three["restore from NVMe"].seconds == pytest.approx(0.25 + 3e9 / inp.nvme_read)
     assert three["save to S3"].seconds == pytest.approx(3e9 / inp.s3_export)
+    # a disk that serves many writers faster than one: one node's rate binds up to a point
+    fast = local_check(inp.but(disk_write_all=2 * inp.nvme_write), 2, 1e9)["save to NVMe"]
+    assert not fast.binding.shared
+    assert fast.seconds == pytest.approx(0.5 + 1e9 / inp.nvme_write)
+    slow = local_check(inp.but(disk_write_all=2 * inp.nvme_write), 3, 1e9)["save to NVMe"]
+    assert slow.binding.shared
 
 
 def test_inputs_round_trip_through_json_and_ignore_unknown_keys():
