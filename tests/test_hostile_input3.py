@@ -14,8 +14,10 @@ import json
 import os
 import pickle
 import struct
+import textwrap
 import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -76,6 +78,35 @@ def bomb() -> bytes:
                 data = data.replace(b"J" + struct.pack("<i", small), b"J" + struct.pack("<i", n))
             dst.writestr(info.filename, data)
     return out.getvalue()
+
+
+#: Hostile loads run under a memory limit, all in one fresh interpreter (starting one
+#: costs seconds): name -> a function preparing the input in a directory of its own and
+#: returning the ``report(...)`` calls to run there (see ``hostile_helpers.run_limited``).
+LIMITED: dict[str, Callable[[Path, bytes], str]] = {}
+
+
+def limited_case(fn: Callable[[Path, bytes], str]) -> Callable[[Path, bytes], str]:
+    LIMITED[fn.__name__.removeprefix("_case_")] = fn
+    return fn
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory, bomb) -> dict[str, tuple[Path, list[dict]]]:
+    """name -> (its directory, one result per ``report`` call) of every limited case."""
+    dirs, bodies, counts = {}, [], []
+    for name, prepare in LIMITED.items():
+        dirs[name] = tmp_path_factory.mktemp(name)
+        body = textwrap.dedent(prepare(dirs[name], bomb))
+        bodies.append(body)
+        counts.append((name, body.count("report(")))
+    res = run_limited("\n".join(bodies), timeout=240)
+    out, at = {}, 0
+    for name, n in counts:
+        out[name] = (dirs[name], res[at : at + n])
+        at += n
+    assert at == len(res), res
+    return out
 
 
 def _central_entries(cd: bytes) -> list[bytes]:
@@ -172,8 +203,9 @@ def _replace_item(path: Path, fqn: str, make) -> None:
     (path / ".metadata").write_bytes(pickle.dumps(md))
 
 
-def test_metadata_with_a_deep_list_dag_is_refused_at_once(tmp_path):
-    _native(tmp_path / "c")
+@limited_case
+def _case_dag(d: Path, bomb: bytes) -> str:
+    _native(d / "c")
     dag: list = []
     for _ in range(40):
         dag = [dag, dag]  # repr() of this has 2**40 pieces; the pickle ~1 KB
@@ -181,17 +213,17 @@ def test_metadata_with_a_deep_list_dag_is_refused_at_once(tmp_path):
     def plant(md):
         next(iter(md.storage_data.values())).relative_path = dag
 
-    _rewrite_metadata(tmp_path / "c", plant)
-    assert (tmp_path / "c" / ".metadata").stat().st_size < 4096
-    res = run_limited(
-        f"""
+    _rewrite_metadata(d / "c", plant)
+    assert (d / "c" / ".metadata").stat().st_size < 4096
+    return f"""
         from fmstore.checkpoint.dcp.api import inspect_checkpoint
-        report(lambda: fmstore.load({str(tmp_path / "c")!r}))
-        report(lambda: inspect_checkpoint({str(tmp_path / "c")!r}))
-        """,
-        timeout=60,
-    )
-    for r in res:
+        report(lambda: fmstore.load({str(d / "c")!r}))
+        report(lambda: inspect_checkpoint({str(d / "c")!r}))
+    """
+
+
+def test_metadata_with_a_deep_list_dag_is_refused_at_once(limited):
+    for r in limited["dag"][1]:
         assert r["fmstore"] and r["error"] == "CorruptData", r
         assert "bad file, offset or length" in r["msg"] and len(r["msg"]) < 1000
 
@@ -248,19 +280,21 @@ def test_item_listing_one_member_many_times_is_refused(tmp_path, monkeypatch):
     assert r.returncode == 1 and "listed more than once" in r.stdout + r.stderr
 
 
-def test_deflated_item_is_refused_before_inflating(tmp_path, bomb):
-    _native(tmp_path / "c")
+@limited_case
+def _case_deflated_item(d: Path, bomb: bytes) -> str:
+    _native(d / "c")
     # model.b is 7 floats; its item becomes the 5 MB archive of a 1 GiB tensor, which torch
     # would inflate whole before the shape check (beyond the memory limit of the load).
-    _replace_item(tmp_path / "c", "model.b", lambda b: bomb)
-    assert (tmp_path / "c" / "__0_0.distcp").stat().st_size < 8 << 20
-    res = run_limited(
-        f"""
-        report(lambda: fmstore.load({str(tmp_path / "c")!r}, verify=False))
-        report(lambda: fmstore.load({str(tmp_path / "c")!r}))
-        """
-    )
-    for r in res:
+    _replace_item(d / "c", "model.b", lambda b: bomb)
+    assert (d / "c" / "__0_0.distcp").stat().st_size < 8 << 20
+    return f"""
+        report(lambda: fmstore.load({str(d / "c")!r}, verify=False))
+        report(lambda: fmstore.load({str(d / "c")!r}))
+    """
+
+
+def test_deflated_item_is_refused_before_inflating(limited):
+    for r in limited["deflated_item"][1]:
         assert r["fmstore"] and r["error"] == "CorruptData", r
         assert "model.b" in r["msg"] and "compressed" in r["msg"]
 
@@ -298,17 +332,20 @@ def _one_error_line(r) -> str:
     return lines[0]
 
 
-def test_convert_of_a_deflated_pt_is_refused(tmp_path, bomb):
-    (tmp_path / "x.pt").write_bytes(bomb)
-    res = run_limited(
-        f"""
+@limited_case
+def _case_deflated_pt(d: Path, bomb: bytes) -> str:
+    (d / "x.pt").write_bytes(bomb)
+    return f"""
         from fmstore.checkpoint.convert import convert
-        report(lambda: convert({str(tmp_path / "x.pt")!r}, {str(tmp_path / "y")!r}))
-        """
-    )
+        report(lambda: convert({str(d / "x.pt")!r}, {str(d / "y")!r}))
+    """
+
+
+def test_convert_of_a_deflated_pt_is_refused(limited):
+    d, res = limited["deflated_pt"]
     assert res[0]["fmstore"] and res[0]["error"] == "CorruptData", res
     assert "x.pt" in res[0]["msg"] and "compressed" in res[0]["msg"]
-    assert not (tmp_path / "y").exists()
+    assert not (d / "y").exists()
 
 
 def test_convert_of_garbage_files_is_one_error_line(tmp_path, fm):
@@ -397,13 +434,14 @@ def test_a_journal_token_cannot_remove_another_files_temp(tmp_path, home):
 # ---- Hugging Face directories -------------------------------------------------------------
 
 
-def test_a_fifo_in_a_hugging_face_dir_is_refused_without_waiting(tmp_path):
+@limited_case
+def _case_fifo(d: Path, bomb: bytes) -> str:
     from safetensors.torch import save_file
 
-    single = tmp_path / "single"
+    single = d / "single"
     single.mkdir()
     os.mkfifo(single / "model.safetensors")
-    sharded = tmp_path / "sharded"
+    sharded = d / "sharded"
     sharded.mkdir()
     save_file({"a": torch.zeros(3)}, str(sharded / "model-00001-of-00002.safetensors"))
     os.mkfifo(sharded / "model-00002-of-00002.safetensors")
@@ -414,14 +452,16 @@ def test_a_fifo_in_a_hugging_face_dir_is_refused_without_waiting(tmp_path):
         }
     }
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
-    res = run_limited(
-        f"""
+    # A FIFO opened without O_NONBLOCK waits for a writer for ever: the run's timeout.
+    return f"""
         from fmstore.checkpoint.convert import convert
-        for d in ({str(single)!r}, {str(sharded)!r}):
-            report(lambda: convert(d, d + ".pt"))
-        """,
-        timeout=60,  # a FIFO opened without O_NONBLOCK waits for a writer for ever
-    )
+        report(lambda: convert({str(single)!r}, {str(d / "single.pt")!r}))
+        report(lambda: convert({str(sharded)!r}, {str(d / "sharded.pt")!r}))
+    """
+
+
+def test_a_fifo_in_a_hugging_face_dir_is_refused_without_waiting(limited):
+    res = limited["fifo"][1]
     assert [r["error"] for r in res] == ["CorruptData", "CorruptData"], res
     assert "model.safetensors is not a regular file" in res[0]["msg"]
     assert "model-00002-of-00002.safetensors is not a regular file" in res[1]["msg"]
@@ -460,27 +500,30 @@ def test_parquet_footer_declaring_more_rows_than_its_bytes_hold_is_refused(tmp_p
     assert "a.parquet" in line and "rows a byte" in line
 
 
-def test_an_epoch_order_too_big_for_memory_is_an_fmstore_error(tmp_path):
+@limited_case
+def _case_epoch_order(d: Path, bomb: bytes) -> str:
     # 2**30 rows in a 1 MiB file: believable by the bytes, 8 GiB an order array.
-    d = tmp_path / "ds"
-    d.mkdir()
-    (d / "a.parquet").write_bytes(declaring_rows(1 << 30, pad=1 << 20))
-    res = run_limited(
-        f"""
+    (d / "ds").mkdir()
+    (d / "ds" / "a.parquet").write_bytes(declaring_rows(1 << 30, pad=1 << 20))
+    return f"""
         from fmstore.loaders import StreamingDataset
-        ds = StreamingDataset({str(d)!r}, local={str(tmp_path / "cache")!r}, shuffle=False)
+        ds = StreamingDataset({str(d / "ds")!r}, local={str(d / "cache")!r}, shuffle=False)
         report(lambda: next(iter(ds)))
-        """
-    )
+    """
+
+
+def test_an_epoch_order_too_big_for_memory_is_an_fmstore_error(limited):
+    res = limited["epoch_order"][1]
     assert res[0]["fmstore"], res
     assert "does not fit in memory" in res[0]["msg"], res
 
 
-def test_fmstore_dcp_value_holding_a_deflated_archive_is_refused(tmp_path, bomb):
+@limited_case
+def _case_dcp_value(d: Path, bomb: bytes) -> str:
     from fmstore.checkpoint.dcp import Writer
     from fmstore.format.checksum import crc32c
 
-    uri = tmp_path / "c"
+    uri = d / "c"
     dcp.save(
         {"w": torch.randn(4, 4), "meta": {"step": 5}}, storage_writer=Writer(str(uri)), no_dist=True
     )
@@ -501,12 +544,13 @@ def test_fmstore_dcp_value_holding_a_deflated_archive_is_refused(tmp_path, bomb)
         }
     ]
     (uri / "manifest.json").write_text(json.dumps(doc))
-    res = run_limited(
-        f"""
+    return f"""
         from fmstore.checkpoint.dcp.api import load_full_state_dict
         report(lambda: load_full_state_dict({str(uri)!r}))
         report(lambda: load_full_state_dict({str(uri)!r}, allow_pickle=True))
-        """
-    )
-    for r in res:
+    """
+
+
+def test_fmstore_dcp_value_holding_a_deflated_archive_is_refused(limited):
+    for r in limited["dcp_value"][1]:
         assert r["fmstore"] and "compressed" in r["msg"], r
