@@ -133,7 +133,29 @@ def lustre(base: Path, step: int) -> Path:
     return base / "lustre" / checkpoint_key(ROOT, step)
 
 
-def test_each_node_exports_its_own_part_and_the_last_one_commits(tmp_path, monkeypatch):
+def ckpt_list(base: Path, node: str, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``fmstore ckpt list run`` as on ``node`` (its config written as a file)."""
+    from fmstore.cli.main import main
+
+    cfg = base / f"{node}.toml"
+    cfg.write_text(
+        f'state_dir = "{base / node / "state"}"\n'
+        f'[tiers.nvme]\nurl = "{base / node / "nvme"}"\nscope = "node"\n'
+        f'[tiers.lustre]\nurl = "{base / "lustre"}"\n'
+        '[policies]\nladder = ["nvme", "lustre"]\n'
+        '[[policies.export]]\nto = "lustre"\nevery_steps = 10\n'
+    )
+    monkeypatch.setenv(NODE_ENV, node)
+    monkeypatch.setenv("COLUMNS", "300")
+    capsys.readouterr()
+    try:
+        main(["ckpt", "list", "run", "--config", str(cfg)])
+    except SystemExit as e:
+        assert not e.code
+    return capsys.readouterr().out
+
+
+def test_each_node_exports_its_own_part_and_the_last_one_commits(tmp_path, monkeypatch, capsys):
     raw = save_parts(tmp_path, 10)
     n0, n1 = (Node(tmp_path, n, EXPORT) for n in NODES)
     for n in (n0, n1):
@@ -156,6 +178,8 @@ def test_each_node_exports_its_own_part_and_the_last_one_commits(tmp_path, monke
         REGISTRY.get_sample_value("fmstore_parts", {"node": "n0", "tier": "nvme", "state": "held"})
         == 1
     )
+    out = ckpt_list(tmp_path, "n0", capsys, monkeypatch)
+    assert "exporting parts 1/2 (n0)" in out and "waiting for the parts of n1" in out, out
     n1.step(monkeypatch)
     # n1 found the set complete: the manifest is the save's, byte for byte, and verifies.
     assert (lustre(tmp_path, 10) / "manifest.json").read_bytes() == raw
@@ -165,6 +189,7 @@ def test_each_node_exports_its_own_part_and_the_last_one_commits(tmp_path, monke
     assert not list(lustre(tmp_path, 10).glob("*/export-*.json"))  # leases dropped
     n0.step(monkeypatch)  # n0's next step sees the commit
     assert n0.state(10, "lustre") == cat.PRESENT
+    assert "present✓ parts 2/2 (n0,n1)" in ckpt_list(tmp_path, "n0", capsys, monkeypatch)
     assert n0.catalog.copy(ROOT, 10, "lustre").verified is not None
 
 

@@ -141,10 +141,11 @@ def list_checkpoints(
             mark = "✓" if cp.state == cat.PRESENT and cp.verified else ""
             mark += f" ✗{cp.failures}" if cp.failures else ""
             part = parts.get((r, s, t))
-            where = f" part {part['index']}/{part['of']} ({part['node']})" if part else ""
             if part and "present" in part:  # a shared tier: the nodes whose parts are there
                 present: list[str] = part["present"]  # type: ignore[assignment]
                 where = f" parts {len(present)}/{part['of'] or '?'} ({','.join(present)})"
+            else:
+                where = f" part {part['index']}/{part['of']} ({part['node']})" if part else ""
             cells.append(f"[{_STYLE.get(cp.state, '')}]{cp.state}{mark}{where}{size}[/]")
         table.add_row(r, str(s), *cells)
     console = Console()
@@ -154,6 +155,11 @@ def list_checkpoints(
         console.print(line, highlight=False, markup=False)
     for line in _failure_lines(rows, now):
         console.print(line, style="red", highlight=False, markup=False)
+    for c in rows:
+        if c.state == cat.EXPORTING and not c.failures and (c.error or "").startswith("waiting"):
+            # This node's part is on the shared tier; the commit waits for other nodes'.
+            line = f"part of {c.root} step {c.step} on {c.tier}, commit {c.error}"
+            console.print(line, highlight=False, markup=False)
 
 
 def _failure_lines(rows: list[cat.Copy], now: float) -> list[str]:
