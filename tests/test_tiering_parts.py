@@ -504,3 +504,74 @@ def test_a_node_killed_mid_export_resumes_from_its_journal(tmp_path, monkeypatch
         assert (lustre(tmp_path, 10) / gen / name).stat().st_ino == ino, name
     assert (lustre(tmp_path, 10) / gen / "part-n0.json").exists()
     assert len(list((lustre(tmp_path, 10) / gen).glob("*.bin"))) == 6
+
+
+def test_two_nodes_committing_at_once_leave_the_saves_manifest(tmp_path, monkeypatch, s3_server):
+    """Both find the set complete and write the manifest: create-only lets one win, the
+    other reads back the same bytes (on POSIX and on S3)."""
+    import asyncio
+
+    from fmstore.tiering.parts import commit_if_complete
+
+    raw = save_parts(tmp_path, 10)
+    n0, n1 = (Node(tmp_path, n, EXPORT) for n in NODES)
+    for n in (n0, n1):
+        n.record(10)
+        n.step(monkeypatch)
+    manifest = DcpManifest.loads(raw)
+    (lustre(tmp_path, 10) / "manifest.json").unlink()  # both died before seeing the commit
+    store = open_store(str(lustre(tmp_path, 10)))
+
+    async def race() -> list[list[str]]:
+        return list(await asyncio.gather(*(commit_if_complete(store, manifest, raw) for _ in "ab")))
+
+    assert runtime.run(race()) == [[], []]
+    assert (lustre(tmp_path, 10) / "manifest.json").read_bytes() == raw
+
+    # S3: the same through the store's create-only put.
+    bucket = s3_server.create_bucket(f"t-parts-{os.getpid()}-{int(time.time())}")
+    try:
+        s3 = open_store(f"s3://{bucket}/run/step_000000000010", **s3_server.store_options())
+
+        async def copy_and_race() -> list[list[str]]:
+            src = lustre(tmp_path, 10)
+            for f in src.rglob("*"):
+                if f.is_file() and f.name != "manifest.json":
+                    await s3.put(str(f.relative_to(src)), f.read_bytes())
+            return await race_on(s3)
+
+        async def race_on(st: Any) -> list[list[str]]:
+            return list(
+                await asyncio.gather(*(commit_if_complete(st, manifest, raw) for _ in "ab"))
+            )
+
+        assert runtime.run(copy_and_race()) == [[], []]
+        assert runtime.run(s3.get("manifest.json")) == raw
+        runtime.run(s3.close())
+    finally:
+        s3_server.delete_bucket(bucket)
+
+
+def test_the_sweep_stops_before_the_blobs_when_an_exporter_comes_back(tmp_path, monkeypatch):
+    """Between removing a generation's records and its blobs the sweep looks again: a lease
+    renewed meanwhile keeps the blobs (a node that listed the records before they went may
+    be committing)."""
+    from fmstore.checkpoint.gc import orphan_generations, remove_generation
+    from fmstore.checkpoint.partrecords import ExportLease, lease_key
+
+    raw = save_parts(tmp_path, 10)
+    gen = DcpManifest.loads(raw).generation
+    n0 = Node(tmp_path, "n0", EXPORT)
+    n0.record(10)
+    n0.step(monkeypatch)
+    d = lustre(tmp_path, 10) / gen
+    for lease in d.glob("export-*.json"):
+        lease.unlink()  # its exporter is gone: an orphan
+    store = open_store(str(tmp_path / "lustre"))
+    gens, _, _ = runtime.run(orphan_generations(store))
+    (g,) = gens
+    assert not g.exporting
+    (d / "export-n1.json").write_bytes(ExportLease("n1", 1, time.time()).dumps())
+    assert lease_key(gen, "n1").endswith("export-n1.json")
+    assert runtime.run(remove_generation(store, g)) is False
+    assert (d / "000000.bin").exists() and not (d / "part-n0.json").exists()
