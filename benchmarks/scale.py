@@ -47,6 +47,7 @@ from .scale_model import (
     local_check,
     predict,
     prefixes_needed,
+    shared_fraction,
 )
 
 HERE = Path(__file__).parent
@@ -451,6 +452,39 @@ def check(inp: Inputs, runs: dict[int, dict[str, Any]], node_bytes: int) -> list
     return rows
 
 
+def bracket(runs: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The 2-3 node runs against the 1-node run of the same batch: between "nothing shared"
+    (each node as fast as one alone) and "all shared" (one node's time times the node
+    count); ``shared``: where between the two, 0 to 1 (:func:`shared_fraction`)."""
+    if 1 not in runs:
+        return []
+    one = runs[1]["times"]
+    rows = []
+    for nodes, got in sorted(runs.items()):
+        if nodes == 1:
+            continue
+        for what, t in got["times"].items():
+            t1 = one.get(what)
+            if t1 is None:
+                continue
+            rows.append(
+                {
+                    "nodes": nodes,
+                    "what": what,
+                    "nothing shared s": _fmt_s(t1),
+                    "all shared s": _fmt_s(nodes * t1),
+                    "measured s": _fmt_s(t),
+                    "shared": f"{shared_fraction(t1, t, nodes):.2f}",
+                }
+            )
+    print_table(
+        "scale: 2-3 nodes here against one node of the same batch",
+        rows,
+        ["nodes", "what", "nothing shared s", "all shared s", "measured s", "shared"],
+    )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="256 MiB figures, 64 MiB per node")
@@ -459,13 +493,22 @@ def main() -> None:
     ap.add_argument("--nodes", default="1,2,3", help="node counts of the check")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each measure (medians)")
     ap.add_argument("--inputs", help="a JSON of Inputs fields (skips measuring them)")
+    ap.add_argument("--from-json", help="a scale.json of an earlier run: report it again")
     ap.add_argument("--no-check", action="store_true", help="predictions only")
     ap.add_argument("--dir", default=None, help="where the tiers' directories go")
     args = ap.parse_args()
     size = (256 if args.quick else args.size) * MiB
     node_bytes = (64 if args.quick else args.node_mib) * MiB
+    if args.from_json:
+        old = json.loads(Path(args.from_json).read_text())
+        inp = Inputs.from_json(old["inputs"])
+        report(inp, [LLAMA_70B, LLAMA_405B])
+        runs = {int(k): v for k, v in old.get("runs", {}).items()}
+        check(inp, runs, old.get("node_bytes", node_bytes))
+        bracket(runs)
+        return
     base = tempfile.mkdtemp(prefix="fmstore-bench-scale-", dir=args.dir)
-    payload: dict[str, Any] = {}
+    payload: dict[str, Any] = {"node_bytes": node_bytes}
     try:
         with SeaweedServer() as s3:
             if args.inputs:
@@ -489,6 +532,7 @@ def main() -> None:
                 }
                 payload["runs"] = runs
                 payload["check"] = check(inp, runs, node_bytes)
+                payload["bracket"] = bracket(runs)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     save_json("scale", payload)

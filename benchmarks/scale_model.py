@@ -381,3 +381,11 @@ def local_check(inp: Inputs, nodes: int, node_bytes: float) -> dict[str, Phase]:
             "restore from NVMe", "disk read", inp.nvme_read, inp.disk_read_all, inp.load_fixed_s
         ),
     }
+
+
+def shared_fraction(one: float, measured: float, nodes: int) -> float:
+    """Where ``nodes`` nodes' time ``measured`` falls between one node's time ``one`` (no
+    part of the machine shared: 0) and ``nodes`` times it (one part serving all in turn: 1)."""
+    if nodes < 2 or one <= 0:
+        return 0.0
+    return (measured - one) / ((nodes - 1) * one)

@@ -24,6 +24,7 @@ from benchmarks.scale_model import (
     put_requests,
     s3_objects,
     s3_save_requests,
+    shared_fraction,
 )
 
 INP = Inputs(
@@ -156,3 +157,10 @@ def test_on_this_machine_the_shared_disk_binds_once_there_are_two_nodes():
 def test_inputs_round_trip_through_json_and_ignore_unknown_keys():
     data = json.loads(json.dumps({**INP.to_json(), "extra": 1}))
     assert Inputs.from_json(data) == INP
+
+
+def test_shared_fraction_is_0_when_nodes_keep_their_speed_and_1_when_they_take_turns():
+    assert shared_fraction(2.0, 2.0, 3) == 0.0
+    assert shared_fraction(2.0, 6.0, 3) == pytest.approx(1.0)
+    assert shared_fraction(2.0, 4.0, 3) == pytest.approx(0.5)
+    assert shared_fraction(2.0, 9.0, 1) == 0.0
