@@ -117,6 +117,7 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "url": STRING,
         # "node": each node has its own copy (NVMe); see docs/distributed.md
         "scope": one_of("shared", "node"),
+        "replicas": whole(0, 1),  # of each node's part on a peer's node-local tier
         # posix
         "direct_io": BOOL,
         "stripe_count": whole(-1),  # -1: every OST
@@ -175,6 +176,8 @@ class TierConfig:
     options: Mapping[str, Any] = field(default_factory=dict)
     #: ``"shared"`` (every node sees the same bytes) or ``"node"`` (each node its own copy)
     scope: str = "shared"
+    #: copies of each node's part on another node (``scope = "node"`` only): 0 or 1
+    replicas: int = 0
 
 
 @dataclass(frozen=True)
@@ -304,10 +307,15 @@ def _tier(where: str, name: str, table: Any, s3_defaults: Mapping[str, Any]) -> 
         raise ConfigError(
             f"{where}: [tiers.{name}] scope must be 'shared' or 'node', not {scope!r}"
         )
-    options = {k: v for k, v in table.items() if k not in ("url", "scope")}
+    replicas = int(table.get("replicas", 0))
+    if replicas and scope != "node":
+        raise ConfigError(f'{where}: [tiers.{name}] replicas needs scope = "node"')
+    options = {k: v for k, v in table.items() if k not in ("url", "scope", "replicas")}
     if url.startswith("s3://"):
         options = {**dict(s3_defaults), **options}
-    return TierConfig(name=name, url=os.path.expanduser(url), options=options, scope=scope)
+    return TierConfig(
+        name=name, url=os.path.expanduser(url), options=options, scope=scope, replicas=replicas
+    )
 
 
 def _apply_env(data: dict[str, Any], env: Mapping[str, str], origin: _Origin) -> None:

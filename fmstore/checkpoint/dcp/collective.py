@@ -32,6 +32,7 @@ from ... import runtime
 from ...errors import AlreadyExists, FmstoreError, NotFound
 from ...stores import PutOptions, Store
 from ..layout import GENERATION_RE
+from . import replicas
 from .manifest import MANIFEST_KEY, DcpManifest
 from .nodes import RankRecord, node_id, rank_record_key, tier_scope
 from .reader import Reader
@@ -218,6 +219,8 @@ def _distribute(writer: Writer, pg: Any) -> None:
             f"({'; '.join(bad)[:400]}); a restore adopts those nodes' parts",
             key=MANIFEST_KEY,
         )
+    # With [tiers.X] replicas: each rank's part to its partner on the next node.
+    replicas.replicate(writer.uri, box[0], pg)
 
 
 async def _put_manifest(store: Store, data: bytes) -> None:
@@ -249,6 +252,8 @@ class _View:
     digest: str | None  # sha256 of the manifest this node holds, None: no manifest
     pending: tuple[str, ...]  # generations holding this rank's record, no manifest here
     error: str = ""
+    #: the replicas this node holds of other nodes' parts: sha256 of their manifest, ranks
+    held: tuple[str | None, tuple[int, ...]] = (None, ())
 
 
 def load(
@@ -357,14 +362,26 @@ def _prepare(uri: str, so: dict[str, Any], pg: Any) -> str:
     if isinstance(box[0], str):
         return box[0]
     problem = ""
+    m: DcpManifest | None = None
     try:
         m = DcpManifest.loads(box[0], where=f"{uri}/{MANIFEST_KEY}")
         problem = runtime.run(_check_part(uri, so, m, views, rank, src))
     except Exception as e:
         problem = _reason(e)
-    problems = [p for p in _gather(pg, problem) if p]
+    every = _gather(pg, problem)
+    problems = [p for p in every if p]
     if problems:
-        return problems[0]
+        # Parts lost with their nodes come back from the replicas other nodes hold.
+        lacking = [r for r, p in enumerate(every) if p.startswith("node ") and _LACKS in p]
+        routes = None
+        if m is not None and len(lacking) == len(problems) and src.digest is not None:
+            routes = replicas.plan(src.digest, [v.held for v in views], lacking)
+        if m is None or routes is None:
+            return problems[0]
+        errs = [e for e in _gather(pg, replicas.fetch(uri, so, m, routes, pg)) if e]
+        if errs:
+            return f"{problems[0]}; its replica did not restore it ({errs[0]})"[:600]
+    assert m is not None  # no problem: the manifest was read
     # Every rank can read its part: the nodes that lacked the manifest adopt theirs.
     err = ""
     if m.parts and views[rank].digest is None and tier_scope(uri) == "node":
@@ -376,6 +393,10 @@ def _prepare(uri: str, so: dict[str, Any], pg: Any) -> str:
                 err = f"node {views[rank].node} could not adopt its part: {_reason(e)}"
     errs = [e for e in _gather(pg, err) if e]
     return errs[0] if errs else ""
+
+
+#: how a rank whose node lacks its part says so (a replica may restore it)
+_LACKS = " lacks its part "
 
 
 def _open(uri: str, so: dict[str, Any]) -> Store:
@@ -394,15 +415,18 @@ async def _look(uri: str, so: dict[str, Any], rank: int) -> _View:
         data = None
     except Exception as e:
         return _View(rank, me, None, (), _reason(e))
+    held: tuple[str | None, tuple[int, ...]] = (None, ())
+    if replicas.replicas_of(uri):
+        held = await replicas.held(uri, so)
     if data is not None:
-        return _View(rank, me, hashlib.sha256(data).hexdigest(), ())
+        return _View(rank, me, hashlib.sha256(data).hexdigest(), (), held=held)
     pending = []
     if tier_scope(uri) == "node":
         async for o in store.list("", recursive=False):
             gen = o.key.rstrip("/").rsplit("/", 1)[-1]
             if GENERATION_RE.match(gen) and await store.exists(rank_record_key(gen, rank)):
                 pending.append(gen)
-    return _View(rank, me, None, tuple(sorted(pending)))
+    return _View(rank, me, None, tuple(sorted(pending)), held=held)
 
 
 async def _drop_pending(
@@ -467,7 +491,7 @@ async def _check_part(
         if size != b.size:
             state = "missing" if size is None else f"{size} bytes, not {b.size}"
             return (
-                f"node {me.node} lacks its part (rank {me.rank}'s blob {key} is {state}; "
+                f"node {me.node}{_LACKS}(rank {me.rank}'s blob {key} is {state}; "
                 "was the node replaced or its NVMe wiped?)"
             )
     return ""

@@ -1,0 +1,308 @@
+"""Replicas of each node's part of a checkpoint on another node's node-local tier.
+
+With ``[tiers.X] replicas = 1`` on a node-local tier (``scope = "node"``), every rank of a
+job that spans several nodes sends the blobs of its part to a *partner* rank on the next
+node of a ring (the rank at the same position among its node's ranks), over the checkpoint
+group (gloo, never the training group), once the save is committed and its manifest is on
+every node.  The partner checks every chunk's CRC32C against the manifest on arrival and
+writes the bytes under ``.replicas/KEY/`` of its own tier (``KEY`` the checkpoint's key):
+blobs, then the sender's rank record, then the manifest.  Removing or releasing the
+checkpoint's own part (``KEY/``) never touches that prefix, and the orphan sweep keeps it
+(its manifest names its generation).  A node keeps the replicas of the newest step of each
+run it received: the next step's replica, once every rank's is written, removes older ones.
+
+A restore that finds a node without its part (replaced, NVMe wiped) fetches that part from
+the node holding its replica: the holder reads it and sends it over the checkpoint group,
+the replaced node's ranks check every chunk's CRC32C on arrival and write the part back
+where it belongs; any failure on any rank makes every rank pass the candidate over together
+(to a shared tier, or an older step).  See ``docs/distributed.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from ... import runtime
+from ...errors import AlreadyExists, CorruptData, FmstoreError
+from ...format.checksum import crc32c
+from ...stores import PutOptions, Store, open_store, split_tier
+from ..layout import parse_step
+from .manifest import MANIFEST_KEY, DcpManifest
+from .nodes import RankRecord, rank_record_key
+
+__all__ = ["REPLICA_PREFIX", "fetch", "partners", "plan", "replica_uri", "replicas_of", "replicate"]
+
+#: Where a node keeps the replicas it holds of other nodes' parts, on the same tier.
+REPLICA_PREFIX = ".replicas"
+log = logging.getLogger("fmstore.checkpoint")
+
+
+def replicas_of(uri: str) -> int:
+    """The configured ``replicas`` of ``uri``'s tier (0 outside the configured tiers)."""
+    from ...config import get_config
+
+    name, _rest = split_tier(uri)
+    if name is None:
+        return 0
+    t = get_config().tier(name)
+    return t.replicas if t.scope == "node" else 0
+
+
+def replica_uri(uri: str) -> str:
+    """``nvme:run/step_X`` -> ``nvme:.replicas/run/step_X``."""
+    name, rest = split_tier(uri)
+    if name is None:
+        raise FmstoreError(f"replicas need a configured tier, not {uri!r}")
+    return f"{name}:{REPLICA_PREFIX}/{rest.strip('/')}"
+
+
+def partners(m: DcpManifest) -> dict[int, int] | None:
+    """Rank -> the rank that holds its replica: the rank at the same position on the next
+    node of the ring of the manifest's parts.  None where there is no such placement (one
+    node, or nodes with different numbers of ranks)."""
+    parts = [sorted(p.ranks) for p in m.parts]
+    if len(parts) < 2 or len({len(r) for r in parts}) != 1:
+        return None
+    out: dict[int, int] = {}
+    for i, ranks in enumerate(parts):
+        nxt = parts[(i + 1) % len(parts)]
+        out.update(zip(ranks, nxt, strict=True))
+    return out
+
+
+def _blobs_of(m: DcpManifest, rank: int) -> list[int]:
+    return [i for i, b in enumerate(m.blobs) if b.rank == rank]
+
+
+def check_blob(m: DcpManifest, blob: int, data: bytes, where: str) -> None:
+    """Raise :class:`CorruptData` unless ``data`` is blob ``blob`` of ``m``: its size, and the
+    CRC32C of every chunk the manifest puts in it."""
+    b = m.blobs[blob]
+    if len(data) != b.size:
+        raise CorruptData(f"{where}: {len(data)} bytes, not {b.size}", key=m.blob_key(blob))
+    for it in m.items:
+        for c in it.chunks:
+            if c.blob == blob and crc32c(data[c.offset : c.offset + c.length]) != c.crc32c:
+                raise CorruptData(
+                    f"{where}: chunk of {it.fqn!r} at offset {c.offset} fails its CRC32C",
+                    key=m.blob_key(blob),
+                )
+
+
+def _tensor(data: bytes) -> Any:
+    import torch
+
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _send(pg: Any, to: int, rec: bytes | None, blobs: list[bytes]) -> list[Any]:
+    """Post the sends of one part (a header, the rank record, the blobs); ``rec`` None: the
+    sender could not read it (the header says so and nothing follows)."""
+    import torch
+    import torch.distributed as dist
+
+    head = torch.tensor([0 if rec is None else 1, len(rec or b"")], dtype=torch.int64)
+    works = [dist.isend(head, group=pg, group_dst=to)]
+    if rec is not None:
+        for data in [rec, *blobs]:
+            if data:
+                works.append(dist.isend(_tensor(data), group=pg, group_dst=to))
+    return works
+
+
+def _recv(pg: Any, frm: int, sizes: list[int]) -> tuple[bytes, list[bytes]] | None:
+    """The part ``frm`` sends (blobs of ``sizes``), or None when it could not read it."""
+    import torch
+    import torch.distributed as dist
+
+    head = torch.zeros(2, dtype=torch.int64)
+    dist.recv(head, group=pg, group_src=frm)
+    if not int(head[0]):
+        return None
+    out: list[bytes] = []
+    for n in [int(head[1]), *sizes]:
+        t = torch.empty(n, dtype=torch.uint8)
+        if n:
+            dist.recv(t, group=pg, group_src=frm)
+        out.append(t.numpy().tobytes())
+    return out[0], out[1:]
+
+
+async def _read(store: Store, m: DcpManifest, rank: int) -> tuple[bytes, list[bytes]]:
+    rec = await store.get(rank_record_key(m.generation, rank))
+    return rec, [await store.get(m.blob_key(i)) for i in _blobs_of(m, rank)]
+
+
+async def _write(
+    store: Store, m: DcpManifest, rank: int, rec: bytes, blobs: Sequence[bytes], where: str
+) -> None:
+    """Check then write ``rank``'s part (blobs, then its record) into ``store``."""
+    ids = _blobs_of(m, rank)
+    for i, data in zip(ids, blobs, strict=True):
+        check_blob(m, i, data, f"{where}, rank {rank}'s blob {m.blobs[i].name}")
+    r = RankRecord.loads(rec, where=f"{where}, rank {rank}'s record")
+    if r.generation != m.generation or r.rank != rank:
+        raise CorruptData(f"{where}: the record of rank {rank} is of another save")
+    for i, data in zip(ids, blobs, strict=True):
+        await store.put(m.blob_key(i), data, PutOptions(mode="overwrite"))
+    await store.put(rank_record_key(m.generation, rank), rec, PutOptions(mode="overwrite"))
+
+
+async def _put_manifest(store: Store, data: bytes) -> None:
+    try:
+        await store.put(MANIFEST_KEY, data, PutOptions(mode="create"))
+    except AlreadyExists:
+        if await store.get(MANIFEST_KEY) != data:
+            # a replica of an earlier save to the same key: this save's replaces it
+            await store.put(MANIFEST_KEY, data, PutOptions(mode="overwrite"))
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text}"[:300]
+
+
+def _gather(pg: Any, obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(out, obj, group=pg)
+    return out
+
+
+def replicate(uri: str, manifest: bytes, pg: Any, so: dict[str, Any] | None = None) -> None:
+    """Every rank, after the commit of ``uri`` (``manifest``: its bytes): send this rank's
+    part to its partner and write the part of the rank it partners as a replica.  Raises on
+    every rank when some replica could not be made (the checkpoint stays committed)."""
+    import torch.distributed as dist
+
+    m = DcpManifest.loads(manifest, where=f"{uri}/{MANIFEST_KEY}")
+    pmap = partners(m)
+    if not replicas_of(uri) or pmap is None:
+        return
+    rank = dist.get_rank(pg)
+    src = next(r for r, p in pmap.items() if p == rank)
+    err = ""
+    rec: bytes | None = None
+    blobs: list[bytes] = []
+    try:
+        rec, blobs = runtime.run(_read(open_store(uri, **(so or {})), m, rank))
+    except Exception as e:
+        err = f"rank {rank} could not read its part: {_reason(e)}"
+    works = _send(pg, pmap[rank], rec, blobs)
+    got = _recv(pg, src, [m.blobs[i].size for i in _blobs_of(m, src)])
+    for w in works:
+        w.wait()
+    if got is None and not err:
+        err = f"rank {src} could not send its part to rank {rank}"
+    elif got is not None:
+        try:
+            store = open_store(replica_uri(uri), **(so or {}))
+            runtime.run(_write(store, m, src, got[0], got[1], f"replica at {store.url}"))
+            runtime.run(_put_manifest(store, manifest))
+        except Exception as e:
+            err = f"rank {rank} could not write the replica of rank {src}: {_reason(e)}"
+    bad = [e for e in _gather(pg, err) if e]
+    if bad:
+        raise FmstoreError(
+            f"{uri} is committed, but not every node's part has its replica ({'; '.join(bad)})"[
+                :600
+            ]
+        )
+    # Every replica of this step is written: each node drops its older ones of this run.
+    part = next(p for p in m.parts if rank in p.ranks)
+    if rank == min(part.ranks):
+        try:
+            runtime.run(_drop_older(uri, so or {}))
+        except Exception as e:  # kept a while longer; the next save retries
+            log.warning("could not remove older replicas beside %s: %s", uri, e)
+
+
+async def _drop_older(uri: str, so: dict[str, Any]) -> None:
+    name, rest = split_tier(uri)
+    root, _, last = rest.strip("/").rpartition("/")
+    step = parse_step(last)
+    if name is None or step is None:
+        return
+    store = open_store(f"{name}:{REPLICA_PREFIX}/{root}" if root else f"{name}:{REPLICA_PREFIX}")
+    async for o in store.list("", recursive=False):
+        s = parse_step(o.key.rstrip("/"))
+        if o.is_dir and s is not None and s < step:
+            keys = [x.key async for x in store.list(o.key, recursive=True) if not x.is_dir]
+            # the manifest last: what is left of a half-removed replica stays kept
+            keys.sort(key=lambda k: k.endswith(MANIFEST_KEY))
+            await store.delete_many(keys)
+
+
+async def held(uri: str, so: dict[str, Any]) -> tuple[str | None, tuple[int, ...]]:
+    """The sha256 of the manifest of the replicas this node holds for ``uri`` and the ranks
+    whose replica is complete (its record written after its blobs); (None, ()) if none."""
+    try:
+        store = open_store(replica_uri(uri), **so)
+        data = await store.get(MANIFEST_KEY)
+        m = DcpManifest.loads(data, where=f"{store.url}/{MANIFEST_KEY}")
+        ranks = [
+            r for r in range(m.world_size) if await store.exists(rank_record_key(m.generation, r))
+        ]
+    except Exception:  # none here, or unreadable: holds nothing a restore could use
+        return None, ()
+    return hashlib.sha256(data).hexdigest(), tuple(ranks)
+
+
+def plan(
+    digest: str, held_by: Sequence[tuple[str | None, tuple[int, ...]]], lacking: Sequence[int]
+) -> dict[int, int] | None:
+    """Rank lacking its part -> the rank that sends it (the lowest rank of a node holding
+    its replica of the manifest of sha256 ``digest``), or None if some part has no holder."""
+    out: dict[int, int] = {}
+    for r in lacking:
+        h = next(
+            (
+                i
+                for i, (d, ranks) in enumerate(held_by)
+                if d == digest and r in ranks and i not in lacking
+            ),
+            None,
+        )
+        if h is None:
+            return None
+        out[r] = h
+    return out
+
+
+def fetch(uri: str, so: dict[str, Any], m: DcpManifest, routes: dict[int, int], pg: Any) -> str:
+    """Every rank: the parts of ``routes``' ranks sent by their holders and written back on
+    their own nodes; '' or why this rank failed (never raises: every rank must answer)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(pg)
+    err = ""
+    works: list[Any] = []
+    for r, h in sorted(routes.items()):
+        if rank != h:
+            continue
+        rec: bytes | None = None
+        blobs: list[bytes] = []
+        try:
+            rec, blobs = runtime.run(_read(open_store(replica_uri(uri), **so), m, r))
+        except Exception as e:
+            err = f"rank {h} could not read the replica of rank {r}: {_reason(e)}"
+        works += _send(pg, r, rec, blobs)
+    if rank in routes:
+        h = routes[rank]
+        got = _recv(pg, h, [m.blobs[i].size for i in _blobs_of(m, rank)])
+        if got is None:
+            err = f"rank {h} could not send the replica of rank {rank}"
+        else:
+            try:
+                store = open_store(uri, **so)
+                where = f"replica of rank {rank} from rank {h}"
+                runtime.run(_write(store, m, rank, got[0], got[1], where))
+            except Exception as e:
+                err = f"rank {rank}: {_reason(e)}"
+    for w in works:
+        w.wait()
+    return err

@@ -1,0 +1,58 @@
+"""Run under three ``torchrun`` agents on loopback by tests/test_dcp_replicas.py (gloo,
+CPU; ``[tiers.nvme] replicas = 1`` from the environment).
+
+``python -m torch.distributed.run ... tests/replica_worker.py SCENARIO OUT [URI ...]``
+
+* ``save``: step 10 through ``fmstore.checkpoint.dcp.save`` to ``nvme:`` (node-local, with
+  its replicas), ``lustre:`` and ``s3:`` (the state of tests/node_worker.py: FSDP2 model,
+  Adam state, values DCP deduplicates onto rank 0);
+* ``restore``: the first of the URIs every rank can read, checked bit-exact against step
+  10's state.
+
+Every rank writes ``OUT/SCENARIO-RANK.json`` (the node, the URI used).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dcp_worker import same  # noqa: E402
+from node_worker import ref, restore, save_step, trained  # noqa: E402
+
+from fmstore.checkpoint.dcp.nodes import node_id  # noqa: E402
+from fmstore.testing.cluster import pg_timeout  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+
+def main() -> None:
+    name, out, *uris = sys.argv[1:]
+    dist.init_process_group("gloo", timeout=pg_timeout())
+    try:
+        ckpt = dist.new_group(backend="gloo", timeout=pg_timeout())
+        rep = {"node": node_id()}
+        if name == "save":
+            model, opt = trained(2)
+            for tier in ("nvme", "lustre", "s3"):
+                save_step(10, tier, model, opt, ckpt, out)
+        else:
+            used, got = restore(uris, ckpt)
+            same(got, ref(out, 10), f"step 10 from {used}")
+            rep["used"] = used
+        with open(os.path.join(out, f"{name}-{dist.get_rank()}.json"), "w") as f:
+            json.dump(rep, f)
+        dist.barrier(group=ckpt)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Replicas of every node's part on a peer's NVMe, on real nodes (issue 40, points 1-3).
+
+Three ``torchrun`` agents x 2 ranks on loopback (:class:`fmstore.testing.cluster.Cluster`:
+each node its own config, NVMe and state; ``[tiers.nvme] replicas = 1``; Lustre shared; S3
+on SeaweedFS behind the fault proxy).  One launch sequence shares the setup: a save of step
+10 to NVMe (with replicas), Lustre and S3; then three relaunches after losing nodes:
+
+1. n1 replaced (its NVMe wiped) and the Lustre copy moved away: the job restores step 10
+   from NVMe, n1's part fetched from the replica n2 holds, bit-exact, with no GET of a
+   manifest or blob key on S3;
+2. n1 replaced again and a chunk of n2's replica of it flipped: the arrival check fails and
+   every rank falls back to Lustre, bit-exact;
+3. n1 and n2 lost at once (n1's replica was on n2): every rank falls back to S3, bit-exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fmstore.testing.cluster import Cluster, S3Tier
+from fmstore.testing.faultproxy import FaultProxy
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.s3,
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
+]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "replica_worker.py")
+NODES = ["n0", "n1", "n2"]
+KEY = f"run/step_{10:012d}"
+ENV = {"FMSTORE__TIERS__NVME__REPLICAS": "1"}
+
+
+def launch(c: Cluster, name: str, *uris: str) -> list[dict[str, Any]]:
+    rcs = c.run(WORKER, [name, str(c.out), *uris], NODES, name=name, env=ENV, timeout=300)
+    assert rcs == [0, 0, 0], c.logs(name, NODES)
+    reps = [json.loads((c.out / f"{name}-{r}.json").read_text()) for r in range(6)]
+    for r in range(6):
+        (c.out / f"{name}-{r}.json").unlink()
+    return reps
+
+
+def manifest(c: Cluster, node: str) -> dict[str, Any]:
+    return json.loads((c.nvme(node) / KEY / "manifest.json").read_text())
+
+
+def replica_ranks(c: Cluster, node: str, gen: str) -> set[int]:
+    d = c.nvme(node) / ".replicas" / KEY / gen
+    return {int(p.stem.split("-")[1]) for p in d.glob("rank-*.json")}
+
+
+def test_lost_nodes_restore_from_replicas_or_fall_back_together(tmp_path: Path, s3_server):
+    bucket = s3_server.create_bucket(f"t-{uuid.uuid4().hex[:20]}")
+    try:
+        with FaultProxy(s3_server.endpoint_url) as proxy:
+            s3 = S3Tier(f"s3://{bucket}/fm", proxy.endpoint_url, s3_server.env(), s3_server.region)
+            with Cluster(tmp_path, nproc=2, s3=s3, pg_timeout=20) as c:
+                run_sequence(c, proxy)
+    finally:
+        s3_server.delete_bucket(bucket)
+
+
+def run_sequence(c: Cluster, proxy: FaultProxy) -> None:
+    reps = launch(c, "save")
+    assert [r["node"] for r in reps] == ["n0", "n0", "n1", "n1", "n2", "n2"]
+    m = manifest(c, "n0")
+    gen = m["generation"]
+    # Ring of nodes: n0's ranks' replicas on n1, n1's on n2, n2's on n0; each a copy of
+    # the sender's blobs and record, beside the manifest, outside the checkpoint's prefix.
+    assert replica_ranks(c, "n1", gen) == {0, 1}
+    assert replica_ranks(c, "n2", gen) == {2, 3}
+    assert replica_ranks(c, "n0", gen) == {4, 5}
+    rep_dir = c.nvme("n2") / ".replicas" / KEY
+    assert (rep_dir / "manifest.json").read_bytes() == (
+        c.nvme("n1") / KEY / "manifest.json"
+    ).read_bytes()
+    for b in m["blobs"]:
+        if b["rank"] in (2, 3):
+            own = (c.nvme("n1") / KEY / gen / b["name"]).read_bytes()
+            assert (rep_dir / gen / b["name"]).read_bytes() == own
+
+    uris = ["nvme:" + KEY, "lustre:" + KEY, "s3:" + KEY]
+    lustre, away = c.lustre / "run", c.base / "lustre-away"
+
+    # 1. n1 replaced; the Lustre copy gone: the restore reads n1's part from n2's replica.
+    c.replace("n1")
+    shutil.move(lustre, away)
+    seen = len(proxy.seen)
+    reps = launch(c, "restore", *uris)
+    assert all(r["used"] == uris[0] for r in reps), reps
+    reads = [s.key for s in proxy.seen[seen:] if s.method == "GET" and not s.key.endswith("/")]
+    assert not [k for k in reads if k.endswith((".bin", "manifest.json"))], reads
+    # n1 holds its part again, and the manifest.
+    assert manifest(c, "n1")["generation"] == gen
+    assert all(
+        (c.nvme("n1") / KEY / gen / b["name"]).is_file() for b in m["blobs"] if b["rank"] in (2, 3)
+    )
+
+    # 2. n1 replaced again, a flipped byte in a chunk of n2's replica of rank 2: the check
+    # on arrival fails and every rank falls back to Lustre.
+    shutil.move(away, lustre)
+    c.replace("n1")
+    blob = rep_dir / gen / next(b["name"] for b in m["blobs"] if b["rank"] == 2)
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    reps = launch(c, "restore", *uris)
+    assert all(r["used"] == uris[1] for r in reps), reps
+
+    # 3. n1 and n2 lost at once (n1's replica was on n2), Lustre's copy gone: S3.
+    c.replace("n1")
+    c.replace("n2")
+    shutil.move(lustre, away)
+    reps = launch(c, "restore", *uris)
+    assert all(r["used"] == uris[2] for r in reps), reps
