@@ -333,7 +333,13 @@ async def delete_own_part(dst: Store, node: str, src: Store | None = None) -> bo
     lease.  The other nodes' parts are never touched: a node that still exports may need
     them, and the sweep removes them once no exporter is alive.  Which blobs are this
     node's comes from its part record, else from the source's manifest (``src``); with
-    neither, nothing is removed (False) and the sweep takes it later."""
+    neither, nothing is removed (False) and the sweep takes it later.
+
+    Another node may have committed the copy since this node last looked (it found every
+    part record, this node's included): then nothing is removed (False), before or after
+    the part record goes (the record is put back), as the sweep looks again."""
+    if await dst.exists(MANIFEST_KEY):
+        return False  # committed by another node: this part belongs to the checkpoint
     manifest: DcpManifest | None = None
     if src is not None:
         with contextlib.suppress(FmstoreError):
@@ -351,8 +357,10 @@ async def delete_own_part(dst: Store, node: str, src: Store | None = None) -> bo
     done = False
     for gen in gens:
         rec_key = part_record_key(gen, node)
+        rec_data: bytes | None = None
         try:
-            rec = PartRecord.loads(await dst.get(rec_key), where=f"{dst.url}/{rec_key}")
+            rec_data = bytes(await dst.get(rec_key))
+            rec = PartRecord.loads(rec_data, where=f"{dst.url}/{rec_key}")
             names = [f"{gen}/{n}" for n, _, _ in rec.blobs]
         except (NotFound, CorruptData):
             view = manifest.part_view(node) if manifest is not None else None
@@ -360,6 +368,10 @@ async def delete_own_part(dst: Store, node: str, src: Store | None = None) -> bo
                 continue
             names = [view.blob_key(i) for i in range(len(view.blobs))]
         await dst.delete(rec_key)
+        if await dst.exists(MANIFEST_KEY):  # a commit counted this part meanwhile
+            if rec_data is not None:
+                await dst.put(rec_key, rec_data)
+            return done
         await dst.delete_many([*names, lease_key(gen, node)])
         done = True
     return done
