@@ -248,3 +248,13 @@ def test_every_config_the_docs_show_passes_the_schema():
     assert len(examples) >= 6
     for name, text in examples:
         from_dict(tomllib.loads(text), source=name)
+
+
+def test_replicas_only_on_a_node_local_tier(tmp_path):
+    node = {"url": str(tmp_path), "scope": "node", "replicas": 1}
+    assert from_dict({"tiers": {"nvme": node}}).tier("nvme").replicas == 1
+    assert from_dict({"tiers": {"nvme": {"url": str(tmp_path)}}}).tier("nvme").replicas == 0
+    with pytest.raises(ConfigError, match='replicas needs scope = "node"'):
+        from_dict({"tiers": {"lustre": {"url": str(tmp_path), "replicas": 1}}})
+    with pytest.raises(ConfigError, match="replicas"):
+        from_dict({"tiers": {"nvme": {**node, "replicas": 2}}})
