@@ -477,7 +477,7 @@ def test_a_node_killed_mid_export_resumes_from_its_journal(tmp_path, monkeypatch
         f'[tiers.lustre]\nurl = "{tmp_path / "lustre"}"\n'
         '[policies]\nladder = ["nvme", "lustre"]\n'
         '[[policies.export]]\nto = "lustre"\nevery_steps = 10\n'
-        '[daemon]\nconcurrency = 1\nbwlimit = "1MB"\n'
+        '[daemon]\nconcurrency = 1\nbwlimit = "500KB"\n'
     )
     n0 = Node(tmp_path, "n0", EXPORT)
     n0.record(10)
