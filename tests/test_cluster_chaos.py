@@ -3,15 +3,18 @@ each node with its own NVMe, state directory and ``fmstore daemon``; Lustre shar
 (SeaweedFS) behind the fault proxy resetting some connections.
 
 The job (``fmstore.demo.cluster_train``: an FSDP2 GPT saved every few steps to node-local
-NVMe through ``ShardedCheckpointManager``, every other save also to Lustre and every fourth
-to S3, the stand-in for the daemons' exports) is SIGKILLed at random moments (seeded),
-one node or every node; daemons are SIGKILLed and restarted at random moments; one node is
-replaced once (NVMe and state wiped).  Checked:
+NVMe through ``ShardedCheckpointManager``) runs while each node's daemon exports its own
+part of every 2nd save to Lustre and every 4th to S3 (by ``every_steps``), the copies
+committing there once every node's part is verified.  Training agents are SIGKILLed at
+random moments (seeded), one node or every node; daemons are SIGKILLed and restarted at
+random moments (mid-export, often); one node is replaced once (NVMe and state wiped).
+Checked:
 
 * every restore is bit-exact (the job compares each rank's shards with the hash recorded
   when the step was first saved, and every step saved again after a resume likewise) and
-  never older than the last step the job saw committed (after the replacement: the last
-  one committed on a shared tier, or on NVMe since);
+  never older than the last step the job saw committed (after the replacement: the newest
+  step committed on a shared tier when the node was replaced, or one committed on NVMe
+  since);
 * every copy the tiers call committed verifies on every tier (``ckpt verify --all-tiers``
   on every node);
 * after a final drain with grace 0 no unfinished upload, temp file or uncommitted step
@@ -43,9 +46,26 @@ pytestmark = [
 
 NODES = ["n0", "n1", "n2"]
 ROOT = "runs/cluster"
-EVERY = 3  # a save every 3 steps; every 2nd to lustre, every 4th to s3
-SHARED = ("lustre", "s3")
-POLICIES = '[policies]\nladder = ["nvme", "lustre", "s3"]\nwrite_tier = "nvme"\n'
+EVERY = 3  # a save every 3 steps; every 2nd exported to lustre, every 4th to s3
+POLICIES = f"""
+[policies]
+ladder = ["nvme", "lustre", "s3"]
+write_tier = "nvme"
+[[policies.export]]
+to = "lustre"
+every_steps = {2 * EVERY}
+[[policies.export]]
+to = "s3"
+every_steps = {4 * EVERY}
+# Older exports a newer commit supersedes: those waiting for a replaced node's lost part
+# would never complete.
+[policies.retention.lustre]
+keep_latest = 1
+[policies.retention.s3]
+keep_latest = 1
+[daemon]
+interval = "0.2s"
+"""
 
 
 def events(out: Path) -> list[dict[str, Any]]:
@@ -73,22 +93,43 @@ class Schedule:
         self.c, self.rng = cluster, rng
         self.kills = 0
         self.replaced_at: float | None = None  # time of the replacement
+        self.shared_floor: int | None = None  # the newest shared copy then
         self.daemon_kills = 0
+        self.s3_client: Any = None  # set by run_schedule
+        self.bucket = ""
 
     def args(self, steps: int) -> list[str]:
         return [
             "--out", str(self.c.out), "--root", ROOT, "--steps", str(steps),
-            "--ckpt-every", str(EVERY), "--shared-every", "2", "--s3-every", "4",
+            "--ckpt-every", str(EVERY),
         ]  # fmt: skip
+
+    def shared_steps(self) -> set[int]:
+        """Steps committed (their manifest written) on Lustre or on S3, as the tiers show."""
+        on_lustre = {
+            int(m.parent.name.removeprefix("step_"))
+            for m in (self.c.lustre / ROOT).glob("step_*/manifest.json")
+        }
+        pages = self.s3_client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=f"fm/{ROOT}/"
+        )
+        on_s3 = {
+            int(o["Key"].split("/")[3].removeprefix("step_"))
+            for page in pages
+            for o in page.get("Contents", [])
+            if o["Key"].endswith("/manifest.json") and o["Key"].count("/") == 4
+        }
+        return on_lustre | on_s3
 
     def floor(self) -> int | None:
         """The newest step the job saw committed that a restore must still find."""
         steps = [
             e["step"]
             for e in events(self.c.out)
-            if e["ev"] == "committed"
-            and (e["tier"] in SHARED or self.replaced_at is None or e["t"] > self.replaced_at)
+            if e["ev"] == "committed" and (self.replaced_at is None or e["t"] > self.replaced_at)
         ]
+        if self.shared_floor is not None:
+            steps.append(self.shared_floor)
         return max(steps) if steps else None
 
     def launch_events(self, launch: int, ev: str) -> list[dict[str, Any]]:
@@ -111,13 +152,7 @@ class Schedule:
         if replace:
             # Replaced only once some step is on a shared tier: before that, the job has no
             # copy a replaced node could restore (and says so: test_dcp_nodes.py).
-            wait_for(
-                lambda: any(
-                    e["ev"] == "committed" and e["tier"] in SHARED for e in events(self.c.out)
-                ),
-                procs,
-                "a commit on a shared tier",
-            )
+            wait_for(self.shared_steps, procs, "an export committed on a shared tier")
         n_steps = len(self.launch_events(launch, "step")) + self.rng.randint(1, 4 * EVERY)
         daemon_at = self.rng.randint(1, n_steps)
         daemon_node = self.rng.choice(NODES)
@@ -130,6 +165,10 @@ class Schedule:
                 self.c.start_daemon(daemon_node)
         if replace:
             victims = [self.rng.choice(NODES)]
+            self.c.kill(victims[0])
+            self.c.kill_daemon(victims[0])
+            # What survives the node: the copies committed on the shared tiers by now.
+            self.shared_floor = max(self.shared_steps())
             self.c.replace(victims[0])
             self.replaced_at = time.time()
             self.c.start_daemon(victims[0])
@@ -173,6 +212,7 @@ def run_schedule(tmp_path: Path, s3_server: Any, bucket: str, kills: int, seed: 
             for node in NODES:
                 c.start_daemon(node)
             sched = Schedule(c, rng)
+            sched.s3_client, sched.bucket = s3_server.boto3_client(), bucket
             replace_at = rng.randint(1, max(1, kills // 3))  # the launch that replaces a node
             launch = 0
             while sched.kills < kills or sched.replaced_at is None:
@@ -183,10 +223,10 @@ def run_schedule(tmp_path: Path, s3_server: Any, bucket: str, kills: int, seed: 
 
             # A final drain with the faults off and no grace: every orphan goes.
             proxy.clear()
-            c.policies = POLICIES + '[daemon]\norphan_grace = "0"\n'
-            for node in NODES:
-                r = c.fmstore(node, "daemon", "--no-http", "--drain", "--timeout", "300")
-                assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+            c.policies = POLICIES + 'orphan_grace = "0"\n'  # in [daemon], the last table
+            # Every node's at once: an export commits when every node's part is there.
+            drains = [c.start_daemon(n, "--drain", "--timeout", "300") for n in NODES]
+            assert [p.wait(400) for p in drains] == [0, 0, 0], c.logs("daemon", NODES)
 
             # Every committed copy verifies on every tier, from every node.
             for node in NODES:
