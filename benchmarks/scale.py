@@ -317,6 +317,7 @@ def run_nodes(
         cfg.write_text(
             f'state_dir = "{d / "state"}"\n'
             f'[tiers.nvme]\nurl = "{d / "nvme"}"\nscope = "node"\n'
+            f'[tiers.peer]\nurl = "{d / "peer"}"\nscope = "node"\nreplicas = 1\n'
             f'[tiers.lustre]\nurl = "{root / "lustre"}"\n'
             f'[tiers.s3]\nurl = "s3://{bucket}/fm"\nendpoint_url = "{s3.endpoint_url}"\n'
             f'region = "{s3.region}"\naddressing_style = "path"\n'
@@ -326,6 +327,7 @@ def run_nodes(
             **s3.env(),
             "FMSTORE_CONFIG": str(cfg),
             "FMSTORE_NODE_ID": f"n{i}",
+            "SCALE_PEER_DIR": str(d / "peer"),
             "PYTHONPATH": str(HERE.parent),
         }
         cmd = [
@@ -430,6 +432,7 @@ def check(inp: Inputs, runs: dict[int, dict[str, Any]], node_bytes: int) -> list
         model = local_check(inp, nodes, node_bytes)
         for name, ph in model.items():
             key = name.replace("NVMe", "nvme").replace("Lustre", "lustre").replace("S3", "s3")
+            key = key.replace("restore from the replica", "restore from replica")
             got = times["times"].get(key)
             if got is None:
                 continue

@@ -270,15 +270,17 @@ def predict(job: Job, inp: Inputs) -> Prediction:
     stall = _stall(job, inp)
     # The node's part, written from the staged host copy once the snapshot is taken.
     nvme = Phase("on NVMe", (Limit("NVMe write", nb, inp.nvme_write),), stall.seconds)
-    # Each node sends its part to its partner and receives its own ward's: the partner's
-    # NVMe writes two parts (its own and the replica) at the same time.
+    # fmstore's replicas (docs/distributed.md): after the commit, each rank reads its part
+    # back from its NVMe and sends it to its partner on the next node of the ring, which
+    # checks and writes it; every node sends one part and receives one at the same time.
     peer = Phase(
         "on a peer",
         (
+            Limit("each node reads its part back", nb, inp.nvme_read),
             Limit("replica link: gloo streams over the NIC", nb, replica_link(job, inp)),
-            Limit("partner's NVMe writes its part and the replica", 2 * nb, inp.nvme_write),
+            Limit("partner writes the replica", nb, inp.nvme_write),
         ),
-        stall.seconds,
+        nvme.seconds,
     )
     fsx = fsx_throughput(job, inp)
     lustre = Phase(
@@ -304,14 +306,20 @@ def predict(job: Job, inp: Inputs) -> Prediction:
         nvme.seconds,
     )
     h2d = Limit("host-to-device copy, per GPU", job.rank_bytes, inp.d2h_gpu)
+    # The node holding the replica reads it and sends it; the new node checks it and writes
+    # it back where its part belongs; then every rank reads its own part from its NVMe.
+    refill = Phase(
+        "restore, one node lost: its part back from the replica",
+        (
+            Limit("partner reads the replica", nb, inp.nvme_read),
+            Limit("replica link to the new node", nb, replica_link(job, inp)),
+            Limit("new node writes its part", nb, inp.nvme_write),
+        ),
+    )
     with_replica = Phase(
         "restore, one node lost, from the replica",
-        (
-            Limit("survivors read their NVMe", nb, inp.nvme_read),
-            Limit("replica link to the new node", nb, replica_link(job, inp)),
-            Limit("partner reads the replica beside its own part", 2 * nb, inp.nvme_read),
-            h2d,
-        ),
+        (Limit("every node reads its part", nb, inp.nvme_read), h2d),
+        refill.seconds,
     )
     from_lustre = Phase(
         "restore, one node lost, no replica: every rank from Lustre",
@@ -335,7 +343,7 @@ def predict(job: Job, inp: Inputs) -> Prediction:
             h2d,
         ),
     )
-    phases = [stall, nvme, peer, lustre, s3, with_replica, from_lustre, from_s3]
+    phases = [stall, nvme, peer, lustre, s3, refill, with_replica, from_lustre, from_s3]
     return Prediction(job, {p.name: p for p in phases}, puts, gets, fsx)
 
 
@@ -369,6 +377,29 @@ def local_check(inp: Inputs, nodes: int, node_bytes: float) -> dict[str, Phase]:
         )
 
     s3 = inp.s3_save or inp.s3_export
+    save = phase("save to NVMe", "disk write", inp.nvme_write, inp.disk_write_all, inp.save_fixed_s)
+    restore = phase(
+        "restore from NVMe", "disk read", inp.nvme_read, inp.disk_read_all, inp.load_fixed_s
+    )
+    # Replicas: each node's part read back, sent and written on its peer (all nodes at once);
+    # a replaced node's part comes back alone (one node's bytes), then every node reads.
+    move = min(inp.nvme_read, inp.nvme_write, inp.replica_pair)
+    move_all = min(inp.disk_read_all or inp.nvme_read, inp.disk_write_all or inp.nvme_write)
+    extra = {
+        "save to NVMe with replicas": Phase(
+            "save to NVMe with replicas",
+            (
+                Limit("read back, send, write, one node", node_bytes, move),
+                Limit("read back and write, one disk for all", total, move_all, shared=True),
+            ),
+            save.seconds,
+        ),
+        "restore from the replica": Phase(
+            "restore from the replica",
+            restore.limits,
+            restore.seconds - restore.own + node_bytes / move,
+        ),
+    }
     return {
         "save to NVMe": phase(
             "save to NVMe", "disk write", inp.nvme_write, inp.disk_write_all, inp.save_fixed_s
@@ -377,9 +408,8 @@ def local_check(inp: Inputs, nodes: int, node_bytes: float) -> dict[str, Phase]:
             "save to Lustre", "disk write", inp.nvme_write, inp.disk_write_all, inp.save_fixed_s
         ),
         "save to S3": phase("save to S3", "S3 server", s3, inp.s3_server_all, inp.s3_save_fixed_s),
-        "restore from NVMe": phase(
-            "restore from NVMe", "disk read", inp.nvme_read, inp.disk_read_all, inp.load_fixed_s
-        ),
+        "restore from NVMe": restore,
+        **(extra if nodes > 1 else {}),
     }
 
 

@@ -5,7 +5,9 @@
 
 Every rank holds ``NODE_BYTES / local world size`` bytes of fp32 tensors and saves them with
 ``fmstore.checkpoint.dcp.save`` to ``nvme:`` (node-local), ``lustre:`` and ``s3:`` (shared),
-then restores the ``nvme:`` copy (page cache dropped), ``ROUNDS`` times after a warm-up save
+then restores the ``nvme:`` copy (page cache dropped); with two nodes or more it also saves
+to ``peer:`` (node-local, ``replicas = 1``), removes the last node's part and restores it
+from its replica, ``ROUNDS`` times after a warm-up save
 of almost nothing; each phase between two barriers of the checkpoint group, timed on rank 0,
 which writes the medians (and every run) to ``OUT/times.json``.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -43,6 +46,23 @@ def main() -> None:
         dist.barrier(group=pg)
         times.setdefault(name, []).append(time.perf_counter() - t0)
 
+    nodes = dist.get_world_size() // local
+
+    def replicas(r: int) -> None:
+        """A save to the tier with ``replicas = 1``, the last node's part of it removed (a
+        replaced node), and the restore that brings it back from the replica."""
+        uri = f"peer:scale/r{r}"
+        timed("save to nvme with replicas", lambda: fdcp.save(state, uri, process_group=pg))
+        dist.barrier(group=pg)
+        if rank == dist.get_world_size() - 1:
+            shutil.rmtree(os.path.join(os.environ["SCALE_PEER_DIR"], "scale", f"r{r}"))
+        if rank == 0:
+            settle()
+        for v in back.values():
+            v.zero_()
+        timed("restore from replica", lambda: fdcp.load(back, uri, process_group=pg))
+        assert all(torch.equal(back[k], state[k]) for k in state), "replica restore differs"
+
     # Threads, pools and connections started, outside the timed phases.
     tiny = {"t": torch.zeros(16)}
     for tier in ("nvme", "lustre", "s3"):
@@ -58,6 +78,8 @@ def main() -> None:
             "restore from nvme", lambda r=r: fdcp.load(back, f"nvme:scale/r{r}", process_group=pg)
         )
         assert all(torch.equal(back[k], state[k]) for k in state), "restore is not bit-exact"
+        if nodes > 1:
+            replicas(r)
     if rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
         with open(os.path.join(out, "times.json"), "w") as f:
