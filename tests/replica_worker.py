@@ -7,9 +7,9 @@ CPU; ``[tiers.nvme] replicas = 1`` from the environment).
   its replicas), ``lustre:`` and ``s3:`` (the state of tests/node_worker.py: FSDP2 model,
   Adam state, values DCP deduplicates onto rank 0);
 * ``restore``: the first of the URIs every rank can read, checked bit-exact against step
-  10's state.
+  10's state (the first URI is tried alone first, to report why it was passed over).
 
-Every rank writes ``OUT/SCENARIO-RANK.json`` (the node, the URI used).
+Every rank writes ``OUT/SCENARIO-RANK.json`` (the node, the URI used, ``why``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from dcp_worker import same  # noqa: E402
 from node_worker import ref, restore, save_step, trained  # noqa: E402
 
 from fmstore.checkpoint.dcp.nodes import node_id  # noqa: E402
+from fmstore.errors import NotFound  # noqa: E402
 from fmstore.testing.cluster import pg_timeout  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -44,7 +45,13 @@ def main() -> None:
             for tier in ("nvme", "lustre", "s3"):
                 save_step(10, tier, model, opt, ckpt, out)
         else:
-            used, got = restore(uris, ckpt)
+            # The first URI alone, to report why it was passed over; then the fallbacks.
+            try:
+                used, got = restore(uris[:1], ckpt)
+                rep["why"] = ""
+            except NotFound as e:
+                rep["why"] = str(e)
+                used, got = restore(uris[1:], ckpt)
             same(got, ref(out, 10), f"step 10 from {used}")
             rep["used"] = used
         with open(os.path.join(out, f"{name}-{dist.get_rank()}.json"), "w") as f:

@@ -96,7 +96,7 @@ def run_sequence(c: Cluster, proxy: FaultProxy) -> None:
     shutil.move(lustre, away)
     seen = len(proxy.seen)
     reps = launch(c, "restore", *uris)
-    assert all(r["used"] == uris[0] for r in reps), reps
+    assert all(r["used"] == uris[0] and r["why"] == "" for r in reps), reps
     reads = [s.key for s in proxy.seen[seen:] if s.method == "GET" and not s.key.endswith("/")]
     assert not [k for k in reads if k.endswith((".bin", "manifest.json"))], reads
     # n1 holds its part again, and the manifest.
@@ -115,6 +115,9 @@ def run_sequence(c: Cluster, proxy: FaultProxy) -> None:
     blob.write_bytes(bytes(data))
     reps = launch(c, "restore", *uris)
     assert all(r["used"] == uris[1] for r in reps), reps
+    assert len({r["why"] for r in reps}) == 1, reps  # the same reason on every rank
+    why = reps[0]["why"]
+    assert "its replica did not restore it" in why and "CRC32C" in why, why
 
     # 3. n1 and n2 lost at once (n1's replica was on n2), Lustre's copy gone: S3.
     c.replace("n1")
@@ -122,3 +125,5 @@ def run_sequence(c: Cluster, proxy: FaultProxy) -> None:
     shutil.move(lustre, away)
     reps = launch(c, "restore", *uris)
     assert all(r["used"] == uris[2] for r in reps), reps
+    why = reps[0]["why"]
+    assert "node n1 lacks its part" in why and "replica" not in why, why
