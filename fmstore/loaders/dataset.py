@@ -29,7 +29,7 @@ from . import metrics
 from .cache import CacheOptions, ShardCache
 from .formats import DatasetFormat, FormatOptions, ShardReader, ShardSpec, load_format
 from .mix import Stream
-from .order import Plan, ShuffleOptions, positions, rank_count, worker_indices
+from .order import CHUNK, Plan, ShuffleOptions, positions, rank_count, worker_indices
 from .prefetch import Prefetcher
 from .state import LoaderState
 
@@ -288,10 +288,12 @@ class StreamingDataset(tud.IterableDataset):
         start = self._begin()
         count = rank_count(self.plan.length, start, self.world_size)
         try:
+            order = self.plan.epoch(self.epoch)
+            if num_workers <= 1 and self.world_size == 1 and count == len(order) - start:
+                return order[start:]  # one reader of the epoch: its order as it is (no copy)
             j = worker_indices(count, worker, num_workers, self.batch_size or 1)
-            pos = positions(self.plan.length, start, self.rank, self.world_size, j)
-            return self.plan.epoch(self.epoch)[pos]
-        except MemoryError:  # the order of an epoch is a few arrays of 8 bytes a sample
+            return order[positions(self.plan.length, start, self.rank, self.world_size, j)]
+        except MemoryError:  # the order of an epoch is an array of 4 or 8 bytes a sample
             raise FmstoreError(
                 f"the sample order of an epoch of {self.plan.length} samples does not fit in "
                 "memory (its shards declare that many)"
@@ -327,7 +329,7 @@ class StreamingDataset(tud.IterableDataset):
             shard = self.plan.shard_of(ids)
             idx += [(w, i) for i in range(len(ids))]
             shard_l += shard.tolist()
-            local_l += (ids - self.plan.shard_start[shard]).tolist()
+            local_l += self.plan.local_of(ids, shard).tolist()
         want = self._direct_candidates(range(len(idx)), shard_l)
         if not want:
             return
@@ -357,9 +359,15 @@ class StreamingDataset(tud.IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = tud.get_worker_info()
         w, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        ids = self.sample_ids(w, nw)
-        shard = self.plan.shard_of(ids)
-        local = ids - self.plan.shard_start[shard]
+        try:
+            ids = self.sample_ids(w, nw)
+            shard = self.plan.shard_of(ids)
+            local = self.plan.local_of(ids, shard)
+        except MemoryError:
+            raise FmstoreError(
+                f"the sample order of an epoch of {self.plan.length} samples does not fit in "
+                "memory (its shards declare that many)"
+            ) from None
         return self._samples(shard, local, w, nw)
 
     def _samples(self, shard: np.ndarray, local: np.ndarray, w: int, nw: int) -> Iterator[Any]:
@@ -367,9 +375,7 @@ class StreamingDataset(tud.IterableDataset):
         n = len(shard)
         if n == 0:
             return
-        uniq, first = np.unique(shard, return_index=True)
-        _u, last_rev = np.unique(shard[::-1], return_index=True)
-        last = n - 1 - last_rev
+        uniq, first, last = _first_last(shard)
         upcoming = uniq[np.argsort(first, kind="stable")].tolist()
         rank_in_upcoming = {s: k for k, s in enumerate(upcoming)}
         first_use = dict(zip(uniq.tolist(), first.tolist(), strict=True))
@@ -388,10 +394,7 @@ class StreamingDataset(tud.IterableDataset):
             if f is not None and int(last[np.searchsorted(uniq, s)]) >= here[0]:
                 return max(0, f - here[0])
             if nxt is None:  # needed again next epoch: after the rest of this one
-                ids = self.plan.epoch(self.epoch + 1)
-                sh = self.plan.shard_of(ids)
-                u, fi = np.unique(sh, return_index=True)
-                nxt = dict(zip(u.tolist(), fi.tolist(), strict=True))
+                nxt = self.plan.first_uses(self.epoch + 1)
             return (n - here[0]) + nxt.get(s, len(self.plan.shard_start)) * 1.0
 
         def fetch(s: int) -> bool:
@@ -416,7 +419,8 @@ class StreamingDataset(tud.IterableDataset):
         # waiting on others), and a download waiting for space must be able to evict what
         # idle workers hold.
         every = (self.batch_size or 1) if self.cache_limit is not None else 0
-        shard_l, local_l = shard.tolist(), local.tolist()
+        # Python ints a slice at a time: a list of a whole epoch's would take ~36 bytes a sample.
+        shard_l, local_l = _Ints(shard), _Ints(local)
         transform = self.transform
         budget = self._direct_budget()
         direct = self._take_preload(w, nw)
@@ -469,8 +473,8 @@ class StreamingDataset(tud.IterableDataset):
         self,
         lo: int,
         hi: int,
-        shard_l: list[int],
-        local_l: list[int],
+        shard_l: Sequence[int],
+        local_l: Sequence[int],
         readers: dict[int, ShardReader],
         pre: Prefetcher,
     ) -> dict[int, Any]:
@@ -488,7 +492,7 @@ class StreamingDataset(tud.IterableDataset):
         pre.ensure(sorted({shard_l[j] for j in want}))
         return out
 
-    def _direct_candidates(self, js: Iterable[int], shard_l: list[int]) -> list[int]:
+    def _direct_candidates(self, js: Iterable[int], shard_l: Sequence[int]) -> list[int]:
         """Those of ``js`` whose shard is not cached and whose format reads by range."""
         want: list[int] = []
         ready: dict[int, bool] = {}
@@ -505,7 +509,7 @@ class StreamingDataset(tud.IterableDataset):
         return want
 
     async def _fetch_ranges(
-        self, want: list[int], shard_l: list[int], local_l: list[int]
+        self, want: list[int], shard_l: Sequence[int], local_l: Sequence[int]
     ) -> dict[int, Any]:
         import asyncio
 
@@ -562,6 +566,47 @@ class StreamingDataset(tud.IterableDataset):
         except BaseException:
             self.cache.unpin(name)
             raise
+
+
+def _first_last(shard: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The shards of ``shard`` (ascending), and the first and last index reading each,
+    found a slice at a time (no sort of the whole sequence)."""
+    n = len(shard)
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for lo in range(0, n, CHUNK):
+        part = shard[lo : lo + CHUNK]
+        u, f = np.unique(part, return_index=True)
+        _u, r = np.unique(part[::-1], return_index=True)
+        for s, a, b in zip(u.tolist(), f.tolist(), r.tolist(), strict=True):
+            first.setdefault(s, lo + a)
+            last[s] = lo + len(part) - 1 - b
+    uniq = np.array(sorted(first), np.int64)
+    return (
+        uniq,
+        np.array([first[s] for s in uniq.tolist()], np.int64),
+        np.array([last[s] for s in uniq.tolist()], np.int64),
+    )
+
+
+class _Ints(Sequence[int]):
+    """A read-only view of a numpy array as Python ints, converted a slice at a time."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.a = a
+        self._lo = -1
+        self._vals: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.a)
+
+    def __getitem__(self, i: int) -> int:  # type: ignore[override]
+        lo = i - i % 4096
+        if lo != self._lo:
+            if not 0 <= i < len(self.a):
+                raise IndexError(i)
+            self._lo, self._vals = lo, self.a[lo : lo + 4096].tolist()
+        return self._vals[i - lo]
 
 
 class StreamingDataLoader(tud.DataLoader):

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+#: Ids handled at once where a whole epoch's would take an array of 8 bytes an id.
+CHUNK = 1 << 20
+
 
 @dataclass(frozen=True)
 class ShuffleOptions:
@@ -40,26 +43,41 @@ def shard_starts(samples_per_shard: np.ndarray) -> np.ndarray:
     return starts
 
 
+def id_dtype(n: int) -> type[np.signedinteger]:
+    """The smallest signed dtype holding every value below ``n``: ``int32`` up to 2**31
+    (4 bytes a sample in every order array), else ``int64``."""
+    return np.int32 if n < (1 << 31) else np.int64
+
+
+def shard_dtype(n: int) -> type[np.unsignedinteger]:
+    """The smallest dtype holding ``n`` shard numbers (1 byte a sample below 256 shards)."""
+    return np.uint8 if n <= 1 << 8 else np.uint16 if n <= 1 << 16 else np.uint32
+
+
 def stream_order(
     samples_per_shard: np.ndarray, cfg: ShuffleOptions, epoch: int, salt: int = 0
 ) -> np.ndarray:
-    """Ids (0-based within this stream) of one epoch, in canonical order."""
+    """Ids (0-based within this stream) of one epoch, in canonical order, in the compact
+    dtype of :func:`id_dtype`; each window is shuffled in place (one array in all)."""
     counts = np.asarray(samples_per_shard, np.int64)
     starts = shard_starts(counts)
     total = int(starts[-1])
+    dt = id_dtype(total)
     if not cfg.shuffle:
-        return np.arange(total, dtype=np.int64)
+        return np.arange(total, dtype=dt)
     rng = np.random.default_rng([cfg.seed, epoch, salt, 0])
     perm = rng.permutation(len(counts))
-    out = np.empty(total, np.int64)
+    out = np.empty(total, dt)
     pos = 0
     window = max(1, cfg.window)
     for b in range(0, len(perm), window):
-        group = perm[b : b + window]
-        ids = np.concatenate([np.arange(starts[s], starts[s + 1], dtype=np.int64) for s in group])
-        np.random.default_rng([cfg.seed, epoch, salt, 1 + b // window]).shuffle(ids)
-        out[pos : pos + len(ids)] = ids
-        pos += len(ids)
+        lo = pos
+        for s in perm[b : b + window]:
+            n = int(counts[s])
+            out[pos : pos + n] = np.arange(starts[s], starts[s + 1], dtype=dt)
+            pos += n
+        # The same draws whatever the dtype: the order of every dataset is what it was.
+        np.random.default_rng([cfg.seed, epoch, salt, 1 + b // window]).shuffle(out[lo:pos])
     return out
 
 
@@ -70,18 +88,30 @@ def rank_count(length: int, start: int, world: int) -> int:
 def worker_indices(count: int, worker: int, num_workers: int, batch: int) -> np.ndarray:
     """Indices ``j`` (into a rank's sample sequence) that ``worker`` yields, in order."""
     batch = max(1, batch)
+    dt = id_dtype(count + batch)
+    if num_workers <= 1:
+        return np.arange(count if worker == 0 else 0, dtype=dt)
     nblocks = -(-count // batch)
-    mine = np.arange(worker, nblocks, num_workers, dtype=np.int64)
+    mine = np.arange(worker, nblocks, num_workers, dtype=dt)
     if not len(mine):
-        return np.zeros(0, np.int64)
-    j = (mine[:, None] * batch + np.arange(batch, dtype=np.int64)[None, :]).ravel()
-    return j[j < count]
+        return np.zeros(0, dt)
+    j = (mine[:, None] * dt(batch) + np.arange(batch, dtype=dt)[None, :]).ravel()
+    return j[: np.searchsorted(j, count)]  # j ascends: the tail past count is cut
 
 
 def positions(length: int, start: int, rank: int, world: int, j: np.ndarray) -> np.ndarray:
-    """Epoch positions of a rank's samples ``j``; positions past the end wrap (padding)."""
-    p = start + rank + world * j
-    return np.where(p >= length, (p - length) % length, p)
+    """Epoch positions of a rank's samples ``j``; positions past the end wrap (padding).
+    Computed in place in ``j`` where its dtype holds them."""
+    dt = id_dtype(start + rank + world * (int(j[-1]) + 1) if len(j) else 0)
+    p = j if j.dtype == dt else j.astype(dt)
+    if world != 1:
+        p *= world
+    if start + rank:
+        p += start + rank
+    over = p >= length
+    if over.any():
+        p[over] = (p[over] - length) % length
+    return p
 
 
 class Plan:
@@ -146,7 +176,7 @@ class Plan:
             return self._take(0, epoch * self.length, self.length)
         choice = np.repeat(np.arange(len(self.quota)), self.quota)
         np.random.default_rng([self.cfg.seed, epoch, 7919]).shuffle(choice)
-        out = np.empty(self.length, np.int64)
+        out = np.empty(self.length, id_dtype(int(self.offsets[-1])))
         for i, q in enumerate(self.quota):
             if q:
                 out[choice == i] = self._take(i, epoch * q, q)
@@ -161,7 +191,37 @@ class Plan:
             k = min(n, size - off)
             parts.append(self._stream(i, e)[off : off + k])
             pos, n = pos + k, n - k
-        return np.concatenate(parts) + int(self.offsets[i])
+        out = np.concatenate(parts).astype(id_dtype(int(self.offsets[-1])), copy=False)
+        if self.offsets[i]:
+            out += int(self.offsets[i])
+        return out
 
     def shard_of(self, ids: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.shard_start, ids, side="right") - 1
+        """The shard of each id, in :func:`shard_dtype` (found a slice at a time, so no
+        array of 8 bytes an id is made)."""
+        nshards = len(self.shard_start) - 1
+        out = np.zeros(len(ids), shard_dtype(nshards))
+        if nshards > 1:
+            for lo in range(0, len(ids), CHUNK):
+                found = np.searchsorted(self.shard_start, ids[lo : lo + CHUNK], side="right")
+                out[lo : lo + CHUNK] = found - 1
+        return out
+
+    def local_of(self, ids: np.ndarray, shard: np.ndarray) -> np.ndarray:
+        """Each id's index within its shard (``ids`` itself where there is one shard)."""
+        if len(self.shard_start) <= 2:
+            return ids
+        out = np.empty_like(ids)
+        for lo in range(0, len(ids), CHUNK):
+            out[lo : lo + CHUNK] = ids[lo : lo + CHUNK] - self.shard_start[shard[lo : lo + CHUNK]]
+        return out
+
+    def first_uses(self, epoch: int) -> dict[int, int]:
+        """shard -> the first position of ``epoch`` that reads it."""
+        ids = self.epoch(epoch)
+        first: dict[int, int] = {}
+        for lo in range(0, len(ids), CHUNK):
+            u, fi = np.unique(self.shard_of(ids[lo : lo + CHUNK]), return_index=True)
+            for s, f in zip(u.tolist(), fi.tolist(), strict=True):
+                first.setdefault(s, lo + f)
+        return first
