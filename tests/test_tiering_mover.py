@@ -13,13 +13,12 @@ from tiering_helpers import state
 import fmstore
 from fmstore import runtime
 from fmstore.checkpoint.layout import read_manifest_bytes
-from fmstore.checkpoint.verify import verify_checkpoint
+from fmstore.checkpoint.verify import blob_checksums, verify_checkpoint
 from fmstore.errors import CorruptData, NotFound
 from fmstore.format.manifest import MANIFEST_KEY
 from fmstore.stores import open_store
 from fmstore.tiering.mover import (
     CHECKPOINT_COPY,
-    blob_checksums,
     copy_checkpoint,
     delete_checkpoint,
     has_checkpoint,

@@ -23,23 +23,20 @@ Guarantees:
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ..checkpoint.verify import VerifyResult, blob_checksums, read_committed, verify_checkpoint
-from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable, VersionError
+from ..checkpoint.verify import read_committed, verify_checkpoint
+from ..errors import FmstoreError, NotFound, VersionError
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
 from ..stores.base import PutOptions, Store
-from .journal import Journal
+from .blobcopy import CopyResult, copy_blobs
 from .parts import export_part, in_parts
-from .transfer import CopyItem, Failure, TransferOptions, copy_items
+from .transfer import TransferOptions
 
 if TYPE_CHECKING:
-    from ..checkpoint.verify import AnyCommitted
+    pass
 
 #: How checkpoints are copied between tiers unless the config says otherwise (``[daemon]``
 #: concurrency, bwlimit and verify_destination: :func:`fmstore.tiering.daemon.settings_from_config`).
@@ -56,22 +53,6 @@ CHECKPOINT_COPY = TransferOptions(
     max_inflight_bytes=1 << 30,
     verify=True,
 )
-
-
-@dataclass
-class CopyResult:
-    manifest: AnyCommitted
-    manifest_crc32c: int
-    bytes_copied: int
-    bytes_skipped: int
-    seconds: float
-    already_there: bool = False
-    #: The check of the destination before the commit (None with ``verify`` off): how
-    #: many blobs the store's checksum, the written bytes' checksum or a read-back vouched for.
-    check: VerifyResult | None = None
-    #: A checkpoint in node parts (:mod:`.parts`): the nodes whose parts are not on the
-    #: destination yet; empty once the copy there is committed.
-    waiting_for: tuple[str, ...] = ()
 
 
 async def copy_checkpoint(
@@ -133,95 +114,12 @@ async def copy_checkpoint(
         # it is replaced atomically by the manifest written at the end.
         pass
 
-    crcs = blob_checksums(manifest)
-    sizes = [b.size for b in manifest.blobs]
-    items = [
-        CopyItem(
-            src_key=manifest.blob_key(i),
-            dst_key=manifest.blob_key(i),
-            size=size,
-            crc32c=crcs[i],
-        )
-        for i, size in enumerate(sizes)
-    ]
-    journal = await Journal.open(journal_path, fsync=True, dest=dst.url) if journal_path else None
-    try:
-        report = await copy_items(
-            src,
-            dst,
-            items,
-            # The destination is verified below, chunk by chunk, before the commit.
-            replace(options, verify=False),
-            journal=journal,
-        )
-    finally:
-        if journal is not None:
-            with contextlib.suppress(Exception):
-                await journal.close()
-    if report.failures:
-        _raise_for(report.failures, src, dst)
-    check = None
-    if options.verify:
-        # What this proves, blob by blob (each against the CRC32C its manifest chunks give):
-        # * S3: the server checked every PUT and part against the CRC32C we sent (taken from
-        #   the bytes read, which matched the manifest) and refused any mismatch; its
-        #   HEAD checksum now equals the manifest's, so the object at the key holds those
-        #   bytes as far as the server can tell (no GET of the data).
-        # * POSIX: the CRC32C was taken of the very buffers written, then the destination
-        #   was synced; a read-back would come from the page cache just written and prove
-        #   nothing more, so only each blob's size is checked.
-        # * Elsewhere (a server keeping no checksum, blobs skipped as already copied on a
-        #   file system): the blob is read back and checked chunk by chunk.
-        check = await verify_checkpoint(
-            dst,
-            manifest=manifest,
-            store_checksums=True,
-            written=report.written if dst.local_root is not None else None,
-        )
-        if not check.ok:
-            # Find out whose fault it is: a bad source must not be copied again and again.
-            src_check = await verify_checkpoint(src, manifest=manifest)
-            if not src_check.ok:
-                raise CorruptData(
-                    "source copy fails its checksums: " + "; ".join(src_check.problems[:3]),
-                    tier=src.tier,
-                    key=src.url,
-                )
-            # Bad bytes landed on the destination: remove them so the next attempt does not
-            # skip them as already copied.
-            await delete_checkpoint(dst)
-            raise CorruptData(
-                "copy fails its checksums on the destination: " + "; ".join(check.problems[:3]),
-                tier=dst.tier,
-                key=dst.url,
-            )
+    check, copied, skipped = await copy_blobs(
+        src, dst, manifest, options, journal_path, on_bad_copy=lambda: delete_checkpoint(dst)
+    )
     # The commit: the manifest, byte for byte, written last.
     await dst.put(MANIFEST_KEY, data, PutOptions(content_crc32c=mcrc))
-    p = report.progress
-    return CopyResult(
-        manifest,
-        mcrc,
-        p.bytes_copied,
-        p.bytes_skipped + p.bytes_resumed,
-        time.monotonic() - t0,
-        check=check,
-    )
-
-
-def _raise_for(failures: Sequence[Failure], src: Store, dst: Store) -> None:
-    """Raise the class of the first typed failure (never guessed from a message), naming
-    the tier it came from; an untyped one (a bug, an unexpected OS error) is reported as
-    the destination being unavailable."""
-    text = "; ".join(f"{f.key}: {f.error}" for f in failures[:3])
-    first = next((f.exc for f in failures if f.exc is not None), None)
-    if isinstance(first, CorruptData):
-        raise CorruptData(f"copy failed verification: {text}", tier=src.tier, key=src.url)
-    if isinstance(first, NotFound) and first.tier != dst.tier:
-        raise NotFound(f"copy failed, source blob missing: {text}", tier=src.tier, key=src.url)
-    if first is not None:
-        side = src if first.tier == src.tier and src.tier != dst.tier else dst
-        raise type(first)(f"copy failed: {text}", tier=side.tier, key=side.url)
-    raise StoreUnavailable(f"copy failed: {text}", tier=dst.tier, key=dst.url)
+    return CopyResult(manifest, mcrc, copied, skipped, time.monotonic() - t0, check=check)
 
 
 async def delete_checkpoint(store: Store) -> int:

@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import os
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..checkpoint.partrecords import (
@@ -46,7 +45,6 @@ from ..checkpoint.partrecords import (
     part_record_key,
 )
 from ..checkpoint.verify import (
-    VerifyResult,
     blob_checksums,
     read_committed,
     verify_checkpoint,
@@ -55,12 +53,11 @@ from ..errors import AlreadyExists, CorruptData, FmstoreError, NotFound
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
 from ..stores.base import PutOptions, Store
-from .journal import Journal
-from .transfer import CopyItem, TransferOptions, copy_items
+from .blobcopy import CopyResult, copy_blobs
+from .transfer import TransferOptions
 
 if TYPE_CHECKING:
     from ..checkpoint.dcp.manifest import DcpManifest
-    from .mover import CopyResult
 
 __all__ = ["delete_own_part", "export_part", "in_parts", "part_records"]
 
@@ -142,8 +139,6 @@ async def export_part(
     :class:`CorruptData` (this node's part fails its checksums on ``src``, or a different
     checkpoint is committed at ``dst``), and what the copy engine raises.
     """
-    from .mover import CopyResult
-
     t0 = time.monotonic()
     data, manifest = await read_committed(src)
     assert in_parts(manifest)
@@ -187,7 +182,14 @@ async def export_part(
         check = None
         copied = skipped = 0
         if mine is None:
-            check, copied, skipped = await _copy_part(src, dst, view, options, journal_path)
+            check, copied, skipped = await copy_blobs(
+                src,
+                dst,
+                view,
+                options,
+                journal_path,
+                on_bad_copy=lambda: _drop_bad(dst, view, journal_path),
+            )
             crcs = blob_checksums(view)
             rec = PartRecord(
                 node=node,
@@ -234,58 +236,13 @@ async def _own_record(dst: Store, gen: str, node: str, sha: str) -> PartRecord |
     return rec
 
 
-async def _copy_part(
-    src: Store,
-    dst: Store,
-    view: DcpManifest,
-    options: TransferOptions,
-    journal_path: str | None,
-) -> tuple[VerifyResult | None, int, int]:
-    from .mover import _raise_for
-
-    crcs = blob_checksums(view)
-    items = [
-        CopyItem(src_key=view.blob_key(i), dst_key=view.blob_key(i), size=b.size, crc32c=crcs[i])
-        for i, b in enumerate(view.blobs)
-    ]
-    journal = await Journal.open(journal_path, fsync=True, dest=dst.url) if journal_path else None
-    try:
-        report = await copy_items(src, dst, items, replace(options, verify=False), journal=journal)
-    finally:
-        if journal is not None:
-            with contextlib.suppress(Exception):
-                await journal.close()
-    if report.failures:
-        _raise_for(report.failures, src, dst)
-    check = None
-    if options.verify:
-        check = await verify_checkpoint(
-            dst,
-            manifest=view,
-            store_checksums=True,
-            written=report.written if dst.local_root is not None else None,
-        )
-        if not check.ok:
-            src_check = await verify_checkpoint(src, manifest=view)
-            if not src_check.ok:
-                raise CorruptData(
-                    "source part fails its checksums: " + "; ".join(src_check.problems[:3]),
-                    tier=src.tier,
-                    key=src.url,
-                )
-            # Only this node's blobs: the other nodes' parts are theirs (and a commit may
-            # need them).
-            await _delete_blobs(dst, view)
-            if journal_path:
-                with contextlib.suppress(OSError):
-                    os.unlink(journal_path)
-            raise CorruptData(
-                "copy fails its checksums on the destination: " + "; ".join(check.problems[:3]),
-                tier=dst.tier,
-                key=dst.url,
-            )
-    p = report.progress
-    return check, p.bytes_copied, p.bytes_skipped + p.bytes_resumed
+async def _drop_bad(dst: Store, view: DcpManifest, journal_path: str | None) -> None:
+    # Only this node's blobs: the other nodes' parts are theirs (and a commit may need
+    # them); and the journal, which would have the next copy skip them as done.
+    await _delete_blobs(dst, view)
+    if journal_path:
+        with contextlib.suppress(OSError):
+            os.unlink(journal_path)
 
 
 async def commit_if_complete(dst: Store, manifest: DcpManifest, data: bytes) -> list[str]:
