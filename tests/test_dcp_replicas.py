@@ -27,11 +27,7 @@ import pytest
 from fmstore.testing.cluster import Cluster, S3Tier
 from fmstore.testing.faultproxy import FaultProxy
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.s3,
-    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
-]
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "replica_worker.py")
@@ -58,6 +54,57 @@ def replica_ranks(c: Cluster, node: str, gen: str) -> set[int]:
     return {int(p.stem.split("-")[1]) for p in d.glob("rank-*.json")}
 
 
+def saved_manifest(tmp_path: Path) -> tuple[Any, Path]:
+    """A one-process DCP checkpoint (fmstore's layout) and its manifest."""
+    import torch
+
+    import fmstore.checkpoint.dcp as fdcp
+    from fmstore import runtime
+    from fmstore.stores import open_store
+
+    fdcp.save({"w": torch.arange(4096, dtype=torch.float32), "n": 3}, str(tmp_path / "ck"))
+    return runtime.run(fdcp.read_manifest(open_store(str(tmp_path / "ck")))), tmp_path / "ck"
+
+
+def test_the_ring_places_no_replica_on_its_own_node_and_the_plan_needs_a_holder(tmp_path):
+    from dataclasses import replace
+
+    from fmstore.checkpoint.dcp.manifest import DcpPart
+    from fmstore.checkpoint.dcp.replicas import partners, plan
+
+    m, _ = saved_manifest(tmp_path)
+    three = [DcpPart(f"n{i}", (2 * i, 2 * i + 1)) for i in range(3)]
+    ring = partners(replace(m, parts=three))
+    assert ring == {0: 2, 1: 3, 2: 4, 3: 5, 4: 0, 5: 1}
+    assert partners(replace(m, parts=three[:1])) is None  # one node: nowhere else to go
+    uneven = [DcpPart("n0", (0, 1)), DcpPart("n1", (2,))]
+    assert partners(replace(m, parts=uneven)) is None
+    # n1 (ranks 2, 3) lost; n2 (ranks 4, 5) holds its replicas of manifest "d".
+    held: list[Any] = [("d", (4, 5)), ("d", (4, 5)), (None, ()), (None, ())]
+    held += [("d", (2, 3)), ("d", (2, 3))]
+    assert plan("d", held, [2, 3]) == {2: 4, 3: 4}
+    assert plan("other", held, [2, 3]) is None  # a replica of another save
+    assert plan("d", held, [2, 3, 4, 5]) is None  # its holder lost too
+
+
+def test_a_replica_blob_is_checked_chunk_by_chunk(tmp_path):
+    from fmstore.checkpoint.dcp.replicas import check_blob
+    from fmstore.errors import CorruptData
+
+    m, ck = saved_manifest(tmp_path)
+    i = max(range(len(m.blobs)), key=lambda j: m.blobs[j].size)
+    data = (ck / m.blob_key(i)).read_bytes()
+    check_blob(m, i, data, "replica")
+    bad = bytearray(data)
+    bad[len(bad) // 2] ^= 0xFF
+    with pytest.raises(CorruptData, match="fails its CRC32C"):
+        check_blob(m, i, bytes(bad), "replica")
+    with pytest.raises(CorruptData, match="bytes, not"):
+        check_blob(m, i, data[:-1], "replica")
+
+
+@pytest.mark.slow
+@pytest.mark.s3
 def test_lost_nodes_restore_from_replicas_or_fall_back_together(tmp_path: Path, s3_server):
     bucket = s3_server.create_bucket(f"t-{uuid.uuid4().hex[:20]}")
     try:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ... import runtime
-from ...errors import AlreadyExists, CorruptData, FmstoreError
+from ...errors import AlreadyExists, ConfigError, CorruptData, FmstoreError
 from ...format.checksum import crc32c
 from ...stores import PutOptions, Store, open_store, split_tier
 from ..layout import parse_step
@@ -181,7 +181,14 @@ def replicate(uri: str, manifest: bytes, pg: Any, so: dict[str, Any] | None = No
 
     m = DcpManifest.loads(manifest, where=f"{uri}/{MANIFEST_KEY}")
     pmap = partners(m)
-    if not replicas_of(uri) or pmap is None:
+    # Decided alike on every rank: nodes whose configs disagree would wait for each other.
+    wanted = set(_gather(pg, replicas_of(uri)))
+    if len(wanted) > 1:
+        raise ConfigError(
+            f"{uri} is committed, but its nodes disagree on [tiers] replicas "
+            f"({sorted(wanted)}): no replica is made until every node's config says the same"
+        )
+    if not wanted.pop() or pmap is None:
         return
     rank = dist.get_rank(pg)
     src = next(r for r, p in pmap.items() if p == rank)
