@@ -40,8 +40,11 @@ MAX_FOOTER = 64 << 20
 #: of nulls, one of zeros) hold about 500 rows a byte.  A footer declaring more is refused:
 #: the row counts size every epoch's sample order (8 bytes a row, several times over).
 MAX_ROWS_PER_BYTE = 2048
-#: Decoded row groups one open shard keeps (Arrow bytes), least recently used dropped first.
-ROW_GROUP_CACHE = 512 << 20
+#: Decoded slices of row groups one open shard keeps (Arrow bytes), least recently used
+#: dropped first.
+ROW_GROUP_CACHE = 256 << 20
+#: Rows decoded at once: a row group is read a slice at a time, never decoded whole.
+SLICE_ROWS = 1 << 16
 
 
 def _pa() -> tuple[Any, Any]:
@@ -292,51 +295,91 @@ class ParquetShardReader(ShardReader):
         self.columns = columns
         self.starts = np.cumsum([0, *groups]).tolist()
         self.n = int(self.starts[-1])
-        self._groups: OrderedDict[int, tuple[int, list[tuple[str, Callable[[int], Any]]]]] = (
-            OrderedDict()
-        )
+        #: (group, first row) -> (Arrow bytes, rows, column accessors) of decoded slices.
+        self._slices: OrderedDict[tuple[int, int], tuple[int, int, list[Any]]] = OrderedDict()
         self._bytes = 0
+        #: group -> first rows of its slices, as decoding found them (ascending).
+        self._bounds: dict[int, list[int]] = {}
+        #: group -> (its open batch iterator, the first row of its next batch).
+        self._iters: dict[int, tuple[Any, int]] = {}
 
     def __len__(self) -> int:
         return self.n
 
-    def _group(self, g: int) -> list[tuple[str, Callable[[int], Any]]]:
-        got = self._groups.get(g)
+    def _cached(self, g: int, i: int) -> tuple[int, list[Any]] | None:
+        bounds = self._bounds.get(g)
+        if not bounds:
+            return None
+        k = bisect.bisect_right(bounds, i) - 1
+        if k < 0:
+            return None
+        got = self._slices.get((g, bounds[k]))
+        if got is None or i >= bounds[k] + got[1]:
+            return None
+        self._slices.move_to_end((g, bounds[k]))
+        return bounds[k], got[2]
+
+    def _slice(self, g: int, i: int) -> tuple[int, list[tuple[str, Callable[[int], Any]]]]:
+        """The first row and the accessors of the decoded slice of row group ``g`` holding its row ``i``: the
+        group is decoded ``SLICE_ROWS`` at a time from its start (going on from the last
+        slice decoded where it can), each slice decoded kept while the cache has room."""
+        got = self._cached(g, i)
         if got is not None:
-            self._groups.move_to_end(g)
-            return got[1]
+            return got
         pa = self._pa
+        rows = self.starts[g + 1] - self.starts[g]
+        it, at = self._iters.pop(g, (None, 0))
+        if it is None or at > i:
+            it = self.pf.iter_batches(row_groups=[g], batch_size=SLICE_ROWS, columns=self.columns)
+            at = 0
         try:
-            table = self.pf.read_row_group(g, columns=self.columns)
-            cols = [(nm, _accessor(pa, table.column(nm))) for nm in table.column_names]
+            while True:
+                batch = next(it, None)
+                if batch is None:
+                    raise CorruptData(
+                        f"row group {g} decodes to {at} rows, not {rows}", key=self.key
+                    )
+                lo, at = at, at + batch.num_rows
+                if at > rows:
+                    raise CorruptData(f"row group {g} decodes to over {rows} rows", key=self.key)
+                bounds = self._bounds.setdefault(g, [])
+                if not bounds or bounds[-1] < lo:
+                    bounds.append(lo)
+                cols = [(nm, _accessor(pa, batch.column(nm))) for nm in batch.schema.names]
+                self._keep(g, lo, batch, cols)
+                if lo <= i < at:
+                    break
         except (pa.ArrowException, OSError, ValueError) as e:
             raise CorruptData(f"row group {g} does not decode: {e}"[:300], key=self.key) from None
         except MemoryError:
-            rows = self.starts[g + 1] - self.starts[g]
             raise FmstoreError(
-                f"row group {g} ({rows} rows) does not fit in memory when decoded", key=self.key
+                f"a slice of row group {g} ({rows} rows) does not fit in memory when decoded",
+                key=self.key,
             ) from None
-        if table.num_rows != self.starts[g + 1] - self.starts[g]:
-            raise CorruptData(f"row group {g} decodes to {table.num_rows} rows", key=self.key)
-        size = int(table.nbytes)
-        while self._groups and self._bytes + size > ROW_GROUP_CACHE:
-            _g, (old, _c) = self._groups.popitem(last=False)
+        if at < rows:
+            self._iters[g] = (it, at)
+        return lo, cols
+
+    def _keep(self, g: int, lo: int, batch: Any, cols: list[Any]) -> None:
+        size = int(batch.nbytes)
+        while self._slices and self._bytes + size > ROW_GROUP_CACHE:
+            _k, (old, _n, _c) = self._slices.popitem(last=False)
             self._bytes -= old
-        self._groups[g] = (size, cols)
+        self._slices[(g, lo)] = (size, batch.num_rows, cols)
         self._bytes += size
-        return cols
 
     def get(self, index: int) -> dict[str, Any]:
         if not 0 <= index < self.n:
             raise IndexError(index)
         g = bisect.bisect_right(self.starts, index) - 1
         i = index - self.starts[g]
-        cols = self._group(g)
+        lo, cols = self._slice(g, i)
         with decoding(self.key, index):  # e.g. a string column that is not UTF-8
-            return {nm: get(i) for nm, get in cols}
+            return {nm: get(i - lo) for nm, get in cols}
 
     def close(self) -> None:
-        self._groups = OrderedDict()
+        self._slices = OrderedDict()
+        self._iters = {}
         pf = getattr(self, "pf", None)
         if pf is not None:
             with contextlib.suppress(Exception):
