@@ -276,5 +276,6 @@ def test_kill_schedule_on_three_nodes_short(tmp_path, s3_server, s3_bucket):
 @pytest.mark.skipif(
     os.environ.get("FMSTORE_CHAOS") != "1", reason="the long schedule: make test-chaos"
 )
+@pytest.mark.timeout(3600)  # about 10 launches of 3 nodes, each tens of seconds here
 def test_kill_schedule_on_three_nodes_long(tmp_path, s3_server, s3_bucket):
     run_schedule(tmp_path, s3_server, s3_bucket, kills=20, seed=3939)
