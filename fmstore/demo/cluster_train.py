@@ -8,10 +8,10 @@ and saves every ``--ckpt-every`` steps to the node-local ``nvme`` tier through
 :class:`~fmstore.tiering.sharded.ShardedCheckpointManager`.  On start it restores the newest
 step every rank can read (from every tier of the ladder).
 
-``--shared-every K`` (and ``--s3-every``) also saves every K-th step straight to ``lustre``
-(``s3``) with a second manager: the stand-in for the daemons' exports of parts while those
-are not built (the copies land where the exports would put them, so a replaced node
-resumes from them).
+The shared tiers get their copies from each node's ``fmstore daemon`` exporting its own
+part (the demo and the kill schedule run one per node).  ``--shared-every K`` (and
+``--s3-every``) instead saves every K-th step straight to ``lustre`` (``s3``) with a
+second manager, for runs without daemons.
 
 What it reports, for the demo and the tests (``--out``):
 
