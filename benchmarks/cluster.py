@@ -16,12 +16,15 @@ way that works today, each timed barrier to barrier on every rank after one unti
   straight to the shared tier (the stall is the whole save);
 * ``torch FileSystemWriter lustre``: ``dcp.save`` with torch's ``FileSystemWriter``
   (``sync_files=True``) straight to the Lustre directory;
+* ``fmstore nvme + exports: lustre`` / ``s3``: the manager on the node-local tier while
+  every node's ``fmstore daemon`` exports its own part (``every_steps`` policies): the
+  stall, and the time from ``save()`` until the copy is committed on Lustre / S3 (its
+  manifest there, written once every node's part is verified);
 * the bounds of this machine: ``floor: disk`` (each rank writes its tensors' bytes to one
   file on the shared disk, write + fsync) and ``floor: s3 put`` (each rank PUTs the same
   bytes as one object with boto3's ``upload_file``, default multipart settings).
 
-Exports of the nodes' parts by their daemons (the tiering of node-local checkpoints to
-Lustre and S3) are not measured: they are not built yet.  On one host every node shares
+On one host every node shares
 one disk and one S3 server (and here two cores), so more nodes do not add bandwidth: the
 figures show how a fixed total divides, not how a cluster scales.
 
@@ -48,6 +51,20 @@ from benchmarks.common import machine, mbps, print_table, save_json  # noqa: E40
 from benchmarks.dcp import floor, make_state, nbytes_of, parse_size  # noqa: E402
 
 NODES = ("n0", "n1", "n2")
+EXPORT_EVERY = 1000  # only the export phase's steps are exported
+POLICIES = f"""
+[policies]
+ladder = ["nvme", "lustre", "s3"]
+write_tier = "nvme"
+[[policies.export]]
+to = "lustre"
+every_steps = {EXPORT_EVERY}
+[[policies.export]]
+to = "s3"
+every_steps = {EXPORT_EVERY}
+[daemon]
+interval = "0.1s"
+"""
 
 
 # ---- worker (one per rank, under torchrun on every node) ---------------------------------
@@ -134,7 +151,10 @@ def worker(args: argparse.Namespace) -> None:
             rows.setdefault("floor: s3 put", []).append(put)
         for m in mgrs.values():
             m.wait()
+    exported = export_phase(args, sd, ckpt, tag)
     if rank == 0:
+        for name, got in exported.items():
+            rows[name] = got
         out = [
             {
                 "method": name,
@@ -149,6 +169,57 @@ def worker(args: argparse.Namespace) -> None:
             json.dump(out, f)
     dist.barrier(group=ckpt)
     dist.destroy_process_group()
+
+
+def export_phase(
+    args: argparse.Namespace, sd: dict[str, Any], ckpt: Any, tag: str
+) -> dict[str, list[tuple[float, float]]]:
+    """Saves to the node-local tier while the daemons export every node's part; rank 0
+    watches Lustre and S3 for the commit (the manifest).  ``{name: [(stall, durable)]}``."""
+    import boto3
+    import torch.distributed as dist
+    from botocore.exceptions import ClientError
+
+    from fmstore.config import get_config
+    from fmstore.tiering.sharded import ShardedCheckpointManager
+
+    cfg = get_config()
+    lustre = cfg.tier("lustre").url
+    bucket, _, prefix = cfg.tier("s3").url.removeprefix("s3://").partition("/")
+    client = boto3.client(
+        "s3",
+        endpoint_url=os.environ["BENCH_S3_ENDPOINT"],
+        region_name=os.environ.get("BENCH_S3_REGION", "us-east-1"),
+    )
+    root = f"bench/{tag}/exp"
+    mgr = ShardedCheckpointManager(root, process_group=ckpt, write_tier="nvme")
+    rows: dict[str, list[tuple[float, float]]] = {}
+    for rnd in range(args.rounds + 1):
+        step = EXPORT_EVERY * (rnd + 1)
+        key = f"{root}/step_{step:012d}/manifest.json"
+        dist.barrier()
+        t0 = time.perf_counter()
+        fut = mgr.save(step, sd)
+        stall = time.perf_counter() - t0
+        fut.result()
+        done: dict[str, float] = {}
+        if dist.get_rank() == 0:
+            deadline = time.monotonic() + 900
+            while len(done) < 2 and time.monotonic() < deadline:
+                if "lustre" not in done and os.path.exists(os.path.join(lustre, key)):
+                    done["lustre"] = time.perf_counter() - t0
+                if "s3" not in done:
+                    try:
+                        client.head_object(Bucket=bucket, Key=f"{prefix}/{key}")
+                        done["s3"] = time.perf_counter() - t0
+                    except ClientError:
+                        pass
+                time.sleep(0.02)
+        dist.barrier()
+        if rnd:
+            for tier, secs in done.items():
+                rows.setdefault(f"fmstore nvme + exports: {tier}", []).append((stall, secs))
+    return rows
 
 
 # ---- driver -----------------------------------------------------------------------------
@@ -180,13 +251,17 @@ def main() -> None:
     with SeaweedServer() as s3, tempfile.TemporaryDirectory(dir=args.dir) as base:
         bucket = s3.create_bucket("bench-cluster")
         tier = S3Tier(f"s3://{bucket}/fm", s3.endpoint_url, s3.env(), s3.region)
-        with Cluster(base, nproc=2, s3=tier, pg_timeout=600) as c:
+        with Cluster(base, nproc=2, s3=tier, policies=POLICIES, pg_timeout=900) as c:
             for n in [int(x) for x in args.nodes.split(",")]:
+                for node in NODES[:n]:  # they export the export phase's steps only
+                    c.start_daemon(node)
                 out = os.path.join(base, f"res-{n}.json")
                 cmd = [os.path.abspath(__file__), "worker", "--size", str(args.size)]
                 cmd += ["--rounds", str(args.rounds), "--worker-out", out]
                 env = {"BENCH_S3_ENDPOINT": s3.endpoint_url, "BENCH_S3_REGION": s3.region}
                 rcs = c.run(cmd[0], cmd[1:], NODES[:n], name=f"bench{n}", env=env, timeout=1800)
+                for node in NODES[:n]:
+                    c.kill_daemon(node)
                 if rcs != [0] * n:
                     raise SystemExit(c.logs(f"bench{n}", NODES[:n]))
                 with open(out) as f:

@@ -36,6 +36,8 @@ BENCHMARKS: dict[str, list[str]] = {
     "gpu": [],
     # this node's figures, the predictions at 1,024 and 16,384 GPUs, the 1-3 node check
     "scale": [],
+    # sharded checkpoints of 1-3 nodes on this host: stall, time to durable, exports
+    "cluster": ["--size", "256MiB"],
 }
 #: ``--quick``: sizes that finish in minutes on a 2-core machine, still past cache effects
 #: where it matters (others use their own ``--quick``).
