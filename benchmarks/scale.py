@@ -9,7 +9,8 @@ restore from each, PUTs and GETs per second on one S3 prefix, and a gloo transfe
 ranks (the replica link).  The device-to-host copy is measured where CUDA is present; else
 the model's default (a published figure, see ``docs/scale.md``) stays.  Then prints the
 predictions (:mod:`benchmarks.scale_model`), the S3 request budget of each layout, and the
-model beside ``torchrun`` runs of 1-3 nodes here (``benchmarks/scale_worker.py``); the
+model beside ``torchrun`` runs of 1-3 nodes here (``benchmarks/scale_worker.py``; with two
+or more, a save with ``replicas = 1`` and a replaced node's restore from its replica); the
 inputs, predictions and runs go to ``benchmarks/out/scale.json``.
 """
 
@@ -490,16 +491,22 @@ def bracket(runs: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="256 MiB figures, 64 MiB per node")
+    ap.add_argument(
+        "--quick", action="store_true", help="256 MiB figures, 64 MiB per node, one round"
+    )
     ap.add_argument("--size", type=int, default=512, help="MiB for this node's figures")
     ap.add_argument("--node-mib", type=int, default=256, help="MiB per node in the check")
     ap.add_argument("--nodes", default="1,2,3", help="node counts of the check")
-    ap.add_argument("--rounds", type=int, default=3, help="runs of each measure (medians)")
+    ap.add_argument(
+        "--rounds", type=int, default=None, help="runs of each measure, medians (3; --quick: 1)"
+    )
     ap.add_argument("--inputs", help="a JSON of Inputs fields (skips measuring them)")
     ap.add_argument("--from-json", help="a scale.json of an earlier run: report it again")
     ap.add_argument("--no-check", action="store_true", help="predictions only")
     ap.add_argument("--dir", default=None, help="where the tiers' directories go")
     args = ap.parse_args()
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
     size = (256 if args.quick else args.size) * MiB
     node_bytes = (64 if args.quick else args.node_mib) * MiB
     if args.from_json:
