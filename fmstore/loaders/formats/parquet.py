@@ -329,10 +329,12 @@ class ParquetShardReader(ShardReader):
         pa = self._pa
         rows = self.starts[g + 1] - self.starts[g]
         it, at = self._iters.pop(g, (None, 0))
-        if it is None or at > i:
-            it = self.pf.iter_batches(row_groups=[g], batch_size=SLICE_ROWS, columns=self.columns)
-            at = 0
         try:
+            if it is None or at > i:
+                it = self.pf.iter_batches(
+                    row_groups=[g], batch_size=SLICE_ROWS, columns=self.columns
+                )
+                at = 0
             while True:
                 batch = next(it, None)
                 if batch is None:
