@@ -1,5 +1,6 @@
 """``make demo-cluster``, shortened: two nodes x two ranks, node n1 killed and replaced
-mid-run, the job resumed from a shared tier, bit-identical to an uninterrupted run."""
+mid-run, the job resumed from a copy the daemons exported to a shared tier, bit-identical
+to an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def test_demo_cluster_replaced_node_resumes_bit_identical(tmp_path):
     r = subprocess.run(
         [
             *(sys.executable, "-m", "fmstore.demo.cluster", "--workdir", str(work)),
-            *("--steps", "12", "--ckpt-every", "2", "--kill-at", "6", "--sentences", "300"),
+            *("--steps", "12", "--ckpt-every", "3", "--kill-at", "6", "--sentences", "300"),
         ],
         capture_output=True,
         text=True,
@@ -29,5 +30,6 @@ def test_demo_cluster_replaced_node_resumes_bit_identical(tmp_path):
     # n1's NVMe was wiped: the restore read a shared tier, never newer than the kill.
     assert rest is not None and rest["tier"] in ("lustre", "s3"), rest
     assert rest["step"] <= result["kill"]["step"]
-    assert {s["tier"] for s in result["saves"]} == {"nvme", "lustre", "s3"}
+    # The daemons exported both nodes' parts: a copy committed on Lustre.
+    assert result["tiers"][-1]["lustre committed"] >= 1, result["tiers"][-1]
     assert (work / "cluster.png").stat().st_size > 10_000

@@ -6,16 +6,16 @@ on this machine, one node killed and replaced mid-run, resumed bit-exact.
    ``fmstore daemon``; a Lustre directory and S3 shared: :mod:`fmstore.testing.cluster`);
 2. trains the demo's tiny GPT sharded with FSDP2 over the four ranks
    (:mod:`fmstore.demo.cluster_train`), saving every ``--ckpt-every`` steps to each node's
-   NVMe through ``ShardedCheckpointManager``; every 2nd save is also written to Lustre and
-   every 4th to S3 by the job itself (the daemons' exports of node parts are not built
-   yet: these copies stand in for them);
+   NVMe through ``ShardedCheckpointManager``; each node's daemon exports its own part of
+   every 2nd save to Lustre and of every 4th to S3, where the copy commits once every
+   node's part is there;
 3. once a step is on Lustre, kills node ``n1`` (SIGKILL of its agent, its ranks and its
    daemon) at ``--kill-at``, wipes its NVMe and state (a replaced node), and relaunches
    the job: it restores the newest step every rank can read (n1's NVMe is empty, so from
    Lustre or S3) and trains to the end;
-4. runs the same job uninterrupted in a directory of its own, and compares every rank's
-   final shards, model and optimizer, bit for bit;
-5. prints a summary and writes ``cluster.png``: each node's checkpoints per tier over time,
+4. runs the same job uninterrupted to the same step in a directory of its own, and
+   compares every rank's final shards, model and optimizer, bit for bit;
+5. prints a summary and writes ``cluster.png``: each node's parts per tier over time,
    the stall of every save, and where the restore read from; ``result.json`` holds the
    figures.
 """
@@ -36,24 +36,48 @@ from rich.table import Table
 
 from ..testing.cluster import Cluster, S3Tier
 from ..testing.seaweed import SeaweedServer
+from .cluster_train import read_events as events
 
 console = Console()
 NODES = ["n0", "n1"]
 ROOT = "runs/cluster"
-POLICIES = '[policies]\nladder = ["nvme", "lustre", "s3"]\nwrite_tier = "nvme"\n'
 
 
-def events(out: Path) -> list[dict[str, Any]]:
-    try:
-        text = (out / "events.jsonl").read_text()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+def policies(every: int) -> str:
+    return f"""
+[policies]
+ladder = ["nvme", "lustre", "s3"]
+write_tier = "nvme"
+[[policies.export]]
+to = "lustre"
+every_steps = {2 * every}
+[[policies.export]]
+to = "s3"
+every_steps = {4 * every}
+# With a retention table, an export a newer commit makes moot is superseded: both nodes
+# then export the same newest step while training outpaces the exports.
+[policies.retention.lustre]
+keep_latest = 3
+[policies.retention.s3]
+keep_latest = 2
+[daemon]
+interval = "0.5s"
+# Not "idle" (the default) nor "low": here the ranks alone outnumber the two cores, and a
+# daemon at SCHED_IDLE or nice 19 gets next to no CPU while they train (on a real node the
+# ranks have their GPUs and the daemon the spare cores).
+priority = "normal"
+"""
 
 
 def committed_steps(root: Path) -> int:
     """Checkpoints committed under ``root`` (a tier's directory of the run): manifests."""
     return len(list(root.glob("step_*/manifest.json"))) if root.is_dir() else 0
+
+
+def parts_of(names: list[str], node: str) -> int:
+    """Steps whose generation on a shared tier holds ``node``'s part record, from the
+    keys below the run's root (``step_S/GEN/part-NODE.json``)."""
+    return sum(1 for k in names if k.endswith(f"/part-{node}.json") and k.count("/") == 2)
 
 
 class Sampler:
@@ -65,23 +89,30 @@ class Sampler:
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._loop, daemon=True)
 
-    def s3_steps(self) -> int:
+    def s3_keys(self) -> list[str]:
         client = self.s3.boto3_client()
-        pages = client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=f"fm/{ROOT}/"
-        )
-        keys = [o["Key"] for p in pages for o in p.get("Contents", [])]
-        return sum(1 for k in keys if k.endswith("/manifest.json") and k.count("/") == 4)
+        prefix = f"fm/{ROOT}/"
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+        return [o["Key"][len(prefix) :] for p in pages for o in p.get("Contents", [])]
 
     def sample(self) -> None:
         row: dict[str, Any] = {"t": time.time()}
+        root = self.c.lustre / ROOT
+        lustre = [str(p.relative_to(root)) for p in root.glob("step_*/*/part-*.json")]
+        try:
+            s3: list[str] | None = self.s3_keys()
+        except Exception:  # a sample missed is a gap in the plot, nothing more
+            s3 = None
         for n in NODES:
             row[f"nvme {n}"] = committed_steps(self.c.nvme(n) / ROOT)
-        row["lustre"] = committed_steps(self.c.lustre / ROOT)
-        try:
-            row["s3"] = self.s3_steps()
-        except Exception:  # a sample missed is a gap in the plot, nothing more
-            row["s3"] = None
+            row[f"lustre {n}"] = parts_of(lustre, n)
+            row[f"s3 {n}"] = None if s3 is None else parts_of(s3, n)
+        row["lustre committed"] = committed_steps(root)
+        row["s3 committed"] = (
+            None
+            if s3 is None
+            else sum(1 for k in s3 if k.endswith("/manifest.json") and k.count("/") == 1)
+        )
         self.rows.append(row)
 
     def _loop(self) -> None:
@@ -98,11 +129,10 @@ class Sampler:
         self.sample()
 
 
-def train_args(c: Cluster, a: argparse.Namespace) -> list[str]:
+def train_args(c: Cluster, a: argparse.Namespace, steps: int) -> list[str]:
     return [
-        "--out", str(c.out), "--root", ROOT, "--steps", str(a.steps),
-        "--ckpt-every", str(a.ckpt_every), "--shared-every", "2", "--s3-every", "4",
-        "--sentences", str(a.sentences),
+        "--out", str(c.out), "--root", ROOT, "--steps", str(steps),
+        "--ckpt-every", str(a.ckpt_every), "--sentences", str(a.sentences),
     ]  # fmt: skip
 
 
@@ -120,28 +150,21 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     # and a socket's path must stay short (108 bytes).
     with SeaweedServer() as s3:
         bucket = s3.create_bucket("demo-cluster")
-        # The uninterrupted run, the reference for the bit-for-bit check (its S3 copies
-        # under a prefix of their own).
-        tier = S3Tier(f"s3://{bucket}/reference", s3.endpoint_url, s3.env(), s3.region)
-        with Cluster(work / "reference", s3=tier, policies=POLICIES, pg_timeout=300) as ref:
-            console.print("uninterrupted run (the reference) ...")
-            t0 = time.perf_counter()
-            rcs = ref.run("fmstore.demo.cluster_train", train_args(ref, a), NODES, module=True)
-            if rcs != [0, 0]:
-                raise SystemExit(ref.logs("job", NODES))
-            console.print(f"  done in {time.perf_counter() - t0:.0f} s")
+        pol = policies(a.ckpt_every)
         tier = S3Tier(f"s3://{bucket}/fm", s3.endpoint_url, s3.env(), s3.region)
         # Seconds, not gloo's 30 minutes: n0 gives up soon after n1 dies.
-        c = Cluster(work / "job", s3=tier, policies=POLICIES, pg_timeout=20)
+        c = Cluster(work / "job", s3=tier, policies=pol, pg_timeout=20)
         with c, Sampler(c, s3, bucket) as sampler:
             for n in NODES:
                 c.start_daemon(n)
             console.print(f"run 1: {len(NODES)} nodes x 2 ranks, n1 replaced at step {a.kill_at}")
-            procs = c.start("fmstore.demo.cluster_train", train_args(c, a), NODES, module=True)
+            # Run 1 trains on until the kill (the first export can take a while).
+            args1 = train_args(c, a, 1_000_000)
+            procs = c.start("fmstore.demo.cluster_train", args1, NODES, module=True)
             deadline = time.monotonic() + 900
             while True:
                 ev = events(c.out)
-                on_lustre = any(e["ev"] == "committed" and e["tier"] == "lustre" for e in ev)
+                on_lustre = committed_steps(c.lustre / ROOT) > 0  # the daemons' export
                 top = max([e["step"] for e in ev if e["ev"] == "step"], default=0)
                 if on_lustre and top >= a.kill_at:
                     break
@@ -156,9 +179,21 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 p.wait(timeout=300)  # n0 gives up at its process group's timeout
             console.print("run 2: the job relaunched on n0 and the new n1")
             c.pg_timeout = 300
-            rcs = c.run("fmstore.demo.cluster_train", train_args(c, a), NODES, module=True)
+            steps = max(a.steps, (top // a.ckpt_every + 2) * a.ckpt_every)
+            rcs = c.run("fmstore.demo.cluster_train", train_args(c, a, steps), NODES, module=True)
             if rcs != [0, 0]:
                 raise SystemExit(c.logs("job", NODES))
+        # The uninterrupted run, the reference for the bit-for-bit check (its S3 copies
+        # under a prefix of their own).
+        tier = S3Tier(f"s3://{bucket}/reference", s3.endpoint_url, s3.env(), s3.region)
+        with Cluster(work / "reference", s3=tier, policies=pol, pg_timeout=300) as ref:
+            console.print(f"the same job uninterrupted to step {steps} (the reference) ...")
+            t0 = time.perf_counter()
+            args = train_args(ref, a, steps)
+            rcs = ref.run("fmstore.demo.cluster_train", args, NODES, module=True)
+            if rcs != [0, 0]:
+                raise SystemExit(ref.logs("job", NODES))
+            console.print(f"  done in {time.perf_counter() - t0:.0f} s")
         ev = events(c.out)
         restore = [e for e in ev if e["ev"] == "restore" and e["step"] is not None]
         same = finals(c.out, 4) == finals(ref.out, 4)
@@ -168,7 +203,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "restore": restore[-1] if restore else None,
             "saves": [e for e in ev if e["ev"] == "save"],
             "tiers": sampler.rows,
-            "steps": a.steps,
+            "steps": steps,
             "workdir": str(work),
         }
         (work / "result.json").write_text(json.dumps(result, indent=1))
@@ -209,23 +244,36 @@ def plot(work: Path, ev: list[dict[str, Any]], r: dict[str, Any]) -> Path:
     import matplotlib.pyplot as plt
 
     t0 = min([e["t"] for e in ev] + [row["t"] for row in r["tiers"]])
-    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(10, 10))
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(10, 11))
+    styles = {"nvme": "-", "lustre": "--", "s3": ":"}
+    colors = {n: f"C{i}" for i, n in enumerate(NODES)}
     for key in [k for k in (r["tiers"][0] if r["tiers"] else {}) if k != "t"]:
+        tier, who = key.split(" ", 1)
         pts = [(row["t"] - t0, row[key]) for row in r["tiers"] if row[key] is not None]
-        ax1.step([p[0] for p in pts], [p[1] for p in pts], where="post", label=key)
-    ax1.set_ylabel("committed checkpoints")
-    ax1.set_title("each node's checkpoints on its NVMe, and the shared tiers'")
+        ax1.step(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            where="post",
+            ls=styles[tier],
+            color=colors.get(who, "black"),
+            lw=2.5 if who == "committed" else 1.5,
+            label=f"{tier}: {who}" if who == "committed" else f"{tier}: part of {who}",
+        )
+    ax1.set_ylabel("steps")
+    ax1.set_title("each node's parts per tier (its NVMe; its part records on Lustre and S3)")
     for ax in (ax1, ax3):
         ax.axvline(r["kill"]["t"] - t0, color="red", ls="--", label="n1 killed + replaced")
-    ax1.legend(loc="upper left")
+    ax1.legend(loc="upper left", fontsize=7, ncol=3)
     for tier, color in (("nvme", "C0"), ("lustre", "C1"), ("s3", "C2")):
         saves = [s for s in r["saves"] if s["tier"] == tier]
+        if not saves:
+            continue
         ax2.scatter(
             [s["step"] for s in saves], [s["stall"] * 1e3 for s in saves], color=color, label=tier
         )
     ax2.set_xlabel("step")
     ax2.set_ylabel("save stall (ms)")
-    ax2.set_title("how long each save held training")
+    ax2.set_title("how long each save to the NVMe held training")
     ax2.legend(loc="upper left")
     steps = [e for e in ev if e["ev"] == "step"]
     ax3.plot([e["t"] - t0 for e in steps], [e["loss"] for e in steps], ".", ms=3)

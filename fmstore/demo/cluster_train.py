@@ -49,6 +49,16 @@ from .corpus import VOCAB, make_text, tokenize
 from .model import GPT
 
 
+def read_events(out: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The events a job wrote to ``OUT/events.jsonl`` so far (a line cut short by a kill is
+    left out)."""
+    try:
+        text = (Path(out) / "events.jsonl").read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+
+
 def make_model(ctx: int, d: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     from torch.distributed.fsdp import fully_shard
 
