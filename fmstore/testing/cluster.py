@@ -145,12 +145,12 @@ class Cluster:
         return env
 
     def fmstore(
-        self, node: str, *args: str, timeout: float = 300
+        self, node: str, *args: str, timeout: float = 300, env: Mapping[str, str] | None = None
     ) -> subprocess.CompletedProcess[str]:
-        """``fmstore ARGS`` run as on ``node``."""
+        """``fmstore ARGS`` run as on ``node`` (``env``: more environment)."""
         return subprocess.run(
             [sys.executable, "-m", "fmstore", *args],
-            env=self.env(node, {"COLUMNS": "400"}),
+            env=self.env(node, {"COLUMNS": "400", **(env or {})}),
             capture_output=True,
             text=True,
             timeout=timeout,
