@@ -110,8 +110,29 @@ class SharedClient:
 #: (pid, loop, options, bucket) -> the shared client; creations in progress in ``_CREATING``.
 _SHARED: dict[tuple[Any, ...], SharedClient] = {}
 _CREATING: dict[tuple[Any, ...], asyncio.Future[SharedClient]] = {}
-#: One botocore session per profile: it caches the parsed service models.
-_SESSIONS: dict[tuple[int, str | None], Any] = {}
+#: One botocore session per profile and AWS config files: it caches the parsed service
+#: models, and the profile's settings as the files said when it was made.
+_SESSIONS: dict[tuple[Any, ...], Any] = {}
+_AWS_FILES = (
+    ("AWS_CONFIG_FILE", "~/.aws/config"),
+    ("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"),
+)
+
+
+def _session_key(o: S3Options) -> tuple[Any, ...]:
+    """A session is reused only while the AWS config and credentials files it read are the
+    same files, unchanged: a rotated credentials file, or another AWS_CONFIG_FILE, gets a
+    session of its own instead of the settings read before."""
+    files: list[tuple[str, int, int] | str] = []
+    for var, default in _AWS_FILES:
+        path = os.path.expanduser(os.environ.get(var) or default)
+        try:
+            st = os.stat(path)
+        except OSError:
+            files.append(path)
+        else:
+            files.append((path, st.st_mtime_ns, st.st_size))
+    return (os.getpid(), o.profile, tuple(files))
 
 
 async def shared_client(
@@ -187,11 +208,12 @@ async def create_client(o: S3Options, stack: AsyncExitStack) -> Any:
     from aiobotocore.config import AioConfig
     from aiobotocore.session import AioSession
 
-    session = _SESSIONS.get((os.getpid(), o.profile))
+    skey = _session_key(o)
+    session = _SESSIONS.get(skey)
     if session is None:
         session = AioSession(profile=o.profile) if o.profile else AioSession()
         session.register_component("data_loader", _data_loader(session))
-        _SESSIONS[(os.getpid(), o.profile)] = session
+        _SESSIONS[skey] = session
     # botocore SHA256-signs every body sent over plain http, on the event loop (about
     # 1 s of CPU per GB).  When a checksum of ours covers the body (CRC32C or MD5,
     # checked by the server) the signature need not cover it too: UNSIGNED-PAYLOAD,
