@@ -264,6 +264,9 @@ class Demo:
                     # daemon's next pass: the copies are lost once that pass exported one
                     # to the tier the restore must come from.
                     self.wait_exported("runs/crash", "s3" if a.lose_lustre else "lustre")
+                    # No export in flight while the copies are lost: one that read its
+                    # blobs from nvme before the wipe would commit them on lustre after.
+                    self.drain(port)
                 shutil.rmtree(self.work / "nvme" / "runs" / "crash", ignore_errors=True)
                 console.print("nvme copies of runs/crash wiped (a replaced node)")
             if a.lose_lustre:
