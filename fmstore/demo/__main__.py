@@ -130,6 +130,7 @@ class Demo:
             start_new_session=True,
         )
         self.procs.append(p)
+        self.daemon_proc = p
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if p.poll() is not None:
@@ -264,15 +265,22 @@ class Demo:
                     # daemon's next pass: the copies are lost once that pass exported one
                     # to the tier the restore must come from.
                     self.wait_exported("runs/crash", "s3" if a.lose_lustre else "lustre")
-                    # No export in flight while the copies are lost: one that read its
-                    # blobs from nvme before the wipe would commit them on lustre after.
+                    # No export in flight while the copies are lost (one that read its
+                    # blobs from nvme before the wipe would commit them on lustre after),
+                    # and no repair of lustre from S3 before the resumed run restores: the
+                    # daemon is paused until that run is over.
                     self.drain(port)
+                    os.kill(self.daemon_proc.pid, signal.SIGSTOP)
                 shutil.rmtree(self.work / "nvme" / "runs" / "crash", ignore_errors=True)
                 console.print("nvme copies of runs/crash wiped (a replaced node)")
             if a.lose_lustre:
                 shutil.rmtree(self.work / "lustre" / "runs" / "crash", ignore_errors=True)
                 console.print("lustre copies of runs/crash lost too: restore must come from S3")
-            rc = self.train("runs/crash")
+            try:
+                rc = self.train("runs/crash")
+            finally:
+                if not a.no_daemon and (a.wipe_nvme or a.lose_lustre):
+                    os.kill(self.daemon_proc.pid, signal.SIGCONT)
             ok = rc == 0 and report.same_final(self.log, console)
             result.update(kill_at=kill_at, bit_identical=ok, restore=report.last_restore(self.log))
             if not a.no_daemon:
