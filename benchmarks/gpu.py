@@ -311,6 +311,15 @@ def run_loads(cases: dict[str, Callable[[], Any]], nbytes: int, repeat: int) -> 
 # ---- saves ----------------------------------------------------------------------------------
 
 
+def remove(path: str) -> None:
+    """Delete one save's output once it is timed: at 4 GiB a run's saves and loop would
+    otherwise hold ~90 GiB at once (a 64 GiB disk filled on an H200 run)."""
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
 def run_saves(state: dict[str, Any], work: str) -> list[dict]:
     import torch.distributed.checkpoint as dcp
 
@@ -328,7 +337,9 @@ def run_saves(state: dict[str, Any], work: str) -> list[dict]:
 
     def timed_save(name: str, fn: Callable[[str], Any], tag: str) -> None:
         settle()
-        t = _timed(lambda: fn(where(tag)))
+        path = where(tag)
+        t = _timed(lambda: fn(path))
+        remove(path)
         rows.append({"save": name, "s": t, "GB/s": state_bytes(state) / t / 1e9})
         print(f"  {name}: {t:.3f} s", flush=True)
 
@@ -362,10 +373,12 @@ def run_saves(state: dict[str, Any], work: str) -> list[dict]:
         got = []
         for _ in range(3):
             settle()
+            path = where("async")
             t0 = time.perf_counter()
-            h = call(where("async"))
+            h = call(path)
             got.append(time.perf_counter() - t0)
             wait(h)
+            remove(path)
         rows.append({"save": f"{name}: stall, first call", "s": got[0]})
         rows.append({"save": f"{name}: stall, later calls", "s": statistics.median(got[1:])})
         print(f"  {name}: stalls {' '.join(f'{g:.3f}' for g in got)}", flush=True)
@@ -425,6 +438,8 @@ def training_loop(work: str, width: int, steps: int, every: int) -> list[dict]:
         return {"model": m.state_dict(), "optim": o.state_dict()}
 
     def run(name: str, setup: Callable[[Any, Any], Any], save: Callable[[Any, Any, int], Any]) -> None:  # fmt: skip
+        for entry in os.listdir(work):  # the last peer's saves, all waited for by now
+            remove(os.path.join(work, entry))
         m, o = model_and_opt()
         x = torch.randn(width // 4, width, device=DEV)
         ctx = None
@@ -569,7 +584,7 @@ def main(argv: list[str] | None = None) -> None:
             cols = [c for c in cols if any(c in r for r in rows)] + (["GPU peak GiB"] if CUDA else [])  # fmt: skip
             print_table(f"gpu: loads of {nbytes / GIB:.2f} GiB {target}", rows, cols)
             for p in paths.values():
-                shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)
+                remove(p)
         if "save" in sections:
             rows = run_saves(state, work)
             out["saves"] = rows
