@@ -24,7 +24,6 @@ Scenarios (every rank writes ``OUT/SCENARIO-RANK.json``; any failed check exits 
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
@@ -47,6 +46,7 @@ import fmstore.checkpoint.dcp as fdcp  # noqa: E402
 from fmstore import runtime  # noqa: E402
 from fmstore.checkpoint.dcp.nodes import node_id  # noqa: E402
 from fmstore.stores import open_store  # noqa: E402
+from fmstore.testing.cluster import pg_timeout  # noqa: E402
 from fmstore.tiering.sharded import ShardedCheckpointManager  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -228,7 +228,7 @@ def main() -> None:
         float(os.environ.get("NODE_WORKER_HANG_DUMP", "300")), exit=True
     )
     name, out = sys.argv[1:3]
-    timeout = datetime.timedelta(seconds=float(os.environ.get("NODE_WORKER_PG_TIMEOUT", "60")))
+    timeout = pg_timeout()
     dist.init_process_group("gloo", timeout=timeout)
     try:
         ckpt = dist.new_group(backend="gloo", timeout=timeout)

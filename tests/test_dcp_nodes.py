@@ -1,24 +1,20 @@
 """Sharded checkpoints of a job of two nodes on node-local NVMe, on real nodes.
 
-Each node is a ``torchrun`` agent on loopback (``--nnodes=2 --nproc-per-node=2``, c10d
-rendezvous on a store this test owns, ``is_host=false`` agents, so killing a node never
-takes the rendezvous with it), with its own ``FMSTORE_CONFIG`` (its own ``nvme`` directory,
-``scope = "node"``, and state directory) and ``FMSTORE_NODE_ID``; the ``lustre`` directory
-is shared.  One launch after another (tests/node_worker.py): save and restore; a node
+Each node is a ``torchrun`` agent on loopback started by the project's harness
+(:class:`fmstore.testing.cluster.Cluster`: ``--nnodes=2 --nproc-per-node=2``, c10d rendezvous
+on a store the harness owns, so killing a node never takes the rendezvous with it), with its
+own ``FMSTORE_CONFIG`` (its own ``nvme`` directory, ``scope = "node"``, and state directory)
+and ``FMSTORE_NODE_ID``; the ``lustre`` directory is shared.  One launch after another (tests/node_worker.py): save and restore; a node
 killed mid-save; the relaunched job falling back and saving again; a replaced node; a
 restore on fewer ranks from the shared tier.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +25,7 @@ from test_dcp import equal_trees
 
 from fmstore.checkpoint.dcp.api import load_full_state_dict
 from fmstore.checkpoint.gc import gc
-from fmstore.testing.seaweed import free_ports
+from fmstore.testing.cluster import PG_TIMEOUT_ENV, Cluster
 
 pytestmark = [
     pytest.mark.slow,
@@ -41,100 +37,18 @@ WORKER = os.path.join(HERE, "node_worker.py")
 STEP = "run/step_{:012d}"
 
 
-class Cluster:
-    """Node directories, the rendezvous store, and ``torchrun`` agents started per launch."""
-
-    def __init__(self, base: Path) -> None:
-        import torch.distributed as dist
-
-        self.base = base
-        self.out = base / "out"
-        self.out.mkdir()
-        self.lustre = base / "lustre"
-        self.port = free_ports(1)[0]
-        self.store = dist.TCPStore(
-            "127.0.0.1",
-            self.port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=300),
-        )
-        self.launches = 0
-        self.saved: list[dict[str, Any]] = []
-
-    def nvme(self, node: str) -> Path:
-        return self.base / node / "nvme"
-
-    def config(self, node: str) -> Path:
-        d = self.base / node
-        d.mkdir(exist_ok=True)
-        cfg = d / "fmstore.toml"
-        cfg.write_text(
-            f'state_dir = "{d / "state"}"\n'
-            f'[tiers.nvme]\nurl = "{d / "nvme"}"\nscope = "node"\n'
-            f'[tiers.lustre]\nurl = "{self.lustre}"\n'
-        )
-        return cfg
-
-    def start(self, scenario: str, nodes: list[str], pg_timeout: int = 60) -> list[Any]:
-        self.launches += 1
-        procs = []
-        for node in nodes:
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                f"--nnodes={len(nodes)}",
-                "--nproc-per-node=2",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{self.port}",
-                f"--rdzv-id=launch{self.launches}",
-                "--rdzv-conf=is_host=false",
-                "--local-addr=127.0.0.1",
-                "--max-restarts=0",
-                WORKER,
-                scenario,
-                str(self.out),
-            ]
-            env = {
-                **os.environ,
-                "FMSTORE_CONFIG": str(self.config(node)),
-                "FMSTORE_NODE_ID": node,
-                "NODE_WORKER_PG_TIMEOUT": str(pg_timeout),
-            }
-            log = open(self.out / f"{scenario}-{node}.log", "w")  # noqa: SIM115
-            procs.append(
-                subprocess.Popen(
-                    cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-                )
-            )
-            log.close()
-            # The rendezvous orders nodes by (host, pid): started in order, n0 gets ranks 0-1.
-            time.sleep(0.2)
-        return procs
-
-    def logs(self, scenario: str, nodes: list[str]) -> str:
-        return "\n".join((self.out / f"{scenario}-{n}.log").read_text()[-4000:] for n in nodes)
-
-    def run(self, scenario: str, nodes: list[str], timeout: float = 300) -> list[dict[str, Any]]:
-        procs = self.start(scenario, nodes)
-        try:
-            rcs = [p.wait(timeout=timeout) for p in procs]
-        finally:
-            for p in procs:
-                _kill(p)
-        assert rcs == [0] * len(nodes), self.logs(scenario, nodes)
-        return [
-            json.loads((self.out / f"{scenario}-{r}.json").read_text())
-            for r in range(2 * len(nodes))
-        ]
-
-
-def _kill(p: Any) -> None:
-    if p.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+def run(
+    cluster: Cluster, scenario: str, nodes: list[str], timeout: float = 300
+) -> list[dict[str, Any]]:
+    """One launch of ``scenario`` on ``nodes``; every rank's report."""
+    rcs = cluster.run(WORKER, [scenario, str(cluster.out)], nodes, name=scenario, timeout=timeout)
+    assert rcs == [0] * len(nodes), cluster.logs(scenario, nodes)
+    for node in nodes:  # an agent that exited left no rank behind
+        assert not cluster.live(node, "job"), node
+    return [
+        json.loads((cluster.out / f"{scenario}-{r}.json").read_text())
+        for r in range(cluster.nproc * len(nodes))
+    ]
 
 
 def _wait_for(path: Path, procs: list[Any], timeout: float) -> None:
@@ -148,9 +62,10 @@ def _wait_for(path: Path, procs: list[Any], timeout: float) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("nodes"))
-    c.saved = c.run("save", ["n0", "n1"])
-    yield c
+    with Cluster(tmp_path_factory.mktemp("nodes"), nproc=2) as c:
+        c.saved = run(c, "save", ["n0", "n1"])  # type: ignore[attr-defined]
+        yield c
+    assert not c.live(), "a process of the nodes outlived the cluster"
 
 
 def test_two_nodes_save_commit_and_restore_bit_exact_from_their_nvme(cluster):
@@ -192,15 +107,7 @@ def test_two_nodes_save_commit_and_restore_bit_exact_from_their_nvme(cluster):
 
 
 def fmstore_cli(cluster: Cluster, node: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "FMSTORE_CONFIG": str(cluster.config(node)),
-        "FMSTORE_NODE_ID": node,
-        "COLUMNS": "400",
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "fmstore", *args], env=env, capture_output=True, text=True
-    )
+    return cluster.fmstore(node, *args)
 
 
 def test_ckpt_list_and_verify_show_and_check_this_nodes_part(cluster):
@@ -244,18 +151,21 @@ def test_sharded_manager_saves_async_and_restores_on_nvme_and_on_a_shared_write_
 
 
 def test_node_killed_mid_save_commits_nothing_and_the_relaunch_falls_back_and_saves(cluster):
-    procs = cluster.start("kill", ["n0", "n1"], pg_timeout=20)
+    procs = cluster.start(
+        WORKER, ["kill", str(cluster.out)], ["n0", "n1"], name="kill", env={PG_TIMEOUT_ENV: "20"}
+    )
     try:
         _wait_for(cluster.out / "blocked", procs, timeout=300)
         victim = (cluster.out / "blocked").read_text()
         assert victim == "n1"
-        _kill(procs[1])  # SIGKILL of n1's agent and ranks
+        cluster.kill("n1")  # SIGKILL of n1's agent and of its ranks, in their own sessions
+        assert not cluster.live("n1"), "a rank of the killed node still runs"
         # n0's ranks give up at their group's timeout (seconds, not gloo's 30 minutes).
         procs[0].wait(timeout=240)
         assert procs[0].returncode != 0
     finally:
-        for p in procs:
-            _kill(p)
+        cluster.kill("n0")
+        cluster.kill("n1")
     step20 = STEP.format(20)
     for node in ("n0", "n1"):
         assert not (cluster.nvme(node) / step20 / "manifest.json").exists()
@@ -278,7 +188,7 @@ def test_node_killed_mid_save_commits_nothing_and_the_relaunch_falls_back_and_sa
     data = bytearray(blob.read_bytes())
     data[0] ^= 0xFF
     blob.write_bytes(bytes(data))
-    reps = cluster.run("resume", ["n0", "n1"])
+    reps = run(cluster, "resume", ["n0", "n1"])
     # Step 20 was never committed, and n1 cannot read step 10 from its NVMe: every rank
     # fell back together to step 10 on Lustre (bit-exact, checked by the worker); step 20's
     # pending parts are gone, and step 30 saved and restored.
@@ -294,7 +204,7 @@ def test_replaced_node_gets_an_error_naming_its_missing_part(cluster):
         pytest.skip("needs the relaunched job's step 30")
     shutil.rmtree(cluster.nvme("n1"))
     shutil.rmtree(cluster.base / "n1" / "state", ignore_errors=True)
-    reps = cluster.run("replaced", ["n0", "n1"])
+    reps = run(cluster, "replaced", ["n0", "n1"])
     errors = {r["error"] for r in reps}
     assert len(errors) == 1, errors  # the same answer on every rank
     (err,) = errors
@@ -303,6 +213,6 @@ def test_replaced_node_gets_an_error_naming_its_missing_part(cluster):
 
 
 def test_four_rank_checkpoint_restores_on_two_ranks_from_the_shared_tier(cluster):
-    reps = cluster.run("reshard", ["n0"])
+    reps = run(cluster, "reshard", ["n0"])
     # nvme's parts were saved by 4 ranks: not used; lustre's copy is resharded by DCP.
     assert all(r["used"] == "lustre:" + STEP.format(10) for r in reps)

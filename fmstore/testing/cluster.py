@@ -17,7 +17,11 @@ Two things of ``torchrun`` on one host are handled here:
 
 Killing a node is SIGKILL of its agent and every process below it (ranks, their checkpoint
 processes), and of its daemon; replacing a node is killing it and wiping its NVMe and state
-directory.
+directory.  Every process the harness starts carries a mark in its environment
+(``FMSTORE_CLUSTER_PROC``: cluster, node, role), inherited by everything it starts, so a kill
+finds a node's ranks even when they left the agent's tree (each rank runs in a session of its
+own, and a rank whose agent died is reparented), and :meth:`Cluster.close` checks that no
+process of the harness's is left.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +46,35 @@ __all__ = ["Cluster", "S3Tier", "kill_tree"]
 
 #: The environment variable a training process reads its process groups' timeout from.
 PG_TIMEOUT_ENV = "FMSTORE_CLUSTER_PG_TIMEOUT"
+#: The mark of every process a :class:`Cluster` starts: ``CLUSTER:NODE:ROLE``.
+MARK_ENV = "FMSTORE_CLUSTER_PROC"
+
+
+def marked(prefix: str) -> list[int]:
+    """Every live process whose mark starts with ``prefix`` (zombies have no environment,
+    so they are not listed)."""
+    want = f"{MARK_ENV}={prefix}".encode()
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        with contextlib.suppress(OSError), open(f"/proc/{d}/environ", "rb") as f:
+            if any(v.startswith(want) for v in f.read().split(b"\0")):
+                found.append(int(d))
+    return found
+
+
+def kill_marked(prefix: str, timeout: float = 30) -> None:
+    """SIGKILL every process marked ``prefix`` until none is left (a process may start
+    another while the first kills land)."""
+    deadline = time.monotonic() + timeout
+    while pids := marked(prefix):
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes {pids} ({prefix}) survived SIGKILL for {timeout} s")
+        time.sleep(0.05)
 
 
 class S3Tier:
@@ -99,6 +133,20 @@ class Cluster:
         self.launches = 0
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         self.daemons: dict[str, subprocess.Popen[bytes]] = {}
+        #: the mark of this cluster's processes (see :data:`MARK_ENV`)
+        self.id = uuid.uuid4().hex[:12]
+
+    def mark(self, node: str, role: str) -> str:
+        """The mark of ``node``'s processes of ``role`` ("job", "daemon", "cli")."""
+        return f"{self.id}:{node}:{role}"
+
+    def _prefix(self, node: str = "", role: str = "") -> str:
+        return f"{self.id}:" + (f"{node}:{role}" if node else "")
+
+    def live(self, node: str = "", role: str = "") -> list[int]:
+        """The live processes of ``node`` (every node when empty) in ``role`` (any role
+        when empty): a killed node has none."""
+        return marked(self._prefix(node, role))
 
     # -- a node's directories and environment -------------------------------------------
 
@@ -150,7 +198,7 @@ class Cluster:
         """``fmstore ARGS`` run as on ``node`` (``env``: more environment)."""
         return subprocess.run(
             [sys.executable, "-m", "fmstore", *args],
-            env=self.env(node, {"COLUMNS": "400", **(env or {})}),
+            env=self.env(node, {"COLUMNS": "400", MARK_ENV: self.mark(node, "cli"), **(env or {})}),
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -183,7 +231,10 @@ class Cluster:
             ]  # fmt: skip
             with open(self.log(name, node), "ab") as log:
                 p = subprocess.Popen(
-                    cmd, env=self.env(node, env), stdout=log, stderr=subprocess.STDOUT
+                    cmd,
+                    env=self.env(node, {**(env or {}), MARK_ENV: self.mark(node, "job")}),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
                 )
             self.agents[node] = p
             procs.append(p)
@@ -231,7 +282,7 @@ class Cluster:
         with open(self.log("daemon", node), "ab") as log:
             p = subprocess.Popen(
                 [sys.executable, "-m", "fmstore", "daemon", "--no-http", *args],
-                env=self.env(node),
+                env=self.env(node, {MARK_ENV: self.mark(node, "daemon")}),
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -244,16 +295,19 @@ class Cluster:
             kill_tree(p.pid)
         if p is not None:
             p.wait()
+        kill_marked(self.mark(node, "daemon"))
 
     # -- failures -----------------------------------------------------------------------
 
     def kill(self, node: str) -> None:
-        """SIGKILL of ``node``'s agent and everything below it (its ranks)."""
+        """SIGKILL of ``node``'s agent and every process of its job: its ranks, in sessions
+        of their own, and whatever they started, also once reparented."""
         p = self.agents.pop(node, None)
         if p is not None:
             if p.poll() is None:
                 kill_tree(p.pid)
             p.wait()
+        kill_marked(self.mark(node, "job"))
 
     def replace(self, node: str) -> None:
         """Kill ``node`` (agent, ranks, daemon) and wipe its NVMe and state directory: the
@@ -264,10 +318,15 @@ class Cluster:
         shutil.rmtree(self.state(node), ignore_errors=True)
 
     def close(self) -> None:
+        """Kill every agent, rank and daemon of the cluster, then check that no process
+        of its own is left (an AssertionError names them)."""
         for node in list(self.agents):
             self.kill(node)
         for node in list(self.daemons):
             self.kill_daemon(node)
+        kill_marked(self._prefix())
+        left = self.live()
+        assert not left, f"processes of the cluster left after close: {left}"
 
     def __enter__(self) -> Cluster:
         return self
