@@ -1,0 +1,98 @@
+"""No committed checkpoint is lost to what another writer left on a tier (issue: a stray
+``manifest.json``, a race of supersede and commit, a part record that lies): each case is
+forced with the real functions and checked against the invariants of docs/distributed.md."""
+
+from __future__ import annotations
+
+from test_tiering_parts import ROOT, Node, save_parts
+from tiering_helpers import posix_config
+from tiering_runs import held, run_saves
+
+from fmstore import runtime
+from fmstore.checkpoint.dcp.nodes import NODE_ENV
+from fmstore.checkpoint.layout import checkpoint_key
+from fmstore.checkpoint.verify import read_committed, verify_checkpoint
+from fmstore.errors import NotFound
+from fmstore.stores import open_store
+from fmstore.tiering.daemon import Daemon, DaemonSettings
+from fmstore.tiering.discovery import rediscover
+from fmstore.tiering.tiers import Tiers
+
+POLICIES = {
+    "export": [{"to": "lustre", "every_saves": 1}],
+    "retention": {"nvme": {"keep_latest": 1}, "lustre": {"keep_latest": 1}},
+}
+
+
+def _verifies(cfg, tier: str, root: str, step: int) -> bool:
+    """The copy verifies, looked at on the tier itself (not through a step listing)."""
+    tiers = Tiers(cfg)
+
+    async def check() -> bool:
+        try:
+            return (await verify_checkpoint(tiers.checkpoint(tier, root, step))).ok
+        except NotFound:
+            return False
+        finally:
+            await tiers.close()
+
+    return runtime.run(check())
+
+
+def _daemon_once(cfg) -> None:
+    d = Daemon(cfg, settings=DaemonSettings(port=0, interval=0.01))
+    try:
+        assert d.run(drain=True, timeout=120) == 0
+    finally:
+        d.close()
+
+
+def test_a_garbage_manifest_in_a_newer_step_deletes_no_real_checkpoint(tmp_path):
+    """I1: an empty manifest (and one that is not fmstore's) in a newer step directory on
+    every tier is no commit: retention with keep_latest = 1 keeps the real newest step."""
+    cfg = posix_config(str(tmp_path), POLICIES, tiers=("nvme", "lustre"))
+    run_saves(cfg, "runs/a", [1, 2])
+    assert held(cfg, "lustre", "runs/a") == [2]
+    for tier, junk in (("nvme", b""), ("lustre", b'{"format": "fmstore-checkpoint"}')):
+        d = tmp_path / tier / checkpoint_key("runs/a", 3)
+        d.mkdir(parents=True)
+        (d / "manifest.json").write_bytes(junk)
+    _daemon_once(cfg)
+    assert _verifies(cfg, "lustre", "runs/a", 2) and _verifies(cfg, "nvme", "runs/a", 2)
+    assert held(cfg, "lustre", "runs/a") == held(cfg, "nvme", "runs/a") == [2]
+
+
+def test_a_manifest_without_its_part_on_a_node_is_not_counted_by_node_local_keep_latest(
+    tmp_path, monkeypatch
+):
+    """The same on a node-local tier: a manifest at a newer step whose generation holds no
+    part of this node (copied there by hand) does not move the node's keep_latest window
+    past the real newest step, the only copy of its part."""
+    policies = {
+        "ladder": ["nvme", "lustre"],
+        "export": [{"to": "lustre", "every_steps": 1000}],
+        "retention": {"nvme": {"keep_latest": 1}},
+    }
+    save_parts(tmp_path, 10)
+    raw = save_parts(tmp_path, 20)
+    stray = tmp_path / "n0" / "nvme" / checkpoint_key(ROOT, 30)
+    stray.mkdir(parents=True)
+    (stray / "manifest.json").write_bytes(raw)
+    n0 = Node(tmp_path, "n0", policies)
+    monkeypatch.setenv(NODE_ENV, "n0")
+    runtime.run(rediscover(n0.catalog, n0.runner.tiers, ["nvme", "lustre"]))
+    n0.step(monkeypatch)
+    assert _verifies_part(tmp_path / "n0" / "nvme", 20, "n0")
+    assert not (tmp_path / "n0" / "nvme" / checkpoint_key(ROOT, 10)).exists()
+
+
+def _verifies_part(nvme, step: int, node: str) -> bool:
+    async def check() -> bool:
+        store = open_store(str(nvme / checkpoint_key(ROOT, step)))
+        try:
+            _data, m = await read_committed(store)
+            return (await verify_checkpoint(store, manifest=m.part_view(node))).ok
+        except NotFound:
+            return False
+
+    return runtime.run(check())
