@@ -4,6 +4,8 @@ forced with the real functions and checked against the invariants of docs/distri
 
 from __future__ import annotations
 
+import asyncio
+
 from test_tiering_parts import ROOT, Node, save_parts
 from tiering_helpers import posix_config
 from tiering_runs import held, run_saves
@@ -13,9 +15,13 @@ from fmstore.checkpoint.dcp.nodes import NODE_ENV
 from fmstore.checkpoint.layout import checkpoint_key
 from fmstore.checkpoint.verify import read_committed, verify_checkpoint
 from fmstore.errors import NotFound
+from fmstore.format.manifest import MANIFEST_KEY
 from fmstore.stores import open_store
+from fmstore.stores.base import PrefixStore, PutOptions
 from fmstore.tiering.daemon import Daemon, DaemonSettings
 from fmstore.tiering.discovery import rediscover
+from fmstore.tiering.mover import CHECKPOINT_COPY
+from fmstore.tiering.parts import delete_own_part, export_part
 from fmstore.tiering.tiers import Tiers
 
 POLICIES = {
@@ -96,3 +102,53 @@ def _verifies_part(nvme, step: int, node: str) -> bool:
             return False
 
     return runtime.run(check())
+
+
+class PauseAt(PrefixStore):
+    """``inner`` under ``prefix``, pausing before a put of ``key``: ``reached`` is set and
+    the put waits for ``go`` (the real store call runs after)."""
+
+    def __init__(self, inner, prefix: str, key: str) -> None:
+        super().__init__(inner, prefix)
+        self.key = key
+        self.reached = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def put(self, key, data, options=PutOptions()):
+        if key == self.key:
+            self.reached.set()
+            await self.go.wait()
+        return await super().put(key, data, options)
+
+
+def _nvme(base, node: str, step: int):
+    return open_store(str(base / node / "nvme" / checkpoint_key(ROOT, step)))
+
+
+def test_a_part_superseded_while_another_node_commits_stays_in_the_commit(tmp_path, monkeypatch):
+    """I2 / I4, supersede vs commit: n0 lists both part records and is about to write the
+    manifest when n1 supersedes its export (removes its record, finds no manifest yet):
+    n1 must not take its blobs out from under the commit n0 is making."""
+    save_parts(tmp_path, 10)
+    lustre_root = open_store(str(tmp_path / "lustre"))
+    key = checkpoint_key(ROOT, 10)
+
+    async def race() -> bool:
+        plain = lustre_root.sub(key)
+        monkeypatch.setenv(NODE_ENV, "n1")
+        res = await export_part(_nvme(tmp_path, "n1", 10), plain, "n1", options=CHECKPOINT_COPY)
+        assert res.waiting_for == ("n0",)
+        monkeypatch.setenv(NODE_ENV, "n0")
+        paused = PauseAt(lustre_root, key, MANIFEST_KEY)
+        commit = asyncio.create_task(
+            export_part(_nvme(tmp_path, "n0", 10), paused, "n0", options=CHECKPOINT_COPY)
+        )
+        await paused.reached.wait()  # n0 listed both records; its manifest write is next
+        monkeypatch.setenv(NODE_ENV, "n1")
+        removed = await delete_own_part(plain, "n1", _nvme(tmp_path, "n1", 10))
+        paused.go.set()
+        assert not (await commit).waiting_for
+        assert (await verify_checkpoint(plain)).ok  # every part of the manifest is there
+        return removed
+
+    assert runtime.run(race()) is False

@@ -430,7 +430,9 @@ def test_a_superseded_export_removes_this_nodes_part_only_and_every_node_ends_al
     n0.step(monkeypatch)  # supersedes its export of 10 (lustre keeps 1), exports 20
     d10 = lustre(tmp_path, 10) / gen10
     assert n0.state(10, "lustre") == cat.SUPERSEDED
-    assert not (d10 / "part-n0.json").exists() and not (d10 / "000000.bin").exists()
+    # n1's export lease of step 10 is alive (its next attempt may commit, with n0's part
+    # counted): n0 leaves its part as it was, to the sweep once no lease is alive.
+    assert (d10 / "part-n0.json").exists() and (d10 / "000000.bin").exists()
     # n1's part of step 10 is n1's: a commit of step 10 could still need it.
     assert (d10 / "part-n1.json").exists() and (d10 / "000001.bin").exists()
     n1.step(monkeypatch)
@@ -513,7 +515,7 @@ def test_two_nodes_committing_at_once_leave_the_saves_manifest(tmp_path, monkeyp
     other reads back the same bytes (on POSIX and on S3)."""
     import asyncio
 
-    from fmstore.tiering.parts import commit_if_complete
+    from fmstore.tiering.parts import _Lease, commit_if_complete
 
     raw = save_parts(tmp_path, 10)
     n0, n1 = (Node(tmp_path, n, EXPORT) for n in NODES)
@@ -524,8 +526,14 @@ def test_two_nodes_committing_at_once_leave_the_saves_manifest(tmp_path, monkeyp
     (lustre(tmp_path, 10) / "manifest.json").unlink()  # both died before seeing the commit
     store = open_store(str(lustre(tmp_path, 10)))
 
+    async def race_on(st: Any) -> list[list[str]]:
+        leases = [_Lease(st, manifest.generation, n) for n in NODES]
+        return list(
+            await asyncio.gather(*(commit_if_complete(st, manifest, raw, x) for x in leases))
+        )
+
     async def race() -> list[list[str]]:
-        return list(await asyncio.gather(*(commit_if_complete(store, manifest, raw) for _ in "ab")))
+        return await race_on(store)
 
     assert runtime.run(race()) == [[], []]
     assert (lustre(tmp_path, 10) / "manifest.json").read_bytes() == raw
@@ -541,11 +549,6 @@ def test_two_nodes_committing_at_once_leave_the_saves_manifest(tmp_path, monkeyp
                 if f.is_file() and f.name != "manifest.json":
                     await s3.put(str(f.relative_to(src)), f.read_bytes())
             return await race_on(s3)
-
-        async def race_on(st: Any) -> list[list[str]]:
-            return list(
-                await asyncio.gather(*(commit_if_complete(st, manifest, raw) for _ in "ab"))
-            )
 
         assert runtime.run(copy_and_race()) == [[], []]
         assert runtime.run(s3.get("manifest.json")) == raw
