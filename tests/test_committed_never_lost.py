@@ -11,17 +11,20 @@ from tiering_helpers import posix_config
 from tiering_runs import held, run_saves
 
 from fmstore import runtime
+from fmstore.checkpoint.dcp.manifest import DcpManifest
 from fmstore.checkpoint.dcp.nodes import NODE_ENV
 from fmstore.checkpoint.layout import checkpoint_key
+from fmstore.checkpoint.partrecords import PartRecord, manifest_sha256
 from fmstore.checkpoint.verify import read_committed, verify_checkpoint
 from fmstore.errors import NotFound
 from fmstore.format.manifest import MANIFEST_KEY
 from fmstore.stores import open_store
 from fmstore.stores.base import PrefixStore, PutOptions
+from fmstore.tiering import catalog as cat
 from fmstore.tiering.daemon import Daemon, DaemonSettings
 from fmstore.tiering.discovery import rediscover
 from fmstore.tiering.mover import CHECKPOINT_COPY
-from fmstore.tiering.parts import delete_own_part, export_part
+from fmstore.tiering.parts import _part_blobs, delete_own_part, export_part
 from fmstore.tiering.tiers import Tiers
 
 POLICIES = {
@@ -152,3 +155,54 @@ def test_a_part_superseded_while_another_node_commits_stays_in_the_commit(tmp_pa
         return removed
 
     assert runtime.run(race()) is False
+
+
+EXPORT = {"ladder": ["nvme", "lustre"], "export": [{"to": "lustre", "every_steps": 10}]}
+
+
+def _lustre_copy_holds(base, node: Node) -> None:
+    """I2 on the shared copy, and the node's catalog says verified only after a check."""
+    plain = open_store(str(base / "lustre" / checkpoint_key(ROOT, 10)))
+    assert runtime.run(verify_checkpoint(plain)).ok
+    cp = node.catalog.copy(ROOT, 10, "lustre")
+    assert cp is not None and cp.state == cat.PRESENT and cp.verified is not None
+
+
+def test_a_part_record_listing_no_blobs_vouches_for_nothing(tmp_path, monkeypatch):
+    """A ``part-n0.json`` that n0 never wrote (no blobs, the manifest's SHA-256 copied from
+    n1's record): neither n1 commits on it nor n0 skips its export on it."""
+    raw = save_parts(tmp_path, 10)
+    gen = DcpManifest.loads(raw).generation
+    d = tmp_path / "lustre" / checkpoint_key(ROOT, 10) / gen
+    d.mkdir(parents=True)
+    forged = PartRecord("n0", (0,), gen, manifest_sha256(raw), ())
+    (d / "part-n0.json").write_bytes(forged.dumps())
+    n0, n1 = (Node(tmp_path, n, EXPORT) for n in ("n0", "n1"))
+    for n in (n1, n0):
+        n.record(10)
+        n.step(monkeypatch)
+    _lustre_copy_holds(tmp_path, n0)
+
+
+def test_a_record_whose_part_fails_its_checksums_is_copied_again_before_the_commit(
+    tmp_path, monkeypatch
+):
+    """n0's own record holds by the listing (names, sizes) but a blob's bytes changed on
+    the shared tier: the commit that counts it checks the part first, and copies it again;
+    "verified" comes from that check, never from the copy option."""
+    raw = save_parts(tmp_path, 10)
+    m = DcpManifest.loads(raw)
+    n0 = Node(tmp_path, "n0", EXPORT)
+    n0.record(10)
+    n0.step(monkeypatch)  # n0's part is there, waiting for n1's
+    d = tmp_path / "lustre" / checkpoint_key(ROOT, 10) / m.generation
+    blob = d / m.part_view("n0").blobs[0].name
+    blob.write_bytes(bytes(b ^ 0xFF for b in blob.read_bytes()))
+    # n1's part arrives (its blobs and a record that holds) without n1 committing.
+    src = tmp_path / "n1" / "nvme" / checkpoint_key(ROOT, 10) / m.generation
+    for b in m.part_view("n1").blobs:
+        (d / b.name).write_bytes((src / b.name).read_bytes())
+    rec = PartRecord("n1", (1,), m.generation, manifest_sha256(raw), tuple(_part_blobs(m, "n1")))
+    (d / "part-n1.json").write_bytes(rec.dumps())
+    n0.step(monkeypatch)
+    _lustre_copy_holds(tmp_path, n0)

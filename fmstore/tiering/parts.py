@@ -183,10 +183,20 @@ async def export_part(
         await dst.delete(MANIFEST_KEY)
         await _delete_blobs(dst, view)
     async with _Lease(dst, gen, node) as lease:
-        mine = await _own_record(dst, gen, node, sha)
+        mine = await _own_record(dst, full, node, sha)
         check = None
         copied = skipped = 0
-        if mine is None:
+        if mine and not set(await _holding_records(dst, full, data)) - {node}:
+            # The commit is next and counts this node's part on its record's word: check
+            # the part itself first (a record vouches for nothing by who wrote it).
+            there = await verify_checkpoint(dst, manifest=view, store_checksums=True)
+            if there.ok:
+                check = there
+            else:  # the record first (no commit counts the part), then the bad bytes
+                await dst.delete(part_record_key(gen, node))
+                await _drop_bad(dst, view, journal_path)
+                mine = False
+        if not mine:
             check, copied, skipped = await copy_blobs(
                 src,
                 dst,
@@ -220,25 +230,20 @@ async def export_part(
     )
 
 
-async def _own_record(dst: Store, gen: str, node: str, sha: str) -> PartRecord | None:
+async def _own_record(dst: Store, manifest: DcpManifest, node: str, sha: str) -> bool:
+    """Whether node ``node``'s part record at ``dst`` holds: it names this manifest and
+    lists exactly this node's blobs, each there with its size
+    (:func:`fmstore.tiering.protocol.record_holds`; one listing).  A record that lists
+    other blobs, or none, was not written by this node's export, whoever it names."""
+    key = part_record_key(manifest.generation, node)
     try:
-        raw = await dst.get(part_record_key(gen, node))
-    except NotFound:
-        return None
-    try:
-        rec = PartRecord.loads(raw, where=f"{dst.url}/{part_record_key(gen, node)}")
-    except CorruptData:
-        return None
+        rec = PartRecord.loads(await dst.get(key), where=f"{dst.url}/{key}")
+    except (NotFound, CorruptData):
+        return False
     if rec.manifest_sha256 != sha:
-        return None
-    # The record vouches for blobs written before it; a sweep removes records before
-    # blobs, so a record still there means its blobs are.  Check their sizes (one listing).
-    sizes = {}
-    async for meta in dst.list(gen + "/", recursive=False):
-        sizes[meta.key.rsplit("/", 1)[-1]] = meta.size
-    if any(sizes.get(name) != size for name, size, _ in rec.blobs):
-        return None
-    return rec
+        return False
+    sizes = await _listing(dst, manifest.generation)
+    return record_holds(rec.blobs, _part_blobs(manifest, node), sizes)
 
 
 async def _drop_bad(dst: Store, view: DcpManifest, journal_path: str | None) -> None:
