@@ -385,9 +385,11 @@ async def delete_own_part(dst: Store, node: str, src: Store | None = None) -> bo
         # still looks alive to this node.
         await dst.delete(rec_key)
         leases = await _lease_renewals(dst, gen)
+        now = time.time()  # before the manifest is looked for: a lease dead at ``now`` had
+        # its committer's write land (if at all) before this moment, so it is seen below
         committed = await dst.exists(MANIFEST_KEY)
         if not may_remove_part(
-            node, leases, committed=committed, now=time.time(), ttl=LEASE_TTL, skew=CLOCK_SKEW
+            node, leases, committed=committed, now=now, ttl=LEASE_TTL, skew=CLOCK_SKEW
         ):
             # A commit counted this part, or may still: the part stays, as it was.
             if rec_data is not None:
