@@ -39,6 +39,9 @@ class Rediscovered:
     checkpoints: int = 0
     copies: int = 0
     unreachable: dict[str, str] = field(default_factory=dict)
+    #: Manifests found but not counted as commits (URL -> why): not fmstore's, damaged,
+    #: a newer fmstore's, created in the future, or missing blobs.
+    not_counted: dict[str, str] = field(default_factory=dict)
 
 
 async def find_roots(tiers: Tiers, tier: str, *, max_depth: int = MAX_ROOT_DEPTH) -> set[str]:
@@ -85,7 +88,9 @@ async def rediscover(
             tier_roots = want if want is not None else await find_roots(tiers, tier)
             for root in sorted(tier_roots):
                 known = _validated_before(catalog, root, tier)
-                for step, copy in (await tiers.committed_facts(tier, root, known)).items():
+                for step, copy in (
+                    await tiers.committed_facts(tier, root, known, rep.not_counted)
+                ).items():
                     found.setdefault((root, step), {})[tier] = copy
         except FmstoreError as e:  # unreachable, or refusing us: the others still count
             rep.unreachable[tier] = str(e)

@@ -104,7 +104,11 @@ class Tiers:
         return {s: c.mtime for s, c in (await self.committed_facts(tier, root, known)).items()}
 
     async def committed_facts(
-        self, tier: str, root: str, known: Known | None = None
+        self,
+        tier: str,
+        root: str,
+        known: Known | None = None,
+        not_counted: dict[str, str] | None = None,
     ) -> dict[int, CommittedCopy]:
         """Every step under ``root`` committed on ``tier``, with its manifest's facts.
 
@@ -115,7 +119,9 @@ class Tiers:
         are there with the manifest's sizes, and a creation time no later than now plus
         the allowed clock skew (:func:`fmstore.tiering.protocol.step_committed`).
         ``known(step, crc32c)``: True when this manifest (same checksum) was validated on
-        this tier before (the catalog); its blobs are then not listed again."""
+        this tier before (the catalog); its blobs are then not listed again.
+        ``not_counted``: filled with manifest URL -> why, for each manifest there that
+        does not count (a newer fmstore's included: this one cannot check it)."""
         store = self.store(tier)
         prefix = _keys.validate_prefix(root)
         node = node_here() if self.config.tier(tier).scope == "node" else None
@@ -130,16 +136,23 @@ class Tiers:
             return {}
         for step in steps:
             ckpt = store.sub(checkpoint_key(root, step))
+            where = f"{ckpt.url}/{MANIFEST_KEY}"
             try:
                 data, mtime = await read_manifest(ckpt)
                 crc = crc32c(data)
-                facts = manifest_facts(data, crc32c=crc, where=f"{ckpt.url}/{MANIFEST_KEY}")
+                facts = manifest_facts(data, crc32c=crc, where=where)
                 sizes = None if known and known(step, crc) else await _sizes(ckpt, facts)
-            except (NotFound, CorruptData):
-                continue  # no manifest, or not one: the step is not committed here
+            except NotFound:
+                continue  # no manifest: the step is not committed here
+            except CorruptData as e:  # not a manifest this fmstore can count
+                if not_counted is not None:
+                    not_counted[where] = str(e)[:300]
+                continue
             why = step_committed(facts, sizes=sizes, node=node, now=time.time(), skew=CLOCK_SKEW)
             if why is None:
                 found[step] = CommittedCopy(facts, mtime)
+            elif not_counted is not None:
+                not_counted[where] = why.value
         return found
 
     async def close(self) -> None:
