@@ -17,6 +17,7 @@ from fmstore.checkpoint.layout import checkpoint_key
 from fmstore.checkpoint.partrecords import PartRecord, manifest_sha256
 from fmstore.checkpoint.verify import read_committed, verify_checkpoint
 from fmstore.errors import NotFound
+from fmstore.format.checksum import crc32c
 from fmstore.format.manifest import MANIFEST_KEY
 from fmstore.stores import open_store
 from fmstore.stores.base import PrefixStore, PutOptions
@@ -206,3 +207,25 @@ def test_a_record_whose_part_fails_its_checksums_is_copied_again_before_the_comm
     (d / "part-n1.json").write_bytes(rec.dumps())
     n0.step(monkeypatch)
     _lustre_copy_holds(tmp_path, n0)
+
+
+def test_a_rescan_lists_no_blobs_of_a_manifest_the_catalog_validated(tmp_path):
+    """Counting by validation stays cheap: a manifest whose checksum the catalog knows for
+    that copy is not listed again (its blobs gone here shows the listing was skipped),
+    while the clock bound on ``created`` still applies to it."""
+    cfg = posix_config(str(tmp_path), {}, tiers=("nvme", "lustre"))
+    run_saves(cfg, "runs/a", [1], settle_each=False)
+    d = tmp_path / "nvme" / checkpoint_key("runs/a", 1)
+    gen = next(p for p in d.iterdir() if p.is_dir())
+    for p in gen.iterdir():
+        p.unlink()
+    crc = crc32c((d / "manifest.json").read_bytes())
+    tiers = Tiers(cfg)
+
+    async def scan(known) -> list[int]:
+        return sorted(await tiers.committed_on("nvme", "runs/a", known=known))
+
+    assert runtime.run(scan(None)) == []
+    assert runtime.run(scan(lambda step, c: (step, c) == (1, crc))) == [1]
+    assert runtime.run(scan(lambda step, c: (step, c) == (1, crc + 1))) == []
+    runtime.run(tiers.close())
