@@ -261,15 +261,20 @@ def test_an_export_of_an_old_save_is_young_on_the_shared_tier_and_a_live_one_is_
 def test_a_lease_past_its_ttl_keeps_nothing_and_records_go_with_the_blobs(
     tmp_path, monkeypatch, capsys
 ):
-    from fmstore.checkpoint.partrecords import LEASE_TTL, ExportLease, lease_key
+    from fmstore.checkpoint.partrecords import CLOCK_SKEW, LEASE_TTL, ExportLease, lease_key
 
     raw = save_parts(tmp_path, 10)
     gen = DcpManifest.loads(raw).generation
     n0 = Node(tmp_path, "n0", EXPORT)
     n0.record(10)
     n0.step(monkeypatch)
+    # Past the TTL by less than the allowed clock skew: the writer's clock may be behind
+    # ours, so its exporter may still be alive (and committing): the sweep keeps it all.
+    near = ExportLease("elsewhere", 1, time.time() - LEASE_TTL - CLOCK_SKEW / 2)
+    (lustre(tmp_path, 10) / lease_key(gen, "n0")).write_bytes(near.dumps())
+    assert sweep_lustre(tmp_path, grace=0) == {gen: "kept: live export"}
     # n0's exporter on another host died long ago: its lease was last renewed past the TTL.
-    dead = ExportLease("elsewhere", 1, time.time() - LEASE_TTL - 1)
+    dead = ExportLease("elsewhere", 1, time.time() - LEASE_TTL - CLOCK_SKEW - 1)
     (lustre(tmp_path, 10) / lease_key(gen, "n0")).write_bytes(dead.dumps())
     assert sweep_lustre(tmp_path, grace=0) == {gen: "removed"}
     assert not (lustre(tmp_path, 10) / gen).exists() or not any(

@@ -161,10 +161,12 @@ class ExportLease:
             raise CorruptData(f"export lease at {where} is malformed ({e!r})"[:300]) from None
 
     def alive(self, now: float | None = None, *, ttl: float | None = None) -> bool:
-        """Renewed within the TTL; a lease of this very node whose process is gone is dead
-        at once (``$FMSTORE_NODE_ID`` or the host name names this node)."""
+        """Renewed within the TTL plus the allowed clock skew (the writer's clock may be
+        behind this one's; ``ttl`` given: within exactly that); a lease of this very node
+        whose process is gone is dead at once (``$FMSTORE_NODE_ID`` or the host name names
+        this node)."""
         now = time.time() if now is None else now
-        if now - self.renewed >= (LEASE_TTL if ttl is None else ttl):
+        if now - self.renewed >= (LEASE_TTL + CLOCK_SKEW if ttl is None else ttl):
             return False
         here = node_here()
         if self.node == here and self.pid != os.getpid():
