@@ -261,15 +261,20 @@ def test_an_export_of_an_old_save_is_young_on_the_shared_tier_and_a_live_one_is_
 def test_a_lease_past_its_ttl_keeps_nothing_and_records_go_with_the_blobs(
     tmp_path, monkeypatch, capsys
 ):
-    from fmstore.checkpoint.partrecords import LEASE_TTL, ExportLease, lease_key
+    from fmstore.checkpoint.partrecords import CLOCK_SKEW, LEASE_TTL, ExportLease, lease_key
 
     raw = save_parts(tmp_path, 10)
     gen = DcpManifest.loads(raw).generation
     n0 = Node(tmp_path, "n0", EXPORT)
     n0.record(10)
     n0.step(monkeypatch)
+    # Past the TTL by less than the allowed clock skew: the writer's clock may be behind
+    # ours, so its exporter may still be alive (and committing): the sweep keeps it all.
+    near = ExportLease("elsewhere", 1, time.time() - LEASE_TTL - CLOCK_SKEW / 2)
+    (lustre(tmp_path, 10) / lease_key(gen, "n0")).write_bytes(near.dumps())
+    assert sweep_lustre(tmp_path, grace=0) == {gen: "kept: live export"}
     # n0's exporter on another host died long ago: its lease was last renewed past the TTL.
-    dead = ExportLease("elsewhere", 1, time.time() - LEASE_TTL - 1)
+    dead = ExportLease("elsewhere", 1, time.time() - LEASE_TTL - CLOCK_SKEW - 1)
     (lustre(tmp_path, 10) / lease_key(gen, "n0")).write_bytes(dead.dumps())
     assert sweep_lustre(tmp_path, grace=0) == {gen: "removed"}
     assert not (lustre(tmp_path, 10) / gen).exists() or not any(
@@ -430,7 +435,9 @@ def test_a_superseded_export_removes_this_nodes_part_only_and_every_node_ends_al
     n0.step(monkeypatch)  # supersedes its export of 10 (lustre keeps 1), exports 20
     d10 = lustre(tmp_path, 10) / gen10
     assert n0.state(10, "lustre") == cat.SUPERSEDED
-    assert not (d10 / "part-n0.json").exists() and not (d10 / "000000.bin").exists()
+    # n1's export lease of step 10 is alive (its next attempt may commit, with n0's part
+    # counted): n0 leaves its part as it was, to the sweep once no lease is alive.
+    assert (d10 / "part-n0.json").exists() and (d10 / "000000.bin").exists()
     # n1's part of step 10 is n1's: a commit of step 10 could still need it.
     assert (d10 / "part-n1.json").exists() and (d10 / "000001.bin").exists()
     n1.step(monkeypatch)
@@ -513,7 +520,7 @@ def test_two_nodes_committing_at_once_leave_the_saves_manifest(tmp_path, monkeyp
     other reads back the same bytes (on POSIX and on S3)."""
     import asyncio
 
-    from fmstore.tiering.parts import commit_if_complete
+    from fmstore.tiering.parts import _Lease, commit_if_complete
 
     raw = save_parts(tmp_path, 10)
     n0, n1 = (Node(tmp_path, n, EXPORT) for n in NODES)
@@ -524,8 +531,14 @@ def test_two_nodes_committing_at_once_leave_the_saves_manifest(tmp_path, monkeyp
     (lustre(tmp_path, 10) / "manifest.json").unlink()  # both died before seeing the commit
     store = open_store(str(lustre(tmp_path, 10)))
 
+    async def race_on(st: Any) -> list[list[str]]:
+        leases = [_Lease(st, manifest.generation, n) for n in NODES]
+        return list(
+            await asyncio.gather(*(commit_if_complete(st, manifest, raw, x) for x in leases))
+        )
+
     async def race() -> list[list[str]]:
-        return list(await asyncio.gather(*(commit_if_complete(store, manifest, raw) for _ in "ab")))
+        return await race_on(store)
 
     assert runtime.run(race()) == [[], []]
     assert (lustre(tmp_path, 10) / "manifest.json").read_bytes() == raw
@@ -541,11 +554,6 @@ def test_two_nodes_committing_at_once_leave_the_saves_manifest(tmp_path, monkeyp
                 if f.is_file() and f.name != "manifest.json":
                     await s3.put(str(f.relative_to(src)), f.read_bytes())
             return await race_on(s3)
-
-        async def race_on(st: Any) -> list[list[str]]:
-            return list(
-                await asyncio.gather(*(commit_if_complete(st, manifest, raw) for _ in "ab"))
-            )
 
         assert runtime.run(copy_and_race()) == [[], []]
         assert runtime.run(s3.get("manifest.json")) == raw

@@ -34,6 +34,7 @@ from ..errors import CorruptData
 from ..format.manifest import field_int, field_ints, field_list, field_str, parse_header
 
 __all__ = [
+    "CLOCK_SKEW",
     "LEASE_RE",
     "LEASE_RENEW",
     "LEASE_TTL",
@@ -56,6 +57,12 @@ LEASE_RE = re.compile(rf"^export-({_NODE})\.json$")
 #: it (NTP does); an exporter renews its lease every :data:`LEASE_RENEW` seconds.
 LEASE_TTL = float(os.environ.get("FMSTORE_EXPORT_LEASE_TTL", "120"))
 LEASE_RENEW = max(0.05, LEASE_TTL / 6)
+#: The most two nodes' clocks may be apart, in seconds (``$FMSTORE_CLOCK_SKEW`` overrides
+#: it; default a twelfth of the lease lifetime, 10 s).  A lease is taken for alive until
+#: its renewal is older than ``LEASE_TTL + CLOCK_SKEW`` on the reader's clock; a committer
+#: refuses to commit once its own lease could look expired to a node whose clock is ahead;
+#: a manifest ``created`` later than now plus the skew is not counted as committed.
+CLOCK_SKEW = float(os.environ.get("FMSTORE_CLOCK_SKEW", str(LEASE_TTL / 12)))
 
 
 def part_record_key(generation: str, node: str) -> str:
@@ -154,12 +161,14 @@ class ExportLease:
             raise CorruptData(f"export lease at {where} is malformed ({e!r})"[:300]) from None
 
     def alive(self, now: float | None = None, *, ttl: float | None = None) -> bool:
-        """Renewed within the TTL; a lease of this very node whose process is gone is dead
-        at once (``$FMSTORE_NODE_ID`` or the host name names this node)."""
+        """Renewed within the TTL plus the allowed clock skew (the writer's clock may be
+        behind this one's; ``ttl`` given: within exactly that); a lease of this very node
+        whose process is gone is dead at once (``$FMSTORE_NODE_ID`` or the host name names
+        this node)."""
         now = time.time() if now is None else now
-        if now - self.renewed >= (LEASE_TTL if ttl is None else ttl):
+        if now - self.renewed >= (LEASE_TTL + CLOCK_SKEW if ttl is None else ttl):
             return False
-        here = os.environ.get("FMSTORE_NODE_ID") or _hostname()
+        here = node_here()
         if self.node == here and self.pid != os.getpid():
             try:
                 os.kill(self.pid, 0)
@@ -170,7 +179,9 @@ class ExportLease:
         return True
 
 
-def _hostname() -> str:
+def node_here() -> str:
+    """This node's id as leases and records name it (``$FMSTORE_NODE_ID``, else the host
+    name; :func:`fmstore.checkpoint.dcp.nodes.node_id` also checks its characters)."""
     import socket
 
-    return socket.gethostname()
+    return os.environ.get("FMSTORE_NODE_ID") or socket.gethostname()

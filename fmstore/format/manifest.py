@@ -22,6 +22,11 @@ from .treecheck import tree_problem
 FORMAT_NAME = "fmstore-checkpoint"
 #: The ``format`` of a multi-rank checkpoint's manifest (:mod:`fmstore.checkpoint.dcp`).
 DCP_FORMAT_NAME = "fmstore-dcp"
+#: The newest manifest version this fmstore reads.  Version 1: one part (every blob where
+#: the manifest is).  Version 2: ``parts``, one per node of a node-local tier; a save writes
+#: 2 only when there are several parts, so an older fmstore still reads everything else,
+#: and reports a version-2 manifest as a newer format, never as damage.
+DCP_FORMAT_VERSION = 2
 FORMAT_VERSION = 1
 MANIFEST_KEY = "manifest.json"
 

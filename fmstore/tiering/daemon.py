@@ -355,6 +355,7 @@ class Daemon:
             checkpoints=found.checkpoints,
             copies=found.copies,
             unreachable=found.unreachable,
+            not_counted=found.not_counted,
         )
 
     def close(self) -> None:

@@ -15,15 +15,16 @@ same on every node).  Known copies are left alone, so running it again changes n
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .. import keys as _keys
 from ..checkpoint.layout import parse_step
 from ..errors import FmstoreError, NotFound
+from ..format.manifest import DCP_FORMAT_NAME
 from . import catalog as cat
 from .catalog import Catalog
-from .tiers import Tiers
+from .tiers import CommittedCopy, Tiers
 
 #: How deep below a tier's root run roots are looked for (``team/project/run`` is 3).
 MAX_ROOT_DEPTH = 6
@@ -38,6 +39,9 @@ class Rediscovered:
     checkpoints: int = 0
     copies: int = 0
     unreachable: dict[str, str] = field(default_factory=dict)
+    #: Manifests found but not counted as commits (URL -> why): not fmstore's, damaged,
+    #: a newer fmstore's, created in the future, or missing blobs.
+    not_counted: dict[str, str] = field(default_factory=dict)
 
 
 async def find_roots(tiers: Tiers, tier: str, *, max_depth: int = MAX_ROOT_DEPTH) -> set[str]:
@@ -78,24 +82,38 @@ async def rediscover(
     ladder = list(ladder)
     rep = Rediscovered()
     want = set(roots) if roots is not None else None
-    found: dict[tuple[str, int], dict[str, float | None]] = {}
+    found: dict[tuple[str, int], dict[str, CommittedCopy]] = {}
     for tier in ladder:
         try:
             tier_roots = want if want is not None else await find_roots(tiers, tier)
             for root in sorted(tier_roots):
-                for step, mtime in (await tiers.committed_on(tier, root)).items():
-                    found.setdefault((root, step), {})[tier] = mtime
+                known = _validated_before(catalog, root, tier)
+                for step, copy in (
+                    await tiers.committed_facts(tier, root, known, rep.not_counted)
+                ).items():
+                    found.setdefault((root, step), {})[tier] = copy
         except FmstoreError as e:  # unreachable, or refusing us: the others still count
             rep.unreachable[tier] = str(e)
     rep.roots = sorted(want if want is not None else {r for r, _ in found})
     now = catalog.now()
     for (root, step), on in sorted(found.items()):
         if catalog.checkpoint(root, step) is None:
-            times = [t for t in on.values() if t is not None]
-            created = await _saved_at(tiers, next(iter(on)), root, step)
-            if created is None:
+            times = [c.mtime for c in on.values() if c.mtime is not None]
+            first = next(iter(on.values())).facts
+            # A sharded checkpoint's global manifest records its creation time, the same
+            # on every node and tier, where a manifest's modification time is not (each
+            # node writes its copy, each export commits its own): rules by age then
+            # decide alike on every node.
+            created: float | None = first.created if first.format == DCP_FORMAT_NAME else None
+            if not created:
                 created = min(times) if times else now
-            catalog.record_checkpoint(root, step, created=created)
+            catalog.record_checkpoint(
+                root,
+                step,
+                created=created,
+                bytes=first.stored_bytes,
+                manifest_crc32c=first.crc32c,
+            )
             rep.checkpoints += 1
         for tier in ladder:
             if tier not in on:
@@ -107,21 +125,19 @@ async def rediscover(
     return rep
 
 
-async def _saved_at(tiers: Tiers, tier: str, root: str, step: int) -> float | None:
-    """The creation time a sharded (DCP) checkpoint's global manifest records: the same on
-    every node and tier, where a manifest's modification time is not (each node writes its
-    copy, each export commits its own), so that rules by age decide alike on every node.
-    None for a single-process checkpoint (its commit time is used) or on any error."""
-    import json
+def _validated_before(catalog: Catalog, root: str, tier: str) -> Callable[[int, int], bool]:
+    """Whether the catalog knows the copy of ``(root, step)`` on ``tier`` as present with a
+    manifest of this checksum: validated (or written) before, so a rescan need not list its
+    blobs again."""
 
-    from ..format.manifest import DCP_FORMAT_NAME, MANIFEST_KEY
+    def known(step: int, crc: int) -> bool:
+        ck = catalog.checkpoint(root, step)
+        cp = catalog.copy(root, step, tier)
+        return (
+            ck is not None
+            and ck.manifest_crc32c == crc
+            and cp is not None
+            and cp.state == cat.PRESENT
+        )
 
-    try:
-        data = await tiers.checkpoint(tier, root, step).get(MANIFEST_KEY)
-        if DCP_FORMAT_NAME.encode() not in data:
-            return None
-        d = json.loads(data)
-        created = d.get("created") if isinstance(d, dict) else None
-        return float(created) if isinstance(created, int | float) and created > 0 else None
-    except (FmstoreError, ValueError, RecursionError):
-        return None
+    return known

@@ -35,8 +35,10 @@ import time
 from typing import TYPE_CHECKING
 
 from ..checkpoint.partrecords import (
+    CLOCK_SKEW,
     LEASE_RE,
     LEASE_RENEW,
+    LEASE_TTL,
     PART_RECORD_RE,
     ExportLease,
     PartRecord,
@@ -54,6 +56,7 @@ from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
 from ..stores.base import PutOptions, Store
 from .blobcopy import CopyResult, copy_blobs
+from .protocol import commit_holds, may_remove_part, record_holds
 from .transfer import TransferOptions
 
 if TYPE_CHECKING:
@@ -98,11 +101,13 @@ class _Lease:
         self.store = store
         self.key = lease_key(generation, node)
         self.node = node
+        self.renewed = 0.0  # this node's clock at the start of the last renewal written
         self._task: asyncio.Task[None] | None = None
 
     async def put(self) -> None:
-        lease = ExportLease(self.node, os.getpid(), time.time())
-        await self.store.put(self.key, lease.dumps())
+        now = time.time()
+        await self.store.put(self.key, ExportLease(self.node, os.getpid(), now).dumps())
+        self.renewed = max(self.renewed, now)
 
     async def __aenter__(self) -> _Lease:
         await self.put()
@@ -177,11 +182,21 @@ async def export_part(
         # other parts' records still stand, so the commit is made again at once.
         await dst.delete(MANIFEST_KEY)
         await _delete_blobs(dst, view)
-    async with _Lease(dst, gen, node):
-        mine = await _own_record(dst, gen, node, sha)
+    async with _Lease(dst, gen, node) as lease:
+        mine = await _own_record(dst, full, node, sha)
         check = None
         copied = skipped = 0
-        if mine is None:
+        if mine and not set(await _holding_records(dst, full, data)) - {node}:
+            # The commit is next and counts this node's part on its record's word: check
+            # the part itself first (a record vouches for nothing by who wrote it).
+            there = await verify_checkpoint(dst, manifest=view, store_checksums=True)
+            if there.ok:
+                check = there
+            else:  # the record first (no commit counts the part), then the bad bytes
+                await dst.delete(part_record_key(gen, node))
+                await _drop_bad(dst, view, journal_path)
+                mine = False
+        if not mine:
             check, copied, skipped = await copy_blobs(
                 src,
                 dst,
@@ -201,7 +216,7 @@ async def export_part(
             await dst.put(part_record_key(gen, node), rec.dumps())
         else:
             skipped = view.stored_bytes
-        waiting = await commit_if_complete(dst, full, data)
+        waiting = await commit_if_complete(dst, full, data, lease)
     if not waiting:
         await _drop_leases(dst, gen)
     return CopyResult(
@@ -215,25 +230,20 @@ async def export_part(
     )
 
 
-async def _own_record(dst: Store, gen: str, node: str, sha: str) -> PartRecord | None:
+async def _own_record(dst: Store, manifest: DcpManifest, node: str, sha: str) -> bool:
+    """Whether node ``node``'s part record at ``dst`` holds: it names this manifest and
+    lists exactly this node's blobs, each there with its size
+    (:func:`fmstore.tiering.protocol.record_holds`; one listing).  A record that lists
+    other blobs, or none, was not written by this node's export, whoever it names."""
+    key = part_record_key(manifest.generation, node)
     try:
-        raw = await dst.get(part_record_key(gen, node))
-    except NotFound:
-        return None
-    try:
-        rec = PartRecord.loads(raw, where=f"{dst.url}/{part_record_key(gen, node)}")
-    except CorruptData:
-        return None
+        rec = PartRecord.loads(await dst.get(key), where=f"{dst.url}/{key}")
+    except (NotFound, CorruptData):
+        return False
     if rec.manifest_sha256 != sha:
-        return None
-    # The record vouches for blobs written before it; a sweep removes records before
-    # blobs, so a record still there means its blobs are.  Check their sizes (one listing).
-    sizes = {}
-    async for meta in dst.list(gen + "/", recursive=False):
-        sizes[meta.key.rsplit("/", 1)[-1]] = meta.size
-    if any(sizes.get(name) != size for name, size, _ in rec.blobs):
-        return None
-    return rec
+        return False
+    sizes = await _listing(dst, manifest.generation)
+    return record_holds(rec.blobs, _part_blobs(manifest, node), sizes)
 
 
 async def _drop_bad(dst: Store, view: DcpManifest, journal_path: str | None) -> None:
@@ -245,19 +255,25 @@ async def _drop_bad(dst: Store, view: DcpManifest, journal_path: str | None) -> 
             os.unlink(journal_path)
 
 
-async def commit_if_complete(dst: Store, manifest: DcpManifest, data: bytes) -> list[str]:
+async def commit_if_complete(
+    dst: Store, manifest: DcpManifest, data: bytes, lease: _Lease
+) -> list[str]:
     """Write the manifest (``data``) at ``dst``'s root when every part of it has a part
-    record there naming it; returns the nodes still missing (empty: committed now or
-    before)."""
-    sha = manifest_sha256(data)
-    records = await part_records(dst, manifest.generation)
-    missing = [
-        p.node
-        for p in manifest.parts
-        if (r := records.get(p.node)) is None or r.manifest_sha256 != sha
-    ]
+    record there that holds (:func:`_holding_records`); returns the nodes still missing
+    (empty: committed now or before).
+
+    The committer renews its ``lease`` before it lists the records, and writes the
+    manifest only while that renewal keeps every node from removing a part it listed
+    (:func:`fmstore.tiering.protocol.commit_holds`; the argument is in
+    ``docs/distributed.md``, "Supersede and commit")."""
+    await lease.put()
+    missing = await _holding_records(dst, manifest, data)
     if missing:
         return missing
+    if not commit_holds(lease.renewed, now=time.time(), ttl=LEASE_TTL, skew=CLOCK_SKEW):
+        # Listed too long ago: a node may have taken its part out since, trusting this
+        # lease expired.  Not committed; the next attempt (any node's) lists afresh.
+        return [p.node for p in manifest.parts]
     try:
         await dst.put(MANIFEST_KEY, data, PutOptions(mode="create", content_crc32c=crc32c(data)))
     except AlreadyExists:
@@ -268,6 +284,44 @@ async def commit_if_complete(dst: Store, manifest: DcpManifest, data: bytes) -> 
                 key=f"{dst.url}/{MANIFEST_KEY}",
             ) from None
     return []
+
+
+async def _holding_records(dst: Store, manifest: DcpManifest, data: bytes) -> list[str]:
+    """The nodes of ``manifest`` whose part no record at ``dst`` vouches for: a record
+    counts by its content (:func:`fmstore.tiering.protocol.record_holds`: exactly the
+    part's blobs, sizes and checksums as the manifest implies them, each there with its
+    size), never by the node it names."""
+    sha = manifest_sha256(data)
+    records = await part_records(dst, manifest.generation)
+    sizes = await _listing(dst, manifest.generation)
+    missing = []
+    for p in manifest.parts:
+        r = records.get(p.node)
+        if (
+            r is None
+            or r.manifest_sha256 != sha
+            or not record_holds(r.blobs, _part_blobs(manifest, p.node), sizes)
+        ):
+            missing.append(p.node)
+    return missing
+
+
+def _part_blobs(manifest: DcpManifest, node: str) -> list[tuple[str, int, int | None]]:
+    """Node ``node``'s blobs as its part record must list them (name, size, CRC32C)."""
+    view = manifest.part_view(node)
+    if view is None:
+        return []
+    crcs = blob_checksums(view)
+    return [(b.name, b.size, crcs[i]) for i, b in enumerate(view.blobs)]
+
+
+async def _listing(dst: Store, gen: str) -> dict[str, int]:
+    try:
+        return {
+            m.key.rsplit("/", 1)[-1]: m.size async for m in dst.list(gen + "/", recursive=False)
+        }
+    except NotFound:
+        return {}
 
 
 async def _delete_blobs(dst: Store, view: DcpManifest) -> None:
@@ -293,8 +347,9 @@ async def delete_own_part(dst: Store, node: str, src: Store | None = None) -> bo
     neither, nothing is removed (False) and the sweep takes it later.
 
     Another node may have committed the copy since this node last looked (it found every
-    part record, this node's included): then nothing is removed (False), before or after
-    the part record goes (the record is put back), as the sweep looks again."""
+    part record, this node's included), or may be about to (its export lease may still be
+    alive): then nothing is removed (False), before or after the part record goes (the
+    record is put back), as the sweep looks again once no lease is alive."""
     if await dst.exists(MANIFEST_KEY):
         return False  # committed by another node: this part belongs to the checkpoint
     manifest: DcpManifest | None = None
@@ -324,14 +379,48 @@ async def delete_own_part(dst: Store, node: str, src: Store | None = None) -> bo
             if view is None:
                 continue
             names = [view.blob_key(i) for i in range(len(view.blobs))]
+        # The record first, then the leases, then the manifest (docs/distributed.md,
+        # "Supersede and commit"): a committer that listed this record renewed its lease
+        # before, so it is read here, and it writes the manifest only while that lease
+        # still looks alive to this node.
         await dst.delete(rec_key)
-        if await dst.exists(MANIFEST_KEY):  # a commit counted this part meanwhile
+        leases = await _lease_renewals(dst, gen)
+        now = time.time()  # before the manifest is looked for: a lease dead at ``now`` had
+        # its committer's write land (if at all) before this moment, so it is seen below
+        committed = await dst.exists(MANIFEST_KEY)
+        if not may_remove_part(
+            node, leases, committed=committed, now=now, ttl=LEASE_TTL, skew=CLOCK_SKEW
+        ):
+            # A commit counted this part, or may still: the part stays, as it was.
             if rec_data is not None:
                 await dst.put(rec_key, rec_data)
             return done
         await dst.delete_many([*names, lease_key(gen, node)])
         done = True
     return done
+
+
+async def _lease_renewals(dst: Store, gen: str) -> dict[str, float]:
+    """Node -> last renewal of each export lease of ``gen`` at ``dst``; a lease that does
+    not parse counts from its file's modification time (or as renewed now, without one),
+    so that nothing anyone wrote there shortens a live exporter's lease."""
+    out: dict[str, float] = {}
+    try:
+        metas = [m async for m in dst.list(gen + "/", recursive=False)]
+    except NotFound:
+        return out
+    for meta in metas:
+        found = LEASE_RE.match(meta.key.rsplit("/", 1)[-1])
+        if meta.is_dir or found is None:
+            continue
+        try:
+            lease = ExportLease.loads(await dst.get(meta.key), where=f"{dst.url}/{meta.key}")
+            out[found.group(1)] = lease.renewed
+        except NotFound:
+            continue
+        except CorruptData:
+            out[found.group(1)] = meta.mtime if meta.mtime is not None else time.time()
+    return out
 
 
 def this_node() -> str:

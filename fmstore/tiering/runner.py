@@ -382,7 +382,8 @@ class PolicyRunner:
             a.dest,
             cat.PRESENT,
             bytes=res.manifest.stored_bytes,
-            verified=c.now() if self.mover.verify or res.already_there else None,
+            # Verified only where a check of the destination passed, never from an option.
+            verified=c.now() if res.check is not None and res.check.ok else None,
         )
         with contextlib.suppress(OSError):
             os.unlink(jpath)

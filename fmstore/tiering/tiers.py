@@ -9,15 +9,48 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from .. import keys as _keys
-from ..checkpoint.layout import checkpoint_key, parse_step, step_name
+from ..checkpoint.layout import checkpoint_key, parse_step
+from ..checkpoint.partrecords import CLOCK_SKEW, node_here
 from ..config import Config
-from ..errors import NotFound
+from ..errors import CorruptData, NotFound
+from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
 from ..stores import Location, open_store
 from ..stores.base import Store
 from .policies import TierUsage
+from .protocol import ManifestFacts, manifest_facts, step_committed
+
+#: ``known(step, crc32c)``: whether that manifest was validated on the tier before.
+Known = Callable[[int, int], bool]
+
+
+@dataclass(frozen=True)
+class CommittedCopy:
+    """A step's validated manifest on a tier, and when it was written (None: unknown)."""
+
+    facts: ManifestFacts
+    mtime: float | None
+
+
+async def read_manifest(ckpt: Store) -> tuple[bytes, float | None]:
+    """The bytes and modification time of the manifest at ``ckpt``'s root: the one read of
+    a manifest that counting a step makes (NotFound where there is none)."""
+    meta = await ckpt.stat(MANIFEST_KEY)
+    return bytes(await ckpt.get(MANIFEST_KEY)), meta.mtime
+
+
+async def _sizes(ckpt: Store, facts: ManifestFacts) -> dict[str, int]:
+    """Name -> size of every object in the manifest's generation (one listing)."""
+    gen = facts.generation + "/"
+    try:
+        return {m.key[len(gen) :]: m.size async for m in ckpt.list(gen, recursive=False)}
+    except NotFound:
+        return {}
 
 
 class Tiers:
@@ -60,28 +93,66 @@ class Tiers:
         return shutil.disk_usage(d).free
 
     async def steps_on(self, tier: str, root: str) -> list[int]:
-        """Steps under ``root`` whose manifest is committed on ``tier`` (a listing plus one
-        stat per step directory)."""
+        """Steps under ``root`` committed on ``tier`` (see :meth:`committed_on`)."""
         return sorted(await self.committed_on(tier, root))
 
-    async def committed_on(self, tier: str, root: str) -> dict[int, float | None]:
+    async def committed_on(
+        self, tier: str, root: str, *, known: Known | None = None
+    ) -> dict[int, float | None]:
         """Step -> modification time of its manifest (the commit), for every step under
-        ``root`` committed on ``tier``."""
+        ``root`` committed on ``tier`` (:meth:`committed_facts`)."""
+        return {s: c.mtime for s, c in (await self.committed_facts(tier, root, known)).items()}
+
+    async def committed_facts(
+        self,
+        tier: str,
+        root: str,
+        known: Known | None = None,
+        not_counted: dict[str, str] | None = None,
+    ) -> dict[int, CommittedCopy]:
+        """Every step under ``root`` committed on ``tier``, with its manifest's facts.
+
+        A step counts when its manifest is read and validated, never on a stat alone
+        (an empty or foreign ``manifest.json`` is no commit: retention would count it
+        among the newest and delete a real checkpoint): fmstore's format, a version this
+        fmstore reads, a generation whose blobs (this node's part on a node-local tier)
+        are there with the manifest's sizes, and a creation time no later than now plus
+        the allowed clock skew (:func:`fmstore.tiering.protocol.step_committed`).
+        ``known(step, crc32c)``: True when this manifest (same checksum) was validated on
+        this tier before (the catalog); its blobs are then not listed again.
+        ``not_counted``: filled with manifest URL -> why, for each manifest there that
+        does not count (a newer fmstore's included: this one cannot check it)."""
         store = self.store(tier)
         prefix = _keys.validate_prefix(root)
-        found: dict[int, float | None] = {}
+        node = node_here() if self.config.tier(tier).scope == "node" else None
+        found: dict[int, CommittedCopy] = {}
         try:
-            async for meta in store.list(prefix, recursive=False):
-                step = parse_step(meta.key[len(prefix) :]) if meta.is_dir else None
-                if step is None:
-                    continue
-                try:
-                    m = await store.stat(_keys.join(root, step_name(step), MANIFEST_KEY))
-                except NotFound:
-                    continue
-                found[step] = m.mtime
+            steps = [
+                step
+                async for meta in store.list(prefix, recursive=False)
+                if meta.is_dir and (step := parse_step(meta.key[len(prefix) :])) is not None
+            ]
         except NotFound:
             return {}
+        for step in steps:
+            ckpt = store.sub(checkpoint_key(root, step))
+            where = f"{ckpt.url}/{MANIFEST_KEY}"
+            try:
+                data, mtime = await read_manifest(ckpt)
+                crc = crc32c(data)
+                facts = manifest_facts(data, crc32c=crc, where=where)
+                sizes = None if known and known(step, crc) else await _sizes(ckpt, facts)
+            except NotFound:
+                continue  # no manifest: the step is not committed here
+            except CorruptData as e:  # not a manifest this fmstore can count
+                if not_counted is not None:
+                    not_counted[where] = str(e)[:300]
+                continue
+            why = step_committed(facts, sizes=sizes, node=node, now=time.time(), skew=CLOCK_SKEW)
+            if why is None:
+                found[step] = CommittedCopy(facts, mtime)
+            elif not_counted is not None:
+                not_counted[where] = why.value
         return found
 
     async def close(self) -> None:

@@ -41,6 +41,7 @@ from ...format.bounds import MAX_DEPTH, chunk_run_problem, is_int
 from ...format.dtypes import dtype_from_name, dtype_name
 from ...format.manifest import (
     DCP_FORMAT_NAME,
+    DCP_FORMAT_VERSION,
     MANIFEST_KEY,
     ChunkEntry,
     field_int,
@@ -60,12 +61,6 @@ __all__ = [
     "DcpManifest",
     "DcpPart",
 ]
-
-#: The newest manifest version this fmstore reads.  Version 1: one part (every blob where
-#: the manifest is).  Version 2: ``parts``, one per node of a node-local tier; a save writes
-#: 2 only when there are several parts, so an older fmstore still reads everything else,
-#: and reports a version-2 manifest as a newer format, never as damage.
-DCP_FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
