@@ -66,7 +66,8 @@ def run(
             try:
                 rank, ok, value = out.get(timeout=timeout)
             except queue.Empty:
-                raise AssertionError(f"ranks {sorted(set(range(len(procs))) - set(got))} hung")
+                left = sorted(set(range(len(procs))) - set(got))
+                raise AssertionError(f"ranks {left} hung") from None
             got[rank] = (ok, value)
     finally:
         for p in procs:

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from gloo_ranks import run
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")]

@@ -366,7 +366,12 @@ class ShardedCheckpointManager:
 
         if self.pg is None or dist.get_rank(self.pg) == 0:
             why = "; ".join(self.restored_reason)[:2000]
-            log.warning("%s; passed over: %s", what, why, extra={"event": "restore_passed_over", "fields": {}})
+            log.warning(
+                "%s; passed over: %s",
+                what,
+                why,
+                extra={"event": "restore_passed_over", "fields": {}},
+            )
 
     # ---- lifetime ----------------------------------------------------------------------
 
