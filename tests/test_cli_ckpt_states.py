@@ -64,3 +64,25 @@ def test_ckpt_list_renders_every_state_and_a_parts_own_size(tmp_path, monkeypatc
         assert row["tiers"]["nvme"]["part"]["bytes"] == 4000
     finally:
         fm_config.set_config(None)
+
+
+def test_rm_r_of_a_run_says_it_keeps_the_runs_replicas(tmp_path, monkeypatch):
+    cfg = tmp_path / "fmstore.toml"
+    cfg.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n'
+        f'[tiers.nvme]\nurl = "{tmp_path / "nvme"}"\nscope = "node"\n'
+    )
+    monkeypatch.setenv("FMSTORE_CONFIG", str(cfg))
+    fm_config.set_config(None)
+    own = tmp_path / "nvme" / "run" / "step_000000000010" / "x.bin"
+    replica = tmp_path / "nvme" / ".replicas" / "run" / "step_000000000010" / "manifest.json"
+    for p in (own, replica):
+        p.parent.mkdir(parents=True)
+        p.write_bytes(b"x")
+    try:
+        r = fm_here("rm", "-r", "nvme:run", "--yes")
+        assert r.returncode == 0, r.stderr
+        assert "stay in nvme:.replicas/run" in r.stderr, r.stderr
+        assert not own.exists() and replica.exists()
+    finally:
+        fm_config.set_config(None)

@@ -29,14 +29,12 @@ from ... import runtime
 from ...errors import AlreadyExists, ConfigError, CorruptData, FmstoreError
 from ...format.checksum import crc32c
 from ...stores import PutOptions, Store, open_store, split_tier
-from ..layout import parse_step
+from ..layout import REPLICA_PREFIX, parse_step
 from .manifest import MANIFEST_KEY, DcpManifest
 from .nodes import RankRecord, rank_record_key
 
 __all__ = ["REPLICA_PREFIX", "fetch", "partners", "plan", "replica_uri", "replicas_of", "replicate"]
 
-#: Where a node keeps the replicas it holds of other nodes' parts, on the same tier.
-REPLICA_PREFIX = ".replicas"
 log = logging.getLogger("fmstore.checkpoint")
 
 
