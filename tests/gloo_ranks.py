@@ -2,8 +2,10 @@
 own environment (``FMSTORE_NODE_ID``, ``FMSTORE_CONFIG``: one "node" per rank), the process
 group initialized through a file in the test's directory.
 
-``run(fn, envs, *args)`` calls ``fn(rank, *args)`` on ``len(envs)`` ranks and returns each
-rank's result (picklable); a rank's exception is raised here with its traceback's text.
+``run(fn, envs, *args, init=FILE)`` calls ``fn(rank, *args)`` on ``len(envs)`` ranks and
+returns each rank's result (picklable); a rank's exception is raised here with its
+traceback's text.  ``init=None``: ``fn`` initializes the process group itself (a script run
+as torchrun would, from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT`` in ``envs``).
 Ranks that outlive ``timeout`` are killed.
 """
 
@@ -22,7 +24,7 @@ def _main(
     fn: Callable[..., Any],
     rank: int,
     world: int,
-    init: str,
+    init: str | None,
     env: Mapping[str, str],
     args: tuple[Any, ...],
     out: Any,
@@ -30,26 +32,28 @@ def _main(
     os.environ.update(env)
     import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    if init is not None:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=60),
+        )
     try:
         out.put((rank, True, fn(rank, *args)))
     except BaseException as e:  # reported to the test, which raises it
         out.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run(
     fn: Callable[..., Any],
     envs: Sequence[Mapping[str, str]],
     *args: Any,
-    init: str,
+    init: str | None,
     timeout: float = 240,
 ) -> list[Any]:
     ctx = mp.get_context("spawn")
