@@ -159,6 +159,15 @@ def sequence(rank: int, tmp: str) -> dict[str, Any]:
     seen["passed_over"] = restore()
     seen["reason"] = list(mgr.restored_reason)
 
+    # -- a run whose listing fails (a link the store refuses to follow): unknown, not fresh
+    if rank == 0:
+        Path(tmp, "elsewhere").mkdir()
+        Path(tmp, "lustre", "linked").symlink_to(Path(tmp, "elsewhere"))
+    dist.barrier(pg)
+    linked = ShardedCheckpointManager("linked", process_group=pg, config=cfg)
+    seen["unlisted"] = _error(lambda: linked.restore(make_state(0)))
+    linked.close()
+
     # -- SIGTERM on one rank: every rank agrees to save at the next step
     seen["before_sigterm"] = mgr.should_save(1, every=100)
     if rank == 1:
@@ -190,6 +199,7 @@ def test_sharded_manager_recovers_the_way_clusters_fail(tmp_path):
         assert "FmstoreError" in seen["save_40"] and "CheckpointException" not in seen["save_40"]
         assert seen["save_40_again"] == "" and seen["wait"] == ""
         assert seen["save_after_local"] == ""
+        assert "StoreUnavailable" in seen["unlisted"]
         assert seen["passed_over"] == 60
         assert any("step_000000000070" in r for r in seen["reason"])
         assert (seen["before_sigterm"], seen["after_sigterm"], seen["preempted"]) == (

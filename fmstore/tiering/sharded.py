@@ -50,10 +50,11 @@ from ..checkpoint.dcp import Stager, checkpoint_group
 from ..checkpoint.dcp import async_save as dcp_async_save
 from ..checkpoint.dcp import load as dcp_load
 from ..checkpoint.dcp.collective import CandidatesFailed
-from ..checkpoint.dcp.problems import Code, Problem, fmstore_error
+from ..checkpoint.dcp.nodes import node_id
+from ..checkpoint.dcp.problems import Code, Problem, fmstore_error, reason
 from ..checkpoint.layout import MANIFEST_KEY, checkpoint_key, parse_step, step_name
 from ..config import Config, get_config, load_config
-from ..errors import NotFound
+from ..errors import NotFound, StoreUnavailable
 from .rules import from_config
 from .tiers import Tiers
 
@@ -108,6 +109,8 @@ class ShardedCheckpointManager:
         self._pending: list[cf.Future[Any]] = []
         self._records: list[threading.Event] = []
         self._local_errors: list[BaseException] = []
+        self._unlisted: list[str] = []
+        self._unlisted_anywhere: list[str] = []
         #: Record each committed step in this node's catalog (its lowest rank does, by
         #: default), for the node's ``fmstore daemon`` to tier it.
         self.record = os.environ.get("LOCAL_RANK", "0") == "0" if record is None else record
@@ -262,15 +265,19 @@ class ShardedCheckpointManager:
     # ---- restoring ---------------------------------------------------------------------
 
     def _steps(self) -> dict[str, tuple[set[int], set[int]]]:
-        """This rank's view: per tier, the steps it sees committed and every step directory."""
+        """This rank's view: per tier, the steps it sees committed and every step directory;
+        under the key ``""``, the tiers it could not list (as ``(set(), set())`` values are
+        not enough: an unlisted tier may hold the newest step)."""
         out: dict[str, tuple[set[int], set[int]]] = {}
+        self._unlisted = []
         for tier in self.ladder:
             try:
                 out[tier] = runtime.run(self._steps_on(tier))
-            except Exception:
+            except Exception as e:
                 # Unreachable from this rank: it sees nothing there (and must still answer
                 # the collective, or the other ranks would wait for it).
                 out[tier] = (set(), set())
+                self._unlisted.append(f"{tier} (node {node_id()}): {reason(e)}")
         return out
 
     async def _steps_on(self, tier: str) -> tuple[set[int], set[int]]:
@@ -291,14 +298,18 @@ class ShardedCheckpointManager:
         return committed, present
 
     def _views(self) -> list[dict[str, tuple[set[int], set[int]]]]:
+        """Every rank's :meth:`_steps`; the tiers some rank could not list go to
+        :attr:`_unlisted_anywhere` (the same on every rank)."""
         import torch.distributed as dist
 
         mine = self._steps()
         if self.pg is None:
+            self._unlisted_anywhere = list(self._unlisted)
             return [mine]
-        views: list[Any] = [None] * dist.get_world_size(self.pg)
-        dist.all_gather_object(views, mine, group=self.pg)
-        return views
+        got: list[Any] = [None] * dist.get_world_size(self.pg)
+        dist.all_gather_object(got, (mine, self._unlisted), group=self.pg)
+        self._unlisted_anywhere = [u for _v, us in got for u in us]
+        return [v for v, _us in got]
 
     def latest_step(self) -> int | None:
         """Every rank: the newest step some node holds a committed manifest of."""
@@ -319,8 +330,7 @@ class ShardedCheckpointManager:
         present = {s for v in views for _c, p in v.values() for s in p}
         steps = sorted(present if step is None else present & {step}, reverse=True)
         if not steps:
-            if step is not None:
-                raise NotFound(f"step {step} of {self.root!r} is on none of {self.ladder}")
+            self._no_checkpoint(step)
             return None
         # Newest step first, fastest tier first; a step directory anywhere is a candidate
         # (a pending part of a save that never committed is removed by the collective).
@@ -343,14 +353,16 @@ class ShardedCheckpointManager:
         except CandidatesFailed as e:
             self.restored_reason = [f"{c}: {p.text}" for c, p in e.problems]
             if step is None and all(p.code is Code.NO_MANIFEST for _c, p in e.problems):
+                self._no_checkpoint(step)
                 self._say(f"no checkpoint of {self.root!r} to restore")
                 return None
             raise
         self.restored_reason = [f"{c}: {p.text}" for c, p in passed]
+        self.restored_reason += [f"could not list {u}" for u in self._unlisted_anywhere]
         tier, _, key = used.partition(":")
         self.restored_tier = tier
         self.restored_step = parse_step(key.rsplit("/", 1)[-1])
-        if passed:
+        if self.restored_reason:
             self._say(f"restored {used} of {self.root!r}")
         if self.record and self.restored_step is not None:
             from ..checkpoint.dcp.nodes import tier_scope
@@ -359,6 +371,16 @@ class ShardedCheckpointManager:
                 # A part adopted or written back from a replica is this node's to tier.
                 self._record(self.restored_step, tier)
         return self.restored_step
+
+    def _no_checkpoint(self, step: int | None) -> None:
+        """Raise unless "no checkpoint" is known: every rank listed every tier."""
+        if self._unlisted_anywhere:
+            raise StoreUnavailable(
+                f"could not tell whether {self.root!r} has a checkpoint: could not list "
+                + "; ".join(self._unlisted_anywhere)[:1500]
+            )
+        if step is not None:
+            raise NotFound(f"step {step} of {self.root!r} is on none of {self.ladder}")
 
     def _say(self, what: str) -> None:
         """Rank 0 logs why the last restore passed over each candidate."""
