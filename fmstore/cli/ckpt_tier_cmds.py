@@ -133,7 +133,7 @@ def list_checkpoints(
     for t in pol.ladder:
         table.add_column(t)
     for (r, s), copies in sorted(by_step.items()):
-        cells = []
+        cells: list[str | Text] = []
         for t in pol.ladder:
             cp = copies.get(t)
             if cp is None:
