@@ -61,6 +61,8 @@ from .tiers import Tiers
 __all__ = ["ShardedCheckpointManager"]
 
 log = logging.getLogger("fmstore.tiering")
+_flag_lock = threading.Lock()
+_flag_groups: dict[int, Any] = {}
 
 
 class ShardedCheckpointManager:
@@ -122,7 +124,7 @@ class ShardedCheckpointManager:
         #: set once :meth:`should_save` agreed that some rank got SIGTERM
         self.preempted = False
         self._sigterm = threading.Event()
-        self._flag_pg = self._new_flag_group()
+        self._flag_pg: Any = None
         self._prev_handler: Any = None
         self._handler_set = False
         if handle_sigterm and threading.current_thread() is threading.main_thread():
@@ -130,14 +132,22 @@ class ShardedCheckpointManager:
             self._handler_set = True
         self._closed = False
 
-    def _new_flag_group(self) -> Any:
-        """A gloo group of the checkpoint group's ranks for :meth:`should_save`'s flag: the
-        checkpoint group's collectives run in the background saves' threads too."""
+    def _flag_group(self) -> Any:
+        """A gloo group of the checkpoint group's ranks for :meth:`should_save`'s flag (the
+        checkpoint group's collectives run in the background saves' threads too): made by
+        the first call, on every rank at the same step, and shared by the managers of one
+        checkpoint group."""
         if self.pg is None:
             return None
-        import torch.distributed as dist
+        if self._flag_pg is None:
+            import torch.distributed as dist
 
-        return dist.new_group(ranks=dist.get_process_group_ranks(self.pg), backend="gloo")
+            with _flag_lock:
+                if id(self.pg) not in _flag_groups:
+                    ranks = dist.get_process_group_ranks(self.pg)
+                    _flag_groups[id(self.pg)] = dist.new_group(ranks=ranks, backend="gloo")
+                self._flag_pg = _flag_groups[id(self.pg)]
+        return self._flag_pg
 
     def uri(self, tier: str, step: int) -> str:
         return f"{tier}:{checkpoint_key(self.root, step)}"
@@ -242,20 +252,32 @@ class ShardedCheckpointManager:
     # ---- preemption --------------------------------------------------------------------
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        # Only a flag: a save needs every rank, at the same step (see should_save).
-        self._sigterm.set()
+        # Only a flag: a save needs every rank, at the same step (see should_save).  A
+        # second SIGTERM goes to the previous handler (by default: the process ends), so a
+        # loop that never asks should_save stays killable.
+        if not self._sigterm.is_set():
+            self._sigterm.set()
+            return
+        prev = self._prev_handler
+        signal.signal(signal.SIGTERM, prev if prev is not None else signal.SIG_DFL)
+        self._handler_set = False
+        if callable(prev):
+            prev(signum, frame)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def should_save(self, step: int, every: int | None = None) -> bool:
         """Every rank, at every step (a collective): whether to save ``step`` now, the same
         answer on every rank: every ``every`` steps, or because some rank got SIGTERM since
         the last call (then :attr:`preempted` is set: save, wait, exit)."""
         flag = self._sigterm.is_set()
-        if self._flag_pg is not None:
+        group = self._flag_group()
+        if group is not None:
             import torch
             import torch.distributed as dist
 
             t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._flag_pg)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             flag = bool(t.item())
         if flag:
             self.preempted = True
