@@ -138,6 +138,12 @@ def sequence(rank: int, tmp: str) -> dict[str, Any]:
     seen["save_40"] = _error(lambda: mgr.save(40, make_state(40)))
     seen["save_40_again"] = _error(lambda: mgr.save(40, make_state(40)))
     seen["wait"] = _error(mgr.wait)
+    if rank == 1:
+        Path(nvme, STEP.format(41)).write_bytes(b"not a directory")
+    dist.barrier(pg)
+    seen["save_41"] = _error(lambda: mgr.save(41, make_state(41)))
+    seen["wait_41"] = _error(mgr.wait)
+    seen["wait_after"] = _error(mgr.wait)  # raised once
 
     # -- a rank-local failure (n0's catalog cannot be written): save() goes on, wait() and
     # close() raise it on that rank only
@@ -198,6 +204,8 @@ def test_sharded_manager_recovers_the_way_clusters_fail(tmp_path):
         assert seen["save_30"] == ""
         assert "FmstoreError" in seen["save_40"] and "CheckpointException" not in seen["save_40"]
         assert seen["save_40_again"] == "" and seen["wait"] == ""
+        assert seen["save_41"] == "" and "FmstoreError" in seen["wait_41"]
+        assert "CheckpointException" not in seen["wait_41"] and seen["wait_after"] == ""
         assert seen["save_after_local"] == ""
         assert "StoreUnavailable" in seen["unlisted"]
         assert seen["passed_over"] == 60
