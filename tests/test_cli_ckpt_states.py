@@ -84,5 +84,12 @@ def test_rm_r_of_a_run_says_it_keeps_the_runs_replicas(tmp_path, monkeypatch):
         assert r.returncode == 0, r.stderr
         assert "stay in nvme:.replicas/run" in r.stderr, r.stderr
         assert not own.exists() and replica.exists()
+        # a run with no replicas here: nothing said, no replica directory made
+        other = tmp_path / "nvme" / "other" / "x.bin"
+        other.parent.mkdir()
+        other.write_bytes(b"x")
+        r = fm_here("rm", "-r", "nvme:other", "--yes")
+        assert r.returncode == 0 and "replicas" not in r.stderr, r.stderr
+        assert not (tmp_path / "nvme" / ".replicas" / "other").exists()
     finally:
         fm_config.set_config(None)

@@ -317,6 +317,9 @@ def _replicas_beside(url: str) -> str | None:
     if rest.split("/", 1)[0] == REPLICA_PREFIX:
         return None
     where = f"{name}:{REPLICA_PREFIX}/{rest}" if rest else f"{name}:{REPLICA_PREFIX}"
+    path = local_dir(where)
+    if path is not None:  # opening a local store would create the directory
+        return where if os.path.isdir(path) and any(os.scandir(path)) else None
     return where if _has_objects_under(where) else None
 
 
