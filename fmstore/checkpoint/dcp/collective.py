@@ -324,36 +324,52 @@ def load(
                 code = Code.NO_MANIFEST if missing else Code.UNUSABLE
                 why.append((cand, Problem(code, reason(e))))
                 continue
-        problem = _prepare(cand, so, pg)
+        problem = _try(state_dict, cand, so, pg, planner, options)
         for attempt in range(UNKNOWN_TRIES - 1):
             if problem is None or problem.code is not Code.READ_ERROR:
                 break
             time.sleep(UNKNOWN_PAUSE * 2**attempt)
-            problem = _prepare(cand, so, pg)
-        if problem is not None and problem.code is Code.READ_ERROR:
+            problem = _try(state_dict, cand, so, pg, planner, options)
+        if problem is None:
+            return cand
+        if problem.code is Code.READ_ERROR:
             raise StoreUnavailable(
                 f"could not tell whether {cand} is a committed checkpoint after "
                 f"{UNKNOWN_TRIES} looks ({problem.text}); not falling back to an older step"
             )
-        if problem is not None:
-            why.append((cand, problem))
-            continue
-        err: Problem | None = None
-        try:
-            dcp.load(
-                state_dict,
-                storage_reader=Reader(cand, store_options=so, **options),
-                planner=planner,
-                process_group=pg,
-            )
-        except BaseException as e:
-            err = Problem(Code.UNUSABLE, reason(e))
-        agreed = first(_gather(pg, err))
-        if agreed is None:
-            return cand
-        why.append((cand, agreed))
+        why.append((cand, problem))
     text = "; ".join(f"{c}: {p.text}" for c, p in why)
     raise CandidatesFailed("no checkpoint every rank can read: " + text[:1500], why)
+
+
+def _try(
+    state_dict: dict[str, Any],
+    cand: str,
+    so: dict[str, Any],
+    pg: Any,
+    planner: Any,
+    options: dict[str, Any],
+) -> Problem | None:
+    """Every rank: prepare ``cand`` and load it; the problem every rank agrees on, None
+    once loaded.  A read that failed for a transient cause (:class:`StoreUnavailable`) is a
+    ``READ_ERROR``; a bad checksum or a missing blob makes the candidate ``UNUSABLE``."""
+    import torch.distributed.checkpoint as dcp
+
+    problem = _prepare(cand, so, pg)
+    if problem is not None:
+        return problem
+    err: Problem | None = None
+    try:
+        dcp.load(
+            state_dict,
+            storage_reader=Reader(cand, store_options=so, **options),
+            planner=planner,
+            process_group=pg,
+        )
+    except BaseException as e:
+        transient = isinstance(fmstore_error(e), StoreUnavailable)
+        err = Problem(Code.READ_ERROR if transient else Code.UNUSABLE, reason(e))
+    return first(_gather(pg, err))
 
 
 def _prepare(uri: str, so: dict[str, Any], pg: Any) -> Problem | None:
@@ -400,9 +416,13 @@ def _prepare(uri: str, so: dict[str, Any], pg: Any) -> Problem | None:
     m: DcpManifest | None = None
     try:
         m = DcpManifest.loads(box[0], where=f"{uri}/{MANIFEST_KEY}")
-        mine_p = runtime.run(_check_part(uri, so, m, views, rank, src))
     except Exception as e:
         mine_p = Problem(Code.UNUSABLE, reason(e))
+    else:
+        try:
+            mine_p = runtime.run(_check_part(uri, so, m, views, rank, src))
+        except Exception as e:  # listing this node's blobs failed: unknown
+            mine_p = Problem(Code.READ_ERROR, reason(e))
     every: list[Problem | None] = _gather(pg, mine_p)
     problem = first(every)
     if problem is not None:
