@@ -156,6 +156,8 @@ def sequence(rank: int, tmp: str) -> dict[str, Any]:
         with ShardedCheckpointManager("run", process_group=pg, config=str(bad)) as m:
             m.save(50, make_state(50))
             seen["save_after_local"] = _error(lambda: m.save(60, make_state(60)))
+            # a collective after it: no rank leaves it because of its own failure
+            seen["restore_after_local"] = _error(lambda: m.restore(make_state(0)))
 
     seen["close_local"] = _error(local)
 
@@ -206,7 +208,7 @@ def test_sharded_manager_recovers_the_way_clusters_fail(tmp_path):
         assert seen["save_40_again"] == "" and seen["wait"] == ""
         assert seen["save_41"] == "" and "FmstoreError" in seen["wait_41"]
         assert "CheckpointException" not in seen["wait_41"] and seen["wait_after"] == ""
-        assert seen["save_after_local"] == ""
+        assert seen["save_after_local"] == "" and seen["restore_after_local"] == ""
         assert "StoreUnavailable" in seen["unlisted"]
         assert seen["passed_over"] == 60
         assert any("step_000000000070" in r for r in seen["reason"])

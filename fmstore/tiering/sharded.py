@@ -239,15 +239,20 @@ class ShardedCheckpointManager:
     def wait(self, timeout: float | None = None) -> None:
         """Until every save of this manager is committed and recorded; raises the first
         failure of a save, else the first failure of this rank's recording."""
+        self._wait_saves(timeout)
+        if self._local_errors:
+            err, self._local_errors = self._local_errors[0], []
+            raise err
+
+    def _wait_saves(self, timeout: float | None = None) -> None:
+        """Wait for the saves and their records; raise a failed save (every rank sees it),
+        never this rank's own recording failure (kept for wait() and close())."""
         try:
             self._settle(timeout)
         finally:
             records, self._records = self._records, []
             for done in records:
                 done.wait(timeout)
-        if self._local_errors:
-            err, self._local_errors = self._local_errors[0], []
-            raise err
 
     # ---- preemption --------------------------------------------------------------------
 
@@ -347,7 +352,7 @@ class ShardedCheckpointManager:
         given and cannot be restored), :class:`~fmstore.errors.StoreUnavailable` when a
         candidate could not be looked at.  Why faster or newer candidates were passed over
         is in :attr:`restored_reason` (and logged by rank 0)."""
-        self.wait()
+        self._wait_saves()  # this rank's own failures wait for wait() and close()
         views = self._views()
         present = {s for v in views for _c, p in v.values() for s in p}
         steps = sorted(present if step is None else present & {step}, reverse=True)
