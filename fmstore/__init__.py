@@ -23,6 +23,7 @@ from .stores import open_store  # noqa: E402
 if TYPE_CHECKING:
     from .checkpoint import SaveHandle, aload, asave, async_save, load, prepare_async_save, save
     from .tiering.manager import CheckpointManager
+    from .tiering.sharded import ShardedCheckpointManager
 
 #: Names served by :mod:`fmstore.checkpoint`, imported on first use: it loads torch, which
 #: the storage layer and the CLI's staging commands do not need (seconds at start-up).
@@ -43,6 +44,11 @@ def __getattr__(name: str) -> Any:
 
         globals()[name] = CheckpointManager
         return CheckpointManager
+    if name == "ShardedCheckpointManager":
+        from .tiering.sharded import ShardedCheckpointManager
+
+        globals()[name] = ShardedCheckpointManager
+        return ShardedCheckpointManager
     raise AttributeError(f"module 'fmstore' has no attribute {name!r}")
 
 
@@ -56,6 +62,7 @@ def open(path: str, mode: str = "rb", **kwargs):  # type: ignore[no-untyped-def]
 
 __all__ = [
     "CheckpointManager",
+    "ShardedCheckpointManager",
     "__version__",
     "open",
     "open_store",

@@ -118,7 +118,12 @@ def test_ckpt_list_and_verify_show_and_check_this_nodes_part(cluster):
     res = fmstore_cli(cluster, "n1", "ckpt", "list", "run", "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     (row,) = [r for r in json.loads(res.stdout) if r["step"] == 10]
-    assert row["tiers"]["nvme"]["part"] == {"index": 2, "of": 2, "node": "n1"}
+    part = row["tiers"]["nvme"]["part"]
+    assert {k: part[k] for k in ("index", "of", "node")} == {"index": 2, "of": 2, "node": "n1"}
+    # n1's own bytes: its blobs on its NVMe, not the whole checkpoint
+    ck = cluster.nvme("n1") / STEP.format(10)
+    gen = json.loads((ck / "manifest.json").read_text())["generation"]
+    assert part["bytes"] == sum(p.stat().st_size for p in (ck / gen).glob("*.bin"))
     assert "part" not in row["tiers"]["lustre"]
     # Every tier of the run: n1's part on its NVMe, the whole checkpoint on Lustre.
     res = fmstore_cli(cluster, "n1", "ckpt", "verify", "--all-tiers", "run")
@@ -208,7 +213,7 @@ def test_replaced_node_gets_an_error_naming_its_missing_part(cluster):
     errors = {r["error"] for r in reps}
     assert len(errors) == 1, errors  # the same answer on every rank
     (err,) = errors
-    assert err.startswith("NotFound"), err
+    assert err.startswith("CandidatesFailed"), err  # a NotFound
     assert "node n1 lacks its part" in err and STEP.format(30) in err, err
 
 

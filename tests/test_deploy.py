@@ -35,8 +35,11 @@ def pod_specs(doc: dict) -> list[dict]:
 
 
 def images() -> set[str]:
+    """The images of fmstore's own workloads (the trainer's image is the user's)."""
     found = set()
     for doc in documents():
+        if doc["kind"] != "DaemonSet":
+            continue
         for pod in pod_specs(doc):
             for c in pod.get("initContainers", []) + pod.get("containers", []):
                 found.add(c["image"])
@@ -121,3 +124,51 @@ def test_every_file_the_dockerfile_copies_exists(copy):
     )
     for src in argv[:-1]:
         assert src not in ignored, f"{copy}: {src} is excluded by .dockerignore"
+
+
+def _env(container: dict, node_name: str) -> dict[str, str]:
+    """A container's environment as the kubelet resolves it on node ``node_name`` (values,
+    and the downward API's ``spec.nodeName``; anything else fails the test)."""
+    out = {}
+    for e in container.get("env", []):
+        if "value" in e:
+            out[e["name"]] = str(e["value"])
+        else:
+            assert e["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName", e
+            out[e["name"]] = node_name
+    return out
+
+
+def test_trainer_and_daemon_agree_on_the_node_and_the_config_is_valid(tmp_path, monkeypatch):
+    """The ConfigMap's TOML loads through fmstore's own loader and policy rules with NVMe
+    node-local; the trainer Job's and the daemon's pods on node ``a`` have the same node id
+    (from ``spec.nodeName``), the trainer finds the config where the ConfigMap is mounted."""
+    from fmstore.checkpoint.dcp.nodes import node_id
+    from fmstore.config import load_config
+    from fmstore.tiering.rules import from_config
+
+    docs = documents()
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    path = tmp_path / "fmstore.toml"
+    path.write_text(cm["data"]["fmstore.toml"])
+    cfg = load_config(str(path))
+    assert cfg.tier("nvme").scope == "node"
+    pol = from_config(cfg)  # the policy rules: no every_seconds from a node-local source
+    assert pol.write_tier == "nvme"
+    (daemon,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    ids = {}
+    for name, doc in (("daemon", daemon), ("trainer", job)):
+        (pod,) = pod_specs(doc)
+        mounts = {v["name"]: v for v in pod["volumes"]}
+        assert mounts["config"]["configMap"]["name"] == cm["metadata"]["name"]
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            env = _env(c, "a")
+            assert "FMSTORE_NODE_ID" in env, f"{name}/{c['name']} sets no FMSTORE_NODE_ID"
+            for k, v in env.items():
+                monkeypatch.setenv(k, v)
+            ids[f"{name}/{c['name']}"] = node_id()
+            if name == "trainer":
+                (m,) = [m for m in c["volumeMounts"] if m["name"] == "config"]
+                assert env["FMSTORE_CONFIG"] == f"{m['mountPath']}/fmstore.toml"
+    assert set(ids.values()) == {"a"}, ids

@@ -21,6 +21,10 @@ from ..errors import NotFound
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores.base import Store
 
+#: Where a node keeps the replicas it holds of other nodes' parts, on the same node-local
+#: tier (``.replicas/KEY/`` for the checkpoint at ``KEY``).
+REPLICA_PREFIX = ".replicas"
+
 STEP_RE = re.compile(r"^step_(\d{12})$")
 GENERATION_RE = re.compile(r"^g([0-9a-f]{12})-[0-9a-f]{8}$")
 BLOB_RE = re.compile(r"^[0-9]{6,}\.bin$")

@@ -14,6 +14,7 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .. import runtime
 from ..config import Config, load_config
@@ -38,6 +39,7 @@ _STYLE = {
     cat.DELETING: "yellow",
     cat.RELEASED: "dim",
     cat.DELETED: "dim",
+    cat.SUPERSEDED: "dim",
 }
 
 
@@ -131,22 +133,25 @@ def list_checkpoints(
     for t in pol.ladder:
         table.add_column(t)
     for (r, s), copies in sorted(by_step.items()):
-        cells = []
+        cells: list[str | Text] = []
         for t in pol.ladder:
             cp = copies.get(t)
             if cp is None:
                 cells.append("")
                 continue
-            size = f" {human_bytes(cp.bytes)}" if cp.state in cat.HOLDS_BYTES and cp.bytes else ""
+            nbytes = cp.bytes
+            part = parts.get((r, s, t))
+            if part and isinstance(part.get("bytes"), int):
+                nbytes = int(part["bytes"])  # type: ignore[call-overload]  # this node's part
+            size = f" {human_bytes(nbytes)}" if cp.state in cat.HOLDS_BYTES and nbytes else ""
             mark = "✓" if cp.state == cat.PRESENT and cp.verified else ""
             mark += f" ✗{cp.failures}" if cp.failures else ""
-            part = parts.get((r, s, t))
             if part and "present" in part:  # a shared tier: the nodes whose parts are there
                 present: list[str] = part["present"]  # type: ignore[assignment]
                 where = f" parts {len(present)}/{part['of'] or '?'} ({','.join(present)})"
             else:
                 where = f" part {part['index']}/{part['of']} ({part['node']})" if part else ""
-            cells.append(f"[{_STYLE.get(cp.state, '')}]{cp.state}{mark}{where}{size}[/]")
+            cells.append(Text(f"{cp.state}{mark}{where}{size}", style=_STYLE.get(cp.state, "")))
         table.add_row(r, str(s), *cells)
     console = Console()
     console.print(table)
@@ -191,7 +196,8 @@ def _parts(cfg: Config, rows: list[cat.Copy]) -> dict[tuple[str, int, str], dict
         for c in rows
         if c.state in (cat.EXPORTING, cat.PRESENT, cat.CORRUPT) and cfg.tier(c.tier).scope != "node"
     ]
-    from ..checkpoint.dcp.nodes import node_id  # loads torch: only with node-local copies
+    from ..checkpoint.dcp.manifest import DcpManifest  # loads torch: only with node-local copies
+    from ..checkpoint.dcp.nodes import node_id
 
     me = node_id()
     tiers = Tiers(cfg)
@@ -201,13 +207,20 @@ def _parts(cfg: Config, rows: list[cat.Copy]) -> dict[tuple[str, int, str], dict
         for c in local:
             try:
                 data = await tiers.checkpoint(c.tier, c.root, c.step).get("manifest.json")
-                ps = json.loads(data).get("parts") or []
-                nodes = [p["node"] for p in ps]
+                m = DcpManifest.loads(data, where=f"{c.tier}:{c.root} step {c.step}")
             except Exception:
                 continue  # the copy's state says what is wrong with it
+            nodes = [p.node for p in m.parts]
             if nodes:
                 idx = nodes.index(me) + 1 if me in nodes else 0
-                out[(c.root, c.step, c.tier)] = {"index": idx, "of": len(nodes), "node": me}
+                own = m.part_view(me) if me in nodes else None
+                out[(c.root, c.step, c.tier)] = {
+                    "index": idx,
+                    "of": len(nodes),
+                    "node": me,
+                    # this node's own bytes (its blobs), not the whole checkpoint's
+                    "bytes": sum(b.size for b in own.blobs) if own is not None else 0,
+                }
         in_parts = {(r, s): p["of"] for (r, s, _t), p in out.items()}
         for c in shared:
             if (c.root, c.step) not in in_parts:

@@ -275,6 +275,13 @@ def rm_cmd(
             typer.echo(f"  {c.describe()}", err=True)
         if len(tracked) > 20:
             typer.echo(f"  … and {len(tracked) - 20} more", err=True)
+    replicas = _replicas_beside(url) if recursive else None
+    if replicas is not None:
+        typer.echo(
+            f"this node's replicas of other nodes' parts under {url} stay in {replicas} "
+            f"(not deleted; 'fmstore rm -r {replicas}' deletes them)",
+            err=True,
+        )
     if dry_run:
         typer.echo(f"dry run: would delete {total}; nothing deleted", err=True)
         return
@@ -294,6 +301,26 @@ def rm_cmd(
     if recursive:
         _remove_empty_dirs(local, keep_top=is_root(url))
     typer.echo(f"deleted {plural(len(keys), 'object')}", err=True)
+
+
+def _replicas_beside(url: str) -> str | None:
+    """``TIER:.replicas/PATH`` where the node-local tier of ``url`` (``TIER:PATH``) holds
+    replicas of other nodes' parts under PATH, else None."""
+    from ..checkpoint.layout import REPLICA_PREFIX
+    from ..config import get_config
+    from ..stores import split_tier
+
+    name, rest = split_tier(url)
+    rest = rest.strip("/")
+    if name is None or get_config().tier(name).scope != "node":
+        return None
+    if rest.split("/", 1)[0] == REPLICA_PREFIX:
+        return None
+    where = f"{name}:{REPLICA_PREFIX}/{rest}" if rest else f"{name}:{REPLICA_PREFIX}"
+    path = local_dir(where)
+    if path is not None:  # opening a local store would create the directory
+        return where if os.path.isdir(path) and any(os.scandir(path)) else None
+    return where if _has_objects_under(where) else None
 
 
 def _has_objects_under(url: str) -> bool:

@@ -14,7 +14,19 @@ Every method but :meth:`save`'s wait is a collective of every rank of ``process_
   on every rank;
 * :meth:`restore` loads the newest step every rank can read, from the fastest tier of the
   ladder that holds it for every rank (:func:`fmstore.checkpoint.dcp.load`): all ranks fall
-  back together to a slower tier, then to an older step.
+  back together to a slower tier, then to an older step; it returns None when every rank
+  found no manifest, with no error, for every candidate (a job killed in its first save, an
+  empty step directory).  A candidate some rank could not look at (a read error) is retried,
+  then raised: never skipped for an older step;
+* :meth:`should_save` agrees at each step, on every rank, whether to save now (every N
+  steps, or because some rank got SIGTERM: the handler only sets a flag).
+
+No failure is lost: a failed background save (DCP's, or a collective's: every rank sees it)
+is raised by the next :meth:`save` (after it waits for the previous one), by :meth:`wait`
+and by :meth:`close`; a failure of this rank alone (recording in the catalog) is logged at
+error and raised by :meth:`wait` and :meth:`close` only, so that no rank leaves a
+collective the others enter.  The error raised is fmstore's own (the one DCP's
+``CheckpointException`` wraps).
 
 It works the same with every tier shared (one node, or Lustre as the write tier).  Each
 committed step is recorded in the node's catalog (by the node's lowest rank), so the node's
@@ -25,7 +37,10 @@ committed step is recorded in the node's catalog (by the node's lowest rank), so
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import logging
 import os
+import signal
 import threading
 from typing import Any
 
@@ -34,21 +49,33 @@ from .. import runtime
 from ..checkpoint.dcp import Stager, checkpoint_group
 from ..checkpoint.dcp import async_save as dcp_async_save
 from ..checkpoint.dcp import load as dcp_load
+from ..checkpoint.dcp.collective import CandidatesFailed
+from ..checkpoint.dcp.nodes import node_id
+from ..checkpoint.dcp.problems import Code, Problem, fmstore_error, reason
 from ..checkpoint.layout import MANIFEST_KEY, checkpoint_key, parse_step, step_name
 from ..config import Config, get_config, load_config
-from ..errors import NotFound
+from ..errors import NotFound, StoreUnavailable
 from .rules import from_config
 from .tiers import Tiers
 
 __all__ = ["ShardedCheckpointManager"]
+
+log = logging.getLogger("fmstore.tiering")
+_flag_lock = threading.Lock()
+_flag_groups: dict[int, Any] = {}
 
 
 class ShardedCheckpointManager:
     """Sharded checkpoints of one run (``root``: a key prefix on every tier, like ``runs/a``).
 
     ``process_group``: the checkpoint group (default: one gloo group made on first use).
+    ``config``: a :class:`~fmstore.config.Config` or a path to ``fmstore.toml`` (default the
+    usual lookup); every tier of the saves and restores is looked up in it.
     ``write_tier`` and ``ladder`` (fastest first) default to the config's ``[policies]``.
     ``write_options``: :class:`~fmstore.checkpoint.dcp.WriteOptions` fields.
+    ``handle_sigterm``: install a SIGTERM handler that sets the flag :meth:`should_save`
+    agrees on (from the main thread only; the previous handler is restored by
+    :meth:`close`).
     """
 
     def __init__(
@@ -62,6 +89,7 @@ class ShardedCheckpointManager:
         stager: Stager | None = None,
         write_options: dict[str, Any] | None = None,
         record: bool | None = None,
+        handle_sigterm: bool = True,
     ) -> None:
         if isinstance(config, Config):
             self.config = config
@@ -77,33 +105,92 @@ class ShardedCheckpointManager:
         self.pg = process_group if process_group is not None else checkpoint_group()
         self.stager = stager or Stager()
         self.write_options = dict(write_options or {})
+        #: what every store of this manager is opened with: the caller's config
+        self.store_options: dict[str, Any] = {"config": self.config}
         self.tiers = Tiers(self.config)
         self._pending: list[cf.Future[Any]] = []
         self._records: list[threading.Event] = []
+        self._local_errors: list[BaseException] = []
+        self._unlisted: list[str] = []
+        self._unlisted_anywhere: list[str] = []
         #: Record each committed step in this node's catalog (its lowest rank does, by
         #: default), for the node's ``fmstore daemon`` to tier it.
         self.record = os.environ.get("LOCAL_RANK", "0") == "0" if record is None else record
         self.restored_step: int | None = None
         #: the tier the last :meth:`restore` read from
         self.restored_tier: str | None = None
+        #: why the last :meth:`restore` passed over each faster or newer candidate
+        self.restored_reason: list[str] = []
+        #: set once :meth:`should_save` agreed that some rank got SIGTERM
+        self.preempted = False
+        self._sigterm = threading.Event()
+        self._flag_pg: Any = None
+        self._prev_handler: Any = None
+        self._handler_set = False
+        if handle_sigterm and threading.current_thread() is threading.main_thread():
+            self._prev_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._handler_set = True
+        self._closed = False
+
+    def _flag_group(self) -> Any:
+        """A gloo group of the checkpoint group's ranks for :meth:`should_save`'s flag (the
+        checkpoint group's collectives run in the background saves' threads too): made by
+        the first call, on every rank at the same step, and shared by the managers of one
+        checkpoint group."""
+        if self.pg is None:
+            return None
+        if self._flag_pg is None:
+            import torch.distributed as dist
+
+            with _flag_lock:
+                if id(self.pg) not in _flag_groups:
+                    ranks = dist.get_process_group_ranks(self.pg)
+                    _flag_groups[id(self.pg)] = dist.new_group(ranks=ranks, backend="gloo")
+                self._flag_pg = _flag_groups[id(self.pg)]
+        return self._flag_pg
 
     def uri(self, tier: str, step: int) -> str:
         return f"{tier}:{checkpoint_key(self.root, step)}"
 
+    # ---- saving ------------------------------------------------------------------------
+
     def save(self, step: int, state: dict[str, Any]) -> cf.Future[Any]:
         """Every rank: stage ``state`` and save it as ``step`` in the background; the future
-        completes once the step is committed (and on every node)."""
+        completes once the step is committed (and on every node).  Waits for the previous
+        save first and raises its failure (every rank sees it alike)."""
         step_name(step)  # validates
         from ..checkpoint.dcp import Writer
 
-        w = Writer(self.uri(self.write_tier, step), **self.write_options)
+        self._settle()
+        w = Writer(
+            self.uri(self.write_tier, step),
+            store_options=self.store_options,
+            **self.write_options,
+        )
         fut = dcp_async_save(state, w, stager=self.stager, process_group=self.pg)
         if self.record:
             done = threading.Event()
             self._records = [e for e in self._records if not e.is_set()] + [done]
             fut.add_done_callback(lambda f: self._recorded(f, step, done))
-        self._pending = [f for f in self._pending if not f.done()] + [fut]
+        self._pending.append(fut)
         return fut
+
+    def _settle(self, timeout: float | None = None) -> None:
+        """Wait for every pending save; raise the first failure (fmstore's own error)."""
+        pending, self._pending = self._pending, []
+        failure: BaseException | None = None
+        for f in pending:
+            try:
+                f.result(timeout)
+            except cf.TimeoutError:
+                raise
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                failure = failure or e
+        if failure is not None:
+            inner = fmstore_error(failure)
+            if inner is failure:
+                raise failure
+            raise inner from None
 
     def _recorded(self, fut: cf.Future[Any], step: int, done: threading.Event) -> None:
         """Once ``step`` is committed (and on this node), record it in this node's catalog
@@ -115,7 +202,7 @@ class ShardedCheckpointManager:
 
         def record() -> None:
             try:
-                self._record(step)
+                self._record(step, self.write_tier)
             finally:
                 done.set()
 
@@ -123,15 +210,16 @@ class ShardedCheckpointManager:
         # waits for it, so a job that waits for its saves has them recorded too.
         threading.Thread(target=record, name="fmstore-record").start()
 
-    def _record(self, step: int) -> None:
-        import logging
-
+    def _record(self, step: int, tier: str) -> None:
+        """Record ``step``'s copy on ``tier`` (this node's part, on a node-local tier) in
+        this node's catalog; a failure is this rank's alone: logged at error, raised by
+        :meth:`wait` and :meth:`close`."""
         from ..checkpoint.verify import read_committed
         from ..format.checksum import crc32c
         from . import catalog as cat
 
         try:
-            store = self.tiers.checkpoint(self.write_tier, self.root, step)
+            store = self.tiers.checkpoint(tier, self.root, step)
             data, m = runtime.run(read_committed(store))
             with cat.Catalog.for_state_dir(self.config.state_dir) as c:
                 c.record_checkpoint(
@@ -141,31 +229,82 @@ class ShardedCheckpointManager:
                     manifest_crc32c=crc32c(data),
                     created=getattr(m, "created", None) or None,
                 )
-                c.set_copy(self.root, step, self.write_tier, cat.PRESENT, bytes=m.stored_bytes)
+                c.set_copy(self.root, step, tier, cat.PRESENT, bytes=m.stored_bytes)
         except Exception as e:  # the save stands; a daemon's rescan finds it again
-            logging.getLogger("fmstore.tiering").warning(
-                "could not record step %d of %r in the catalog: %s", step, self.root, e
+            log.error(
+                "could not record step %d of %r on %s in the catalog: %s", step, self.root, tier, e
             )
+            self._local_errors.append(e)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Until every save of this manager is committed; raises the first failure."""
-        pending, self._pending = self._pending, []
-        for f in pending:
-            f.result(timeout)
-        records, self._records = self._records, []
-        for done in records:
-            done.wait(timeout)
+        """Until every save of this manager is committed and recorded; raises the first
+        failure of a save, else the first failure of this rank's recording."""
+        self._wait_saves(timeout)
+        if self._local_errors:
+            err, self._local_errors = self._local_errors[0], []
+            raise err
+
+    def _wait_saves(self, timeout: float | None = None) -> None:
+        """Wait for the saves and their records; raise a failed save (every rank sees it),
+        never this rank's own recording failure (kept for wait() and close())."""
+        try:
+            self._settle(timeout)
+        finally:
+            records, self._records = self._records, []
+            for done in records:
+                done.wait(timeout)
+
+    # ---- preemption --------------------------------------------------------------------
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # Only a flag: a save needs every rank, at the same step (see should_save).  A
+        # second SIGTERM goes to the previous handler (by default: the process ends), so a
+        # loop that never asks should_save stays killable.
+        if not self._sigterm.is_set():
+            self._sigterm.set()
+            return
+        prev = self._prev_handler
+        signal.signal(signal.SIGTERM, prev if prev is not None else signal.SIG_DFL)
+        self._handler_set = False
+        if callable(prev):
+            prev(signum, frame)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def should_save(self, step: int, every: int | None = None) -> bool:
+        """Every rank, at every step (a collective): whether to save ``step`` now, the same
+        answer on every rank: every ``every`` steps, or because some rank got SIGTERM since
+        the last call (then :attr:`preempted` is set: save, wait, exit)."""
+        flag = self._sigterm.is_set()
+        group = self._flag_group()
+        if group is not None:
+            import torch
+            import torch.distributed as dist
+
+            t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            flag = bool(t.item())
+        if flag:
+            self.preempted = True
+            return True
+        return every is not None and every > 0 and step % every == 0
+
+    # ---- restoring ---------------------------------------------------------------------
 
     def _steps(self) -> dict[str, tuple[set[int], set[int]]]:
-        """This rank's view: per tier, the steps it sees committed and every step directory."""
+        """This rank's view: per tier, the steps it sees committed and every step directory;
+        under the key ``""``, the tiers it could not list (as ``(set(), set())`` values are
+        not enough: an unlisted tier may hold the newest step)."""
         out: dict[str, tuple[set[int], set[int]]] = {}
+        self._unlisted = []
         for tier in self.ladder:
             try:
                 out[tier] = runtime.run(self._steps_on(tier))
-            except Exception:
+            except Exception as e:
                 # Unreachable from this rank: it sees nothing there (and must still answer
                 # the collective, or the other ranks would wait for it).
                 out[tier] = (set(), set())
+                self._unlisted.append(f"{tier} (node {node_id()}): {reason(e)}")
         return out
 
     async def _steps_on(self, tier: str) -> tuple[set[int], set[int]]:
@@ -186,29 +325,39 @@ class ShardedCheckpointManager:
         return committed, present
 
     def _views(self) -> list[dict[str, tuple[set[int], set[int]]]]:
+        """Every rank's :meth:`_steps`; the tiers some rank could not list go to
+        :attr:`_unlisted_anywhere` (the same on every rank)."""
         import torch.distributed as dist
 
         mine = self._steps()
         if self.pg is None:
+            self._unlisted_anywhere = list(self._unlisted)
             return [mine]
-        views: list[Any] = [None] * dist.get_world_size(self.pg)
-        dist.all_gather_object(views, mine, group=self.pg)
-        return views
+        got: list[Any] = [None] * dist.get_world_size(self.pg)
+        dist.all_gather_object(got, (mine, self._unlisted), group=self.pg)
+        self._unlisted_anywhere = [u for _v, us in got for u in us]
+        return [v for v, _us in got]
 
     def latest_step(self) -> int | None:
         """Every rank: the newest step some node holds a committed manifest of."""
         steps = {s for v in self._views() for c, _p in v.values() for s in c}
         return max(steps) if steps else None
 
-    def restore(self, state: dict[str, Any]) -> int | None:
-        """Every rank: fill ``state`` (a DCP state dict) from the newest step every rank can
-        read, the same on every rank; returns it (None when the run has no checkpoint yet).
-        Raises :class:`~fmstore.errors.NotFound` naming every candidate passed over when
-        steps exist but none is readable by every rank."""
-        self.wait()
+    def restore(self, state: dict[str, Any], step: int | None = None) -> int | None:
+        """Every rank: fill ``state`` (a DCP state dict) from ``step`` (default: the newest
+        step every rank can read), the same on every rank; returns it.  None when the run
+        has no checkpoint yet (every rank found no manifest, with no error, for every
+        candidate).  Raises :class:`~fmstore.errors.NotFound` naming every candidate passed
+        over when steps exist but none is readable by every rank (and when ``step`` is
+        given and cannot be restored), :class:`~fmstore.errors.StoreUnavailable` when a
+        candidate could not be looked at.  Why faster or newer candidates were passed over
+        is in :attr:`restored_reason` (and logged by rank 0)."""
+        self._wait_saves()  # this rank's own failures wait for wait() and close()
         views = self._views()
-        steps = sorted({s for v in views for _c, p in v.values() for s in p}, reverse=True)
+        present = {s for v in views for _c, p in v.values() for s in p}
+        steps = sorted(present if step is None else present & {step}, reverse=True)
         if not steps:
+            self._no_checkpoint(step)
             return None
         # Newest step first, fastest tier first; a step directory anywhere is a candidate
         # (a pending part of a save that never committed is removed by the collective).
@@ -218,8 +367,80 @@ class ShardedCheckpointManager:
             for t in self.ladder
             if any(s in v[t][1] for v in views if t in v)
         ]
-        used = dcp_load(state, cands[0], fallbacks=cands[1:], process_group=self.pg)
+        passed: list[tuple[str, Problem]] = []
+        try:
+            used = dcp_load(
+                state,
+                cands[0],
+                fallbacks=cands[1:],
+                process_group=self.pg,
+                store_options=self.store_options,
+                passed=passed,
+            )
+        except CandidatesFailed as e:
+            self.restored_reason = [f"{c}: {p.text}" for c, p in e.problems]
+            if step is None and all(p.code is Code.NO_MANIFEST for _c, p in e.problems):
+                self._no_checkpoint(step)
+                self._say(f"no checkpoint of {self.root!r} to restore")
+                return None
+            raise
+        self.restored_reason = [f"{c}: {p.text}" for c, p in passed]
+        self.restored_reason += [f"could not list {u}" for u in self._unlisted_anywhere]
         tier, _, key = used.partition(":")
         self.restored_tier = tier
         self.restored_step = parse_step(key.rsplit("/", 1)[-1])
+        if self.restored_reason:
+            self._say(f"restored {used} of {self.root!r}")
+        if self.record and self.restored_step is not None:
+            from ..checkpoint.dcp.nodes import tier_scope
+
+            if tier_scope(used, self.config) == "node":
+                # A part adopted or written back from a replica is this node's to tier.
+                self._record(self.restored_step, tier)
         return self.restored_step
+
+    def _no_checkpoint(self, step: int | None) -> None:
+        """Raise unless "no checkpoint" is known: every rank listed every tier."""
+        if self._unlisted_anywhere:
+            raise StoreUnavailable(
+                f"could not tell whether {self.root!r} has a checkpoint: could not list "
+                + "; ".join(self._unlisted_anywhere)[:1500]
+            )
+        if step is not None:
+            raise NotFound(f"step {step} of {self.root!r} is on none of {self.ladder}")
+
+    def _say(self, what: str) -> None:
+        """Rank 0 logs why the last restore passed over each candidate."""
+        import torch.distributed as dist
+
+        if self.pg is None or dist.get_rank(self.pg) == 0:
+            why = "; ".join(self.restored_reason)[:2000]
+            log.warning(
+                "%s; passed over: %s",
+                what,
+                why,
+                extra={"event": "restore_passed_over", "fields": {}},
+            )
+
+    # ---- lifetime ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for every save (raising the first failure, then this rank's recording
+        failure) and restore the previous SIGTERM handler."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            if self._handler_set:
+                prev = self._prev_handler
+                with contextlib.suppress(ValueError):  # not the main thread: leave it
+                    signal.signal(signal.SIGTERM, prev if prev is not None else signal.SIG_DFL)
+            self._handler_set = False
+
+    def __enter__(self) -> ShardedCheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

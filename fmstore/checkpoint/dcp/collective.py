@@ -23,23 +23,25 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from ... import runtime
-from ...errors import AlreadyExists, FmstoreError, NotFound
+from ...errors import AlreadyExists, FmstoreError, NotFound, StoreUnavailable
 from ...stores import PutOptions, Store
 from ..layout import GENERATION_RE
 from . import replicas
 from .manifest import MANIFEST_KEY, DcpManifest
 from .nodes import RankRecord, node_id, rank_record_key, tier_scope
+from .problems import Code, Problem, first, fmstore_error, reason
 from .reader import Reader
 from .staging import Stager
 from .writer import Writer
 
-__all__ = ["async_save", "checkpoint_group", "load", "save"]
+__all__ = ["CandidatesFailed", "async_save", "checkpoint_group", "load", "save"]
 
 _lock = threading.Lock()
 _groups: dict[int, Any] = {}
@@ -76,11 +78,13 @@ def _writer(target: Writer | str, store_options: dict[str, Any] | None, opts: An
     return w
 
 
-def _spans_nodes(uri: str, pg: Any) -> bool:
-    """Whether a save to ``uri`` may be in parts (decided alike on every rank, from the
+def _spans_nodes(writer: Writer, pg: Any) -> bool:
+    """Whether a save by ``writer`` may be in parts (decided alike on every rank, from the
     configuration alone)."""
     dist = _dist()
-    return dist is not None and dist.get_world_size(pg) > 1 and tier_scope(uri) == "node"
+    if dist is None or dist.get_world_size(pg) <= 1:
+        return False
+    return tier_scope(writer.uri, writer.store_options.get("config")) == "node"
 
 
 def save(
@@ -104,7 +108,7 @@ def save(
         return
     _wait_previous(pg)
     dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=pg)
-    if _spans_nodes(writer.uri, pg):
+    if _spans_nodes(writer, pg):
         _distribute(writer, pg)
 
 
@@ -147,7 +151,7 @@ def async_save(
         **kwargs,
     )
     upload: Future[Any] = fut.upload_completion if hasattr(fut, "upload_completion") else fut
-    if pg is not None and _spans_nodes(writer.uri, pg):
+    if pg is not None and _spans_nodes(writer, pg):
         out: Future[Any] = Future()
 
         def then(f: Future[Any]) -> None:
@@ -198,7 +202,7 @@ def _distribute(writer: Writer, pg: Any) -> None:
         try:
             box[0] = runtime.run(writer.store.get(MANIFEST_KEY))
         except Exception as e:  # every rank raises it below, none waits for the others
-            box[0] = f"the coordinator could not read its manifest again: {_reason(e)}"
+            box[0] = f"the coordinator could not read its manifest again: {reason(e)}"
     dist.broadcast_object_list(box, group=pg, group_src=0)
     err = ""
     try:
@@ -220,7 +224,7 @@ def _distribute(writer: Writer, pg: Any) -> None:
             key=MANIFEST_KEY,
         )
     # With [tiers.X] replicas: each rank's part to its partner on the next node.
-    replicas.replicate(writer.uri, box[0], pg)
+    replicas.replicate(writer.uri, box[0], pg, writer.store_options)
 
 
 async def _put_manifest(store: Store, data: bytes) -> None:
@@ -251,9 +255,28 @@ class _View:
     node: str
     digest: str | None  # sha256 of the manifest this node holds, None: no manifest
     pending: tuple[str, ...]  # generations holding this rank's record, no manifest here
-    error: str = ""
+    #: a read failed: what this node holds is unknown
+    error: Problem | None = None
     #: the replicas this node holds of other nodes' parts: sha256 of their manifest, ranks
     held: tuple[str | None, tuple[int, ...]] = (None, ())
+
+
+class CandidatesFailed(NotFound):
+    """No candidate is readable by every rank; ``problems``: each candidate and the
+    problem every rank agreed on (all ``NO_MANIFEST``: the run has no checkpoint there)."""
+
+    def __init__(self, message: str, problems: Sequence[tuple[str, Problem]]) -> None:
+        super().__init__(message)
+        self.problems = list(problems)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (CandidatesFailed, (self.message, self.problems))
+
+
+#: how often a candidate whose state is unknown (a read error) is looked at again, and
+#: the pause before each new look (seconds, doubled each time)
+UNKNOWN_TRIES = 3
+UNKNOWN_PAUSE = 0.2
 
 
 def load(
@@ -264,6 +287,7 @@ def load(
     process_group: Any = None,
     planner: Any = None,
     store_options: dict[str, Any] | None = None,
+    passed: list[tuple[str, Problem]] | None = None,
     **options: Any,
 ) -> str:
     """Load the first of ``uri`` and ``fallbacks`` that every rank can read into
@@ -271,16 +295,21 @@ def load(
 
     Candidates on a node-local tier are used only when every rank's node holds its part
     (checked with the manifest, before anything is read) under the same rank-to-node map
-    as the save; a pending part whose manifest another node holds is adopted, and pending
-    parts of a save no node holds a manifest of are removed.  If any rank's read fails (a
-    bad checksum, a missing blob) every rank goes on to the next candidate.  Raises
-    :class:`NotFound` naming every candidate and why it was passed over.
+    as the save, or a replica restores it; a pending part whose manifest another node
+    holds is adopted, and pending parts of a save no node holds a manifest of (every rank
+    answered, none with an error) are removed.  If any rank's read fails (a bad checksum,
+    a missing blob) every rank goes on to the next candidate.  A candidate some rank could
+    not look at (a read error: its state is unknown) is looked at again
+    (:data:`UNKNOWN_TRIES`), then the error is raised on every rank: never skipped for an
+    older one.  Raises :class:`CandidatesFailed` (a :class:`NotFound`) naming every
+    candidate and why it was passed over; ``passed``, when given, receives the candidates
+    passed over before the one loaded.
     """
     import torch.distributed.checkpoint as dcp
 
     so = dict(store_options or {})
     pg = process_group if process_group is not None else checkpoint_group()
-    why: list[str] = []
+    why: list[tuple[str, Problem]] = [] if passed is None else passed
     for cand in [uri, *fallbacks]:
         if _dist() is None:
             try:
@@ -291,43 +320,61 @@ def load(
                 )
                 return cand
             except BaseException as e:  # DCP's CheckpointException is a BaseException
-                why.append(f"{cand}: {_reason(e)}")
+                missing = isinstance(fmstore_error(e), NotFound)
+                code = Code.NO_MANIFEST if missing else Code.UNUSABLE
+                why.append((cand, Problem(code, reason(e))))
                 continue
-        problem = _prepare(cand, so, pg)
-        if problem:
-            why.append(f"{cand}: {problem}")
-            continue
-        err = ""
-        try:
-            dcp.load(
-                state_dict,
-                storage_reader=Reader(cand, store_options=so, **options),
-                planner=planner,
-                process_group=pg,
-            )
-        except BaseException as e:
-            err = _reason(e)
-        errors = [e for e in _gather(pg, err) if e]
-        if not errors:
+        problem = _try(state_dict, cand, so, pg, planner, options)
+        for attempt in range(UNKNOWN_TRIES - 1):
+            if problem is None or problem.code is not Code.READ_ERROR:
+                break
+            time.sleep(UNKNOWN_PAUSE * 2**attempt)
+            problem = _try(state_dict, cand, so, pg, planner, options)
+        if problem is None:
             return cand
-        why.append(f"{cand}: {errors[0]}")
-    raise NotFound("no checkpoint every rank can read: " + "; ".join(why)[:1500])
+        if problem.code is Code.READ_ERROR:
+            raise StoreUnavailable(
+                f"could not tell whether {cand} is a committed checkpoint after "
+                f"{UNKNOWN_TRIES} looks ({problem.text}); not falling back to an older step"
+            )
+        why.append((cand, problem))
+    text = "; ".join(f"{c}: {p.text}" for c, p in why)
+    raise CandidatesFailed("no checkpoint every rank can read: " + text[:1500], why)
 
 
-def _reason(e: BaseException) -> str:
-    """The first line of an error, and the fmstore error a DCP CheckpointException wraps."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict):
-        for exc, *_t in failures.values():
-            if isinstance(exc, BaseException):
-                return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    text = str(e).splitlines()[0] if str(e) else ""
-    return f"{type(e).__name__}: {text}"[:400]
+def _try(
+    state_dict: dict[str, Any],
+    cand: str,
+    so: dict[str, Any],
+    pg: Any,
+    planner: Any,
+    options: dict[str, Any],
+) -> Problem | None:
+    """Every rank: prepare ``cand`` and load it; the problem every rank agrees on, None
+    once loaded.  A read that failed for a transient cause (:class:`StoreUnavailable`) is a
+    ``READ_ERROR``; a bad checksum or a missing blob makes the candidate ``UNUSABLE``."""
+    import torch.distributed.checkpoint as dcp
+
+    problem = _prepare(cand, so, pg)
+    if problem is not None:
+        return problem
+    err: Problem | None = None
+    try:
+        dcp.load(
+            state_dict,
+            storage_reader=Reader(cand, store_options=so, **options),
+            planner=planner,
+            process_group=pg,
+        )
+    except BaseException as e:
+        transient = isinstance(fmstore_error(e), StoreUnavailable)
+        err = Problem(Code.READ_ERROR if transient else Code.UNUSABLE, reason(e))
+    return first(_gather(pg, err))
 
 
-def _prepare(uri: str, so: dict[str, Any], pg: Any) -> str:
+def _prepare(uri: str, so: dict[str, Any], pg: Any) -> Problem | None:
     """Agree on whether ``uri`` is readable by every rank, adopting or removing pending
-    parts; '' when it is (the same answer on every rank)."""
+    parts; None when it is (the same answer on every rank)."""
     dist = _dist()
     rank = dist.get_rank(pg)
     # Every step below answers on every rank, errors included: a rank that raised here
@@ -335,68 +382,73 @@ def _prepare(uri: str, so: dict[str, Any], pg: Any) -> str:
     try:
         mine = runtime.run(_look(uri, so, rank))
     except Exception as e:
-        mine = _View(rank, node_id(), None, (), _reason(e))
+        mine = _View(rank, node_id(), None, (), Problem(Code.READ_ERROR, reason(e)))
     views: list[_View] = _gather(pg, mine)
     holders = [v for v in views if v.digest is not None]
     if not holders:
+        bad = [v for v in views if v.error is not None]
+        if bad:
+            # Some node could not look: it may hold the manifest.  Nothing is removed.
+            text = f"node {bad[0].node} could not look: {bad[0].error.text}"  # type: ignore[union-attr]
+            return Problem(Code.READ_ERROR, text)
         pending = [v for v in views if v.pending]
         if any(v.rank == rank for v in pending):
             layout = tuple(v.node for v in views)
             with contextlib.suppress(Exception):  # stays pending: the next restore retries
                 runtime.run(_drop_pending(uri, so, rank, views[rank].pending, layout))
-        errs = sorted({v.error for v in views if v.error})
-        extra = f" ({errs[0]})" if errs else ""
         if pending:
-            return (
-                f"never committed: no node holds its manifest; its pending parts are removed{extra}"
-            )
-        return f"no committed checkpoint there{extra}"
+            text = "never committed: no node holds its manifest; its pending parts are removed"
+            return Problem(Code.NO_MANIFEST, text)
+        return Problem(Code.NO_MANIFEST, "no committed checkpoint there")
     src = holders[0]
     box: list[Any] = [None]
     if rank == src.rank:
         try:
             box[0] = runtime.run(_open(uri, so).get(MANIFEST_KEY))
         except Exception as e:
-            box[0] = f"node {src.node} could not read its manifest again: {_reason(e)}"
+            box[0] = Problem(
+                Code.READ_ERROR, f"node {src.node} could not read its manifest again: {reason(e)}"
+            )
     dist.broadcast_object_list(box, group=pg, group_src=src.rank)
-    if isinstance(box[0], str):
-        return box[0]
-    problem = ""
+    if not isinstance(box[0], bytes):
+        return box[0] if isinstance(box[0], Problem) else Problem(Code.UNUSABLE, "no manifest")
+    mine_p: Problem | None = None
     m: DcpManifest | None = None
     try:
         m = DcpManifest.loads(box[0], where=f"{uri}/{MANIFEST_KEY}")
-        problem = runtime.run(_check_part(uri, so, m, views, rank, src))
     except Exception as e:
-        problem = _reason(e)
-    every = _gather(pg, problem)
-    problems = [p for p in every if p]
-    if problems:
+        mine_p = Problem(Code.UNUSABLE, reason(e))
+    else:
+        try:
+            mine_p = runtime.run(_check_part(uri, so, m, views, rank, src))
+        except Exception as e:  # listing this node's blobs failed: unknown
+            mine_p = Problem(Code.READ_ERROR, reason(e))
+    every: list[Problem | None] = _gather(pg, mine_p)
+    problem = first(every)
+    if problem is not None:
         # Parts lost with their nodes come back from the replicas other nodes hold.
-        lacking = [r for r, p in enumerate(every) if p.startswith("node ") and _LACKS in p]
+        lacking = [r for r, p in enumerate(every) if p is not None]
         routes = None
-        if m is not None and len(lacking) == len(problems) and src.digest is not None:
-            routes = replicas.plan(src.digest, [v.held for v in views], lacking)
+        if m is not None and all(p is None or p.code is Code.LACKS_PART for p in every):
+            routes = replicas.plan(src.digest or "", [v.held for v in views], lacking)
         if m is None or routes is None:
-            return problems[0]
+            return problem
         errs = [e for e in _gather(pg, replicas.fetch(uri, so, m, routes, pg)) if e]
         if errs:
-            return f"{problems[0]}; its replica did not restore it ({errs[0]})"[:600]
+            text = f"{problem.text}; its replica did not restore it ({errs[0]})"
+            return Problem(Code.UNUSABLE, text)
     assert m is not None  # no problem: the manifest was read
     # Every rank can read its part: the nodes that lacked the manifest adopt theirs.
-    err = ""
-    if m.parts and views[rank].digest is None and tier_scope(uri) == "node":
+    err: Problem | None = None
+    if m.parts and views[rank].digest is None and tier_scope(uri, so.get("config")) == "node":
         part = m.part_of(views[rank].node)
         if part is not None and rank == min(part.ranks):
             try:
                 runtime.run(_put_manifest(_open(uri, so), box[0]))
             except Exception as e:
-                err = f"node {views[rank].node} could not adopt its part: {_reason(e)}"
-    errs = [e for e in _gather(pg, err) if e]
-    return errs[0] if errs else ""
-
-
-#: how a rank whose node lacks its part says so (a replica may restore it)
-_LACKS = " lacks its part "
+                text = f"node {views[rank].node} could not adopt its part: {reason(e)}"
+                err = Problem(Code.UNUSABLE, text)
+    return first(_gather(pg, err))
 
 
 def _open(uri: str, so: dict[str, Any]) -> Store:
@@ -405,6 +457,7 @@ def _open(uri: str, so: dict[str, Any]) -> Store:
 
 async def _look(uri: str, so: dict[str, Any], rank: int) -> _View:
     me = node_id()
+    cfg = so.get("config")
     try:
         store = _open(uri, so)
     except NotFound:
@@ -414,14 +467,14 @@ async def _look(uri: str, so: dict[str, Any], rank: int) -> _View:
     except NotFound:
         data = None
     except Exception as e:
-        return _View(rank, me, None, (), _reason(e))
+        return _View(rank, me, None, (), Problem(Code.READ_ERROR, reason(e)))
     held: tuple[str | None, tuple[int, ...]] = (None, ())
-    if replicas.replicas_of(uri):
+    if replicas.replicas_of(uri, cfg):
         held = await replicas.held(uri, so)
     if data is not None:
         return _View(rank, me, hashlib.sha256(data).hexdigest(), (), held=held)
     pending = []
-    if tier_scope(uri) == "node":
+    if tier_scope(uri, cfg) == "node":
         async for o in store.list("", recursive=False):
             gen = o.key.rstrip("/").rsplit("/", 1)[-1]
             if GENERATION_RE.match(gen) and await store.exists(rank_record_key(gen, rank)):
@@ -451,30 +504,35 @@ async def _drop_pending(
 
 async def _check_part(
     uri: str, so: dict[str, Any], m: DcpManifest, views: list[_View], rank: int, src: _View
-) -> str:
-    """Why this rank cannot read its share of the checkpoint ``m`` at ``uri`` ('' if it can)."""
+) -> Problem | None:
+    """Why this rank cannot read its share of the checkpoint ``m`` at ``uri`` (None if it
+    can)."""
     me = views[rank]
     if me.digest is not None and me.digest != src.digest:
-        return (
+        text = (
             f"node {me.node} holds another manifest than node {src.node} (two saves to one prefix?)"
         )
-    if not m.parts or tier_scope(uri) != "node":
+        return Problem(Code.UNUSABLE, text)
+    if not m.parts or tier_scope(uri, so.get("config")) != "node":
         # In one part, or on a shared tier: every rank sees the same store, DCP's read
         # checks the rest.
         if me.digest is None:
-            return f"node {me.node} (rank {me.rank}) cannot see the manifest node {src.node} reads"
-        return ""
+            text = f"node {me.node} (rank {me.rank}) cannot see the manifest node {src.node} reads"
+            return Problem(me.error.code if me.error else Code.UNUSABLE, text)
+        return None
     if m.world_size != len(views):
-        return (
+        return Problem(
+            Code.UNUSABLE,
             f"saved by {m.world_size} ranks in node-local parts, restored by {len(views)}: "
-            "node-local parts are not used; restore from a shared tier"
+            "node-local parts are not used; restore from a shared tier",
         )
     node = m.node_of_rank(me.rank)
     if node != me.node:
-        return (
+        return Problem(
+            Code.UNUSABLE,
             f"rank {me.rank} runs on node {me.node} but its part was saved on node {node}: "
             "the job's ranks or nodes changed since the save (node-local parts are not used; "
-            "restore from a shared tier)"
+            "restore from a shared tier)",
         )
     have: dict[str, int] = {}
     try:
@@ -490,8 +548,9 @@ async def _check_part(
         size = have.get(key)
         if size != b.size:
             state = "missing" if size is None else f"{size} bytes, not {b.size}"
-            return (
-                f"node {me.node}{_LACKS}(rank {me.rank}'s blob {key} is {state}; "
-                "was the node replaced or its NVMe wiped?)"
+            return Problem(
+                Code.LACKS_PART,
+                f"node {me.node} lacks its part (rank {me.rank}'s blob {key} is {state}; "
+                "was the node replaced or its NVMe wiped?)",
             )
-    return ""
+    return None

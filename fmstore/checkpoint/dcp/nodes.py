@@ -59,16 +59,18 @@ def node_id() -> str:
     return raw
 
 
-def tier_scope(uri: str) -> str:
-    """``"node"`` when ``uri`` is on a tier configured with ``scope = "node"``, else
-    ``"shared"`` (a path or URL outside the configured tiers counts as shared)."""
+def tier_scope(uri: str, config: Any = None) -> str:
+    """``"node"`` when ``uri`` is on a tier configured with ``scope = "node"`` (in
+    ``config``, default the process's), else ``"shared"`` (a path or URL outside the
+    configured tiers counts as shared)."""
     from ...config import get_config
     from ...stores import split_tier
 
-    name, _rest = split_tier(uri)
+    cfg = config if config is not None else get_config()
+    name, _rest = split_tier(uri, cfg)
     if name is None:
         return "shared"
-    return get_config().tier(name).scope
+    return str(cfg.tier(name).scope)
 
 
 def rank_record_key(generation: str, rank: int) -> str:

@@ -150,7 +150,7 @@ class Reader(StorageReader):
     @property
     def store(self) -> Store:
         if self._store is None:
-            local = Location.parse(self.uri).local_root
+            local = Location.parse(self.uri, self.store_options.get("config")).local_root
             if local is not None and not os.path.isdir(local):
                 # Opening a POSIX store creates its directory; a load must not leave one.
                 raise NotFound(f"no checkpoint at {self.uri} (no such directory)", key=MANIFEST_KEY)
@@ -216,7 +216,7 @@ class Reader(StorageReader):
         node can read); None for a checkpoint in one part or on a shared tier."""
         from .nodes import node_id, tier_scope
 
-        if not m.parts or tier_scope(self.uri) != "node":
+        if not m.parts or tier_scope(self.uri, self.store_options.get("config")) != "node":
             # In one part, or every part on a shared tier (a copy of the whole checkpoint).
             self.local_ranks = None
             return None

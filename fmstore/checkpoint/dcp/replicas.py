@@ -29,31 +29,31 @@ from ... import runtime
 from ...errors import AlreadyExists, ConfigError, CorruptData, FmstoreError
 from ...format.checksum import crc32c
 from ...stores import PutOptions, Store, open_store, split_tier
-from ..layout import parse_step
+from ..layout import REPLICA_PREFIX, parse_step
 from .manifest import MANIFEST_KEY, DcpManifest
 from .nodes import RankRecord, rank_record_key
 
 __all__ = ["REPLICA_PREFIX", "fetch", "partners", "plan", "replica_uri", "replicas_of", "replicate"]
 
-#: Where a node keeps the replicas it holds of other nodes' parts, on the same tier.
-REPLICA_PREFIX = ".replicas"
 log = logging.getLogger("fmstore.checkpoint")
 
 
-def replicas_of(uri: str) -> int:
-    """The configured ``replicas`` of ``uri``'s tier (0 outside the configured tiers)."""
+def replicas_of(uri: str, config: Any = None) -> int:
+    """The configured ``replicas`` of ``uri``'s tier in ``config`` (default the process's;
+    0 outside the configured tiers)."""
     from ...config import get_config
 
-    name, _rest = split_tier(uri)
+    cfg = config if config is not None else get_config()
+    name, _rest = split_tier(uri, cfg)
     if name is None:
         return 0
-    t = get_config().tier(name)
+    t = cfg.tier(name)
     return t.replicas if t.scope == "node" else 0
 
 
-def replica_uri(uri: str) -> str:
+def replica_uri(uri: str, config: Any = None) -> str:
     """``nvme:run/step_X`` -> ``nvme:.replicas/run/step_X``."""
-    name, rest = split_tier(uri)
+    name, rest = split_tier(uri, config)
     if name is None:
         raise FmstoreError(f"replicas need a configured tier, not {uri!r}")
     return f"{name}:{REPLICA_PREFIX}/{rest.strip('/')}"
@@ -182,7 +182,9 @@ def replicate(uri: str, manifest: bytes, pg: Any, so: dict[str, Any] | None = No
     m = DcpManifest.loads(manifest, where=f"{uri}/{MANIFEST_KEY}")
     pmap = partners(m)
     # Decided alike on every rank: nodes whose configs disagree would wait for each other.
-    wanted = set(_gather(pg, replicas_of(uri)))
+    so = dict(so or {})
+    cfg = so.get("config")
+    wanted = set(_gather(pg, replicas_of(uri, cfg)))
     if len(wanted) > 1:
         raise ConfigError(
             f"{uri} is committed, but its nodes disagree on [tiers] replicas "
@@ -196,7 +198,7 @@ def replicate(uri: str, manifest: bytes, pg: Any, so: dict[str, Any] | None = No
     rec: bytes | None = None
     blobs: list[bytes] = []
     try:
-        rec, blobs = runtime.run(_read(open_store(uri, **(so or {})), m, rank))
+        rec, blobs = runtime.run(_read(open_store(uri, **so), m, rank))
     except Exception as e:
         err = f"rank {rank} could not read its part: {_reason(e)}"
     works = _send(pg, pmap[rank], rec, blobs)
@@ -207,7 +209,7 @@ def replicate(uri: str, manifest: bytes, pg: Any, so: dict[str, Any] | None = No
         err = f"rank {src} could not send its part to rank {rank}"
     elif got is not None:
         try:
-            store = open_store(replica_uri(uri), **(so or {}))
+            store = open_store(replica_uri(uri, cfg), **so)
             runtime.run(_write(store, m, src, got[0], got[1], f"replica at {store.url}"))
             runtime.run(_put_manifest(store, manifest))
         except Exception as e:
@@ -223,18 +225,19 @@ def replicate(uri: str, manifest: bytes, pg: Any, so: dict[str, Any] | None = No
     part = next(p for p in m.parts if rank in p.ranks)
     if rank == min(part.ranks):
         try:
-            runtime.run(_drop_older(uri, so or {}))
+            runtime.run(_drop_older(uri, so))
         except Exception as e:  # kept a while longer; the next save retries
             log.warning("could not remove older replicas beside %s: %s", uri, e)
 
 
 async def _drop_older(uri: str, so: dict[str, Any]) -> None:
-    name, rest = split_tier(uri)
+    name, rest = split_tier(uri, so.get("config"))
     root, _, last = rest.strip("/").rpartition("/")
     step = parse_step(last)
     if name is None or step is None:
         return
-    store = open_store(f"{name}:{REPLICA_PREFIX}/{root}" if root else f"{name}:{REPLICA_PREFIX}")
+    where = f"{name}:{REPLICA_PREFIX}/{root}" if root else f"{name}:{REPLICA_PREFIX}"
+    store = open_store(where, **so)
     async for o in store.list("", recursive=False):
         s = parse_step(o.key.rstrip("/"))
         if o.is_dir and s is not None and s < step:
@@ -248,7 +251,7 @@ async def held(uri: str, so: dict[str, Any]) -> tuple[str | None, tuple[int, ...
     """The sha256 of the manifest of the replicas this node holds for ``uri`` and the ranks
     whose replica is complete (its record written after its blobs); (None, ()) if none."""
     try:
-        store = open_store(replica_uri(uri), **so)
+        store = open_store(replica_uri(uri, so.get("config")), **so)
         data = await store.get(MANIFEST_KEY)
         m = DcpManifest.loads(data, where=f"{store.url}/{MANIFEST_KEY}")
         ranks = [
@@ -294,7 +297,8 @@ def fetch(uri: str, so: dict[str, Any], m: DcpManifest, routes: dict[int, int], 
         rec: bytes | None = None
         blobs: list[bytes] = []
         try:
-            rec, blobs = runtime.run(_read(open_store(replica_uri(uri), **so), m, r))
+            where = replica_uri(uri, so.get("config"))
+            rec, blobs = runtime.run(_read(open_store(where, **so), m, r))
         except Exception as e:
             err = f"rank {h} could not read the replica of rank {r}: {_reason(e)}"
         works += _send(pg, r, rec, blobs)

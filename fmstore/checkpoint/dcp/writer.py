@@ -296,7 +296,7 @@ class Writer(StorageWriter):
         if not all(isinstance(i, LocalInfo) for i in infos):
             return ()
         nodes = tuple(i.node for i in infos)  # type: ignore[union-attr]
-        if len(set(nodes)) < 2 or tier_scope(self.uri) != "node":
+        if len(set(nodes)) < 2 or tier_scope(self.uri, self.store_options.get("config")) != "node":
             return ()
         where = f'{self.uri} is on a node-local tier (scope = "node") and this job spans nodes {", ".join(sorted(set(nodes))[:4])}'
         if not self.distributes:
