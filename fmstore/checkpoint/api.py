@@ -84,7 +84,9 @@ async def _in_runtime(coro: Any) -> Any:
 
 
 async def _save_core(obj: Any, uri: Uri, o: SaveOptions) -> Manifest:
-    planned = _plan(obj, o)
+    # Planned off the loop: a lazily loaded state (LazyDict) fetches what it has not
+    # fetched yet while it is planned, through this loop.
+    planned = await asyncio.to_thread(_plan, obj, o)
     store, owned = open_location(uri, for_read=False)
     staged = needs_staging(planned)
     try:

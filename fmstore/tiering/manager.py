@@ -98,11 +98,17 @@ def _state_nbytes(obj: Any) -> int:
     import numpy as np
     import torch
 
+    from ..checkpoint.tree import LazyMapping
+
     seen: set[tuple[int, int]] = set()
     total = 0
     stack = [obj]
     while stack:
         x = stack.pop()
+        if isinstance(x, LazyMapping):
+            # A lazy restore: loaded now in one batch of reads (the save loads it anyway)
+            # rather than value by value through values().
+            x = x.materialize()
         if isinstance(x, torch.Tensor):
             st = x.untyped_storage()
             key = (st.data_ptr(), st.nbytes())
