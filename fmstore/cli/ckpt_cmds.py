@@ -17,6 +17,7 @@ from .progress import byte_columns
 from .util import human_bytes, plural
 
 if TYPE_CHECKING:
+    from ..checkpoint.sources import SourceFile
     from ..format.manifest import Manifest
 
 
@@ -38,9 +39,17 @@ def inspect(
         False, "--json", help="Print the tensors and totals as one JSON object on stdout."
     ),
 ) -> None:
-    """Tensor table: name, dtype, shape, bytes, codec and compression ratio; totals."""
+    """Tensor table: name, dtype, shape, bytes, codec and compression ratio; totals.
+    Also for torch.save and safetensors files and Hugging Face directories (what
+    `ckpt convert` reads), local or on any tier."""
     from ..checkpoint.dcp.api import is_dcp_checkpoint
+    from ..checkpoint.sources import source_file
 
+    src = source_file(uri)
+    if src is not None:
+        with src:
+            _inspect_file(src, limit, as_json)
+        return
     if is_dcp_checkpoint(uri):
         _inspect_dcp(uri, limit, as_json)
         return
@@ -84,6 +93,35 @@ def inspect(
         f"{len(m.tensors)} tensors in {len(m.storages)} storages, {len(m.blobs)} blobs: "
         f"{human_bytes(raw)} raw, {human_bytes(stored)} stored (ratio {ratio})"
     )
+
+
+def _inspect_file(src: SourceFile, limit: int, as_json: bool) -> None:
+    """The tensors of a torch.save or safetensors file or a Hugging Face directory (read
+    whole: these formats have no index of sizes without their tensors)."""
+    from ..checkpoint.convert import flatten_tensors
+    from ..checkpoint.sources import read_source
+    from ..format.dtypes import dtype_name
+
+    flat = flatten_tensors(read_source(src))
+    rows = [
+        (k, dtype_name(t.dtype) or str(t.dtype), list(t.shape), t.numel() * t.element_size())
+        for k, t in flat.items()
+    ]
+    total = sum(r[3] for r in rows)
+    shown = rows if limit <= 0 else rows[:limit]
+    if as_json:
+        tensors = [{"name": n, "dtype": d, "shape": sh, "bytes": b} for n, d, sh, b in shown]
+        doc = {"url": src.name, "format": src.kind, "tensors": tensors}
+        typer.echo(json.dumps({**doc, "tensor_count": len(rows), "bytes": total}))
+        return
+    console = Console()
+    t = Table(title=f"{src.name}  ({src.kind})")
+    for col, just in (("name", "left"), ("dtype", "left"), ("shape", "left"), ("bytes", "right")):
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    for n, d, sh, b in shown:
+        t.add_row(n, d, "x".join(map(str, sh)) or "scalar", human_bytes(b))
+    console.print(t)
+    console.print(f"{len(rows)} tensors: {human_bytes(total)}")
 
 
 def _inspect_json(url: str, m: Manifest, limit: int) -> None:
