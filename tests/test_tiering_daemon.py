@@ -461,6 +461,43 @@ def test_ckpt_list_and_verify_all_tiers_report_a_corrupt_copy(tmp_path, capsys, 
     assert on_tier(config, "lustre", "run") == {1: True, 2: True}
 
 
+def test_verify_all_tiers_counts_copies_gone_and_checkpoints_lost_and_fixes_the_catalog(
+    tmp_path, capsys, monkeypatch
+):
+    import shutil
+
+    cfg_path = write_toml(
+        tmp_path / "fmstore.toml",
+        str(tmp_path),
+        '[[policies.export]]\nto = "lustre"\nevery_saves = 1',
+    )
+    from fmstore.config import load_config
+
+    config = load_config(cfg_path)
+    save_some(config, [1, 2])
+    assert drain(config) == 0
+    # Removed outside fmstore: step 1's nvme copy, and every copy of step 2.
+    shutil.rmtree(tmp_path / "nvme" / "run" / "step_000000000001")
+    shutil.rmtree(tmp_path / "nvme" / "run" / "step_000000000002")
+    shutil.rmtree(tmp_path / "lustre" / "run" / "step_000000000002")
+    monkeypatch.setenv("FMSTORE_CONFIG", cfg_path)
+    code, out, err = cli(capsys, "ckpt", "verify", "--all-tiers", "run", "--json")
+    assert code == 1, out + err
+    doc = json.loads(out)
+    assert (doc["ok"], doc["good"], doc["bad"], doc["lost"]) == (False, 1, 3, [2])
+    gone = sorted((c["tier"], c["step"]) for c in doc["copies"] if not c["ok"])
+    assert gone == [("lustre", 2), ("nvme", 1), ("nvme", 2)]
+    code, out, err = cli(capsys, "ckpt", "list", "run", "--json")
+    assert code == 0, err
+    rows = {row["step"]: row["tiers"] for row in json.loads(out)}
+    assert rows[1]["nvme"]["state"] == "missing" and rows[1]["lustre"]["state"] == "present"
+    assert rows[2]["nvme"]["state"] == rows[2]["lustre"]["state"] == "missing"
+    # Run again: the copies are known to be missing now, the lost checkpoint is still bad.
+    code, out, err = cli(capsys, "ckpt", "verify", "--all-tiers", "run")
+    assert code == 1 and "step 2: no good copy on any tier" in out, out + err
+    assert "1 good, 0 bad copies of 'run'; 1 checkpoint with no good copy" in out
+
+
 # ---- a real Prometheus server scrapes the daemon --------------------------------------------
 
 

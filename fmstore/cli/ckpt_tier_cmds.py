@@ -241,14 +241,17 @@ async def _own_part(store: Store) -> Any:
 
 def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = False) -> int:
     """Verify every committed copy of every checkpoint of ``root`` on every tier; marks bad
-    copies ``corrupt`` in the catalog and good ones verified.  Returns the exit code.
-    ``as_json``: one JSON object on stdout instead of a line per copy."""
+    copies ``corrupt`` in the catalog, good ones verified, and copies the catalog has as
+    present that are gone from a tier ``missing``.  Returns the exit code: 1 when a copy is
+    bad or gone, or a checkpoint has no good copy left.  ``as_json``: one JSON object on
+    stdout instead of a line per copy."""
     from ..checkpoint.verify import verify_checkpoint  # loads torch: only when verifying
 
     cfg = load_config(config)
     pol = from_config(cfg)
     root = root.strip("/")
     tiers = Tiers(cfg)
+    reached: set[str] = set()
 
     async def run() -> list[tuple[str, int, bool, list[str], int]]:
         out = []
@@ -258,6 +261,7 @@ def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = Fa
             except Exception as e:
                 out.append((tier, -1, False, [f"tier unreachable: {e}"], 0))
                 continue
+            reached.add(tier)
             for step in steps:
                 store = tiers.checkpoint(tier, root, step)
                 part = await _own_part(store) if cfg.tier(tier).scope == "node" else None
@@ -270,6 +274,14 @@ def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = Fa
     console = Console(quiet=as_json)
     bad = 0
     with Catalog.for_state_dir(cfg.state_dir) as catalog:
+        kept = [cat.PRESENT, cat.CORRUPT, cat.MISSING]  # copies that should be there
+        tracked = {c.step for c in catalog.copies(root, states=kept)}
+        seen = {(t, s) for t, s, *_ in results}
+        # Catalogued as present on a tier that answered, but not committed there any more
+        # (removed outside fmstore): gone, not good.
+        for c in catalog.copies(root, states=[cat.PRESENT]):
+            if c.tier in reached and (c.tier, c.step) not in seen:
+                results.append((c.tier, c.step, False, ["catalogued as present, but gone"], 0))
         for tier, step, ok, problems, nbytes in results:
             if step < 0:
                 bad += 1
@@ -283,16 +295,26 @@ def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = Fa
                 console.print(f"[green]ok[/green]  {tier:<8} step {step}", highlight=False)
             else:
                 bad += 1
-                catalog.set_copy(root, step, tier, cat.CORRUPT, error="; ".join(problems)[:2000])
+                gone = (tier, step) not in seen
+                state = cat.MISSING if gone else cat.CORRUPT
+                catalog.set_copy(root, step, tier, state, error="; ".join(problems)[:2000])
                 console.print(
                     f"[red]BAD[/red] {tier:<8} step {step}: {'; '.join(problems)}", highlight=False
                 )
-    console.print(f"{len(results) - bad} good, {bad} bad copies of {root!r}")
+    good_steps = {s for _t, s, ok, _p, _n in results if ok}
+    lost = sorted((tracked | {s for _t, s, *_ in results if s >= 0}) - good_steps)
+    for step in lost:
+        console.print(f"[red]BAD[/red] step {step}: no good copy on any tier", highlight=False)
+    copies_bad = bad
+    summary = f"{len(results) - copies_bad} good, {copies_bad} bad copies of {root!r}"
+    console.print(
+        summary + (f"; {plural(len(lost), 'checkpoint')} with no good copy" if lost else "")
+    )
     if as_json:
         copies = [
             {"tier": t, "step": s if s >= 0 else None, "ok": ok, "bytes": n, "problems": p}
             for t, s, ok, p, n in results
         ]
-        doc = {"root": root, "ok": not bad, "good": len(results) - bad, "bad": bad}
-        typer.echo(json.dumps({**doc, "copies": copies}))
-    return 1 if bad else 0
+        doc = {"root": root, "ok": not (bad or lost), "good": len(results) - bad, "bad": bad}
+        typer.echo(json.dumps({**doc, "lost": lost, "copies": copies}))
+    return 1 if bad or lost else 0
