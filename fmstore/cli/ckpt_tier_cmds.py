@@ -17,8 +17,9 @@ from rich.table import Table
 
 from .. import runtime
 from ..config import Config, load_config
-from ..errors import FmstoreError
+from ..errors import ConfigError, FmstoreError, NotFound
 from ..format.manifest import Manifest
+from ..stores import split_tier
 from ..stores.base import Store
 from ..tiering import catalog as cat
 from ..tiering.catalog import Catalog
@@ -89,6 +90,8 @@ def list_checkpoints(
     and, for each copy whose export keeps failing, its failures and the last error."""
     cfg = load_config(config)
     pol = from_config(cfg)
+    if root:
+        _check_root(root, cfg)
     with Catalog.for_state_dir(cfg.state_dir) as catalog:
         _discover(cfg, catalog, pol.ladder, [root.strip("/")] if root else None)
         roots = [root.strip("/")] if root else catalog.roots()
@@ -96,6 +99,11 @@ def list_checkpoints(
         ckpts = {(c.root, c.step): c for r in roots for c in catalog.checkpoints(r)}
         lags = _lag_lines(pol, catalog, roots)
         now = catalog.now()
+    if root and not rows:
+        raise NotFound(
+            f"no checkpoint of run root {root.strip('/')!r} on any tier "
+            f"({', '.join(pol.ladder)}) nor in the catalog of {cfg.state_dir}"
+        )
     by_step: dict[tuple[str, int], dict[str, cat.Copy]] = {}
     for c in rows:
         by_step.setdefault((c.root, c.step), {})[c.tier] = c
@@ -160,6 +168,21 @@ def list_checkpoints(
             # This node's part is on the shared tier; the commit waits for other nodes'.
             line = f"part of {c.root} step {c.step} on {c.tier}, commit {c.error}"
             console.print(line, highlight=False, markup=False)
+
+
+def _check_root(root: str, cfg: Config) -> None:
+    """Refuse a location where a run root is meant: the root is the same on every tier."""
+    tier, rest = split_tier(root, cfg)
+    if tier is not None:
+        raise ConfigError(
+            f"{root!r} is a location on tier {tier!r}; ckpt list takes a run root, the same "
+            f"on every tier: fmstore ckpt list {rest.strip('/') or 'ROOT'}"
+        )
+    if "://" in root or root.startswith(("/", "./", "~")):
+        raise ConfigError(
+            f"{root!r} is a location; ckpt list takes a run root, the key prefix of a "
+            "CheckpointManager (like runs/llama), the same on every tier"
+        )
 
 
 def _failure_lines(rows: list[cat.Copy], now: float) -> list[str]:
