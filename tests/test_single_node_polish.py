@@ -125,3 +125,29 @@ def test_a_dead_endpoint_says_what_is_retried_after_the_first_failed_attempt(tmp
     retry = [i for i, line in enumerate(lines) if "retrying, up to 2 attempts" in line]
     assert len(retry) == 1 and "tier s3" in lines[retry[0]], r.stderr
     assert "connection" in lines[retry[0]] and retry[0] < len(lines) - 1  # before the error
+
+
+def test_every_config_error_is_reported_at_once(tmp_path):
+    import pytest
+
+    from fmstore.config import load_config
+    from fmstore.errors import ConfigError
+
+    cfg = tmp_path / "fmstore.toml"
+    cfg.write_text(
+        '[tiers.nvme]\nurl = "/tmp/nvme"\ncolour = "red"\n'
+        '[s3]\nmax_attempts = "many"\n'
+        "[polices]\nladder = []\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg)
+    msg = str(e.value)
+    assert msg.startswith(f"3 problems in {cfg}:"), msg
+    for what in ("line 3", "'colour'", "line 5", "max_attempts", "line 6", "'polices'"):
+        assert what in msg, what
+    from stage_data import fm_here
+
+    r = fm_here("daemon", "--check", "--config", str(cfg))
+    lines = r.stderr.splitlines()
+    assert r.returncode == 1 and len(lines) == 4, r.stderr  # the count, then one per problem
+    assert "line 3" in lines[1] and "line 5" in lines[2] and "line 6" in lines[3]
