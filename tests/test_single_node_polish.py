@@ -151,3 +151,26 @@ def test_every_config_error_is_reported_at_once(tmp_path):
     lines = r.stderr.splitlines()
     assert r.returncode == 1 and len(lines) == 4, r.stderr  # the count, then one per problem
     assert "line 3" in lines[1] and "line 5" in lines[2] and "line 6" in lines[3]
+
+
+def test_output_piped_to_a_file_is_not_wrapped_at_80_columns(tmp_path):
+    import os
+
+    import torch
+
+    import fmstore
+
+    name = "model.layers.0." + "very_long_module_name_" * 5 + "weight"
+    fmstore.save({name: torch.ones(3)}, tmp_path / "c")
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    with open(tmp_path / "out.txt", "w") as out:
+        subprocess.run(
+            [sys.executable, "-m", "fmstore", "ckpt", "inspect", str(tmp_path / "c")],
+            stdout=out,
+            env=env,
+            check=True,
+            timeout=120,
+        )
+    text = (tmp_path / "out.txt").read_text()
+    assert any(name in line for line in text.splitlines()), text
+    assert str(tmp_path / "c") in text.splitlines()[0]  # the title is one line too

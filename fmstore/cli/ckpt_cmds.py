@@ -6,14 +6,13 @@ import json
 from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
 from .. import runtime
 from ..stores.base import Store
 from .main import ckpt
-from .progress import byte_columns
+from .progress import byte_columns, make_console
 from .util import human_bytes, plural
 
 if TYPE_CHECKING:
@@ -57,7 +56,7 @@ def inspect(
     if as_json:
         _inspect_json(store.url, m, limit)
         return
-    console = Console()
+    console = make_console()
     t = Table(title=f"{store.url}  (format v{m.version}, {m.writer}, generation {m.generation})")
     for col, just in (
         ("name", "left"),
@@ -114,7 +113,7 @@ def _inspect_file(src: SourceFile, limit: int, as_json: bool) -> None:
         doc = {"url": src.name, "format": src.kind, "tensors": tensors}
         typer.echo(json.dumps({**doc, "tensor_count": len(rows), "bytes": total}))
         return
-    console = Console()
+    console = make_console()
     t = Table(title=f"{src.name}  ({src.kind})")
     for col, just in (("name", "left"), ("dtype", "left"), ("shape", "left"), ("bytes", "right")):
         t.add_column(col, justify=just)  # type: ignore[arg-type]
@@ -188,7 +187,7 @@ def verify(
     store, _ = open_location(uri, for_read=True)
     _, m = runtime.run(read_any_manifest(store, native=True))
     m, part = _node_part(m, store, uri)
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     with Progress(
         TextColumn("verifying"),
         BarColumn(),
@@ -212,7 +211,7 @@ def verify(
         if not res.ok:
             raise typer.Exit(1)
         return
-    out = Console()
+    out = make_console()
     if not res.ok:
         for problem in res.problems:
             out.print(f"[red]BAD[/red] {problem}", highlight=False)
@@ -286,7 +285,7 @@ def _inspect_dcp(uri: str, limit: int, as_json: bool = False) -> None:
         }
         typer.echo(json.dumps(doc))
         return
-    console = Console()
+    console = make_console()
     t = Table(
         title=f"{uri}  (native torch DCP, {m.world_size} ranks, DCP version {m.version})"
         if native
@@ -358,7 +357,7 @@ def gc_cmd(
         rep = gc(store, older_than=older_than, dry_run=dry_run, live=_live_copies())
     finally:
         runtime.run(store.close())
-    console = Console()
+    console = make_console()
     verb = "would remove" if dry_run else "removed"
     for key in rep.removed:
         console.print(f"{verb} {key}", highlight=False)
@@ -435,4 +434,4 @@ def convert_cmd(
         max_shard_size=max_shard_size or None,
         config=config or None,
     )
-    Console().print(f"converted {n} tensors: {src} -> {dst}", highlight=False)
+    make_console().print(f"converted {n} tensors: {src} -> {dst}", highlight=False)

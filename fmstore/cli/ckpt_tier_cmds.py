@@ -12,7 +12,6 @@ import time
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from .. import runtime
@@ -28,6 +27,7 @@ from ..tiering.parts import parts_on
 from ..tiering.policies import Policies, State, export_lags, from_config
 from ..tiering.tiers import Tiers
 from .main import ckpt
+from .progress import make_console
 from .util import human_bytes, plural
 
 _STYLE = {
@@ -156,7 +156,7 @@ def list_checkpoints(
                 where = f" part {part['index']}/{part['of']} ({part['node']})" if part else ""
             cells.append(f"[{_STYLE.get(cp.state, '')}]{cp.state}{mark}{where}{size}[/]")
         table.add_row(r, str(s), *cells)
-    console = Console()
+    console = make_console()
     console.print(table)
     console.print(f"[dim]{plural(len(by_step), 'checkpoint')}; ✓ = verified[/dim]")
     for line in lags:
@@ -294,7 +294,7 @@ def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = Fa
         return out
 
     results = runtime.run(run())
-    console = Console(quiet=as_json)
+    console = make_console(quiet=as_json)
     bad = 0
     with Catalog.for_state_dir(cfg.state_dir) as catalog:
         kept = [cat.PRESENT, cat.CORRUPT, cat.MISSING]  # copies that should be there
