@@ -174,3 +174,45 @@ def test_output_piped_to_a_file_is_not_wrapped_at_80_columns(tmp_path):
     text = (tmp_path / "out.txt").read_text()
     assert any(name in line for line in text.splitlines()), text
     assert str(tmp_path / "c") in text.splitlines()[0]  # the title is one line too
+
+
+def test_the_demo_plots_step_labels_that_do_not_overlap(tmp_path, monkeypatch):
+    import json
+    import time
+
+    import matplotlib.pyplot as plt
+    from rich.console import Console
+
+    from fmstore.demo.report import plot
+    from fmstore.tiering import catalog as cat
+    from fmstore.tiering.catalog import Catalog
+
+    (tmp_path / "fmstore.toml").write_text(
+        f'state_dir = "{tmp_path / "state"}"\n[tiers.nvme]\nurl = "{tmp_path / "nvme"}"\n'
+    )
+    t0 = time.time() - 60
+    log = tmp_path / "log.jsonl"
+    log.write_text(
+        "".join(
+            json.dumps({"event": "step", "pid": 1, "t": t0 + i, "loss": 1 / (i + 1)}) + "\n"
+            for i in range(60)
+        )
+    )
+    with Catalog.for_state_dir(str(tmp_path / "state")) as c:
+        for i in range(120):  # a save every half second: as dense as the demo's
+            step = 10 * i
+            c.record_checkpoint("runs/demo", step, created=t0 + i / 2)
+            for tier in ("nvme", "lustre", "s3"):
+                c.set_copy("runs/demo", step, tier, cat.PRESENT, verified=t0 + i / 2 + 0.1)
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    plot(tmp_path, log, Console(quiet=True))
+    (fig,) = figs
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[1]
+    boxes = [t.get_window_extent(renderer) for t in ax.texts]
+    assert len(boxes) >= 30  # a label for many steps on every tier, not none
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not a.overlaps(b), (a, b)
