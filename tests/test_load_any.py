@@ -214,3 +214,6 @@ def test_files_on_s3_load_and_inspect_through_the_guards(tmp_path, s3_tier):
 
     with pytest.raises(NotSupported, match="Hugging Face directory.*fmstore stage"):
         fmstore.load("s3:models/hf")
+    r = fm_here("stage", "s3:models/hf", str(tmp_path / "llama"))  # what the error says
+    assert r.returncode == 0, r.stderr
+    assert torch.equal(fmstore.load(tmp_path / "llama")["w"], sd["w"])
