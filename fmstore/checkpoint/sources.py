@@ -114,10 +114,12 @@ async def _download(location: str, path: str) -> bool:
         except NotFound:
             return False
         out = await runtime.to_io(open, path, "xb")
+
+        async def write(piece: memoryview) -> None:
+            await runtime.to_io(out.write, piece)
+
         try:
-            await store.read_to(
-                name, 0, meta.size, lambda mv: runtime.to_io(out.write, mv), etag=meta.etag
-            )
+            await store.read_to(name, 0, meta.size, write, etag=meta.etag)
         finally:
             await runtime.to_io(out.close)
         got = os.path.getsize(path)
