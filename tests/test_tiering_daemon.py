@@ -418,17 +418,23 @@ def test_s3_down_backs_off_grows_the_lag_and_catches_up(tmp_path, s3_server, s3_
 # ---- ckpt list / verify --all-tiers ---------------------------------------------------------------
 
 
-def test_ckpt_list_and_verify_all_tiers_report_a_corrupt_copy(tmp_path, capsys, monkeypatch):
+def _two_steps_on_nvme_and_lustre(tmp_path) -> tuple[str, Config]:
+    """Steps 1 and 2 of ``run`` saved on nvme and exported to lustre; the config's path."""
+    from fmstore.config import load_config
+
     cfg_path = write_toml(
         tmp_path / "fmstore.toml",
         str(tmp_path),
         '[[policies.export]]\nto = "lustre"\nevery_saves = 1',
     )
-    from fmstore.config import load_config
-
     config = load_config(cfg_path)
     save_some(config, [1, 2])
     assert drain(config) == 0
+    return cfg_path, config
+
+
+def test_ckpt_list_and_verify_all_tiers_report_a_corrupt_copy(tmp_path, capsys, monkeypatch):
+    cfg_path, config = _two_steps_on_nvme_and_lustre(tmp_path)
     # Flip a byte in one blob of step 2 on lustre.
     blob_dir = tmp_path / "lustre" / "run" / "step_000000000002"
     blob = next(p for p in blob_dir.rglob("*.bin"))
@@ -466,16 +472,7 @@ def test_verify_all_tiers_counts_copies_gone_and_checkpoints_lost_and_fixes_the_
 ):
     import shutil
 
-    cfg_path = write_toml(
-        tmp_path / "fmstore.toml",
-        str(tmp_path),
-        '[[policies.export]]\nto = "lustre"\nevery_saves = 1',
-    )
-    from fmstore.config import load_config
-
-    config = load_config(cfg_path)
-    save_some(config, [1, 2])
-    assert drain(config) == 0
+    cfg_path, config = _two_steps_on_nvme_and_lustre(tmp_path)
     # Removed outside fmstore: step 1's nvme copy, and every copy of step 2.
     shutil.rmtree(tmp_path / "nvme" / "run" / "step_000000000001")
     shutil.rmtree(tmp_path / "nvme" / "run" / "step_000000000002")
