@@ -262,6 +262,30 @@ async def _own_part(store: Store) -> Any:
     return m.part_view(node_id()) or m
 
 
+def _own(cfg: Config, tier: str) -> bool:
+    """Whether only this node removes copies from ``tier``: a node-local tier, or any tier
+    of a config without node-local ones (one node).  Where nodes share a tier beside their
+    own, another node's daemon may have removed a copy there by the same retention rules
+    before this node's catalog heard of it: that is for the daemons, not an error."""
+    return cfg.tier(tier).scope == "node" or all(t.scope != "node" for t in cfg.tiers.values())
+
+
+def _tracked_steps(cfg: Config, rows: list[cat.Copy]) -> set[int]:
+    """Steps that should have a good copy: one catalogued present (on a tier this node
+    alone removes from) or corrupt, or every copy of which was found gone (``missing``)
+    with none retired on purpose (deleted or released)."""
+    by_step: dict[int, list[cat.Copy]] = {}
+    for c in rows:
+        by_step.setdefault(c.step, []).append(c)
+    out = set()
+    for step, copies in by_step.items():
+        states = {c.state for c in copies}
+        present = any(c.state == cat.PRESENT and _own(cfg, c.tier) for c in copies)
+        if present or cat.CORRUPT in states or states == {cat.MISSING}:
+            out.add(step)
+    return out
+
+
 def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = False) -> int:
     """Verify every committed copy of every checkpoint of ``root`` on every tier; marks bad
     copies ``corrupt`` in the catalog, good ones verified, and copies the catalog has as
@@ -297,13 +321,12 @@ def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = Fa
     console = make_console(quiet=as_json)
     bad = 0
     with Catalog.for_state_dir(cfg.state_dir) as catalog:
-        kept = [cat.PRESENT, cat.CORRUPT, cat.MISSING]  # copies that should be there
-        tracked = {c.step for c in catalog.copies(root, states=kept)}
         seen = {(t, s) for t, s, *_ in results}
+        tracked = _tracked_steps(cfg, catalog.copies(root))
         # Catalogued as present on a tier that answered, but not committed there any more
         # (removed outside fmstore): gone, not good.
         for c in catalog.copies(root, states=[cat.PRESENT]):
-            if c.tier in reached and (c.tier, c.step) not in seen:
+            if c.tier in reached and (c.tier, c.step) not in seen and _own(cfg, c.tier):
                 results.append((c.tier, c.step, False, ["catalogued as present, but gone"], 0))
         for tier, step, ok, problems, nbytes in results:
             if step < 0:
