@@ -52,6 +52,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'fmstore' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    # The names served on first use are listed too (tab completion in notebooks, dir()).
+    return sorted(set(globals()) | _CHECKPOINT_NAMES | {"CheckpointManager"})
+
+
 def open(path: str, mode: str = "rb", **kwargs):  # type: ignore[no-untyped-def]  # noqa: A001
     """Open a local file; a file of a lazily staged dataset is fetched on first open and
     kept (see :mod:`fmstore.tiering.lazy`)."""

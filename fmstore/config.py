@@ -280,14 +280,22 @@ def from_dict(
     where = source or "config"
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where}: a config is a table, not {_show(data)}")
-    data = _checked(data, "", (), _origin or _Origin(source))
+    problems: list[str] = []  # every one is reported, not only the first
+    data = _checked(data, "", (), _origin or _Origin(source), problems)
     raw_tiers = data.get("tiers", {})
     tiers: dict[str, TierConfig] = {}
     for name, table in raw_tiers.items():
-        tiers[name] = _tier(where, name, table, data.get("s3", {}))
+        try:
+            tiers[name] = _tier(where, name, table, data.get("s3", {}))
+        except ConfigError as e:
+            problems.append(e.message)
     state_dir = data.get("state_dir", default_dict()["state_dir"])
     if not isinstance(state_dir, str):
-        raise ConfigError(f"{where}: state_dir must be a string path")
+        problems.append(f"{where}: state_dir must be a string path")
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} problems in {where}:\n  " + "\n  ".join(problems))
     sections = {k: v for k, v in data.items() if k not in ("tiers", "state_dir")}
     return Config(
         tiers=tiers, state_dir=os.path.expanduser(state_dir), sections=sections, source=source
@@ -402,42 +410,53 @@ def _table_of(v: Any, path: KeyPath, origin: _Origin, what: str = "a table") -> 
     return v
 
 
-def _checked(raw: Mapping[str, Any], pattern: str, path: KeyPath, origin: _Origin) -> dict:
+def _checked(
+    raw: Mapping[str, Any], pattern: str, path: KeyPath, origin: _Origin, problems: list[str]
+) -> dict:
     """``raw`` (the table at ``path``, described by ``SCHEMA[pattern]``) with every key
-    checked and converted."""
-    keys, tables = SCHEMA.get(pattern, {}), _children(pattern)
+    checked and converted; what is wrong with a key is added to ``problems`` and the key
+    left out, so that every problem is found in one pass."""
     out: dict[str, Any] = {}
     for k, v in raw.items():
-        child, p = f"{pattern}.{k}" if pattern else k, (*path, k)
-        if f"{child}.*" in SCHEMA:
-            each = _table_of(v, p, origin, "a table of tables")
-            out[k] = {
-                n: _checked(_table_of(t, (*p, n), origin), f"{child}.*", (*p, n), origin)
-                for n, t in each.items()
-            }
-        elif f"{child}[]" in SCHEMA:
-            items = [v] if isinstance(v, Mapping) else v
-            if not isinstance(items, list):
-                raise ConfigError(f"{origin.at(p)}: {_name(p)} must be an array of tables")
-            out[k] = [
-                _checked(_table_of(t, (*p, i), origin), f"{child}[]", (*p, i), origin)
-                for i, t in enumerate(items)
-            ]
-        elif k in tables:
-            out[k] = _checked(_table_of(v, p, origin), child, p, origin)
-        elif k in keys:
-            out[k] = _value(keys[k], v, p, origin)
-        elif not pattern:
-            raise ConfigError(
-                f"{origin.at(p)}: unknown section or key {k!r}{_suggest(k, [*keys, *tables])}"
-            )
-        else:
-            known = sorted({*keys, *tables})
-            raise ConfigError(
-                f"{origin.at(p)}: {_name(path)} unknown key {k!r}{_suggest(k, known)}; "
-                f"allowed: {', '.join(known) or 'none yet'}"
-            )
+        try:
+            out[k] = _checked_key(k, v, pattern, path, origin, problems)
+        except ConfigError as e:
+            problems.append(e.message)
     return out
+
+
+def _checked_key(
+    k: str, v: Any, pattern: str, path: KeyPath, origin: _Origin, problems: list[str]
+) -> Any:
+    keys, tables = SCHEMA.get(pattern, {}), _children(pattern)
+    child, p = f"{pattern}.{k}" if pattern else k, (*path, k)
+    if f"{child}.*" in SCHEMA:
+        each = _table_of(v, p, origin, "a table of tables")
+        return {
+            n: _checked(_table_of(t, (*p, n), origin), f"{child}.*", (*p, n), origin, problems)
+            for n, t in each.items()
+        }
+    if f"{child}[]" in SCHEMA:
+        items = [v] if isinstance(v, Mapping) else v
+        if not isinstance(items, list):
+            raise ConfigError(f"{origin.at(p)}: {_name(p)} must be an array of tables")
+        return [
+            _checked(_table_of(t, (*p, i), origin), f"{child}[]", (*p, i), origin, problems)
+            for i, t in enumerate(items)
+        ]
+    if k in tables:
+        return _checked(_table_of(v, p, origin), child, p, origin, problems)
+    if k in keys:
+        return _value(keys[k], v, p, origin)
+    if not pattern:
+        raise ConfigError(
+            f"{origin.at(p)}: unknown section or key {k!r}{_suggest(k, [*keys, *tables])}"
+        )
+    known = sorted({*keys, *tables})
+    raise ConfigError(
+        f"{origin.at(p)}: {_name(path)} unknown key {k!r}{_suggest(k, known)}; "
+        f"allowed: {', '.join(known) or 'none yet'}"
+    )
 
 
 def _value(check: Check, v: Any, path: KeyPath, origin: _Origin) -> Any:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import shutil
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,3 +104,77 @@ def test_a_lazy_dict_reads_only_what_is_touched_even_when_copied(metered_s3):
     assert read() - before < 1 << 20  # the manifest and one small chunk: never the big one
     assert torch.equal(copy.deepcopy(lz)["big"], big)
     assert read() - before >= big.nbytes
+
+
+# ---- a lazily restored state is a state: it saves again ------------------------------------
+
+
+def _docs_policies() -> dict:
+    """The ``[policies]`` example of docs/tiering.md, as written there."""
+    import tomllib
+
+    text = (Path(__file__).parent.parent / "docs" / "tiering.md").read_text()
+    block = text.split("## Policies reference")[1].split("```toml\n")[1].split("```")[0]
+    pol = tomllib.loads(block)["policies"]
+    assert pol["restore"]["mode"] == "lazy"
+    return pol
+
+
+def _train(cfg, total_steps: int) -> None:
+    """The training loop of docs/tiering.md (a save every step)."""
+    with CheckpointManager("runs/llama-7b", config=cfg, run_policies="thread") as mgr:
+        if mgr.latest_step() is not None:
+            state = mgr.restore()
+            start = mgr.restored_step + 1
+        else:
+            state, start = {"model": {"w": torch.zeros(1000), "b": torch.zeros(7)}, "step": 0}, 0
+        for step in range(start, total_steps):
+            state["step"] = step  # the model's tensors stay unread until the save
+            if step % 2 == 0:
+                state["model"]["b"] += 1
+            mgr.save(step, state)
+        assert mgr.wait_for_policies(60)
+
+
+def test_the_docs_policies_with_a_lazy_restore_save_again_after_a_restart(tmp_path):
+    cfg = posix_config(str(tmp_path), _docs_policies())
+    _train(cfg, 2)
+    _train(cfg, 4)  # restored lazily from nvme (step 1), then saved: steps 2 and 3
+    # A new node: its NVMe and catalog are gone, the restore reads through from Lustre.
+    shutil.rmtree(tmp_path / "nvme")
+    shutil.rmtree(tmp_path / "state")
+    _train(cfg, 5)
+    got = fmstore.load(tmp_path / "nvme" / "runs/llama-7b" / "step_000000000004")
+    assert got["step"] == 4 and torch.equal(got["model"]["b"], torch.full((7,), 3.0))
+    assert torch.equal(got["model"]["w"], torch.zeros(1000))
+
+
+def test_save_async_save_and_torch_save_take_a_lazy_load_as_the_state_it_stands_for(tmp_path):
+    model, opt = trained()
+    sd = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 3}
+    fmstore.save(sd, tmp_path / "a")
+    lz = fmstore.load(tmp_path / "a", lazy=True)
+    fmstore.save(lz, tmp_path / "b")
+    fmstore.async_save(fmstore.load(tmp_path / "a", lazy=True), tmp_path / "c").result()
+    torch.save(fmstore.load(tmp_path / "a", lazy=True), tmp_path / "d.pt")
+    for back in (
+        fmstore.load(tmp_path / "b"),
+        fmstore.load(tmp_path / "c"),
+        torch.load(tmp_path / "d.pt"),
+    ):
+        assert back["step"] == 3
+        assert type(back["model"]) is OrderedDict  # a state_dict stays one (load_state_dict)
+        assert back["model"]._metadata == model.state_dict()._metadata
+        for k, v in model.state_dict().items():
+            assert torch.equal(back["model"][k], v)
+        assert back["optim"]["param_groups"] == opt.state_dict()["param_groups"]
+
+
+def test_fmstore_objects_in_a_state_are_refused_without_advice_to_pickle(tmp_path):
+    h = fmstore.async_save({"x": torch.ones(2)}, tmp_path / "a")
+    h.result()
+    with pytest.raises(TypeError, match=r"state\['handle'\] is a fmstore\.") as e:
+        fmstore.save({"handle": h}, tmp_path / "b")
+    assert "pickle" not in str(e.value) and "pass the state" in str(e.value)
+    with pytest.raises(TypeError, match="pass pickle=True"):  # other types keep the advice
+        fmstore.save({"x": object()}, tmp_path / "c")

@@ -122,3 +122,98 @@ def test_cuda_dcp_and_torch_files_load_onto_the_gpu(tmp_path):
     ):
         for k in sd:
             assert got[k].is_cuda and torch.equal(got[k].cpu(), sd[k])
+
+
+# ---- what `ckpt convert` reads, fmstore.load and `ckpt inspect` read too ----------------
+
+
+def _hf_dir(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import save_file
+
+    sd = _sd()
+    path.mkdir()
+    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text("{}")
+    return sd
+
+
+def test_hugging_face_directories_and_safetensors_files_load_and_inspect(tmp_path):
+    from safetensors.torch import save_file
+    from stage_data import fm_here
+
+    sd = _hf_dir(tmp_path / "hf")
+    save_file(sd, str(tmp_path / "w.safetensors"))
+    torch.save({"model": sd}, tmp_path / "plain.pt")
+    for where in (tmp_path / "hf", str(tmp_path / "w.safetensors")):
+        out = fmstore.load(where)
+        assert out.keys() == sd.keys() and torch.equal(out["w"], sd["w"])
+    assert list(fmstore.load(tmp_path / "hf", keys="b")) == ["b"]
+    for where, word in (("hf", "hf"), ("w.safetensors", "safetensors"), ("plain.pt", "torch")):
+        r = fm_here("ckpt", "inspect", str(tmp_path / where))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"({word})" in r.stdout and "64x128" in r.stdout and "2 tensors" in r.stdout
+
+
+@pytest.fixture
+def s3_tier(s3_server, s3_bucket, tmp_path, monkeypatch):
+    """fmstore's config and environment with an ``s3`` tier on the test server."""
+    from stage_data import s3_env
+
+    from fmstore import config as fm_config
+
+    for k, v in s3_env(s3_server, s3_bucket, tmp_path)["env"].items():
+        monkeypatch.setenv(k, v)
+    fm_config.set_config(None)
+    yield
+    fm_config.set_config(None)
+
+
+def _put(location: str, data: bytes) -> None:
+    from fmstore import runtime
+    from fmstore.stores import open_store
+
+    head, name = location.rsplit("/", 1)
+    store = open_store(head)
+    runtime.run(store.put(name, data))
+    runtime.run(store.close())
+
+
+def test_files_on_s3_load_and_inspect_through_the_guards(tmp_path, s3_tier):
+    import io as _io
+    import json
+
+    from safetensors.torch import save as st_save
+    from stage_data import fm_here
+
+    sd = _sd()
+    buf = _io.BytesIO()
+    torch.save({"model": sd, "step": 4}, buf)
+    _put("s3:models/plain.pt", buf.getvalue())
+    _put("s3:models/w.safetensors", st_save(sd))
+    out = fmstore.load("s3:models/plain.pt")
+    assert out["step"] == 4 and torch.equal(out["model"]["w"], sd["w"])
+    assert torch.equal(fmstore.load("s3:models/w.safetensors")["b"], sd["b"])
+    r = fm_here("ckpt", "inspect", "--json", "s3:models/plain.pt")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["format"] == "torch" and doc["tensor_count"] == 2
+    r = fm_here("ckpt", "convert", "s3:models/w.safetensors", str(tmp_path / "conv"))
+    assert r.returncode == 0, r.stderr
+    assert torch.equal(fmstore.load(tmp_path / "conv")["w"], sd["w"])
+    # Downloaded, then checked like a local file: a truncated archive is refused.
+    _put("s3:models/bad.pt", buf.getvalue()[: len(buf.getvalue()) // 2])
+    with pytest.raises(CorruptData, match="s3:models/bad.pt"):
+        fmstore.load("s3:models/bad.pt")
+    # A checkpoint saved under a file-like name on S3 is still a checkpoint.
+    with pytest.warns(TorchSuffixWarning):
+        fmstore.save(sd, "s3:ckpts/c.pt")
+    assert torch.equal(fmstore.load("s3:ckpts/c.pt")["w"], sd["w"])
+    # A Hugging Face directory on S3: one line saying what to do.
+    _put("s3:models/hf/model.safetensors", st_save(sd))
+    from fmstore.errors import NotSupported
+
+    with pytest.raises(NotSupported, match="Hugging Face directory.*fmstore stage"):
+        fmstore.load("s3:models/hf")
+    r = fm_here("stage", "s3:models/hf", str(tmp_path / "llama"))  # what the error says
+    assert r.returncode == 0, r.stderr
+    assert torch.equal(fmstore.load(tmp_path / "llama")["w"], sd["w"])

@@ -418,17 +418,23 @@ def test_s3_down_backs_off_grows_the_lag_and_catches_up(tmp_path, s3_server, s3_
 # ---- ckpt list / verify --all-tiers ---------------------------------------------------------------
 
 
-def test_ckpt_list_and_verify_all_tiers_report_a_corrupt_copy(tmp_path, capsys, monkeypatch):
+def _two_steps_on_nvme_and_lustre(tmp_path) -> tuple[str, Config]:
+    """Steps 1 and 2 of ``run`` saved on nvme and exported to lustre; the config's path."""
+    from fmstore.config import load_config
+
     cfg_path = write_toml(
         tmp_path / "fmstore.toml",
         str(tmp_path),
         '[[policies.export]]\nto = "lustre"\nevery_saves = 1',
     )
-    from fmstore.config import load_config
-
     config = load_config(cfg_path)
     save_some(config, [1, 2])
     assert drain(config) == 0
+    return cfg_path, config
+
+
+def test_ckpt_list_and_verify_all_tiers_report_a_corrupt_copy(tmp_path, capsys, monkeypatch):
+    cfg_path, config = _two_steps_on_nvme_and_lustre(tmp_path)
     # Flip a byte in one blob of step 2 on lustre.
     blob_dir = tmp_path / "lustre" / "run" / "step_000000000002"
     blob = next(p for p in blob_dir.rglob("*.bin"))
@@ -459,6 +465,34 @@ def test_ckpt_list_and_verify_all_tiers_report_a_corrupt_copy(tmp_path, capsys, 
         assert mgr.restore(2)["step"] == 2
     assert drain(config) == 0
     assert on_tier(config, "lustre", "run") == {1: True, 2: True}
+
+
+def test_verify_all_tiers_counts_copies_gone_and_checkpoints_lost_and_fixes_the_catalog(
+    tmp_path, capsys, monkeypatch
+):
+    import shutil
+
+    cfg_path, config = _two_steps_on_nvme_and_lustre(tmp_path)
+    # Removed outside fmstore: step 1's nvme copy, and every copy of step 2.
+    shutil.rmtree(tmp_path / "nvme" / "run" / "step_000000000001")
+    shutil.rmtree(tmp_path / "nvme" / "run" / "step_000000000002")
+    shutil.rmtree(tmp_path / "lustre" / "run" / "step_000000000002")
+    monkeypatch.setenv("FMSTORE_CONFIG", cfg_path)
+    code, out, err = cli(capsys, "ckpt", "verify", "--all-tiers", "run", "--json")
+    assert code == 1, out + err
+    doc = json.loads(out)
+    assert (doc["ok"], doc["good"], doc["bad"], doc["lost"]) == (False, 1, 3, [2])
+    gone = sorted((c["tier"], c["step"]) for c in doc["copies"] if not c["ok"])
+    assert gone == [("lustre", 2), ("nvme", 1), ("nvme", 2)]
+    code, out, err = cli(capsys, "ckpt", "list", "run", "--json")
+    assert code == 0, err
+    rows = {row["step"]: row["tiers"] for row in json.loads(out)}
+    assert rows[1]["nvme"]["state"] == "missing" and rows[1]["lustre"]["state"] == "present"
+    assert rows[2]["nvme"]["state"] == rows[2]["lustre"]["state"] == "missing"
+    # Run again: the copies are known to be missing now, the lost checkpoint is still bad.
+    code, out, err = cli(capsys, "ckpt", "verify", "--all-tiers", "run")
+    assert code == 1 and "step 2: no good copy on any tier" in out, out + err
+    assert "1 good, 0 bad copies of 'run'; 1 checkpoint with no good copy" in out
 
 
 # ---- a real Prometheus server scrapes the daemon --------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .. import runtime
-from ..errors import ConfigError, CorruptData, FmstoreError, NotFound
+from ..errors import ConfigError, CorruptData, FmstoreError, NotFound, NotSupported
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores import Location, open_store
 from ..stores.base import Store
@@ -26,6 +26,7 @@ from .planner import DEFAULT_BLOB_SIZE, DEFAULT_CHUNK_SIZE, Planned, plan_save, 
 from .reader import MapLocation, ReadOptions
 from .select import prune
 from .snapshot import STAGING, needs_staging, reserve_staging, take_views
+from .sources import HF_NAMES, SourceFile, read_source, source_file
 from .tree import UnsupportedValue
 from .writer import WriteOptions, write_checkpoint
 
@@ -84,7 +85,9 @@ async def _in_runtime(coro: Any) -> Any:
 
 
 async def _save_core(obj: Any, uri: Uri, o: SaveOptions) -> Manifest:
-    planned = _plan(obj, o)
+    # Planned off the loop: a lazily loaded state (LazyDict) fetches what it has not
+    # fetched yet while it is planned, through this loop.
+    planned = await asyncio.to_thread(_plan, obj, o)
     store, owned = open_location(uri, for_read=False)
     staged = needs_staging(planned)
     try:
@@ -182,9 +185,12 @@ async def _load_core(
     mmap: bool,
     verify: bool,
 ) -> Any:
-    torch_file = _torch_file(uri)
-    if torch_file is not None:
-        return await _load_torch_file(torch_file, map_location, lazy, keys, weights_only, mmap)
+    if not isinstance(uri, Store):
+        # A torch.save, safetensors file or Hugging Face directory, local or on any tier.
+        src = await asyncio.to_thread(source_file, _location(uri))
+        if src is not None:
+            with src:
+                return await _load_source(src, map_location, keys, weights_only)
     store, owned = open_location(uri, for_read=True)
     keep_open = False
     try:
@@ -192,6 +198,8 @@ async def _load_core(
             try:
                 manifest = await read_manifest(store)
             except (NotFound, CorruptData) as e:
+                if isinstance(e, NotFound) and not attempt:
+                    await _refuse_remote_hf(store)
                 if attempt or not await _is_dcp(store, e):
                     raise
                 # A checkpoint of torch.distributed.checkpoint: written by fmstore's DCP
@@ -233,6 +241,17 @@ async def _load_core(
     finally:
         if owned and not keep_open:
             await store.close()
+
+
+async def _refuse_remote_hf(store: Store) -> None:
+    """Say what to do with a Hugging Face directory on a remote tier (read from local
+    directories only), rather than that it has no manifest."""
+    if store.local_root is None and any([await store.exists(n) for n in HF_NAMES]):
+        raise NotSupported(
+            f"{store.url} is a Hugging Face directory, which fmstore reads from a local "
+            f"directory: copy it first (`fmstore stage {store.url} DIR`), then load DIR",
+            tier=store.tier,
+        )
 
 
 async def _is_dcp(store: Store, error: Exception) -> bool:
@@ -291,45 +310,53 @@ def _load_dcp(
     return load_full_state_dict(store, allow_pickle=not weights_only, verify=verify), False
 
 
-def _torch_file(uri: Uri) -> str | None:
-    """The path of a local ``torch.save`` file at ``uri`` (None: not a local file)."""
-    if isinstance(uri, Store):
-        return None
+def _location(uri: str | os.PathLike[str]) -> str:
     url = os.fspath(uri)
-    if not isinstance(url, str):
-        return None
-    local = Location.parse(url).local_root if url else None
-    return local if local is not None and os.path.isfile(local) else None
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"checkpoint location must be a path or URL, not {uri!r}")
+    return url
+
+
+async def _load_source(
+    src: SourceFile,
+    map_location: MapLocation,
+    keys: str | Sequence[str] | None,
+    weights_only: bool,
+) -> Any:
+    """A ``torch.save`` file (through the zip guard, with ``torch.load(weights_only=…)``),
+    a safetensors file or a Hugging Face directory (read on the host).  Onto a device it
+    is read on the host and moved through the ring.  ``lazy`` does not apply: the whole
+    file is read (a ``torch.save`` file memory-mapped)."""
+    device = isinstance(map_location, (str, torch.device))
+    if src.kind != "torch":
+        if map_location is not None and not device:
+            raise ConfigError(f"{src.name} is a {src.kind} file: map_location must be a device")
+        obj = await asyncio.to_thread(read_source, src)
+    else:
+        obj = await _load_torch_file(src.path, src.name, map_location, weights_only)
+    if keys is not None:
+        obj = select(obj, [keys] if isinstance(keys, str) else list(keys), src.name)
+    return await _to_map_location(obj, map_location) if device else obj
 
 
 async def _load_torch_file(
-    path: str,
-    map_location: MapLocation,
-    lazy: bool,
-    keys: str | Sequence[str] | None,
-    weights_only: bool,
-    mmap: bool,
+    path: str, name: str, map_location: MapLocation, weights_only: bool
 ) -> Any:
-    """A ``torch.save`` file, through the zip guard, with ``torch.load(weights_only=…)``.
-    Onto a device it is read on the host (memory-mapped) and moved through the ring."""
     from .zipguard import check_torch_zip
 
-    await asyncio.to_thread(check_torch_zip, path, name=path)
+    await asyncio.to_thread(check_torch_zip, path, name=name)
     device = isinstance(map_location, (str, torch.device))
     where = "cpu" if device else map_location
     try:
-        obj = await asyncio.to_thread(
+        return await asyncio.to_thread(
             torch.load, path, map_location=where, weights_only=weights_only, mmap=True
         )
     except _pickle.UnpicklingError as e:
         raise PickleRefused(
-            f"{path} holds objects torch.load(weights_only=True) refuses; load with "
+            f"{name} holds objects torch.load(weights_only=True) refuses; load with "
             f"weights_only=False if you trust it ({str(e).splitlines()[0][:200]})",
-            key=path,
+            key=name,
         ) from None
-    if keys is not None:
-        obj = select(obj, [keys] if isinstance(keys, str) else list(keys), path)
-    return await _to_map_location(obj, map_location) if device else obj
 
 
 async def aload(

@@ -1,12 +1,10 @@
 """Converting weights between fmstore checkpoints, ``torch.save`` files and safetensors.
 
-The kind of each side is told by its name: ``*.safetensors`` is safetensors, ``*.pt``,
-``*.pth``, ``*.bin`` and ``*.ckpt`` are ``torch.save`` files (read with
-``weights_only=True``), a local directory holding ``model.safetensors`` or
-``model.safetensors.index.json`` is a Hugging Face ``save_pretrained`` directory
-(:mod:`.hf`), anything else is an fmstore checkpoint location.  Safetensors holds a
-flat mapping of tensors: nested dicts are flattened with dotted names on the way in, and
-tensors sharing storage are copied apart (safetensors refuses shared tensors).
+The kind of each side is told by its name (:func:`.sources.kind_of`, the same for
+``fmstore.load`` and ``ckpt inspect``); a file on a remote tier is downloaded first and read
+like a local one.  Safetensors holds a flat mapping of tensors: nested dicts are flattened
+with dotted names on the way in, and tensors sharing storage are copied apart (safetensors
+refuses shared tensors).
 """
 
 from __future__ import annotations
@@ -19,26 +17,15 @@ from typing import Any
 import torch
 
 from .. import runtime
-from ..errors import AlreadyExists, ConfigError, CorruptData
+from ..errors import AlreadyExists, ConfigError
 from ..stores import Location, open_store
 from ..units import parse_size
 from .api import load, save
-from .hf import is_hf_dir, read_hf_dir, read_safetensors_fd, write_hf_dir
+from .hf import write_hf_dir
 from .loading import LazyDict, select
-from .zipguard import check_torch_zip, open_regular
+from .sources import TORCH_EXT, kind_of, read_source, source_file
 
-TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
-
-
-def kind_of(location: str) -> str:
-    if is_hf_dir(location):
-        return "hf"
-    low = location.lower()
-    if low.endswith(".safetensors"):
-        return "safetensors"
-    if low.endswith(TORCH_EXT):
-        return "torch"
-    return "fmstore"
+__all__ = ["TORCH_EXT", "convert", "kind_of", "read_any", "write_any"]
 
 
 def read_any(location: str, keys: Sequence[str] | None = None) -> Any:
@@ -55,43 +42,21 @@ def read_any(location: str, keys: Sequence[str] | None = None) -> Any:
             finally:
                 if isinstance(lazy, LazyDict):
                     lazy.close()
-    obj = _read_all(location, kind)
+    obj = _read_all(location)
     return select(obj, keys, location) if keys else obj
 
 
-def _read_all(location: str, kind: str) -> Any:
-    if kind == "hf":
-        return read_hf_dir(location)
-    if kind == "safetensors":
-        with open_regular(location) as f:
-            return read_safetensors_fd(f.fileno(), location)
-    if kind == "torch":
-        return _read_torch_file(location)
+def _read_all(location: str) -> Any:
+    f = source_file(location)
+    if f is not None:
+        with f:
+            return read_source(f)
     from .dcp.api import is_dcp_checkpoint, load_full_state_dict
 
     if is_dcp_checkpoint(location):
         # A multi-rank (torch.distributed.checkpoint) checkpoint: gathered whole, on CPU.
         return load_full_state_dict(location)
     return load(location, map_location="cpu")
-
-
-def _read_torch_file(location: str) -> Any:
-    """A ``torch.save`` file read with ``weights_only=True``, after its zip members were
-    checked (:func:`~.zipguard.check_torch_zip`: nothing inflated, nothing read twice, so
-    what torch allocates is bounded by the file's size); CorruptData naming the file."""
-    with open_regular(location) as f:
-        check_torch_zip(f, name=location)
-        try:
-            return torch.load(f, map_location="cpu", weights_only=True)
-        except MemoryError:
-            raise
-        except Exception as e:  # torch's message is a page of advice: keep its first line
-            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-            why = next((ln for ln in lines if "Unpickler error" in ln), lines[0] if lines else "")
-            raise CorruptData(
-                f"{location} is not a torch.save file fmstore reads with weights_only=True: "
-                f"{why[:300] or type(e).__name__}"
-            ) from None
 
 
 def flatten_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:

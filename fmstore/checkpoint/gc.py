@@ -257,8 +257,7 @@ async def _gc(store: Store, older_than: float, dry_run: bool, live: Sequence[str
             rep.removed_bytes += g.size
         else:
             rep.exporting.append(g.where)
-    if not dry_run:
-        rep.temp_files = await store.cleanup_temp(older_than)
+    rep.temp_files = await store.cleanup_temp(older_than, dry_run=dry_run)
     return rep
 
 

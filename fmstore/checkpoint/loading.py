@@ -21,7 +21,7 @@ from ..stores.base import Store
 from .devring import cpu_routed, tensors_to
 from .reader import MapLocation, ReadOptions, StorageReader, device_for, place_storage
 from .select import has_pickle, tensor_indices
-from .tree import _hashable, decode_tree
+from .tree import LazyMapping, _hashable, decode_tree
 
 
 class PickleRefused(CorruptData):
@@ -163,7 +163,7 @@ def _is_mapping(node: Any) -> bool:
     return isinstance(node, dict) and ("dict" in node or "odict" in node)
 
 
-class LazyDict(dict[Any, Any]):
+class LazyDict(LazyMapping):
     """A dict over a dict of the checkpoint whose values are built on first access: tensors
     are fetched then (and kept; tensors sharing storage stay shared), nested dicts are
     LazyDicts too, other values (lists, scalars) are built whole.
@@ -171,7 +171,8 @@ class LazyDict(dict[Any, Any]):
     It is a real ``dict`` (``isinstance(x, dict)``), usable wherever a dict from
     ``torch.load`` is: ``copy()`` is a shallow copy that stays lazy; ``copy.deepcopy``,
     ``pickle`` and ``torch.save`` load what they need and give plain dicts (``OrderedDict``
-    where one was saved); ``items()``, ``values()``, ``dict(x)`` and ``{**x}`` build every value
+    where one was saved); ``fmstore.save``, ``async_save`` and ``CheckpointManager.save``
+    take it as the plain state it stands for, fetching what was not fetched yet in one batch; ``items()``, ``values()``, ``dict(x)`` and ``{**x}`` build every value
     they hand out.  It can be changed like any dict.  ``materialize()`` loads everything at once
     and returns plain dicts."""
 

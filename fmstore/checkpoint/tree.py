@@ -38,6 +38,19 @@ class UnsupportedValue(TypeError):
     """A value the default (no pickle) format cannot hold; the message names its path."""
 
 
+class LazyMapping(dict[Any, Any]):
+    """A dict whose values are built on access (a lazily loaded state, :class:`LazyDict`).
+
+    It is saved as the plain mapping it stands for: :meth:`materialize` loads what is not
+    loaded yet (in one batch of reads) and returns plain dicts over the same tensors, so a
+    save holds the state once, not twice."""
+
+    __slots__ = ()
+
+    def materialize(self) -> Any:
+        raise NotImplementedError
+
+
 @dataclass
 class Leaf:
     """A tensor found in the tree: its dotted name and where it came from."""
@@ -78,6 +91,13 @@ def encode_tree(obj: Any, *, allow_pickle: bool = False) -> Encoded:
         return {"pickle" if pickled else "tensor": len(enc.leaves) - 1}
 
     def fallback(path: tuple[Any, ...], x: Any, why: str) -> Any:
+        if type(x).__module__.split(".")[0] == "fmstore":
+            # fmstore's own objects (a SaveHandle, a Manifest, a manager) are never state:
+            # pickling them would not help, so the advice is to pass the state itself.
+            raise UnsupportedValue(
+                f"{_fmt_path(path)} is {why}, an fmstore object, not part of a state: pass "
+                "the state it stands for (tensors, dicts, lists, numbers) instead"
+            )
         if not allow_pickle:
             raise UnsupportedValue(
                 f"{_fmt_path(path)} is {why}, which fmstore stores without pickle only for tensors, "
@@ -96,6 +116,8 @@ def encode_tree(obj: Any, *, allow_pickle: bool = False) -> Encoded:
         return {"float": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
 
     def walk(x: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(x, LazyMapping):
+            x = x.materialize()
         t = type(x)
         if x is None or t is bool or t is int or t is str:
             return x

@@ -6,17 +6,17 @@ import json
 from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
 from .. import runtime
 from ..stores.base import Store
 from .main import ckpt
-from .progress import byte_columns
+from .progress import byte_columns, make_console
 from .util import human_bytes, plural
 
 if TYPE_CHECKING:
+    from ..checkpoint.sources import SourceFile
     from ..format.manifest import Manifest
 
 
@@ -38,9 +38,17 @@ def inspect(
         False, "--json", help="Print the tensors and totals as one JSON object on stdout."
     ),
 ) -> None:
-    """Tensor table: name, dtype, shape, bytes, codec and compression ratio; totals."""
+    """Tensor table: name, dtype, shape, bytes, codec and compression ratio; totals.
+    Also for torch.save and safetensors files and Hugging Face directories (what
+    `ckpt convert` reads), local or on any tier."""
     from ..checkpoint.dcp.api import is_dcp_checkpoint
+    from ..checkpoint.sources import source_file
 
+    src = source_file(uri)
+    if src is not None:
+        with src:
+            _inspect_file(src, limit, as_json)
+        return
     if is_dcp_checkpoint(uri):
         _inspect_dcp(uri, limit, as_json)
         return
@@ -48,7 +56,7 @@ def inspect(
     if as_json:
         _inspect_json(store.url, m, limit)
         return
-    console = Console()
+    console = make_console()
     t = Table(title=f"{store.url}  (format v{m.version}, {m.writer}, generation {m.generation})")
     for col, just in (
         ("name", "left"),
@@ -84,6 +92,35 @@ def inspect(
         f"{len(m.tensors)} tensors in {len(m.storages)} storages, {len(m.blobs)} blobs: "
         f"{human_bytes(raw)} raw, {human_bytes(stored)} stored (ratio {ratio})"
     )
+
+
+def _inspect_file(src: SourceFile, limit: int, as_json: bool) -> None:
+    """The tensors of a torch.save or safetensors file or a Hugging Face directory (read
+    whole: these formats have no index of sizes without their tensors)."""
+    from ..checkpoint.convert import flatten_tensors
+    from ..checkpoint.sources import read_source
+    from ..format.dtypes import dtype_name
+
+    flat = flatten_tensors(read_source(src))
+    rows = [
+        (k, dtype_name(t.dtype) or str(t.dtype), list(t.shape), t.numel() * t.element_size())
+        for k, t in flat.items()
+    ]
+    total = sum(r[3] for r in rows)
+    shown = rows if limit <= 0 else rows[:limit]
+    if as_json:
+        tensors = [{"name": n, "dtype": d, "shape": sh, "bytes": b} for n, d, sh, b in shown]
+        doc = {"url": src.name, "format": src.kind, "tensors": tensors}
+        typer.echo(json.dumps({**doc, "tensor_count": len(rows), "bytes": total}))
+        return
+    console = make_console()
+    t = Table(title=f"{src.name}  ({src.kind})")
+    for col, just in (("name", "left"), ("dtype", "left"), ("shape", "left"), ("bytes", "right")):
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    for n, d, sh, b in shown:
+        t.add_row(n, d, "x".join(map(str, sh)) or "scalar", human_bytes(b))
+    console.print(t)
+    console.print(f"{len(rows)} tensors: {human_bytes(total)}")
 
 
 def _inspect_json(url: str, m: Manifest, limit: int) -> None:
@@ -150,7 +187,7 @@ def verify(
     store, _ = open_location(uri, for_read=True)
     _, m = runtime.run(read_any_manifest(store, native=True))
     m, part = _node_part(m, store, uri)
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     with Progress(
         TextColumn("verifying"),
         BarColumn(),
@@ -174,7 +211,7 @@ def verify(
         if not res.ok:
             raise typer.Exit(1)
         return
-    out = Console()
+    out = make_console()
     if not res.ok:
         for problem in res.problems:
             out.print(f"[red]BAD[/red] {problem}", highlight=False)
@@ -248,7 +285,7 @@ def _inspect_dcp(uri: str, limit: int, as_json: bool = False) -> None:
         }
         typer.echo(json.dumps(doc))
         return
-    console = Console()
+    console = make_console()
     t = Table(
         title=f"{uri}  (native torch DCP, {m.world_size} ranks, DCP version {m.version})"
         if native
@@ -320,7 +357,7 @@ def gc_cmd(
         rep = gc(store, older_than=older_than, dry_run=dry_run, live=_live_copies())
     finally:
         runtime.run(store.close())
-    console = Console()
+    console = make_console()
     verb = "would remove" if dry_run else "removed"
     for key in rep.removed:
         console.print(f"{verb} {key}", highlight=False)
@@ -397,4 +434,4 @@ def convert_cmd(
         max_shard_size=max_shard_size or None,
         config=config or None,
     )
-    Console().print(f"converted {n} tensors: {src} -> {dst}", highlight=False)
+    make_console().print(f"converted {n} tensors: {src} -> {dst}", highlight=False)

@@ -12,14 +12,14 @@ import time
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from .. import runtime
 from ..config import Config, load_config
-from ..errors import FmstoreError
+from ..errors import ConfigError, FmstoreError, NotFound
 from ..format.manifest import Manifest
+from ..stores import split_tier
 from ..stores.base import Store
 from ..tiering import catalog as cat
 from ..tiering.catalog import Catalog
@@ -28,6 +28,7 @@ from ..tiering.parts import parts_on
 from ..tiering.policies import Policies, State, export_lags, from_config
 from ..tiering.tiers import Tiers
 from .main import ckpt
+from .progress import make_console
 from .util import human_bytes, plural
 
 _STYLE = {
@@ -91,6 +92,8 @@ def list_checkpoints(
     and, for each copy whose export keeps failing, its failures and the last error."""
     cfg = load_config(config)
     pol = from_config(cfg)
+    if root:
+        _check_root(root, cfg)
     with Catalog.for_state_dir(cfg.state_dir) as catalog:
         _discover(cfg, catalog, pol.ladder, [root.strip("/")] if root else None)
         roots = [root.strip("/")] if root else catalog.roots()
@@ -98,6 +101,11 @@ def list_checkpoints(
         ckpts = {(c.root, c.step): c for r in roots for c in catalog.checkpoints(r)}
         lags = _lag_lines(pol, catalog, roots)
         now = catalog.now()
+    if root and not rows:
+        raise NotFound(
+            f"no checkpoint of run root {root.strip('/')!r} on any tier "
+            f"({', '.join(pol.ladder)}) nor in the catalog of {cfg.state_dir}"
+        )
     by_step: dict[tuple[str, int], dict[str, cat.Copy]] = {}
     for c in rows:
         by_step.setdefault((c.root, c.step), {})[c.tier] = c
@@ -153,7 +161,7 @@ def list_checkpoints(
                 where = f" part {part['index']}/{part['of']} ({part['node']})" if part else ""
             cells.append(Text(f"{cp.state}{mark}{where}{size}", style=_STYLE.get(cp.state, "")))
         table.add_row(r, str(s), *cells)
-    console = Console()
+    console = make_console()
     console.print(table)
     console.print(f"[dim]{plural(len(by_step), 'checkpoint')}; ✓ = verified[/dim]")
     for line in lags:
@@ -165,6 +173,21 @@ def list_checkpoints(
             # This node's part is on the shared tier; the commit waits for other nodes'.
             line = f"part of {c.root} step {c.step} on {c.tier}, commit {c.error}"
             console.print(line, highlight=False, markup=False)
+
+
+def _check_root(root: str, cfg: Config) -> None:
+    """Refuse a location where a run root is meant: the root is the same on every tier."""
+    tier, rest = split_tier(root, cfg)
+    if tier is not None:
+        raise ConfigError(
+            f"{root!r} is a location on tier {tier!r}; ckpt list takes a run root, the same "
+            f"on every tier: fmstore ckpt list {rest.strip('/') or 'ROOT'}"
+        )
+    if "://" in root or root.startswith(("/", "./", "~")):
+        raise ConfigError(
+            f"{root!r} is a location; ckpt list takes a run root, the key prefix of a "
+            "CheckpointManager (like runs/llama), the same on every tier"
+        )
 
 
 def _failure_lines(rows: list[cat.Copy], now: float) -> list[str]:
@@ -252,16 +275,43 @@ async def _own_part(store: Store) -> Any:
     return m.part_view(node_id()) or m
 
 
+def _own(cfg: Config, tier: str) -> bool:
+    """Whether only this node removes copies from ``tier``: a node-local tier, or any tier
+    of a config without node-local ones (one node).  Where nodes share a tier beside their
+    own, another node's daemon may have removed a copy there by the same retention rules
+    before this node's catalog heard of it: that is for the daemons, not an error."""
+    return cfg.tier(tier).scope == "node" or all(t.scope != "node" for t in cfg.tiers.values())
+
+
+def _tracked_steps(cfg: Config, rows: list[cat.Copy]) -> set[int]:
+    """Steps that should have a good copy: one catalogued present (on a tier this node
+    alone removes from) or corrupt, or every copy of which was found gone (``missing``)
+    with none retired on purpose (deleted or released)."""
+    by_step: dict[int, list[cat.Copy]] = {}
+    for c in rows:
+        by_step.setdefault(c.step, []).append(c)
+    out = set()
+    for step, copies in by_step.items():
+        states = {c.state for c in copies}
+        present = any(c.state == cat.PRESENT and _own(cfg, c.tier) for c in copies)
+        if present or cat.CORRUPT in states or states == {cat.MISSING}:
+            out.add(step)
+    return out
+
+
 def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = False) -> int:
     """Verify every committed copy of every checkpoint of ``root`` on every tier; marks bad
-    copies ``corrupt`` in the catalog and good ones verified.  Returns the exit code.
-    ``as_json``: one JSON object on stdout instead of a line per copy."""
+    copies ``corrupt`` in the catalog, good ones verified, and copies the catalog has as
+    present that are gone from a tier ``missing``.  Returns the exit code: 1 when a copy is
+    bad or gone, or a checkpoint has no good copy left.  ``as_json``: one JSON object on
+    stdout instead of a line per copy."""
     from ..checkpoint.verify import verify_checkpoint  # loads torch: only when verifying
 
     cfg = load_config(config)
     pol = from_config(cfg)
     root = root.strip("/")
     tiers = Tiers(cfg)
+    reached: set[str] = set()
 
     async def run() -> list[tuple[str, int, bool, list[str], int]]:
         out = []
@@ -271,6 +321,7 @@ def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = Fa
             except Exception as e:
                 out.append((tier, -1, False, [f"tier unreachable: {e}"], 0))
                 continue
+            reached.add(tier)
             for step in steps:
                 store = tiers.checkpoint(tier, root, step)
                 part = await _own_part(store) if cfg.tier(tier).scope == "node" else None
@@ -280,9 +331,16 @@ def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = Fa
         return out
 
     results = runtime.run(run())
-    console = Console(quiet=as_json)
+    console = make_console(quiet=as_json)
     bad = 0
     with Catalog.for_state_dir(cfg.state_dir) as catalog:
+        seen = {(t, s) for t, s, *_ in results}
+        tracked = _tracked_steps(cfg, catalog.copies(root))
+        # Catalogued as present on a tier that answered, but not committed there any more
+        # (removed outside fmstore): gone, not good.
+        for c in catalog.copies(root, states=[cat.PRESENT]):
+            if c.tier in reached and (c.tier, c.step) not in seen and _own(cfg, c.tier):
+                results.append((c.tier, c.step, False, ["catalogued as present, but gone"], 0))
         for tier, step, ok, problems, nbytes in results:
             if step < 0:
                 bad += 1
@@ -296,16 +354,26 @@ def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = Fa
                 console.print(f"[green]ok[/green]  {tier:<8} step {step}", highlight=False)
             else:
                 bad += 1
-                catalog.set_copy(root, step, tier, cat.CORRUPT, error="; ".join(problems)[:2000])
+                gone = (tier, step) not in seen
+                state = cat.MISSING if gone else cat.CORRUPT
+                catalog.set_copy(root, step, tier, state, error="; ".join(problems)[:2000])
                 console.print(
                     f"[red]BAD[/red] {tier:<8} step {step}: {'; '.join(problems)}", highlight=False
                 )
-    console.print(f"{len(results) - bad} good, {bad} bad copies of {root!r}")
+    good_steps = {s for _t, s, ok, _p, _n in results if ok}
+    lost = sorted((tracked | {s for _t, s, *_ in results if s >= 0}) - good_steps)
+    for step in lost:
+        console.print(f"[red]BAD[/red] step {step}: no good copy on any tier", highlight=False)
+    copies_bad = bad
+    summary = f"{len(results) - copies_bad} good, {copies_bad} bad copies of {root!r}"
+    console.print(
+        summary + (f"; {plural(len(lost), 'checkpoint')} with no good copy" if lost else "")
+    )
     if as_json:
         copies = [
             {"tier": t, "step": s if s >= 0 else None, "ok": ok, "bytes": n, "problems": p}
             for t, s, ok, p, n in results
         ]
-        doc = {"root": root, "ok": not bad, "good": len(results) - bad, "bad": bad}
-        typer.echo(json.dumps({**doc, "copies": copies}))
-    return 1 if bad else 0
+        doc = {"root": root, "ok": not (bad or lost), "good": len(results) - bad, "bad": bad}
+        typer.echo(json.dumps({**doc, "lost": lost, "copies": copies}))
+    return 1 if bad or lost else 0

@@ -7,10 +7,10 @@ import os
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from .main import HELP_MARKUP, app
+from .progress import make_console
 from .util import human_bytes, size_option
 
 dataset_app = typer.Typer(
@@ -72,7 +72,9 @@ def write(
             overwrite=overwrite,
         )
     noun = "tokens" if r.kind == "tokens" else "samples"
-    Console().print(f"wrote {r.shards} shards, {r.samples} {noun}, {human_bytes(r.bytes)} to {dst}")
+    make_console().print(
+        f"wrote {r.shards} shards, {r.samples} {noun}, {human_bytes(r.bytes)} to {dst}"
+    )
 
 
 def _src_bytes(src: str) -> int:
@@ -124,7 +126,7 @@ def inspect(
             json.dumps({**info, **({"shard_list": rows} if shards else {})}, indent=1, default=str)
         )
         return
-    console = Console()
+    console = make_console()
     t = Table(box=None, show_header=False)
     words = {"shards": "files", "samples": "rows"} if fmt.name == "parquet" else {}
     for k, v in info.items():

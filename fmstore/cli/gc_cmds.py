@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from .. import runtime
 from .main import app
+from .progress import make_console
 from .util import human_bytes
 
 
@@ -90,7 +90,7 @@ def gc_cmd(
         }
         typer.echo(json.dumps(doc, indent=2))
     else:
-        console = Console()
+        console = make_console()
         if shown:
             t = Table()
             for col, just in (
@@ -112,6 +112,6 @@ def gc_cmd(
             highlight=False,
         )
         for e in rep.errors:
-            Console(stderr=True).print(f"[red]error:[/red] {e}", highlight=False)
+            make_console(stderr=True).print(f"[red]error:[/red] {e}", highlight=False)
     if rep.errors:
         raise typer.Exit(1)

@@ -14,7 +14,7 @@ import typer
 import typer.core
 
 from .. import __version__
-from ..errors import FmstoreError
+from ..errors import ConfigError, FmstoreError
 
 #: Help texts are plain text: "[daemon] port" names a config section, not rich markup
 #: (typer's default mode, "rich", would drop it).  Every Typer of the CLI uses this.
@@ -264,8 +264,11 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(rc, int) and rc:
             sys.exit(rc)
     except FmstoreError as e:
-        # One line, whatever a message quoted from the data or a library holds.
-        typer.secho(f"error: {' '.join(str(e).split())}", fg=typer.colors.RED, err=True)
+        # One line, whatever a message quoted from the data or a library holds; a config
+        # with several problems: one line each (values in them are quoted with repr).
+        parts = str(e).split("\n") if isinstance(e, ConfigError) else [str(e)]
+        lines = [" ".join(p.split()) for p in parts if p.strip()]
+        typer.secho("error: " + "\n  ".join(lines), fg=typer.colors.RED, err=True)
         sys.exit(1)
     except typer.Exit as e:
         sys.exit(e.exit_code)

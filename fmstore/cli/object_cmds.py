@@ -155,6 +155,11 @@ def cp_cmd(
                 f"{src!r} is a prefix: use 'fmstore cp -r' to copy every object under it"
             ) from None
         raise
+    missing = [f.exc for f in report.failures if isinstance(f.exc, NotFound)]
+    if missing and len(missing) == len(report.failures):
+        # A destination that is not there (a missing bucket) is an error in what was
+        # asked, as for stage (exit 1), not a copy that failed on the way (exit 3).
+        raise missing[0]
     if report.failures:
         list_failures(report)
         raise typer.Exit(EXIT_FAILED)
@@ -184,6 +189,14 @@ def du_cmd(
         tree = {key: runtime.run(open_store(parent).stat(key))}
     else:
         tree = runtime.run(list_tree(open_source(url, role="location")))
+        if not tree and local_dir(url) is None and not is_root(url):
+            # A remote prefix with nothing below it: one object, or nothing at all (an
+            # empty local directory is there, and measures 0).
+            parent, key = split_object(url)
+            try:
+                tree = {key: runtime.run(open_store(parent).stat(key))}
+            except (NotFound, ConfigError):
+                raise NotFound(f"location {url!r} does not exist (no object or prefix)") from None
     groups: dict[str, list[int]] = {}
     for k, m in tree.items():
         top = k.split("/", 1)[0] + ("/" if "/" in k else "")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import os
 import queue
 import sys
 import threading
@@ -41,10 +42,20 @@ T = TypeVar("T")
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
-def console(err: bool = False) -> Console:
+def make_console(*, stderr: bool = False, **options: Any) -> Console:
+    """A rich console for the commands' output.  Piped to a file or a program it is not
+    wrapped at rich's default of 80 columns (tables and lines keep their width), unless
+    ``$COLUMNS`` says otherwise; on a terminal it fits the terminal."""
     from rich.console import Console  # on demand: a copy logging to a file needs none
 
-    return Console(stderr=err, highlight=False)
+    c = Console(stderr=stderr, **options)
+    if not c.is_terminal and not os.environ.get("COLUMNS"):
+        c.width = 1 << 12
+    return c
+
+
+def console(err: bool = False) -> Console:
+    return make_console(stderr=err, highlight=False)
 
 
 class Interrupted(Exception):

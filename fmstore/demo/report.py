@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,54 @@ def summarize(work: Path, log: Path, metrics: str, lags: list[float], console: C
         console.print(t)
 
 
+#: Label levels above a tier's bar; labels that fit on none are left out (the tick stays).
+LABEL_LEVELS = 3
+
+
+def label_levels(xs: Sequence[float], width: float, levels: int = LABEL_LEVELS) -> list[int | None]:
+    """For labels starting at ``xs``, each ``width`` wide: the level each goes on so that no
+    two on one level overlap (the lowest free one), None when all are taken."""
+    ends = [float("-inf")] * levels
+    out: list[int | None] = [None] * len(xs)
+    for i in sorted(range(len(xs)), key=lambda i: xs[i]):
+        for lv in range(levels):
+            if xs[i] >= ends[lv]:
+                ends[lv] = xs[i] + width
+                out[i] = lv
+                break
+    return out
+
+
+def timeline(
+    ax: Any, copies: Sequence[Any], t_start: float, end: float, rows: dict[str, int]
+) -> None:
+    """Each checkpoint copy as a bar on its tier's row, from complete to deleted, with its
+    step above the start; labels of steps close in time are stacked, never overlapping."""
+    ax.set_xlim(0, max(end, 1e-9) * 1.02)
+    fig = ax.figure
+    fig.canvas.draw()  # the axes' size in pixels is known once laid out
+    px = ax.get_window_extent().width or 1.0
+    per_px = ax.get_xlim()[1] / px
+    by_row: dict[int, list[tuple[float, str]]] = {}
+    for c in copies:
+        y = rows.get(c.tier)
+        if y is None or c.state in ("writing", "exporting"):
+            continue
+        born = (c.verified or c.created) - t_start  # when the copy was complete on that tier
+        gone = c.updated - t_start if c.state in ("deleted", "released") else end
+        color = {"nvme": "tab:green", "lustre": "tab:blue", "s3": "tab:purple"}.get(c.tier, "grey")
+        ax.plot([born, gone], [y, y], color=color, lw=6, alpha=0.35, solid_capstyle="butt")
+        ax.plot([born], [y], "|", color=color, ms=14)
+        by_row.setdefault(y, []).append((born, str(c.step)))
+    char_px = 7 * fig.dpi / 72 * 0.7  # a digit at fontsize 7, with room to spare
+    for y, labels in by_row.items():
+        longest = max(len(t) for _x, t in labels)
+        width = (longest + 1) * char_px * per_px
+        for (x, text), lv in zip(labels, label_levels([x for x, _t in labels], width)):
+            if lv is not None:
+                ax.annotate(text, (x, y + 0.18 + 0.24 * lv), fontsize=7)
+
+
 def plot(work: Path, log: Path, console: Console) -> Path:
     import matplotlib
 
@@ -147,22 +196,13 @@ def plot(work: Path, log: Path, console: Console) -> Path:
             ax1.axvline(r["t"] - t_start, color="grey", lw=0.5, alpha=0.5)
     rows = {"nvme": 2, "lustre": 1, "s3": 0}
     end = max([run[-1]["t"]] + [c.updated for c in copies]) - t_start
-    for c in copies:
-        y = rows.get(c.tier)
-        if y is None or c.state in ("writing", "exporting"):
-            continue
-        born = (c.verified or c.created) - t_start  # when the copy was complete on that tier
-        gone = c.updated - t_start if c.state in ("deleted", "released") else end
-        color = {"nvme": "tab:green", "lustre": "tab:blue", "s3": "tab:purple"}.get(c.tier, "grey")
-        ax2.plot([born, gone], [y, y], color=color, lw=6, alpha=0.35, solid_capstyle="butt")
-        ax2.plot([born], [y], "|", color=color, ms=14)
-        ax2.annotate(str(c.step), (born, y + 0.18), fontsize=7)
     ax2.set_yticks(list(rows.values()), list(rows.keys()))
-    ax2.set_ylim(-0.5, 2.7)
+    ax2.set_ylim(-0.5, 3.0)
     ax2.set_xlabel(
         "seconds since the first step (each bar: a checkpoint's copy on a tier, from complete to deleted)"
     )
-    fig.tight_layout()
+    fig.tight_layout()  # the axes' final size: labels are spaced for it
+    timeline(ax2, copies, t_start, end, rows)
     png = work / "demo.png"
     fig.savefig(png, dpi=110)
     plt.close(fig)

@@ -169,13 +169,16 @@ class Store(abc.ABC):
 
     # ---- built on top, once ---------------------------------------------------------
 
-    async def cleanup_temp(self, older_than: float = 3600.0, under: str = "") -> int:
+    async def cleanup_temp(
+        self, older_than: float = 3600.0, under: str = "", *, dry_run: bool = False
+    ) -> int:
         """Remove the temp files of :meth:`leftovers` (below ``under``) idle for at least
-        ``older_than`` seconds; returns how many."""
+        ``older_than`` seconds; returns how many (``dry_run``: how many it would)."""
         n = 0
         for item in await self.leftovers(under):
             if item.kind == "temp" and item.idle >= older_than:
-                await self.remove_leftover(item)
+                if not dry_run:
+                    await self.remove_leftover(item)
                 n += 1
         return n
 

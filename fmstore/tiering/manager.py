@@ -98,11 +98,17 @@ def _state_nbytes(obj: Any) -> int:
     import numpy as np
     import torch
 
+    from ..checkpoint.tree import LazyMapping
+
     seen: set[tuple[int, int]] = set()
     total = 0
     stack = [obj]
     while stack:
         x = stack.pop()
+        if isinstance(x, LazyMapping):
+            # A lazy restore: loaded now in one batch of reads (the save loads it anyway)
+            # rather than value by value through values().
+            x = x.materialize()
         if isinstance(x, torch.Tensor):
             st = x.untyped_storage()
             key = (st.data_ptr(), st.nbytes())
@@ -405,7 +411,12 @@ class CheckpointManager:
         return fut
 
     def steps(self, tier: str | None = None) -> list[int]:
-        """Steps with a complete copy (on ``tier``, or anywhere), ascending."""
+        """Steps with a complete copy (on ``tier``, or anywhere), ascending.  Waits for the
+        saves in flight first, so a step just saved is there once committed (a failed
+        save's error stays for :meth:`wait`)."""
+        with self._lock:
+            pending = [p._future for p in self._pending]
+        cf.wait(pending)
         self._ensure_discovered()
         if tier is not None:
             self.config.tier(tier)

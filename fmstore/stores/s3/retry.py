@@ -16,6 +16,7 @@ classes of :mod:`fmstore.errors` at the edge.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import socket
 import ssl
@@ -38,6 +39,8 @@ from ...errors import (
     PreconditionFailed,
     StoreUnavailable,
 )
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -331,6 +334,8 @@ class Retrier:
         self.limiter = limiter
         self.tier = tier
         self.bucket = bucket
+        #: The reasons already logged (one line each, after their first failed attempt).
+        self._said: set[str] = set()
 
     async def call(
         self,
@@ -382,6 +387,20 @@ class Retrier:
                     key=key,
                 ) from err
             count_retry(self.tier, reason)
+            if reason not in self._said:
+                # Say once what is being retried: a dead endpoint otherwise gives the whole
+                # retry budget of silence before its error.
+                self._said.add(reason)
+                log.warning(
+                    "S3 %s of %s on tier %s failed (%s: %s); retrying, up to %d attempts in %.0f s",
+                    op,
+                    f"{self.bucket}/{key}" if key else self.bucket,
+                    self.tier,
+                    reason,
+                    _describe(err)[:300],
+                    p.max_attempts,
+                    p.deadline,
+                )
             if on_retry is not None:
                 on_retry(err)
             await asyncio.sleep(delay)
