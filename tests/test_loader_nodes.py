@@ -4,6 +4,7 @@ continue the epoch exactly; old states still load."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import numpy as np
@@ -171,3 +172,60 @@ def test_the_node_comes_from_the_launchers_environment(monkeypatch):
         layout(PartitionOptions(), rank=4, world=8)  # LOCAL_RANK 1 on an even rank
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert layout(PartitionOptions(), rank=5, world=8).nodes == 1  # unknown: one node
+
+
+def _formats(root) -> dict[str, tuple[str, dict, object]]:
+    """A small dataset in each shard format: (path, options, sample -> its id)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out: dict[str, tuple[str, dict, object]] = {}
+    tok = root / "tok"
+    tok.mkdir()
+    np.arange(12_000, dtype=np.uint16).tofile(tok / "train.bin")
+    out["tokens"] = (str(tok), {"seq_len": 50, "dtype": "uint16", "shard_bytes": 1000,
+                                "targets": False, "sample_dtype": None},
+                     lambda s: int(s[0]) // 50)  # fmt: skip
+    pqd = root / "pq"
+    pqd.mkdir()
+    for f in range(6):
+        pq.write_table(pa.table({"i": list(range(f * 30, f * 30 + 30))}), pqd / f"p{f}.parquet")
+    out["parquet"] = (str(pqd), {}, lambda s: int(s["i"]))
+    try:
+        import webdataset as wds
+    except ImportError:
+        wds = None
+    if wds is not None:
+        wd = root / "wds"
+        wd.mkdir()
+        for f in range(6):
+            with wds.TarWriter(str(wd / f"data-{f:04d}.tar")) as w:
+                for j in range(30):
+                    w.write({"__key__": f"s{f}_{j:03d}", "json": {"i": f * 30 + j}})
+        out["webdataset"] = (str(wd), {}, lambda s: int(json.loads(s["json"])["i"]))
+    from peer_libs import import_mds_writer
+
+    MDSWriter = import_mds_writer()
+    if MDSWriter is not None:
+        with MDSWriter(out=str(root / "mds"), columns={"i": "int"}, size_limit=300) as w:
+            for i in range(180):
+                w.write({"i": i})
+        out["mds"] = (str(root / "mds"), {}, lambda s: int(s["i"]))
+    return out
+
+
+def test_every_shard_format_is_partitioned_between_nodes(tmp_path):
+    formats = _formats(tmp_path)
+    assert {"tokens", "parquet"} <= set(formats)
+    for name, (path, opts, key) in formats.items():
+        got: list[int] = []
+        shards: list[set[int]] = []
+        for n in range(3):
+            ds = rank_ds(path, str(tmp_path / f"c-{name}"), n, 3, 1, 0, **opts)
+            assert len(ds.specs) >= 6, name
+            ids = ds.sample_ids()
+            shards.append(shard_share(ds, ids))
+            got += [key(s) for s in ds]
+        assert len(got) == ds.plan.length >= 150, name
+        assert Counter(got) == Counter(range(len(got))), name  # every sample once
+        assert sum(len(s) for s in shards) <= len(ds.specs) + 2, (name, shards)
