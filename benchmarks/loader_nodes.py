@@ -142,7 +142,10 @@ def shuffle_rows(nodes: int, per: int, batch: int) -> list[dict[str, Any]]:
 
 # ---- nodes: bytes read at the server ---------------------------------------------------
 
-NODE_SHARD = 1 << 20  #: shards of 1 MiB: 64 of them in 64 MiB, as many as 64 MiB ones in 4 GiB
+#: Shards of 4 MiB: 64 in the default 256 MiB, as many as of 64 MiB in 4 GiB.  (Smaller ones
+#: make the first batches' ranged reads, whose neighbouring ranges are merged up to 256 KiB
+#: apart, cover most of each shard they touch: the shard's bytes then come twice.)
+NODE_SHARD = 4 << 20
 NODE_COLUMNS = ["library", "nodes", "ranks", "x_dataset", "busiest_node_x", "busiest_x_n",
                 "samples", "samples_s_per_rank", "error"]  # fmt: skip
 
@@ -267,7 +270,12 @@ def nodes_rows(srv: Any, work: str, args: Any) -> list[dict[str, Any]]:
     store = open_store(f"s3://{bucket}/fmstore", **opts)
     write_dataset(os.path.join(work, "tok.npy"), store, shard_size=NODE_SHARD)
     os.unlink(os.path.join(work, "tok.npy"))
-    layouts = {"fmstore": (f"/{bucket}/fmstore/", load_format(store, FormatOptions()).shards)}
+    layouts = {
+        "fmstore": (
+            f"/{bucket}/fmstore/",
+            load_format(store, FormatOptions(seq_len=SEQ, targets=False)).shards,
+        )
+    }
     per_shard = NODE_SHARD // (2 * SEQ)
     libs = ["fmstore", "fmstore-global"]
     mds = _mds_writer()
