@@ -22,7 +22,9 @@ ideal mix, no locality at all).  Per order:
 cache directory and its own counting proxy in front of one SeaweedFS, one epoch of case
 (a)'s token sequences (fmstore shards, and MDS shards for Mosaic Streaming): bytes each
 node read at the server, in total and for the busiest node, over the dataset's bytes, and
-samples/s per rank, for fmstore (node-partitioned and global) and Mosaic Streaming.
+samples/s per rank, for fmstore (node-partitioned, the same without the first batches'
+ranged reads, and global) and Mosaic Streaming (its nodes one after the other: its shared
+memory names are per host, so two of its nodes cannot run on one host at once).
 """
 
 from __future__ import annotations
@@ -146,6 +148,8 @@ def shuffle_rows(nodes: int, per: int, batch: int) -> list[dict[str, Any]]:
 #: make the first batches' ranged reads, whose neighbouring ranges are merged up to 256 KiB
 #: apart, cover most of each shard they touch: the shard's bytes then come twice.)
 NODE_SHARD = 4 << 20
+#: fmstore without the first batches' ranged reads: its downloads alone.
+DIRECT_OFF = "fmstore direct_reads=0"
 NODE_COLUMNS = ["library", "nodes", "ranks", "x_dataset", "busiest_node_x", "busiest_x_n",
                 "samples", "samples_s_per_rank", "error"]  # fmt: skip
 
@@ -163,6 +167,7 @@ def _rank_loader(cfg: dict[str, Any]) -> Any:
             f"s3://{cfg['bucket']}/fmstore", cfg["cache"], batch_size=batch,
             storage_options=opts, seq_len=SEQ, targets=False, sample_dtype=None,
             partition="global" if lib == "fmstore-global" else "node",
+            direct_reads=0 if lib == DIRECT_OFF else None,
         )  # fmt: skip
         return StreamingDataLoader(ds, batch_size=batch, num_workers=cfg["workers"])
     import torch.distributed as dist
@@ -277,7 +282,7 @@ def nodes_rows(srv: Any, work: str, args: Any) -> list[dict[str, Any]]:
         )
     }
     per_shard = NODE_SHARD // (2 * SEQ)
-    libs = ["fmstore", "fmstore-global"]
+    libs = ["fmstore", DIRECT_OFF, "fmstore-global"]
     mds = _mds_writer()
     if mds is not None:
         out = os.path.join(work, "mds")
@@ -293,7 +298,7 @@ def nodes_rows(srv: Any, work: str, args: Any) -> list[dict[str, Any]]:
         proxies = [FaultProxy(srv.endpoint_url).start() for _ in range(nodes)]
         cfg = {"lib": lib, "bucket": bucket, "opts": opts, "batch": args.batch,
                "workers": args.workers, "nodes": nodes, "per_shard": per_shard,
-               "cache": os.path.join(work, f"cache-{lib}"),
+               "cache": os.path.join(work, "cache-" + lib.replace(" ", "-")),
                "endpoints": [p.endpoint_url for p in proxies]}  # fmt: skip
         try:
             if lib == "mosaic":  # its shared memory names are per host: one node at a time
