@@ -1,7 +1,8 @@
 """Streaming dataloaders from S3: fmstore vs mosaicml-streaming vs litdata (vs WebDataset),
 against the floor (the same samples fed from memory), one run, one SeaweedFS.
 
-    python -m benchmarks.loader [--size 2GiB] [--b-samples 100000] [--case a,b,ranks] [--quick]
+    python -m benchmarks.loader [--size 2GiB] [--b-samples 100000]
+        [--case a,b,ranks,shuffle,nodes] [--nodes 4] [--nodes-size 256MiB] [--quick]
 
 (a) ``--size`` bytes of uint16 tokens read as 2048-token sequences (and, as
 ``fmstore-parquet``, the same sequences as a Parquet ``fixed_size_list<uint16>[2048]``
@@ -22,6 +23,13 @@ Peers that are not installed are skipped with a note.
 the floor fed from memory through the same DataLoader setup at the same ranks and workers:
 aggregate samples/s per epoch, and the GETs and bytes per shard each epoch, counted at a
 proxy in front of SeaweedFS (see ``benchmarks/loader_ranks.py``).
+
+``shuffle``: how well the orders of ``--nodes`` nodes x 2 ranks mix (fmstore's global order
+of old, its node-partitioned order, Mosaic's ``py1e`` at the same cache size, a uniform
+permutation); ``nodes``: ``--nodes`` nodes x 2 ranks as plain processes with their own
+caches, ``--nodes-size`` of (a)'s sequences on SeaweedFS, the bytes each node read counted
+at its own proxy, for fmstore (node-partitioned and global) and Mosaic Streaming (see
+``benchmarks/loader_nodes.py``).
 """
 
 from __future__ import annotations
@@ -373,8 +381,12 @@ def main() -> None:
     ap.add_argument("--size", default="2GiB", help="case (a): bytes of uint16 tokens")
     ap.add_argument("--b-samples", type=int, default=100_000, help="case (b): samples of ~100 KB")
     ap.add_argument(
-        "--case", default="a,b,ranks", help="comma-separated: a, b, ranks ('both': a,b)"
+        "--case",
+        default="a,b,ranks,shuffle,nodes",
+        help="comma-separated: a, b, ranks, shuffle, nodes ('both': a,b)",
     )
+    ap.add_argument("--nodes", type=int, default=4, help="nodes of the 'shuffle' and 'nodes' cases")
+    ap.add_argument("--nodes-size", default="256MiB", help="'nodes' case: bytes of uint16 tokens")
     ap.add_argument("--ranks", type=int, default=4, help="ranks of the 'ranks' case")
     ap.add_argument(
         "--rounds",
@@ -398,9 +410,23 @@ def main() -> None:
         print("RESULT " + json.dumps(run_one(lib, case, json.loads(cfg))), flush=True)
         return
     args.size = _size("64MiB" if args.quick else args.size)
+    args.nodes_size = _size("64MiB" if args.quick else args.nodes_size)
     cases = ["a", "b"] if args.case == "both" else [c.strip() for c in args.case.split(",")]
-    if not set(cases) <= {"a", "b", "ranks"}:
-        ap.error(f"--case: choose from a, b, ranks, not {args.case!r}")
+    if not set(cases) <= {"a", "b", "ranks", "shuffle", "nodes"}:
+        ap.error(f"--case: choose from a, b, ranks, shuffle, nodes, not {args.case!r}")
+    from benchmarks import loader_nodes
+
+    shuffle_rows = (
+        loader_nodes.shuffle_rows(args.nodes, 2, args.batch) if "shuffle" in cases else []
+    )
+    if shuffle_rows:
+        print_table(
+            f"Shuffle quality: {args.nodes} nodes x 2 ranks, {loader_nodes.SHARDS} shards x "
+            f"{loader_nodes.PER_SHARD} samples, window {loader_nodes.WINDOW} shards, batch "
+            f"{args.batch}",
+            shuffle_rows,
+            loader_nodes.SHUFFLE_COLUMNS,
+        )
     if args.quick:
         args.b_samples = 1000
     peers, notes = available([p.strip() for p in args.peers.split(",") if p.strip()])
@@ -411,14 +437,18 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="bench-loader-", dir=args.work)
     rows: list[dict[str, Any]] = []
     rank_rows: list[dict[str, Any]] = []
+    node_rows: list[dict[str, Any]] = []
     try:
         with SeaweedServer() as srv:
+            if "nodes" in cases:
+                os.makedirs(os.path.join(work, "nodes"))
+                node_rows = loader_nodes.nodes_rows(srv, os.path.join(work, "nodes"), args)
             if "ranks" in cases:
                 from benchmarks import loader_ranks
 
                 os.makedirs(os.path.join(work, "ranks"))
                 rank_rows = loader_ranks.run(srv, os.path.join(work, "ranks"), args)
-            for case in [c for c in cases if c != "ranks"]:
+            for case in [c for c in cases if c in ("a", "b")]:
                 bucket = srv.create_bucket()
                 case_work = os.path.join(work, case)
                 os.makedirs(case_work)
@@ -471,6 +501,15 @@ def main() -> None:
             rank_rows,
             COLUMNS,
         )
+    if node_rows:
+        print_table(
+            f"Several nodes: {args.nodes} nodes x 2 ranks as processes on loopback, each node its "
+            f"own cache, {args.nodes_size >> 20} MiB of (a)'s sequences in shards of "
+            f"{loader_nodes.NODE_SHARD >> 20} MiB on SeaweedFS, one epoch, no cache limit; bytes "
+            "each node was sent, counted at its own proxy, over the dataset's",
+            node_rows,
+            loader_nodes.NODE_COLUMNS,
+        )
     save_json(
         "loader",
         {
@@ -478,6 +517,8 @@ def main() -> None:
             "notes": notes,
             "rows": rows,
             "ranks_rows": rank_rows,
+            "shuffle_rows": shuffle_rows,
+            "nodes_rows": node_rows,
         },
     )
 

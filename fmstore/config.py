@@ -525,3 +525,22 @@ def get_config() -> Config:
 def set_config(config: Config | None) -> None:
     global _cached
     _cached = config
+
+
+#: Environment variable naming this node (containers, several nodes on one host).
+NODE_ENV = "FMSTORE_NODE_ID"
+_NODE_RE = re.compile(r"^[A-Za-z0-9._:@+-]{1,200}$")
+
+
+def node_id() -> str:
+    """This node's stable id: ``$FMSTORE_NODE_ID`` where set, else the host name.  The
+    checkpoints' node parts and the dataset loader's node partitioning both use it."""
+    import socket
+
+    raw = os.environ.get(NODE_ENV) or socket.gethostname()
+    if not _NODE_RE.match(raw):
+        raise ConfigError(
+            f"node id {raw!r} (from ${NODE_ENV} or the host name) must be 1-200 letters, "
+            "digits or ._:@+-"
+        )
+    return raw

@@ -19,6 +19,7 @@ _WHERE = {
     "StreamingDataLoader": "dataset",
     "StreamingDataset": "dataset",
     "FormatOptions": "formats",
+    "PartitionOptions": "nodes",
     "load_format": "formats",
     "ShuffleOptions": "order",
     "write_dataset": "writer",

@@ -29,7 +29,16 @@ from . import metrics
 from .cache import CacheOptions, ShardCache
 from .formats import DatasetFormat, FormatOptions, ShardReader, ShardSpec, load_format
 from .mix import Stream
-from .order import CHUNK, Plan, ShuffleOptions, positions, rank_count, worker_indices
+from .nodes import NodeLayout, PartitionOptions, layout
+from .order import (
+    Ints,
+    Plan,
+    ShuffleOptions,
+    first_last,
+    positions,
+    rank_count,
+    worker_indices,
+)
 from .prefetch import Prefetcher
 from .state import LoaderState
 
@@ -112,6 +121,11 @@ class StreamingDataset(tud.IterableDataset):
     ``shard_bytes``, ``columns``, ``sample_dtype`` (token samples come out as ``int64``
     unless it says otherwise; None keeps the storage dtype).
 
+    ``partition``: how an epoch is shared between nodes, a
+    :class:`~fmstore.loaders.nodes.PartitionOptions` or its mode (``"node"``, the default:
+    each node downloads only its share; ``"global"``: the order of old, every node reads
+    every shard).
+
     ``batch_size``: the DataLoader's batch size, which makes the order a rank sees the same
     for any number of workers.  ``storage_options`` go to ``open_store``.
     ``streams``/``samples_per_epoch``: weighted mixing (see :class:`~.order.Plan`); each
@@ -135,6 +149,7 @@ class StreamingDataset(tud.IterableDataset):
         rank: int | None = None,
         world_size: int | None = None,
         transform: Callable[[Any], Any] | None = None,
+        partition: PartitionOptions | str | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -175,6 +190,15 @@ class StreamingDataset(tud.IterableDataset):
         self.world_size = w if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside world size {self.world_size}")
+        po = (
+            partition
+            if isinstance(partition, PartitionOptions)
+            else PartitionOptions(partition or "node")
+        )
+        self.partition = po
+        self._layout: NodeLayout | None = None
+        #: canonical partitions of the epochs to come (0: the global order of old)
+        self.canonical = 0 if po.mode == "global" else po.canonical or self.node_layout().nodes
         self.cache = ShardCache(
             self.local, self.cache_limit
         )  # checks that the directory is writable
@@ -204,22 +228,42 @@ class StreamingDataset(tud.IterableDataset):
             weights=[s.weight for s in self.streams] if len(self.streams) > 1 else None,
             length=samples_per_epoch,
         )
-        self._check_cache_limit()
         self.epoch = 0
         self._start = 0
         self._start_epoch = 0
+        #: canonical partitions of the resumed epoch (None: no state loaded for it)
+        self._start_canonical: int | None = None
+        self._check_cache_limit()
         self._yielded = 0
         #: ``(key, {worker: {index: sample}})`` read by :meth:`preload` for workers to come.
         self._preloaded: tuple[tuple[int, ...], dict[int, dict[int, Any]]] | None = None
 
     # ---- configuration checks -----------------------------------------------------------
 
+    def node_layout(self) -> NodeLayout:
+        """This rank's node (found once, in the process that built the dataset)."""
+        if self._layout is None:
+            self._layout = layout(self.partition, self.rank, self.world_size)
+        return self._layout
+
+    def _canonical_of(self, epoch: int) -> int:
+        """The canonical partitions of ``epoch``'s order: a resumed epoch keeps its own."""
+        if self._start_canonical is not None and epoch == self._start_epoch:
+            return self._start_canonical
+        return self.canonical
+
+    def _slot(self, canonical: int) -> int:
+        return self.rank if canonical == 0 else self.node_layout().slot()
+
     def required_cache_bytes(self) -> int:
-        """What the cache must hold: per stream, twice the window's largest shards."""
+        """What the cache must hold: per stream, twice the window's largest shards, for each
+        canonical partition this node reads at once."""
+        c = self._canonical_of(self.epoch)
+        k = 1 if c == 0 else self.node_layout().partitions_read(c)
         need = 0
         for f in self.formats:
             sizes = sorted((sp.cached_size for sp in f.shards), reverse=True)
-            need += sum(sizes[: 2 * (self.window if self.plan.cfg.shuffle else 1)])
+            need += sum(sizes[: 2 * k * (self.window if self.plan.cfg.shuffle else 1)])
         return need
 
     def _check_cache_limit(self) -> None:
@@ -229,8 +273,9 @@ class StreamingDataset(tud.IterableDataset):
         if self.cache_limit < need:
             raise ConfigError(
                 f"cache_limit={self.cache_limit} bytes is below the {need} bytes this configuration "
-                f"needs (twice the shuffle window of {self.window} shards of the largest size); "
-                "raise cache_limit or lower shuffle_window"
+                f"needs (twice the shuffle window of {self.window} shards of the largest size, for "
+                "each canonical partition a node reads at once); raise cache_limit, lower "
+                "shuffle_window or run on a number of nodes that divides the canonical partitions"
             )
 
     # ---- epochs and resume ------------------------------------------------------------
@@ -240,6 +285,7 @@ class StreamingDataset(tud.IterableDataset):
         if epoch != self._start_epoch:
             self._start = 0
             self._start_epoch = epoch
+            self._start_canonical = None
         self.epoch = epoch
 
     def _begin(self) -> int:
@@ -254,17 +300,35 @@ class StreamingDataset(tud.IterableDataset):
         (default: what this process yielded, right for in-process iteration)."""
         n = self._yielded if num_samples is None else num_samples
         pos = min(self.plan.length, self._begin() + n * self.world_size)
-        return LoaderState(self.epoch, pos, self.seed, self.plan.length, self.world_size).to_dict()
+        c = self._canonical_of(self.epoch)
+        st = LoaderState(self.epoch, pos, self.seed, self.plan.length, self.world_size, canonical=c)
+        return st.to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where ``state`` says.  The resumed epoch keeps the order it was started
+        in (its canonical partitions; the global order for a state that names none); the
+        following epochs keep the state's canonical partitions unless ``partition`` says
+        otherwise."""
         st = LoaderState.from_dict(state)
         if st.seed != self.seed or st.length != self.plan.length:
             raise ConfigError(
                 f"state is for seed {st.seed} and {st.length} samples per epoch; this dataset has "
                 f"seed {self.seed} and {self.plan.length}"
             )
+        fixed = self.partition.canonical
+        if st.canonical and fixed is not None and fixed != st.canonical:
+            raise ConfigError(
+                f"state is for an order in {st.canonical} canonical partitions; this dataset was "
+                f"given canonical={fixed}: the resumed epoch would not be the same"
+            )
+        if st.canonical and self.partition.mode == "node":
+            self.canonical = st.canonical
         self.epoch = self._start_epoch = st.epoch
         self._start = st.position
+        self._start_canonical = st.canonical
+        if st.canonical:
+            self.node_layout()  # found here, in the process that built the dataset
+        self._check_cache_limit()
 
     def __getstate__(self) -> dict[str, Any]:
         # Store clients belong to the process that opened them (spawned workers open theirs).
@@ -287,12 +351,13 @@ class StreamingDataset(tud.IterableDataset):
         """Global sample ids one worker of this rank yields this epoch, in order."""
         start = self._begin()
         count = rank_count(self.plan.length, start, self.world_size)
+        c = self._canonical_of(self.epoch)
         try:
-            order = self.plan.epoch(self.epoch)
+            order = self.plan.epoch(self.epoch, max(1, c))
             if num_workers <= 1 and self.world_size == 1 and count == len(order) - start:
                 return order[start:]  # one reader of the epoch: its order as it is (no copy)
             j = worker_indices(count, worker, num_workers, self.batch_size or 1)
-            return order[positions(self.plan.length, start, self.rank, self.world_size, j)]
+            return order[positions(self.plan.length, start, self._slot(c), self.world_size, j)]
         except MemoryError:  # the order of an epoch is an array of 4 or 8 bytes a sample
             raise FmstoreError(
                 f"the sample order of an epoch of {self.plan.length} samples does not fit in "
@@ -303,7 +368,8 @@ class StreamingDataset(tud.IterableDataset):
         return (self.batch_size or 32) if self.direct_reads is None else self.direct_reads
 
     def _preload_key(self, num_workers: int) -> tuple[int, ...]:
-        return (self.epoch, self._begin(), num_workers, self.rank, self.world_size)
+        c = self._canonical_of(self.epoch)
+        return (self.epoch, self._begin(), num_workers, self._slot(c), self.world_size, c)
 
     def preload(self, num_workers: int) -> None:
         """Read, in this process, the first samples each of ``num_workers`` DataLoader
@@ -375,7 +441,7 @@ class StreamingDataset(tud.IterableDataset):
         n = len(shard)
         if n == 0:
             return
-        uniq, first, last = _first_last(shard)
+        uniq, first, last = first_last(shard)
         upcoming = uniq[np.argsort(first, kind="stable")].tolist()
         rank_in_upcoming = {s: k for k, s in enumerate(upcoming)}
         first_use = dict(zip(uniq.tolist(), first.tolist(), strict=True))
@@ -394,7 +460,9 @@ class StreamingDataset(tud.IterableDataset):
             if f is not None and int(last[np.searchsorted(uniq, s)]) >= here[0]:
                 return max(0, f - here[0])
             if nxt is None:  # needed again next epoch: after the rest of this one
-                nxt = self.plan.first_uses(self.epoch + 1)
+                nxt = self.plan.first_uses(
+                    self.epoch + 1, max(1, self._canonical_of(self.epoch + 1))
+                )
             return (n - here[0]) + nxt.get(s, len(self.plan.shard_start)) * 1.0
 
         def fetch(s: int) -> bool:
@@ -420,7 +488,7 @@ class StreamingDataset(tud.IterableDataset):
         # idle workers hold.
         every = (self.batch_size or 1) if self.cache_limit is not None else 0
         # Python ints a slice at a time: a list of a whole epoch's would take ~36 bytes a sample.
-        shard_l, local_l = _Ints(shard), _Ints(local)
+        shard_l, local_l = Ints(shard), Ints(local)
         transform = self.transform
         budget = self._direct_budget()
         direct = self._take_preload(w, nw)
@@ -534,7 +602,10 @@ class StreamingDataset(tud.IterableDataset):
             for j in js:
                 a, b = fmt.sample_range(spec, heads[s], local_l[j])
                 ranges.append(ByteRange(spec.start + a, spec.start + b))
-            datas = await self._store(stream).get_ranges(spec.key, ranges, coalesce=256 << 10)
+            # Gaps between merged samples are read for nothing (the shard is downloaded too):
+            # at most 1/256 of the shard each, so a batch's samples bring little beyond themselves.
+            gap = max(4 << 10, min(256 << 10, spec.size // 256))
+            datas = await self._store(stream).get_ranges(spec.key, ranges, coalesce=gap)
             metrics.DIRECT_BYTES.inc(sum(len(d) for d in datas))
             return [(j, fmt.decode(spec, d)) for j, d in zip(js, datas, strict=True)]
 
@@ -566,47 +637,6 @@ class StreamingDataset(tud.IterableDataset):
         except BaseException:
             self.cache.unpin(name)
             raise
-
-
-def _first_last(shard: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The shards of ``shard`` (ascending), and the first and last index reading each,
-    found a slice at a time (no sort of the whole sequence)."""
-    n = len(shard)
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for lo in range(0, n, CHUNK):
-        part = shard[lo : lo + CHUNK]
-        u, f = np.unique(part, return_index=True)
-        _u, r = np.unique(part[::-1], return_index=True)
-        for s, a, b in zip(u.tolist(), f.tolist(), r.tolist(), strict=True):
-            first.setdefault(s, lo + a)
-            last[s] = lo + len(part) - 1 - b
-    uniq = np.array(sorted(first), np.int64)
-    return (
-        uniq,
-        np.array([first[s] for s in uniq.tolist()], np.int64),
-        np.array([last[s] for s in uniq.tolist()], np.int64),
-    )
-
-
-class _Ints(Sequence[int]):
-    """A read-only view of a numpy array as Python ints, converted a slice at a time."""
-
-    def __init__(self, a: np.ndarray) -> None:
-        self.a = a
-        self._lo = -1
-        self._vals: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self.a)
-
-    def __getitem__(self, i: int) -> int:  # type: ignore[override]
-        lo = i - i % 4096
-        if lo != self._lo:
-            if not 0 <= i < len(self.a):
-                raise IndexError(i)
-            self._lo, self._vals = lo, self.a[lo : lo + 4096].tolist()
-        return self._vals[i - lo]
 
 
 class StreamingDataLoader(tud.DataLoader):

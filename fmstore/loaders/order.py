@@ -1,15 +1,26 @@
-"""The canonical global sample order, and how it is cut across ranks and workers.
+"""The canonical global sample order, and how it is cut across nodes, ranks and workers.
 
-1. **One order per (seed, epoch)**, independent of ranks and workers: the shards are
-   permuted, then taken in groups of ``window`` shards; the samples of each group are
-   permuted together (a bounded shuffle window spanning several shards).  Without shuffling
-   the order is the dataset's order.  Sample ids are global: ``shard_start[shard] + index``.
-2. **Ranks interleave**: rank ``r`` of ``W`` takes positions ``start + r + W * j``.  All ranks
-   therefore walk the same shuffle window at the same time (one window's shards in a node's
-   cache serve every rank on it), and a resume position is one number valid for any ``W``.
-   Every rank gets ``ceil((L - start) / W)`` samples; the up to ``W - 1`` positions past the
-   end wrap to the start of the epoch's order (repeated, never dropped), so no rank runs
-   out of batches before another (no DDP hang).
+1. **One order per (seed, epoch, partitions)**, independent of the job's shape.  The
+   shards are permuted and their samples laid end to end; that sequence is cut into
+   ``partitions`` (canonical partitions, :func:`cuts`) of equal length (the first
+   ``L % partitions`` one sample longer).  Within each partition, ``window`` consecutive
+   shards (or shard pieces, where a shard straddles a cut) are taken at a time and their
+   samples permuted together (a bounded shuffle window spanning several shards).  The
+   epoch's order then takes one sample of each partition in turn (:func:`interleave`):
+   position ``p`` belongs to partition ``p % partitions``.  With one partition this is the
+   order of a single sequence of windows; without shuffling the dataset's own order (cut
+   and interleaved).  Sample ids are global: ``shard_start[shard] + index``.
+2. **Ranks take every W-th position**: the rank in *slot* ``v`` of ``W`` takes positions
+   ``start + v + W * j``.  With node partitioning the slot of local rank ``l`` on node ``n``
+   of ``N`` is ``n + N * l`` (:mod:`.nodes`), so a node's ranks read positions ``= start + n
+   (mod N)``: where ``N`` divides ``partitions``, only the partitions ``= start + n (mod
+   N)``, whose shards no other node reads (each node downloads about ``1/N`` of the epoch);
+   the global order of old keeps ``v = rank`` and one partition.  A node's ranks walk the
+   same shuffle windows at the same time (one window's shards in the node's cache serve
+   every rank on it), and a resume position is one number valid for any ``W`` and any
+   number of nodes.  Every rank gets ``ceil((L - start) / W)`` samples; the up to ``W - 1``
+   positions past the end wrap to the start of the epoch's order (repeated, never
+   dropped), so no rank runs out of batches before another (no DDP hang).
 3. **Workers take whole batches**: a rank's j-th sample belongs to batch ``j // B``, and batch
    ``b`` goes to worker ``b % num_workers``.  The DataLoader collects one batch from each
    worker in turn, so what a rank sees is the same for any number of workers.
@@ -18,6 +29,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,11 +66,23 @@ def shard_dtype(n: int) -> type[np.unsignedinteger]:
     return np.uint8 if n <= 1 << 8 else np.uint16 if n <= 1 << 16 else np.uint32
 
 
+def cuts(total: int, parts: int) -> list[int]:
+    """Where ``total`` positions are cut into ``parts`` canonical partitions: the first
+    ``total % parts`` partitions hold one more than the others (see :func:`interleave`)."""
+    m, rem = divmod(total, parts)
+    return [c * m + min(c, rem) for c in range(parts + 1)]
+
+
 def stream_order(
-    samples_per_shard: np.ndarray, cfg: ShuffleOptions, epoch: int, salt: int = 0
+    samples_per_shard: np.ndarray,
+    cfg: ShuffleOptions,
+    epoch: int,
+    salt: int = 0,
+    parts: int = 1,
 ) -> np.ndarray:
-    """Ids (0-based within this stream) of one epoch, in canonical order, in the compact
-    dtype of :func:`id_dtype`; each window is shuffled in place (one array in all)."""
+    """Ids (0-based within this stream) of one epoch, partition after partition (cut by
+    :func:`cuts`), in the compact dtype of :func:`id_dtype`; each window is shuffled in
+    place (one array in all) and no window spans two partitions."""
     counts = np.asarray(samples_per_shard, np.int64)
     starts = shard_starts(counts)
     total = int(starts[-1])
@@ -70,14 +94,48 @@ def stream_order(
     out = np.empty(total, dt)
     pos = 0
     window = max(1, cfg.window)
-    for b in range(0, len(perm), window):
-        lo = pos
-        for s in perm[b : b + window]:
-            n = int(counts[s])
-            out[pos : pos + n] = np.arange(starts[s], starts[s + 1], dtype=dt)
-            pos += n
-        # The same draws whatever the dtype: the order of every dataset is what it was.
-        np.random.default_rng([cfg.seed, epoch, salt, 1 + b // window]).shuffle(out[lo:pos])
+    if parts <= 1:
+        for b in range(0, len(perm), window):
+            lo = pos
+            for s in perm[b : b + window]:
+                n = int(counts[s])
+                out[pos : pos + n] = np.arange(starts[s], starts[s + 1], dtype=dt)
+                pos += n
+            # The same draws whatever the dtype: the order of every dataset is what it was.
+            np.random.default_rng([cfg.seed, epoch, salt, 1 + b // window]).shuffle(out[lo:pos])
+        return out
+    for s in perm:
+        n = int(counts[s])
+        out[pos : pos + n] = np.arange(starts[s], starts[s + 1], dtype=dt)
+        pos += n
+    ends = np.cumsum(counts[perm])
+    bounds = cuts(total, parts)
+    for c in range(parts):
+        lo, hi = bounds[c], bounds[c + 1]
+        inner = ends[(ends > lo) & (ends < hi)].tolist()
+        edges = [lo, *inner, hi]  # the shard pieces of partition c
+        for g, b in enumerate(range(0, len(edges) - 1, window)):
+            a, z = edges[b], edges[min(b + window, len(edges) - 1)]
+            np.random.default_rng([cfg.seed, epoch, salt, 1 + g, 1 + c, parts]).shuffle(out[a:z])
+    return out
+
+
+def interleave(seq: np.ndarray, parts: int) -> np.ndarray:
+    """The epoch order from a sequence cut into ``parts`` partitions by :func:`cuts`: round
+    ``t`` takes the ``t``-th sample of each partition in turn, so position ``p`` belongs to
+    partition ``p % parts`` (the last, short round only to the longer partitions)."""
+    if parts <= 1:
+        return seq
+    total = len(seq)
+    m, rem = divmod(total, parts)
+    bounds = cuts(total, parts)
+    out = np.empty_like(seq)
+    grid = out[: m * parts].reshape(m, parts)
+    for c in range(parts):
+        block = seq[bounds[c] : bounds[c + 1]]
+        grid[:, c] = block[:m]
+        if c < rem:
+            out[m * parts + c] = block[m]
     return out
 
 
@@ -160,38 +218,45 @@ class Plan:
             self._cache.move_to_end(key)
         return got
 
-    def _stream(self, i: int, epoch: int) -> np.ndarray:
+    def _stream(self, i: int, epoch: int, parts: int) -> np.ndarray:
         return self._cached(
-            ("s", i, epoch), lambda: stream_order(self.streams[i], self.cfg, epoch, salt=i)
+            ("s", i, epoch, parts),
+            lambda: stream_order(self.streams[i], self.cfg, epoch, salt=i, parts=parts),
         )
 
-    def epoch(self, epoch: int) -> np.ndarray:
-        """Global sample ids of ``epoch`` in canonical order (length :attr:`length`)."""
-        return self._cached(("e", epoch), lambda: self._make(epoch))
+    def epoch(self, epoch: int, parts: int = 1) -> np.ndarray:
+        """Global sample ids of ``epoch`` in canonical order (length :attr:`length`) with
+        ``parts`` canonical partitions."""
+        return self._cached(
+            ("e", epoch, parts), lambda: interleave(self._make(epoch, parts), parts)
+        )
 
-    def _make(self, epoch: int) -> np.ndarray:
+    def _make(self, epoch: int, parts: int) -> np.ndarray:
+        """The epoch's ids partition after partition (before :func:`interleave`): each
+        stream's own order is cut the same way, so a partition of one stream read whole
+        stays within its shards."""
         if not self.mixed:
             if self.length == self.sizes[0]:
-                return self._stream(0, epoch)
-            return self._take(0, epoch * self.length, self.length)
+                return self._stream(0, epoch, parts)
+            return self._take(0, epoch * self.length, self.length, parts)
         choice = np.repeat(np.arange(len(self.quota)), self.quota)
         np.random.default_rng([self.cfg.seed, epoch, 7919]).shuffle(choice)
         out = np.empty(self.length, id_dtype(int(self.offsets[-1])))
         for i, q in enumerate(self.quota):
             if q:
-                out[choice == i] = self._take(i, epoch * q, q)
+                out[choice == i] = self._take(i, epoch * q, q, parts)
         return out
 
-    def _take(self, i: int, pos: int, n: int) -> np.ndarray:
+    def _take(self, i: int, pos: int, n: int, parts: int) -> np.ndarray:
         """``n`` global ids of stream ``i`` from its position ``pos`` across its epochs."""
         size = self.sizes[i]
-        parts = []
+        pieces = []
         while n > 0:
             e, off = divmod(pos, size)
             k = min(n, size - off)
-            parts.append(self._stream(i, e)[off : off + k])
+            pieces.append(self._stream(i, e, parts)[off : off + k])
             pos, n = pos + k, n - k
-        out = np.concatenate(parts).astype(id_dtype(int(self.offsets[-1])), copy=False)
+        out = np.concatenate(pieces).astype(id_dtype(int(self.offsets[-1])), copy=False)
         if self.offsets[i]:
             out += int(self.offsets[i])
         return out
@@ -216,12 +281,53 @@ class Plan:
             out[lo : lo + CHUNK] = ids[lo : lo + CHUNK] - self.shard_start[shard[lo : lo + CHUNK]]
         return out
 
-    def first_uses(self, epoch: int) -> dict[int, int]:
+    def first_uses(self, epoch: int, parts: int = 1) -> dict[int, int]:
         """shard -> the first position of ``epoch`` that reads it."""
-        ids = self.epoch(epoch)
+        ids = self.epoch(epoch, parts)
         first: dict[int, int] = {}
         for lo in range(0, len(ids), CHUNK):
             u, fi = np.unique(self.shard_of(ids[lo : lo + CHUNK]), return_index=True)
             for s, f in zip(u.tolist(), fi.tolist(), strict=True):
                 first.setdefault(s, lo + f)
         return first
+
+
+def first_last(shard: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The shards of ``shard`` (ascending), and the first and last index reading each,
+    found a slice at a time (no sort of the whole sequence)."""
+    n = len(shard)
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for lo in range(0, n, CHUNK):
+        part = shard[lo : lo + CHUNK]
+        u, f = np.unique(part, return_index=True)
+        _u, r = np.unique(part[::-1], return_index=True)
+        for s, a, b in zip(u.tolist(), f.tolist(), r.tolist(), strict=True):
+            first.setdefault(s, lo + a)
+            last[s] = lo + len(part) - 1 - b
+    uniq = np.array(sorted(first), np.int64)
+    return (
+        uniq,
+        np.array([first[s] for s in uniq.tolist()], np.int64),
+        np.array([last[s] for s in uniq.tolist()], np.int64),
+    )
+
+
+class Ints(Sequence[int]):
+    """A read-only view of a numpy array as Python ints, converted a slice at a time."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.a = a
+        self._lo = -1
+        self._vals: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.a)
+
+    def __getitem__(self, i: int) -> int:  # type: ignore[override]
+        lo = i - i % 4096
+        if lo != self._lo:
+            if not 0 <= i < len(self.a):
+                raise IndexError(i)
+            self._lo, self._vals = lo, self.a[lo : lo + 4096].tolist()
+        return self._vals[i - lo]

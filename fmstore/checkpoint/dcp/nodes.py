@@ -17,16 +17,14 @@ orphan sweep's age rule never removes one.
 from __future__ import annotations
 
 import json
-import os
-import re
-import socket
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
-from ...errors import ConfigError, CorruptData
+from ...config import NODE_ENV, node_id
+from ...errors import CorruptData
 from ...format.manifest import field_int, field_list, field_str, parse_header
 from ..layout import RANK_RECORD_RE
 
@@ -41,22 +39,8 @@ __all__ = [
     "tier_scope",
 ]
 
-#: Environment variable naming this node (containers, several nodes on one host).
-NODE_ENV = "FMSTORE_NODE_ID"
 RANK_FORMAT_NAME = "fmstore-dcp-rank"
 RANK_FORMAT_VERSION = 1
-_NODE_RE = re.compile(r"^[A-Za-z0-9._:@+-]{1,200}$")
-
-
-def node_id() -> str:
-    """This node's stable id: ``$FMSTORE_NODE_ID`` where set, else the host name."""
-    raw = os.environ.get(NODE_ENV) or socket.gethostname()
-    if not _NODE_RE.match(raw):
-        raise ConfigError(
-            f"node id {raw!r} (from ${NODE_ENV} or the host name) must be 1-200 letters, "
-            "digits or ._:@+-"
-        )
-    return raw
 
 
 def tier_scope(uri: str, config: Any = None) -> str:
