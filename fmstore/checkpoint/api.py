@@ -50,10 +50,11 @@ def open_location(uri: Uri, *, for_read: bool) -> tuple[Store, bool]:
     url = os.fspath(uri)
     if not isinstance(url, str) or not url:
         raise ConfigError(f"checkpoint location must be a path or URL, not {uri!r}")
-    local = Location.parse(url).local_root
+    loc = Location.parse(url)
+    local = loc.local_root
     if for_read and local is not None and not os.path.isdir(local):
         # Opening a POSIX store creates its directory; a load must not leave one behind.
-        raise NotFound(f"no checkpoint at {url} (no such directory)", key=MANIFEST_KEY)
+        raise NotFound(f"no checkpoint at {loc.described()}: no such directory", key=MANIFEST_KEY)
     return open_store(url), True
 
 
