@@ -5,6 +5,7 @@ ends on time."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -124,3 +125,59 @@ def test_a_misspelt_bucket_holds_up_neither_lustre_nor_retention_and_drain_ends_
     assert on["nvme"] == {3, 4}  # keep_latest = 2, though S3 still waits for steps 1, 2
     assert on["s3"] == set() and all(x.failures >= 1 for x in s3)
     assert len(os.listdir(tmp_path / "nvme" / "run")) == 2  # and so do the directories
+
+
+# ---- exports go down the ladder only --------------------------------------------------------
+
+
+def test_exports_go_down_the_ladder_only():
+    """A checkpoint found on S3 alone is not pulled into Lustre; an explicit ``from`` may
+    carry it up; an export to S3 reads the fastest tier above it."""
+    only_s3 = pol.State(checkpoints=[ck(1)], copies=[cp(1, "s3")])
+    assert pol.plan_exports(policies(), only_s3) == []
+    up = pol.from_dict({"export": [{"to": "lustre", "from": "s3", "every_saves": 1}]}, tiers=TIERS)
+    assert pol.plan_exports(up, only_s3) == [pol.Export("run", 1, "s3", "lustre")]
+    # Lustre's copy (a restore's cache) may serve S3; never S3 the tiers above it
+    on_lustre = pol.State(checkpoints=[ck(1)], copies=[cp(1, "lustre"), cp(1, "s3")])
+    assert pol.plan_exports(policies(), on_lustre) == []
+
+
+def posix_config(tmp_path, name, export_to):
+    """Own NVMe and state directory; Lustre and a slow tier named ``s3`` (a directory
+    here) shared with the other config."""
+    path = tmp_path / f"{name}.toml"
+    path.write_text(
+        f'state_dir = "{tmp_path / name / "state"}"\n'
+        f'[tiers.nvme]\nurl = "{tmp_path / name / "nvme"}"\n'
+        f'[tiers.lustre]\nurl = "{tmp_path / "lustre"}"\n'
+        f'[tiers.s3]\nurl = "{tmp_path / "s3"}"\n'
+        f'[[policies.export]]\nto = "{export_to}"\nevery_saves = 1\n'
+    )
+    return str(path)
+
+
+def test_a_run_found_only_on_a_shared_tier_is_listed_not_pulled(tmp_path, capsys):
+    from fmstore.cli.main import main
+
+    def cli(*args):
+        capsys.readouterr()
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as e:
+            code = int(e.code or 0)
+        return code, capsys.readouterr().out
+
+    a = posix_config(tmp_path, "a", "s3")
+    with CheckpointManager("other", config=load_config(a), run_policies=False) as mgr:
+        mgr.save(1, state(1, n=100))
+    assert cli("daemon", "--drain", "--timeout", "60", "--no-http", "--config", a)[0] == 0
+    assert os.path.isdir(tmp_path / "s3" / "other")
+    # another config, exporting its own runs to Lustre, finds 'other' on S3 only
+    b = posix_config(tmp_path, "b", "lustre")
+    assert cli("daemon", "--drain", "--timeout", "60", "--no-http", "--config", b)[0] == 0
+    assert not os.path.exists(tmp_path / "lustre" / "other")
+    code, out = cli("ckpt", "list", "--json", "--config", b)
+    assert code == 0
+    rows = {(r["root"], r["step"]): r["tiers"] for r in json.loads(out)}
+    assert rows[("other", 1)]["s3"]["state"] == "present" and "lustre" not in rows[("other", 1)]

@@ -224,12 +224,21 @@ def _candidates(p: Policies, s: State) -> list[Export]:
             cur = copies.get(dest)
             if cur is not None and cur.state not in (WRITING, EXPORTING, CORRUPT, MISSING):
                 continue
-            src_rule = rules[dest].source
-            sources = [src_rule] if src_rule else present
-            source = next((t for t in sources if t in present and t != dest), None)
+            source = _source(p, rules[dest].source, dest, present)
             if source is not None:
                 out.append(Export(c.root, c.step, source, dest))
     return out
+
+
+def _source(p: Policies, rule_from: str | None, dest: str, present: Sequence[str]) -> str | None:
+    """Where an export to ``dest`` reads: the rule's ``from`` tier when it names one (the
+    only way to carry a copy up the ladder), else the fastest tier above ``dest`` holding a
+    complete copy.  Exports go down the ladder only: a checkpoint found on S3 alone (an
+    older run, another config's run on a shared prefix) is listed, never pulled into
+    Lustre; bringing a copy up is a restore (``cache_tier``)."""
+    if rule_from is not None:
+        return rule_from if rule_from in present and rule_from != dest else None
+    return next((t for t in present if p.rank(t) < p.rank(dest)), None)
 
 
 def _coalesce(p: Policies, s: State) -> tuple[list[Export], list[Supersede]]:
@@ -313,7 +322,7 @@ def _blocked(p: Policies, s: State) -> set[tuple[str, int]]:
 class _Sources:
     """The copies the exports still to make may read from.  A pending export (planned, or a
     destination copy left ``exporting``) may be served by any complete, verified copy on
-    another tier its rule allows (its ``from`` tier when it names one), so a copy may go
+    a tier above its destination (its ``from`` tier when it names one), so a copy may go
     while another such copy stays: a destination that keeps failing never holds the
     faster tiers' copies once a slower tier has a verified one."""
 
@@ -340,7 +349,8 @@ class _Sources:
                 if source == tier:
                     return False
                 continue
-            if not self.verified.get(key, set()) - {tier, dest}:
+            left = self.verified.get(key, set()) - {tier}
+            if not any(self.p.rank(t) < self.p.rank(dest) for t in left):
                 return False
         return True
 
