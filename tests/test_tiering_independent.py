@@ -181,3 +181,52 @@ def test_a_run_found_only_on_a_shared_tier_is_listed_not_pulled(tmp_path, capsys
     assert code == 0
     rows = {(r["root"], r["step"]): r["tiers"] for r in json.loads(out)}
     assert rows[("other", 1)]["s3"]["state"] == "present" and "lustre" not in rows[("other", 1)]
+
+
+# ---- wait_for_policies with a daemon on the node ---------------------------------------------
+
+
+def test_wait_for_policies_follows_a_daemon_on_the_node(tmp_path):
+    import subprocess
+    import sys
+    import threading
+
+    path = tmp_path / "fmstore.toml"
+    path.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n'
+        f'[tiers.nvme]\nurl = "{tmp_path / "nvme"}"\n'
+        f'[tiers.lustre]\nurl = "{tmp_path / "lustre"}"\n'
+        '[daemon]\ninterval = "0.2s"\n'
+        '[[policies.export]]\nto = "lustre"\nevery_saves = 1\n'
+    )
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "fmstore", "daemon", "--no-http", "--config", str(path)],
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    try:
+        assert daemon.stderr is not None
+        for line in daemon.stderr:  # it holds the runner lock once it says it started
+            if b'"daemon_start"' in line:
+                break
+        threading.Thread(target=daemon.stderr.read, daemon=True).start()
+        cfg = load_config(path)
+        with CheckpointManager("run", config=cfg, policy_interval=30) as mgr:
+            mgr.save(1, state(1, n=100))
+            t0 = time.monotonic()
+            res = mgr.wait_for_policies(timeout=120)
+            assert res, res.describe()
+            # as soon as the daemon is done: not at the timeout, nor at the helper's interval
+            assert time.monotonic() - t0 < 20
+            assert mgr.steps("lustre") == [1]
+            # without a timeout it returns too (it waited forever)
+            mgr.save(2, state(2, n=100))
+            out: list = []
+            waiter = threading.Thread(target=lambda: out.append(mgr.wait_for_policies()))
+            waiter.start()
+            waiter.join(120)
+            assert out and out[0], out
+            assert mgr.steps("lustre") == [1, 2]
+    finally:
+        daemon.terminate()
+        daemon.wait(60)

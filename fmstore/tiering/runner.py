@@ -520,6 +520,9 @@ def _tiers_of(action: object) -> tuple[str | None, str]:
 
 #: How often a wait for idle policies asks whether to give up (exports that keep failing).
 GIVE_UP_EVERY = 0.25
+#: How often a runner locked out by a daemon on the node looks at the catalog for the
+#: daemon's progress while someone waits for idle policies.
+LOCKED_POLL = 0.25
 
 
 class IdleSignal:
@@ -536,6 +539,11 @@ class IdleSignal:
         with self._cond:
             self.poked += 1
             return self.poked
+
+    def waiting(self) -> bool:
+        """Whether a poke is not yet answered by an idle step (someone may be waiting)."""
+        with self._cond:
+            return self.poked > self.idle_at
 
     def idle(self, seen: int) -> None:
         with self._cond:
@@ -645,19 +653,36 @@ class BackgroundRunner:
             if fresh is not None:
                 self._warn_failures(fresh)
             last = self.last
-            if (
+            locked = fresh is not None and fresh.skipped_locked
+            idle = (
                 last is not None
                 and not last.skipped_locked
                 and not last.did_something
                 and not last.errors
                 and not last.deferred
-            ):
+            )
+            if locked:
+                # A daemon on the node does the work: its progress is in the catalog (the
+                # copies it commits, the exports it leaves ``exporting``), so the policies
+                # are satisfied when a plan made from the catalog is empty.
+                idle = self._nothing_planned()
+            if idle:
                 self._signal.idle(seen)
                 if self._on_idle is not None:
                     self._on_idle(seen)
             due = self.runner.backoff.next_due()
             wait = backoff or self.interval
+            if locked and not idle and self._signal.waiting():
+                wait = min(wait, LOCKED_POLL)
             self._wake.wait(wait if due is None else min(wait, max(due, 0.05)))
+
+    def _nothing_planned(self) -> bool:
+        try:
+            state = self.runner.state()
+            return not plan(self.runner.policies, state)
+        except Exception as e:  # a catalog being rebuilt: look again at the next wake-up
+            log.debug("could not read the catalog for the daemon's progress: %s", e)
+            return False
 
     def wait_idle(
         self, timeout: float | None = None, give_up: Callable[[], bool] | None = None
