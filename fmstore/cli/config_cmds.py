@@ -23,14 +23,17 @@ def config_cmd(
     from ..stores import Location
 
     cfg = get_config()
-    tiers = {}
-    for name, t in sorted(cfg.tiers.items()):
+    tiers: dict[str, dict[str, str]] = {}
+    for name, tier in sorted(cfg.tiers.items()):
         loc = Location.parse(f"{name}:", cfg)
-        where = loc.local_root or t.url
         endpoint = loc.options.get("endpoint_url") if loc.scheme == "s3" else None
-        tiers[name] = {"location": where, "scheme": loc.scheme, "scope": t.scope}
+        tiers[name] = {
+            "location": loc.local_root or tier.url,
+            "scheme": loc.scheme,
+            "scope": tier.scope,
+        }
         if endpoint:
-            tiers[name]["endpoint_url"] = endpoint
+            tiers[name]["endpoint_url"] = str(endpoint)
     if as_json:
         doc = {"config": cfg.source, "state_dir": cfg.state_dir, "tiers": tiers}
         typer.echo(json.dumps(doc, indent=1))

@@ -446,8 +446,8 @@ def plan_release(p: Policies, s: State, *, after_deletes: Sequence[Delete] = ())
     blocked = _blocked(p, s)
     sources = _Sources(p, s)
     gone = {(d.root, d.step, d.tier) for d in after_deletes}
-    for d in after_deletes:
-        sources.dropped((d.root, d.step), d.tier)
+    for deleted in after_deletes:
+        sources.dropped((deleted.root, deleted.step), deleted.tier)
     ckpts = {(c.root, c.step): c for c in s.checkpoints}
     out: list[Release] = []
     for tier, rule in p.release.items():

@@ -189,7 +189,7 @@ class PolicyRunner:
                     )
                     rep.failed.append(f)
                 self.failure_log.failed(rep.failed[-1])
-                self.backoff.failed(e.tier if e.tier in tiers else tiers[1])
+                self.backoff.failed(e.tier if e.tier is not None and e.tier in tiers else tiers[1])
                 continue
             self.backoff.succeeded(tiers)
         # Planned again for the gauges: the queues left after this step, not the ones it
