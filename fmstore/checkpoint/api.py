@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures as cf
+import contextlib
 import os
 import pickle as _pickle
 import threading
@@ -413,6 +415,22 @@ class SaveHandle:
 
 _inflight_lock = threading.Lock()
 _inflight: SaveHandle | None = None
+
+
+def _finish_at_exit() -> None:
+    """The save still being written when the interpreter exits is committed first: a
+    script whose last line is an async save (``trainer.save_checkpoint``) keeps that
+    checkpoint.  Its error, if any, stays on its handle.  Registered with threading's exit
+    hooks, which run before the thread pools the write uses are shut down (those are
+    registered there too, earlier, and the hooks run newest first)."""
+    h = _inflight
+    if h is not None and not h.done():
+        with contextlib.suppress(Exception):
+            h.result()
+
+
+_register_exit = getattr(threading, "_register_atexit", atexit.register)
+_register_exit(_finish_at_exit)
 
 
 def async_save(
