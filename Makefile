@@ -7,6 +7,9 @@ STAMP   := $(VENV)/.installed
 BSTAMP  := $(VENV)/.installed-bench
 PIP     := $(BIN)/python -m pip
 TORCH   := torch==2.13.0
+# The MDS writer and reader (format tests, benchmark peer), without its dependencies: it
+# requires torchvision, and no torchvision wheel here is built for the CPU torch.
+STREAMING := mosaicml-streaming==0.13.0
 
 .PHONY: setup setup-bench setup-prometheus demo demo-cluster test test-fast test-chaos test-sim fuzz lint format bench clean
 
@@ -17,10 +20,13 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	$(PIP) install -q -c constraints.txt --no-deps $(STREAMING)
+	$(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torchvision') is not None and 'torchvision is installed: it does not load on the CPU torch (pip uninstall torchvision)')"
 	touch $@
 
 $(BSTAMP): $(STAMP)
 	$(PIP) install -q -c constraints.txt -e '.[dev,bench]'
+	$(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torchvision') is not None and 'torchvision is installed: it does not load on the CPU torch (pip uninstall torchvision)')"
 	touch $@
 
 setup: $(STAMP)

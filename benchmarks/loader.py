@@ -183,7 +183,7 @@ def write_parquet(seqs: np.ndarray, out: str) -> None:
 
 def _mds_writer() -> Any:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from peer_libs import import_mds_writer  # the torchvision stand-in lives there
+    from peer_libs import import_mds_writer  # streaming.base, without its vision package
 
     return import_mds_writer()
 
@@ -229,7 +229,7 @@ def make_loader(lib: str, case: str, cfg: dict[str, Any], cache: str, epoch: int
         return StreamingDataLoader(ds, batch_size=batch, num_workers=workers)
     if lib == "mosaic":
         _mds_writer()
-        from streaming import StreamingDataset as MDS
+        from streaming.base import StreamingDataset as MDS
         from streaming.base.util import clean_stale_shared_memory
 
         clean_stale_shared_memory()

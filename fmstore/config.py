@@ -1,9 +1,12 @@
 """``fmstore.toml``: named tiers and the settings of every layer, validated with clear errors.
 
-Lookup order: the path given explicitly, ``$FMSTORE_CONFIG``, ``./fmstore.toml``,
-``~/.config/fmstore/fmstore.toml``; with none, the embedded default (``nvme`` and ``lustre``
-directories under ``$FMSTORE_HOME``, default ``~/.fmstore``, and no ``s3`` tier until one is
-configured).  Environment variables override any value: ``FMSTORE__TIERS__S3__URL=s3://b/p``
+Lookup order (:func:`find_config_file`): the path given explicitly (``load_config(path)``,
+the CLI's ``--config``), ``$FMSTORE_CONFIG``, ``fmstore.toml`` in the working directory or
+the nearest directory above it, ``~/.config/fmstore/fmstore.toml``; with none, the embedded
+default (``nvme`` and ``lustre`` directories under ``$FMSTORE_HOME``, default ``~/.fmstore``,
+and no ``s3`` tier until one is configured).  Relative paths in a file (a tier's ``url``,
+``state_dir``) are relative to the file's directory, so a tier names the same directory from
+wherever a command runs.  Environment variables override any value: ``FMSTORE__TIERS__S3__URL=s3://b/p``
 sets ``[tiers.s3] url``; the path is the variable name after ``FMSTORE__``, split on ``__``,
 lower-cased; values are parsed as TOML scalars when they parse, else kept as strings.
 """
@@ -187,6 +190,11 @@ class Config:
     sections: Mapping[str, Any] = field(default_factory=dict)
     source: str | None = None
 
+    @property
+    def origin(self) -> str:
+        """Where this config came from, for messages: its file, or the embedded default."""
+        return self.source or f"the embedded default ({NO_FILE})"
+
     def tier(self, name: str) -> TierConfig:
         try:
             return self.tiers[name]
@@ -231,22 +239,49 @@ def default_dict() -> dict[str, Any]:
     }
 
 
+#: The file the CLI's global ``--config`` named: what ``load_config()`` reads before
+#: ``$FMSTORE_CONFIG`` (:func:`use_file`).
+_explicit: Path | None = None
+USER_CONFIG = "~/.config/fmstore/fmstore.toml"
+NO_FILE = f"no $FMSTORE_CONFIG, no fmstore.toml here or above, no {USER_CONFIG}"
+
+
+def use_file(path: str | os.PathLike[str] | None) -> None:
+    """Make ``path`` the file every later :func:`load_config` without a path reads (the
+    CLI's ``--config``); None goes back to the lookup.  Drops the cached config."""
+    global _explicit
+    _explicit = None if path is None else _existing(path, "config file")
+    set_config(None)
+
+
+def _existing(path: str | os.PathLike[str], what: str) -> Path:
+    p = Path(path).expanduser().absolute()
+    if not p.is_file():
+        raise ConfigError(f"{what} {str(p)!r} does not exist")
+    return p
+
+
 def find_config_file(path: str | os.PathLike[str] | None = None) -> Path | None:
+    """The config file in effect (an absolute path), or None for the embedded default:
+    ``path``; the CLI's ``--config``; ``$FMSTORE_CONFIG``; ``fmstore.toml`` in the working
+    directory or the nearest directory above it; ``~/.config/fmstore/fmstore.toml``.  A
+    file named explicitly or by the variable must exist."""
     if path is not None:
-        p = Path(path).expanduser()
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        return p
+        return _existing(path, "config file")
+    if _explicit is not None:
+        return _explicit
     env = os.environ.get("FMSTORE_CONFIG")
     if env:
-        p = Path(env).expanduser()
+        p = Path(env).expanduser().absolute()
         if not p.is_file():
             raise ConfigError(f"$FMSTORE_CONFIG points at {env!r}, which does not exist")
         return p
-    for p in (Path("fmstore.toml"), Path("~/.config/fmstore/fmstore.toml").expanduser()):
-        if p.is_file():
-            return p
-    return None
+    here = Path.cwd()
+    for d in (here, *here.parents):
+        if (d / "fmstore.toml").is_file():
+            return d / "fmstore.toml"
+    user = Path(USER_CONFIG).expanduser()
+    return user.absolute() if user.is_file() else None
 
 
 def load_config(
@@ -264,11 +299,35 @@ def load_config(
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{file}: not valid TOML: {e}") from None
+        _relative_to(data, file.parent)
         data.setdefault("state_dir", default_dict()["state_dir"])
     source = str(file) if file else None
     origin = _Origin(source, text)
     _apply_env(data, os.environ if env is None else env, origin)
     return from_dict(data, source=source, _origin=origin)
+
+
+def _relative_to(data: dict[str, Any], base: Path) -> None:
+    """Relative local paths of a file (tiers' ``url``, ``state_dir``) made absolute against
+    the file's directory; ``~``, absolute paths and URLs are left as they are."""
+
+    def fix(v: Any) -> Any:
+        if (
+            not isinstance(v, str)
+            or not v
+            or v.startswith(("/", "~"))
+            or re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", v)
+        ):
+            return v
+        return str(base / v)
+
+    if "state_dir" in data:
+        data["state_dir"] = fix(data["state_dir"])
+    tiers = data.get("tiers")
+    if isinstance(tiers, dict):
+        for t in tiers.values():
+            if isinstance(t, dict) and "url" in t:
+                t["url"] = fix(t["url"])
 
 
 def from_dict(

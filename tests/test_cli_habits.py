@@ -331,4 +331,6 @@ def test_a_missing_tier_location_names_the_resolved_path(tmp_path):
     env = {"FMSTORE_CONFIG": str(cfg), "FMSTORE_HOME": str(tmp_path / "h")}
     for args in (["ls", "lustre:ds/x"], ["stage", "lustre:ds/x", str(tmp_path / "d")]):
         r = fm(*args, env=env)
-        assert r.returncode == 1 and f"({tmp_path}/lustre/ds/x)" in r.stderr, r.stderr
+        assert r.returncode == 1 and f"({tmp_path}/lustre/ds/x: tier lustre of " in r.stderr, (
+            r.stderr
+        )

@@ -15,11 +15,6 @@ import fmstore
 
 
 def _transformers():  # type: ignore[no-untyped-def]
-    # The PyPI torchvision wheel does not load on the CPU build of torch used here, and
-    # transformers imports it when it is installed; GPT-2 needs none of it.
-    from peer_libs import prepare_trainer_libs
-
-    prepare_trainer_libs()
     return pytest.importorskip("transformers")
 
 

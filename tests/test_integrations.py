@@ -8,9 +8,6 @@ import os
 
 import pytest
 import torch
-from peer_libs import prepare_trainer_libs
-
-prepare_trainer_libs()  # before either library: the installed torchvision may not load
 
 pl = pytest.importorskip("pytorch_lightning")
 

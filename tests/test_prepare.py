@@ -51,9 +51,6 @@ def test_manager_prepare_discovers_and_reserves_staging_in_the_background(tmp_pa
 
 
 def test_lightning_prepare_callback_prepares_the_plugins_staging(tmp_path):
-    from peer_libs import prepare_trainer_libs
-
-    prepare_trainer_libs()
     pl = pytest.importorskip("pytorch_lightning")
     from fmstore.integrations.lightning import FmstoreCheckpointIO, prepare_callback
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures as cf
+import contextlib
 import os
 import pickle as _pickle
 import threading
@@ -51,10 +53,11 @@ def open_location(uri: Uri, *, for_read: bool) -> tuple[Store, bool]:
     url = os.fspath(uri)
     if not isinstance(url, str) or not url:
         raise ConfigError(f"checkpoint location must be a path or URL, not {uri!r}")
-    local = Location.parse(url).local_root
+    loc = Location.parse(url)
+    local = loc.local_root
     if for_read and local is not None and not os.path.isdir(local):
         # Opening a POSIX store creates its directory; a load must not leave one behind.
-        raise NotFound(f"no checkpoint at {url} (no such directory)", key=MANIFEST_KEY)
+        raise NotFound(f"no checkpoint at {loc.described()}: no such directory", key=MANIFEST_KEY)
     return open_store(url), True
 
 
@@ -439,6 +442,22 @@ class SaveHandle:
 
 _inflight_lock = threading.Lock()
 _inflight: SaveHandle | None = None
+
+
+def _finish_at_exit() -> None:
+    """The save still being written when the interpreter exits is committed first: a
+    script whose last line is an async save (``trainer.save_checkpoint``) keeps that
+    checkpoint.  Its error, if any, stays on its handle.  Registered with threading's exit
+    hooks, which run before the thread pools the write uses are shut down (those are
+    registered there too, earlier, and the hooks run newest first)."""
+    h = _inflight
+    if h is not None and not h.done():
+        with contextlib.suppress(Exception):
+            h.result()
+
+
+_register_exit = getattr(threading, "_register_atexit", atexit.register)
+_register_exit(_finish_at_exit)
 
 
 def async_save(

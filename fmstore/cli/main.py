@@ -29,7 +29,11 @@ app = typer.Typer(
         "tier named in fmstore.toml (for example nvme:ckpts/run1).\n\n"
         "Log output goes to stderr: warnings and errors by default; -v adds info, -vv debug, "
         "-q leaves only errors; FMSTORE_LOG_LEVEL (DEBUG, INFO, WARNING, ERROR) sets the "
-        "level when neither is given."
+        "level when neither is given.\n\n"
+        "--config FILE (-c FILE before the command) picks the fmstore.toml every command "
+        "reads; without it: $FMSTORE_CONFIG, fmstore.toml here or in the nearest directory "
+        "above, ~/.config/fmstore/fmstore.toml, else the embedded default. 'fmstore config' "
+        "shows which one is in effect."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -130,10 +134,20 @@ def _root(
     quiet: bool = typer.Option(
         False, "--quiet", "-q", help="Log only errors on stderr (overrides FMSTORE_LOG_LEVEL)."
     ),
+    config: str = typer.Option(
+        None,
+        "--config",
+        "-c",
+        help="The fmstore.toml every command reads (overrides $FMSTORE_CONFIG and the lookup).",
+    ),
 ) -> None:
     """fmstore: move checkpoints and datasets between NVMe, Lustre and S3."""
     global log_level
     log_level = level_from(verbose, quiet)
+    if config is not None:
+        from ..config import use_file
+
+        use_file(config)
     if ctx.invoked_subcommand != "daemon":  # the daemon logs JSON lines (its own handler)
         setup_logging(log_level)
 
@@ -148,6 +162,7 @@ COMMAND_MODULES = (
     "ckpt_tier_cmds",  # ckpt list (and verify --all-tiers); after ckpt_cmds
     "daemon_cmds",  # daemon
     "gc_cmds",  # gc
+    "config_cmds",  # config
 )
 
 #: The modules a command needs.  Only those are imported, so ``fmstore stage`` starts
@@ -160,14 +175,38 @@ _COMMAND_OWNERS = {
     **{c: ("object_cmds",) for c in ("cp", "du", "rm")},
     "daemon": ("daemon_cmds",),
     "gc": ("gc_cmds",),
+    "config": ("config_cmds",),
 }
+
+
+#: The root's options that take a value.
+_ROOT_VALUED = ("--config", "-c")
+
+
+def command_at(args: list[str]) -> int | None:
+    """The index of the command's name in ``args`` (the first word that is neither an
+    option nor the value of a root option such as ``-c FILE``), None without one."""
+    skip = False
+    for i, a in enumerate(args):
+        if skip:
+            skip = False
+        elif a in _ROOT_VALUED:
+            skip = True
+        elif not a.startswith("-"):
+            return i
+    return None
+
+
+def _command_name(args: list[str]) -> str | None:
+    i = command_at(args)
+    return None if i is None else args[i]
 
 
 def _register(argv: list[str] | None = None) -> None:
     import importlib
 
     args = sys.argv[1:] if argv is None else argv
-    first = next((a for a in args if not a.startswith("-")), None)
+    first = _command_name(args)
     if first is None and "--version" in args:
         return
     names = _COMMAND_OWNERS.get(first or "", COMMAND_MODULES)
@@ -209,18 +248,53 @@ OTHER_TOOLS = {
 _ROOT_FLAGS = re.compile(r"-v+|--verbose|-q|--quiet")
 
 
-def hoist_root_options(args: list[str]) -> list[str]:
-    """``-v``/``-vv``/``--verbose``/``-q``/``--quiet`` given after the command moved before
-    it, where the root's parser reads them (up to a ``--``)."""
-    first = next((i for i, a in enumerate(args) if not a.startswith("-")), None)
+def hoist_root_options(
+    args: list[str], own: Callable[[list[str]], set[str]] | None = None
+) -> list[str]:
+    """Root options given after the command moved before it, where the root's parser reads
+    them (up to a ``--``): ``-v``/``-vv``/``--verbose``/``-q``/``--quiet``, and ``--config
+    FILE`` / ``--config=FILE`` / ``-c FILE`` unless the command has an option of that name
+    of its own (``own(args)`` names them: ``stage -c`` is its concurrency)."""
+    first = command_at(args)
     if first is None:
         return args
     end = args.index("--") if "--" in args else len(args)
-    moved = [a for a in args[first + 1 : end] if _ROOT_FLAGS.fullmatch(a)]
+    taken = own(args) if own is not None else set()
+    moved: list[str] = []
+    rest: list[str] = []
+    tail = args[first + 1 : end]
+    i = 0
+    while i < len(tail):
+        a = tail[i]
+        if _ROOT_FLAGS.fullmatch(a):
+            moved.append(a)
+        elif a in _ROOT_VALUED and a not in taken and i + 1 < len(tail):
+            moved += tail[i : i + 2]
+            i += 1
+        elif a.startswith("--config=") and "--config" not in taken:
+            moved.append(a)
+        else:
+            rest.append(a)
+        i += 1
     if not moved:
         return args
-    rest = [a for a in args[first + 1 : end] if not _ROOT_FLAGS.fullmatch(a)]
     return [*args[:first], *moved, args[first], *rest, *args[end:]]
+
+
+def _own_options(args: list[str]) -> set[str]:
+    """The option names of the (sub)command ``args`` invoke, among the root's valued ones
+    (typer vendors click: groups are matched by their ``commands``)."""
+    cmd: Any = typer.main.get_command(app)
+    first = command_at(args)
+    for w in [a for a in args[first or 0 :] if not a.startswith("-")]:
+        commands = getattr(cmd, "commands", None)
+        if commands is None or w not in commands:
+            break
+        cmd = commands[w]
+    if getattr(cmd, "commands", None) is not None:
+        return set()
+    names = {o for p in cmd.params for o in getattr(p, "opts", [])}
+    return names & set(_ROOT_VALUED)
 
 
 def _usage_metavar(make: Callable[..., str]) -> Callable[..., str]:
@@ -245,9 +319,11 @@ typer.core.TyperArgument.make_metavar = _usage_metavar(  # type: ignore[method-a
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry: fmstore errors become one clear line and exit code 1."""
     global log_level
+    from .. import config as config_mod
+
     log_level = None
-    argv = hoist_root_options(sys.argv[1:] if argv is None else list(argv))
-    command = next((a for a in argv if not a.startswith("-")), None)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = _command_name(argv)
     if command in OTHER_TOOLS:
         typer.secho(
             f"error: fmstore has no '{command}' command; use {OTHER_TOOLS[command]}",
@@ -256,8 +332,11 @@ def main(argv: list[str] | None = None) -> None:
         )
         sys.exit(2)
     _register(argv)
+    argv = hoist_root_options(argv, _own_options)
     logger = logging.getLogger("fmstore")
     level_before = logger.level
+    # In-process callers (tests, embedding) get their config back after a --config.
+    config_before = (config_mod._explicit, config_mod._cached)
     try:
         # standalone_mode=False returns typer.Exit's code instead of raising it.
         rc = app(args=argv, standalone_mode=False)
@@ -289,6 +368,7 @@ def main(argv: list[str] | None = None) -> None:
         _remove_log_handler()
         if log_level is not None and logger.level == log_level:
             logger.setLevel(level_before)
+        config_mod._explicit, config_mod._cached = config_before
 
 
 def entry() -> None:
@@ -301,7 +381,7 @@ def entry() -> None:
     """
     import atexit
 
-    if next((a for a in sys.argv[1:] if not a.startswith("-")), None) != "daemon":
+    if _command_name(sys.argv[1:]) != "daemon":
         # This process is one command: only the daemon serves metrics, the others need not
         # record them (nor load prometheus_client).
         from .. import stores

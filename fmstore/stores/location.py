@@ -99,10 +99,25 @@ class Location:
     sub: str = ""
     local_root: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    #: for a tier's location: the config that named the tier (its file, or the embedded
+    #: default), for messages
+    origin: str | None = None
 
     @property
     def is_local(self) -> bool:
         return self.local_root is not None
+
+    def described(self) -> str:
+        """``'nvme:ds' (/local/nvme/ds: tier nvme of /proj/fmstore.toml)`` for a tier's
+        location, ``'./x' (/abs/x)`` for a relative path: what a "does not exist" names."""
+        where = self.local_root or (
+            self.base.rstrip("/") + "/" + self.sub if self.sub else self.base
+        )
+        if self.tier is not None:
+            return f"{self.url!r} ({where}: tier {self.tier} of {self.origin})"
+        if self.local_root is not None and os.path.expanduser(self.url) != self.local_root:
+            return f"{self.url!r} ({self.local_root})"
+        return repr(self.url)
 
     def check_exists(self, role: str = "location") -> None:
         """Raise unless a location on this machine is an existing, readable directory:
@@ -116,9 +131,9 @@ class Location:
         if os.path.isfile(path):
             raise ConfigError(f"{role} {self.url!r} is a file: use 'fmstore cp' for single objects")
         if not os.path.isdir(path):
-            # Name the directory a tier's location resolved to (nvme:ds → /local/nvme/ds).
-            where = "" if os.path.abspath(os.path.expanduser(self.url)) == path else f" ({path})"
-            raise NotFound(f"{role} {self.url!r}{where} does not exist")
+            # Name the directory a tier's location resolved to (nvme:ds → /local/nvme/ds),
+            # and the config that said so.
+            raise NotFound(f"{role} {self.described()} does not exist")
         if not os.access(path, os.R_OK | os.X_OK):
             raise PermissionDenied(f"{role} {self.url!r} is not readable")
 
@@ -145,6 +160,7 @@ class Location:
                 sub=sub,
                 local_root=os.path.join(local, sub) if local is not None and sub else local,
                 options=base.options,
+                origin=cfg.origin,
             )
         return cls._backend(url, {}, config)
 

@@ -29,6 +29,7 @@ threads, see :mod:`.priority`; also that of a training process's policy helper).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -189,6 +190,7 @@ class Daemon:
             self.catalog,
             mover=self.settings.transfer,
         )
+        self.runner.backoff.limit = self.settings.max_backoff
         self.stop = self.runner.stop
         self.server: Endpoint | None = None
         self.port: int | None = None
@@ -272,6 +274,7 @@ class Daemon:
         steps = 0
         code = 0
         deadline = time.monotonic() + timeout if timeout is not None else None
+        step_backoff = 0.0  # after a step that failed as a whole, or met errors and did nothing
         try:
             while not self.stop.is_set():
                 try:
@@ -279,7 +282,7 @@ class Daemon:
                         self.rescan()
                     if time.monotonic() >= self._next_sweep:
                         self.sweep()
-                    rep = runtime.run(self.runner.astep())
+                    rep = self._step(deadline)
                 except FmstoreError as e:
                     rep = StepReport(errors=[str(e)])
                     m.ERRORS.labels("step", type(e).__name__).inc()
@@ -289,10 +292,13 @@ class Daemon:
                 steps += 1
                 if rep.errors:
                     m.STEPS.labels("error").inc()
-                    self.backoff = min(max(1.0, self.backoff * 2), self.settings.max_backoff)
                 else:
                     m.STEPS.labels("ok").inc()
-                    self.backoff = 0.0
+                if rep.errors and not rep.did_something:
+                    step_backoff = min(max(1.0, step_backoff * 2), self.settings.max_backoff)
+                elif not rep.errors:
+                    step_backoff = 0.0
+                self.backoff = max(step_backoff, self.runner.backoff.largest)
                 m.BACKOFF.set(self.backoff)
                 if max_steps is not None and steps >= max_steps:
                     code = 1 if rep.errors else 0
@@ -304,9 +310,16 @@ class Daemon:
                     if code:
                         _gave_up(timeout, rep)
                     break
-                if rep.did_something and not rep.errors:
+                if rep.did_something:
                     continue  # more may be due (the plan changed while we acted)
-                self.stop.wait(self.backoff or self.settings.interval)
+                # A failing tier waits its own back-off; the others are not held up by it.
+                wait = step_backoff or self.settings.interval
+                due = self.runner.backoff.next_due()
+                if due is not None:
+                    wait = min(wait, max(due, 0.05))
+                if deadline is not None:
+                    wait = min(wait, max(0.0, deadline - time.monotonic()))
+                self.stop.wait(wait)
         except KeyboardInterrupt:
             event("daemon_interrupted")
         finally:
@@ -314,6 +327,21 @@ class Daemon:
             event("daemon_stop", steps=steps)
             self.runner.lock.release()
         return code
+
+    def _step(self, deadline: float | None) -> StepReport:
+        """One policy step, cut short at ``deadline`` (``--drain --timeout``): a copy in
+        flight then is cancelled and stays resumable (its journal and ``exporting`` row)."""
+        if deadline is None:
+            return runtime.run(self.runner.astep())
+
+        async def bounded() -> StepReport:
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                return await asyncio.wait_for(self.runner.astep(), left)
+            except TimeoutError:
+                return StepReport(pending=1, errors=["the step was cut short at the deadline"])
+
+        return runtime.run(bounded())
 
     def check_tiers(self) -> ProbeReport:
         """Prove every tier usable (:mod:`.probe`) under the node's probe lock, logging

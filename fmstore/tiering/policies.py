@@ -37,11 +37,13 @@ The policy objects and their parsing live in :mod:`fmstore.tiering.rules` and ar
 re-exported here.  Guarantees of :func:`plan` (state in, actions out):
 
 * a copy that no rule keeps is deleted, the last copy of its checkpoint included, unless the
-  checkpoint is pinned (being restored), being written or exported, has an export still to
-  do, or another tier's rule keeps a broken (corrupt, missing) copy of it that this copy
-  could repair; a copy some rule keeps is never deleted (docs/tiering.md has the table);
+  checkpoint is pinned (being restored) or being written, an export still to do (planned,
+  or left ``exporting``) would have no verified source left without it (any complete,
+  verified copy on another tier serves, or the rule's ``from`` tier), or another tier's
+  rule keeps a broken (corrupt, missing) copy of it that this copy could repair; a copy
+  some rule keeps is never deleted (docs/tiering.md has the table);
 * it never releases a copy without a verified durable copy, nor one of a checkpoint that is
-  pinned, being written or exported, or that still has an export to do;
+  pinned or being written, nor one an export still to do needs as its source;
 * a pending export is superseded (skipped) when a newer checkpoint that the same rule
   wants is committed and the destination's retention would not keep the older one;
 * it is deterministic in its input, so the daemon can re-plan after a crash and reach the
@@ -222,12 +224,21 @@ def _candidates(p: Policies, s: State) -> list[Export]:
             cur = copies.get(dest)
             if cur is not None and cur.state not in (WRITING, EXPORTING, CORRUPT, MISSING):
                 continue
-            src_rule = rules[dest].source
-            sources = [src_rule] if src_rule else present
-            source = next((t for t in sources if t in present and t != dest), None)
+            source = _source(p, rules[dest].source, dest, present)
             if source is not None:
                 out.append(Export(c.root, c.step, source, dest))
     return out
+
+
+def _source(p: Policies, rule_from: str | None, dest: str, present: Sequence[str]) -> str | None:
+    """Where an export to ``dest`` reads: the rule's ``from`` tier when it names one (the
+    only way to carry a copy up the ladder), else the fastest tier above ``dest`` holding a
+    complete copy.  Exports go down the ladder only: a checkpoint found on S3 alone (an
+    older run, another config's run on a shared prefix) is listed, never pulled into
+    Lustre; bringing a copy up is a restore (``cache_tier``)."""
+    if rule_from is not None:
+        return rule_from if rule_from in present and rule_from != dest else None
+    return next((t for t in present if p.rank(t) < p.rank(dest)), None)
 
 
 def _coalesce(p: Policies, s: State) -> tuple[list[Export], list[Supersede]]:
@@ -299,14 +310,52 @@ def plan_supersede(p: Policies, s: State) -> list[Supersede]:
 
 
 def _blocked(p: Policies, s: State) -> set[tuple[str, int]]:
-    """Checkpoints no copy of which may be deleted or released now."""
+    """Checkpoints no copy of which may be deleted or released now: pinned (being
+    restored), or with a copy being written."""
     blocked = {(pin.root, pin.step) for pin in s.pins if pin.expires >= s.now}
     for cp in s.copies:
-        if cp.state in (WRITING, EXPORTING):
+        if cp.state == WRITING:
             blocked.add((cp.root, cp.step))
-    for e in plan_exports(p, s):
-        blocked.add((e.root, e.step))
     return blocked
+
+
+class _Sources:
+    """The copies the exports still to make may read from.  A pending export (planned, or a
+    destination copy left ``exporting``) may be served by any complete, verified copy on
+    a tier above its destination (its ``from`` tier when it names one), so a copy may go
+    while another such copy stays: a destination that keeps failing never holds the
+    faster tiers' copies once a slower tier has a verified one."""
+
+    def __init__(self, p: Policies, s: State) -> None:
+        self.p = p
+        rules = {e.to: e.source for e in p.exports}
+        self.pending: dict[tuple[str, int], set[tuple[str, str | None]]] = {}
+        for e in plan_exports(p, s):
+            self.pending.setdefault((e.root, e.step), set()).add((e.dest, rules.get(e.dest)))
+        for cp in s.copies:
+            if cp.state == EXPORTING:
+                dest = (cp.tier, rules.get(cp.tier))
+                self.pending.setdefault((cp.root, cp.step), set()).add(dest)
+        #: per checkpoint, the tiers holding a complete, verified copy
+        self.verified: dict[tuple[str, int], set[str]] = {}
+        for cp in s.copies:
+            if cp.state == PRESENT and cp.verified is not None:
+                self.verified.setdefault((cp.root, cp.step), set()).add(cp.tier)
+
+    def may_drop(self, key: tuple[str, int], tier: str) -> bool:
+        """Whether every pending export of ``key`` keeps a source without ``tier``'s copy."""
+        for dest, source in self.pending.get(key, ()):
+            if source is not None:
+                if source == tier:
+                    return False
+                continue
+            left = self.verified.get(key, set()) - {tier}
+            if not any(self.p.rank(t) < self.p.rank(dest) for t in left):
+                return False
+        return True
+
+    def dropped(self, key: tuple[str, int], tier: str) -> None:
+        self.verified.get(key, set()).discard(tier)
 
 
 def _kept(p: Policies, s: State) -> dict[tuple[str, int], set[str]]:
@@ -352,6 +401,7 @@ def plan_retention(p: Policies, s: State) -> list[Delete]:
     module docstring), fastest tier first."""
     idx = _index(s.copies)
     blocked = _blocked(p, s)
+    sources = _Sources(p, s)
     kept = _kept(p, s)
     complete = {k: {t for t, cp in v.items() if cp.state == PRESENT} for k, v in idx.items()}
     shared = [t for t in p.ladder if t not in p.node_tiers]
@@ -369,13 +419,14 @@ def plan_retention(p: Policies, s: State) -> list[Delete]:
                 continue
             key = (cp.root, cp.step)
             keepers = kept.get(key, set())
-            if tier in keepers or key in blocked:
+            if tier in keepers or key in blocked or not sources.may_drop(key, tier):
                 continue
             last = not (complete.get(key, set()) - {tier})
             if last and keepers:
                 continue  # another tier keeps a broken copy that only this one can repair
             out.append(Delete(cp.root, cp.step, tier, last_copy=last))
             complete.get(key, set()).discard(tier)
+            sources.dropped(key, tier)
     return out
 
 
@@ -393,7 +444,10 @@ def plan_release(p: Policies, s: State, *, after_deletes: Sequence[Delete] = ())
     since last access and/or down to the low watermark (least recently used first)."""
     idx = _index(s.copies)
     blocked = _blocked(p, s)
+    sources = _Sources(p, s)
     gone = {(d.root, d.step, d.tier) for d in after_deletes}
+    for deleted in after_deletes:
+        sources.dropped((deleted.root, deleted.step), deleted.tier)
     ckpts = {(c.root, c.step): c for c in s.checkpoints}
     out: list[Release] = []
     for tier, rule in p.release.items():
@@ -402,6 +456,8 @@ def plan_release(p: Policies, s: State, *, after_deletes: Sequence[Delete] = ())
         for key, copies in idx.items():
             cp = copies.get(tier)
             if cp is None or cp.state != PRESENT or key in blocked or (*key, tier) in gone:
+                continue
+            if not sources.may_drop(key, tier):
                 continue
             if not any(
                 (d := copies.get(t)) is not None

@@ -21,7 +21,8 @@ class ExportRule:
     """Copy checkpoints to ``to``: steps divisible by ``every_steps``; the ``every_saves``-th
     save after the newest checkpoint already on ``to``; any save at least ``every_seconds``
     after the previous one selected (a checkpoint is exported if any clause picks it); from
-    ``source`` (default: the fastest tier holding a present copy).  See
+    ``source`` (default: the fastest tier above ``to`` holding a present copy: exports go down
+    the ladder only; a ``from`` slower than ``to`` carries copies up).  See
     :func:`fmstore.tiering.policies.wanted_tiers`."""
 
     to: str
@@ -247,7 +248,7 @@ def from_dict(
     )
     _validate(policies, set(tiers), where=w)
     for e in policies.exports:
-        sources = [e.source] if e.source else list(policies.ladder)
+        sources = [e.source] if e.source else list(policies.ladder[: policies.rank(e.to)])
         local = [t for t in sources if t in policies.node_tiers and t != e.to]
         if e.every_seconds is not None and local:
             # Each node would pick by its own history and clock: nodes would export

@@ -42,6 +42,7 @@ from ..errors import (
 )
 from . import catalog as cat
 from . import metrics as m
+from .backoff import TierBackoff
 from .catalog import Catalog
 from .failures import DRAIN_COMMAND, ActionFailure, FailureLog, reason_of, warn_due
 from .mover import CHECKPOINT_COPY, copy_checkpoint, delete_checkpoint, has_checkpoint
@@ -77,6 +78,8 @@ class StepReport:
     released: int = 0
     repaired: int = 0
     pending: int = 0
+    #: planned actions left for a later step: a tier they use is backing off
+    deferred: int = 0
     errors: list[str] = field(default_factory=list)
     skipped_locked: bool = False
     #: The actions that failed in this step, with how many times in a row each has.
@@ -123,6 +126,8 @@ class PolicyRunner:
         self.stop = threading.Event()
         #: Failing actions: warning, then error, rate-limited (:mod:`.failures`).
         self.failure_log = FailureLog()
+        #: Tiers whose actions failed wait on their own; the others' actions go on.
+        self.backoff = TierBackoff()
 
     # ---- the step --------------------------------------------------------------------
 
@@ -149,6 +154,10 @@ class PolicyRunner:
         for action in actions:
             if self.stop.is_set():
                 break
+            tiers = _tiers_of(action)
+            if self.backoff.waiting(tiers):
+                rep.deferred += 1
+                continue
             recorded = len(rep.failed)
             try:
                 if isinstance(action, Export):
@@ -167,9 +176,9 @@ class PolicyRunner:
                 elif isinstance(action, Release):
                     await self._remove(action.root, action.step, action.tier, "release", rep)
             except FmstoreError as e:
-                # A tier down, full, missing or refusing us: stop this step (the daemon
-                # backs off); all the copies stay resumable.  Logged loud (warning, then
-                # error), never only at info.
+                # A tier down, full, missing or refusing us: that tier backs off on its own
+                # and the actions on the other tiers go on; all the copies stay resumable.
+                # Logged loud (warning, then error), never only at info.
                 kind = type(action).__name__.lower()
                 m.ERRORS.labels(kind, reason_of(e)).inc()
                 rep.errors.append(str(e))
@@ -180,7 +189,9 @@ class PolicyRunner:
                     )
                     rep.failed.append(f)
                 self.failure_log.failed(rep.failed[-1])
-                break
+                self.backoff.failed(e.tier if e.tier is not None and e.tier in tiers else tiers[1])
+                continue
+            self.backoff.succeeded(tiers)
         # Planned again for the gauges: the queues left after this step, not the ones it
         # began with (deletes wait for exports, so a step that exports leaves deletes).
         state = self.state()
@@ -510,6 +521,9 @@ def _tiers_of(action: object) -> tuple[str | None, str]:
 
 #: How often a wait for idle policies asks whether to give up (exports that keep failing).
 GIVE_UP_EVERY = 0.25
+#: How often a runner locked out by a daemon on the node looks at the catalog for the
+#: daemon's progress while someone waits for idle policies.
+LOCKED_POLL = 0.25
 
 
 class IdleSignal:
@@ -526,6 +540,11 @@ class IdleSignal:
         with self._cond:
             self.poked += 1
             return self.poked
+
+    def waiting(self) -> bool:
+        """Whether a poke is not yet answered by an idle step (someone may be waiting)."""
+        with self._cond:
+            return self.poked > self.idle_at
 
     def idle(self, seen: int) -> None:
         with self._cond:
@@ -635,16 +654,36 @@ class BackgroundRunner:
             if fresh is not None:
                 self._warn_failures(fresh)
             last = self.last
-            if (
+            locked = fresh is not None and fresh.skipped_locked
+            idle = (
                 last is not None
                 and not last.skipped_locked
                 and not last.did_something
                 and not last.errors
-            ):
+                and not last.deferred
+            )
+            if locked:
+                # A daemon on the node does the work: its progress is in the catalog (the
+                # copies it commits, the exports it leaves ``exporting``), so the policies
+                # are satisfied when a plan made from the catalog is empty.
+                idle = self._nothing_planned()
+            if idle:
                 self._signal.idle(seen)
                 if self._on_idle is not None:
                     self._on_idle(seen)
-            self._wake.wait(backoff or self.interval)
+            due = self.runner.backoff.next_due()
+            wait = backoff or self.interval
+            if locked and not idle and self._signal.waiting():
+                wait = min(wait, LOCKED_POLL)
+            self._wake.wait(wait if due is None else min(wait, max(due, 0.05)))
+
+    def _nothing_planned(self) -> bool:
+        try:
+            state = self.runner.state()
+            return not plan(self.runner.policies, state)
+        except Exception as e:  # a catalog being rebuilt: look again at the next wake-up
+            log.debug("could not read the catalog for the daemon's progress: %s", e)
+            return False
 
     def wait_idle(
         self, timeout: float | None = None, give_up: Callable[[], bool] | None = None

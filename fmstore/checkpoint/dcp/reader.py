@@ -150,10 +150,12 @@ class Reader(StorageReader):
     @property
     def store(self) -> Store:
         if self._store is None:
-            local = Location.parse(self.uri, self.store_options.get("config")).local_root
-            if local is not None and not os.path.isdir(local):
+            loc = Location.parse(self.uri, self.store_options.get("config"))
+            if loc.local_root is not None and not os.path.isdir(loc.local_root):
                 # Opening a POSIX store creates its directory; a load must not leave one.
-                raise NotFound(f"no checkpoint at {self.uri} (no such directory)", key=MANIFEST_KEY)
+                raise NotFound(
+                    f"no checkpoint at {loc.described()}: no such directory", key=MANIFEST_KEY
+                )
             self._store = open_store(self.uri, **self.store_options)
         return self._store
 

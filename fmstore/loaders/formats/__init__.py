@@ -202,8 +202,15 @@ def _npy_header(store: Store, key: str) -> tuple[int, np.dtype]:
     head = runtime.run(store.get_range(key, 0, min(4096, runtime.run(store.stat(key)).size)))
     f = io.BytesIO(head)
     try:
-        version = np.lib.format.read_magic(f)
-        shape, fortran, dtype = np.lib.format._read_array_header(f, version)  # type: ignore[attr-defined]
+        fmt = np.lib.format
+        version = fmt.read_magic(f)
+        # The public readers (numpy 2.4 dropped the private one that took the version);
+        # version 3.0 (UTF-8 field names) is read by the private one where there is one.
+        read = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}.get(version)
+        if read is not None:
+            shape, fortran, dtype = read(f)
+        else:
+            shape, fortran, dtype = fmt._read_array_header(f, version)  # type: ignore[attr-defined]
     except Exception as e:
         # numpy parses the header (a Python literal) with tokenize and ast: a damaged one
         # raises ValueError, SyntaxError, tokenize.TokenError, ... depending on the damage.
