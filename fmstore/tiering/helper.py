@@ -16,7 +16,7 @@ per message:
 
 The helper lowers its priority (:func:`~fmstore.tiering.priority.lower_priority`, from
 ``[daemon] priority``) before it starts a thread, and then runs the same
-:class:`~fmstore.tiering.runner.BackgroundRunner` as the in-thread mode.  The settings
+:class:`~fmstore.tiering.background.BackgroundRunner` as the in-thread mode.  The settings
 travel as JSON of plain dataclasses, decoded only into the types named in :data:`_TYPES`.
 """
 
@@ -35,11 +35,12 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from ..config import Config, TierConfig
+from .background import BackgroundRunner, IdleSignal
 from .catalog import Catalog
 from .priority import lower_priority
 from .probe import probe_once_per_node
 from .rules import ExportRule, Policies, ReleaseRule, RestoreRule, RetentionRule
-from .runner import BackgroundRunner, IdleSignal, PolicyRunner
+from .runner import PolicyRunner
 from .transfer import TransferOptions
 
 log = logging.getLogger("fmstore.tiering")
@@ -98,7 +99,7 @@ def decode(obj: Any) -> Any:
 
 class PolicyHelper:
     """The parent's handle on a helper process; the same calls as
-    :class:`~fmstore.tiering.runner.BackgroundRunner` (``poke``, ``wait_idle``, ``close``)."""
+    :class:`~fmstore.tiering.background.BackgroundRunner` (``poke``, ``wait_idle``, ``close``)."""
 
     def __init__(
         self,

@@ -18,7 +18,7 @@ config's ``state_dir``.
 one runs them at background priority (:mod:`~fmstore.tiering.helper`; ``[daemon]
 priority``), so copies, checksums and compression never hold this process's GIL or take a
 core training wants; ``run_policies="thread"`` runs them in a thread of this process
-instead (:class:`~fmstore.tiering.runner.BackgroundRunner`, at normal priority).  With a
+instead (:class:`~fmstore.tiering.background.BackgroundRunner`, at normal priority).  With a
 daemon, the daemon holds the runner lock, the helper stays idle and this process only
 records its saves in the catalog.  ``run_policies=False`` never runs them from here.
 
@@ -59,6 +59,7 @@ from ..errors import AlreadyExists, CorruptData, FmstoreError, NotFound, StoreUn
 from ..format.checksum import crc32c
 from ..format.manifest import Manifest
 from . import catalog as cat
+from .background import BackgroundRunner
 from .cache import ReadThroughStore
 from .catalog import Catalog
 from .discovery import rediscover
@@ -66,7 +67,7 @@ from .failures import PolicyWait, close_warning, failing_since_wait, policy_wait
 from .helper import PolicyHelper, tier_problems
 from .mover import copy_checkpoint
 from .policies import Policies, from_config
-from .runner import BackgroundRunner, PolicyRunner, event
+from .runner import PolicyRunner, event
 from .tiers import Tiers
 
 log = logging.getLogger("fmstore.checkpoint")
