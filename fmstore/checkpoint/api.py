@@ -312,15 +312,18 @@ async def _load_torch_file(
 ) -> Any:
     """A ``torch.save`` file, through the zip guard, with ``torch.load(weights_only=…)``.
     Onto a device it is read on the host (memory-mapped) and moved through the ring."""
-    from .zipguard import check_torch_zip
+    from .zipguard import torch_file
 
-    await asyncio.to_thread(check_torch_zip, path, name=path)
     device = isinstance(map_location, (str, torch.device))
     where = "cpu" if device else map_location
+
+    def read() -> Any:
+        # one open (no symbolic link followed), checked and loaded through that descriptor
+        with torch_file(path, name=path) as checked:
+            return torch.load(checked, map_location=where, weights_only=weights_only, mmap=True)
+
     try:
-        obj = await asyncio.to_thread(
-            torch.load, path, map_location=where, weights_only=weights_only, mmap=True
-        )
+        obj = await asyncio.to_thread(read)
     except _pickle.UnpicklingError as e:
         raise PickleRefused(
             f"{path} holds objects torch.load(weights_only=True) refuses; load with "

@@ -25,7 +25,7 @@ from ..units import parse_size
 from .api import load, save
 from .hf import is_hf_dir, read_hf_dir, read_safetensors_fd, write_hf_dir
 from .loading import LazyDict, select
-from .zipguard import check_torch_zip, open_regular
+from .zipguard import open_regular, torch_file
 
 TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -79,10 +79,9 @@ def _read_torch_file(location: str) -> Any:
     """A ``torch.save`` file read with ``weights_only=True``, after its zip members were
     checked (:func:`~.zipguard.check_torch_zip`: nothing inflated, nothing read twice, so
     what torch allocates is bounded by the file's size); CorruptData naming the file."""
-    with open_regular(location) as f:
-        check_torch_zip(f, name=location)
+    with torch_file(location, name=location) as checked:
         try:
-            return torch.load(f, map_location="cpu", weights_only=True)
+            return torch.load(checked, map_location="cpu", weights_only=True)
         except MemoryError:
             raise
         except Exception as e:  # torch's message is a page of advice: keep its first line
