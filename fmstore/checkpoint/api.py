@@ -19,6 +19,7 @@ from ..errors import ConfigError, CorruptData, FmstoreError, NotFound
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores import Location, open_store
 from ..stores.base import Store
+from ..stores.bounded import manifest_limit, read_bounded
 from .devring import cpu_routed
 from .layout import read_manifest
 from .loading import LazyDict, Materializer, PickleRefused, place_tree, select
@@ -244,7 +245,8 @@ async def _is_dcp(store: Store, error: Exception) -> bool:
     from .dcp.manifest import DCP_FORMAT_NAME, sniff_format
 
     try:
-        return sniff_format(await store.get(MANIFEST_KEY)) == DCP_FORMAT_NAME
+        data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
+        return sniff_format(data) == DCP_FORMAT_NAME
     except (FmstoreError, ValueError, RecursionError):  # a hostile manifest stays its error
         return False
 

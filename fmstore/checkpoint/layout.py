@@ -20,6 +20,7 @@ from .. import keys as _keys
 from ..errors import NotFound
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores.base import Store
+from ..stores.bounded import manifest_limit, read_bounded
 
 STEP_RE = re.compile(r"^step_(\d{12})$")
 GENERATION_RE = re.compile(r"^g([0-9a-f]{12})-[0-9a-f]{8}$")
@@ -80,7 +81,7 @@ async def manifest_bytes(store: Store) -> bytes:
     """The bytes of the committed manifest at ``store``'s root, of either format; NotFound
     (saying so) when the prefix holds no checkpoint."""
     try:
-        return await store.get(MANIFEST_KEY)
+        return await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
     except NotFound:
         raise NotFound(
             f"no checkpoint at {store.url} (no {MANIFEST_KEY})", tier=store.tier, key=MANIFEST_KEY

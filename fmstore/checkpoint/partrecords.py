@@ -56,6 +56,8 @@ LEASE_RE = re.compile(rf"^export-({_NODE})\.json$")
 #: it (NTP does); an exporter renews its lease every :data:`LEASE_RENEW` seconds.
 LEASE_TTL = float(os.environ.get("FMSTORE_EXPORT_LEASE_TTL", "120"))
 LEASE_RENEW = max(0.05, LEASE_TTL / 6)
+#: Largest process id a lease may name (Linux's pid_max is at most 2**22).
+MAX_PID = 2**31 - 1
 
 
 def part_record_key(generation: str, node: str) -> str:
@@ -149,15 +151,21 @@ class ExportLease:
             data, where=where, format_name=LEASE_FORMAT_NAME, max_version=1, kind="export lease"
         )
         try:
-            return cls(field_str(d, "node"), field_int(d, "pid"), float(d["renewed"]))
+            lease = cls(field_str(d, "node"), field_int(d, "pid"), float(d["renewed"]))
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptData(f"export lease at {where} is malformed ({e!r})"[:300]) from None
+        if not 0 < lease.pid <= MAX_PID:
+            raise CorruptData(f"export lease at {where} names pid {lease.pid}, not a process id")
+        return lease
 
     def alive(self, now: float | None = None, *, ttl: float | None = None) -> bool:
-        """Renewed within the TTL; a lease of this very node whose process is gone is dead
-        at once (``$FMSTORE_NODE_ID`` or the host name names this node)."""
+        """Renewed within the TTL, either way: a renewal up to a TTL in the future is
+        another node's clock running ahead; further (``Infinity``, ``1e300``), or ``NaN``,
+        is no renewal, so such a lease is dead rather than immortal.  A lease of this very
+        node whose process is gone is dead at once (``$FMSTORE_NODE_ID`` or the host name
+        names this node)."""
         now = time.time() if now is None else now
-        if now - self.renewed >= (LEASE_TTL if ttl is None else ttl):
+        if not abs(now - self.renewed) < (LEASE_TTL if ttl is None else ttl):
             return False
         here = os.environ.get("FMSTORE_NODE_ID") or _hostname()
         if self.node == here and self.pid != os.getpid():

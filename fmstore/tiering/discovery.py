@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from .. import keys as _keys
 from ..checkpoint.layout import parse_step
 from ..errors import FmstoreError, NotFound
+from ..stores.bounded import manifest_limit, read_bounded
 from . import catalog as cat
 from .catalog import Catalog
 from .tiers import Tiers
@@ -117,7 +118,8 @@ async def _saved_at(tiers: Tiers, tier: str, root: str, step: int) -> float | No
     from ..format.manifest import DCP_FORMAT_NAME, MANIFEST_KEY
 
     try:
-        data = await tiers.checkpoint(tier, root, step).get(MANIFEST_KEY)
+        store = tiers.checkpoint(tier, root, step)
+        data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
         if DCP_FORMAT_NAME.encode() not in data:
             return None
         d = json.loads(data)

@@ -53,6 +53,7 @@ from ..errors import AlreadyExists, CorruptData, FmstoreError, NotFound
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
 from ..stores.base import PutOptions, Store
+from ..stores.bounded import RECORD_LIMIT, manifest_limit, read_bounded
 from .blobcopy import CopyResult, copy_blobs
 from .transfer import TransferOptions
 
@@ -86,7 +87,8 @@ async def part_records(store: Store, generation: str) -> dict[str, PartRecord]:
         if meta.is_dir or not PART_RECORD_RE.match(name):
             continue
         with contextlib.suppress(NotFound, CorruptData):
-            rec = PartRecord.loads(await store.get(meta.key), where=f"{store.url}/{meta.key}")
+            raw = await read_bounded(store, meta.key, RECORD_LIMIT, what="part record")
+            rec = PartRecord.loads(raw, where=f"{store.url}/{meta.key}")
             out[rec.node] = rec
     return out
 
@@ -155,7 +157,9 @@ async def export_part(
     sha = manifest_sha256(data)
     gen = full.generation
     try:
-        existing: bytes | None = await dst.get(MANIFEST_KEY)
+        existing: bytes | None = await read_bounded(
+            dst, MANIFEST_KEY, manifest_limit(), what="manifest"
+        )
     except NotFound:
         existing = None
     if existing is not None and existing != data:
@@ -217,7 +221,7 @@ async def export_part(
 
 async def _own_record(dst: Store, gen: str, node: str, sha: str) -> PartRecord | None:
     try:
-        raw = await dst.get(part_record_key(gen, node))
+        raw = await read_bounded(dst, part_record_key(gen, node), RECORD_LIMIT, what="part record")
     except NotFound:
         return None
     try:
@@ -261,7 +265,7 @@ async def commit_if_complete(dst: Store, manifest: DcpManifest, data: bytes) -> 
     try:
         await dst.put(MANIFEST_KEY, data, PutOptions(mode="create", content_crc32c=crc32c(data)))
     except AlreadyExists:
-        if await dst.get(MANIFEST_KEY) != data:
+        if await read_bounded(dst, MANIFEST_KEY, manifest_limit(), what="manifest") != data:
             raise CorruptData(
                 "another checkpoint was committed under this name meanwhile",
                 tier=dst.tier,
@@ -316,7 +320,7 @@ async def delete_own_part(dst: Store, node: str, src: Store | None = None) -> bo
         rec_key = part_record_key(gen, node)
         rec_data: bytes | None = None
         try:
-            rec_data = bytes(await dst.get(rec_key))
+            rec_data = await read_bounded(dst, rec_key, RECORD_LIMIT, what="part record")
             rec = PartRecord.loads(rec_data, where=f"{dst.url}/{rec_key}")
             names = [f"{gen}/{n}" for n, _, _ in rec.blobs]
         except (NotFound, CorruptData):
@@ -381,8 +385,8 @@ async def parts_on(store: Store) -> dict[str, object] | None:
     of: int | None = None
     gen: str | None = None
     committed = False
-    with contextlib.suppress(NotFound, ValueError, KeyError, TypeError):
-        d = json.loads(await store.get(MANIFEST_KEY))
+    with contextlib.suppress(NotFound, CorruptData, ValueError, KeyError, TypeError):
+        d = json.loads(await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest"))
         gen, committed = str(d["generation"]), True
         of = len(d.get("parts") or []) or None
     gens = [gen] if gen else []

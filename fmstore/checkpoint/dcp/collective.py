@@ -31,6 +31,7 @@ from typing import Any
 from ... import runtime
 from ...errors import AlreadyExists, FmstoreError, NotFound
 from ...stores import PutOptions, Store
+from ...stores.bounded import RECORD_LIMIT, manifest_limit, read_bounded
 from ..layout import GENERATION_RE
 from . import replicas
 from .manifest import MANIFEST_KEY, DcpManifest
@@ -196,7 +197,9 @@ def _distribute(writer: Writer, pg: Any) -> None:
     box: list[Any] = [None]
     if rank == 0:
         try:
-            box[0] = runtime.run(writer.store.get(MANIFEST_KEY))
+            box[0] = runtime.run(
+                read_bounded(writer.store, MANIFEST_KEY, manifest_limit(), what="manifest")
+            )
         except Exception as e:  # every rank raises it below, none waits for the others
             box[0] = f"the coordinator could not read its manifest again: {_reason(e)}"
     dist.broadcast_object_list(box, group=pg, group_src=0)
@@ -227,7 +230,7 @@ async def _put_manifest(store: Store, data: bytes) -> None:
     try:
         await store.put(MANIFEST_KEY, data, PutOptions(mode="create"))
     except AlreadyExists:
-        if await store.get(MANIFEST_KEY) != data:
+        if await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest") != data:
             raise FmstoreError(
                 "another manifest is already committed here", tier=store.tier, key=MANIFEST_KEY
             ) from None
@@ -355,7 +358,9 @@ def _prepare(uri: str, so: dict[str, Any], pg: Any) -> str:
     box: list[Any] = [None]
     if rank == src.rank:
         try:
-            box[0] = runtime.run(_open(uri, so).get(MANIFEST_KEY))
+            box[0] = runtime.run(
+                read_bounded(_open(uri, so), MANIFEST_KEY, manifest_limit(), what="manifest")
+            )
         except Exception as e:
             box[0] = f"node {src.node} could not read its manifest again: {_reason(e)}"
     dist.broadcast_object_list(box, group=pg, group_src=src.rank)
@@ -410,7 +415,7 @@ async def _look(uri: str, so: dict[str, Any], rank: int) -> _View:
     except NotFound:
         return _View(rank, me, None, ())
     try:
-        data = await store.get(MANIFEST_KEY)
+        data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
     except NotFound:
         data = None
     except Exception as e:
@@ -440,7 +445,8 @@ async def _drop_pending(
     for gen in gens:
         key = rank_record_key(gen, rank)
         try:
-            rec = RankRecord.loads(await store.get(key), where=f"{store.url}/{key}")
+            raw = await read_bounded(store, key, RECORD_LIMIT, what="rank record")
+            rec = RankRecord.loads(raw, where=f"{store.url}/{key}")
         except FmstoreError:
             continue
         if rec.nodes != layout:

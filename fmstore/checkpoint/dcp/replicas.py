@@ -29,6 +29,7 @@ from ... import runtime
 from ...errors import AlreadyExists, ConfigError, CorruptData, FmstoreError
 from ...format.checksum import crc32c
 from ...stores import PutOptions, Store, open_store, split_tier
+from ...stores.bounded import RECORD_LIMIT, manifest_limit, read_bounded
 from ..layout import parse_step
 from .manifest import MANIFEST_KEY, DcpManifest
 from .nodes import RankRecord, rank_record_key
@@ -132,7 +133,9 @@ def _recv(pg: Any, frm: int, sizes: list[int]) -> tuple[bytes, list[bytes]] | No
 
 
 async def _read(store: Store, m: DcpManifest, rank: int) -> tuple[bytes, list[bytes]]:
-    rec = await store.get(rank_record_key(m.generation, rank))
+    rec = await read_bounded(
+        store, rank_record_key(m.generation, rank), RECORD_LIMIT, what="rank record"
+    )
     return rec, [await store.get(m.blob_key(i)) for i in _blobs_of(m, rank)]
 
 
@@ -155,7 +158,7 @@ async def _put_manifest(store: Store, data: bytes) -> None:
     try:
         await store.put(MANIFEST_KEY, data, PutOptions(mode="create"))
     except AlreadyExists:
-        if await store.get(MANIFEST_KEY) != data:
+        if await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest") != data:
             # a replica of an earlier save to the same key: this save's replaces it
             await store.put(MANIFEST_KEY, data, PutOptions(mode="overwrite"))
 
@@ -249,7 +252,7 @@ async def held(uri: str, so: dict[str, Any]) -> tuple[str | None, tuple[int, ...
     whose replica is complete (its record written after its blobs); (None, ()) if none."""
     try:
         store = open_store(replica_uri(uri), **so)
-        data = await store.get(MANIFEST_KEY)
+        data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
         m = DcpManifest.loads(data, where=f"{store.url}/{MANIFEST_KEY}")
         ranks = [
             r for r in range(m.world_size) if await store.exists(rank_record_key(m.generation, r))

@@ -63,6 +63,7 @@ from ...format.dtypes import dtype_name
 from ...format.manifest import ChunkEntry
 from ...limits import ByteBudget
 from ...stores import PutOptions, Store, open_store
+from ...stores.bounded import manifest_limit, read_bounded
 from ..layout import blob_name, new_generation
 from . import staging
 from .manifest import MANIFEST_KEY, DcpBlob, DcpItem, DcpManifest, DcpPart
@@ -633,7 +634,7 @@ class Writer(StorageWriter):
         from ..gc import _generation_of
 
         try:
-            data = await store.get(MANIFEST_KEY)
+            data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
         except NotFound:
             return None
         try:
