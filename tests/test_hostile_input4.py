@@ -8,6 +8,7 @@ and checks that fmstore refuses it with one fmstore error naming it.
 from __future__ import annotations
 
 import io
+import json
 import os
 import time
 import zipfile
@@ -160,3 +161,134 @@ def test_gc_removes_an_immortal_lease_generation_and_survives_a_huge_pid(tmp_pat
     # the pid no process has: malformed, alive only while its file is younger than a lease
     assert rep.exporting == ["step_00000001/g000000000002-00000002"], rep
     assert "step_00000001/g000000000001-00000001/000000.bin" in rep.removed, rep
+
+
+# ---- 4. replica manifests ------------------------------------------------------------------
+
+
+def _dcp_manifest(world_size: int = 2) -> dict:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from fmstore.checkpoint.dcp.manifest import DcpBlob, DcpManifest
+    from fmstore.checkpoint.layout import new_generation
+
+    m = DcpManifest.from_metadata(
+        Metadata(state_dict_metadata={}),
+        generation=new_generation(),
+        world_size=world_size,
+        items=[],
+        blobs=[DcpBlob(f"{r:06d}.bin", 0, r) for r in range(world_size)],
+        allow_pickle=False,
+        writer="test",
+    )
+    return json.loads(m.dumps())
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("world_size", 10**12),
+        ("world_size", 1e300),
+        ("world_size", True),
+        ("world_size", "2"),
+        ("world_size", 0),
+        ("generation", {"a": 1}),
+        ("generation", "../../x"),
+        ("created", float("inf")),
+        ("created", "yesterday"),
+    ],
+)
+def test_dcp_manifest_fields_of_a_wrong_type_or_range_are_refused(field, value):
+    from fmstore.checkpoint.dcp.manifest import DcpManifest
+
+    doc = _dcp_manifest()
+    doc[field] = value
+    data = json.dumps(doc).encode()
+    with pytest.raises(CorruptData, match="manifest.json"):
+        DcpManifest.loads(data, where="x/manifest.json")
+
+
+def test_a_replica_manifest_with_a_bool_world_size_holds_nothing(posix_cfg, tmp_path):
+    from fmstore.checkpoint.dcp.nodes import rank_record_key
+    from fmstore.checkpoint.dcp.replicas import held
+
+    doc = _dcp_manifest(world_size=1)
+    rep = tmp_path / "nvme" / ".replicas" / "run" / "step_00000001"
+    (rep / doc["generation"]).mkdir(parents=True)
+    (rep / rank_record_key(doc["generation"], 0)).write_text("{}")
+    (rep / "manifest.json").write_text(json.dumps(doc))
+    assert runtime.run(held("nvme:run/step_00000001", {}))[1] == (0,)
+    doc["world_size"] = True  # 1 to int(): a manifest of no valid type
+    (rep / "manifest.json").write_text(json.dumps(doc))
+    assert runtime.run(held("nvme:run/step_00000001", {})) == (None, ())
+
+
+# ---- 5, 7. one node-id grammar; step names ---------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["n0\n", "..", ".", "-x", "n 0", "[/]", "ｎ0", "x" * 201, ""])
+def test_node_id_has_one_grammar(monkeypatch, bad):
+    from fmstore.checkpoint.dcp.nodes import NODE_ENV, node_id
+    from fmstore.checkpoint.partrecords import PartRecord, is_node_id
+
+    assert not is_node_id(bad)
+    if bad:
+        monkeypatch.setenv(NODE_ENV, bad)
+        with pytest.raises(ConfigError, match="node id"):
+            node_id()
+    rec = PartRecord("n0", (0,), "g000000000001-00000001", "0" * 64, ())
+    with pytest.raises(CorruptData, match="not a node id"):
+        PartRecord.loads(
+            rec.dumps().replace(b'"node":"n0"', b'"node":' + json.dumps(bad).encode()), where="x"
+        )
+
+
+def test_node_id_accepts_host_names(monkeypatch):
+    from fmstore.checkpoint.dcp.nodes import NODE_ENV, node_id
+
+    for good in ("n0", "ip-10-0-0-1.ec2.internal", "node_7:gpu@rack+2"):
+        monkeypatch.setenv(NODE_ENV, good)
+        assert node_id() == good
+
+
+@pytest.mark.parametrize(
+    "name", ["step_000000000001\n", "step_00000000000١", "step_1", "xstep_000000000001"]
+)
+def test_parse_step_takes_whole_ascii_names_only(name):
+    from fmstore.checkpoint.layout import parse_step
+
+    assert parse_step(name) is None
+    assert parse_step("step_000000000012/") == 12
+
+
+# ---- 6. peers' sizes --------------------------------------------------------------------------
+
+
+def test_sizes_peers_announce_are_bounded_before_anything_is_allocated():
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=f"{here.parent}{os.pathsep}{here}", OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(here / "hostile_peer_worker.py"), str(r), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    line = next((ln for ln in outs[0][0].splitlines() if ln.startswith("RESULT ")), None)
+    assert line, outs[0][1][-3000:]
+    res = json.loads(line[7:])
+    assert "announces a rank record of 1099511627776 bytes" in res["recv"], res
+    assert res["gather"].startswith("FmstoreError: rank 1 sent a message of 1099511627776"), res
+    assert "announced a broadcast of 1099511627776 bytes" in res["broadcast"], res

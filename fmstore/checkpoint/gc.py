@@ -87,8 +87,8 @@ async def _scan(store: Store) -> tuple[dict[str, str | None], _Gens, set[tuple[s
             and GENERATION_RE.match(parts[-2])
             and (
                 BLOB_RE.match(parts[-1])
-                or PART_RECORD_RE.match(parts[-1])
-                or LEASE_RE.match(parts[-1])
+                or PART_RECORD_RE.fullmatch(parts[-1])
+                or LEASE_RE.fullmatch(parts[-1])
             )
         ):
             gens.setdefault(("/".join(parts[:-2]), parts[-2]), []).append(
@@ -170,7 +170,7 @@ class Generation:
 
 async def _live_lease(store: Store, keys: list[str]) -> bool:
     for key in keys:
-        if not LEASE_RE.match(key.rsplit("/", 1)[-1]):
+        if not LEASE_RE.fullmatch(key.rsplit("/", 1)[-1]):
             continue
         try:
             raw = await read_bounded(store, key, LEASE_LIMIT, what="export lease")
@@ -202,7 +202,7 @@ async def remove_generation(store: Store, g: Generation) -> bool:
         prefix, _, gen = g.where.rpartition("/")
         leases = []
         async for meta in store.list(f"{g.where}/", recursive=False):
-            if LEASE_RE.match(meta.key.rsplit("/", 1)[-1]):
+            if LEASE_RE.fullmatch(meta.key.rsplit("/", 1)[-1]):
                 leases.append(meta.key)
         if await _live_lease(store, leases):
             return False

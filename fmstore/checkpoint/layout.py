@@ -22,11 +22,12 @@ from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores.base import Store
 from ..stores.bounded import manifest_limit, read_bounded
 
-STEP_RE = re.compile(r"^step_(\d{12})$")
-GENERATION_RE = re.compile(r"^g([0-9a-f]{12})-[0-9a-f]{8}$")
-BLOB_RE = re.compile(r"^[0-9]{6,}\.bin$")
+# ASCII digits only, and ``\Z``: ``$`` also matches before a trailing newline.
+STEP_RE = re.compile(r"^step_([0-9]{12})\Z")
+GENERATION_RE = re.compile(r"^g([0-9a-f]{12})-[0-9a-f]{8}\Z")
+BLOB_RE = re.compile(r"^[0-9]{6,}\.bin\Z")
 #: A rank's record of its blobs in a checkpoint on a node-local tier (``dcp/nodes.py``).
-RANK_RECORD_RE = re.compile(r"^rank-([0-9]{6})\.json$")
+RANK_RECORD_RE = re.compile(r"^rank-([0-9]{6})\.json\Z")
 
 __all__ = [
     "BLOB_RE",
@@ -69,7 +70,7 @@ def step_name(step: int) -> str:
 
 
 def parse_step(name: str) -> int | None:
-    m = STEP_RE.match(name.rstrip("/"))
+    m = STEP_RE.fullmatch(name.rstrip("/"))
     return int(m.group(1)) if m else None
 
 

@@ -35,10 +35,13 @@ from ..format.manifest import field_int, field_ints, field_list, field_str, pars
 
 __all__ = [
     "LEASE_RE",
+    "NODE",
     "LEASE_RENEW",
     "LEASE_TTL",
     "PART_RECORD_RE",
     "ExportLease",
+    "field_node",
+    "is_node_id",
     "PartRecord",
     "lease_key",
     "manifest_sha256",
@@ -47,9 +50,27 @@ __all__ = [
 
 PART_FORMAT_NAME = "fmstore-dcp-part"
 LEASE_FORMAT_NAME = "fmstore-export-lease"
-_NODE = r"[A-Za-z0-9._:@+-]{1,200}"
-PART_RECORD_RE = re.compile(rf"^part-({_NODE})\.json$")
-LEASE_RE = re.compile(rf"^export-({_NODE})\.json$")
+#: A node's id: 1-200 ASCII letters, digits and ``._:@+-``, starting with a letter or a
+#: digit (so never ``.``, ``..`` nor a line break).  The one grammar, checked wherever a
+#: node id is read: the environment, part and rank records, leases, manifests, peers.
+NODE = r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,199}"
+_NODE_RE = re.compile(NODE, re.ASCII)
+PART_RECORD_RE = re.compile(rf"part-({NODE})\.json", re.ASCII)
+LEASE_RE = re.compile(rf"export-({NODE})\.json", re.ASCII)
+
+
+def is_node_id(value: object) -> bool:
+    """Whether ``value`` is a node id (a string of the one grammar, :data:`NODE`)."""
+    return isinstance(value, str) and _NODE_RE.fullmatch(value) is not None
+
+
+def field_node(d: dict[str, Any], key: str) -> str:
+    """``d[key]``, a node id; ValueError naming the field otherwise."""
+    v = d[key]
+    if not is_node_id(v):
+        raise ValueError(f"field {key!r} is {v!r:.80}, not a node id")
+    return str(v)
+
 
 #: Seconds an export lease keeps a generation alive after its last renewal
 #: (``$FMSTORE_EXPORT_LEASE_TTL`` overrides it).  Nodes' clocks must agree to well within
@@ -108,7 +129,7 @@ class PartRecord:
         )
         try:
             return cls(
-                node=field_str(d, "node"),
+                node=field_node(d, "node"),
                 ranks=field_ints(d, "ranks"),
                 generation=field_str(d, "generation"),
                 manifest_sha256=field_str(d, "manifest_sha256"),
@@ -151,7 +172,7 @@ class ExportLease:
             data, where=where, format_name=LEASE_FORMAT_NAME, max_version=1, kind="export lease"
         )
         try:
-            lease = cls(field_str(d, "node"), field_int(d, "pid"), float(d["renewed"]))
+            lease = cls(field_node(d, "node"), field_int(d, "pid"), float(d["renewed"]))
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptData(f"export lease at {where} is malformed ({e!r})"[:300]) from None
         if not 0 < lease.pid <= MAX_PID:

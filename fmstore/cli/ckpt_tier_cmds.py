@@ -13,13 +13,15 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .. import runtime
 from ..config import Config, load_config
 from ..errors import FmstoreError
-from ..format.manifest import Manifest
+from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores.base import Store
+from ..stores.bounded import manifest_limit, read_bounded
 from ..tiering import catalog as cat
 from ..tiering.catalog import Catalog
 from ..tiering.discovery import Rediscovered, rediscover
@@ -146,8 +148,8 @@ def list_checkpoints(
                 where = f" parts {len(present)}/{part['of'] or '?'} ({','.join(present)})"
             else:
                 where = f" part {part['index']}/{part['of']} ({part['node']})" if part else ""
-            cells.append(f"[{_STYLE.get(cp.state, '')}]{cp.state}{mark}{where}{size}[/]")
-        table.add_row(r, str(s), *cells)
+            cells.append(f"[{_STYLE.get(cp.state, '')}]{cp.state}{mark}{escape(where)}{size}[/]")
+        table.add_row(escape(r), str(s), *cells)
     console = Console()
     console.print(table)
     console.print(f"[dim]{plural(len(by_step), 'checkpoint')}; ✓ = verified[/dim]")
@@ -200,7 +202,8 @@ def _parts(cfg: Config, rows: list[cat.Copy]) -> dict[tuple[str, int, str], dict
         out: dict[tuple[str, int, str], dict[str, object]] = {}
         for c in local:
             try:
-                data = await tiers.checkpoint(c.tier, c.root, c.step).get("manifest.json")
+                store = tiers.checkpoint(c.tier, c.root, c.step)
+                data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
                 ps = json.loads(data).get("parts") or []
                 nodes = [p["node"] for p in ps]
             except Exception:
@@ -273,7 +276,7 @@ def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = Fa
         for tier, step, ok, problems, nbytes in results:
             if step < 0:
                 bad += 1
-                console.print(f"[red]{tier}: {problems[0]}[/red]", highlight=False)
+                console.print(f"[red]{tier}: {escape(problems[0])}[/red]", highlight=False)
                 continue
             catalog.record_checkpoint(root, step)
             if ok:
@@ -285,9 +288,10 @@ def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = Fa
                 bad += 1
                 catalog.set_copy(root, step, tier, cat.CORRUPT, error="; ".join(problems)[:2000])
                 console.print(
-                    f"[red]BAD[/red] {tier:<8} step {step}: {'; '.join(problems)}", highlight=False
+                    f"[red]BAD[/red] {tier:<8} step {step}: {escape('; '.join(problems))}",
+                    highlight=False,
                 )
-    console.print(f"{len(results) - bad} good, {bad} bad copies of {root!r}")
+    console.print(f"{len(results) - bad} good, {bad} bad copies of {root!r}", markup=False)
     if as_json:
         copies = [
             {"tier": t, "step": s if s >= 0 else None, "ok": ok, "bytes": n, "problems": p}

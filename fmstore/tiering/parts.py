@@ -83,13 +83,14 @@ async def part_records(store: Store, generation: str) -> dict[str, PartRecord]:
     except NotFound:
         return out
     for meta in metas:
-        name = meta.key.rsplit("/", 1)[-1]
-        if meta.is_dir or not PART_RECORD_RE.match(name):
+        name = PART_RECORD_RE.fullmatch(meta.key.rsplit("/", 1)[-1])
+        if meta.is_dir or not name:
             continue
         with contextlib.suppress(NotFound, CorruptData):
             raw = await read_bounded(store, meta.key, RECORD_LIMIT, what="part record")
             rec = PartRecord.loads(raw, where=f"{store.url}/{meta.key}")
-            out[rec.node] = rec
+            if rec.node == name.group(1):  # a record speaks for the node it is named for
+                out[rec.node] = rec
     return out
 
 
@@ -283,7 +284,7 @@ async def _drop_leases(dst: Store, gen: str) -> None:
         keys = [
             m.key
             async for m in dst.list(gen + "/", recursive=False)
-            if LEASE_RE.match(m.key.rsplit("/", 1)[-1])
+            if LEASE_RE.fullmatch(m.key.rsplit("/", 1)[-1])
         ]
         await dst.delete_many(keys)
 
@@ -370,7 +371,7 @@ async def part_records_anywhere(dst: Store) -> bool:
     """Whether any generation at ``dst``'s root holds a part record."""
     with contextlib.suppress(NotFound):
         async for meta in dst.list("", recursive=True):
-            if PART_RECORD_RE.match(meta.key.rsplit("/", 1)[-1]):
+            if PART_RECORD_RE.fullmatch(meta.key.rsplit("/", 1)[-1]):
                 return True
     return False
 

@@ -34,9 +34,10 @@ from .. import runtime
 from ..checkpoint.dcp import Stager, checkpoint_group
 from ..checkpoint.dcp import async_save as dcp_async_save
 from ..checkpoint.dcp import load as dcp_load
+from ..checkpoint.dcp.wire import gather_json
 from ..checkpoint.layout import MANIFEST_KEY, checkpoint_key, parse_step, step_name
 from ..config import Config, get_config, load_config
-from ..errors import NotFound
+from ..errors import CorruptData, NotFound
 from .rules import from_config
 from .tiers import Tiers
 
@@ -186,14 +187,12 @@ class ShardedCheckpointManager:
         return committed, present
 
     def _views(self) -> list[dict[str, tuple[set[int], set[int]]]]:
-        import torch.distributed as dist
-
         mine = self._steps()
         if self.pg is None:
             return [mine]
-        views: list[Any] = [None] * dist.get_world_size(self.pg)
-        dist.all_gather_object(views, mine, group=self.pg)
-        return views
+        # JSON, not pickles (docs/security.md), checked on arrival
+        got = gather_json(self.pg, {t: [sorted(c), sorted(p)] for t, (c, p) in mine.items()})
+        return [_view_of(r, v) for r, v in enumerate(got)]
 
     def latest_step(self) -> int | None:
         """Every rank: the newest step some node holds a committed manifest of."""
@@ -223,3 +222,17 @@ class ShardedCheckpointManager:
         self.restored_tier = tier
         self.restored_step = parse_step(key.rsplit("/", 1)[-1])
         return self.restored_step
+
+
+def _view_of(rank: int, v: Any) -> dict[str, tuple[set[int], set[int]]]:
+    """A rank's view as gathered (JSON), checked: per tier, two lists of step numbers."""
+    ok = isinstance(v, dict) and all(
+        isinstance(t, str)
+        and isinstance(pair, list)
+        and len(pair) == 2
+        and all(isinstance(x, list) and all(type(s) is int for s in x) for x in pair)
+        for t, pair in v.items()
+    )
+    if not ok:
+        raise CorruptData(f"rank {rank} sent a view of its tiers that is not one")
+    return {t: (set(c), set(p)) for t, (c, p) in v.items()}

@@ -21,6 +21,7 @@ on first use), never on the training group.  See ``docs/distributed.md``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import threading
 from collections.abc import Sequence
@@ -29,15 +30,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import runtime
-from ...errors import AlreadyExists, FmstoreError, NotFound
+from ...errors import AlreadyExists, CorruptData, FmstoreError, NotFound
 from ...stores import PutOptions, Store
 from ...stores.bounded import RECORD_LIMIT, manifest_limit, read_bounded
 from ..layout import GENERATION_RE
+from ..partrecords import is_node_id
 from . import replicas
 from .manifest import MANIFEST_KEY, DcpManifest
 from .nodes import RankRecord, node_id, rank_record_key, tier_scope
 from .reader import Reader
 from .staging import Stager
+from .wire import broadcast_result, gather_json
 from .writer import Writer
 
 __all__ = ["async_save", "checkpoint_group", "load", "save"]
@@ -202,7 +205,7 @@ def _distribute(writer: Writer, pg: Any) -> None:
             )
         except Exception as e:  # every rank raises it below, none waits for the others
             box[0] = f"the coordinator could not read its manifest again: {_reason(e)}"
-    dist.broadcast_object_list(box, group=pg, group_src=0)
+    box[0] = broadcast_result(pg, 0, box[0], limit=manifest_limit())
     err = ""
     try:
         if isinstance(box[0], str):
@@ -236,11 +239,12 @@ async def _put_manifest(store: Store, data: bytes) -> None:
             ) from None
 
 
-def _gather(pg: Any, obj: Any) -> list[Any]:
-    dist = _dist()
-    out: list[Any] = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(out, obj, group=pg)
-    return out
+def _gather(pg: Any, obj: str) -> list[str]:
+    """Every rank's message (an error's text, or ""): JSON, never a pickle."""
+    got = gather_json(pg, obj)
+    if not all(isinstance(g, str) for g in got):
+        raise CorruptData("a rank sent a message that is not text")
+    return got
 
 
 # ---- the collective restore -------------------------------------------------------------
@@ -257,6 +261,36 @@ class _View:
     error: str = ""
     #: the replicas this node holds of other nodes' parts: sha256 of their manifest, ranks
     held: tuple[str | None, tuple[int, ...]] = (None, ())
+
+    @classmethod
+    def gather(cls, pg: Any, mine: _View) -> list[_View]:
+        """Every rank's view, sent as JSON and checked field by field on arrival."""
+        out = []
+        for r, d in enumerate(gather_json(pg, dataclasses.asdict(mine))):
+            try:
+                digest, ranks = d["held"]
+                v = cls(
+                    rank=d["rank"],
+                    node=d["node"],
+                    digest=d["digest"],
+                    pending=tuple(d["pending"]),
+                    error=d["error"],
+                    held=(digest, tuple(ranks)),
+                )
+                ok = (
+                    type(v.rank) is int
+                    and is_node_id(v.node)
+                    and all(isinstance(x, (str, type(None))) for x in (v.digest, digest))
+                    and all(isinstance(g, str) for g in v.pending)
+                    and isinstance(v.error, str)
+                    and all(type(x) is int for x in v.held[1])
+                )
+            except (KeyError, TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise CorruptData(f"rank {r} sent a view of its candidate that is not one")
+            out.append(v)
+        return out
 
 
 def load(
@@ -339,7 +373,7 @@ def _prepare(uri: str, so: dict[str, Any], pg: Any) -> str:
         mine = runtime.run(_look(uri, so, rank))
     except Exception as e:
         mine = _View(rank, node_id(), None, (), _reason(e))
-    views: list[_View] = _gather(pg, mine)
+    views = _View.gather(pg, mine)
     holders = [v for v in views if v.digest is not None]
     if not holders:
         pending = [v for v in views if v.pending]
@@ -363,7 +397,7 @@ def _prepare(uri: str, so: dict[str, Any], pg: Any) -> str:
             )
         except Exception as e:
             box[0] = f"node {src.node} could not read its manifest again: {_reason(e)}"
-    dist.broadcast_object_list(box, group=pg, group_src=src.rank)
+    box[0] = broadcast_result(pg, src.rank, box[0], limit=manifest_limit())
     if isinstance(box[0], str):
         return box[0]
     problem = ""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import time
 from dataclasses import dataclass, replace
@@ -29,6 +28,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from ...errors import ConfigError, CorruptData
 from ...format.manifest import field_int, field_list, field_str, parse_header
 from ..layout import RANK_RECORD_RE
+from ..partrecords import field_node, is_node_id
 
 __all__ = [
     "NODE_ENV",
@@ -45,16 +45,15 @@ __all__ = [
 NODE_ENV = "FMSTORE_NODE_ID"
 RANK_FORMAT_NAME = "fmstore-dcp-rank"
 RANK_FORMAT_VERSION = 1
-_NODE_RE = re.compile(r"^[A-Za-z0-9._:@+-]{1,200}$")
 
 
 def node_id() -> str:
     """This node's stable id: ``$FMSTORE_NODE_ID`` where set, else the host name."""
     raw = os.environ.get(NODE_ENV) or socket.gethostname()
-    if not _NODE_RE.match(raw):
+    if not is_node_id(raw):
         raise ConfigError(
-            f"node id {raw!r} (from ${NODE_ENV} or the host name) must be 1-200 letters, "
-            "digits or ._:@+-"
+            f"node id {raw!r} (from ${NODE_ENV} or the host name) must be 1-200 ASCII "
+            "letters, digits or ._:@+-, starting with a letter or a digit"
         )
     return raw
 
@@ -117,12 +116,12 @@ class RankRecord:
                 generation=field_str(d, "generation"),
                 save_id=field_str(d, "save_id"),
                 rank=field_int(d, "rank"),
-                node=field_str(d, "node"),
+                node=field_node(d, "node"),
                 blobs=tuple(
                     (field_str(b, "name"), field_int(b, "size")) for b in field_list(d, "blobs")
                 ),
                 created=float(d.get("created", 0.0)),
-                nodes=tuple(str(n) for n in field_list(d, "nodes")),
+                nodes=tuple(field_node({"node": n}, "node") for n in field_list(d, "nodes")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptData(f"rank record at {where} is malformed ({e!r})"[:300]) from None

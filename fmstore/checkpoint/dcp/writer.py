@@ -65,6 +65,7 @@ from ...limits import ByteBudget
 from ...stores import PutOptions, Store, open_store
 from ...stores.bounded import manifest_limit, read_bounded
 from ..layout import blob_name, new_generation
+from ..partrecords import is_node_id
 from . import staging
 from .manifest import MANIFEST_KEY, DcpBlob, DcpItem, DcpManifest, DcpPart
 from .nodes import LocalInfo, RankRecord, local_copies, node_id, rank_record_key, tier_scope
@@ -297,6 +298,8 @@ class Writer(StorageWriter):
         if not all(isinstance(i, LocalInfo) for i in infos):
             return ()
         nodes = tuple(i.node for i in infos)  # type: ignore[union-attr]
+        if bad := next((n for n in nodes if not is_node_id(n)), None):
+            raise CorruptData(f"a rank of this save reports node id {bad!r:.80}, not a node id")
         if len(set(nodes)) < 2 or tier_scope(self.uri) != "node":
             return ()
         where = f'{self.uri} is on a node-local tier (scope = "node") and this job spans nodes {", ".join(sorted(set(nodes))[:4])}'
