@@ -292,3 +292,40 @@ def test_sizes_peers_announce_are_bounded_before_anything_is_allocated():
     assert "announces a rank record of 1099511627776 bytes" in res["recv"], res
     assert res["gather"].startswith("FmstoreError: rank 1 sent a message of 1099511627776"), res
     assert "announced a broadcast of 1099511627776 bytes" in res["broadcast"], res
+
+
+# ---- 11. messages that name what was missed ----------------------------------------------------
+
+
+def _two_ranks(script: str, *args: str) -> dict:
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=f"{here.parent}{os.pathsep}{here}", OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(here / script), str(r), str(port), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    line = next((ln for ln in outs[0][0].splitlines() if ln.startswith("RESULT ")), None)
+    assert line, outs[0][1][-3000:]
+    return json.loads(line[7:])
+
+
+def test_a_node_local_tier_without_its_scope_gets_the_hint_on_a_missed_blob(tmp_path):
+    res = _two_ranks("scope_hint_worker.py", str(tmp_path))
+    assert "rank 1's blob is missing; not committing" in res["error"], res
+    assert "rank 1 ran on node n1, the coordinator on n0" in res["error"], res
+    assert 'set scope = "node" in [tiers.nvme]' in res["error"], res

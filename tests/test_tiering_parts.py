@@ -598,3 +598,17 @@ def test_node_names_in_part_records_are_checked_and_escaped_in_ckpt_list(
         )
     out = ckpt_list(tmp_path, "n0", capsys, monkeypatch)
     assert "exporting parts 1/2 (n0)" in out, out
+
+
+def test_a_drain_that_times_out_names_the_nodes_it_waited_for(tmp_path, monkeypatch, caplog):
+    from fmstore.tiering.daemon import _gave_up
+
+    save_parts(tmp_path, 10)
+    n0 = Node(tmp_path, "n0", EXPORT)
+    n0.record(10)
+    rep = n0.step(monkeypatch)
+    assert rep.waiting_for == ["n1"], rep
+    with caplog.at_level("ERROR", logger="fmstore.tiering.daemon"):
+        _gave_up(5.0, rep)
+    line = caplog.records[-1].getMessage()
+    assert "drain timed out after 5.0s" in line and "waiting for the parts of node n1" in line
