@@ -8,7 +8,7 @@ BSTAMP  := $(VENV)/.installed-bench
 PIP     := $(BIN)/python -m pip
 TORCH   := torch==2.13.0
 
-.PHONY: setup setup-bench setup-prometheus demo demo-cluster test test-fast test-chaos fuzz lint format bench clean
+.PHONY: setup setup-bench setup-prometheus demo demo-cluster test test-fast test-chaos test-compat fuzz lint format bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -58,6 +58,11 @@ test-fast: $(STAMP)
 # a short schedule of it), and the single-node tiering chaos test.
 test-chaos: $(STAMP)
 	FMSTORE_CHAOS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -s tests/test_cluster_chaos.py tests/test_tiering_chaos.py
+
+# fsspec's own abstract suites (copy, get, put, open, pipe) against fmstore://, every case
+# (make test samples their glob edge cases), on a POSIX tier, SeaweedFS and moto's server.
+test-compat: $(STAMP)
+	FMSTORE_COMPAT=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_fsspec_abstract.py
 
 # The property-based tests of hostile input with a larger budget than `make test` gives them.
 fuzz: $(STAMP)
