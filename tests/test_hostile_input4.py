@@ -16,29 +16,14 @@ import zipfile
 import pytest
 import torch
 from hostile_helpers import run_limited
+from test_hostile_input3 import rezipped, torch_bytes
 
 import fmstore
 from fmstore import runtime
 from fmstore.checkpoint.zipguard import check_torch_zip
 from fmstore.errors import ConfigError, CorruptData, NotFound
 
-
-def torch_bytes(obj: object) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
 # ---- 1. zip archives: the directory zipfile finds and the one torch reads ------------------
-
-
-def rezipped(data: bytes) -> bytes:
-    """The same archive written by Python's zipfile: stored members, no zip64 records."""
-    out = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst:
-        for info in src.infolist():
-            dst.writestr(info.filename, src.read(info))
-    return out.getvalue()
 
 
 @pytest.mark.parametrize(
@@ -264,40 +249,9 @@ def test_parse_step_takes_whole_ascii_names_only(name):
 # ---- 6. peers' sizes --------------------------------------------------------------------------
 
 
-def test_sizes_peers_announce_are_bounded_before_anything_is_allocated():
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    here = Path(__file__).parent
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=f"{here.parent}{os.pathsep}{here}", OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(here / "hostile_peer_worker.py"), str(r), str(port)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in (0, 1)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
-    line = next((ln for ln in outs[0][0].splitlines() if ln.startswith("RESULT ")), None)
-    assert line, outs[0][1][-3000:]
-    res = json.loads(line[7:])
-    assert "announces a rank record of 1099511627776 bytes" in res["recv"], res
-    assert res["gather"].startswith("FmstoreError: rank 1 sent a message of 1099511627776"), res
-    assert "announced a broadcast of 1099511627776 bytes" in res["broadcast"], res
-
-
-# ---- 11. messages that name what was missed ----------------------------------------------------
-
-
 def _two_ranks(script: str, *args: str) -> dict:
+    """Run ``tests/SCRIPT RANK PORT *args`` as the two ranks of a gloo group; rank 0's
+    ``RESULT`` line, parsed."""
     import socket
     import subprocess
     import sys
@@ -322,6 +276,16 @@ def _two_ranks(script: str, *args: str) -> dict:
     line = next((ln for ln in outs[0][0].splitlines() if ln.startswith("RESULT ")), None)
     assert line, outs[0][1][-3000:]
     return json.loads(line[7:])
+
+
+def test_sizes_peers_announce_are_bounded_before_anything_is_allocated():
+    res = _two_ranks("hostile_peer_worker.py")
+    assert "announces a rank record of 1099511627776 bytes" in res["recv"], res
+    assert res["gather"].startswith("FmstoreError: rank 1 sent a message of 1099511627776"), res
+    assert "announced a broadcast of 1099511627776 bytes" in res["broadcast"], res
+
+
+# ---- 11. messages that name what was missed ----------------------------------------------------
 
 
 def test_a_node_local_tier_without_its_scope_gets_the_hint_on_a_missed_blob(tmp_path):
