@@ -278,7 +278,9 @@ class _View:
                     held=(digest, tuple(ranks)),
                 )
                 ok = (
-                    type(v.rank) is int
+                    isinstance(d["pending"], list)
+                    and isinstance(ranks, list)
+                    and type(v.rank) is int
                     and is_node_id(v.node)
                     and all(isinstance(x, (str, type(None))) for x in (v.digest, digest))
                     and all(isinstance(g, str) for g in v.pending)
