@@ -249,22 +249,23 @@ def test_parse_step_takes_whole_ascii_names_only(name):
 # ---- 6. peers' sizes --------------------------------------------------------------------------
 
 
-def _two_ranks(script: str, *args: str) -> dict:
-    """Run ``tests/SCRIPT RANK PORT *args`` as the two ranks of a gloo group; rank 0's
-    ``RESULT`` line, parsed."""
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    """Rank 0's results of ``tests/two_rank_worker.py`` (a two-node save, then a hostile
+    rank 1), run once for the module."""
     import socket
     import subprocess
     import sys
     from pathlib import Path
 
-    here = Path(__file__).parent
+    here, base = Path(__file__).parent, tmp_path_factory.mktemp("two_ranks")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=f"{here.parent}{os.pathsep}{here}", OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen(
-            [sys.executable, str(here / script), str(r), str(port), *args],
+            [sys.executable, str(here / "two_rank_worker.py"), str(r), str(port), str(base)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -272,14 +273,14 @@ def _two_ranks(script: str, *args: str) -> dict:
         )
         for r in (0, 1)
     ]
-    outs = [p.communicate(timeout=120) for p in procs]
+    outs = [p.communicate(timeout=180) for p in procs]
     line = next((ln for ln in outs[0][0].splitlines() if ln.startswith("RESULT ")), None)
     assert line, outs[0][1][-3000:]
     return json.loads(line[7:])
 
 
-def test_sizes_peers_announce_are_bounded_before_anything_is_allocated():
-    res = _two_ranks("hostile_peer_worker.py")
+def test_sizes_peers_announce_are_bounded_before_anything_is_allocated(two_ranks):
+    res = two_ranks
     assert "announces a rank record of 1099511627776 bytes" in res["recv"], res
     assert res["gather"].startswith("FmstoreError: rank 1 sent a message of 1099511627776"), res
     assert "announced a broadcast of 1099511627776 bytes" in res["broadcast"], res
@@ -288,8 +289,8 @@ def test_sizes_peers_announce_are_bounded_before_anything_is_allocated():
 # ---- 11. messages that name what was missed ----------------------------------------------------
 
 
-def test_a_node_local_tier_without_its_scope_gets_the_hint_on_a_missed_blob(tmp_path):
-    res = _two_ranks("scope_hint_worker.py", str(tmp_path))
-    assert "rank 1's blob is missing; not committing" in res["error"], res
-    assert "rank 1 ran on node n1, the coordinator on n0" in res["error"], res
-    assert 'set scope = "node" in [tiers.nvme]' in res["error"], res
+def test_a_node_local_tier_without_its_scope_gets_the_hint_on_a_missed_blob(two_ranks):
+    error = two_ranks["save"]
+    assert "rank 1's blob is missing; not committing" in error, error
+    assert "rank 1 ran on node n1, the coordinator on n0" in error, error
+    assert 'set scope = "node" in [tiers.nvme]' in error, error
