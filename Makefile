@@ -14,7 +14,7 @@ STREAMING := mosaicml-streaming==0.13.0
 NO_TORCHVISION = $(PIP) uninstall -q -y torchvision 2>/dev/null || true; \
 	$(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torchvision') is not None and 'torchvision is installed: it does not load on the CPU torch')"
 
-.PHONY: setup setup-bench setup-prometheus demo demo-cluster test test-fast test-chaos test-sim fuzz lint format bench clean
+.PHONY: setup setup-bench setup-prometheus demo demo-cluster test test-fast test-chaos test-sim test-compat fuzz lint format bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -72,6 +72,11 @@ test-chaos: $(STAMP)
 # fresh seeds for SIM_SECONDS (default 600); ends with "schedules: N, violations: V".
 test-sim: $(STAMP)
 	SIM_SECONDS=$${SIM_SECONDS:-600} PYTHONPATH=tests$${PYTHONPATH:+:$$PYTHONPATH} $(BIN)/python tests/sim_parts.py
+
+# fsspec's own abstract suites (copy, get, put, open, pipe) against fmstore://, every case
+# (make test samples their glob edge cases), on a POSIX tier, SeaweedFS and moto's server.
+test-compat: $(STAMP)
+	FMSTORE_COMPAT=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_fsspec_abstract.py
 
 # The property-based tests of hostile input with a larger budget than `make test` gives them.
 fuzz: $(STAMP)

@@ -588,7 +588,16 @@ def set_config(config: Config | None) -> None:
 
 #: Environment variable naming this node (containers, several nodes on one host).
 NODE_ENV = "FMSTORE_NODE_ID"
-_NODE_RE = re.compile(r"^[A-Za-z0-9._:@+-]{1,200}$")
+#: The one grammar of a node id, checked wherever one is read (environment, records,
+#: leases, manifests, peers): ASCII letters, digits and ``._:@+-``, starting with a letter
+#: or a digit (so never ``..``, a path or a line break), at most 200 characters.
+NODE = r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,199}"
+_NODE_RE = re.compile(NODE, re.ASCII)
+
+
+def is_node_id(value: object) -> bool:
+    """Whether ``value`` is a node id (a string of the one grammar, :data:`NODE`)."""
+    return isinstance(value, str) and _NODE_RE.fullmatch(value) is not None
 
 
 def node_id() -> str:
@@ -597,9 +606,9 @@ def node_id() -> str:
     import socket
 
     raw = os.environ.get(NODE_ENV) or socket.gethostname()
-    if not _NODE_RE.match(raw):
+    if not is_node_id(raw):
         raise ConfigError(
-            f"node id {raw!r} (from ${NODE_ENV} or the host name) must be 1-200 letters, "
-            "digits or ._:@+-"
+            f"node id {raw!r} (from ${NODE_ENV} or the host name) must be 1-200 ASCII "
+            "letters, digits or ._:@+-, starting with a letter or a digit"
         )
     return raw

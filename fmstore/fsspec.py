@@ -32,7 +32,7 @@ from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from . import runtime
 from .config import Config, get_config, load_config
-from .errors import InvalidKey, NotFound, NotSupported, PermissionDenied
+from .errors import AlreadyExists, InvalidKey, NotFound, NotSupported, PermissionDenied
 from .keys import validate_key
 from .stores import open_store
 from .stores.base import ObjectMeta, PutOptions, Store, Writer
@@ -209,7 +209,11 @@ class FmstoreFileSystem(AbstractFileSystem):
             async def listing() -> list[ObjectMeta]:
                 return [m async for m in store.list(key, recursive=False)]
 
-            entries = {m.key.rstrip("/"): self._meta_info(tier, m) for m in _run(listing())}
+            entries = {
+                m.key.rstrip("/"): self._meta_info(tier, m)
+                for m in _run(listing())
+                if m.key.rstrip("/") != key  # a directory's own folder marker (S3)
+            }
             plen = len(key) + 1 if key else 0
             for k, size in self._lazy_under(tier, key):
                 rest = k[plen:]
@@ -274,9 +278,11 @@ class FmstoreFileSystem(AbstractFileSystem):
             try:
                 return _run(store.get(key))
             except NotFound:
-                if not self._fetch_lazy(tier, key):
-                    raise
-                return _run(store.get(key))
+                if self._fetch_lazy(tier, key):
+                    return _run(store.get(key))
+                if self.isdir(path):
+                    raise IsADirectoryError(f"{path!r} is a directory") from None
+                raise
         size = self.size(path)
         assert size is not None
         s = 0 if start is None else (start if start >= 0 else max(0, size + start))
@@ -340,6 +346,20 @@ class FmstoreFileSystem(AbstractFileSystem):
         paths = self.expand_path(path, recursive=recursive, maxdepth=maxdepth)
         for p in reversed(paths):
             self._rm(p)
+        if recursive and maxdepth is None:
+            # S3 folder markers of the directories emptied go too, as s3fs removes them
+            for p in [path] if isinstance(path, str) else list(path):
+                tier, key = self.split(p)
+                store = self.store(tier)
+
+                async def markers(store: Store = store, key: str = key) -> list[str]:
+                    try:
+                        return [m.key async for m in store.list(key, recursive=True) if m.is_dir]
+                    except NotFound:
+                        return []
+
+                if key and (found := _run(markers())):
+                    _run(store.delete_many(found))
 
     def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
         self.split(path)  # directories are implicit (prefixes); only check the path
@@ -382,6 +402,10 @@ class FmstoreFile(AbstractBufferedFile):
             raise IsADirectoryError(f"{path!r} is a tier, not a file")
         if mode not in ("rb", "wb", "xb"):
             raise NotSupported(f"fmstore:// files open as rb, wb or xb, not {mode!r}", key=path)
+        if mode == "xb" and _run(fs.store(self.tier).exists(self.key)):
+            # refused at open, as open(path, "x") does; the commit stays create-only too,
+            # for a key written between this check and the close
+            raise AlreadyExists(f"{path!r} exists", tier=self.tier, key=self.key)
         self._writer: Writer | None = None
         self._exc_at_open = sys.exc_info()[1]
         super().__init__(fs, path, mode, **kwargs)

@@ -182,8 +182,12 @@ def test_ls_rm_on_s3_as_on_posix(tmp_path, s3_server, s3_bucket, no_shard_env):
     r = fm("rm", "-y", "s3:d1", env=env)
     assert r.returncode == 1 and "rm -r" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+    # an S3 folder marker below ("Create folder" in the AWS console) goes with rm -r too
+    client = s3_server.boto3_client()
+    client.put_object(Bucket=s3_bucket, Key="ds/d1/empty/", Body=b"")
     r = fm("rm", "-r", "-y", "s3:d1", env=env)
     assert r.returncode == 0 and "deleted 4 objects" in r.stderr, r.stderr
+    assert "Contents" not in client.list_objects_v2(Bucket=s3_bucket, Prefix="ds/d1/")
 
 
 # ---- 2. --json on every command that prints results ----------------------------------------

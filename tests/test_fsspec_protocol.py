@@ -280,3 +280,44 @@ def test_the_protocol_is_registered_by_the_installed_entry_point():
 
     (ep,) = [e for e in entry_points(group="fsspec.specs") if e.name == "fmstore"]
     assert ep.load() is FmstoreFileSystem
+
+
+@pytest.mark.s3
+def test_s3_folder_markers_are_directories_and_go_with_rm_r(s3_cfg, s3_server, s3_bucket):
+    """0-byte keys ending in "/" (the AWS console's "Create folder", Hadoop S3A, rclone)
+    are directories, as s3fs sees them: never listed or found as files, and removed by
+    ``rm -r``."""
+    client = s3_server.boto3_client()
+    for k in ("ds/top/d/", "ds/top/e/", "ds/top/e/f"):
+        client.put_object(Bucket=s3_bucket, Key=k, Body=b"x" if k.endswith("f") else b"")
+    fs = FmstoreFileSystem(config=str(s3_cfg), skip_instance_cache=True)
+    assert [(o["name"], o["type"]) for o in fs.ls("s3/top")] == [
+        ("s3/top/d", "directory"),
+        ("s3/top/e", "directory"),
+    ]
+    assert fs.ls("s3/top/d") == []
+    assert fs.find("s3/top") == ["s3/top/e/f"]
+    assert fs.info("s3/top/d")["type"] == "directory" and fs.exists("s3/top/d")
+    with pytest.raises(IsADirectoryError):
+        fs.cat("s3/top/d")
+    raw = open_store(f"s3://{s3_bucket}/ds", **s3_server.store_options())
+    listed = runtime.run(raw.list_keys("top"))
+    assert listed == ["top/e/f"], listed  # files only, whatever the markers
+    fs.rm("s3/top", recursive=True)
+    assert not fs.exists("s3/top/d") and not fs.exists("s3/top")
+    assert "Contents" not in client.list_objects_v2(Bucket=s3_bucket, Prefix="ds/")
+
+
+def test_exclusive_open_of_an_existing_key_is_refused_at_open_and_again_at_commit(posix_cfg):
+    from fmstore.errors import AlreadyExists
+
+    fs = fsspec.filesystem("fmstore")
+    fs.pipe("nvme/x.bin", b"1")
+    with pytest.raises(AlreadyExists, match="x.bin"):
+        fs.open("nvme/x.bin", "xb")  # at open(), as open(path, "x") does
+    f = fs.open("nvme/y.bin", "xb")
+    f.write(b"mine")
+    fs.pipe("nvme/y.bin", b"theirs")  # created between the open and the close
+    with pytest.raises(AlreadyExists):
+        f.close()
+    assert fs.cat("nvme/x.bin") == b"1" and fs.cat("nvme/y.bin") == b"theirs"

@@ -236,8 +236,12 @@ def test_native_dcp_with_damaged_metadata_bytes(originals, work, data):
 def zip_mutation(draw: DrawFn, data: bytes) -> bytes:
     """A torch.save archive made hostile: a member listed again, every member deflated,
     bytes of its central directory (the last few hundred bytes) damaged, or its members'
-    names and sizes swapped around."""
-    kind = draw(st.sampled_from(["listed", "deflated", "tail", "bytes"]))
+    names and sizes swapped around, or bytes added before or after it (so that the
+    directory its end record declares is not the one before that record)."""
+    kind = draw(st.sampled_from(["listed", "deflated", "tail", "bytes", "before", "after"]))
+    if kind in ("before", "after"):
+        extra = draw(st.binary(min_size=1, max_size=64))
+        return extra + data if kind == "before" else data + extra
     if kind == "listed":
         suffix = draw(st.sampled_from(["data.pkl", "data/0", "version", "byteorder"]))
         try:

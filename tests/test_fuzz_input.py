@@ -509,3 +509,50 @@ def test_webdataset_with_a_hostile_member_table_in_the_cache(originals, work, da
     meta = cache / ".meta" / "wds-index.json"
     _write_json(meta, data.draw(json_mutation(json.loads(meta.read_text()))))
     _check(ex, ("target", "cache"), ex / "pwned", _read_dataset(str(target), str(cache), {}))
+
+
+# ---- records of sharded checkpoints: part records, leases, rank records -----------------------
+
+
+def _records() -> dict[str, bytes]:
+    from fmstore.checkpoint.dcp.nodes import RankRecord
+    from fmstore.checkpoint.partrecords import ExportLease, PartRecord
+
+    gen = "g000000000001-00000001"
+    return {
+        "part": PartRecord("n0", (0, 1), gen, "0" * 64, (("000000.bin", 10, 7),)).dumps(),
+        "lease": ExportLease("n0", os.getpid(), 1.7e9).dumps(),
+        "rank": RankRecord(gen, "s", 0, "n0", (("000000.bin", 10),), nodes=("n0", "n1")).dumps(),
+    }
+
+
+@FUZZ
+@given(data=st.data())
+def test_records_with_hostile_fields(tmp_path_factory, data):
+    """A part record, lease or rank record with hostile fields parses to one checked
+    record or is one fmstore error; a lease that parses answers ``alive()`` without
+    raising (a pid of 10**30, a renewal at NaN); ``gc`` over it ends in a report."""
+    from fmstore.checkpoint.dcp.nodes import RankRecord
+    from fmstore.checkpoint.gc import gc
+    from fmstore.checkpoint.partrecords import ExportLease, PartRecord, is_node_id
+
+    kind = data.draw(st.sampled_from(["part", "lease", "rank"]))
+    doc = data.draw(json_mutation(json.loads(_records()[kind])))
+    raw = json.dumps(doc, allow_nan=True).encode()
+    cls = {"part": PartRecord, "lease": ExportLease, "rank": RankRecord}[kind]
+    try:
+        rec = cls.loads(raw, where="x")
+    except FmstoreError:
+        rec = None
+    if rec is not None:
+        assert is_node_id(rec.node)
+        if isinstance(rec, ExportLease):
+            assert rec.alive() in (True, False)
+    root = tmp_path_factory.mktemp("records")
+    gen = root / "step_000000000001" / "g000000000001-00000001"
+    gen.mkdir(parents=True)
+    (gen / "000000.bin").write_bytes(b"x" * 10)
+    name = {"part": "part-n0.json", "lease": "export-n0.json", "rank": "rank-000000.json"}[kind]
+    (gen / name).write_bytes(raw)
+    rep = gc(str(root), dry_run=True, older_than=0)
+    assert rep.dry_run

@@ -46,13 +46,19 @@ def torch_bytes(obj: object) -> bytes:
     return buf.getvalue()
 
 
-def deflated(data: bytes) -> bytes:
-    """The same archive with every member deflated (torch.save stores them)."""
+def rezipped(data: bytes, compress_type: int = zipfile.ZIP_STORED) -> bytes:
+    """The same archive written by Python's zipfile (no zip64 records), every member
+    stored or, with ``compress_type``, compressed."""
     out = io.BytesIO()
     with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst:
         for info in src.infolist():
-            dst.writestr(info.filename, src.read(info), compress_type=zipfile.ZIP_DEFLATED)
+            dst.writestr(info.filename, src.read(info), compress_type=compress_type)
     return out.getvalue()
+
+
+def deflated(data: bytes) -> bytes:
+    """The same archive with every member deflated (torch.save stores them)."""
+    return rezipped(data, zipfile.ZIP_DEFLATED)
 
 
 @pytest.fixture(scope="module")

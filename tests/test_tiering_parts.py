@@ -7,6 +7,7 @@ multi-process nodes are in tests/test_tiering_nodes.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -585,3 +586,37 @@ def test_the_sweep_stops_before_the_blobs_when_an_exporter_comes_back(tmp_path, 
     assert lease_key(gen, "n1").endswith("export-n1.json")
     assert runtime.run(remove_generation(store, g)) is False
     assert (d / "000000.bin").exists() and not (d / "part-n0.json").exists()
+
+
+def test_node_names_in_part_records_are_checked_and_escaped_in_ckpt_list(
+    tmp_path, monkeypatch, capsys
+):
+    """A part record's node reaches ``ckpt list``: one holding rich markup crashed it,
+    another (under another node's name) faked a complete set of parts."""
+    raw = save_parts(tmp_path, 10)
+    n0, n1 = (Node(tmp_path, n, EXPORT) for n in NODES)
+    for n in (n0, n1):
+        n.record(10)
+    n0.step(monkeypatch)
+    gen = DcpManifest.loads(raw).generation
+    good = (lustre(tmp_path, 10) / part_record_key(gen, "n0")).read_text()
+    for name, node in (("n9", "[/]"), ("n8", "n1"), ("n7", "n0\n"), ("n6", "..")):
+        (lustre(tmp_path, 10) / part_record_key(gen, name)).write_text(
+            good.replace('"node":"n0"', f'"node":{json.dumps(node)}')
+        )
+    out = ckpt_list(tmp_path, "n0", capsys, monkeypatch)
+    assert "exporting parts 1/2 (n0)" in out, out
+
+
+def test_a_drain_that_times_out_names_the_nodes_it_waited_for(tmp_path, monkeypatch, caplog):
+    from fmstore.tiering.daemon import _gave_up
+
+    save_parts(tmp_path, 10)
+    n0 = Node(tmp_path, "n0", EXPORT)
+    n0.record(10)
+    rep = n0.step(monkeypatch)
+    assert rep.waiting_for == ["n1"], rep
+    with caplog.at_level("ERROR", logger="fmstore.tiering.daemon"):
+        _gave_up(5.0, rep)
+    line = caplog.records[-1].getMessage()
+    assert "drain timed out after 5.0s" in line and "waiting for the parts of node n1" in line

@@ -21,6 +21,7 @@ from ..errors import ConfigError, CorruptData, FmstoreError, NotFound, NotSuppor
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores import Location, open_store
 from ..stores.base import Store
+from ..stores.bounded import manifest_limit, read_bounded
 from .devring import cpu_routed
 from .layout import read_manifest
 from .loading import LazyDict, Materializer, PickleRefused, place_tree, select
@@ -266,7 +267,8 @@ async def _is_dcp(store: Store, error: Exception) -> bool:
     from .dcp.manifest import DCP_FORMAT_NAME, sniff_format
 
     try:
-        return sniff_format(await store.get(MANIFEST_KEY)) == DCP_FORMAT_NAME
+        data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
+        return sniff_format(data) == DCP_FORMAT_NAME
     except (FmstoreError, ValueError, RecursionError):  # a hostile manifest stays its error
         return False
 
@@ -345,15 +347,20 @@ async def _load_source(
 async def _load_torch_file(
     path: str, name: str, map_location: MapLocation, weights_only: bool
 ) -> Any:
-    from .zipguard import check_torch_zip
+    """A ``torch.save`` file, through the zip guard, with ``torch.load(weights_only=…)``.
+    Onto a device it is read on the host (memory-mapped); the caller moves it."""
+    from .zipguard import torch_file
 
-    await asyncio.to_thread(check_torch_zip, path, name=name)
     device = isinstance(map_location, (str, torch.device))
     where = "cpu" if device else map_location
+
+    def read() -> Any:
+        # one open (no symbolic link followed), checked and loaded through that descriptor
+        with torch_file(path, name=name) as checked:
+            return torch.load(checked, map_location=where, weights_only=weights_only, mmap=True)
+
     try:
-        return await asyncio.to_thread(
-            torch.load, path, map_location=where, weights_only=weights_only, mmap=True
-        )
+        return await asyncio.to_thread(read)
     except _pickle.UnpicklingError as e:
         raise PickleRefused(
             f"{name} holds objects torch.load(weights_only=True) refuses; load with "

@@ -36,12 +36,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .. import runtime
-from ..errors import FmstoreError, NotFound
+from ..errors import CorruptData, FmstoreError, NotFound
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores import open_store
 from ..stores.base import ObjectMeta, Store
+from ..stores.bounded import LEASE_LIMIT, manifest_limit, read_bounded
 from .layout import BLOB_RE, GENERATION_RE, RANK_RECORD_RE, generation_age
-from .partrecords import LEASE_RE, PART_RECORD_RE, ExportLease
+from .partrecords import LEASE_RE, LEASE_TTL, PART_RECORD_RE, ExportLease
 
 
 @dataclass
@@ -86,8 +87,8 @@ async def _scan(store: Store) -> tuple[dict[str, str | None], _Gens, set[tuple[s
             and GENERATION_RE.match(parts[-2])
             and (
                 BLOB_RE.match(parts[-1])
-                or PART_RECORD_RE.match(parts[-1])
-                or LEASE_RE.match(parts[-1])
+                or PART_RECORD_RE.fullmatch(parts[-1])
+                or LEASE_RE.fullmatch(parts[-1])
             )
         ):
             gens.setdefault(("/".join(parts[:-2]), parts[-2]), []).append(
@@ -98,7 +99,8 @@ async def _scan(store: Store) -> tuple[dict[str, str | None], _Gens, set[tuple[s
     for prefix in manifests:
         key = f"{prefix}/{MANIFEST_KEY}" if prefix else MANIFEST_KEY
         try:
-            manifests[prefix] = _generation_of(await store.get(key))
+            data = await read_bounded(store, key, manifest_limit(), what="manifest")
+            manifests[prefix] = _generation_of(data)
         except Exception:
             manifests[prefix] = "?"  # unreadable: keep everything under it
     return manifests, gens, pending
@@ -168,15 +170,25 @@ class Generation:
 
 async def _live_lease(store: Store, keys: list[str]) -> bool:
     for key in keys:
-        if not LEASE_RE.match(key.rsplit("/", 1)[-1]):
+        if not LEASE_RE.fullmatch(key.rsplit("/", 1)[-1]):
             continue
         try:
-            if ExportLease.loads(await store.get(key), where=f"{store.url}/{key}").alive():
+            raw = await read_bounded(store, key, LEASE_LIMIT, what="export lease")
+            if ExportLease.loads(raw, where=f"{store.url}/{key}").alive():
                 return True
         except NotFound:
             continue
+        except CorruptData:
+            # malformed: alive while the object itself is younger than a lease lives,
+            # rather than delete under an exporter or keep the generation for ever
+            try:
+                written = written_at(await store.stat(key))
+            except NotFound:
+                continue
+            if written is None or abs(time.time() - written) < LEASE_TTL:
+                return True
         except FmstoreError:
-            return True  # unreadable: assume alive rather than delete under an exporter
+            return True  # unreadable (the tier is unavailable): assume alive
     return False
 
 
@@ -190,13 +202,14 @@ async def remove_generation(store: Store, g: Generation) -> bool:
         prefix, _, gen = g.where.rpartition("/")
         leases = []
         async for meta in store.list(f"{g.where}/", recursive=False):
-            if LEASE_RE.match(meta.key.rsplit("/", 1)[-1]):
+            if LEASE_RE.fullmatch(meta.key.rsplit("/", 1)[-1]):
                 leases.append(meta.key)
         if await _live_lease(store, leases):
             return False
         try:
             key = f"{prefix}/{MANIFEST_KEY}" if prefix else MANIFEST_KEY
-            if _generation_of(await store.get(key)) == gen:
+            data = await read_bounded(store, key, manifest_limit(), what="manifest")
+            if _generation_of(data) == gen:
                 return False
         except NotFound:
             pass

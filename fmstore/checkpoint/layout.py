@@ -20,16 +20,18 @@ from .. import keys as _keys
 from ..errors import NotFound
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores.base import Store
+from ..stores.bounded import manifest_limit, read_bounded
 
 #: Where a node keeps the replicas it holds of other nodes' parts, on the same node-local
 #: tier (``.replicas/KEY/`` for the checkpoint at ``KEY``).
 REPLICA_PREFIX = ".replicas"
 
-STEP_RE = re.compile(r"^step_(\d{12})$")
-GENERATION_RE = re.compile(r"^g([0-9a-f]{12})-[0-9a-f]{8}$")
-BLOB_RE = re.compile(r"^[0-9]{6,}\.bin$")
+# ASCII digits only, and ``\Z``: ``$`` also matches before a trailing newline.
+STEP_RE = re.compile(r"^step_([0-9]{12})\Z")
+GENERATION_RE = re.compile(r"^g([0-9a-f]{12})-[0-9a-f]{8}\Z")
+BLOB_RE = re.compile(r"^[0-9]{6,}\.bin\Z")
 #: A rank's record of its blobs in a checkpoint on a node-local tier (``dcp/nodes.py``).
-RANK_RECORD_RE = re.compile(r"^rank-([0-9]{6})\.json$")
+RANK_RECORD_RE = re.compile(r"^rank-([0-9]{6})\.json\Z")
 
 __all__ = [
     "BLOB_RE",
@@ -72,7 +74,7 @@ def step_name(step: int) -> str:
 
 
 def parse_step(name: str) -> int | None:
-    m = STEP_RE.match(name.rstrip("/"))
+    m = STEP_RE.fullmatch(name.rstrip("/"))
     return int(m.group(1)) if m else None
 
 
@@ -84,7 +86,7 @@ async def manifest_bytes(store: Store) -> bytes:
     """The bytes of the committed manifest at ``store``'s root, of either format; NotFound
     (saying so) when the prefix holds no checkpoint."""
     try:
-        return await store.get(MANIFEST_KEY)
+        return await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
     except NotFound:
         raise NotFound(
             f"no checkpoint at {store.url} (no {MANIFEST_KEY})", tier=store.tier, key=MANIFEST_KEY

@@ -30,16 +30,20 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..config import NODE, is_node_id
 from ..errors import CorruptData
 from ..format.manifest import field_int, field_ints, field_list, field_str, parse_header
 
 __all__ = [
     "CLOCK_SKEW",
     "LEASE_RE",
+    "NODE",
     "LEASE_RENEW",
     "LEASE_TTL",
     "PART_RECORD_RE",
     "ExportLease",
+    "field_node",
+    "is_node_id",
     "PartRecord",
     "lease_key",
     "manifest_sha256",
@@ -48,9 +52,20 @@ __all__ = [
 
 PART_FORMAT_NAME = "fmstore-dcp-part"
 LEASE_FORMAT_NAME = "fmstore-export-lease"
-_NODE = r"[A-Za-z0-9._:@+-]{1,200}"
-PART_RECORD_RE = re.compile(rf"^part-({_NODE})\.json$")
-LEASE_RE = re.compile(rf"^export-({_NODE})\.json$")
+#: A node's id: 1-200 ASCII letters, digits and ``._:@+-``, starting with a letter or a
+#: digit (so never ``.``, ``..`` nor a line break).  The one grammar, checked wherever a
+#: node id is read: the environment, part and rank records, leases, manifests, peers.
+PART_RECORD_RE = re.compile(rf"part-({NODE})\.json", re.ASCII)
+LEASE_RE = re.compile(rf"export-({NODE})\.json", re.ASCII)
+
+
+def field_node(d: dict[str, Any], key: str) -> str:
+    """``d[key]``, a node id; ValueError naming the field otherwise."""
+    v = d[key]
+    if not is_node_id(v):
+        raise ValueError(f"field {key!r} is {v!r:.80}, not a node id")
+    return str(v)
+
 
 #: Seconds an export lease keeps a generation alive after its last renewal
 #: (``$FMSTORE_EXPORT_LEASE_TTL`` overrides it).  Nodes' clocks must agree to well within
@@ -63,6 +78,8 @@ LEASE_RENEW = max(0.05, LEASE_TTL / 6)
 #: refuses to commit once its own lease could look expired to a node whose clock is ahead;
 #: a manifest ``created`` later than now plus the skew is not counted as committed.
 CLOCK_SKEW = float(os.environ.get("FMSTORE_CLOCK_SKEW", str(LEASE_TTL / 12)))
+#: Largest process id a lease may name (Linux's pid_max is at most 2**22).
+MAX_PID = 2**31 - 1
 
 
 def part_record_key(generation: str, node: str) -> str:
@@ -113,7 +130,7 @@ class PartRecord:
         )
         try:
             return cls(
-                node=field_str(d, "node"),
+                node=field_node(d, "node"),
                 ranks=field_ints(d, "ranks"),
                 generation=field_str(d, "generation"),
                 manifest_sha256=field_str(d, "manifest_sha256"),
@@ -156,17 +173,22 @@ class ExportLease:
             data, where=where, format_name=LEASE_FORMAT_NAME, max_version=1, kind="export lease"
         )
         try:
-            return cls(field_str(d, "node"), field_int(d, "pid"), float(d["renewed"]))
+            lease = cls(field_node(d, "node"), field_int(d, "pid"), float(d["renewed"]))
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptData(f"export lease at {where} is malformed ({e!r})"[:300]) from None
+        if not 0 < lease.pid <= MAX_PID:
+            raise CorruptData(f"export lease at {where} names pid {lease.pid}, not a process id")
+        return lease
 
     def alive(self, now: float | None = None, *, ttl: float | None = None) -> bool:
-        """Renewed within the TTL plus the allowed clock skew (the writer's clock may be
-        behind this one's; ``ttl`` given: within exactly that); a lease of this very node
-        whose process is gone is dead at once (``$FMSTORE_NODE_ID`` or the host name names
-        this node)."""
+        """Renewed within the TTL plus the allowed clock skew, either way (the writer's
+        clock may be behind or ahead of this one's; ``ttl`` given: within exactly that): a
+        renewal further in the future (``Infinity``, ``1e300``), or ``NaN``, is no renewal,
+        so such a lease is dead rather than immortal.  A lease of this very node whose
+        process is gone is dead at once (``$FMSTORE_NODE_ID`` or the host name names this
+        node)."""
         now = time.time() if now is None else now
-        if now - self.renewed >= (LEASE_TTL + CLOCK_SKEW if ttl is None else ttl):
+        if not abs(now - self.renewed) < (LEASE_TTL + CLOCK_SKEW if ttl is None else ttl):
             return False
         here = node_here()
         if self.node == here and self.pid != os.getpid():

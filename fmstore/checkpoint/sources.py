@@ -138,7 +138,8 @@ def read_source(f: SourceFile) -> Any:
     if f.kind == "safetensors":
         with open_regular(f.path, name=f.name) as fh:
             return read_safetensors_fd(fh.fileno(), f.name)
-    with open_regular(f.path, name=f.name) as fh:
+    # one open, no symbolic link followed: the guard checks the bytes torch then reads
+    with open_regular(f.path, name=f.name, follow=False) as fh:
         check_torch_zip(fh, name=f.name)
         try:
             return torch.load(fh, map_location="cpu", weights_only=True)

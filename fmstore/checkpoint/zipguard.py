@@ -14,7 +14,16 @@ naming the file and the member:
 * a member name listed twice, and members whose bytes overlap each other or the central
   directory, or run past the end of the file;
 * an archive that is not one ``torch.save`` archive (one top directory holding
-  ``data.pkl``).
+  ``data.pkl``);
+* an archive with bytes after its end record, or whose central directory does not end
+  where the end record (or its zip64 record) begins: Python's ``zipfile`` finds the
+  directory at the end record's position less the directory's size, torch's reader at the
+  offset the end record declares, so a file with two directories would pass the check
+  with one and be read by torch with the other.
+
+A file is opened once (:func:`torch_file`, not following a symbolic link), checked through
+that descriptor, and torch is handed the same open file (``/proc/self/fd/N``, so
+``mmap=True`` still works): nothing can swap the file between the check and the load.
 
 After the check the archive's members are disjoint stored byte ranges of the file, so what
 torch reads from it is bounded by the file's size.  It is the same for any ``torch.save``
@@ -23,33 +32,46 @@ output: a ``.pt`` file or an item of a native DCP ``.distcp`` file.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import io
 import os
 import stat
 import struct
 import zipfile
+from collections.abc import Callable, Iterator
 from typing import IO
 
 from ..errors import CorruptData, NotFound
 
-__all__ = ["MAX_MEMBERS", "check_torch_zip", "open_regular"]
+__all__ = ["MAX_MEMBERS", "check_torch_zip", "open_regular", "torch_file"]
 
 #: More members than this is no ``torch.save`` archive (one per storage, plus five).
 MAX_MEMBERS = 1 << 20
 
 _LOCAL = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
 _LOCAL_SIG = b"PK\x03\x04"
+_END = struct.Struct("<4s4H2LH")  # signature, disks, counts, dir size, dir offset, comment
+_END_SIG = b"PK\x05\x06"
+_Z64_LOCATOR = struct.Struct("<4sLQL")  # signature, disk, zip64 end record offset, disks
+_Z64_END = struct.Struct("<4sQ2H2L4Q")  # signature, record size, ..., dir size, dir offset
 
 
-def open_regular(path: str | os.PathLike[str], *, name: str | None = None) -> IO[bytes]:
+def open_regular(
+    path: str | os.PathLike[str], *, name: str | None = None, follow: bool = True
+) -> IO[bytes]:
     """``path`` opened for reading, refused (:class:`CorruptData`) unless a regular file:
-    ``O_NONBLOCK`` so that a FIFO cannot make the open wait for a writer."""
+    ``O_NONBLOCK`` so that a FIFO cannot make the open wait for a writer; with
+    ``follow=False`` a symbolic link (as the last component) is refused too."""
     where = name or os.fspath(path)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, flags)
     except FileNotFoundError:
         raise NotFound(f"{where} does not exist") from None
     except OSError as e:
+        if e.errno == errno.ELOOP and not follow:
+            raise CorruptData(f"{where} is a symbolic link, which is not followed") from None
         raise CorruptData(f"{where} cannot be opened ({e.strerror})") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -59,6 +81,18 @@ def open_regular(path: str | os.PathLike[str], *, name: str | None = None) -> IO
     except BaseException:
         os.close(fd)
         raise
+
+
+@contextlib.contextmanager
+def torch_file(path: str | os.PathLike[str], *, name: str | None = None) -> Iterator[str]:
+    """A path torch can load (``mmap=True`` included) naming the file ``path`` was when it
+    was opened, once, without following a symbolic link, and checked through that
+    descriptor (:func:`check_torch_zip`).  The path is ``/proc/self/fd/N``, valid inside
+    the ``with`` block only."""
+    where = name or os.fspath(path)
+    with open_regular(path, name=where, follow=False) as f:
+        check_torch_zip(f, name=where)
+        yield f"/proc/self/fd/{f.fileno()}"
 
 
 def check_torch_zip(
@@ -103,6 +137,12 @@ def _check(f: IO[bytes], name: str, key: str | None, tier: str | None) -> None:
             f"not a zip archive ({str(e)[:200] or type(e).__name__}); torch.save's "
             "pre-1.6 layout is not read"
         ) from None
+    declared = _declared_directory(f, size, bad)
+    if declared != end:
+        raise bad(
+            f"its end record places the central directory at byte {declared}, but the "
+            f"directory before the end record starts at byte {end} (two different directories)"
+        )
     if not infos:
         raise bad("an empty zip archive")
     if len(infos) > MAX_MEMBERS:
@@ -143,3 +183,43 @@ def _check(f: IO[bytes], name: str, key: str | None, tier: str | None) -> None:
     for (_, stop, a), (start, _, b) in zip(spans, spans[1:]):
         if start < stop:
             raise bad(f"members {a[:100]!r} and {b[:100]!r} overlap")
+
+
+def _declared_directory(f: IO[bytes], size: int, bad: Callable[[str], CorruptData]) -> int:
+    """The central directory's offset as the end record (or its zip64 record) declares it,
+    checked to end exactly where that record begins, with nothing after the end record."""
+    span = min(size, _END.size + 0xFFFF)
+    f.seek(size - span)
+    tail = f.read(span)
+    at = tail.rfind(_END_SIG)
+    if at < 0 or at + _END.size > len(tail):
+        raise bad("no end of central directory record")
+    _, _, _, _, _, dir_size, dir_at, comment = _END.unpack_from(tail, at)
+    record = size - span + at
+    after = size - (record + _END.size + comment)
+    if after:
+        raise bad(
+            f"{after} bytes after its end record"
+            if after > 0
+            else "its end record's comment runs past the end of the file"
+        )
+    dir_end = record
+    if record >= _Z64_LOCATOR.size:
+        f.seek(record - _Z64_LOCATOR.size)
+        sig, _, z64_at, _ = _Z64_LOCATOR.unpack(f.read(_Z64_LOCATOR.size))
+        if sig == b"PK\x06\x07":
+            f.seek(z64_at)
+            head = f.read(_Z64_END.size)
+            if len(head) != _Z64_END.size or head[:4] != b"PK\x06\x06":
+                raise bad(f"no zip64 end record at byte {z64_at}")
+            fields = _Z64_END.unpack(head)
+            if z64_at + 12 + fields[1] != record - _Z64_LOCATOR.size:
+                raise bad(f"its zip64 end record at byte {z64_at} does not end at its locator")
+            dir_size, dir_at, dir_end = fields[8], fields[9], z64_at
+    if dir_at + dir_size != dir_end:
+        raise bad(
+            f"its end record declares a central directory of {dir_size} bytes at byte "
+            f"{dir_at}, which does not end at byte {dir_end} where the end record begins "
+            "(torch and zipfile would read two different directories)"
+        )
+    return int(dir_at)

@@ -6,6 +6,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
@@ -57,7 +58,9 @@ def inspect(
         _inspect_json(store.url, m, limit)
         return
     console = make_console()
-    t = Table(title=f"{store.url}  (format v{m.version}, {m.writer}, generation {m.generation})")
+    t = Table(
+        title=escape(f"{store.url}  (format v{m.version}, {m.writer}, generation {m.generation})")
+    )
     for col, just in (
         ("name", "left"),
         ("dtype", "left"),
@@ -78,8 +81,8 @@ def inspect(
         seen.add(e.storage)
         nbytes = e.numel * _itemsize(e.dtype)
         t.add_row(
-            e.name + (" (shares storage)" if shared else ""),
-            e.dtype,
+            escape(e.name) + (" (shares storage)" if shared else ""),
+            escape(e.dtype),
             "x".join(map(str, e.shape)) or "scalar",
             human_bytes(nbytes),
             "+".join(codecs) if len(codecs) > 1 else codecs[0],
@@ -214,8 +217,8 @@ def verify(
     out = make_console()
     if not res.ok:
         for problem in res.problems:
-            out.print(f"[red]BAD[/red] {problem}", highlight=False)
-        out.print(f"{len(res.problems)} problem(s) in {store.url}")
+            out.print(f"[red]BAD[/red] {escape(problem)}", highlight=False)
+        out.print(f"{len(res.problems)} problem(s) in {store.url}", markup=False)
         raise typer.Exit(1)
     where = f" (the part of node {part})" if part else ""
     out.print(
@@ -287,9 +290,11 @@ def _inspect_dcp(uri: str, limit: int, as_json: bool = False) -> None:
         return
     console = make_console()
     t = Table(
-        title=f"{uri}  (native torch DCP, {m.world_size} ranks, DCP version {m.version})"
-        if native
-        else f"{uri}  (DCP, {m.world_size} ranks, format v{m.version}, generation {m.generation})"  # type: ignore[union-attr]
+        title=escape(
+            f"{uri}  (native torch DCP, {m.world_size} ranks, DCP version {m.version})"
+            if native
+            else f"{uri}  (DCP, {m.world_size} ranks, format v{m.version}, generation {m.generation})"  # type: ignore[union-attr]
+        )
     )
     for col, just in (
         ("name", "left"),
@@ -303,8 +308,8 @@ def _inspect_dcp(uri: str, limit: int, as_json: bool = False) -> None:
         t.add_column(col, justify=just)  # type: ignore[arg-type]
     for r in rows if limit <= 0 else rows[:limit]:
         t.add_row(
-            r.fqn,
-            r.dtype if r.kind == "tensor" else "(object)",
+            escape(r.fqn),
+            escape(r.dtype) if r.kind == "tensor" else "(object)",
             "x".join(map(str, r.shape)) or ("scalar" if r.kind == "tensor" else "-"),
             str(r.shards),
             human_bytes(r.nbytes),
@@ -360,19 +365,21 @@ def gc_cmd(
     console = make_console()
     verb = "would remove" if dry_run else "removed"
     for key in rep.removed:
-        console.print(f"{verb} {key}", highlight=False)
+        console.print(f"{verb} {key}", highlight=False, markup=False)
     for y in rep.young:
-        console.print(f"[dim]kept (younger than {older_than:.0f} s): {y}[/dim]", highlight=False)
+        console.print(
+            f"[dim]kept (younger than {older_than:.0f} s): {escape(y)}[/dim]", highlight=False
+        )
     for p in rep.pending:
         console.print(
-            f"[dim]kept (pending part of a sharded checkpoint; a restore decides): {p}[/dim]",
+            f"[dim]kept (pending part of a sharded checkpoint; a restore decides): {escape(p)}[/dim]",
             highlight=False,
         )
     for x in rep.exporting:
-        console.print(f"[dim]kept (an export writes there now): {x}[/dim]", highlight=False)
+        console.print(f"[dim]kept (an export writes there now): {escape(x)}[/dim]", highlight=False)
     for u in rep.unreadable:
         console.print(
-            f"[yellow]unreadable manifest, left alone: {u or '.'}[/yellow]", highlight=False
+            f"[yellow]unreadable manifest, left alone: {escape(u or '.')}[/yellow]", highlight=False
         )
     console.print(
         f"{plural(len(rep.checkpoints), 'committed checkpoint')}; {verb} "
@@ -434,4 +441,4 @@ def convert_cmd(
         max_shard_size=max_shard_size or None,
         config=config or None,
     )
-    make_console().print(f"converted {n} tensors: {src} -> {dst}", highlight=False)
+    make_console().print(f"converted {n} tensors: {src} -> {dst}", highlight=False, markup=False)

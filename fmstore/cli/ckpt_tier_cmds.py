@@ -12,15 +12,17 @@ import time
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from .. import runtime
 from ..config import Config, load_config
 from ..errors import ConfigError, FmstoreError, NotFound
-from ..format.manifest import Manifest
+from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores import split_tier
 from ..stores.base import Store
+from ..stores.bounded import manifest_limit, read_bounded
 from ..tiering import catalog as cat
 from ..tiering.catalog import Catalog
 from ..tiering.discovery import Rediscovered, rediscover
@@ -160,7 +162,7 @@ def list_checkpoints(
             else:
                 where = f" part {part['index']}/{part['of']} ({part['node']})" if part else ""
             cells.append(Text(f"{cp.state}{mark}{where}{size}", style=_STYLE.get(cp.state, "")))
-        table.add_row(r, str(s), *cells)
+        table.add_row(escape(r), str(s), *cells)
     console = make_console()
     console.print(table)
     console.print(f"[dim]{plural(len(by_step), 'checkpoint')}; ✓ = verified[/dim]")
@@ -229,7 +231,8 @@ def _parts(cfg: Config, rows: list[cat.Copy]) -> dict[tuple[str, int, str], dict
         out: dict[tuple[str, int, str], dict[str, object]] = {}
         for c in local:
             try:
-                data = await tiers.checkpoint(c.tier, c.root, c.step).get("manifest.json")
+                store = tiers.checkpoint(c.tier, c.root, c.step)
+                data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
                 m = DcpManifest.loads(data, where=f"{c.tier}:{c.root} step {c.step}")
             except Exception:
                 continue  # the copy's state says what is wrong with it
@@ -344,7 +347,7 @@ def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = Fa
         for tier, step, ok, problems, nbytes in results:
             if step < 0:
                 bad += 1
-                console.print(f"[red]{tier}: {problems[0]}[/red]", highlight=False)
+                console.print(f"[red]{tier}: {escape(problems[0])}[/red]", highlight=False)
                 continue
             catalog.record_checkpoint(root, step)
             if ok:
@@ -358,7 +361,8 @@ def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = Fa
                 state = cat.MISSING if gone else cat.CORRUPT
                 catalog.set_copy(root, step, tier, state, error="; ".join(problems)[:2000])
                 console.print(
-                    f"[red]BAD[/red] {tier:<8} step {step}: {'; '.join(problems)}", highlight=False
+                    f"[red]BAD[/red] {tier:<8} step {step}: {escape('; '.join(problems))}",
+                    highlight=False,
                 )
     good_steps = {s for _t, s, ok, _p, _n in results if ok}
     lost = sorted((tracked | {s for _t, s, *_ in results if s >= 0}) - good_steps)
@@ -367,7 +371,8 @@ def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = Fa
     copies_bad = bad
     summary = f"{len(results) - copies_bad} good, {copies_bad} bad copies of {root!r}"
     console.print(
-        summary + (f"; {plural(len(lost), 'checkpoint')} with no good copy" if lost else "")
+        summary + (f"; {plural(len(lost), 'checkpoint')} with no good copy" if lost else ""),
+        markup=False,
     )
     if as_json:
         copies = [

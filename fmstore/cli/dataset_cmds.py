@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from .main import HELP_MARKUP, app
@@ -73,7 +74,8 @@ def write(
         )
     noun = "tokens" if r.kind == "tokens" else "samples"
     make_console().print(
-        f"wrote {r.shards} shards, {r.samples} {noun}, {human_bytes(r.bytes)} to {dst}"
+        f"wrote {r.shards} shards, {r.samples} {noun}, {human_bytes(r.bytes)} to {dst}",
+        markup=False,
     )
 
 
@@ -131,9 +133,9 @@ def inspect(
     words = {"shards": "files", "samples": "rows"} if fmt.name == "parquet" else {}
     for k, v in info.items():
         if k == "columns" and isinstance(v, dict):
-            t.add_row(k, "\n".join(f"{c}: {typ}" for c, typ in v.items()) or "-")
+            t.add_row(k, escape("\n".join(f"{c}: {typ}" for c, typ in v.items())) or "-")
             continue
-        t.add_row(words.get(k, k), human_bytes(v) if k == "bytes" else str(v))
+        t.add_row(words.get(k, k), human_bytes(v) if k == "bytes" else escape(str(v)))
     console.print(t)
     if shards:
         st = Table(box=None)
@@ -142,10 +144,10 @@ def inspect(
             st.add_column(col, justify="left" if col in ("key", "compression") else "right")
         for r in rows:
             st.add_row(
-                str(r["key"]),
+                escape(str(r["key"])),
                 str(r["samples"]),
                 human_bytes(r["bytes"]),
-                str(r["compression"] or ""),
+                escape(str(r["compression"] or "")),
                 *(str(r[c]) for c in extra),
             )
         console.print(st)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from .. import runtime
@@ -102,7 +103,7 @@ def gc_cmd(
             ):
                 t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
             for o in shown:
-                t.add_row(o.kind, o.where, human_bytes(o.size), _age(o.age), o.action)
+                t.add_row(o.kind, escape(o.where), human_bytes(o.size), _age(o.age), o.action)
             console.print(t)
         kept = len(rep.orphans) - len(rep.removed)
         n = len(rep.removed)

@@ -304,6 +304,10 @@ def rm_cmd(
     async def go() -> None:
         for i in range(0, len(keys), 1000):
             await store.delete_many(keys[i : i + 1000])
+        if recursive:  # S3 folder markers below go too (the directories are emptied)
+            with contextlib.suppress(NotFound):
+                markers = [m.key async for m in store.list("", recursive=True) if m.is_dir]
+                await store.delete_many(markers)
 
     try:
         runtime.run(go())

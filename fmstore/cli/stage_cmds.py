@@ -224,9 +224,12 @@ def stage_cmd(
         if not plan.delete:
             return True
         out = console(err=True)
-        out.print(f"{plural(len(plan.delete), 'file')} at {dst} not in {src} will be deleted:")
+        out.print(
+            f"{plural(len(plan.delete), 'file')} at {dst} not in {src} will be deleted:",
+            markup=False,
+        )
         for k in plan.delete[:10]:
-            out.print(f"  {k}")
+            out.print(f"  {k}", markup=False)
         if len(plan.delete) > 10:
             out.print(f"  … and {len(plan.delete) - 10} more")
         return ask_yes(
@@ -345,14 +348,14 @@ def _print_plan(plan: StagePlan, json_out: bool, lazy: bool, shard: tuple[int, i
     )
     out.print(f"  to copy: {plural(len(todo), 'file')}, {human_bytes(sum(i.size for i in todo))}")
     for i in todo[:10]:
-        out.print(f"    {i.src_key}  ({human_bytes(i.size)})")
+        out.print(f"    {i.src_key}  ({human_bytes(i.size)})", markup=False)
     if len(todo) > 10:
         out.print(f"    … and {len(todo) - 10} more")
     out.print(f"  already present with the same size (checked against checksums when run): {same}")
     if plan.delete:
         out.print(f"  to delete: {plural(len(plan.delete), 'file')}")
         for k in plan.delete[:10]:
-            out.print(f"    {k}")
+            out.print(f"    {k}", markup=False)
     out.print("dry run: nothing was changed")
 
 

@@ -333,7 +333,9 @@ class Store(abc.ABC):
         return out
 
     async def delete_many(self, keys: Iterable[str]) -> None:
-        """Delete several keys (backends batch where they can)."""
+        """Delete several keys (backends batch where they can).  Where a recursive listing
+        gives directory entries (S3 folder markers), such an entry's key (ending in "/")
+        deletes the marker; other stores refuse such a key."""
         import asyncio
 
         await asyncio.gather(*(self.delete(k) for k in keys))
@@ -479,11 +481,15 @@ class PrefixStore(Store):
         ):
             yield self._strip(meta)
 
+    def _full_entry(self, key: str) -> str:
+        # a directory entry's key (an S3 folder marker) keeps its trailing "/"
+        return self.prefix + self._prefix(key) if key.endswith("/") else self._full(key)
+
     async def delete(self, key: str) -> None:
         await self.inner.delete(self._full(key))
 
     async def delete_many(self, keys: Iterable[str]) -> None:
-        await self.inner.delete_many([self._full(k) for k in keys])
+        await self.inner.delete_many([self._full_entry(k) for k in keys])
 
     async def copy(self, src: str, dst: str, options: PutOptions = PutOptions()) -> ObjectMeta:
         return self._strip(await self.inner.copy(self._full(src), self._full(dst), options))

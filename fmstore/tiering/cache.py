@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from ..errors import NotFound, NotSupported
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores.base import Buffer, Consumer, ObjectMeta, PartWriter, PutOptions, Store, Writer
+from ..stores.bounded import manifest_limit, read_bounded
 
 
 class ReadThroughStore(Store):
@@ -41,7 +42,7 @@ class ReadThroughStore(Store):
 
     async def _load_manifest(self) -> tuple[bytes, Manifest]:
         if self._manifest is None:
-            data = await self.slow.get(MANIFEST_KEY)
+            data = await read_bounded(self.slow, MANIFEST_KEY, manifest_limit(), what="manifest")
             self._manifest = (data, Manifest.loads(data, where=self.slow.url))
         return self._manifest
 

@@ -148,6 +148,11 @@ def setup_logging(level: int = logging.INFO) -> None:
 def _gave_up(timeout: float | None, rep: StepReport) -> None:
     """The last line of a drain that timed out: what is left, and why."""
     why = f"; last error: {rep.errors[-1]}" if rep.errors else ""
+    if rep.waiting_for:
+        why += (
+            f"; waiting for the parts of node{'s' if len(rep.waiting_for) > 1 else ''} "
+            f"{', '.join(rep.waiting_for)} (their daemons export them; a commit needs all)"
+        )
     log.error(
         "drain timed out after %ss, actions left: %d (resumable)%s",
         timeout,
@@ -155,7 +160,11 @@ def _gave_up(timeout: float | None, rep: StepReport) -> None:
         why,
         extra={
             "event": "drain_timeout",
-            "fields": {"pending": rep.pending, "errors": rep.errors[-3:]},
+            "fields": {
+                "pending": rep.pending,
+                "errors": rep.errors[-3:],
+                "waiting_for": rep.waiting_for,
+            },
         },
     )
 

@@ -31,6 +31,7 @@ from ..errors import FmstoreError, NotFound, VersionError
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
 from ..stores.base import PutOptions, Store
+from ..stores.bounded import manifest_limit, read_bounded
 from .blobcopy import CopyResult, copy_blobs
 from .parts import export_part, in_parts
 from .transfer import TransferOptions
@@ -94,7 +95,7 @@ async def copy_checkpoint(
         )
     mcrc = crc32c(data)
     try:
-        existing = await dst.get(MANIFEST_KEY)
+        existing = await read_bounded(dst, MANIFEST_KEY, manifest_limit(), what="manifest")
     except NotFound:
         existing = None
     if existing is not None and crc32c(existing) == mcrc:

@@ -55,6 +55,7 @@ from ..errors import AlreadyExists, CorruptData, FmstoreError, NotFound
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
 from ..stores.base import PutOptions, Store
+from ..stores.bounded import LEASE_LIMIT, RECORD_LIMIT, manifest_limit, read_bounded
 from .blobcopy import CopyResult, copy_blobs
 from .protocol import commit_holds, may_remove_part, record_holds
 from .transfer import TransferOptions
@@ -85,12 +86,14 @@ async def part_records(store: Store, generation: str) -> dict[str, PartRecord]:
     except NotFound:
         return out
     for meta in metas:
-        name = meta.key.rsplit("/", 1)[-1]
-        if meta.is_dir or not PART_RECORD_RE.match(name):
+        name = PART_RECORD_RE.fullmatch(meta.key.rsplit("/", 1)[-1])
+        if meta.is_dir or not name:
             continue
         with contextlib.suppress(NotFound, CorruptData):
-            rec = PartRecord.loads(await store.get(meta.key), where=f"{store.url}/{meta.key}")
-            out[rec.node] = rec
+            raw = await read_bounded(store, meta.key, RECORD_LIMIT, what="part record")
+            rec = PartRecord.loads(raw, where=f"{store.url}/{meta.key}")
+            if rec.node == name.group(1):  # a record speaks for the node it is named for
+                out[rec.node] = rec
     return out
 
 
@@ -160,7 +163,9 @@ async def export_part(
     sha = manifest_sha256(data)
     gen = full.generation
     try:
-        existing: bytes | None = await dst.get(MANIFEST_KEY)
+        existing: bytes | None = await read_bounded(
+            dst, MANIFEST_KEY, manifest_limit(), what="manifest"
+        )
     except NotFound:
         existing = None
     if existing is not None and existing != data:
@@ -237,7 +242,8 @@ async def _own_record(dst: Store, manifest: DcpManifest, node: str, sha: str) ->
     other blobs, or none, was not written by this node's export, whoever it names."""
     key = part_record_key(manifest.generation, node)
     try:
-        rec = PartRecord.loads(await dst.get(key), where=f"{dst.url}/{key}")
+        raw = await read_bounded(dst, key, RECORD_LIMIT, what="part record")
+        rec = PartRecord.loads(raw, where=f"{dst.url}/{key}")
     except (NotFound, CorruptData):
         return False
     if rec.manifest_sha256 != sha:
@@ -277,7 +283,7 @@ async def commit_if_complete(
     try:
         await dst.put(MANIFEST_KEY, data, PutOptions(mode="create", content_crc32c=crc32c(data)))
     except AlreadyExists:
-        if await dst.get(MANIFEST_KEY) != data:
+        if await read_bounded(dst, MANIFEST_KEY, manifest_limit(), what="manifest") != data:
             raise CorruptData(
                 "another checkpoint was committed under this name meanwhile",
                 tier=dst.tier,
@@ -333,7 +339,7 @@ async def _drop_leases(dst: Store, gen: str) -> None:
         keys = [
             m.key
             async for m in dst.list(gen + "/", recursive=False)
-            if LEASE_RE.match(m.key.rsplit("/", 1)[-1])
+            if LEASE_RE.fullmatch(m.key.rsplit("/", 1)[-1])
         ]
         await dst.delete_many(keys)
 
@@ -371,7 +377,7 @@ async def delete_own_part(dst: Store, node: str, src: Store | None = None) -> bo
         rec_key = part_record_key(gen, node)
         rec_data: bytes | None = None
         try:
-            rec_data = bytes(await dst.get(rec_key))
+            rec_data = await read_bounded(dst, rec_key, RECORD_LIMIT, what="part record")
             rec = PartRecord.loads(rec_data, where=f"{dst.url}/{rec_key}")
             names = [f"{gen}/{n}" for n, _, _ in rec.blobs]
         except (NotFound, CorruptData):
@@ -414,7 +420,8 @@ async def _lease_renewals(dst: Store, gen: str) -> dict[str, float]:
         if meta.is_dir or found is None:
             continue
         try:
-            lease = ExportLease.loads(await dst.get(meta.key), where=f"{dst.url}/{meta.key}")
+            raw = await read_bounded(dst, meta.key, LEASE_LIMIT, what="export lease")
+            lease = ExportLease.loads(raw, where=f"{dst.url}/{meta.key}")
             out[found.group(1)] = lease.renewed
         except NotFound:
             continue
@@ -455,7 +462,7 @@ async def part_records_anywhere(dst: Store) -> bool:
     """Whether any generation at ``dst``'s root holds a part record."""
     with contextlib.suppress(NotFound):
         async for meta in dst.list("", recursive=True):
-            if PART_RECORD_RE.match(meta.key.rsplit("/", 1)[-1]):
+            if PART_RECORD_RE.fullmatch(meta.key.rsplit("/", 1)[-1]):
                 return True
     return False
 
@@ -470,8 +477,8 @@ async def parts_on(store: Store) -> dict[str, object] | None:
     of: int | None = None
     gen: str | None = None
     committed = False
-    with contextlib.suppress(NotFound, ValueError, KeyError, TypeError):
-        d = json.loads(await store.get(MANIFEST_KEY))
+    with contextlib.suppress(NotFound, CorruptData, ValueError, KeyError, TypeError):
+        d = json.loads(await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest"))
         gen, committed = str(d["generation"]), True
         of = len(d.get("parts") or []) or None
     gens = [gen] if gen else []

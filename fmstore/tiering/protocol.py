@@ -188,8 +188,10 @@ def record_holds(
 
 def lease_alive(renewed: float, *, now: float, ttl: float, skew: float) -> bool:
     """Whether a lease last renewed at ``renewed`` (its writer's clock) may still be held,
-    seen from a clock reading ``now`` that may be ``skew`` ahead of the writer's."""
-    return now < renewed + ttl + skew
+    seen from a clock reading ``now`` that may be ``skew`` ahead of or behind the writer's.
+    A renewal further in the future than that (``Infinity``, ``1e300``) or ``NaN`` is no
+    renewal: such a lease is dead, never immortal."""
+    return abs(now - renewed) < ttl + skew
 
 
 def may_remove_part(

@@ -84,6 +84,8 @@ class StepReport:
     skipped_locked: bool = False
     #: The actions that failed in this step, with how many times in a row each has.
     failed: list[ActionFailure] = field(default_factory=list)
+    #: Nodes whose parts this node's exports wait for (their commit needs them).
+    waiting_for: list[str] = field(default_factory=list)
 
     @property
     def did_something(self) -> bool:
@@ -368,6 +370,7 @@ class PolicyRunner:
             # (whichever node finds them all commits: docs/distributed.md).  Not a failure:
             # the next step looks again, on this node or any other.
             waiting = ", ".join(res.waiting_for)
+            rep.waiting_for += [n for n in res.waiting_for if n not in rep.waiting_for]
             c.set_copy(
                 a.root, a.step, a.dest, cat.EXPORTING, error=f"waiting for the parts of {waiting}"
             )

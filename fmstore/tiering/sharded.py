@@ -52,9 +52,10 @@ from ..checkpoint.dcp import load as dcp_load
 from ..checkpoint.dcp.collective import CandidatesFailed
 from ..checkpoint.dcp.nodes import node_id
 from ..checkpoint.dcp.problems import Code, Problem, fmstore_error, reason
+from ..checkpoint.dcp.wire import gather_json
 from ..checkpoint.layout import MANIFEST_KEY, checkpoint_key, parse_step, step_name
 from ..config import Config, get_config, load_config
-from ..errors import NotFound, StoreUnavailable
+from ..errors import CorruptData, NotFound, StoreUnavailable
 from .rules import from_config
 from .tiers import Tiers
 
@@ -327,16 +328,22 @@ class ShardedCheckpointManager:
     def _views(self) -> list[dict[str, tuple[set[int], set[int]]]]:
         """Every rank's :meth:`_steps`; the tiers some rank could not list go to
         :attr:`_unlisted_anywhere` (the same on every rank)."""
-        import torch.distributed as dist
-
         mine = self._steps()
         if self.pg is None:
             self._unlisted_anywhere = list(self._unlisted)
             return [mine]
-        got: list[Any] = [None] * dist.get_world_size(self.pg)
-        dist.all_gather_object(got, (mine, self._unlisted), group=self.pg)
-        self._unlisted_anywhere = [u for _v, us in got for u in us]
-        return [v for v, _us in got]
+        # JSON, not pickles (docs/security.md), checked on arrival
+        view = {t: [sorted(c), sorted(p)] for t, (c, p) in mine.items()}
+        got = gather_json(self.pg, {"view": view, "unlisted": self._unlisted})
+        out, unlisted = [], []
+        for r, g in enumerate(got):
+            us = g.get("unlisted") if isinstance(g, dict) else None
+            if not (isinstance(us, list) and all(isinstance(u, str) for u in us)):
+                raise CorruptData(f"rank {r} sent a view of its tiers that is not one")
+            out.append(_view_of(r, g.get("view")))
+            unlisted += [u[:400] for u in us]
+        self._unlisted_anywhere = unlisted
+        return out
 
     def latest_step(self) -> int | None:
         """Every rank: the newest step some node holds a committed manifest of."""
@@ -444,3 +451,17 @@ class ShardedCheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _view_of(rank: int, v: Any) -> dict[str, tuple[set[int], set[int]]]:
+    """A rank's view as gathered (JSON), checked: per tier, two lists of step numbers."""
+    ok = isinstance(v, dict) and all(
+        isinstance(t, str)
+        and isinstance(pair, list)
+        and len(pair) == 2
+        and all(isinstance(x, list) and all(type(s) is int for s in x) for x in pair)
+        for t, pair in v.items()
+    )
+    if not ok:
+        raise CorruptData(f"rank {rank} sent a view of its tiers that is not one")
+    return {t: (set(c), set(p)) for t, (c, p) in v.items()}

@@ -212,8 +212,9 @@ class Sweeper:
         """Whether nothing is left under ``dest`` (a URL under ``store``)."""
         sub = dest.rstrip("/")[len(_root(store)) + 1 :]
         try:
-            async for _ in store.list(sub, recursive=True):
-                return False
+            async for m in store.list(sub, recursive=True):
+                if not m.is_dir:  # an S3 folder marker holds nothing
+                    return False
         except FmstoreError:
             return False  # unknown: keep the journal
         return True

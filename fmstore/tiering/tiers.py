@@ -22,6 +22,7 @@ from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
 from ..stores import Location, open_store
 from ..stores.base import Store
+from ..stores.bounded import manifest_limit, read_bounded
 from .policies import TierUsage
 from .protocol import ManifestFacts, manifest_facts, step_committed
 
@@ -41,7 +42,8 @@ async def read_manifest(ckpt: Store) -> tuple[bytes, float | None]:
     """The bytes and modification time of the manifest at ``ckpt``'s root: the one read of
     a manifest that counting a step makes (NotFound where there is none)."""
     meta = await ckpt.stat(MANIFEST_KEY)
-    return bytes(await ckpt.get(MANIFEST_KEY)), meta.mtime
+    data = await read_bounded(ckpt, MANIFEST_KEY, manifest_limit(), what="manifest")
+    return bytes(data), meta.mtime
 
 
 async def _sizes(ckpt: Store, facts: ManifestFacts) -> dict[str, int]:

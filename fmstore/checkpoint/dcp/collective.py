@@ -21,6 +21,7 @@ on first use), never on the training group.  See ``docs/distributed.md``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import threading
 import time
@@ -30,15 +31,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import runtime
-from ...errors import AlreadyExists, FmstoreError, NotFound, StoreUnavailable
+from ...errors import AlreadyExists, CorruptData, FmstoreError, NotFound, StoreUnavailable
 from ...stores import PutOptions, Store
+from ...stores.bounded import RECORD_LIMIT, manifest_limit, read_bounded
 from ..layout import GENERATION_RE
+from ..partrecords import is_node_id
 from . import replicas
 from .manifest import MANIFEST_KEY, DcpManifest
 from .nodes import RankRecord, node_id, rank_record_key, tier_scope
-from .problems import Code, Problem, first, fmstore_error, reason
+from .problems import Code, Problem, first, fmstore_error, from_json, reason, to_json
 from .reader import Reader
 from .staging import Stager
+from .wire import broadcast_result, gather_json
 from .writer import Writer
 
 __all__ = ["CandidatesFailed", "async_save", "checkpoint_group", "load", "save"]
@@ -200,10 +204,12 @@ def _distribute(writer: Writer, pg: Any) -> None:
     box: list[Any] = [None]
     if rank == 0:
         try:
-            box[0] = runtime.run(writer.store.get(MANIFEST_KEY))
+            box[0] = runtime.run(
+                read_bounded(writer.store, MANIFEST_KEY, manifest_limit(), what="manifest")
+            )
         except Exception as e:  # every rank raises it below, none waits for the others
             box[0] = f"the coordinator could not read its manifest again: {reason(e)}"
-    dist.broadcast_object_list(box, group=pg, group_src=0)
+    box[0] = broadcast_result(pg, 0, box[0], limit=manifest_limit())
     err = ""
     try:
         if isinstance(box[0], str):
@@ -231,16 +237,28 @@ async def _put_manifest(store: Store, data: bytes) -> None:
     try:
         await store.put(MANIFEST_KEY, data, PutOptions(mode="create"))
     except AlreadyExists:
-        if await store.get(MANIFEST_KEY) != data:
+        if await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest") != data:
             raise FmstoreError(
                 "another manifest is already committed here", tier=store.tier, key=MANIFEST_KEY
             ) from None
 
 
-def _gather(pg: Any, obj: Any) -> list[Any]:
-    dist = _dist()
-    out: list[Any] = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(out, obj, group=pg)
+def _gather(pg: Any, obj: str) -> list[str]:
+    """Every rank's message (an error's text, or ""): JSON, never a pickle."""
+    got = gather_json(pg, obj)
+    if not all(isinstance(g, str) for g in got):
+        raise CorruptData("a rank sent a message that is not text")
+    return got
+
+
+def _gather_problems(pg: Any, p: Problem | None) -> list[Problem | None]:
+    """Every rank's problem (or None), sent as JSON and checked on arrival."""
+    out = []
+    for r, d in enumerate(gather_json(pg, to_json(p))):
+        try:
+            out.append(from_json(d))
+        except ValueError:
+            raise CorruptData(f"rank {r} sent a problem that is not one") from None
     return out
 
 
@@ -259,6 +277,38 @@ class _View:
     error: Problem | None = None
     #: the replicas this node holds of other nodes' parts: sha256 of their manifest, ranks
     held: tuple[str | None, tuple[int, ...]] = (None, ())
+
+    @classmethod
+    def gather(cls, pg: Any, mine: _View) -> list[_View]:
+        """Every rank's view, sent as JSON and checked field by field on arrival."""
+        out = []
+        sent = {**dataclasses.asdict(mine), "error": to_json(mine.error)}
+        for r, d in enumerate(gather_json(pg, sent)):
+            try:
+                digest, ranks = d["held"]
+                v = cls(
+                    rank=d["rank"],
+                    node=d["node"],
+                    digest=d["digest"],
+                    pending=tuple(d["pending"]),
+                    error=from_json(d["error"]),
+                    held=(digest, tuple(ranks)),
+                )
+                ok = (
+                    isinstance(d["pending"], list)
+                    and isinstance(ranks, list)
+                    and type(v.rank) is int
+                    and is_node_id(v.node)
+                    and all(isinstance(x, (str, type(None))) for x in (v.digest, digest))
+                    and all(isinstance(g, str) for g in v.pending)
+                    and all(type(x) is int for x in v.held[1])
+                )
+            except (KeyError, TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise CorruptData(f"rank {r} sent a view of its candidate that is not one")
+            out.append(v)
+        return out
 
 
 class CandidatesFailed(NotFound):
@@ -369,7 +419,7 @@ def _try(
     except BaseException as e:
         transient = isinstance(fmstore_error(e), StoreUnavailable)
         err = Problem(Code.READ_ERROR if transient else Code.UNUSABLE, reason(e))
-    return first(_gather(pg, err))
+    return first(_gather_problems(pg, err))
 
 
 def _prepare(uri: str, so: dict[str, Any], pg: Any) -> Problem | None:
@@ -383,7 +433,7 @@ def _prepare(uri: str, so: dict[str, Any], pg: Any) -> Problem | None:
         mine = runtime.run(_look(uri, so, rank))
     except Exception as e:
         mine = _View(rank, node_id(), None, (), Problem(Code.READ_ERROR, reason(e)))
-    views: list[_View] = _gather(pg, mine)
+    views = _View.gather(pg, mine)
     holders = [v for v in views if v.digest is not None]
     if not holders:
         bad = [v for v in views if v.error is not None]
@@ -404,14 +454,14 @@ def _prepare(uri: str, so: dict[str, Any], pg: Any) -> Problem | None:
     box: list[Any] = [None]
     if rank == src.rank:
         try:
-            box[0] = runtime.run(_open(uri, so).get(MANIFEST_KEY))
-        except Exception as e:
-            box[0] = Problem(
-                Code.READ_ERROR, f"node {src.node} could not read its manifest again: {reason(e)}"
+            box[0] = runtime.run(
+                read_bounded(_open(uri, so), MANIFEST_KEY, manifest_limit(), what="manifest")
             )
-    dist.broadcast_object_list(box, group=pg, group_src=src.rank)
-    if not isinstance(box[0], bytes):
-        return box[0] if isinstance(box[0], Problem) else Problem(Code.UNUSABLE, "no manifest")
+        except Exception as e:
+            box[0] = f"node {src.node} could not read its manifest again: {reason(e)}"
+    box[0] = broadcast_result(pg, src.rank, box[0], limit=manifest_limit())
+    if isinstance(box[0], str):  # the holder could not read it again: unknown
+        return Problem(Code.READ_ERROR, box[0])
     mine_p: Problem | None = None
     m: DcpManifest | None = None
     try:
@@ -423,7 +473,7 @@ def _prepare(uri: str, so: dict[str, Any], pg: Any) -> Problem | None:
             mine_p = runtime.run(_check_part(uri, so, m, views, rank, src))
         except Exception as e:  # listing this node's blobs failed: unknown
             mine_p = Problem(Code.READ_ERROR, reason(e))
-    every: list[Problem | None] = _gather(pg, mine_p)
+    every = _gather_problems(pg, mine_p)
     problem = first(every)
     if problem is not None:
         # Parts lost with their nodes come back from the replicas other nodes hold.
@@ -448,7 +498,7 @@ def _prepare(uri: str, so: dict[str, Any], pg: Any) -> Problem | None:
             except Exception as e:
                 text = f"node {views[rank].node} could not adopt its part: {reason(e)}"
                 err = Problem(Code.UNUSABLE, text)
-    return first(_gather(pg, err))
+    return first(_gather_problems(pg, err))
 
 
 def _open(uri: str, so: dict[str, Any]) -> Store:
@@ -463,7 +513,7 @@ async def _look(uri: str, so: dict[str, Any], rank: int) -> _View:
     except NotFound:
         return _View(rank, me, None, ())
     try:
-        data = await store.get(MANIFEST_KEY)
+        data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
     except NotFound:
         data = None
     except Exception as e:
@@ -493,7 +543,8 @@ async def _drop_pending(
     for gen in gens:
         key = rank_record_key(gen, rank)
         try:
-            rec = RankRecord.loads(await store.get(key), where=f"{store.url}/{key}")
+            raw = await read_bounded(store, key, RECORD_LIMIT, what="rank record")
+            rec = RankRecord.loads(raw, where=f"{store.url}/{key}")
         except FmstoreError:
             continue
         if rec.nodes != layout:

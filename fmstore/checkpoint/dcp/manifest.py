@@ -51,6 +51,8 @@ from ...format.manifest import (
     parse_header,
     sniff_format,  # noqa: F401  (re-exported)
 )
+from ..layout import GENERATION_RE
+from ..partrecords import field_node
 
 __all__ = [
     "DCP_FORMAT_NAME",
@@ -61,6 +63,18 @@ __all__ = [
     "DcpManifest",
     "DcpPart",
 ]
+
+
+#: Most ranks a checkpoint may name (a manifest's ``world_size``).
+MAX_WORLD_SIZE = 1 << 20
+
+
+def _field_time(d: dict[str, Any], key: str) -> float:
+    """``d[key]`` (absent: 0.0): a finite, non-negative number of seconds."""
+    v = d.get(key, 0.0)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e11:
+        raise ValueError(f"field {key!r} is {v!r:.80}, not a time")
+    return float(v)
 
 
 @dataclass(frozen=True)
@@ -92,7 +106,7 @@ class DcpPart:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> DcpPart:
-        return cls(node=field_str(d, "node"), ranks=field_ints(d, "ranks"))
+        return cls(node=field_node(d, "node"), ranks=field_ints(d, "ranks"))
 
 
 @dataclass(frozen=True)
@@ -478,15 +492,15 @@ class DcpManifest:
         )
         try:
             m = cls(
-                generation=str(d["generation"]),
-                world_size=int(d["world_size"]),
+                generation=field_str(d, "generation"),
+                world_size=field_int(d, "world_size"),
                 state_dict_metadata=dict(d["state_dict_metadata"]),
                 items=[DcpItem.from_json(i) for i in field_list(d, "items")],
                 blobs=[DcpBlob.from_json(b) for b in field_list(d, "blobs")],
                 planner_data=d.get("planner_data"),
                 dcp_version=d.get("dcp_version"),
                 storage_meta=dict(d.get("storage_meta") or {}),
-                created=float(d.get("created", 0.0)),
+                created=_field_time(d, "created"),
                 writer=str(d.get("writer", "")),
                 version=version,
                 parts=[DcpPart.from_json(p) for p in d.get("parts") or []],
@@ -515,17 +529,21 @@ class DcpManifest:
         def bad(why: str) -> CorruptData:
             return CorruptData(f"not a valid checkpoint{suffix}: {why}", key=MANIFEST_KEY)
 
+        if not GENERATION_RE.match(self.generation):
+            raise bad(f"generation {self.generation[:80]!r} is not a generation's name")
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE:
+            raise bad(f"world_size {self.world_size} is not 1..{MAX_WORLD_SIZE}")
         for b in self.blobs:
             if b.size < 0:
                 raise bad(f"blob {b.name!r} has negative size {b.size}")
+            if not 0 <= b.rank < self.world_size:
+                raise bad(f"blob {b.name!r} names rank {b.rank}, outside the world")
         if self.parts:
             ranks = sorted(r for p in self.parts for r in p.ranks)
             if ranks != list(range(self.world_size)):
                 raise bad(f"parts hold ranks {ranks[:16]}, not each of the {self.world_size}")
             if len({p.node for p in self.parts}) != len(self.parts):
                 raise bad("two parts name the same node")
-            if any(not 0 <= b.rank < self.world_size for b in self.blobs):
-                raise bad("a blob names a rank outside the world")
         held: dict[str, int] = {}
         for it in self.items:
             what = f"item {it.fqn!r} (offset {list(it.offset or ())})"

@@ -27,6 +27,7 @@ from ...config import NODE_ENV, node_id
 from ...errors import CorruptData
 from ...format.manifest import field_int, field_list, field_str, parse_header
 from ..layout import RANK_RECORD_RE
+from ..partrecords import field_node
 
 __all__ = [
     "NODE_ENV",
@@ -103,12 +104,12 @@ class RankRecord:
                 generation=field_str(d, "generation"),
                 save_id=field_str(d, "save_id"),
                 rank=field_int(d, "rank"),
-                node=field_str(d, "node"),
+                node=field_node(d, "node"),
                 blobs=tuple(
                     (field_str(b, "name"), field_int(b, "size")) for b in field_list(d, "blobs")
                 ),
                 created=float(d.get("created", 0.0)),
-                nodes=tuple(str(n) for n in field_list(d, "nodes")),
+                nodes=tuple(field_node({"node": n}, "node") for n in field_list(d, "nodes")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptData(f"rank record at {where} is malformed ({e!r})"[:300]) from None

@@ -22,7 +22,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Code", "Problem", "first", "fmstore_error", "reason"]
+__all__ = ["Code", "Problem", "first", "fmstore_error", "from_json", "reason", "to_json"]
 
 
 class Code(str, enum.Enum):
@@ -43,6 +43,21 @@ class Problem:
         # Sent between ranks: keep it a known code and a bounded text.
         object.__setattr__(self, "code", Code(self.code))
         object.__setattr__(self, "text", str(self.text)[:400])
+
+
+def to_json(p: Problem | None) -> dict[str, str] | None:
+    """``p`` as ranks send it (JSON, never a pickle: ``docs/security.md``)."""
+    return None if p is None else {"code": p.code.value, "text": p.text}
+
+
+def from_json(d: object) -> Problem | None:
+    """A problem as a peer sent it, checked: ValueError unless None or a known code and a
+    text."""
+    if d is None:
+        return None
+    if not (isinstance(d, dict) and set(d) == {"code", "text"} and isinstance(d["text"], str)):
+        raise ValueError(f"not a problem: {d!r:.80}")
+    return Problem(Code(d["code"]), d["text"])
 
 
 def first(problems: Sequence[Problem | None]) -> Problem | None:

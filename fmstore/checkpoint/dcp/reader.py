@@ -45,6 +45,7 @@ from ...format.dtypes import dtype_from_name
 from ...format.manifest import ChunkEntry
 from ...limits import ByteBudget
 from ...stores import Location, Store, open_store
+from ...stores.bounded import manifest_limit, read_bounded
 from ..devring import RingLoad, cpu_routed, open_ring, run_all
 from ..zipguard import check_torch_zip
 from .manifest import MANIFEST_KEY, DcpItem, DcpManifest
@@ -74,7 +75,7 @@ class ReadOptions:
 async def read_manifest(store: Store) -> DcpManifest:
     """The committed manifest of the DCP checkpoint in ``store``."""
     try:
-        data = await store.get(MANIFEST_KEY)
+        data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
     except NotFound:
         raise NotFound(
             "no committed checkpoint here (manifest.json is missing)",

@@ -29,9 +29,11 @@ from ... import runtime
 from ...errors import AlreadyExists, ConfigError, CorruptData, FmstoreError
 from ...format.checksum import crc32c
 from ...stores import PutOptions, Store, open_store, split_tier
-from ..layout import REPLICA_PREFIX, parse_step
+from ...stores.bounded import RECORD_LIMIT, manifest_limit, read_bounded
+from ..layout import RANK_RECORD_RE, REPLICA_PREFIX, parse_step
 from .manifest import MANIFEST_KEY, DcpManifest
 from .nodes import RankRecord, rank_record_key
+from .wire import gather_json
 
 __all__ = ["REPLICA_PREFIX", "fetch", "partners", "plan", "replica_uri", "replicas_of", "replicate"]
 
@@ -113,17 +115,22 @@ def _send(pg: Any, to: int, rec: bytes | None, blobs: list[bytes]) -> list[Any]:
     return works
 
 
-def _recv(pg: Any, frm: int, sizes: list[int]) -> tuple[bytes, list[bytes]] | None:
-    """The part ``frm`` sends (blobs of ``sizes``), or None when it could not read it."""
+def _recv(pg: Any, frm: int, sizes: list[int]) -> tuple[bytes, list[bytes]] | str:
+    """The part ``frm`` sends (its rank record, then blobs of ``sizes``, the manifest's), or
+    why not: it could not read it, or its header announces a record that cannot be one
+    (nothing is allocated for a size over :data:`RECORD_LIMIT`)."""
     import torch
     import torch.distributed as dist
 
     head = torch.zeros(2, dtype=torch.int64)
     dist.recv(head, group=pg, group_src=frm)
-    if not int(head[0]):
-        return None
+    ok, rec_size = int(head[0]), int(head[1])
+    if ok == 0:
+        return "it could not read it"
+    if ok != 1 or not 0 <= rec_size <= RECORD_LIMIT:
+        return f"its header announces a rank record of {rec_size} bytes (at most {RECORD_LIMIT})"
     out: list[bytes] = []
-    for n in [int(head[1]), *sizes]:
+    for n in [rec_size, *sizes]:
         t = torch.empty(n, dtype=torch.uint8)
         if n:
             dist.recv(t, group=pg, group_src=frm)
@@ -132,7 +139,9 @@ def _recv(pg: Any, frm: int, sizes: list[int]) -> tuple[bytes, list[bytes]] | No
 
 
 async def _read(store: Store, m: DcpManifest, rank: int) -> tuple[bytes, list[bytes]]:
-    rec = await store.get(rank_record_key(m.generation, rank))
+    rec = await read_bounded(
+        store, rank_record_key(m.generation, rank), RECORD_LIMIT, what="rank record"
+    )
     return rec, [await store.get(m.blob_key(i)) for i in _blobs_of(m, rank)]
 
 
@@ -155,7 +164,7 @@ async def _put_manifest(store: Store, data: bytes) -> None:
     try:
         await store.put(MANIFEST_KEY, data, PutOptions(mode="create"))
     except AlreadyExists:
-        if await store.get(MANIFEST_KEY) != data:
+        if await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest") != data:
             # a replica of an earlier save to the same key: this save's replaces it
             await store.put(MANIFEST_KEY, data, PutOptions(mode="overwrite"))
 
@@ -166,11 +175,8 @@ def _reason(e: BaseException) -> str:
 
 
 def _gather(pg: Any, obj: Any) -> list[Any]:
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(out, obj, group=pg)
-    return out
+    """Every rank's ``obj`` (JSON values: a setting, an error's text), never a pickle."""
+    return gather_json(pg, obj)
 
 
 def replicate(uri: str, manifest: bytes, pg: Any, so: dict[str, Any] | None = None) -> None:
@@ -184,7 +190,10 @@ def replicate(uri: str, manifest: bytes, pg: Any, so: dict[str, Any] | None = No
     # Decided alike on every rank: nodes whose configs disagree would wait for each other.
     so = dict(so or {})
     cfg = so.get("config")
-    wanted = set(_gather(pg, replicas_of(uri, cfg)))
+    settings = _gather(pg, replicas_of(uri, cfg))
+    if not all(type(w) is int for w in settings):
+        raise CorruptData(f"{uri}: a rank sent a replicas setting that is not a number")
+    wanted = set(settings)
     if len(wanted) > 1:
         raise ConfigError(
             f"{uri} is committed, but its nodes disagree on [tiers] replicas "
@@ -205,9 +214,9 @@ def replicate(uri: str, manifest: bytes, pg: Any, so: dict[str, Any] | None = No
     got = _recv(pg, src, [m.blobs[i].size for i in _blobs_of(m, src)])
     for w in works:
         w.wait()
-    if got is None and not err:
-        err = f"rank {src} could not send its part to rank {rank}"
-    elif got is not None:
+    if isinstance(got, str):
+        err = err or f"rank {src} could not send its part to rank {rank}: {got}"
+    else:
         try:
             store = open_store(replica_uri(uri, cfg), **so)
             runtime.run(_write(store, m, src, got[0], got[1], f"replica at {store.url}"))
@@ -252,11 +261,14 @@ async def held(uri: str, so: dict[str, Any]) -> tuple[str | None, tuple[int, ...
     whose replica is complete (its record written after its blobs); (None, ()) if none."""
     try:
         store = open_store(replica_uri(uri, so.get("config")), **so)
-        data = await store.get(MANIFEST_KEY)
+        data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
         m = DcpManifest.loads(data, where=f"{store.url}/{MANIFEST_KEY}")
-        ranks = [
-            r for r in range(m.world_size) if await store.exists(rank_record_key(m.generation, r))
+        # one listing, not a look-up per rank of a world_size the manifest declares
+        found = [
+            RANK_RECORD_RE.match(o.key.rsplit("/", 1)[-1])
+            async for o in store.list(f"{m.generation}/", recursive=False)
         ]
+        ranks = sorted({r for f in found if f and (r := int(f.group(1))) < m.world_size})
     except Exception:  # none here, or unreadable: holds nothing a restore could use
         return None, ()
     return hashlib.sha256(data).hexdigest(), tuple(ranks)
@@ -305,8 +317,8 @@ def fetch(uri: str, so: dict[str, Any], m: DcpManifest, routes: dict[int, int], 
     if rank in routes:
         h = routes[rank]
         got = _recv(pg, h, [m.blobs[i].size for i in _blobs_of(m, rank)])
-        if got is None:
-            err = f"rank {h} could not send the replica of rank {rank}"
+        if isinstance(got, str):
+            err = f"rank {h} could not send the replica of rank {rank}: {got}"
         else:
             try:
                 store = open_store(uri, **so)

@@ -62,8 +62,10 @@ from ...format.codecs import choose_codec, encode
 from ...format.dtypes import dtype_name
 from ...format.manifest import ChunkEntry
 from ...limits import ByteBudget
-from ...stores import PutOptions, Store, open_store
+from ...stores import PutOptions, Store, open_store, split_tier
+from ...stores.bounded import manifest_limit, read_bounded
 from ..layout import blob_name, new_generation
+from ..partrecords import is_node_id
 from . import staging
 from .manifest import MANIFEST_KEY, DcpBlob, DcpItem, DcpManifest, DcpPart
 from .nodes import LocalInfo, RankRecord, local_copies, node_id, rank_record_key, tier_scope
@@ -211,6 +213,9 @@ class Writer(StorageWriter):
         self.save_id = str(uuid.uuid4())
         self._plans: list[SavePlan] | None = None
         self._used_generations: set[str] = set()
+        #: each rank's node as the ranks reported it (whatever the tier's scope), for the
+        #: coordinator's hint when it misses another node's blobs
+        self._rank_nodes: tuple[str, ...] = ()
         #: set by fmstore.checkpoint.dcp.save / async_save, which copy the committed
         #: manifest to every node; a bare Writer refuses a node-local tier of several nodes
         self.distributes = False
@@ -296,6 +301,9 @@ class Writer(StorageWriter):
         if not all(isinstance(i, LocalInfo) for i in infos):
             return ()
         nodes = tuple(i.node for i in infos)  # type: ignore[union-attr]
+        if bad := next((n for n in nodes if not is_node_id(n)), None):
+            raise CorruptData(f"a rank of this save reports node id {bad!r:.80}, not a node id")
+        self._rank_nodes = nodes
         if len(set(nodes)) < 2 or tier_scope(self.uri, self.store_options.get("config")) != "node":
             return ()
         where = f'{self.uri} is on a node-local tier (scope = "node") and this job spans nodes {", ".join(sorted(set(nodes))[:4])}'
@@ -598,7 +606,9 @@ class Writer(StorageWriter):
             size = have.get(key)
             if size is None:
                 raise NotFound(
-                    f"rank {b.rank}'s blob is missing; not committing", tier=store.tier, key=key
+                    f"rank {b.rank}'s blob is missing; not committing{self._scope_hint(b.rank)}",
+                    tier=store.tier,
+                    key=key,
                 )
             if size != b.size:
                 raise CorruptData(
@@ -627,13 +637,27 @@ class Writer(StorageWriter):
             keys = await store.list_keys(f"{old_gen}/")
             await store.delete_many(keys)
 
+    def _scope_hint(self, rank: int) -> str:
+        """Why a blob of ``rank`` may be missing here, when that rank ran on another node
+        than the coordinator: differing nodes on a shared tier are Lustre's normal case,
+        so this is only said once a blob is missed, and never refuses a save."""
+        nodes = self._rank_nodes
+        if not nodes or rank >= len(nodes) or nodes[rank] == nodes[0]:
+            return ""
+        name = split_tier(self.uri)[0]
+        where = f"[tiers.{name}]" if name else "the tier"
+        return (
+            f" (rank {rank} ran on node {nodes[rank]}, the coordinator on {nodes[0]}: if this "
+            f'tier is node-local storage, set scope = "node" in {where})'
+        )
+
     @staticmethod
     async def _old_generation(store: Store) -> str | None:
         """The generation the committed manifest (of either format) names, if any."""
         from ..gc import _generation_of
 
         try:
-            data = await store.get(MANIFEST_KEY)
+            data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
         except NotFound:
             return None
         try:

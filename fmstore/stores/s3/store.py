@@ -193,7 +193,18 @@ class S3Store(S3Reads, S3Uploads):
                 for o in resp.get("Contents", [])
                 # Temporary objects of pending part writes are not objects yet.
                 if not o["Key"].rpartition("/")[2].startswith(TMP_MARK)
+                and not o["Key"].endswith("/")
             ]
+            # Folder markers (a key ending in "/": the AWS console's "Create folder",
+            # Hadoop S3A, rclone) are directories, never files: in a recursive listing each
+            # is one directory entry (its directory's own included, so an empty folder is
+            # seen); in a flat one the server lists them as common prefixes already.
+            if recursive:
+                entries += [
+                    ObjectMeta(key=o["Key"][cut:], size=0, is_dir=True)
+                    for o in resp.get("Contents", [])
+                    if o["Key"].endswith("/") and len(o["Key"]) > cut
+                ]
             entries += [
                 ObjectMeta(key=c["Prefix"][cut:], size=0, is_dir=True)
                 for c in resp.get("CommonPrefixes", [])
@@ -207,13 +218,19 @@ class S3Store(S3Reads, S3Uploads):
             token = resp.get("NextContinuationToken")
             guard.next(token, entries=len(raw))
 
+    def _full_or_marker(self, key: str) -> str:
+        """The full key; a key ending in "/" (a directory a recursive listing gave) names
+        that directory's folder marker."""
+        return self.root + self._prefix(key) if key.endswith("/") else self._full(key)
+
     async def delete(self, key: str) -> None:
         full = self._full(key)
         await self._call("delete", key, "delete_object", Key=full)
 
     async def delete_many(self, keys: Iterable[str]) -> None:
-        """DeleteObjects in batches of 1,000 (S3's limit), batches sent concurrently."""
-        fulls = [self._full(k) for k in keys]
+        """DeleteObjects in batches of 1,000 (S3's limit), batches sent concurrently; a key
+        ending in "/" (a directory entry of a recursive listing) names its folder marker."""
+        fulls = [self._full_or_marker(k) for k in keys]
         batches = [fulls[i : i + 1000] for i in range(0, len(fulls), 1000)]
 
         async def one(batch: list[str]) -> None:
