@@ -58,7 +58,7 @@ demo-cluster: $(STAMP)
 	$(BIN)/python -m fmstore.demo.cluster $(DEMO_ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -x -q -m "not slow" tests

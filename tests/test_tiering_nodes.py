@@ -67,7 +67,15 @@ def test_each_node_exports_its_part_and_a_replaced_node_restores_from_the_shared
         assert sorted(rows) == [10, 20]
         # Per step and tier, the parts there: the node's own on its NVMe, every node's
         # (from the destination's part records) on the shared tiers.
-        assert rows[20]["nvme"]["part"] == {"index": 1, "of": 2, "node": "n0"}
+        own = rows[20]["nvme"]["part"]
+        assert own == {"index": 1, "of": 2, "node": "n0", "bytes": own["bytes"]}
+        assert (
+            0
+            < own["bytes"]
+            < sum(  # this node's blobs, not the whole checkpoint
+                p.stat().st_size for p in step_dir(c.lustre, 20).glob("*/*.bin")
+            )
+        )
         for tier in ("lustre", "s3"):
             assert rows[20][tier]["state"] == "present"
             assert rows[20][tier]["parts"] == {
