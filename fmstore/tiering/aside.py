@@ -18,9 +18,9 @@ Why a crash at any point is safe (``docs/distributed.md``, "Steps moved aside"):
 change to a step directory is one ``rename`` of the whole directory, atomic on a POSIX
 file system, made durable by an fsync of both parents; before it the step is where it
 was (the next restore falls back again, as nothing has become more readable, and moves it
-again), after it the step is wholly aside.  The catalog rows go first and a node's own
-daemon is waited for (its export lease of that step on each shared tier lapses) before
-the rename, so no export reads a directory being moved.
+again), after it the step is wholly aside.  The catalog rows go first (the node's
+daemon starts no new export of the step) and an export of it under way on this node is
+waited for before the rename, so no export reads a directory being moved.
 """
 
 from __future__ import annotations
@@ -35,11 +35,9 @@ import time
 from collections.abc import Iterable
 
 from ..checkpoint.layout import REPLICA_PREFIX, parse_step, step_name
-from ..checkpoint.partrecords import CLOCK_SKEW, LEASE_TTL
-from ..errors import FmstoreError, NotFound
+from ..errors import FmstoreError
 from ..stores.base import Store
 from ..stores.posix_io import fsync_dir
-from .protocol import lease_alive
 
 __all__ = [
     "ASIDE_PREFIX",
@@ -53,8 +51,10 @@ __all__ = [
 #: The directory of a node-local tier that holds the steps moved aside.
 ASIDE_PREFIX = ".aside"
 _TOKEN_RE = re.compile(r"^([0-9]{13})-[0-9a-f]{8}$")
-#: how often a lease is looked at again while a node's export of a step is under way
-LEASE_POLL = 1.0
+#: how often this node's exports are looked at again while one of a step is under way,
+#: and for how long at most (seconds)
+EXPORT_POLL = 0.5
+EXPORT_WAIT = 600.0
 
 
 def _tier_root(store: Store, tier: str) -> str:
@@ -108,37 +108,31 @@ def move_aside(store: Store, tier: str, run: str, steps: Iterable[int]) -> str |
     return dest
 
 
-async def _leases_alive(store: Store, now: float) -> list[str]:
-    """The export leases (``GEN/export-NODE.json``) in ``store`` (one step's prefix on a
-    shared tier) that may still be held."""
-    from .parts import _lease_renewals
-
-    alive = []
-    try:
-        gens = [m.key.rstrip("/") async for m in store.list("", recursive=False) if m.is_dir]
-    except NotFound:
-        return alive
-    for gen in gens:
-        for node, renewed in (await _lease_renewals(store, gen)).items():
-            if lease_alive(renewed, now=now, ttl=LEASE_TTL, skew=CLOCK_SKEW):
-                alive.append(f"{store.url}/{gen} (node {node})")
-    return alive
+def _under(url: str, dests: Iterable[str]) -> str | None:
+    return next((d for d in dests if url == d or url.startswith(d + "/")), None)
 
 
-async def wait_for_exports(stores: Iterable[Store], *, limit: float | None = None) -> None:
-    """Until no export lease in ``stores`` (a step's prefix on each shared tier) may still
-    be held: an exporter reading the step's node-local part is done with it.  A lease is
-    alive at most ``LEASE_TTL + CLOCK_SKEW`` after its last renewal; an exporter that keeps
-    renewing past ``limit`` (default twice that) raises :class:`FmstoreError`."""
-    limit = 2 * (LEASE_TTL + CLOCK_SKEW) if limit is None else limit
+async def wait_for_exports(
+    state_dir: str, dests: Iterable[str], *, limit: float = EXPORT_WAIT
+) -> None:
+    """Until no copy on this node writes under ``dests`` (the URLs of the steps' prefixes
+    on the shared tiers): an export in progress holds its journal's lock
+    (:func:`fmstore.tiering.sweep.live_destinations`), dropped when it ends or its process
+    dies.  Raises :class:`FmstoreError` after ``limit`` seconds."""
+    from .sweep import live_destinations
+
+    dests = [d.rstrip("/") for d in dests]
     until = time.monotonic() + limit
-    for store in stores:
-        while alive := await _leases_alive(store, time.time()):
-            if time.monotonic() > until:
-                raise FmstoreError(
-                    f"an export of a step to move aside is still under way: {alive[0]}"
-                )
-            await asyncio.sleep(LEASE_POLL)
+    while True:
+        busy = [u for u in live_destinations(state_dir) if _under(u, dests)]
+        if not busy:
+            return
+        if time.monotonic() > until:
+            raise FmstoreError(
+                f"an export of a step to move aside is still under way after {limit:.0f} s: "
+                f"{busy[0]}"
+            )
+        await asyncio.sleep(EXPORT_POLL)
 
 
 def moved_aside(store: Store, *, now: float) -> list[tuple[str, int, float]]:

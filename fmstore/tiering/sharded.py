@@ -462,12 +462,9 @@ class ShardedCheckpointManager:
             with cat.Catalog.for_state_dir(self.config.state_dir) as c:
                 for s in steps:
                     c.forget_copy(self.root, s, tier)
-            # ... and none under way still reads them (its lease on a shared tier lapses).
-            runtime.run(
-                aside.wait_for_exports(
-                    [self.tiers.checkpoint(t, self.root, s) for t in shared for s in steps]
-                )
-            )
+            # ... and none under way on this node still reads them.
+            dests = [self.tiers.checkpoint(t, self.root, s).url for t in shared for s in steps]
+            runtime.run(aside.wait_for_exports(self.config.state_dir, dests))
             aside.move_aside(store, tier, self.root, steps)
             moved.update(steps)
         return sorted(moved)
