@@ -185,6 +185,8 @@ def sequence(rank: int, tmp: str) -> dict[str, Any]:
 
     if rank == 0:  # n0's daemon exported its part before n1 was lost
         seen["export_old_80"] = export_80()
+        with Catalog.for_state_dir(f"{tmp}/{node}/state") as c:
+            c.set_copy("run", 80, "lustre", "exporting")
     if rank == 1:
         shutil.rmtree(nvme / STEP.format(80))
     else:

@@ -99,12 +99,15 @@ def move_aside(store: Store, tier: str, run: str, steps: Iterable[int]) -> str |
     for sub, src in moves:
         parent = os.path.join(dest, sub)
         os.makedirs(parent, exist_ok=True)
-        fsync_dir(parent)
-        # one atomic rename of the whole step directory, durable with both parents
+        # one atomic rename of the whole step directory, durable with both parents (and
+        # the directories made for it, up to the tier's root)
         os.rename(src, os.path.join(parent, os.path.basename(src)))
-        fsync_dir(parent)
         fsync_dir(os.path.dirname(src))
-    fsync_dir(os.path.join(base, ASIDE_PREFIX))
+        d = parent
+        while d != base:
+            fsync_dir(d)
+            d = os.path.dirname(d)
+    fsync_dir(base)
     return dest
 
 

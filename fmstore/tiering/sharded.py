@@ -459,9 +459,12 @@ class ShardedCheckpointManager:
             if not steps:
                 continue
             # No new export of them starts (the daemon exports catalog rows) ...
+            # (its rows of unfinished exports of them go too: their source is moving).
             with cat.Catalog.for_state_dir(self.config.state_dir) as c:
                 for s in steps:
-                    c.forget_copy(self.root, s, tier)
+                    for row in c.copies(self.root, step=s):
+                        if row.tier == tier or (row.tier in shared and row.state != cat.PRESENT):
+                            c.forget_copy(self.root, s, row.tier)
             # ... and none under way on this node still reads them.
             dests = [self.tiers.checkpoint(t, self.root, s).url for t in shared for s in steps]
             runtime.run(aside.wait_for_exports(self.config.state_dir, dests))
