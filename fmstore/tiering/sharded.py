@@ -17,7 +17,8 @@ Every method but :meth:`save`'s wait is a collective of every rank of ``process_
   back together to a slower tier, then to an older step; it returns None when every rank
   found no manifest, with no error, for every candidate (a job killed in its first save, an
   empty step directory).  A candidate some rank could not look at (a read error) is retried,
-  then raised: never skipped for an older step;
+  then raised: never skipped for an older step.  Having fallen back, it moves the newer
+  steps aside on every node (:mod:`.aside`), so that the job's redo of them saves;
 * :meth:`should_save` agrees at each step, on every rank, whether to save now (every N
   steps, or because some rank got SIGTERM: the handler only sets a flag).
 
