@@ -19,6 +19,8 @@ Scenarios (every rank writes ``OUT/SCENARIO-RANK.json``; any failed check exits 
   step 30 (``async_save`` in DCP's checkpoint process) and restores it bit-exact;
 * ``replaced``: restores step 30 with no fallback (the test wiped one node) and reports the
   error every rank got;
+* ``redo``: with that node replaced, the sharded manager falls back to step 10 on Lustre,
+  saves step 30 again (the newer steps moved aside) and restores it bit-exact;
 * ``reshard``: on fewer ranks, restores step 10 from ``lustre:`` bit-exact.
 """
 
@@ -214,6 +216,25 @@ def scenario(name: str, out: str, ckpt: Any) -> dict[str, Any]:
             rep["error"] = ""
         except Exception as e:
             rep["error"] = f"{type(e).__name__}: {e}"
+    elif name == "redo":
+        # n1 was replaced (its NVMe is empty): the manager falls back to step 10 on Lustre,
+        # moves n0's newer steps aside, and the redone step 30 saves on both nodes.
+        mgr = ShardedCheckpointManager("run", process_group=ckpt)
+        m2, o2 = make_model(1)
+        sd = {**state(m2, o2), "extra": extra(99)}
+        rep["restored"] = [mgr.restore(sd), mgr.restored_tier, mgr.moved_aside]
+        set_state_dict(m2, o2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        same(full(m2, o2, sd["extra"]), ref(out, 10), "fell back to step 10")
+        model, opt = trained(5)
+        snap = full(model, opt, extra(30))
+        mgr.save(30, {**state(model, opt), "extra": extra(30)})
+        mgr.wait()
+        m3, o3 = make_model(1)
+        sd3 = {**state(m3, o3), "extra": extra(99)}
+        rep["redone"] = [mgr.restore(sd3), mgr.restored_tier]
+        set_state_dict(m3, o3, model_state_dict=sd3["model"], optim_state_dict=sd3["optim"])
+        same(full(m3, o3, sd3["extra"]), snap, "redone step 30")
+        mgr.close()
     elif name == "reshard":
         used, got = restore([step_uri("nvme", 10), step_uri("lustre", 10)], ckpt)
         same(got, ref(out, 10), "4 -> 2 from lustre")

@@ -5,8 +5,8 @@ Each node is a ``torchrun`` agent on loopback started by the project's harness
 on a store the harness owns, so killing a node never takes the rendezvous with it), with its
 own ``FMSTORE_CONFIG`` (its own ``nvme`` directory, ``scope = "node"``, and state directory)
 and ``FMSTORE_NODE_ID``; the ``lustre`` directory is shared.  One launch after another (tests/node_worker.py): save and restore; a node
-killed mid-save; the relaunched job falling back and saving again; a replaced node; a
-restore on fewer ranks from the shared tier.
+killed mid-save; the relaunched job falling back and saving again; a replaced node; the
+sharded manager falling back from it and redoing a step; a restore on fewer ranks from the shared tier.
 """
 
 from __future__ import annotations
@@ -215,6 +215,20 @@ def test_replaced_node_gets_an_error_naming_its_missing_part(cluster):
     (err,) = errors
     assert err.startswith("CandidatesFailed"), err  # a NotFound
     assert "node n1 lacks its part" in err and STEP.format(30) in err, err
+
+
+def test_a_fallback_moves_the_newer_steps_aside_and_their_redo_saves(cluster):
+    if not (cluster.nvme("n0") / STEP.format(30) / "manifest.json").is_file():
+        pytest.skip("needs the replaced node's launch")
+    reps = run(cluster, "redo", ["n0", "n1"])
+    for r in reps:  # each restore checked bit-exact by the worker
+        restored, tier, moved = r["restored"]
+        assert (restored, tier) == (10, "lustre") and 30 in moved and min(moved) > 10
+        assert r["redone"] == [30, "nvme"]
+    aside = list((cluster.nvme("n0") / ".aside").glob("*/run/step_000000000030/manifest.json"))
+    assert len(aside) == 1
+    for node in ("n0", "n1"):
+        assert (cluster.nvme(node) / STEP.format(30) / "manifest.json").is_file()
 
 
 def test_four_rank_checkpoint_restores_on_two_ranks_from_the_shared_tier(cluster):

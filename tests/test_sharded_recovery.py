@@ -10,6 +10,7 @@ config whose tiers must stay empty: the managers are given ``config=`` of their 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -167,7 +168,51 @@ def sequence(rank: int, tmp: str) -> dict[str, Any]:
     seen["passed_over"] = restore()
     seen["reason"] = list(mgr.restored_reason)
 
-    # -- a run whose listing fails (a link the store refuses to follow): unknown, not fresh
+    # -- a fallback, then the redone steps: n1 replaced after step 80 (its part and n0's
+    # replica of it gone), the job falls back to 60 and saves 80 again on every node
+    mgr.save(80, make_state(80))
+    mgr.wait()
+
+    def export_80() -> Any:  # this node's part to lustre, as its daemon does
+        from fmstore import runtime
+        from fmstore.stores import open_store
+        from fmstore.tiering.mover import CHECKPOINT_COPY
+        from fmstore.tiering.parts import export_part
+
+        src = open_store(str(nvme / STEP.format(80)))
+        dst = open_store(str(Path(tmp, "lustre", STEP.format(80))))
+        return runtime.run(export_part(src, dst, node, options=CHECKPOINT_COPY)).waiting_for
+
+    if rank == 0:  # n0's daemon exported its part before n1 was lost
+        seen["export_old_80"] = export_80()
+        with Catalog.for_state_dir(f"{tmp}/{node}/state") as c:
+            c.set_copy("run", 80, "lustre", "exporting")
+    if rank == 1:
+        shutil.rmtree(nvme / STEP.format(80))
+    else:
+        shutil.rmtree(nvme / ".replicas" / STEP.format(80))
+    dist.barrier(pg)
+    seen["fallback"] = restore()
+    seen["moved_aside"] = list(getattr(mgr, "moved_aside", ()))
+    seen["aside_left"] = sorted(
+        str(p.relative_to(nvme).parent.parent)
+        for p in nvme.glob(".aside/*/**/step_000000000080/manifest.json")
+    )
+    seen["newer_left"] = (nvme / STEP.format(80)).exists() or (
+        nvme / ".replicas" / STEP.format(80)
+    ).exists()
+    with Catalog.for_state_dir(f"{tmp}/{node}/state") as c:
+        seen["rows_80"] = [(x.tier, x.state) for x in c.copies("run", step=80)]
+    seen["redo_80"] = _error(lambda: (mgr.save(80, make_state(81)), mgr.wait()))
+    seen["after_redo"] = restore(want=81)
+    # the redone step's export follows, beside the old step's uncommitted part
+    seen["export_80"] = export_80()
+    dist.barrier(pg)
+    if rank == 0:
+        seen["export_80"] = export_80()  # n0 again: n1's part is there now, it commits
+    with Catalog.for_state_dir(f"{tmp}/{node}/state") as c:
+        seen["rows_80_redone"] = [(x.tier, x.state) for x in c.copies("run", step=80)]
+
     if rank == 0:
         Path(tmp, "elsewhere").mkdir()
         Path(tmp, "lustre", "linked").symlink_to(Path(tmp, "elsewhere"))
@@ -217,7 +262,17 @@ def test_sharded_manager_recovers_the_way_clusters_fail(tmp_path):
             True,
             True,
         )
+        # the fallback moved step 80 aside on both nodes (n0 its part, n1 its replica of
+        # n0's part), its catalog rows with it; the redone step 80 saved and restores
+        assert seen["fallback"] == 60
+        assert seen["redo_80"] == "" and seen["after_redo"] == 80
+        assert seen["moved_aside"] == [80] and not seen["newer_left"] and seen["rows_80"] == []
+        assert seen["rows_80_redone"] == [("nvme", "present")]
         assert all(v for k, v in seen.items() if k.startswith("exact-"))
+    # n0's old part waited for n1; the redone step's export committed on lustre
+    assert r0["export_old_80"] == ("n1",) and r0["export_80"] == ()
+    assert Path(tmp, "lustre", STEP.format(80), "manifest.json").is_file()
+    assert r0["aside_left"][0].endswith("run") and r1["aside_left"][0].endswith(".replicas/run")
     assert r0["close_local"] and not r1["close_local"]
     # n1 adopted its pending part of step 20: its catalog holds it
     assert (20, "nvme", "present") in r1["recorded"]

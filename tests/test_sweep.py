@@ -349,3 +349,35 @@ def test_a_daemon_killed_mid_export_to_lustre_leaves_no_temp_file(tmp_path):
     config = load_config(cfg)
     assert on_tier(config, "lustre", "run") == {1: True}
     assert on_tier(config, "s3", "run") == {1: True}
+
+
+def test_steps_moved_aside_go_after_the_grace_period(tmp_path):
+    """The steps a restore fell back from (``.aside/TOKEN`` on a node-local tier) are kept
+    while the token is younger than the grace period and removed after it; a name that is
+    not a token, and what a link points to, stay."""
+    from fmstore.tiering import aside
+
+    root = tmp_path / "nvme"
+    now_ms = int(time.time() * 1000)
+    old = root / ".aside" / f"{now_ms - 7_200_000:013d}-0123abcd"
+    young = root / ".aside" / f"{now_ms:013d}-89abcdef"
+    stranger = root / ".aside" / "notatoken"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.bin").write_bytes(b"k")
+    for d in (old, young, stranger):
+        step = d / "run" / "step_000000000080" / "g0000000000ff-deadbeef"
+        step.mkdir(parents=True)
+        (step / "000000.bin").write_bytes(b"x" * 100)
+    (old / "link").symlink_to(outside)
+    config = from_dict({"tiers": {"nvme": {"url": str(root)}}, "state_dir": str(tmp_path / "st")})
+    rep = runtime.run(sweep(config, {"nvme": open_store(str(root))}, grace=3600))
+    assert not rep.errors
+    got = {o.where: o.action for o in rep.orphans if o.kind == "aside"}
+    assert got == {
+        f".aside/{old.name}": "removed",
+        f".aside/{young.name}": "kept: young",
+    }
+    assert not old.exists() and young.exists() and stranger.exists()
+    assert (outside / "keep.bin").read_bytes() == b"k"
+    assert aside.moved_aside(open_store(str(root)), now=time.time())[0][1] == 100

@@ -15,8 +15,8 @@ second manager, for runs without daemons.
 
 What it reports, for the demo and the tests (``--out``):
 
-* ``events.jsonl`` (rank 0): ``restore`` (step, tier, seconds; step None on a fresh
-  start), ``save`` (step, stall:
+* ``events.jsonl`` (rank 0): ``restore`` (step, tier, seconds, the newer steps it moved
+  aside to redo them; step None on a fresh start), ``save`` (step, stall:
   the seconds ``save()`` held training), ``committed`` (step, tier, seconds until the
   commit), ``step`` (loss), ``done`` (the final step);
 * ``hash/STEP-RANK``: SHA-256 of the rank's shards of model and optimizer at every saved
@@ -32,7 +32,6 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import time
 import warnings
 from pathlib import Path
@@ -41,8 +40,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.layout import parse_step
-from ..config import get_config
 from ..testing.cluster import pg_timeout
 from ..tiering.sharded import ShardedCheckpointManager
 from .corpus import VOCAB, make_text, tokenize
@@ -120,19 +117,6 @@ def batch(tokens: torch.Tensor, step: int, rank: int, size: int, ctx: int) -> to
     return torch.stack([tokens[s : s + ctx + 1] for s in starts.tolist()])
 
 
-def drop_newer(mgr: ShardedCheckpointManager, step: int | None) -> None:
-    """On this node's NVMe, remove the step directories newer than the one restored: the
-    job redoes those steps, and a step is saved once under its own prefix.  (A newer step
-    there is one some node lacks: a replaced node, or a save cut short.)"""
-    root = Path(get_config().tier("nvme").url) / mgr.root
-    if not root.is_dir():
-        return
-    for d in root.iterdir():
-        s = parse_step(d.name)
-        if s is not None and (step is None or s > step):
-            shutil.rmtree(d, ignore_errors=True)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m fmstore.demo.cluster_train", description=__doc__)
     ap.add_argument("--out", required=True)
@@ -184,11 +168,9 @@ def main(argv: list[str] | None = None) -> None:
             step=start,
             tier=mgr.restored_tier if start is not None else None,
             seconds=time.perf_counter() - t0,
+            moved_aside=mgr.moved_aside,
             nodes=dist.get_world_size() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         )
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            drop_newer(mgr, start)
-        dist.barrier(group=ckpt)
 
         model.train()
         inflight: list[tuple[int, str, float, Any]] = []

@@ -103,6 +103,7 @@ class Cluster:
 
     ``policies``: TOML appended to every node's config (``[policies]`` and the like).
     ``nproc``: ranks per node.  ``pg_timeout``: seconds, passed to the training processes.
+    ``replicas``: ``[tiers.nvme] replicas`` (each node's part also on the next node's NVMe).
     """
 
     def __init__(
@@ -113,6 +114,7 @@ class Cluster:
         s3: S3Tier | None = None,
         policies: str = "",
         pg_timeout: float = 60,
+        replicas: int = 0,
     ) -> None:
         import torch.distributed as dist
 
@@ -122,6 +124,7 @@ class Cluster:
         self.lustre = self.base / "lustre"
         self.lustre.mkdir(exist_ok=True)
         self.nproc, self.s3, self.policies, self.pg_timeout = nproc, s3, policies, pg_timeout
+        self.replicas = replicas
         self.port = free_ports(1)[0]
         self.store = dist.TCPStore(
             "127.0.0.1",
@@ -167,6 +170,7 @@ class Cluster:
         text = (
             f'state_dir = "{self.state(node)}"\n'
             f'[tiers.nvme]\nurl = "{self.nvme(node)}"\nscope = "node"\n'
+            f"replicas = {self.replicas}\n"
             f'[tiers.lustre]\nurl = "{self.lustre}"\n'
         )
         if self.s3 is not None:

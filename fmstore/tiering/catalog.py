@@ -418,6 +418,19 @@ class Catalog:
             c.execute("DELETE FROM copies WHERE root = ? AND step = ?", (root, step))
             c.execute("DELETE FROM checkpoints WHERE root = ? AND step = ?", (root, step))
 
+    def forget_copy(self, root: str, step: int, tier: str) -> None:
+        """Drop one copy row (a step moved aside there); the checkpoint's row goes with
+        its last copy."""
+        with self._tx() as c:
+            c.execute(
+                "DELETE FROM copies WHERE root = ? AND step = ? AND tier = ?", (root, step, tier)
+            )
+            left = c.execute(
+                "SELECT 1 FROM copies WHERE root = ? AND step = ? LIMIT 1", (root, step)
+            ).fetchone()
+            if left is None:
+                c.execute("DELETE FROM checkpoints WHERE root = ? AND step = ?", (root, step))
+
     # ---- copies ----------------------------------------------------------------------
 
     def set_copy(

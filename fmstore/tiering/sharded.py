@@ -17,7 +17,8 @@ Every method but :meth:`save`'s wait is a collective of every rank of ``process_
   back together to a slower tier, then to an older step; it returns None when every rank
   found no manifest, with no error, for every candidate (a job killed in its first save, an
   empty step directory).  A candidate some rank could not look at (a read error) is retried,
-  then raised: never skipped for an older step;
+  then raised: never skipped for an older step.  Having fallen back, it moves the newer
+  steps aside on every node (:mod:`.aside`), so that the job's redo of them saves;
 * :meth:`should_save` agrees at each step, on every rank, whether to save now (every N
   steps, or because some rank got SIGTERM: the handler only sets a flag).
 
@@ -54,8 +55,8 @@ from ..checkpoint.dcp.nodes import node_id
 from ..checkpoint.dcp.problems import Code, Problem, fmstore_error, reason
 from ..checkpoint.dcp.wire import gather_json
 from ..checkpoint.layout import MANIFEST_KEY, checkpoint_key, parse_step, step_name
-from ..config import Config, get_config, load_config
-from ..errors import CorruptData, NotFound, StoreUnavailable
+from ..config import Config, get_config, is_node_id, load_config
+from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
 from .rules import from_config
 from .tiers import Tiers
 
@@ -122,6 +123,8 @@ class ShardedCheckpointManager:
         self.restored_tier: str | None = None
         #: why the last :meth:`restore` passed over each faster or newer candidate
         self.restored_reason: list[str] = []
+        #: the newer steps the last :meth:`restore` moved aside on some node (it fell back)
+        self.moved_aside: list[int] = []
         #: set once :meth:`should_save` agreed that some rank got SIGTERM
         self.preempted = False
         self._sigterm = threading.Event()
@@ -398,6 +401,8 @@ class ShardedCheckpointManager:
         self.restored_step = parse_step(key.rsplit("/", 1)[-1])
         if self.restored_reason:
             self._say(f"restored {used} of {self.root!r}")
+        if step is None and self.restored_step is not None:
+            self._move_aside_newer(self.restored_step)
         if self.record and self.restored_step is not None:
             from ..checkpoint.dcp.nodes import tier_scope
 
@@ -405,6 +410,80 @@ class ShardedCheckpointManager:
                 # A part adopted or written back from a replica is this node's to tier.
                 self._record(self.restored_step, tier)
         return self.restored_step
+
+    def _move_aside_newer(self, restored: int) -> None:
+        """Every rank, after a restore of ``restored`` that chose the step itself: the
+        lowest rank of each node moves its directories of newer steps (parts, replicas) on
+        the node-local tiers aside (:mod:`.aside`), after their catalog rows and once no
+        export of them is under way, so that the job's redo of those steps saves again.
+        Raises on every rank if some node could not (the restored state stands; the next
+        restore tries again)."""
+        import torch.distributed as dist
+
+        nodes = [node_id()] if self.pg is None else gather_json(self.pg, node_id())
+        if not all(is_node_id(n) for n in nodes):
+            raise CorruptData("a rank sent a node id that is not one")
+        me = 0 if self.pg is None else dist.get_rank(self.pg)
+        err, moved = "", []
+        if nodes.index(nodes[me]) == me:
+            try:
+                moved = self._move_aside_here(restored)
+            except Exception as e:  # reported to every rank below
+                err = f"node {nodes[me]}: {reason(e)}"
+        got: list[Any] = [[err, moved]] if self.pg is None else gather_json(self.pg, [err, moved])
+        ok = all(
+            isinstance(g, list)
+            and len(g) == 2
+            and isinstance(g[0], str)
+            and isinstance(g[1], list)
+            and all(type(s) is int for s in g[1])
+            for g in got
+        )
+        if not ok:
+            raise CorruptData("a rank sent what it moved aside in a form that is not one")
+        self.moved_aside = sorted({int(s) for _e, m in got for s in m})
+        bad = [str(e) for e, _m in got if e]
+        if bad:
+            raise FmstoreError(
+                f"restored step {restored} of {self.root!r}, but could not move the newer "
+                f"steps aside ({'; '.join(bad)[:1000]}); their redo cannot save yet"
+            )
+        if self.moved_aside and me == 0:
+            log.warning(
+                "restored step %d of %r: moved its newer steps %s aside for their redo",
+                restored,
+                self.root,
+                self.moved_aside,
+                extra={"event": "steps_moved_aside", "fields": {"steps": self.moved_aside}},
+            )
+
+    def _move_aside_here(self, restored: int) -> list[int]:
+        """This node's part of :meth:`_move_aside_newer`; the steps moved."""
+        from . import aside
+        from . import catalog as cat
+
+        local = list(dict.fromkeys([*self.ladder, self.write_tier]))
+        shared = [t for t in local if self.config.tier(t).scope != "node"]
+        local = [t for t in local if self.config.tier(t).scope == "node"]
+        moved: set[int] = set()
+        for tier in local:
+            store = self.tiers.store(tier)
+            steps = aside.newer_steps(store, tier, self.root, restored)
+            if not steps:
+                continue
+            # No new export of them starts (the daemon exports catalog rows) ...
+            # (its rows of unfinished exports of them go too: their source is moving).
+            with cat.Catalog.for_state_dir(self.config.state_dir) as c:
+                for s in steps:
+                    for row in c.copies(self.root, step=s):
+                        if row.tier == tier or (row.tier in shared and row.state != cat.PRESENT):
+                            c.forget_copy(self.root, s, row.tier)
+            # ... and none under way on this node still reads them.
+            dests = [self.tiers.checkpoint(t, self.root, s).url for t in shared for s in steps]
+            runtime.run(aside.wait_for_exports(self.config.state_dir, dests))
+            aside.move_aside(store, tier, self.root, steps)
+            moved.update(steps)
+        return sorted(moved)
 
     def _no_checkpoint(self, step: int | None) -> None:
         """Raise unless "no checkpoint" is known: every rank listed every tier."""

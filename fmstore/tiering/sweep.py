@@ -10,6 +10,9 @@ A process killed mid-write leaves work no later run may come back to:
 ``generation``
     checkpoint blobs no manifest names: a save or an export that never committed, or the
     generation an overwrite superseded (see :mod:`fmstore.checkpoint.gc`);
+``aside``
+    the steps a restore fell back from, moved aside on a node-local tier
+    (``.aside/TOKEN``: :mod:`.aside`), once the token's time is older than the grace;
 ``journal``
     the resume journal of a copy whose process died, when no later run can use it: its
     pending write was removed above, or its destination is gone.  (The journal of a copy
@@ -48,10 +51,12 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
+from .. import runtime
 from ..checkpoint.gc import Generation, orphan_generations, remove_generation
 from ..config import Config
 from ..errors import FmstoreError
 from ..stores.base import Store
+from . import aside
 from . import journal as _journal
 from . import metrics as m
 
@@ -153,6 +158,17 @@ class Sweeper:
             self.report.orphans.append(
                 Orphan(tier, "generation", where, 0, 0.0, "kept: pending part")
             )
+        try:
+            moved = await runtime.to_io(aside.moved_aside, store, now=time.time())
+        except OSError as e:
+            moved = []
+            self.report.errors.append(f"{tier}: {aside.ASIDE_PREFIX}: {e}")
+        for key, size, age in moved:
+            # Steps a restore fell back from (docs/distributed.md): kept for the grace.
+            if self._decide(tier, "aside", key, _url(store, key), size, age) and await self._remove(
+                tier, key, runtime.to_io(aside.remove, store, key)
+            ):
+                self._count(tier, "aside", size)
         for g in gens:
             if g.exporting:
                 # Some node's exporter renewed its lease in it lately (docs/distributed.md):
@@ -174,7 +190,7 @@ class Sweeper:
         try:
             await removal
             return True
-        except (FmstoreError, ValueError) as e:
+        except (FmstoreError, ValueError, OSError) as e:
             self.report.errors.append(f"{tier}: {where}: {e}")
             log.warning("sweep of %s could not remove %s: %s", tier, where, e)
             return False
