@@ -38,6 +38,7 @@ from ..checkpoint.layout import REPLICA_PREFIX, parse_step, step_name
 from ..errors import FmstoreError
 from ..stores.base import Store
 from ..stores.posix_io import fsync_dir
+from .journal import live_destinations
 
 __all__ = [
     "ASIDE_PREFIX",
@@ -120,10 +121,8 @@ async def wait_for_exports(
 ) -> None:
     """Until no copy on this node writes under ``dests`` (the URLs of the steps' prefixes
     on the shared tiers): an export in progress holds its journal's lock
-    (:func:`fmstore.tiering.sweep.live_destinations`), dropped when it ends or its process
+    (:func:`fmstore.tiering.journal.live_destinations`), dropped when it ends or its process
     dies.  Raises :class:`FmstoreError` after ``limit`` seconds."""
-    from .sweep import live_destinations
-
     dests = [d.rstrip("/") for d in dests]
     until = time.monotonic() + limit
     while True:

@@ -45,6 +45,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from ..errors import ConfigError, CorruptData, StoreUnavailable
+from .catalog_schema import SCHEMA, SCHEMA_VERSION, migrate
 
 WRITING = "writing"
 PRESENT = "present"
@@ -70,59 +71,6 @@ STATES = (
 HOLDS_BYTES = (WRITING, PRESENT, EXPORTING, DELETING, CORRUPT)
 
 DB_NAME = "catalog.sqlite3"
-SCHEMA_VERSION = 2
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS checkpoints (
-    root TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    seq INTEGER NOT NULL,
-    created REAL NOT NULL,
-    bytes INTEGER NOT NULL DEFAULT 0,
-    manifest_crc32c INTEGER,
-    PRIMARY KEY (root, step)
-);
-CREATE TABLE IF NOT EXISTS copies (
-    root TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    tier TEXT NOT NULL,
-    state TEXT NOT NULL,
-    bytes INTEGER NOT NULL DEFAULT 0,
-    created REAL NOT NULL,
-    updated REAL NOT NULL,
-    last_access REAL,
-    verified REAL,
-    attempts INTEGER NOT NULL DEFAULT 0,
-    error TEXT,
-    failures INTEGER NOT NULL DEFAULT 0,
-    error_at REAL,
-    failing_since REAL,
-    PRIMARY KEY (root, step, tier)
-);
-CREATE INDEX IF NOT EXISTS copies_by_tier ON copies (tier, state);
-CREATE TABLE IF NOT EXISTS pins (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    root TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    reason TEXT NOT NULL,
-    owner TEXT NOT NULL,
-    expires REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS files (
-    dataset TEXT NOT NULL,
-    key TEXT NOT NULL,
-    tier TEXT NOT NULL,
-    state TEXT NOT NULL,
-    bytes INTEGER NOT NULL DEFAULT 0,
-    checksum TEXT,
-    created REAL NOT NULL,
-    updated REAL NOT NULL,
-    last_access REAL,
-    verified REAL,
-    PRIMARY KEY (dataset, key, tier)
-);
-"""
 
 
 @dataclass(frozen=True)
@@ -318,7 +266,7 @@ class Catalog:
 
     def _init_tables(self) -> None:
         with self._tx() as c:
-            for stmt in _SCHEMA.split(";"):
+            for stmt in SCHEMA.split(";"):
                 if stmt.strip():
                     c.execute(stmt)
             row = c.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
@@ -337,7 +285,7 @@ class Catalog:
                     f"{SCHEMA_VERSION}; upgrade fmstore"
                 )
             elif int(row[0]) < SCHEMA_VERSION:
-                _migrate(c)
+                migrate(c)
 
     def close(self) -> None:
         with self._lock:
@@ -668,23 +616,6 @@ class Catalog:
             )
             for r in rows
         ]
-
-
-#: Columns added after schema 1, with their declarations (added by :func:`_migrate`).
-_ADDED_COLUMNS = {
-    "failures": "INTEGER NOT NULL DEFAULT 0",
-    "error_at": "REAL",
-    "failing_since": "REAL",
-}
-
-
-def _migrate(c: sqlite3.Connection) -> None:
-    """Schema 1 -> 2 in the caller's transaction: the failure columns of ``copies``."""
-    have = {r[1] for r in c.execute("PRAGMA table_info(copies)").fetchall()}
-    for name, decl in _ADDED_COLUMNS.items():
-        if name not in have:
-            c.execute(f"ALTER TABLE copies ADD COLUMN {name} {decl}")
-    c.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (str(SCHEMA_VERSION),))
 
 
 def _ckpt(r: sqlite3.Row) -> Checkpoint:

@@ -389,3 +389,28 @@ def check_record(rec: object) -> str:
 
 def _line(rec: dict) -> bytes:
     return json.dumps(rec, separators=(",", ":")).encode() + b"\n"
+
+
+def live_destinations(state_dir: str) -> list[str]:
+    """Destinations (URLs) of the copies in progress on this node: the journals in
+    ``state_dir`` that a live process holds.  ``fmstore ckpt gc`` keeps what lies under
+    them, as the sweep does."""
+    journals = read_all(os.path.join(state_dir, "transfers"))
+    return [j.dest.rstrip("/") for j in journals if j.live and j.dest]
+
+
+def read_all(directory: str) -> list[JournalInfo]:
+    """Every journal in ``directory`` (a node's ``transfers``), inspected."""
+    out = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    for name in names:
+        if not name.endswith(".jsonl"):
+            continue
+        try:
+            out.append(inspect(os.path.join(directory, name)))
+        except OSError:
+            continue  # removed meanwhile, or another user's
+    return out

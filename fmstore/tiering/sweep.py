@@ -116,7 +116,7 @@ class Sweeper:
         self.grace = grace
         self.dry_run = dry_run
         self.report = SweepReport(dry_run=dry_run)
-        self.journals = _read_journals(os.path.join(state_dir, "transfers"))
+        self.journals = _journal.read_all(os.path.join(state_dir, "transfers"))
         #: Destinations of the copies in progress on this node: nothing under them goes.
         self.live = [j.dest.rstrip("/") for j in self.journals if j.live and j.dest]
         self._aborted: set[str] = set()
@@ -239,30 +239,6 @@ class Sweeper:
         m.ORPHANS_REMOVED.labels(tier, kind).inc()
         m.ORPHAN_BYTES.labels(tier).inc(size)
         log.info("removed orphan %s on %s (%d bytes)", kind, tier, size)
-
-
-def live_destinations(state_dir: str) -> list[str]:
-    """Destinations (URLs) of the copies in progress on this node: the journals in
-    ``state_dir`` that a live process holds.  ``fmstore ckpt gc`` keeps what lies under
-    them, as the sweep does."""
-    journals = _read_journals(os.path.join(state_dir, "transfers"))
-    return [j.dest.rstrip("/") for j in journals if j.live and j.dest]
-
-
-def _read_journals(directory: str) -> list[_journal.JournalInfo]:
-    out = []
-    try:
-        names = sorted(os.listdir(directory))
-    except OSError:
-        return []
-    for name in names:
-        if not name.endswith(".jsonl"):
-            continue
-        try:
-            out.append(_journal.inspect(os.path.join(directory, name)))
-        except OSError:
-            continue  # removed meanwhile, or another user's
-    return out
 
 
 async def sweep(
