@@ -23,6 +23,7 @@ blob and the store.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import math
 import os
@@ -46,9 +47,11 @@ from ...format.manifest import ChunkEntry
 from ...limits import ByteBudget
 from ...stores import Location, Store, open_store
 from ..devring import RingLoad, cpu_routed, open_ring, run_all
+from ..routing import PART
 from ..zipguard import check_torch_zip
 from .manifest import MANIFEST_KEY, DcpItem, DcpManifest
 from .native import NativeCheckpoint, NativeItem, has_native_metadata, read_native, read_native_data
+from .peers import Peers, exchange
 
 __all__ = ["ReadOptions", "Reader", "read_manifest"]
 
@@ -99,6 +102,8 @@ class _Target:
     dev: torch.Tensor | None = None
     #: a box that is not one run of its device destination, contiguous on the device
     box: torch.Tensor | None = None
+    #: read from another node or this node's replicas (:mod:`.peers`), not this part
+    routed: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,10 +142,14 @@ class Reader(StorageReader):
         self.is_coordinator = False
         #: ranks whose blobs this node holds (a checkpoint in parts), None: all of them
         self.local_ranks: set[int] | None = None
+        #: set by the collective restore when some blobs are read from other nodes (or
+        #: this node's replicas): the routes, see :mod:`.peers`
+        self.peers: Peers | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         d = self.__dict__.copy()
         d["_store"] = None
+        d["peers"] = None  # the process group stays in this process
         return d
 
     @property
@@ -178,7 +187,10 @@ class Reader(StorageReader):
         if kwargs.get("rank") is not None:
             raise NotFound("fmstore DCP checkpoints have no rank-local metadata", key=MANIFEST_KEY)
         try:
-            self.manifest = runtime.run(read_manifest(self.store))
+            if self.peers is not None:
+                self.manifest = self.peers.manifest
+            else:
+                self.manifest = runtime.run(read_manifest(self.store))
         except NotFound:
             self.native = runtime.run(self._read_native())
             if self.native is None:
@@ -221,6 +233,11 @@ class Reader(StorageReader):
             self.local_ranks = None
             return None
 
+        if self.peers is not None:
+            # Routed: the saved ranks whose blobs this rank reads on its own node (its
+            # part, its replicas) are preferred where DCP's plan has a choice of copies.
+            self.local_ranks = self.peers.routes.local(self.peers.rank)
+            return self.local_ranks
         part = m.part_of(node_id())
         if part is None:
             raise NotFound(
@@ -262,8 +279,17 @@ class Reader(StorageReader):
                 fut.set_result(None)
             return fut
         try:
-            targets = [self._target(req, planner) for req in plan.items]
-            runtime.run(self._read(targets))
+            try:
+                targets = [self._target(req, planner) for req in plan.items]
+            except BaseException:
+                if self.peers is not None:
+                    with contextlib.suppress(BaseException):
+                        self._routed_read(None)  # the others wait for this rank's turn
+                raise
+            if self.peers is not None:
+                self._routed_read(targets)
+            else:
+                runtime.run(self._read(targets))
             for t in targets:
                 if t.dest is None:
                     assert t.buf is not None
@@ -273,12 +299,37 @@ class Reader(StorageReader):
                         t.dest.copy_(t.box)
                     elif t.direct is None and t.dev is None and t.dest.device.type == "cpu":
                         _copy_box(t)
+                    elif t.routed and t.direct is None:
+                        _copy_box(t)  # staged on the host, into its device
                     planner.commit_tensor(t.req, t.dest)
         except BaseException as e:
             fut.set_exception(e)  # type: ignore[arg-type]
         else:
             fut.set_result(None)
         return fut
+
+    def _routed_read(self, targets: list[_Target] | None) -> None:
+        """A load some of whose blobs are elsewhere: this part's reads, then the exchange
+        with the other ranks (a collective: every rank takes part, ``targets`` None when its
+        plan failed already; the first error is raised once the exchange is done)."""
+        err: BaseException | None = None
+        routed: list[_Target] = []
+        if targets is None:
+            err = FmstoreError("this rank's read plan failed")
+        else:
+            routed = [t for t in targets if t.routed]
+            local = [t for t in targets if not t.routed]
+            try:
+                if local:  # a node that lost its part has no directory to open
+                    runtime.run(self._read(local))
+            except BaseException as e:
+                err = e
+        try:
+            exchange(self, routed, err is not None)
+        except BaseException as e:
+            err = err or e
+        if err is not None:
+            raise err
 
     def _byte_io(self, fqn: str, data: bytes) -> io.BytesIO:
         """A ``BYTE_IO`` value for the planner.  torch's planners ``torch.load`` it with
@@ -288,9 +339,10 @@ class Reader(StorageReader):
         only ever unpickles bytes fmstore wrote from a safe object.  Either way its zip
         members are checked first (:func:`~fmstore.checkpoint.zipguard.check_torch_zip`:
         torch inflates a compressed member whole before any size is checked)."""
-        check_torch_zip(
-            data, name=f"{fqn[:200]!r} in {self.store.url}", tier=self.store.tier, key=MANIFEST_KEY
-        )
+        st = self._store  # None: every item came from other nodes, none opened here
+        where = self.uri if st is None else st.url
+        tier = None if st is None else st.tier
+        check_torch_zip(data, name=f"{fqn[:200]!r} in {where}", tier=tier, key=MANIFEST_KEY)
         if self.options.allow_pickle:
             return io.BytesIO(data)
         try:
@@ -301,10 +353,10 @@ class Reader(StorageReader):
             why = next((ln for ln in lines if "Unpickler error" in ln), lines[0] if lines else "")
             why = why[:200] or type(e).__name__
             raise CorruptData(
-                f"{fqn!r} in {self.store.url} is not a plain value (tensors, numbers, "
+                f"{fqn!r} in {where} is not a plain value (tensors, numbers, "
                 f"strings, containers) and fmstore does not unpickle it: {why}; pass "
                 "allow_pickle=True to the Reader if you trust this checkpoint",
-                tier=self.store.tier,
+                tier=tier,
                 key=MANIFEST_KEY,
             ) from None
         out = io.BytesIO()
@@ -323,10 +375,13 @@ class Reader(StorageReader):
                 tier=self.store.tier,
                 key=MANIFEST_KEY,
             )
+        routed = False
         if self.local_ranks is not None and item.chunks:
             assert self.manifest is not None
             rank = self.manifest.blobs[item.chunks[0].blob].rank
-            if rank not in self.local_ranks:
+            if self.peers is not None:
+                routed = self.peers.source(rank) != (self.peers.rank, PART)
+            elif rank not in self.local_ranks:
                 raise NotFound(
                     f"{item.fqn!r} (offset {list(item.offset or ())}) is in the part of node "
                     f"{self.manifest.node_of_rank(rank)} (rank {rank}), not on this node: the "
@@ -335,7 +390,9 @@ class Reader(StorageReader):
                     key=MANIFEST_KEY,
                 )
         if req.type == LoadItemType.BYTE_IO:
-            return _Target(req, item, 0, item.nbytes, None, None, bytearray(item.nbytes))
+            return _Target(
+                req, item, 0, item.nbytes, None, None, bytearray(item.nbytes), routed=routed
+            )
         dtype = dtype_from_name(item.dtype)
         dest = planner.resolve_tensor(req).detach()
         if tuple(dest.shape) != tuple(req.lengths):
@@ -360,10 +417,14 @@ class Reader(StorageReader):
         direct = None
         plain = contiguous and dest.dtype == dtype and dest.is_contiguous() and dest.numel() > 0
         ringed = dest.device.type != "cpu" or cpu_routed()
+        if routed:
+            # From another node or store: into host memory, then into the destination.
+            plain = plain and not ringed
+            ringed = False
         if plain and not ringed:
             arr: Any = dest.reshape(-1).view(torch.uint8).numpy()
             direct = memoryview(arr)
-        t = _Target(req, item, lo, hi, dest, direct)
+        t = _Target(req, item, lo, hi, dest, direct, routed=routed)
         if plain and ringed:
             t.dev = dest.reshape(-1).view(torch.uint8)
         elif direct is None:
