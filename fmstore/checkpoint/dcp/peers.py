@@ -13,7 +13,7 @@ rank's read, so every rank passes the candidate over together.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,9 +26,19 @@ from ..routing import REPLICA, Routes
 from .manifest import DcpItem, DcpManifest
 
 if TYPE_CHECKING:
-    from .reader import Reader, _Part, _Target
+    from .reader import Reader, _Target
 
-__all__ = ["Peers", "exchange"]
+__all__ = ["Part", "Peers", "exchange", "read_routed"]
+
+
+@dataclass(frozen=True)
+class Part:
+    """A chunk's contribution to one read target: raw bytes [a, b) of the item."""
+
+    target: int
+    a: int
+    b: int
+
 
 #: the most chunks one rank may ask of the others in one load (a peer's list is bounded)
 MAX_REQUESTS = 1 << 22
@@ -58,6 +68,28 @@ def _gather(pg: Any, obj: Any) -> list[Any]:
     return out
 
 
+def read_routed(reader: Reader, make: Callable[[], list[_Target]]) -> list[_Target]:
+    """Every rank, a load some of whose blobs are elsewhere: ``make`` the read targets,
+    read those of this node's part, then :func:`exchange` the others (every rank takes part
+    even when its own plan or read failed; the first error is raised after)."""
+    err: BaseException | None = None
+    targets: list[_Target] = []
+    try:
+        targets = make()
+        local = [t for t in targets if not t.routed]
+        if local:  # a node that lost its part has no directory to open
+            runtime.run(reader._read(local))
+    except BaseException as e:
+        err = e
+    try:
+        exchange(reader, [t for t in targets if t.routed] if err is None else [], err is not None)
+    except BaseException as e:
+        err = err or e
+    if err is not None:
+        raise err
+    return targets
+
+
 def exchange(reader: Reader, targets: Sequence[_Target], failed: bool) -> None:
     """Every rank: fill ``targets`` (items whose blobs this rank does not read from its own
     node's part) from their holders, and serve what the others ask of this rank.
@@ -65,18 +97,16 @@ def exchange(reader: Reader, targets: Sequence[_Target], failed: bool) -> None:
     import torch
     import torch.distributed as dist
 
-    from .reader import _Part
-
     peers = reader.peers
     m = reader.manifest
     assert peers is not None and m is not None
-    needs: dict[tuple[int, int], list[_Part]] = {}
+    needs: dict[tuple[int, int], list[Part]] = {}
     chunk_of: dict[tuple[int, int], tuple[ChunkEntry, DcpItem]] = {}
     for ti, t in enumerate(targets):
         for c in t.item.chunks:
             a, b = max(t.lo, c.raw_offset), min(t.hi, c.raw_offset + c.raw)
             if a < b:
-                needs.setdefault((c.blob, c.offset), []).append(_Part(ti, a, b))
+                needs.setdefault((c.blob, c.offset), []).append(Part(ti, a, b))
                 chunk_of[(c.blob, c.offset)] = (c, t.item)
     asks = [(peers.source(m.blobs[b].rank)[0], b, o, chunk_of[(b, o)][0].length) for b, o in needs]
     everyone = _gather(peers.pg, (failed, sorted(asks)))

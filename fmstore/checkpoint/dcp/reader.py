@@ -23,7 +23,6 @@ blob and the store.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import math
 import os
@@ -51,7 +50,9 @@ from ..routing import PART
 from ..zipguard import check_torch_zip
 from .manifest import MANIFEST_KEY, DcpItem, DcpManifest
 from .native import NativeCheckpoint, NativeItem, has_native_metadata, read_native, read_native_data
-from .peers import Peers, exchange
+from .peers import Part as _Part
+from .peers import Peers, read_routed
+from .readruns import coalesce, direct_runs, has_local_files
 
 __all__ = ["ReadOptions", "Reader", "read_manifest"]
 
@@ -104,15 +105,6 @@ class _Target:
     box: torch.Tensor | None = None
     #: read from another node or this node's replicas (:mod:`.peers`), not this part
     routed: bool = False
-
-
-@dataclass(frozen=True)
-class _Part:
-    """A chunk's contribution to one target: raw bytes [a, b) of the item."""
-
-    target: int
-    a: int
-    b: int
 
 
 class Reader(StorageReader):
@@ -279,16 +271,10 @@ class Reader(StorageReader):
                 fut.set_result(None)
             return fut
         try:
-            try:
-                targets = [self._target(req, planner) for req in plan.items]
-            except BaseException:
-                if self.peers is not None:
-                    with contextlib.suppress(BaseException):
-                        self._routed_read(None)  # the others wait for this rank's turn
-                raise
-            if self.peers is not None:
-                self._routed_read(targets)
+            if self.peers is not None:  # some blobs on other nodes: a collective
+                targets = read_routed(self, lambda: [self._target(r, planner) for r in plan.items])
             else:
+                targets = [self._target(req, planner) for req in plan.items]
                 runtime.run(self._read(targets))
             for t in targets:
                 if t.dest is None:
@@ -307,29 +293,6 @@ class Reader(StorageReader):
         else:
             fut.set_result(None)
         return fut
-
-    def _routed_read(self, targets: list[_Target] | None) -> None:
-        """A load some of whose blobs are elsewhere: this part's reads, then the exchange
-        with the other ranks (a collective: every rank takes part, ``targets`` None when its
-        plan failed already; the first error is raised once the exchange is done)."""
-        err: BaseException | None = None
-        routed: list[_Target] = []
-        if targets is None:
-            err = FmstoreError("this rank's read plan failed")
-        else:
-            routed = [t for t in targets if t.routed]
-            local = [t for t in targets if not t.routed]
-            try:
-                if local:  # a node that lost its part has no directory to open
-                    runtime.run(self._read(local))
-            except BaseException as e:
-                err = e
-        try:
-            exchange(self, routed, err is not None)
-        except BaseException as e:
-            err = err or e
-        if err is not None:
-            raise err
 
     def _byte_io(self, fqn: str, data: bytes) -> io.BytesIO:
         """A ``BYTE_IO`` value for the planner.  torch's planners ``torch.load`` it with
@@ -530,12 +493,12 @@ class Reader(StorageReader):
             finally:
                 await budget.release(held)
 
-        groups = _coalesce(sorted(chunk_of), chunk_of, opts.coalesce, opts.max_request)
+        groups = coalesce(sorted(chunk_of), chunk_of, opts.coalesce, opts.max_request)
         # On local files a run of chunks is read sequentially in one call, so the kernel's
         # readahead streams it (measured ~1.6x faster cold than a concurrent read per chunk);
         # on object stores every chunk is its own request, all in parallel.
-        gap = opts.max_request if _has_local_files(store, manifest) else 0
-        runs = _direct_runs(direct_jobs, gap)
+        gap = opts.max_request if has_local_files(store, manifest) else 0
+        runs = direct_runs(direct_jobs, gap)
         try:
             await run_all(
                 [direct(t, r) for t, r in runs]
@@ -651,64 +614,12 @@ class Reader(StorageReader):
         )
 
 
-def _has_local_files(store: Store, manifest: DcpManifest) -> bool:
-    """Whether the blobs are files on a local (POSIX) file system."""
-    return store.local_root is not None and bool(manifest.blobs)
-
-
-def _direct_runs(
-    jobs: list[tuple[_Target, ChunkEntry]], max_run: int
-) -> list[tuple[_Target, list[ChunkEntry]]]:
-    """Merge chunks that follow each other both in their blob and in their target's memory
-    into runs of at most ``max_run`` bytes (0: every chunk on its own)."""
-    runs: list[tuple[_Target, list[ChunkEntry]]] = []
-    for t, c in sorted(jobs, key=lambda j: (j[1].blob, j[1].offset)):
-        if runs:
-            rt, run = runs[-1]
-            last = run[-1]
-            if (
-                rt is t
-                and last.blob == c.blob
-                and last.offset + last.length == c.offset
-                and last.raw_offset + last.raw == c.raw_offset
-                and c.offset + c.length - run[0].offset <= max_run
-            ):
-                run.append(c)
-                continue
-        runs.append((t, [c]))
-    return runs
-
-
 def _out_view(t: _Target, a: int, b: int) -> memoryview:
     """Where item bytes [a, b) of target ``t`` go."""
     if t.direct is not None:
         return t.direct[a - t.lo : b - t.lo]
     assert t.buf is not None
     return memoryview(t.buf)[a - t.lo : b - t.lo]
-
-
-def _coalesce(
-    keys: list[tuple[int, int]],
-    chunk_of: dict[tuple[int, int], tuple[ChunkEntry, DcpItem]],
-    gap: int,
-    max_request: int,
-) -> list[list[tuple[int, int]]]:
-    """Group chunk keys (sorted by blob, offset) into ranged requests."""
-    groups: list[list[tuple[int, int]]] = []
-    for k in keys:
-        c = chunk_of[k][0]
-        if groups:
-            g = groups[-1]
-            first, last = chunk_of[g[0]][0], chunk_of[g[-1]][0]
-            if (
-                g[0][0] == k[0]
-                and c.offset - (last.offset + last.length) <= gap
-                and c.offset + c.length - first.offset <= max_request
-            ):
-                g.append(k)
-                continue
-        groups.append([k])
-    return groups
 
 
 def _box_span(
