@@ -456,7 +456,8 @@ def _prepare(
     err: Problem | None = None
     if m.parts and views[rank].digest is None and tier_scope(uri, so.get("config")) == "node":
         part = m.part_of(views[rank].node)
-        holds = bool(answers[rank][1])  # a node that lost its part reads every blob routed
+        # Routed, a node that lost its part reads every blob from others: nothing to adopt.
+        holds = routes is None or bool(answers[rank][1])
         if part is not None and holds and rank == lowest_rank(nodes, views[rank].node):
             try:
                 runtime.run(_put_manifest(_open(uri, so), box[0]))
