@@ -58,6 +58,7 @@ from .policies import (
     export_lags,
     plan,
 )
+from .replica_export import export_replicas
 from .tiers import Tiers
 from .transfer import TransferOptions
 
@@ -181,6 +182,8 @@ class PolicyRunner:
                     rep.failed.append(f)
                 self.failure_log.failed(rep.failed[-1])
                 break
+        if not self.stop.is_set() and not rep.failed:
+            await self._replica_exports(rep)
         # Planned again for the gauges: the queues left after this step, not the ones it
         # began with (deletes wait for exports, so a step that exports leaves deletes).
         state = self.state()
@@ -401,6 +404,25 @@ class PolicyRunner:
             bytes=res.bytes_copied,
             seconds=round(seconds, 3),
         )
+
+    async def _replica_exports(self, rep: StepReport) -> None:
+        """The parts of lost nodes whose replicas this node holds, exported in their place
+        once their steps have waited long enough (:mod:`.replica_export`)."""
+        if not any(self.config.tier(t).replicas for t in self.policies.node_tiers):
+            return
+        for x in await export_replicas(
+            self.config, self.policies, self.tiers, this_node(), options=self.mover
+        ):
+            rep.exported += int(x.committed)
+            event(
+                "replica_export_done",
+                node=x.node,
+                root=x.root,
+                step=x.step,
+                src=x.source,
+                dst=x.dest,
+                committed=x.committed,
+            )
 
     def _part_args(self, source: str) -> dict[str, Any]:
         """How to copy from ``source``: this node's part of a checkpoint in node parts on
