@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from gloo_ranks import run
+from test_sharded_recovery import config_text, make_state
 
 from fmstore.checkpoint.routing import PART, REPLICA, Holding, Routes, may_drop_pending, route
 
@@ -46,26 +47,6 @@ def test_a_pending_part_is_removed_only_when_every_node_of_its_save_is_in_the_jo
     assert may_drop_pending(["n0", "n1"], ["n1", "n0"])  # swapped ranks: still every node
     assert not may_drop_pending(["n0", "n1"], ["n1", "n2"])
     assert not may_drop_pending([], ["n0"])  # a record without its layout: kept
-
-
-def config_text(tmp: str, node: str) -> str:
-    return (
-        f'state_dir = "{tmp}/{node}/state"\n'
-        f'[tiers.nvme]\nurl = "{tmp}/{node}/nvme"\nscope = "node"\nreplicas = 1\n'
-        f'[tiers.lustre]\nurl = "{tmp}/lustre"\n'
-    )
-
-
-def make_state(step: int) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    g = torch.Generator().manual_seed(step)
-    full = torch.randn(dist.get_world_size() * 4096, generator=g)
-    return {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": step}
 
 
 def save(rank: int, tmp: str) -> None:

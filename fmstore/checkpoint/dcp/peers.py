@@ -181,8 +181,9 @@ def exchange(reader: Reader, targets: Sequence[_Target], failed: bool) -> None:
                 if n:
                     dist.recv(buf, group=peers.pg, group_src=h)
                 if not errors:
+                    arr: Any = buf.numpy()
                     try:
-                        take(blob, off, memoryview(buf.numpy()), h)
+                        take(blob, off, memoryview(arr), h)
                     except Exception as e:
                         errors.append(str(e))
     if errors:
