@@ -149,6 +149,7 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "write_tier": STRING,
         "on_full": one_of("fail", "fallback"),
         "warn_after_failures": whole(1),
+        "replica_export_after": DURATION0,
     },
     "policies.export[]": {
         "to": STRING,

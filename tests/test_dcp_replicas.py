@@ -3,7 +3,9 @@
 Three ``torchrun`` agents x 2 ranks on loopback (:class:`fmstore.testing.cluster.Cluster`:
 each node its own config, NVMe and state; ``[tiers.nvme] replicas = 1``; Lustre shared; S3
 on SeaweedFS behind the fault proxy).  One launch sequence shares the setup: a save of step
-10 to NVMe (with replicas), Lustre and S3; then three relaunches after losing nodes:
+10 to NVMe (with replicas), Lustre and S3; then a relaunch that swaps two nodes' ranks
+(issue 46: each item from the node holding it, streamed over the group), and three
+relaunches after losing nodes:
 
 1. n1 replaced (its NVMe wiped) and the Lustre copy moved away: the job restores step 10
    from NVMe, n1's part fetched from the replica n2 holds, bit-exact, with no GET of a
@@ -36,9 +38,9 @@ KEY = f"run/step_{10:012d}"
 ENV = {"FMSTORE__TIERS__NVME__REPLICAS": "1"}
 
 
-def launch(c: Cluster, name: str, *uris: str) -> list[dict[str, Any]]:
-    rcs = c.run(WORKER, [name, str(c.out), *uris], NODES, name=name, env=ENV, timeout=300)
-    assert rcs == [0, 0, 0], c.logs(name, NODES)
+def launch(c: Cluster, name: str, *uris: str, nodes: list[str] = NODES) -> list[dict[str, Any]]:
+    rcs = c.run(WORKER, [name, str(c.out), *uris], nodes, name=name, env=ENV, timeout=300)
+    assert rcs == [0, 0, 0], c.logs(name, nodes)
     reps = [json.loads((c.out / f"{name}-{r}.json").read_text()) for r in range(6)]
     for r in range(6):
         (c.out / f"{name}-{r}.json").unlink()
@@ -138,9 +140,21 @@ def run_sequence(c: Cluster, proxy: FaultProxy) -> None:
     uris = ["nvme:" + KEY, "lustre:" + KEY, "s3:" + KEY]
     lustre, away = c.lustre / "run", c.base / "lustre-away"
 
+    # 0. The relaunch's rendezvous orders n0 and n1 the other way round (ranks 0, 1 on n1,
+    # 2, 3 on n0); the Lustre copy gone: every rank reads its items from the node holding
+    # them, over the group, with no GET on S3 and nothing written to any NVMe.
+    shutil.move(lustre, away)
+    before = sorted(p for n in NODES for p in c.nvme(n).rglob("*"))
+    seen = len(proxy.seen)
+    reps = launch(c, "restore", *uris, nodes=["n1", "n0", "n2"])
+    assert [r["node"] for r in reps] == ["n1", "n1", "n0", "n0", "n2", "n2"]
+    assert all(r["used"] == uris[0] and r["why"] == "" for r in reps), reps
+    reads = [s.key for s in proxy.seen[seen:] if s.method == "GET" and not s.key.endswith("/")]
+    assert not [k for k in reads if k.endswith((".bin", "manifest.json"))], reads
+    assert sorted(p for n in NODES for p in c.nvme(n).rglob("*")) == before
+
     # 1. n1 replaced; the Lustre copy gone: the restore reads n1's part from n2's replica.
     c.replace("n1")
-    shutil.move(lustre, away)
     seen = len(proxy.seen)
     reps = launch(c, "restore", *uris)
     assert all(r["used"] == uris[0] and r["why"] == "" for r in reps), reps

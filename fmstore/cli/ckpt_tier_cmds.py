@@ -159,6 +159,8 @@ def list_checkpoints(
             if part and "present" in part:  # a shared tier: the nodes whose parts are there
                 present: list[str] = part["present"]  # type: ignore[assignment]
                 where = f" parts {len(present)}/{part['of'] or '?'} ({','.join(present)})"
+                if part.get("waiting"):
+                    where += f" waiting for {','.join(part['waiting'])}"  # type: ignore[arg-type]
             else:
                 where = f" part {part['index']}/{part['of']} ({part['node']})" if part else ""
             cells.append(Text(f"{cp.state}{mark}{where}{size}", style=_STYLE.get(cp.state, "")))
@@ -243,11 +245,13 @@ def _parts(cfg: Config, rows: list[cat.Copy]) -> dict[tuple[str, int, str], dict
                 out[(c.root, c.step, c.tier)] = {
                     "index": idx,
                     "of": len(nodes),
+                    "nodes": nodes,
                     "node": me,
                     # this node's own bytes (its blobs), not the whole checkpoint's
                     "bytes": sum(b.size for b in own.blobs) if own is not None else 0,
                 }
         in_parts = {(r, s): p["of"] for (r, s, _t), p in out.items()}
+        node_names = {(r, s): p["nodes"] for (r, s, _t), p in out.items()}
         for c in shared:
             if (c.root, c.step) not in in_parts:
                 continue
@@ -255,6 +259,10 @@ def _parts(cfg: Config, rows: list[cat.Copy]) -> dict[tuple[str, int, str], dict
                 got = await parts_on(tiers.checkpoint(c.tier, c.root, c.step))
                 if got is not None:
                     got["of"] = got["of"] or in_parts[(c.root, c.step)]
+                    names: list[str] = node_names[(c.root, c.step)]  # type: ignore[assignment]
+                    have = set(got["present"])  # type: ignore[call-overload]
+                    # the nodes whose parts the step waits for on this tier
+                    got["waiting"] = [] if got["committed"] else [n for n in names if n not in have]
                     out[(c.root, c.step, c.tier)] = got
         await tiers.close()
         return out

@@ -12,7 +12,8 @@ these decisions keep are in ``docs/distributed.md`` ("Invariants").
 * :func:`record_holds`: does a part record vouch for a part (by its content, never by
   who wrote it);
 * :func:`lease_alive`, :func:`may_remove_part`, :func:`commit_holds`: may a node take its
-  part out of an uncommitted export, and may a committer write the manifest.
+  part out of an uncommitted export, and may a committer write the manifest;
+* :func:`replica_export_due`: does the holder of a lost node's replica export its part.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ __all__ = [
     "manifest_facts",
     "may_remove_part",
     "record_holds",
+    "replica_export_due",
     "step_committed",
 ]
 
@@ -222,3 +224,29 @@ def commit_holds(renewed: float, *, now: float, ttl: float, skew: float) -> bool
     alive to every node, whose clocks may be ``skew`` ahead, for the whole write, for which
     half the lifetime is set aside."""
     return now + ttl / 2 < renewed + ttl - skew
+
+
+def replica_export_due(
+    node: str,
+    records: Mapping[str, float],
+    leases: Mapping[str, float],
+    *,
+    committed: bool,
+    now: float,
+    after: float,
+    ttl: float,
+    skew: float,
+) -> bool:
+    """Whether the node holding node ``node``'s replica exports that part in its place: the
+    step is not committed on the destination, ``node``'s part record is not there
+    (``records``: node -> when each part record there was written), another node's part
+    has waited for it at least ``after`` seconds, and ``node`` holds no live export lease
+    (``leases``: node -> last renewal).  Two exporters of one part (``node`` came back) are
+    safe: a part record is trusted by its content, not by who wrote it."""
+    if committed or node in records:
+        return False
+    others = [w for n, w in records.items() if n != node]
+    if not others or now - min(others) < after:
+        return False
+    renewed = leases.get(node)
+    return renewed is None or not lease_alive(renewed, now=now, ttl=ttl, skew=skew)

@@ -74,6 +74,9 @@ class Policies:
     on_full: Literal["fail", "fallback"] = "fail"
     #: A training process is warned when an export has failed this many times in a row.
     warn_after_failures: int = 3
+    #: How long a step waits on a shared tier for a node's part before the node holding
+    #: that part's replica exports it in its place (seconds; :mod:`.replica_export`).
+    replica_export_after: float = 600.0
     #: Tiers each node has its own copy of (``scope = "node"``): a checkpoint there may be
     #: in node parts, and what every node decides of it must come out alike on every node
     #: (``docs/distributed.md``: cadence and retention of parts).
@@ -102,6 +105,7 @@ _TOP_KEYS = {
     "write_tier",
     "on_full",
     "warn_after_failures",
+    "replica_export_after",
     "export",
     "retention",
     "release",
@@ -150,6 +154,10 @@ def from_dict(
     warn_after = data.get("warn_after_failures", 3)
     if not isinstance(warn_after, int) or isinstance(warn_after, bool) or warn_after < 1:
         raise ConfigError(f"{w} warn_after_failures must be a whole number >= 1")
+    rea = data.get("replica_export_after")
+    replica_after = (
+        600.0 if rea is None else parse_duration(rea, f"{w} replica_export_after", allow_zero=True)
+    )
     raw_exports = data.get("export", [])
     if isinstance(raw_exports, Mapping):
         raw_exports = [raw_exports]
@@ -244,6 +252,7 @@ def from_dict(
         restore=RestoreRule(mode=mode, cache_tier=str(cache_tier) if cache_tier else None),
         on_full=on_full,
         warn_after_failures=warn_after,
+        replica_export_after=replica_after,
         node_tiers=tuple(t for t in ladder if t in node_tiers),
     )
     _validate(policies, set(tiers), where=w)

@@ -59,6 +59,7 @@ from .policies import (
     export_lags,
     plan,
 )
+from .replica_export import export_replicas
 from .tiers import Tiers
 from .transfer import TransferOptions
 
@@ -194,6 +195,12 @@ class PolicyRunner:
                 self.backoff.failed(e.tier if e.tier is not None and e.tier in tiers else tiers[1])
                 continue
             self.backoff.succeeded(tiers)
+        if not self.stop.is_set():
+            try:
+                await self._replica_exports(rep)
+            except FmstoreError as e:  # tried again at the next step; the others went on
+                m.ERRORS.labels("replica_export", reason_of(e)).inc()
+                rep.errors.append(str(e))
         # Planned again for the gauges: the queues left after this step, not the ones it
         # began with (deletes wait for exports, so a step that exports leaves deletes).
         state = self.state()
@@ -415,6 +422,25 @@ class PolicyRunner:
             bytes=res.bytes_copied,
             seconds=round(seconds, 3),
         )
+
+    async def _replica_exports(self, rep: StepReport) -> None:
+        """The parts of lost nodes whose replicas this node holds, exported in their place
+        once their steps have waited long enough (:mod:`.replica_export`)."""
+        if not any(self.config.tier(t).replicas for t in self.policies.node_tiers):
+            return
+        for x in await export_replicas(
+            self.config, self.policies, self.tiers, this_node(), options=self.mover
+        ):
+            rep.exported += int(x.committed)
+            event(
+                "replica_export_done",
+                node=x.node,
+                root=x.root,
+                step=x.step,
+                src=x.source,
+                dst=x.dest,
+                committed=x.committed,
+            )
 
     def _part_args(self, source: str) -> dict[str, Any]:
         """How to copy from ``source``: this node's part of a checkpoint in node parts on

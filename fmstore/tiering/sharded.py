@@ -406,8 +406,10 @@ class ShardedCheckpointManager:
         if self.record and self.restored_step is not None:
             from ..checkpoint.dcp.nodes import tier_scope
 
-            if tier_scope(used, self.config) == "node":
-                # A part adopted or written back from a replica is this node's to tier.
+            here = self.tiers.checkpoint(tier, self.root, self.restored_step)
+            if tier_scope(used, self.config) == "node" and self._holds(here):
+                # A part adopted or written back from a replica is this node's to tier (a
+                # node that read every item from other nodes holds nothing of the step).
                 self._record(self.restored_step, tier)
         return self.restored_step
 
@@ -484,6 +486,15 @@ class ShardedCheckpointManager:
             aside.move_aside(store, tier, self.root, steps)
             moved.update(steps)
         return sorted(moved)
+
+    @staticmethod
+    def _holds(store: Any) -> bool:
+        """Whether this node holds a committed manifest at ``store`` (a read error: it may,
+        and recording it says what went wrong)."""
+        try:
+            return bool(runtime.run(store.exists(MANIFEST_KEY)))
+        except Exception:
+            return True
 
     def _no_checkpoint(self, step: int | None) -> None:
         """Raise unless "no checkpoint" is known: every rank listed every tier."""

@@ -31,14 +31,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import runtime
+from ...config import is_node_id
 from ...errors import AlreadyExists, CorruptData, FmstoreError, NotFound, StoreUnavailable
 from ...stores import PutOptions, Store
 from ...stores.bounded import RECORD_LIMIT, manifest_limit, read_bounded
 from ..layout import GENERATION_RE
-from ..partrecords import is_node_id
+from ..routing import Holding, Routes, lowest_rank, may_drop_pending, route
 from . import replicas
 from .manifest import MANIFEST_KEY, DcpManifest
-from .nodes import RankRecord, node_id, rank_record_key, tier_scope
+from .nodes import RANK_RECORD_RE, RankRecord, node_id, tier_scope
+from .peers import Peers
 from .problems import Code, Problem, first, fmstore_error, from_json, reason, to_json
 from .reader import Reader
 from .staging import Stager
@@ -262,6 +264,26 @@ def _gather_problems(pg: Any, p: Problem | None) -> list[Problem | None]:
     return out
 
 
+def _gather_answers(
+    pg: Any, p: Problem | None, own: frozenset[int]
+) -> list[tuple[Problem | None, frozenset[int]]]:
+    """Every rank's answer about a candidate: its problem (or None) and the saved ranks
+    whose blobs its node holds complete; JSON, checked on arrival."""
+    out = []
+    for r, d in enumerate(gather_json(pg, [to_json(p), sorted(own)])):
+        try:
+            ok = isinstance(d, list) and len(d) == 2 and isinstance(d[1], list)
+            ok = ok and all(type(x) is int and x >= 0 for x in d[1])
+            if not ok:
+                raise ValueError("not an answer")
+            out.append((from_json(d[0]), frozenset(d[1])))
+        except ValueError:
+            raise CorruptData(
+                f"rank {r} sent an answer about a candidate that is not one"
+            ) from None
+    return out
+
+
 # ---- the collective restore -------------------------------------------------------------
 
 
@@ -405,26 +427,30 @@ def _try(
     ``READ_ERROR``; a bad checksum or a missing blob makes the candidate ``UNUSABLE``."""
     import torch.distributed.checkpoint as dcp
 
-    problem = _prepare(cand, so, pg)
+    problem, routed = _prepare(cand, so, pg)
     if problem is not None:
         return problem
     err: Problem | None = None
+    reader = Reader(cand, store_options=so, **options)
+    if routed is not None:
+        cfg = so.get("config")
+        where = replicas.replica_uri(cand, cfg) if replicas.replicas_of(cand, cfg) else cand
+        reader.peers = Peers(pg, _dist().get_rank(pg), routed[0], where, routed[1])
     try:
-        dcp.load(
-            state_dict,
-            storage_reader=Reader(cand, store_options=so, **options),
-            planner=planner,
-            process_group=pg,
-        )
+        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=pg)
     except BaseException as e:
         transient = isinstance(fmstore_error(e), StoreUnavailable)
         err = Problem(Code.READ_ERROR if transient else Code.UNUSABLE, reason(e))
     return first(_gather_problems(pg, err))
 
 
-def _prepare(uri: str, so: dict[str, Any], pg: Any) -> Problem | None:
+def _prepare(
+    uri: str, so: dict[str, Any], pg: Any
+) -> tuple[Problem | None, tuple[Routes, DcpManifest] | None]:
     """Agree on whether ``uri`` is readable by every rank, adopting or removing pending
-    parts; None when it is (the same answer on every rank)."""
+    parts; no problem when it is (the same answer on every rank), with the routes of its
+    blobs and its manifest when some rank reads blobs from another node or its node's
+    replicas."""
     dist = _dist()
     rank = dist.get_rank(pg)
     # Every step below answers on every rank, errors included: a rank that raised here
@@ -434,22 +460,22 @@ def _prepare(uri: str, so: dict[str, Any], pg: Any) -> Problem | None:
     except Exception as e:
         mine = _View(rank, node_id(), None, (), Problem(Code.READ_ERROR, reason(e)))
     views = _View.gather(pg, mine)
+    nodes = tuple(v.node for v in views)
     holders = [v for v in views if v.digest is not None]
     if not holders:
         bad = [v for v in views if v.error is not None]
         if bad:
             # Some node could not look: it may hold the manifest.  Nothing is removed.
             text = f"node {bad[0].node} could not look: {bad[0].error.text}"  # type: ignore[union-attr]
-            return Problem(Code.READ_ERROR, text)
+            return Problem(Code.READ_ERROR, text), None
         pending = [v for v in views if v.pending]
-        if any(v.rank == rank for v in pending):
-            layout = tuple(v.node for v in views)
+        if views[rank].pending and rank == lowest_rank(nodes, views[rank].node):
             with contextlib.suppress(Exception):  # stays pending: the next restore retries
-                runtime.run(_drop_pending(uri, so, rank, views[rank].pending, layout))
+                runtime.run(_drop_pending(uri, so, views[rank].pending, nodes))
         if pending:
             text = "never committed: no node holds its manifest; its pending parts are removed"
-            return Problem(Code.NO_MANIFEST, text)
-        return Problem(Code.NO_MANIFEST, "no committed checkpoint there")
+            return Problem(Code.NO_MANIFEST, text), None
+        return Problem(Code.NO_MANIFEST, "no committed checkpoint there"), None
     src = holders[0]
     box: list[Any] = [None]
     if rank == src.rank:
@@ -461,44 +487,84 @@ def _prepare(uri: str, so: dict[str, Any], pg: Any) -> Problem | None:
             box[0] = f"node {src.node} could not read its manifest again: {reason(e)}"
     box[0] = broadcast_result(pg, src.rank, box[0], limit=manifest_limit())
     if isinstance(box[0], str):  # the holder could not read it again: unknown
-        return Problem(Code.READ_ERROR, box[0])
+        return Problem(Code.READ_ERROR, box[0]), None
     mine_p: Problem | None = None
     m: DcpManifest | None = None
+    own: frozenset[int] = frozenset()
     try:
         m = DcpManifest.loads(box[0], where=f"{uri}/{MANIFEST_KEY}")
     except Exception as e:
         mine_p = Problem(Code.UNUSABLE, reason(e))
     else:
         try:
-            mine_p = runtime.run(_check_part(uri, so, m, views, rank, src))
+            mine_p, own = runtime.run(_check_part(uri, so, m, views, rank, src))
         except Exception as e:  # listing this node's blobs failed: unknown
             mine_p = Problem(Code.READ_ERROR, reason(e))
-    every = _gather_problems(pg, mine_p)
+    answers = _gather_answers(pg, mine_p, own)
+    every = [p for p, _own in answers]
     problem = first(every)
+    routes: Routes | None = None
+    if problem is None and m is not None and _remapped(m, views, uri, so):
+        # The relaunch put ranks on other nodes than the save: each item from a node
+        # that holds it, or the candidate passed over (a shared tier reads it).
+        problem, routes = _route(m, views, [o for _p, o in answers], src)
     if problem is not None:
         # Parts lost with their nodes come back from the replicas other nodes hold.
         lacking = [r for r, p in enumerate(every) if p is not None]
-        routes = None
+        fetches = None
         if m is not None and all(p is None or p.code is Code.LACKS_PART for p in every):
-            routes = replicas.plan(src.digest or "", [v.held for v in views], lacking)
-        if m is None or routes is None:
-            return problem
-        errs = [e for e in _gather(pg, replicas.fetch(uri, so, m, routes, pg)) if e]
+            fetches = replicas.plan(src.digest or "", [v.held for v in views], lacking)
+        if m is None or fetches is None:
+            return problem, None
+        errs = [e for e in _gather(pg, replicas.fetch(uri, so, m, fetches, pg)) if e]
         if errs:
             text = f"{problem.text}; its replica did not restore it ({errs[0]})"
-            return Problem(Code.UNUSABLE, text)
+            return Problem(Code.UNUSABLE, text), None
     assert m is not None  # no problem: the manifest was read
     # Every rank can read its part: the nodes that lacked the manifest adopt theirs.
     err: Problem | None = None
     if m.parts and views[rank].digest is None and tier_scope(uri, so.get("config")) == "node":
         part = m.part_of(views[rank].node)
-        if part is not None and rank == min(part.ranks):
+        # Routed, a node that lost its part reads every blob from others: nothing to adopt.
+        holds = routes is None or bool(answers[rank][1])
+        if part is not None and holds and rank == lowest_rank(nodes, views[rank].node):
             try:
                 runtime.run(_put_manifest(_open(uri, so), box[0]))
             except Exception as e:
                 text = f"node {views[rank].node} could not adopt its part: {reason(e)}"
                 err = Problem(Code.UNUSABLE, text)
-    return first(_gather_problems(pg, err))
+    return first(_gather_problems(pg, err)), (None if routes is None else (routes, m))
+
+
+def _remapped(m: DcpManifest, views: list[_View], uri: str, so: dict[str, Any]) -> bool:
+    """Whether ``m`` is in node-local parts and some rank runs on another node than its
+    part was saved on (every rank decides alike, from gathered facts)."""
+    if not m.parts or tier_scope(uri, so.get("config")) != "node":
+        return False
+    return any(m.node_of_rank(v.rank) != v.node for v in views)
+
+
+def _route(
+    m: DcpManifest, views: list[_View], own: list[frozenset[int]], src: _View
+) -> tuple[Problem | None, Routes | None]:
+    """The routes of a remapped restore (every rank alike), or why there are none."""
+    holdings = [
+        Holding(
+            v.rank,
+            v.node,
+            own[v.rank],
+            frozenset(v.held[1]) if v.held[0] == src.digest else frozenset(),
+        )
+        for v in views
+    ]
+    got = route(m.world_size, holdings)
+    if isinstance(got, Routes):
+        return None, got
+    text = (
+        f"ranks {list(got)[:8]} of the save are on no node of this job (its ranks moved "
+        "to other nodes, and those parts are lost): restore from a shared tier"
+    )
+    return Problem(Code.LACKS_PART, text), None
 
 
 def _open(uri: str, so: dict[str, Any]) -> Store:
@@ -525,83 +591,95 @@ async def _look(uri: str, so: dict[str, Any], rank: int) -> _View:
         return _View(rank, me, hashlib.sha256(data).hexdigest(), (), held=held)
     pending = []
     if tier_scope(uri, cfg) == "node":
+        # A generation holding any rank's record on this node (the relaunch may run other
+        # ranks here than the save did).
         async for o in store.list("", recursive=False):
             gen = o.key.rstrip("/").rsplit("/", 1)[-1]
-            if GENERATION_RE.match(gen) and await store.exists(rank_record_key(gen, rank)):
+            if GENERATION_RE.match(gen) and await _has_record(store, gen):
                 pending.append(gen)
     return _View(rank, me, None, tuple(sorted(pending)), held=held)
 
 
+async def _has_record(store: Store, gen: str) -> bool:
+    async for o in store.list(f"{gen}/", recursive=False):
+        if not o.is_dir and RANK_RECORD_RE.match(o.key.rsplit("/", 1)[-1]):
+            return True
+    return False
+
+
 async def _drop_pending(
-    uri: str, so: dict[str, Any], rank: int, gens: Sequence[str], layout: tuple[str, ...]
+    uri: str, so: dict[str, Any], gens: Sequence[str], nodes: tuple[str, ...]
 ) -> None:
-    """Remove this rank's blobs and record of saves no node committed: the collective found
-    no manifest on any node, and the job has the save's layout (``layout``: each rank's
-    node), so every node of the save answered.  A part of a save with another layout
-    stays pending (a job with that layout decides about it)."""
+    """Remove this node's pending parts of saves no node committed (by the node's lowest
+    rank): the collective found no manifest on any node of the job (``nodes``: each rank's
+    node), and every node of the save is in it, whatever rank it runs now
+    (:func:`~fmstore.checkpoint.routing.may_drop_pending`).  A part of a save some of whose
+    nodes are not in the job stays pending (a job with them decides about it)."""
     store = _open(uri, so)
     for gen in gens:
-        key = rank_record_key(gen, rank)
-        try:
-            raw = await read_bounded(store, key, RECORD_LIMIT, what="rank record")
-            rec = RankRecord.loads(raw, where=f"{store.url}/{key}")
-        except FmstoreError:
-            continue
-        if rec.nodes != layout:
-            continue
-        await store.delete_many([f"{gen}/{name}" for name, _size in rec.blobs])
-        await store.delete(key)
+        async for o in store.list(f"{gen}/", recursive=False):
+            if o.is_dir or not RANK_RECORD_RE.match(o.key.rsplit("/", 1)[-1]):
+                continue
+            try:
+                raw = await read_bounded(store, o.key, RECORD_LIMIT, what="rank record")
+                rec = RankRecord.loads(raw, where=f"{store.url}/{o.key}")
+            except FmstoreError:
+                continue
+            if rec.generation != gen or not may_drop_pending(rec.nodes, nodes):
+                continue
+            await store.delete_many([f"{gen}/{name}" for name, _size in rec.blobs])
+            await store.delete(o.key)
 
 
 async def _check_part(
     uri: str, so: dict[str, Any], m: DcpManifest, views: list[_View], rank: int, src: _View
-) -> Problem | None:
+) -> tuple[Problem | None, frozenset[int]]:
     """Why this rank cannot read its share of the checkpoint ``m`` at ``uri`` (None if it
-    can)."""
+    can), and the saved ranks whose blobs this node's part holds complete."""
     me = views[rank]
+    none: frozenset[int] = frozenset()
     if me.digest is not None and me.digest != src.digest:
         text = (
             f"node {me.node} holds another manifest than node {src.node} (two saves to one prefix?)"
         )
-        return Problem(Code.UNUSABLE, text)
+        return Problem(Code.UNUSABLE, text), none
     if not m.parts or tier_scope(uri, so.get("config")) != "node":
         # In one part, or on a shared tier: every rank sees the same store, DCP's read
         # checks the rest.
         if me.digest is None:
             text = f"node {me.node} (rank {me.rank}) cannot see the manifest node {src.node} reads"
-            return Problem(me.error.code if me.error else Code.UNUSABLE, text)
-        return None
+            return Problem(me.error.code if me.error else Code.UNUSABLE, text), none
+        return None, none
     if m.world_size != len(views):
         return Problem(
             Code.UNUSABLE,
             f"saved by {m.world_size} ranks in node-local parts, restored by {len(views)}: "
             "node-local parts are not used; restore from a shared tier",
-        )
-    node = m.node_of_rank(me.rank)
-    if node != me.node:
-        return Problem(
-            Code.UNUSABLE,
-            f"rank {me.rank} runs on node {me.node} but its part was saved on node {node}: "
-            "the job's ranks or nodes changed since the save (node-local parts are not used; "
-            "restore from a shared tier)",
-        )
+        ), none
+    part = m.part_of(me.node)
     have: dict[str, int] = {}
-    try:
-        store = _open(uri, so)
-    except NotFound:
-        pass  # not even the checkpoint's directory on this node
-    else:
-        have = {o.key: o.size async for o in store.list(f"{m.generation}/") if not o.is_dir}
+    if part is not None:
+        try:
+            store = _open(uri, so)
+        except NotFound:
+            pass  # not even the checkpoint's directory on this node
+        else:
+            have = {o.key: o.size async for o in store.list(f"{m.generation}/") if not o.is_dir}
+    short: dict[int, str] = {}  # saved rank of this node's part -> the first blob it lacks
     for b in m.blobs:
-        if b.rank != me.rank:
+        if part is None or b.rank not in part.ranks or b.rank in short:
             continue
         key = f"{m.generation}/{b.name}"
         size = have.get(key)
         if size != b.size:
-            state = "missing" if size is None else f"{size} bytes, not {b.size}"
-            return Problem(
-                Code.LACKS_PART,
-                f"node {me.node} lacks its part (rank {me.rank}'s blob {key} is {state}; "
-                "was the node replaced or its NVMe wiped?)",
+            short[b.rank] = (
+                f"{key} is {'missing' if size is None else f'{size} bytes, not {b.size}'}"
             )
-    return None
+    own = frozenset(r for r in (part.ranks if part else ()) if r not in short)
+    if me.rank in short and m.node_of_rank(me.rank) == me.node:
+        return Problem(
+            Code.LACKS_PART,
+            f"node {me.node} lacks its part (rank {me.rank}'s blob {short[me.rank]}; "
+            "was the node replaced or its NVMe wiped?)",
+        ), own
+    return None, own

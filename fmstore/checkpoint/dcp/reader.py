@@ -47,9 +47,13 @@ from ...limits import ByteBudget
 from ...stores import Location, Store, open_store
 from ...stores.bounded import manifest_limit, read_bounded
 from ..devring import RingLoad, cpu_routed, open_ring, run_all
+from ..routing import PART
 from ..zipguard import check_torch_zip
 from .manifest import MANIFEST_KEY, DcpItem, DcpManifest
 from .native import NativeCheckpoint, NativeItem, has_native_metadata, read_native, read_native_data
+from .peers import Part as _Part
+from .peers import Peers, read_routed
+from .readruns import coalesce, direct_runs, has_local_files
 
 __all__ = ["ReadOptions", "Reader", "read_manifest"]
 
@@ -100,15 +104,8 @@ class _Target:
     dev: torch.Tensor | None = None
     #: a box that is not one run of its device destination, contiguous on the device
     box: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class _Part:
-    """A chunk's contribution to one target: raw bytes [a, b) of the item."""
-
-    target: int
-    a: int
-    b: int
+    #: read from another node or this node's replicas (:mod:`.peers`), not this part
+    routed: bool = False
 
 
 class Reader(StorageReader):
@@ -138,10 +135,14 @@ class Reader(StorageReader):
         self.is_coordinator = False
         #: ranks whose blobs this node holds (a checkpoint in parts), None: all of them
         self.local_ranks: set[int] | None = None
+        #: set by the collective restore when some blobs are read from other nodes (or
+        #: this node's replicas): the routes, see :mod:`.peers`
+        self.peers: Peers | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         d = self.__dict__.copy()
         d["_store"] = None
+        d["peers"] = None  # the process group stays in this process
         return d
 
     @property
@@ -181,7 +182,10 @@ class Reader(StorageReader):
         if kwargs.get("rank") is not None:
             raise NotFound("fmstore DCP checkpoints have no rank-local metadata", key=MANIFEST_KEY)
         try:
-            self.manifest = runtime.run(read_manifest(self.store))
+            if self.peers is not None:
+                self.manifest = self.peers.manifest
+            else:
+                self.manifest = runtime.run(read_manifest(self.store))
         except NotFound:
             self.native = runtime.run(self._read_native())
             if self.native is None:
@@ -224,6 +228,11 @@ class Reader(StorageReader):
             self.local_ranks = None
             return None
 
+        if self.peers is not None:
+            # Routed: the saved ranks whose blobs this rank reads on its own node (its
+            # part, its replicas) are preferred where DCP's plan has a choice of copies.
+            self.local_ranks = self.peers.routes.local(self.peers.rank)
+            return self.local_ranks
         part = m.part_of(node_id())
         if part is None:
             raise NotFound(
@@ -265,8 +274,11 @@ class Reader(StorageReader):
                 fut.set_result(None)
             return fut
         try:
-            targets = [self._target(req, planner) for req in plan.items]
-            runtime.run(self._read(targets))
+            if self.peers is not None:  # some blobs on other nodes: a collective
+                targets = read_routed(self, lambda: [self._target(r, planner) for r in plan.items])
+            else:
+                targets = [self._target(req, planner) for req in plan.items]
+                runtime.run(self._read(targets))
             for t in targets:
                 if t.dest is None:
                     assert t.buf is not None
@@ -276,6 +288,8 @@ class Reader(StorageReader):
                         t.dest.copy_(t.box)
                     elif t.direct is None and t.dev is None and t.dest.device.type == "cpu":
                         _copy_box(t)
+                    elif t.routed and t.direct is None:
+                        _copy_box(t)  # staged on the host, into its device
                     planner.commit_tensor(t.req, t.dest)
         except BaseException as e:
             fut.set_exception(e)  # type: ignore[arg-type]
@@ -291,9 +305,10 @@ class Reader(StorageReader):
         only ever unpickles bytes fmstore wrote from a safe object.  Either way its zip
         members are checked first (:func:`~fmstore.checkpoint.zipguard.check_torch_zip`:
         torch inflates a compressed member whole before any size is checked)."""
-        check_torch_zip(
-            data, name=f"{fqn[:200]!r} in {self.store.url}", tier=self.store.tier, key=MANIFEST_KEY
-        )
+        st = self._store  # None: every item came from other nodes, none opened here
+        where = self.uri if st is None else st.url
+        tier = None if st is None else st.tier
+        check_torch_zip(data, name=f"{fqn[:200]!r} in {where}", tier=tier, key=MANIFEST_KEY)
         if self.options.allow_pickle:
             return io.BytesIO(data)
         try:
@@ -304,10 +319,10 @@ class Reader(StorageReader):
             why = next((ln for ln in lines if "Unpickler error" in ln), lines[0] if lines else "")
             why = why[:200] or type(e).__name__
             raise CorruptData(
-                f"{fqn!r} in {self.store.url} is not a plain value (tensors, numbers, "
+                f"{fqn!r} in {where} is not a plain value (tensors, numbers, "
                 f"strings, containers) and fmstore does not unpickle it: {why}; pass "
                 "allow_pickle=True to the Reader if you trust this checkpoint",
-                tier=self.store.tier,
+                tier=tier,
                 key=MANIFEST_KEY,
             ) from None
         out = io.BytesIO()
@@ -326,10 +341,13 @@ class Reader(StorageReader):
                 tier=self.store.tier,
                 key=MANIFEST_KEY,
             )
+        routed = False
         if self.local_ranks is not None and item.chunks:
             assert self.manifest is not None
             rank = self.manifest.blobs[item.chunks[0].blob].rank
-            if rank not in self.local_ranks:
+            if self.peers is not None:
+                routed = self.peers.source(rank) != (self.peers.rank, PART)
+            elif rank not in self.local_ranks:
                 raise NotFound(
                     f"{item.fqn!r} (offset {list(item.offset or ())}) is in the part of node "
                     f"{self.manifest.node_of_rank(rank)} (rank {rank}), not on this node: the "
@@ -338,7 +356,9 @@ class Reader(StorageReader):
                     key=MANIFEST_KEY,
                 )
         if req.type == LoadItemType.BYTE_IO:
-            return _Target(req, item, 0, item.nbytes, None, None, bytearray(item.nbytes))
+            return _Target(
+                req, item, 0, item.nbytes, None, None, bytearray(item.nbytes), routed=routed
+            )
         dtype = dtype_from_name(item.dtype)
         dest = planner.resolve_tensor(req).detach()
         if tuple(dest.shape) != tuple(req.lengths):
@@ -363,10 +383,14 @@ class Reader(StorageReader):
         direct = None
         plain = contiguous and dest.dtype == dtype and dest.is_contiguous() and dest.numel() > 0
         ringed = dest.device.type != "cpu" or cpu_routed()
+        if routed:
+            # From another node or store: into host memory, then into the destination.
+            plain = plain and not ringed
+            ringed = False
         if plain and not ringed:
             arr: Any = dest.reshape(-1).view(torch.uint8).numpy()
             direct = memoryview(arr)
-        t = _Target(req, item, lo, hi, dest, direct)
+        t = _Target(req, item, lo, hi, dest, direct, routed=routed)
         if plain and ringed:
             t.dev = dest.reshape(-1).view(torch.uint8)
         elif direct is None:
@@ -472,12 +496,12 @@ class Reader(StorageReader):
             finally:
                 await budget.release(held)
 
-        groups = _coalesce(sorted(chunk_of), chunk_of, opts.coalesce, opts.max_request)
+        groups = coalesce(sorted(chunk_of), chunk_of, opts.coalesce, opts.max_request)
         # On local files a run of chunks is read sequentially in one call, so the kernel's
         # readahead streams it (measured ~1.6x faster cold than a concurrent read per chunk);
         # on object stores every chunk is its own request, all in parallel.
-        gap = opts.max_request if _has_local_files(store, manifest) else 0
-        runs = _direct_runs(direct_jobs, gap)
+        gap = opts.max_request if has_local_files(store, manifest) else 0
+        runs = direct_runs(direct_jobs, gap)
         try:
             await run_all(
                 [direct(t, r) for t, r in runs]
@@ -593,64 +617,12 @@ class Reader(StorageReader):
         )
 
 
-def _has_local_files(store: Store, manifest: DcpManifest) -> bool:
-    """Whether the blobs are files on a local (POSIX) file system."""
-    return store.local_root is not None and bool(manifest.blobs)
-
-
-def _direct_runs(
-    jobs: list[tuple[_Target, ChunkEntry]], max_run: int
-) -> list[tuple[_Target, list[ChunkEntry]]]:
-    """Merge chunks that follow each other both in their blob and in their target's memory
-    into runs of at most ``max_run`` bytes (0: every chunk on its own)."""
-    runs: list[tuple[_Target, list[ChunkEntry]]] = []
-    for t, c in sorted(jobs, key=lambda j: (j[1].blob, j[1].offset)):
-        if runs:
-            rt, run = runs[-1]
-            last = run[-1]
-            if (
-                rt is t
-                and last.blob == c.blob
-                and last.offset + last.length == c.offset
-                and last.raw_offset + last.raw == c.raw_offset
-                and c.offset + c.length - run[0].offset <= max_run
-            ):
-                run.append(c)
-                continue
-        runs.append((t, [c]))
-    return runs
-
-
 def _out_view(t: _Target, a: int, b: int) -> memoryview:
     """Where item bytes [a, b) of target ``t`` go."""
     if t.direct is not None:
         return t.direct[a - t.lo : b - t.lo]
     assert t.buf is not None
     return memoryview(t.buf)[a - t.lo : b - t.lo]
-
-
-def _coalesce(
-    keys: list[tuple[int, int]],
-    chunk_of: dict[tuple[int, int], tuple[ChunkEntry, DcpItem]],
-    gap: int,
-    max_request: int,
-) -> list[list[tuple[int, int]]]:
-    """Group chunk keys (sorted by blob, offset) into ranged requests."""
-    groups: list[list[tuple[int, int]]] = []
-    for k in keys:
-        c = chunk_of[k][0]
-        if groups:
-            g = groups[-1]
-            first, last = chunk_of[g[0]][0], chunk_of[g[-1]][0]
-            if (
-                g[0][0] == k[0]
-                and c.offset - (last.offset + last.length) <= gap
-                and c.offset + c.length - first.offset <= max_request
-            ):
-                g.append(k)
-                continue
-        groups.append([k])
-    return groups
 
 
 def _box_span(
