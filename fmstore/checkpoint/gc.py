@@ -181,18 +181,23 @@ async def _live_lease(store: Store, keys: list[str]) -> bool:
 
 
 async def remove_generation(store: Store, g: Generation) -> bool:
-    """Remove orphan generation ``g``: part records and leases first, then, unless an
-    exporter came back meanwhile (a live lease) or a manifest now names it, its blobs.
-    False when it stopped before the blobs."""
-    records = g.records
-    if records:
+    """Remove orphan generation ``g``: its part records first, then, unless an exporter
+    came back meanwhile (a live lease, a part record written since the scan) or a manifest
+    now names it, its blobs and leases.  False when it stopped before the blobs."""
+    # Its part records go first (no commit counts them any more); its leases stay until the
+    # blobs go: one renewed since the scan must be read below, as alive, not deleted unread.
+    records = [k for k in g.records if PART_RECORD_RE.match(k.rsplit("/", 1)[-1])]
+    if g.records:
         await store.delete_many(records)
         prefix, _, gen = g.where.rpartition("/")
-        leases = []
+        leases, came_back = [], False
         async for meta in store.list(f"{g.where}/", recursive=False):
-            if LEASE_RE.match(meta.key.rsplit("/", 1)[-1]):
+            name = meta.key.rsplit("/", 1)[-1]
+            if LEASE_RE.match(name):
                 leases.append(meta.key)
-        if await _live_lease(store, leases):
+            # A part record written since the scan: an exporter is back at work in it.
+            came_back = came_back or bool(PART_RECORD_RE.match(name))
+        if came_back or await _live_lease(store, leases):
             return False
         try:
             key = f"{prefix}/{MANIFEST_KEY}" if prefix else MANIFEST_KEY
