@@ -1,20 +1,21 @@
-"""A deterministic simulation of exports in node parts: the real commit, supersede and
-step-counting code of fmstore.tiering against in-memory stores in which every store call is
-a scheduling point of one seeded scheduler.
+"""A deterministic simulation of exports in node parts, retention, release and the orphan
+sweep: the real code of fmstore.tiering and fmstore.checkpoint.gc against in-memory stores
+in which every store call is a scheduling point of one seeded scheduler.
 
-One schedule: two nodes each export their part of one sharded checkpoint to a shared tier
-(``parts.export_part``, the copy engine replaced by a byte-exact fake), one node
-supersedes its export (``parts.delete_own_part``), and by chance a stranger writes a part
-record its node never wrote, or a ``manifest.json`` that is no checkpoint in a newer step;
-a rescan (``Tiers.committed_facts``) counts steps.  Nodes' clocks are apart by up to the
-allowed skew; virtual time advances between calls, never past a parked call's deadline
-(a store call lands within half a lease lifetime of being made: the protocol's stated
-assumption).  After every step the oracles check:
-
-* I2: a manifest on the shared tier has every blob it lists, byte-exact;
-* I4: no blob of a committed manifest is deleted;
-* I1 (the counting half): every step a rescan counts as committed has a manifest that
-  parses and every blob it lists, byte-exact.
+One schedule (``docs/distributed.md``, "The simulation"): 2 or 3 nodes each hold their part
+of two saved steps on their own node-local store; each node's exporter exports its parts to
+the shared store (``parts.export_part``, the copy engine replaced by a byte-exact fake), one
+may supersede its first export (``parts.delete_own_part``); each node's daemon rescans
+(``Tiers.committed_facts``), plans retention and release (``policies.plan_retention``,
+``policies.plan_release``), removes what they choose (``mover.delete_checkpoint``) and
+sweeps orphans (``sweep.Sweeper``); a stranger may write a part record or a junk manifest.
+Faults: a node killed between two store calls, clocks apart within the allowed skew, typed
+transient store errors (a write or delete may land and still fail).  Virtual time advances
+between calls, never past a parked call's deadline (a store call lands within half a lease
+lifetime of being made: the protocol's stated assumption).  After every call the oracles
+check I1 in full (the shared tier's ``keep_latest`` newest steps restorable from some tier)
+and its counting half, I2 (a manifest's blobs all there, byte-exact) and I4 (no blob of a
+committed manifest deleted).
 
 A failing schedule raises :class:`Violation` naming the seed; ``run(seed)`` replays it.
 """

@@ -15,9 +15,10 @@ however old; only a restore's collective decides about it (``docs/distributed.md
 On a shared tier, the copy of a checkpoint in node parts being exported by the nodes
 (:mod:`.partrecords`) holds part records (``part-NODE.json``) and export leases
 (``export-NODE.json``) beside its blobs until it commits.  Such a generation is kept while
-any lease in it is alive, whatever ``older_than``; when it goes, its records and leases go
-first, then it is looked at again (a lease renewed, a manifest naming it: it stays), then
-its blobs, so a node that starts exporting meanwhile never commits over missing blobs.
+any lease in it is alive, whatever ``older_than``; when it goes, its part records go
+first, then it is looked at again (a lease renewed, a part record written since the scan,
+a manifest naming it: it stays), then its blobs and leases, so a node that exports into it
+meanwhile does not commit over missing blobs.
 
 ``older_than`` protects saves still running: a generation is removed only when it was
 started, and last written, at least that many seconds ago.  "Written" is when each object
