@@ -15,9 +15,10 @@ however old; only a restore's collective decides about it (``docs/distributed.md
 On a shared tier, the copy of a checkpoint in node parts being exported by the nodes
 (:mod:`.partrecords`) holds part records (``part-NODE.json``) and export leases
 (``export-NODE.json``) beside its blobs until it commits.  Such a generation is kept while
-any lease in it is alive, whatever ``older_than``; when it goes, its records and leases go
-first, then it is looked at again (a lease renewed, a manifest naming it: it stays), then
-its blobs, so a node that starts exporting meanwhile never commits over missing blobs.
+any lease in it is alive, whatever ``older_than``; when it goes, its part records go
+first, then it is looked at again (a lease renewed, a part record written since the scan,
+a manifest naming it: it stays), then its blobs and leases, so a node that exports into it
+meanwhile does not commit over missing blobs.
 
 ``older_than`` protects saves still running: a generation is removed only when it was
 started, and last written, at least that many seconds ago.  "Written" is when each object
@@ -193,18 +194,23 @@ async def _live_lease(store: Store, keys: list[str]) -> bool:
 
 
 async def remove_generation(store: Store, g: Generation) -> bool:
-    """Remove orphan generation ``g``: part records and leases first, then, unless an
-    exporter came back meanwhile (a live lease) or a manifest now names it, its blobs.
-    False when it stopped before the blobs."""
-    records = g.records
-    if records:
+    """Remove orphan generation ``g``: its part records first, then, unless an exporter
+    came back meanwhile (a live lease, a part record written since the scan) or a manifest
+    now names it, its blobs and leases.  False when it stopped before the blobs."""
+    # Its part records go first (no commit counts them any more); its leases stay until the
+    # blobs go: one renewed since the scan must be read below, as alive, not deleted unread.
+    records = [k for k in g.records if PART_RECORD_RE.match(k.rsplit("/", 1)[-1])]
+    if g.records:
         await store.delete_many(records)
         prefix, _, gen = g.where.rpartition("/")
-        leases = []
+        leases, came_back = [], False
         async for meta in store.list(f"{g.where}/", recursive=False):
-            if LEASE_RE.fullmatch(meta.key.rsplit("/", 1)[-1]):
+            name = meta.key.rsplit("/", 1)[-1]
+            if LEASE_RE.fullmatch(name):
                 leases.append(meta.key)
-        if await _live_lease(store, leases):
+            # A part record written since the scan: an exporter is back at work in it.
+            came_back = came_back or bool(PART_RECORD_RE.match(name))
+        if came_back or await _live_lease(store, leases):
             return False
         try:
             key = f"{prefix}/{MANIFEST_KEY}" if prefix else MANIFEST_KEY

@@ -30,7 +30,7 @@ Ownership is never guessed.  An item is removed only when
   began long ago;
 * no node's export lease in it is alive (an export of a checkpoint in node parts, on any
   node: ``docs/distributed.md``), whatever its age and the grace period; its part records
-  and leases are removed before its blobs, and it is looked at again in between;
+  are removed before its blobs and leases, and it is looked at again in between;
 * it is not part of a committed checkpoint (pinned ones included): the generation a manifest
   names is never garbage, and a manifest that does not parse keeps its whole prefix;
 * it is not a pending part of a sharded checkpoint on a node-local tier (a generation with a
