@@ -312,13 +312,7 @@ def patches(revert: frozenset[str] = frozenset()) -> list[tuple[Any, str, Any]]:
             )
         ]
     if "retention" in revert:  # retention blind to exports pending or in progress
-        out += [
-            (
-                policies,
-                "_blocked",
-                lambda p, s: {(x.root, x.step) for x in s.pins if x.expires >= s.now},
-            )
-        ]
+        out += [(policies._Sources, "may_drop", lambda self, key, tier: True)]
     if "release" in revert:  # a release taking a copy being exported for a verified one
         real = policies.plan_release
 

@@ -68,7 +68,13 @@ def test_each_node_exports_its_part_and_a_replaced_node_restores_from_the_shared
         # Per step and tier, the parts there: the node's own on its NVMe, every node's
         # (from the destination's part records) on the shared tiers.
         own = rows[20]["nvme"]["part"]
-        assert own == {"index": 1, "of": 2, "node": "n0", "bytes": own["bytes"]}
+        assert own == {
+            "index": 1,
+            "of": 2,
+            "node": "n0",
+            "nodes": ["n0", "n1"],
+            "bytes": own["bytes"],
+        }
         assert (
             0
             < own["bytes"]

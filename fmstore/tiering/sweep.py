@@ -158,11 +158,12 @@ class Sweeper:
             self.report.orphans.append(
                 Orphan(tier, "generation", where, 0, 0.0, "kept: pending part")
             )
-        try:
-            moved = await runtime.to_io(aside.moved_aside, store, now=time.time())
-        except OSError as e:
-            moved = []
-            self.report.errors.append(f"{tier}: {aside.ASIDE_PREFIX}: {e}")
+        moved: list[tuple[str, int, float]] = []
+        if store.local_root is not None:  # steps are moved aside on POSIX tiers only
+            try:
+                moved = await runtime.to_io(aside.moved_aside, store, now=time.time())
+            except OSError as e:
+                self.report.errors.append(f"{tier}: {aside.ASIDE_PREFIX}: {e}")
         for key, size, age in moved:
             # Steps a restore fell back from (docs/distributed.md): kept for the grace.
             if self._decide(tier, "aside", key, _url(store, key), size, age) and await self._remove(
