@@ -71,7 +71,6 @@ test-chaos: $(STAMP)
 # The deterministic simulation of exports in node parts (tests/sim_parts.py) at length:
 # fresh seeds for SIM_SECONDS (default 600); ends with "schedules: N, violations: V".
 test-sim: $(STAMP)
-	FMSTORE_SIM_LONG=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_sim.py -k search_from_seed_0
 	SIM_SECONDS=$${SIM_SECONDS:-600} PYTHONPATH=tests$${PYTHONPATH:+:$$PYTHONPATH} $(BIN)/python tests/sim_parts.py
 
 # fsspec's own abstract suites (copy, get, put, open, pipe) against fmstore://, every case

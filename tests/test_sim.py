@@ -5,18 +5,13 @@ schedules, else from the seed that found it first (``make test-sim`` searches at
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import sim_parts as sim
 
 #: Protections the search finds within a few hundred schedules from any seed.
 FRESH = ("count", "supersede", "record", "retention", "release")
-#: Rarer ones: the seed that found each (docs/distributed.md has how many schedules).
-FOUND_AT = {"sweep": 916, "sweep-leases": 2666}
 
 
 def test_schedules_of_two_and_three_nodes_keep_every_invariant(capsys):
@@ -39,25 +34,6 @@ def test_each_protection_taken_back_is_found_from_fresh_seeds(revert, capsys):
         sim.search(range(start, start + 6000), frozenset([revert]))
     with capsys.disabled():
         print(f"\n{revert} taken back: {found.value} (seeds from {start})")
-
-
-@pytest.mark.skipif(
-    not os.environ.get("FMSTORE_SIM_LONG"), reason="make test-sim (a search of 900-2,700 seeds)"
-)
-@pytest.mark.parametrize("revert", sorted(FOUND_AT))
-def test_each_rarer_protection_taken_back_is_found_by_the_search_from_seed_0(revert):
-    # In a fresh interpreter, the search from seed 0 finds it at that seed.  A schedule
-    # alone does not reproduce it yet: a run with a protection taken back leaves some state
-    # to the next runs of the same process (docs/distributed.md).
-    seed = FOUND_AT[revert]
-    code = (
-        "import sys, sim_parts as sim\n"
-        f"try:\n    sim.search(range({seed + 1}), frozenset([{revert!r}]))\n"
-        "except sim.Violation as e:\n    print('found', e)\n"
-    )
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert f"(seed {seed})" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
 def test_the_sweep_reads_a_lease_renewed_since_its_scan_seed_2666():
