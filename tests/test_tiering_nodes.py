@@ -88,6 +88,7 @@ def test_each_node_exports_its_part_and_a_replaced_node_restores_from_the_shared
                 "present": ["n0", "n1"],
                 "of": 2,
                 "committed": True,
+                "waiting": [],
             }
         assert "s3" not in rows[10]  # every_steps = 20 there
 
