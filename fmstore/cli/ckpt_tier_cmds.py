@@ -376,8 +376,7 @@ def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = Fa
     lost = sorted((tracked | {s for _t, s, *_ in results if s >= 0}) - good_steps)
     for step in lost:
         console.print(f"[red]BAD[/red] step {step}: no good copy on any tier", highlight=False)
-    copies_bad = bad
-    summary = f"{len(results) - copies_bad} good, {copies_bad} bad copies of {root!r}"
+    summary = f"{len(results) - bad} good, {bad} bad copies of {root!r}"
     console.print(
         summary + (f"; {plural(len(lost), 'checkpoint')} with no good copy" if lost else ""),
         markup=False,
