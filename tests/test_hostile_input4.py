@@ -294,3 +294,34 @@ def test_a_node_local_tier_without_its_scope_gets_the_hint_on_a_missed_blob(two_
     assert "rank 1's blob is missing; not committing" in error, error
     assert "rank 1 ran on node n1, the coordinator on n0" in error, error
     assert 'set scope = "node" in [tiers.nvme]' in error, error
+
+
+def test_a_sparse_gigabyte_dataset_index_is_refused_in_bounded_memory(tmp_path):
+    """A dataset's ``index.json`` is read bounded like a manifest: 1.5 GiB of sparse file
+    (no disk) is refused by its size, before a byte is read, by the loader and the writer."""
+    data = tmp_path / "data"
+    data.mkdir()
+    with open(data / "index.json", "wb") as f:
+        f.truncate(3 << 29)
+    res = run_limited(
+        f"""
+        os.environ["FMSTORE_MAX_INDEX_BYTES"] = str(64 << 20)
+        from fmstore.loaders import StreamingDataset
+        from fmstore.loaders.writer import write_samples
+        report(lambda: StreamingDataset({str(data)!r}, {str(tmp_path / "cache")!r}))
+        report(lambda: write_samples([b"x"], {str(data)!r}))
+        """
+    )
+    assert [r["error"] for r in res] == ["CorruptData", "AlreadyExists"], res
+    assert "dataset index" in res[0]["msg"] and "67108864" in res[0]["msg"], res
+    assert (data / "index.json").stat().st_size == 3 << 29  # nothing replaced or removed
+    # overwrite replaces it: the unread index names no shard to remove
+    res = run_limited(
+        f"""
+        os.environ["FMSTORE_MAX_INDEX_BYTES"] = str(64 << 20)
+        from fmstore.loaders.writer import write_samples
+        report(lambda: write_samples([b"x"], {str(data)!r}, overwrite=True))
+        """
+    )
+    assert res == [{"error": None}], res
+    assert (data / "index.json").stat().st_size < 4096

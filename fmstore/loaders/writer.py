@@ -26,6 +26,7 @@ import zstandard
 from .. import runtime
 from ..errors import AlreadyExists, ConfigError, CorruptData, NotFound
 from ..stores import Store, open_store
+from ..stores.bounded import index_limit, read_bounded
 from .formats import fmstore as fms
 
 INPUTS = ("auto", "jsonl", "text", "files", "tokens")
@@ -133,9 +134,11 @@ def _make_room(store: Store, overwrite: bool) -> set[str]:
 
     async def go() -> set[str]:
         try:
-            old = await store.get(fms.INDEX_KEY)
+            old = await read_bounded(store, fms.INDEX_KEY, index_limit(), what="dataset index")
         except NotFound:
             old = None
+        except CorruptData:  # over the limit, unread: a dataset all the same, naming nothing
+            old = b""
         if old is not None and not overwrite:
             raise AlreadyExists(
                 f"{store.url} already holds a dataset: pass --overwrite (overwrite=True) to "

@@ -12,7 +12,9 @@ The limits:
 * :data:`LEASE_LIMIT` for export leases (a node name, a pid and a time);
 * :data:`RECORD_LIMIT` for part records and rank records (the blobs of one node or rank);
 * :func:`manifest_limit` for manifests (every item of every rank: a 70B model saved by
-  1,024 ranks has a manifest of about 0.6 GB); ``$FMSTORE_MAX_MANIFEST_BYTES`` sets it.
+  1,024 ranks has a manifest of about 0.6 GB); ``$FMSTORE_MAX_MANIFEST_BYTES`` sets it;
+* :func:`index_limit` for a dataset's ``index.json`` (about 200 bytes per shard: a million
+  shards fit in 256 MiB); ``$FMSTORE_MAX_INDEX_BYTES`` sets it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ import os
 from ..errors import ConfigError, CorruptData, InvalidRange
 from .base import Store
 
-__all__ = ["LEASE_LIMIT", "MANIFEST_LIMIT", "RECORD_LIMIT", "manifest_limit", "read_bounded"]
+__all__ = [
+    "INDEX_LIMIT",
+    "LEASE_LIMIT",
+    "MANIFEST_LIMIT",
+    "RECORD_LIMIT",
+    "index_limit",
+    "manifest_limit",
+    "read_bounded",
+]
 
 #: Largest export lease read.
 LEASE_LIMIT = 64 << 10
@@ -30,6 +40,8 @@ LEASE_LIMIT = 64 << 10
 RECORD_LIMIT = 4 << 20
 #: Largest manifest read unless ``$FMSTORE_MAX_MANIFEST_BYTES`` says otherwise.
 MANIFEST_LIMIT = 4 << 30
+#: Largest dataset index read unless ``$FMSTORE_MAX_INDEX_BYTES`` says otherwise.
+INDEX_LIMIT = 1 << 30
 #: Reads of an object replaced by a shorter one between its stat and its read.
 _ATTEMPTS = 3
 
@@ -37,17 +49,25 @@ _ATTEMPTS = 3
 def manifest_limit() -> int:
     """The largest manifest read: ``$FMSTORE_MAX_MANIFEST_BYTES`` (bytes), else
     :data:`MANIFEST_LIMIT`."""
-    raw = os.environ.get("FMSTORE_MAX_MANIFEST_BYTES", "").strip()
+    return _limit("FMSTORE_MAX_MANIFEST_BYTES", MANIFEST_LIMIT)
+
+
+def index_limit() -> int:
+    """The largest dataset index read: ``$FMSTORE_MAX_INDEX_BYTES`` (bytes), else
+    :data:`INDEX_LIMIT`."""
+    return _limit("FMSTORE_MAX_INDEX_BYTES", INDEX_LIMIT)
+
+
+def _limit(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return MANIFEST_LIMIT
+        return default
     try:
         value = int(raw)
     except ValueError:
         value = -1
     if value < 1:
-        raise ConfigError(
-            f"FMSTORE_MAX_MANIFEST_BYTES={raw[:40]!r} is not a positive number of bytes"
-        )
+        raise ConfigError(f"{name}={raw[:40]!r} is not a positive number of bytes")
     return value
 
 

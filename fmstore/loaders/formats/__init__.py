@@ -21,6 +21,7 @@ import numpy as np
 from ... import runtime
 from ...errors import ConfigError, CorruptData, NotFound
 from ...stores import Store
+from ...stores.bounded import index_limit, read_bounded
 from . import fmstore as fms
 from . import mds, parquet, tokens, wds
 from .base import DatasetFormat, ShardReader, ShardSpec
@@ -88,7 +89,9 @@ def _load(store: Store, o: FormatOptions, index_dir: str | None) -> DatasetForma
     doc = None
     if o.format in (None, "fmstore", "mds", "tokens"):
         try:
-            raw = runtime.run(store.get(fms.INDEX_KEY))
+            raw = runtime.run(
+                read_bounded(store, fms.INDEX_KEY, index_limit(), what="dataset index")
+            )
         except NotFound:
             raw = None
         if raw is not None:
