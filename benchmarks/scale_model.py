@@ -128,7 +128,7 @@ class Inputs:
     prefixes: int = 1
     part_size: int = 8 * MiB
     chunk_size: int = 8 * MiB
-    read_direct_min: int = 1 * MiB
+    read_direct_min: int = 2 * MiB
     read_max_request: int = 64 * MiB
     streams: int = 4
     direct_min: int = 4 * MiB
