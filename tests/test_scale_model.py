@@ -42,8 +42,9 @@ INP = Inputs(
     replica_pair=1e9,
 )
 
-#: The figures docs/scale.md predicts from (this machine's, 2026-11-26): the targets of
-#: issue 49 are stated on them, and the model's rates are not to be tuned to meet them.
+#: This machine's figures of two runs (docs/scale.md): 2026-11-26 (write slower than read)
+#: and the --quick run of 2026-11-27 (the other way round).  The targets of issue 49 must
+#: hold on the model's rates as measured, not tuned to meet them.
 DOCS = Inputs(
     nvme_write=0.39e9,
     nvme_read=0.64e9,
@@ -52,6 +53,14 @@ DOCS = Inputs(
     lustre_read=1.31e9,
     s3_read=0.23e9,
     replica_pair=0.69e9,
+)
+QUICK = DOCS.but(
+    nvme_write=0.98e9,
+    nvme_read=0.38e9,
+    s3_export=28e6,
+    lustre_read=0.62e9,
+    s3_read=0.45e9,
+    replica_pair=0.88e9,
 )
 
 
@@ -163,7 +172,7 @@ def test_restore_from_a_replica_is_bounded_per_node_without_one_by_the_shared_ti
     assert lus.seconds > rep.seconds
 
 
-@pytest.mark.parametrize("inp", [INP, DOCS], ids=["test-figures", "docs-figures"])
+@pytest.mark.parametrize("inp", [INP, DOCS, QUICK], ids=["test", "2026-11-26", "quick-run"])
 @pytest.mark.parametrize("job", [LLAMA_70B, LLAMA_405B], ids=["70B", "405B"])
 def test_replicas_from_memory_meet_the_save_targets(job, inp):
     ph = predict(job, inp).phases
@@ -183,7 +192,7 @@ def test_replicas_from_memory_meet_the_save_targets(job, inp):
     assert back / ph["on NVMe"].seconds > 1.2
 
 
-@pytest.mark.parametrize("inp", [INP, DOCS], ids=["test-figures", "docs-figures"])
+@pytest.mark.parametrize("inp", [INP, DOCS, QUICK], ids=["test", "2026-11-26", "quick-run"])
 def test_a_lost_node_restores_within_1_5x_only_from_memory_or_a_spread_replica(inp):
     job = LLAMA_70B
     ph = predict(job, inp).phases
@@ -196,7 +205,8 @@ def test_a_lost_node_restores_within_1_5x_only_from_memory_or_a_spread_replica(i
     # a node's replica over its 8 ranks' holders: each reads an eighth more
     spread = targets(job, inp.but(replica_spread=8))
     assert spread["lost, from the replica / nothing lost"] == pytest.approx(1.125)
-    assert targets(job, inp.but(replica_spread=2))["lost, from the replica / nothing lost"] <= 1.5
+    two = targets(job, inp.but(replica_spread=2))["lost, from the replica / nothing lost"]
+    assert two == pytest.approx(1.5)
     # today's restore writes the part back before every node reads: slower than both
     today = ph["restore, one node lost, from the replica: written back, then read (today)"]
     assert today.own + today.before - nothing.before > 1.5 * nothing.own
