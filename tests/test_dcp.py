@@ -457,6 +457,17 @@ def test_s3_restore_merges_chunks_under_2_mib_into_ranged_gets(s3_server, s3_buc
     equal_trees(out, sd)
     gets = {k: v for k, v in fault_proxy.fetched().items() if k.endswith(".bin")}
     assert sum(len(v) for v in gets.values()) == len(m.blobs), gets
+    # onto a device (the ring's path, here routed on the CPU): merged alike
+    from fmstore.checkpoint.devring import route_cpu
+
+    fault_proxy.seen.clear()
+    ringed = {k: torch.zeros_like(v) for k, v in sd.items()}
+    with route_cpu(slots=2, slot_bytes=1 << 20) as rec:
+        _load(ringed, uri, store_options=so)
+    equal_trees(ringed, sd)
+    assert sum(n for _, n in rec.uses) == sum(v.nbytes for v in sd.values())
+    again = [s for k, v in fault_proxy.fetched().items() if k.endswith(".bin") for s in v]
+    assert len(again) == len(m.blobs)
     # the threshold is an option: at 1 MiB every chunk is a GET of its own again
     fault_proxy.seen.clear()
     _load(out, uri, store_options=so, object_direct_min=1 << 20)
