@@ -34,6 +34,7 @@ import torch
 
 import fmstore.checkpoint.dcp as fdcp
 from fmstore import runtime
+from fmstore.checkpoint.dcp.manifest import MANIFEST_KEY
 from fmstore.stores import open_store
 from fmstore.testing.seaweed import SeaweedServer, free_ports
 from fmstore.tiering.mover import CHECKPOINT_COPY, copy_checkpoint
@@ -42,13 +43,18 @@ from .common import print_table, save_json, settle
 from .scale_model import (
     LLAMA_70B,
     LLAMA_405B,
+    MANIFEST_WAYS,
     Inputs,
     Job,
     MiB,
     local_check,
+    manifest_bytes,
+    manifest_entries,
+    manifest_phase,
     predict,
     prefixes_needed,
     shared_fraction,
+    targets,
 )
 
 HERE = Path(__file__).parent
@@ -203,6 +209,23 @@ def replica_rate(nbytes: int, base: str) -> float:
     return float(Path(out).read_text())
 
 
+def manifest_rate(base: str, items: int = 2000) -> tuple[float, float]:
+    """Bytes of one item's entry in ``manifest.json`` (names shaped like a Llama state
+    dict's, one chunk each) and items per second ``DcpManifest.loads`` parses."""
+    names = ("self_attn.q_proj", "mlp.down_proj")
+    state = {
+        f"{pre}model.layers.{i}.{k}.weight{post}": torch.zeros(8)
+        for i in range(items // 4)
+        for k in names
+        for pre, post in (("", ""), ("optim.state.", ".exp_avg"))
+    }
+    path = os.path.join(base, "manifest")
+    fdcp.save(state, path)
+    data = Path(path, MANIFEST_KEY).read_bytes()
+    t = _timed(lambda: fdcp.DcpManifest.loads(data))
+    return len(data) / len(state), len(state) / t
+
+
 def d2h_rate(nbytes: int) -> float | None:
     if not torch.cuda.is_available():
         return None
@@ -260,6 +283,7 @@ def measure(size: int, rounds: int, base: str, s3: SeaweedServer) -> tuple[Input
     dw, dr = statistics.median(a[0] for a in alls), statistics.median(a[1] for a in alls)
     sa = statistics.median(s3_all(f"s3://{bucket}/all{i}", so, size) for i in range(rounds))
     rep = replica_rate(min(size, 512 * MiB), base)
+    entry, parse = manifest_rate(base)
     d2h = d2h_rate(min(size, 1 << 30))
     fig = {
         "nvme_write": nbytes / w,
@@ -276,6 +300,8 @@ def measure(size: int, rounds: int, base: str, s3: SeaweedServer) -> tuple[Input
         "save_fixed_s": fixed,
         "s3_save_fixed_s": s3_fixed,
         "load_fixed_s": fixed_load,
+        "manifest_entry_bytes": entry,
+        "manifest_parse": parse,
     }
     how = {
         "nvme_write": "fmstore DCP Writer, one process, this disk, synced",
@@ -292,6 +318,8 @@ def measure(size: int, rounds: int, base: str, s3: SeaweedServer) -> tuple[Input
         "save_fixed_s": "fmstore DCP save of 64 KiB to this disk, one process",
         "s3_save_fixed_s": "fmstore DCP save of 64 KiB to SeaweedFS, one process",
         "load_fixed_s": "fmstore DCP load of 64 KiB from this disk, one process",
+        "manifest_entry_bytes": "manifest.json of 2,000 one-chunk items, Llama-like names",
+        "manifest_parse": "items per second of DcpManifest.loads of that manifest",
     }
     sources = {k: f"measured here (median of {rounds}): {v}" for k, v in how.items()}
     sources["s3_requests"] = f"SeaweedFS here: {puts:.0f} PUT/s, {gets:.0f} GET/s (1 KiB objects)"
@@ -424,6 +452,38 @@ def report(inp: Inputs, jobs: list[Job]) -> dict[str, Any]:
         ],
     )
     out["layout"] = layout
+    mrows, trows = [], []
+    for job in jobs:
+        for way in MANIFEST_WAYS:
+            ph = manifest_phase(job, inp, way)
+            mrows.append(
+                {
+                    "job": job.name,
+                    "entries": f"{manifest_entries(job, inp):,}",
+                    "GB": f"{manifest_bytes(job, inp) / 1e9:.2f}",
+                    "way": way,
+                    "at restore s": _fmt_s(ph.seconds),
+                    "binds": ph.binding.name,
+                    "on every node s": _fmt_s(manifest_phase(job, inp, way, at_restore=False).own),
+                }
+            )
+        for spread in sorted({inp.replica_spread, job.gpus_per_node}):
+            got = targets(job, inp.but(replica_spread=spread))
+            trows.append(
+                {"job": job.name, "replica spread": spread}
+                | {k: f"{v:.2f}" for k, v in got.items()}
+            )
+    print_table(
+        "scale: the manifest (items x chunks x bytes per entry) and its trip to the ranks",
+        mrows,
+        ["job", "entries", "GB", "way", "at restore s", "binds", "on every node s"],
+    )
+    print_table(
+        "scale: the targets of issue 49 (goals: 1.2, 2.05, 1.5)",
+        trows,
+        ["job", "replica spread", *targets(jobs[0], inp)],
+    )
+    out["manifest"], out["targets"] = mrows, trows
     return out
 
 

@@ -441,6 +441,41 @@ def test_s3_large_item_is_one_multipart_upload_from_its_memory(s3_server, s3_buc
 
 
 @pytest.mark.s3
+def test_s3_restore_merges_chunks_under_2_mib_into_ranged_gets(s3_server, s3_bucket, fault_proxy):
+    """Items just over the 1 MiB direct-read size (the 70B job's FFN shards) packed in
+    blobs: on S3 each was a GET of its own; merged, one ranged GET per blob here."""
+    so = {**s3_server.store_options(), "endpoint_url": fault_proxy.endpoint_url}
+    uri = f"s3://{s3_bucket}/merged"
+    g = torch.Generator().manual_seed(5)
+    sd = {f"ffn{i}": torch.randn(5 << 16, generator=g) for i in range(12)}  # 1.25 MiB each
+    _save(sd, uri, store_options=so, streams=2)
+    m = runtime.run(read_manifest(open_store(uri, **so)))
+    assert len(m.blobs) == 2
+    fault_proxy.seen.clear()
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    _load(out, uri, store_options=so)
+    equal_trees(out, sd)
+    gets = {k: v for k, v in fault_proxy.fetched().items() if k.endswith(".bin")}
+    assert sum(len(v) for v in gets.values()) == len(m.blobs), gets
+    # onto a device (the ring's path, here routed on the CPU): merged alike
+    from fmstore.checkpoint.devring import route_cpu
+
+    fault_proxy.seen.clear()
+    ringed = {k: torch.zeros_like(v) for k, v in sd.items()}
+    with route_cpu(slots=2, slot_bytes=1 << 20) as rec:
+        _load(ringed, uri, store_options=so)
+    equal_trees(ringed, sd)
+    assert sum(n for _, n in rec.uses) == sum(v.nbytes for v in sd.values())
+    again = [s for k, v in fault_proxy.fetched().items() if k.endswith(".bin") for s in v]
+    assert len(again) == len(m.blobs)
+    # the threshold is an option: at 1 MiB every chunk is a GET of its own again
+    fault_proxy.seen.clear()
+    _load(out, uri, store_options=so, object_direct_min=1 << 20)
+    again = [s for k, v in fault_proxy.fetched().items() if k.endswith(".bin") for s in v]
+    assert len(again) == len(sd)
+
+
+@pytest.mark.s3
 def test_s3_outage_is_a_clear_error_and_commits_nothing(s3_server, s3_bucket):
     from fmstore.testing.faultproxy import FaultProxy, Rule
 

@@ -10,6 +10,7 @@ import pytest
 from benchmarks.scale_model import (
     LLAMA_70B,
     LLAMA_405B,
+    MANIFEST_WAYS,
     Inputs,
     Job,
     Limit,
@@ -19,12 +20,16 @@ from benchmarks.scale_model import (
     fsx_throughput,
     get_requests,
     local_check,
+    manifest_bytes,
+    manifest_entries,
+    manifest_phase,
     predict,
     prefixes_needed,
     put_requests,
     s3_objects,
     s3_save_requests,
     shared_fraction,
+    targets,
 )
 
 INP = Inputs(
@@ -35,6 +40,27 @@ INP = Inputs(
     lustre_read=1.5e9,
     s3_read=1e9,
     replica_pair=1e9,
+)
+
+#: This machine's figures of two runs (docs/scale.md): 2026-11-26 (write slower than read)
+#: and the --quick run of 2026-11-27 (the other way round).  The targets of issue 49 must
+#: hold on the model's rates as measured, not tuned to meet them.
+DOCS = Inputs(
+    nvme_write=0.39e9,
+    nvme_read=0.64e9,
+    lustre_export=72e6,
+    s3_export=18e6,
+    lustre_read=1.31e9,
+    s3_read=0.23e9,
+    replica_pair=0.69e9,
+)
+QUICK = DOCS.but(
+    nvme_write=0.98e9,
+    nvme_read=0.38e9,
+    s3_export=28e6,
+    lustre_read=0.62e9,
+    s3_read=0.45e9,
+    replica_pair=0.88e9,
 )
 
 
@@ -98,10 +124,11 @@ def test_predict_chains_the_phases_and_names_the_limit_that_binds():
     nb = LLAMA_70B.node_bytes
     assert ph["stall"].seconds == pytest.approx(stall)
     assert ph["on NVMe"].seconds == pytest.approx(stall + nb / INP.nvme_write)
-    # after the commit: each part read back, sent, written by the partner; the slowest binds
+    # before replicas from memory: after the commit, each part read back, sent, written
     peer = max(nb / INP.nvme_read, nb / INP.nvme_write, nb / (8 * INP.replica_pair))
-    assert ph["on a peer"].seconds == pytest.approx(ph["on NVMe"].seconds + peer)
-    assert ph["on a peer"].binding.name == "partner writes the replica"
+    back = ph["on a peer, read back after the commit (before)"]
+    assert back.seconds == pytest.approx(ph["on NVMe"].seconds + peer)
+    assert back.binding.name == "partner writes the replica"
     lustre = max(nb / INP.lustre_export, LLAMA_70B.total_bytes / fsx_throughput(LLAMA_70B, INP))
     assert ph["on Lustre"].seconds == pytest.approx(ph["on NVMe"].seconds + lustre)
     assert ph["on Lustre"].binding.name == "FSx throughput" and ph["on Lustre"].binding.shared
@@ -131,14 +158,82 @@ def test_more_prefixes_lift_the_request_limit_until_the_nodes_rate_binds():
 
 def test_restore_from_a_replica_is_bounded_per_node_without_one_by_the_shared_tier():
     p = predict(LLAMA_405B, INP)
+    man = p.phases["the manifest at restore (every rank)"].seconds
     rep = p.phases["restore, one node lost, from the replica"]
     assert not rep.binding.shared
     nb = LLAMA_405B.node_bytes
-    # the part comes back (bound by the new node's write), then every node reads its own
-    assert rep.seconds == pytest.approx(nb / INP.nvme_write + nb / INP.nvme_read)
+    # the holder reads its own part and the whole replica from one NVMe, after the manifest
+    assert rep.before == pytest.approx(man)
+    assert rep.seconds == pytest.approx(man + 2 * nb / INP.nvme_read)
+    today = p.phases["restore, one node lost, from the replica: written back, then read (today)"]
+    assert today.seconds == pytest.approx(man + nb / INP.nvme_write + nb / INP.nvme_read)
     lus = p.phases["restore, one node lost, no replica: every rank from Lustre"]
     assert lus.binding.name == "FSx throughput"
     assert lus.seconds > rep.seconds
+
+
+@pytest.mark.parametrize("inp", [INP, DOCS, QUICK], ids=["test", "2026-11-26", "quick-run"])
+@pytest.mark.parametrize("job", [LLAMA_70B, LLAMA_405B], ids=["70B", "405B"])
+def test_replicas_from_memory_meet_the_save_targets(job, inp):
+    ph = predict(job, inp).phases
+    nb, link = job.node_bytes, min(8 * inp.replica_pair, inp.nic)
+    stall = job.rank_bytes / inp.d2h_gpu
+    mem = ph["on a peer (in memory)"]
+    # sending overlaps the local write: the slower of the two, plus the last chunk's trip
+    want = stall + max(nb / inp.nvme_write, nb / link) + inp.chunk_size / link
+    assert mem.seconds == pytest.approx(want)
+    durable = ph["durable on the peer's NVMe"]
+    assert durable.seconds == pytest.approx(stall + max(2 * nb / inp.nvme_write, nb / link))
+    got = targets(job, inp)
+    assert got["peer in memory / NVMe"] <= 1.2
+    assert got["durable on peer / NVMe"] <= 2.05
+    # the read-back design it replaces did not meet the first one
+    back = ph["on a peer, read back after the commit (before)"].seconds
+    assert back / ph["on NVMe"].seconds > 1.2
+
+
+@pytest.mark.parametrize("inp", [INP, DOCS, QUICK], ids=["test", "2026-11-26", "quick-run"])
+def test_a_lost_node_restores_within_1_5x_only_from_memory_or_a_spread_replica(inp):
+    job = LLAMA_70B
+    ph = predict(job, inp).phases
+    nothing = ph["restore, nothing lost"]
+    assert nothing.own == pytest.approx(job.node_bytes / inp.nvme_read)
+    # one holder per node (fmstore's placement): its NVMe reads two parts, 2x
+    one = targets(job, inp)
+    assert one["lost, from the replica / nothing lost"] == pytest.approx(2.0)
+    assert one["lost, from memory / nothing lost"] <= 1.5
+    # a node's replica over its 8 ranks' holders: each reads an eighth more
+    spread = targets(job, inp.but(replica_spread=8))
+    assert spread["lost, from the replica / nothing lost"] == pytest.approx(1.125)
+    two = targets(job, inp.but(replica_spread=2))["lost, from the replica / nothing lost"]
+    assert two == pytest.approx(1.5)
+    # today's restore writes the part back before every node reads: slower than both
+    today = ph["restore, one node lost, from the replica: written back, then read (today)"]
+    assert today.own + today.before - nothing.before > 1.5 * nothing.own
+
+
+def test_the_manifest_grows_with_ranks_and_every_rank_reading_it_binds_at_scale():
+    job = LLAMA_70B
+    per_rank = sum(max(1, math.ceil(b / DOCS.chunk_size)) for b in job.rank_items())
+    assert manifest_entries(job, DOCS) == per_rank * job.gpus
+    assert manifest_bytes(job, DOCS) == pytest.approx(per_rank * job.gpus * 490)
+    # 1,024 ranks parsing a 1 GB manifest twice take far longer than reading the part
+    today = manifest_phase(job, DOCS, "every rank")
+    assert today.binding.name == "every rank parses it twice"
+    data = job.node_bytes / DOCS.nvme_read
+    assert today.seconds > 10 * data
+    # every rank's own slice: a rank's share, under a tenth of the part's read
+    cut = manifest_phase(job, DOCS, "slices")
+    assert cut.seconds < data / 10
+    assert manifest_phase(job, DOCS, "per node").seconds < today.seconds
+    # the restore's rows wait for the way the Inputs name
+    p = predict(job, DOCS.but(manifest="slices"))
+    assert p.phases["restore, nothing lost"].before == pytest.approx(cut.seconds)
+    # 405B on 16,384 GPUs: over the 4 GiB a restore reads of a manifest today
+    assert manifest_bytes(LLAMA_405B, DOCS) > 4 * (1 << 30)
+    assert set(MANIFEST_WAYS) == {"every rank", "per node", "slices"}
+    with pytest.raises(ValueError, match="manifest way"):
+        manifest_phase(job, DOCS, "gossip")
 
 
 def test_on_this_machine_the_shared_disk_binds_once_there_are_two_nodes():
@@ -156,6 +251,14 @@ def test_on_this_machine_the_shared_disk_binds_once_there_are_two_nodes():
     assert fast.seconds == pytest.approx(0.5 + 1e9 / inp.nvme_write)
     slow = local_check(inp.but(disk_write_all=2 * inp.nvme_write), 3, 1e9)["save to NVMe"]
     assert slow.binding.shared
+    # a many-writer figure below one writer's (the load moved between them): one node
+    # alone still writes at its own rate
+    low = local_check(inp.but(disk_write_all=inp.nvme_write / 4), 1, 1e9)["save to NVMe"]
+    assert low.seconds == pytest.approx(0.5 + 1e9 / inp.nvme_write)
+    # replicas from memory: every node's part and replica through the one disk
+    rep = local_check(inp, 2, 1e9)["save to NVMe with replicas"]
+    assert rep.binding.name == "parts and replicas, one disk for all"
+    assert rep.seconds == pytest.approx(0.5 + 4e9 / inp.nvme_write)
 
 
 def test_inputs_round_trip_through_json_and_ignore_unknown_keys():

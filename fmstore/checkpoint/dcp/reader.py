@@ -63,7 +63,10 @@ class ReadOptions:
     """``coalesce``: merge chunks of one blob separated by at most this many bytes into one
     request; ``max_request``: bytes per merged request; ``max_inflight``: fetched bytes held
     at once; ``direct_min``: raw chunks at least this large are read straight into the
-    destination tensor; ``verify``: check CRC32C of every chunk (default on);
+    destination tensor, on stores without local files only those of at least
+    ``object_direct_min`` too (each is a request of its own there: smaller ones are merged
+    into ranged requests, which keeps a restore's GETs within an S3 prefix's rate,
+    ``docs/scale.md``); ``verify``: check CRC32C of every chunk (default on);
     ``allow_pickle``: accept planner data stored as pickle, and hand ``BYTE_IO`` values to
     the planner as saved (torch's planners unpickle them with ``weights_only=False``: code
     in them runs); off, they are decoded with ``weights_only=True`` first."""
@@ -72,6 +75,7 @@ class ReadOptions:
     max_request: int = 64 << 20
     max_inflight: int = 512 << 20
     direct_min: int = 1 << 20
+    object_direct_min: int = 2 << 20
     verify: bool = True
     allow_pickle: bool = False
 
@@ -410,6 +414,10 @@ class Reader(StorageReader):
         direct_jobs: list[tuple[_Target, ChunkEntry]] = []
         ring_jobs: list[tuple[_Target, ChunkEntry]] = []
         rings: dict[str, RingLoad] = {}
+        local = has_local_files(store, manifest)
+        # On an object store a chunk read on its own is a GET of its own: below
+        # object_direct_min, chunks go through the merged, ranged requests instead.
+        dmin = opts.direct_min if local else max(opts.direct_min, opts.object_direct_min)
         for t in targets:
             dest = t.dest
             on_ring = dest is not None and (dest.device.type != "cpu" or t.dev is not None)
@@ -421,10 +429,10 @@ class Reader(StorageReader):
                 if a >= b:
                     continue
                 whole = a == c.raw_offset and b == c.raw_offset + c.raw
-                if t.direct is not None and c.codec == "raw" and whole and c.raw >= opts.direct_min:
+                if t.direct is not None and c.codec == "raw" and whole and c.raw >= dmin:
                     direct_jobs.append((t, c))
                     continue
-                if t.dev is not None and c.codec == "raw" and whole:
+                if t.dev is not None and c.codec == "raw" and whole and (local or c.raw >= dmin):
                     ring_jobs.append((t, c))
                     continue
                 key = (c.blob, c.offset)
@@ -500,7 +508,7 @@ class Reader(StorageReader):
         # On local files a run of chunks is read sequentially in one call, so the kernel's
         # readahead streams it (measured ~1.6x faster cold than a concurrent read per chunk);
         # on object stores every chunk is its own request, all in parallel.
-        gap = opts.max_request if has_local_files(store, manifest) else 0
+        gap = opts.max_request if local else 0
         runs = direct_runs(direct_jobs, gap)
         try:
             await run_all(
