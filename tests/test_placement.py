@@ -93,3 +93,33 @@ def test_placement_is_deterministic_caps_k_and_places_nothing_it_cannot():
         holders([("n0", [0]), ("n0", [1])], 1)
     assert is_domain("rack-a") and is_domain("az1/rack:2")
     assert not any(is_domain(x) for x in ("", " a", "../x", "a b", "x" * 200, 3, None))
+
+
+def test_a_lost_part_comes_from_the_first_surviving_holder_in_the_saves_order():
+    from fmstore.checkpoint.dcp.replicas import plan
+
+    # 4 nodes x 1 rank, k = 2: rank 0's holders were n2 then n3 (placement over racks).
+    held = [(None, ()), ("d", (0,)), ("d", (0, 1)), ("d", (0, 2))]
+    prefer = [{}, {}, {0: 0}, {0: 1, 2: 0}]
+    assert plan("d", held, [0], prefer) == {0: 2}
+    assert plan("d", held, [0, 2], prefer) == {0: 3, 2: 3}  # the first holder lost too
+    assert plan("d", held, [0, 2, 3], prefer) is None  # rank 3's part has no holder
+    assert plan("d", held[:3], [0, 2], prefer) is None
+    assert plan("d", held, [0], [{}, {}, {0: 1}, {0: 0}]) == {0: 3}
+    assert plan("d", held, [0]) == {0: 1}  # no order known: the lowest rank
+    assert plan("d", held, [0, 1, 2, 3]) is None
+
+
+def test_routes_read_a_part_from_whichever_of_its_holders_is_in_the_job():
+    from fmstore.checkpoint.routing import REPLICA, Holding, Routes, route
+
+    # saved on n0..n2 (one rank each), k = 2; the relaunch runs n0 and two new nodes
+    hs = [
+        Holding(0, "n9", frozenset(), frozenset()),
+        Holding(1, "n0", frozenset({0}), frozenset({1, 2})),
+        Holding(2, "n8", frozenset(), frozenset()),
+    ]
+    got = route(3, hs)
+    assert isinstance(got, Routes)
+    assert got.source[(0, 1)] == (1, REPLICA) and got.source[(2, 2)] == (1, REPLICA)
+    assert route(3, [Holding(0, "n9"), Holding(1, "n0", frozenset({0}))]) == (1, 2)

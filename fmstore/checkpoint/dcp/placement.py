@@ -26,20 +26,14 @@ part on a node that survives.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 
-__all__ = ["DOMAIN_RE", "MAX_REPLICAS", "capped", "holders", "is_domain", "node_holders"]
+from ...config import is_failure_domain as is_domain
 
-#: the most replicas of a part a config may ask for
+__all__ = ["MAX_REPLICAS", "capped", "holders", "is_domain", "node_holders"]
+
+#: the most replicas of a part (``[tiers.X] replicas`` is 0..8)
 MAX_REPLICAS = 8
-#: a failure domain's name: what a rack, a switch or a zone is called (bounded, no spaces)
-DOMAIN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/-]{0,127}", re.ASCII)
-
-
-def is_domain(value: object) -> bool:
-    """Whether ``value`` can name a failure domain (a string of :data:`DOMAIN_RE`)."""
-    return isinstance(value, str) and DOMAIN_RE.fullmatch(value) is not None
 
 
 def capped(k: int, nodes: int) -> int:
