@@ -2,13 +2,15 @@
 (gloo, CPU; ``[tiers.nvme] replicas = 2`` and each node's ``failure_domain`` from its
 config).
 
-``python -m torch.distributed.run ... tests/replica_k_worker.py SCENARIO OUT``
+``python -m torch.distributed.run ... tests/replica_k_worker.py OUT PORT``
 
-* ``save``: step 10 of a state sharded by rank (each rank its own tensors, so each node's
-  part holds only its rank's) through ``fmstore.checkpoint.dcp.save`` to ``nvme:``;
-* ``restore``: the same step loaded from ``nvme:`` alone, checked bit-exact.
+1. step 10 of a state sharded by rank (each rank its own tensors, so each node's part holds
+   only its rank's) saved through ``fmstore.checkpoint.dcp.save`` to ``nvme:``; each rank
+   then sets ``replicas-k/saved-RANK`` in the test's TCP store (on ``PORT``) and waits for
+   ``replicas-k/go`` (the test wipes nodes' NVMe meanwhile);
+2. the same step loaded from ``nvme:`` alone, checked bit-exact.
 
-Every rank writes ``OUT/SCENARIO-RANK.json`` (the node, the URI used).
+Every rank writes ``OUT/restore-RANK.json`` (the node, the URI used).
 """
 
 from __future__ import annotations
@@ -40,21 +42,21 @@ def state(rank: int) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    name, out = sys.argv[1:]
+    out, port = sys.argv[1:]
     dist.init_process_group("gloo", timeout=pg_timeout())
     try:
         ckpt = dist.new_group(backend="gloo", timeout=pg_timeout())
         rank = dist.get_rank()
-        rep = {"node": node_id(), "used": URI}
-        if name == "save":
-            fdcp.save(state(rank), URI, process_group=ckpt)
-        else:
-            sd = {k: torch.zeros_like(v) for k, v in state(rank).items()}
-            rep["used"] = fdcp.load(sd, URI, process_group=ckpt)
-            for k, v in state(rank).items():
-                assert sd[k].view(torch.uint8).equal(v.view(torch.uint8)), f"{k} differs"
-        with open(os.path.join(out, f"{name}-{rank}.json"), "w") as f:
-            json.dump(rep, f)
+        fdcp.save(state(rank), URI, process_group=ckpt)
+        test = dist.TCPStore("127.0.0.1", int(port), is_master=False, timeout=pg_timeout())
+        test.set(f"replicas-k/saved-{rank}", "1")
+        test.wait(["replicas-k/go"])
+        sd = {k: torch.zeros_like(v) for k, v in state(rank).items()}
+        used = fdcp.load(sd, URI, process_group=ckpt)
+        for k, v in state(rank).items():
+            assert sd[k].view(torch.uint8).equal(v.view(torch.uint8)), f"{k} differs"
+        with open(os.path.join(out, f"restore-{rank}.json"), "w") as f:
+            json.dump({"node": node_id(), "used": used}, f)
         dist.barrier(group=ckpt)
     finally:
         dist.destroy_process_group()

@@ -4,17 +4,19 @@ point 2).
 Three ``torchrun`` agents x 1 rank on loopback (:class:`fmstore.testing.cluster.Cluster`),
 ``[tiers.nvme] replicas = 2``, n0 and n1 in rack ``a`` and n2 in rack ``b``.  One save of
 step 10 to NVMe: each node holds the other two nodes' parts, and the placement beside them
-puts each copy in another rack first (n0's part: n2, then n1).  Then n1 and n2 are
-replaced (their NVMe wiped) and no shared tier holds the step: the relaunch restores step
-10 from NVMe bit-exact, both lost parts sent by n0, the one holder left.
+puts each copy in another rack first (n0's part: n2, then n1).  Then, while the job waits
+on the test's signal, n1's and n2's NVMe are wiped (no shared tier holds the step): the
+job restores step 10 from NVMe bit-exact, both lost parts sent by n0, the one holder left.
+One launch: the save and the restore share it.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -28,12 +30,6 @@ NODES = ["n0", "n1", "n2"]
 KEY = f"run/step_{10:012d}"
 
 
-def launch(c: Cluster, name: str) -> list[dict[str, Any]]:
-    rcs = c.run(WORKER, [name, str(c.out)], NODES, name=name, timeout=120)
-    assert rcs == [0, 0, 0], c.logs(name, NODES)
-    return [json.loads((c.out / f"{name}-{r}.json").read_text()) for r in range(3)]
-
-
 def held(c: Cluster, node: str, gen: str) -> set[int]:
     d = c.nvme(node) / ".replicas" / KEY / gen
     return {int(p.stem.split("-")[1]) for p in d.glob("rank-*.json")}
@@ -43,8 +39,13 @@ def held(c: Cluster, node: str, gen: str) -> set[int]:
 def test_two_replicas_over_racks_restore_two_lost_nodes(tmp_path: Path):
     racks = {"n0": "a", "n1": "a", "n2": "b"}
     with Cluster(tmp_path, nproc=1, pg_timeout=20, replicas=2, domains=racks) as c:
-        reps = launch(c, "save")
-        assert [r["node"] for r in reps] == NODES
+        procs = c.start(WORKER, [str(c.out), str(c.port)], NODES, name="k2")
+        try:
+            c.store.wait(
+                [f"replicas-k/saved-{r}" for r in range(3)], datetime.timedelta(seconds=120)
+            )
+        except Exception:
+            pytest.fail(f"the save did not finish: {c.logs('k2', NODES)}")
         m = json.loads((c.nvme("n0") / KEY / "manifest.json").read_text())
         gen = m["generation"]
         assert {n: held(c, n, gen) for n in NODES} == {"n0": {1, 2}, "n1": {0, 2}, "n2": {0, 1}}
@@ -57,9 +58,13 @@ def test_two_replicas_over_racks_restore_two_lost_nodes(tmp_path: Path):
                 for n in ("n1", "n2"):
                     assert (c.nvme(n) / ".replicas" / KEY / gen / b["name"]).read_bytes() == own
 
-        c.replace("n1")
-        c.replace("n2")
-        reps = launch(c, "restore")
+        for n in ("n1", "n2"):  # both lost: their NVMe wiped
+            shutil.rmtree(c.nvme(n))
+        c.store.set("replicas-k/go", "1")
+        rcs = [p.wait(timeout=120) for p in procs]
+        assert rcs == [0, 0, 0], c.logs("k2", NODES)
+        reps = [json.loads((c.out / f"restore-{r}.json").read_text()) for r in range(3)]
+        assert [r["node"] for r in reps] == NODES
         assert all(r["used"] == "nvme:" + KEY for r in reps), reps
         for n, rank in (("n1", 1), ("n2", 2)):  # each lost part written back on its node
             assert json.loads((c.nvme(n) / KEY / "manifest.json").read_text())["generation"] == gen
