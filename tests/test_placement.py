@@ -123,3 +123,47 @@ def test_routes_read_a_part_from_whichever_of_its_holders_is_in_the_job():
     assert isinstance(got, Routes)
     assert got.source[(0, 1)] == (1, REPLICA) and got.source[(2, 2)] == (1, REPLICA)
     assert route(3, [Holding(0, "n9"), Holding(1, "n0", frozenset({0}))]) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ('{"holders": [[0, [4, 2]], [1, [5, 3]], [4, [0, 2]]]}', [[0, 1], [1, 1], [4, 1]]),
+        ('{"holders": [[0, [2]], ["1", [3]], [2, "x"], [3, [{}]], 7]}', [[0, 0]]),
+        ('{"holders": {"0": [2]}}', []),
+        ("[]", None),
+        ("not json", None),
+        ('{"holders": ' + "[" * 5000 + "]" * 5000 + "}", None),  # too deep to parse
+    ],
+)
+def test_a_holders_place_is_read_from_its_placement_file_and_checked(
+    tmp_path, monkeypatch, text, want
+):
+    """What a node reports of its place among a part's holders comes from a file on its
+    tier: hostile input, bounded, checked field by field (None: it raises, and the restore
+    counts it as no place)."""
+    from dataclasses import replace
+
+    import torch
+
+    import fmstore.checkpoint.dcp as fdcp
+    from fmstore import runtime
+    from fmstore.checkpoint.dcp.manifest import DcpPart
+    from fmstore.checkpoint.dcp.replicas import PLACEMENT_KEY, _preference, replica_uri
+    from fmstore.config import from_dict
+    from fmstore.stores import open_store
+
+    fdcp.save({"w": torch.arange(16.0)}, str(tmp_path / "ck"))
+    m = runtime.run(fdcp.read_manifest(open_store(str(tmp_path / "ck"))))
+    m = replace(m, parts=[DcpPart(f"n{i}", (2 * i, 2 * i + 1)) for i in range(3)])
+    cfg = from_dict({"tiers": {"nvme": {"url": str(tmp_path / "nvme"), "scope": "node"}}})
+    uri = "nvme:run/step_000000000010"
+    where = tmp_path / "nvme" / replica_uri(uri, cfg).split(":", 1)[1]
+    where.mkdir(parents=True)
+    (where / PLACEMENT_KEY).write_text(text)
+    monkeypatch.setenv("FMSTORE_NODE_ID", "n1")  # ranks 2, 3
+    if want is None:
+        with pytest.raises(Exception):  # noqa: B017,PT011 - any error: no place reported
+            runtime.run(_preference(uri, {"config": cfg}, m))
+    else:
+        assert runtime.run(_preference(uri, {"config": cfg}, m)) == want

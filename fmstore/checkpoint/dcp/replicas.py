@@ -395,7 +395,9 @@ async def _preference(uri: str, so: dict[str, Any], m: DcpManifest) -> list[list
     for row in rows if isinstance(rows, list) else []:
         if isinstance(row, list) and len(row) == 2 and type(row[0]) is int:
             hs = row[1] if isinstance(row[1], list) else []
-            j = next((j for j, h in enumerate(hs[:MAX_REPLICAS]) if h in mine), None)
+            j = next(
+                (j for j, h in enumerate(hs[:MAX_REPLICAS]) if type(h) is int and h in mine), None
+            )
             if j is not None:
                 out.append([row[0], j])
     return out
