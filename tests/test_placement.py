@@ -167,3 +167,18 @@ def test_a_holders_place_is_read_from_its_placement_file_and_checked(
             runtime.run(_preference(uri, {"config": cfg}, m))
     else:
         assert runtime.run(_preference(uri, {"config": cfg}, m)) == want
+
+
+def test_each_nodes_domain_is_what_all_its_ranks_said_or_none():
+    from fmstore.checkpoint.dcp.placement import domains_of
+
+    nodes = [("n0", [0, 1]), ("n1", [2, 3])]
+    assert domains_of(nodes, ["a", "a", "b", "b"]) == {"n0": "a", "n1": "b"}
+    assert domains_of(nodes, [None, None, "b", "b"]) == {"n1": "b"}  # n0 names none
+    for bad in (["a", "b", "b", "b"], ["a", None, "b", "b"], ["a", "a", "../x", "../x"]):
+        with pytest.raises(ValueError, match="node n"):
+            domains_of(nodes, bad)
+    with pytest.raises(ValueError, match="node n1"):
+        domains_of(nodes, ["a", "a", 3, 3])
+    with pytest.raises(ValueError, match="node n1"):
+        domains_of(nodes, ["a", "a", "b"])  # a rank that said nothing

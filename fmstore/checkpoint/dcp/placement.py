@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 
 from ...config import is_failure_domain as is_domain
 
-__all__ = ["MAX_REPLICAS", "capped", "holders", "is_domain", "node_holders"]
+__all__ = ["MAX_REPLICAS", "capped", "domains_of", "holders", "is_domain", "node_holders"]
 
 #: the most replicas of a part (``[tiers.X] replicas`` is 0..8)
 MAX_REPLICAS = 8
@@ -40,6 +40,25 @@ def capped(k: int, nodes: int) -> int:
     """The number of replicas a save of ``nodes`` nodes can place: ``k``, at most
     ``nodes - 1`` (never two copies of a part on one node); 0 for one node."""
     return max(0, min(k, nodes - 1))
+
+
+def domains_of(
+    nodes: Sequence[tuple[str, Sequence[int]]], said: Sequence[object]
+) -> dict[str, str]:
+    """Node -> its failure domain, from what each rank said (``said[rank]``: a name, or
+    None where its node names none); nodes that name none are left out.  Raises
+    :class:`ValueError` naming a node whose ranks say different things or something that
+    is not a name (a peer's message is hostile: checked here)."""
+    out: dict[str, str] = {}
+    for node, ranks in nodes:
+        got = {said[r] if 0 <= r < len(said) else "?" for r in ranks}
+        if got == {None}:
+            continue
+        d = got.pop() if len(got) == 1 else None
+        if not is_domain(d):
+            raise ValueError(f"node {node} reports no valid failure domain")
+        out[node] = str(d)
+    return out
 
 
 def _ring(ids: Sequence[str], domains: Mapping[str, str] | None) -> list[str]:

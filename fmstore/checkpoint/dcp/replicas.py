@@ -36,7 +36,7 @@ from ...stores.bounded import RECORD_LIMIT, manifest_limit, read_bounded
 from ..layout import RANK_RECORD_RE, REPLICA_PREFIX, parse_step
 from .manifest import MANIFEST_KEY, DcpManifest
 from .nodes import RankRecord, rank_record_key
-from .placement import MAX_REPLICAS, capped, holders, is_domain
+from .placement import MAX_REPLICAS, capped, domains_of, holders
 from .wire import gather_json
 
 __all__ = [
@@ -223,19 +223,13 @@ def _agree(uri: str, m: DcpManifest, pg: Any, cfg: Any) -> tuple[int, dict[str, 
     k = wanted.pop()
     if not k:
         return 0, None
-    domains: dict[str, str] = {}
-    for p in m.parts:
-        said = {sent[r][1] for r in p.ranks if 0 <= r < len(sent)}
-        if said == {None}:
-            continue
-        d = said.pop() if len(said) == 1 else None
-        if not is_domain(d):
-            raise ConfigError(
-                f"{uri} is committed, but node {p.node} reports no valid failure domain "
-                "(one name per node, from $FMSTORE_FAILURE_DOMAIN or [tiers] "
-                "failure_domain): no replica is made"
-            )
-        domains[p.node] = str(d)
+    try:
+        domains = domains_of([(p.node, p.ranks) for p in m.parts], [x[1] for x in sent])
+    except ValueError as e:
+        raise ConfigError(
+            f"{uri} is committed, but {e} (one name per node, from $FMSTORE_FAILURE_DOMAIN "
+            "or [tiers] failure_domain): no replica is made"
+        ) from None
     if domains and len(domains) != len(m.parts):
         log.warning(
             "%s: only %d of %d nodes name their failure domain: replicas go around the "
