@@ -120,7 +120,13 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "url": STRING,
         # "node": each node has its own copy (NVMe); see docs/distributed.md
         "scope": one_of("shared", "node"),
-        "replicas": whole(0, 1),  # of each node's part on a peer's node-local tier
+        "replicas": whole(0, 8),  # of each node's part on peers' node-local tiers
+        # this node's rack / switch / zone: replicas go to other domains first
+        "failure_domain": _typed(
+            "a name of 1-128 ASCII letters, digits or ._:@+/- (a rack, a switch, a zone)",
+            str,
+            test=lambda v: is_failure_domain(v),
+        ),
         # posix
         "direct_io": BOOL,
         "stripe_count": whole(-1),  # -1: every OST
@@ -180,8 +186,10 @@ class TierConfig:
     options: Mapping[str, Any] = field(default_factory=dict)
     #: ``"shared"`` (every node sees the same bytes) or ``"node"`` (each node its own copy)
     scope: str = "shared"
-    #: copies of each node's part on another node (``scope = "node"`` only): 0 or 1
+    #: copies of each node's part on other nodes (``scope = "node"`` only): 0..8
     replicas: int = 0
+    #: this node's failure domain (``$FMSTORE_FAILURE_DOMAIN`` overrides it); None: unknown
+    failure_domain: str | None = None
 
 
 @dataclass(frozen=True)
@@ -378,11 +386,20 @@ def _tier(where: str, name: str, table: Any, s3_defaults: Mapping[str, Any]) -> 
     replicas = int(table.get("replicas", 0))
     if replicas and scope != "node":
         raise ConfigError(f'{where}: [tiers.{name}] replicas needs scope = "node"')
-    options = {k: v for k, v in table.items() if k not in ("url", "scope", "replicas")}
+    domain = table.get("failure_domain")
+    if domain is not None and scope != "node":
+        raise ConfigError(f'{where}: [tiers.{name}] failure_domain needs scope = "node"')
+    own = ("url", "scope", "replicas", "failure_domain")
+    options = {k: v for k, v in table.items() if k not in own}
     if url.startswith("s3://"):
         options = {**dict(s3_defaults), **options}
     return TierConfig(
-        name=name, url=os.path.expanduser(url), options=options, scope=scope, replicas=replicas
+        name=name,
+        url=os.path.expanduser(url),
+        options=options,
+        scope=scope,
+        replicas=replicas,
+        failure_domain=domain,
     )
 
 
@@ -599,6 +616,30 @@ _NODE_RE = re.compile(NODE, re.ASCII)
 def is_node_id(value: object) -> bool:
     """Whether ``value`` is a node id (a string of the one grammar, :data:`NODE`)."""
     return isinstance(value, str) and _NODE_RE.fullmatch(value) is not None
+
+
+#: Environment variable naming this node's failure domain (set from the scheduler's
+#: topology); it overrides ``[tiers.X] failure_domain``.
+FAILURE_DOMAIN_ENV = "FMSTORE_FAILURE_DOMAIN"
+_DOMAIN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/-]{0,127}", re.ASCII)
+
+
+def is_failure_domain(value: object) -> bool:
+    """Whether ``value`` can name a failure domain: 1-128 ASCII letters, digits or
+    ``._:@+/-``, starting with a letter or a digit."""
+    return isinstance(value, str) and _DOMAIN_RE.fullmatch(value) is not None
+
+
+def failure_domain(tier: TierConfig) -> str | None:
+    """This node's failure domain for ``tier``: ``$FMSTORE_FAILURE_DOMAIN`` where set, else
+    the tier's ``failure_domain``; None where neither says."""
+    raw = os.environ.get(FAILURE_DOMAIN_ENV) or tier.failure_domain
+    if raw is not None and not is_failure_domain(raw):
+        raise ConfigError(
+            f"failure domain {raw!r} (from ${FAILURE_DOMAIN_ENV} or [tiers.{tier.name}] "
+            "failure_domain) must be 1-128 ASCII letters, digits or ._:@+/-"
+        )
+    return raw
 
 
 def node_id() -> str:

@@ -256,5 +256,27 @@ def test_replicas_only_on_a_node_local_tier(tmp_path):
     assert from_dict({"tiers": {"nvme": {"url": str(tmp_path)}}}).tier("nvme").replicas == 0
     with pytest.raises(ConfigError, match='replicas needs scope = "node"'):
         from_dict({"tiers": {"lustre": {"url": str(tmp_path), "replicas": 1}}})
-    with pytest.raises(ConfigError, match="replicas"):
-        from_dict({"tiers": {"nvme": {**node, "replicas": 2}}})
+    assert from_dict({"tiers": {"nvme": {**node, "replicas": 8}}}).tier("nvme").replicas == 8
+    for bad in (9, -1, True, "2"):
+        with pytest.raises(ConfigError, match="replicas"):
+            from_dict({"tiers": {"nvme": {**node, "replicas": bad}}})
+
+
+def test_failure_domain_is_a_bounded_name_of_a_node_local_tier(tmp_path, monkeypatch):
+    from fmstore.config import failure_domain
+
+    node = {"url": str(tmp_path), "scope": "node", "replicas": 2}
+    t = from_dict({"tiers": {"nvme": {**node, "failure_domain": "rack-a"}}}).tier("nvme")
+    assert t.failure_domain == "rack-a" and "failure_domain" not in t.options
+    monkeypatch.delenv("FMSTORE_FAILURE_DOMAIN", raising=False)
+    assert failure_domain(t) == "rack-a"
+    monkeypatch.setenv("FMSTORE_FAILURE_DOMAIN", "az1/rack-7")
+    assert failure_domain(t) == "az1/rack-7"  # the node's environment wins
+    monkeypatch.setenv("FMSTORE_FAILURE_DOMAIN", "../up")
+    with pytest.raises(ConfigError, match="FMSTORE_FAILURE_DOMAIN"):
+        failure_domain(t)
+    for bad in ("", "a b", "x" * 129, 3):
+        with pytest.raises(ConfigError, match="failure_domain"):
+            from_dict({"tiers": {"nvme": {**node, "failure_domain": bad}}})
+    with pytest.raises(ConfigError, match='failure_domain needs scope = "node"'):
+        from_dict({"tiers": {"lustre": {"url": str(tmp_path), "failure_domain": "r"}}})

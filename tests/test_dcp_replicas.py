@@ -72,15 +72,15 @@ def test_the_ring_places_no_replica_on_its_own_node_and_the_plan_needs_a_holder(
     from dataclasses import replace
 
     from fmstore.checkpoint.dcp.manifest import DcpPart
-    from fmstore.checkpoint.dcp.replicas import partners, plan
+    from fmstore.checkpoint.dcp.replicas import placement_of, plan
 
     m, _ = saved_manifest(tmp_path)
     three = [DcpPart(f"n{i}", (2 * i, 2 * i + 1)) for i in range(3)]
-    ring = partners(replace(m, parts=three))
-    assert ring == {0: 2, 1: 3, 2: 4, 3: 5, 4: 0, 5: 1}
-    assert partners(replace(m, parts=three[:1])) is None  # one node: nowhere else to go
+    ring = placement_of(replace(m, parts=three), 1)
+    assert ring == {0: (2,), 1: (3,), 2: (4,), 3: (5,), 4: (0,), 5: (1,)}
+    assert placement_of(replace(m, parts=three[:1]), 1) is None  # one node: nowhere to go
     uneven = [DcpPart("n0", (0, 1)), DcpPart("n1", (2,))]
-    assert partners(replace(m, parts=uneven)) is None
+    assert placement_of(replace(m, parts=uneven), 1) is None
     # n1 (ranks 2, 3) lost; n2 (ranks 4, 5) holds its replicas of manifest "d".
     held: list[Any] = [("d", (4, 5)), ("d", (4, 5)), (None, ()), (None, ())]
     held += [("d", (2, 3)), ("d", (2, 3))]

@@ -621,3 +621,27 @@ def test_a_drain_that_times_out_names_the_nodes_it_waited_for(tmp_path, monkeypa
         _gave_up(5.0, rep)
     line = caplog.records[-1].getMessage()
     assert "drain timed out after 5.0s" in line and "waiting for the parts of node n1" in line
+
+
+def test_a_node_local_tiers_usage_counts_the_replicas_it_holds(tmp_path, monkeypatch):
+    """The replicas of other nodes' parts (``.replicas/``) are space the node's NVMe holds
+    and no retention or release removes: its usage says how much, and /metrics shows it."""
+    n0 = Node(tmp_path, "n0", EXPORT)
+    nvme = tmp_path / "n0" / "nvme"
+    rep = nvme / ".replicas" / ROOT / "step_000000000010" / "g1"
+    rep.mkdir(parents=True)
+    (rep / "000001.bin").write_bytes(b"x" * 5000)
+    (rep / "rank-000001.json").write_bytes(b"{}")
+    outside = tmp_path / "big"
+    outside.write_bytes(b"y" * 100_000)
+    (rep / "link").symlink_to(outside)  # counted as the link, never its target
+    (nvme / ROOT).mkdir(parents=True)
+    (nvme / ROOT / "own.bin").write_bytes(b"z" * 7000)  # the node's own part: not a replica
+    u = n0.runner.tiers.usage("nvme")
+    assert u is not None and u.replicas == 5002 + len(str(outside))
+    assert u.used >= u.replicas
+    (tmp_path / "lustre").mkdir(exist_ok=True)
+    shared = n0.runner.tiers.usage("lustre")
+    assert shared is not None and shared.replicas == 0
+    n0.step(monkeypatch)
+    assert REGISTRY.get_sample_value("fmstore_tier_replica_bytes", {"tier": "nvme"}) == u.replicas

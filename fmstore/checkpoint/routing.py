@@ -2,13 +2,14 @@
 decisions (no I/O, no torch), used by the collective restore and open to the tiering layer.
 
 A checkpoint saved on a node-local tier by a job of several nodes is in *parts*, one per
-node (the blobs its ranks wrote), and maybe *replicas* of each part on another node.  A
+node (the blobs its ranks wrote), and maybe *replicas* of each part on ``k`` other nodes.  A
 relaunch with the same world size may put its ranks on other nodes (the rendezvous orders
 hosts differently, a node was replaced).  Each node says which saved ranks' blobs it holds
 complete, in its part or in its replicas; :func:`route` then says, for each rank of the
 relaunch and each saved rank, where that rank reads those blobs: on its own node (the
 node's part, else its replicas), else from the lowest rank of another node holding them
-(a part before a replica, then the lowest rank), streamed over the checkpoint group.
+(a part before a replica, then the lowest rank: with several replicas of a part, whichever
+holder is in the job), streamed over the checkpoint group.
 """
 
 from __future__ import annotations

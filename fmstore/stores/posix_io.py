@@ -59,6 +59,14 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def tree_bytes(path: str) -> int:
+    """The bytes of the files under directory ``path`` (0 where there is none); links are
+    counted as themselves, never followed."""
+    return sum(
+        os.lstat(os.path.join(d, f)).st_size for d, _dirs, files in os.walk(path) for f in files
+    )
+
+
 def commit_file(tmp: str, final: str, *, create_only: bool = False, sync: bool = True) -> None:
     """Publish fsynced ``tmp`` as ``final`` atomically and make the rename durable.
 

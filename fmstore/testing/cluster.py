@@ -103,7 +103,8 @@ class Cluster:
 
     ``policies``: TOML appended to every node's config (``[policies]`` and the like).
     ``nproc``: ranks per node.  ``pg_timeout``: seconds, passed to the training processes.
-    ``replicas``: ``[tiers.nvme] replicas`` (each node's part also on the next node's NVMe).
+    ``replicas``: ``[tiers.nvme] replicas`` (each node's part also on other nodes' NVMe).
+    ``domains``: node -> its ``[tiers.nvme] failure_domain`` (nodes not named have none).
     """
 
     def __init__(
@@ -115,6 +116,7 @@ class Cluster:
         policies: str = "",
         pg_timeout: float = 60,
         replicas: int = 0,
+        domains: Mapping[str, str] | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -124,7 +126,7 @@ class Cluster:
         self.lustre = self.base / "lustre"
         self.lustre.mkdir(exist_ok=True)
         self.nproc, self.s3, self.policies, self.pg_timeout = nproc, s3, policies, pg_timeout
-        self.replicas = replicas
+        self.replicas, self.domains = replicas, dict(domains or {})
         self.port = free_ports(1)[0]
         self.store = dist.TCPStore(
             "127.0.0.1",
@@ -171,7 +173,8 @@ class Cluster:
             f'state_dir = "{self.state(node)}"\n'
             f'[tiers.nvme]\nurl = "{self.nvme(node)}"\nscope = "node"\n'
             f"replicas = {self.replicas}\n"
-            f'[tiers.lustre]\nurl = "{self.lustre}"\n'
+            + (f'failure_domain = "{self.domains[node]}"\n' if node in self.domains else "")
+            + f'[tiers.lustre]\nurl = "{self.lustre}"\n'
         )
         if self.s3 is not None:
             text += (

@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from ..checkpoint.layout import REPLICA_PREFIX, parse_step, step_name
 from ..errors import FmstoreError
 from ..stores.base import Store
-from ..stores.posix_io import fsync_dir
+from ..stores.posix_io import fsync_dir, tree_bytes
 from .journal import live_destinations
 
 __all__ = [
@@ -150,11 +150,7 @@ def moved_aside(store: Store, *, now: float) -> list[tuple[str, int, float]]:
             m = _TOKEN_RE.match(e.name)
             if m is None or not e.is_dir(follow_symlinks=False):
                 continue
-            size = sum(
-                os.lstat(os.path.join(d, f)).st_size
-                for d, _dirs, files in os.walk(e.path)
-                for f in files
-            )
+            size = tree_bytes(e.path)
             out.append((f"{ASIDE_PREFIX}/{e.name}", size, now - int(m.group(1)) / 1000))
     return out
 

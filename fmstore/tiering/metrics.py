@@ -62,6 +62,11 @@ NEWEST_STEP = Gauge(
 )
 QUEUE_DEPTH = Gauge("fmstore_tier_queue_depth", "Actions planned and not yet done", ["action"])
 TIER_BYTES = Gauge("fmstore_tier_bytes", "Checkpoint bytes held per tier (catalog)", ["tier"])
+TIER_REPLICA_BYTES = Gauge(
+    "fmstore_tier_replica_bytes",
+    "Bytes of the replicas of other nodes' parts this node holds on a node-local tier",
+    ["tier"],
+)
 TIER_FS_USED = Gauge(
     "fmstore_tier_filesystem_used_ratio", "Used fraction of a POSIX tier's file system", ["tier"]
 )

@@ -140,8 +140,13 @@ Action = Export | Supersede | Delete | Release
 
 @dataclass(frozen=True)
 class TierUsage:
+    """A POSIX tier's file system: used and total bytes; ``replicas``: of the used bytes,
+    those of the replicas this node holds of other nodes' parts (``.replicas/`` of a
+    node-local tier), which no retention or release rule removes."""
+
     used: int
     total: int
+    replicas: int = 0
 
     @property
     def fraction(self) -> float:

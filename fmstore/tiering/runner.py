@@ -255,6 +255,7 @@ class PolicyRunner:
             u = state.usage.get(tier) or self.tiers.usage(tier)
             if u is not None:
                 m.TIER_FS_USED.labels(tier).set(u.fraction)
+                m.TIER_REPLICA_BYTES.labels(tier).set(u.replicas)
 
     def _part_gauges(self, state: State) -> None:
         """Per node: its parts held, exported and waiting, committed; its export lag."""

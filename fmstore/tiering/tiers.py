@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import keys as _keys
-from ..checkpoint.layout import checkpoint_key, parse_step
+from ..checkpoint.layout import REPLICA_PREFIX, checkpoint_key, parse_step
 from ..checkpoint.partrecords import CLOCK_SKEW, node_here
 from ..config import Config
 from ..errors import CorruptData, NotFound
@@ -23,6 +23,7 @@ from ..format.manifest import MANIFEST_KEY
 from ..stores import Location, open_store
 from ..stores.base import Store
 from ..stores.bounded import manifest_limit, read_bounded
+from ..stores.posix_io import tree_bytes
 from .policies import TierUsage
 from .protocol import ManifestFacts, manifest_facts, step_committed
 
@@ -81,12 +82,15 @@ class Tiers:
         return Location.parse(self.config.tier(tier).url, self.config).local_root
 
     def usage(self, tier: str) -> TierUsage | None:
-        """Used and total bytes of the file system holding a POSIX tier."""
+        """Used and total bytes of the file system holding a POSIX tier, and on a
+        node-local tier the bytes of the replicas it holds of other nodes' parts."""
         d = self.local_dir(tier)
         if d is None or not os.path.isdir(d):
             return None
         du = shutil.disk_usage(d)
-        return TierUsage(used=du.total - du.free, total=du.total)
+        node = self.config.tier(tier).scope == "node"
+        reps = tree_bytes(os.path.join(d, REPLICA_PREFIX)) if node else 0
+        return TierUsage(used=du.total - du.free, total=du.total, replicas=reps)
 
     def free_bytes(self, tier: str) -> int | None:
         d = self.local_dir(tier)

@@ -513,7 +513,8 @@ def _prepare(
         lacking = [r for r, p in enumerate(every) if p is not None]
         fetches = None
         if m is not None and all(p is None or p.code is Code.LACKS_PART for p in every):
-            fetches = replicas.plan(src.digest or "", [v.held for v in views], lacking)
+            held = [v.held for v in views]
+            fetches = replicas.sources(uri, so, m, src.digest or "", held, lacking, pg)
         if m is None or fetches is None:
             return problem, None
         errs = [e for e in _gather(pg, replicas.fetch(uri, so, m, fetches, pg)) if e]

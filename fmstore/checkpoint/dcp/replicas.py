@@ -1,28 +1,31 @@
-"""Replicas of each node's part of a checkpoint on another node's node-local tier.
+"""Replicas of each node's part of a checkpoint on other nodes' node-local tiers.
 
-With ``[tiers.X] replicas = 1`` on a node-local tier (``scope = "node"``), every rank of a
-job that spans several nodes sends the blobs of its part to a *partner* rank on the next
-node of a ring (the rank at the same position among its node's ranks), over the checkpoint
-group (gloo, never the training group), once the save is committed and its manifest is on
-every node.  The partner checks every chunk's CRC32C against the manifest on arrival and
-writes the bytes under ``.replicas/KEY/`` of its own tier (``KEY`` the checkpoint's key):
-blobs, then the sender's rank record, then the manifest.  Removing or releasing the
-checkpoint's own part (``KEY/``) never touches that prefix, and the orphan sweep keeps it
-(its manifest names its generation).  A node keeps the replicas of the newest step of each
-run it received: the next step's replica, once every rank's is written, removes older ones.
+With ``[tiers.X] replicas = k`` on a node-local tier (``scope = "node"``), every rank of a
+job that spans several nodes sends the blobs of its part to its ``k`` *holders* (ranks on
+other nodes, placed over failure domains by :mod:`.placement`), over the checkpoint group
+(gloo, never the training group), once the save is committed and its manifest is on every
+node.  Each holder checks every chunk's CRC32C against the manifest on arrival and writes
+the bytes under ``.replicas/KEY/`` of its own tier (``KEY`` the checkpoint's key): blobs,
+then the sender's rank record, then (every part it holds written) the placement and the
+manifest.  Removing or releasing the checkpoint's own part (``KEY/``) never touches that
+prefix, and the orphan sweep keeps it (its manifest names its generation).  A node keeps
+the replicas of the newest step of each run it received: the next step's replica, once
+every rank's is written, removes older ones.
 
-A restore that finds a node without its part (replaced, NVMe wiped) fetches that part from
-the node holding its replica: the holder reads it and sends it over the checkpoint group,
-the replaced node's ranks check every chunk's CRC32C on arrival and write the part back
-where it belongs; any failure on any rank makes every rank pass the candidate over together
-(to a shared tier, or an older step).  See ``docs/distributed.md``.
+A restore that finds nodes without their part (replaced, NVMe wiped) fetches each such
+part from a surviving holder (the first in the save's preference order): the holder reads
+it and sends it over the checkpoint group, the replaced node's ranks check every chunk's
+CRC32C on arrival and write the part back where it belongs; any failure on any rank makes
+every rank pass the candidate over together (to a shared tier, or an older step).  See
+``docs/distributed.md``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ... import runtime
@@ -33,9 +36,23 @@ from ...stores.bounded import RECORD_LIMIT, manifest_limit, read_bounded
 from ..layout import RANK_RECORD_RE, REPLICA_PREFIX, parse_step
 from .manifest import MANIFEST_KEY, DcpManifest
 from .nodes import RankRecord, rank_record_key
+from .placement import MAX_REPLICAS, capped, domains_of, holders
 from .wire import gather_json
 
-__all__ = ["REPLICA_PREFIX", "fetch", "partners", "plan", "replica_uri", "replicas_of", "replicate"]
+__all__ = [
+    "PLACEMENT_KEY",
+    "REPLICA_PREFIX",
+    "fetch",
+    "placement_of",
+    "plan",
+    "replica_uri",
+    "replicas_of",
+    "replicate",
+    "sources",
+]
+
+#: beside a replica's manifest: the save's placement (rank -> its holders, in order)
+PLACEMENT_KEY = "placement.json"
 
 log = logging.getLogger("fmstore.checkpoint")
 
@@ -43,14 +60,19 @@ log = logging.getLogger("fmstore.checkpoint")
 def replicas_of(uri: str, config: Any = None) -> int:
     """The configured ``replicas`` of ``uri``'s tier in ``config`` (default the process's;
     0 outside the configured tiers)."""
-    from ...config import get_config
+    return _setting(uri, config)[0]
+
+
+def _setting(uri: str, config: Any = None) -> tuple[int, str | None]:
+    """``uri``'s tier's ``replicas`` and this node's failure domain for it."""
+    from ...config import failure_domain, get_config
 
     cfg = config if config is not None else get_config()
     name, _rest = split_tier(uri, cfg)
     if name is None:
-        return 0
+        return 0, None
     t = cfg.tier(name)
-    return t.replicas if t.scope == "node" else 0
+    return (t.replicas, failure_domain(t)) if t.scope == "node" else (0, None)
 
 
 def replica_uri(uri: str, config: Any = None) -> str:
@@ -61,18 +83,12 @@ def replica_uri(uri: str, config: Any = None) -> str:
     return f"{name}:{REPLICA_PREFIX}/{rest.strip('/')}"
 
 
-def partners(m: DcpManifest) -> dict[int, int] | None:
-    """Rank -> the rank that holds its replica: the rank at the same position on the next
-    node of the ring of the manifest's parts.  None where there is no such placement (one
-    node, or nodes with different numbers of ranks)."""
-    parts = [sorted(p.ranks) for p in m.parts]
-    if len(parts) < 2 or len({len(r) for r in parts}) != 1:
-        return None
-    out: dict[int, int] = {}
-    for i, ranks in enumerate(parts):
-        nxt = parts[(i + 1) % len(parts)]
-        out.update(zip(ranks, nxt, strict=True))
-    return out
+def placement_of(
+    m: DcpManifest, k: int, domains: Mapping[str, str] | None = None
+) -> dict[int, tuple[int, ...]] | None:
+    """Rank -> the ranks holding its ``k`` replicas, in preference order, over the nodes of
+    ``m``'s parts (:func:`.placement.holders`); None where there is no placement."""
+    return holders([(p.node, sorted(p.ranks)) for p in m.parts], k, domains)
 
 
 def _blobs_of(m: DcpManifest, rank: int) -> list[int]:
@@ -179,30 +195,76 @@ def _gather(pg: Any, obj: Any) -> list[Any]:
     return gather_json(pg, obj)
 
 
-def replicate(uri: str, manifest: bytes, pg: Any, so: dict[str, Any] | None = None) -> None:
-    """Every rank, after the commit of ``uri`` (``manifest``: its bytes): send this rank's
-    part to its partner and write the part of the rank it partners as a replica.  Raises on
-    every rank when some replica could not be made (the checkpoint stays committed)."""
-    import torch.distributed as dist
-
-    m = DcpManifest.loads(manifest, where=f"{uri}/{MANIFEST_KEY}")
-    pmap = partners(m)
-    # Decided alike on every rank: nodes whose configs disagree would wait for each other.
-    so = dict(so or {})
-    cfg = so.get("config")
-    settings = _gather(pg, replicas_of(uri, cfg))
-    if not all(type(w) is int for w in settings):
-        raise CorruptData(f"{uri}: a rank sent a replicas setting that is not a number")
-    wanted = set(settings)
+def _agree(uri: str, m: DcpManifest, pg: Any, cfg: Any) -> tuple[int, dict[str, str] | None]:
+    """Every rank's ``replicas`` setting and failure domain, gathered as JSON and checked:
+    the ``k`` every node's config says (a :class:`ConfigError` where they differ) and each
+    node's domain (None unless every node reports one)."""
+    k = replicas_of(uri, cfg)
+    try:
+        domain = _setting(uri, cfg)[1]
+    except ConfigError as e:  # every rank must answer: sent as a name that is not one
+        log.warning("%s: %s", uri, e)
+        domain = "?"
+    sent = _gather(pg, [k, domain])
+    if not all(
+        isinstance(x, list)
+        and len(x) == 2
+        and type(x[0]) is int
+        and (x[1] is None or isinstance(x[1], str))
+        for x in sent
+    ):
+        raise CorruptData(f"{uri}: a rank sent a replicas setting that is not one")
+    wanted = {x[0] for x in sent}
     if len(wanted) > 1:
         raise ConfigError(
             f"{uri} is committed, but its nodes disagree on [tiers] replicas "
             f"({sorted(wanted)}): no replica is made until every node's config says the same"
         )
-    if not wanted.pop() or pmap is None:
+    k = wanted.pop()
+    if not k:
+        return 0, None
+    try:
+        domains = domains_of([(p.node, p.ranks) for p in m.parts], [x[1] for x in sent])
+    except ValueError as e:
+        raise ConfigError(
+            f"{uri} is committed, but {e} (one name per node, from $FMSTORE_FAILURE_DOMAIN "
+            "or [tiers] failure_domain): no replica is made"
+        ) from None
+    if domains and len(domains) != len(m.parts):
+        log.warning(
+            "%s: only %d of %d nodes name their failure domain: replicas go around the "
+            "ring of nodes",
+            uri,
+            len(domains),
+            len(m.parts),
+        )
+    if k > capped(k, len(m.parts)) > 0:
+        log.warning(
+            "%s: replicas = %d, but a save of %d nodes places %d: each part on every other node",
+            uri,
+            k,
+            len(m.parts),
+            capped(k, len(m.parts)),
+        )
+    return k, (domains if len(domains) == len(m.parts) else None)
+
+
+def replicate(uri: str, manifest: bytes, pg: Any, so: dict[str, Any] | None = None) -> None:
+    """Every rank, after the commit of ``uri`` (``manifest``: its bytes): send this rank's
+    part to each of its holders (:mod:`.placement`) and write the parts of the ranks it
+    holds as replicas.  Raises on every rank when some replica could not be made (the
+    checkpoint stays committed)."""
+    import torch.distributed as dist
+
+    m = DcpManifest.loads(manifest, where=f"{uri}/{MANIFEST_KEY}")
+    # Decided alike on every rank: nodes whose configs disagree would wait for each other.
+    so = dict(so or {})
+    cfg = so.get("config")
+    k, domains = _agree(uri, m, pg, cfg)
+    hmap = placement_of(m, k, domains) if k else None
+    if hmap is None:
         return
     rank = dist.get_rank(pg)
-    src = next(r for r, p in pmap.items() if p == rank)
     err = ""
     rec: bytes | None = None
     blobs: list[bytes] = []
@@ -210,19 +272,33 @@ def replicate(uri: str, manifest: bytes, pg: Any, so: dict[str, Any] | None = No
         rec, blobs = runtime.run(_read(open_store(uri, **so), m, rank))
     except Exception as e:
         err = f"rank {rank} could not read its part: {_reason(e)}"
-    works = _send(pg, pmap[rank], rec, blobs)
-    got = _recv(pg, src, [m.blobs[i].size for i in _blobs_of(m, src)])
+    works: list[Any] = []
+    for holder in hmap[rank]:
+        works += _send(pg, holder, rec, blobs)
+    store: Store | None = None
+    wrote = True
+    for src in sorted(s for s, hs in hmap.items() if rank in hs):
+        # received (and checked, written) one part at a time: memory holds one part
+        got = _recv(pg, src, [m.blobs[i].size for i in _blobs_of(m, src)])
+        wrote = wrote and not isinstance(got, str)
+        if isinstance(got, str):
+            err = err or f"rank {src} could not send its part to rank {rank}: {got}"
+            continue
+        try:
+            store = store or open_store(replica_uri(uri, cfg), **so)
+            runtime.run(_write(store, m, src, got[0], got[1], f"replica at {store.url}"))
+        except Exception as e:
+            wrote = False
+            err = err or f"rank {rank} could not write the replica of rank {src}: {_reason(e)}"
     for w in works:
         w.wait()
-    if isinstance(got, str):
-        err = err or f"rank {src} could not send its part to rank {rank}: {got}"
-    else:
+    if store is not None and wrote:
         try:
-            store = open_store(replica_uri(uri, cfg), **so)
-            runtime.run(_write(store, m, src, got[0], got[1], f"replica at {store.url}"))
+            placed = json.dumps({"holders": [[r, list(h)] for r, h in hmap.items()]}).encode()
+            runtime.run(store.put(PLACEMENT_KEY, placed, PutOptions(mode="overwrite")))
             runtime.run(_put_manifest(store, manifest))
         except Exception as e:
-            err = f"rank {rank} could not write the replica of rank {src}: {_reason(e)}"
+            err = f"rank {rank} could not write its replicas' manifest: {_reason(e)}"
     bad = [e for e in _gather(pg, err) if e]
     if bad:
         raise FmstoreError(
@@ -275,24 +351,80 @@ async def held(uri: str, so: dict[str, Any]) -> tuple[str | None, tuple[int, ...
 
 
 def plan(
-    digest: str, held_by: Sequence[tuple[str | None, tuple[int, ...]]], lacking: Sequence[int]
+    digest: str,
+    held_by: Sequence[tuple[str | None, tuple[int, ...]]],
+    lacking: Sequence[int],
+    prefer: Sequence[Mapping[int, int]] | None = None,
 ) -> dict[int, int] | None:
-    """Rank lacking its part -> the rank that sends it (the lowest rank of a node holding
-    its replica of the manifest of sha256 ``digest``), or None if some part has no holder."""
+    """Rank lacking its part -> the rank that sends it, or None if some part has no holder:
+    of the ranks whose node holds its replica of the manifest of sha256 ``digest`` and
+    lacks nothing, the one whose node comes first among the save's holders of that part
+    (``prefer[i][r]``: the place of rank ``i``'s node among rank ``r``'s holders; unknown:
+    last), the lowest rank among equals."""
     out: dict[int, int] = {}
+    gone = set(lacking)
     for r in lacking:
-        h = next(
-            (
-                i
-                for i, (d, ranks) in enumerate(held_by)
-                if d == digest and r in ranks and i not in lacking
-            ),
-            None,
-        )
-        if h is None:
+        cands = [
+            i
+            for i, (d, ranks) in enumerate(held_by)
+            if d == digest and r in ranks and i not in gone
+        ]
+        if not cands:
             return None
-        out[r] = h
+        out[r] = min(cands, key=lambda i: (prefer[i].get(r, MAX_REPLICAS) if prefer else 0, i))
     return out
+
+
+async def _preference(uri: str, so: dict[str, Any], m: DcpManifest) -> list[list[int]]:
+    """[saved rank, the place of this node among its holders] for each rank whose holders
+    the replicas here name (their ``placement.json``, written with them); [] if none."""
+    from ...config import node_id
+
+    part = m.part_of(node_id())
+    store = open_store(replica_uri(uri, so.get("config")), **so)
+    data = await read_bounded(store, PLACEMENT_KEY, manifest_limit(), what="placement")
+    rows = json.loads(data).get("holders")
+    mine = set(part.ranks) if part is not None else set()
+    out: list[list[int]] = []
+    for row in rows if isinstance(rows, list) else []:
+        if isinstance(row, list) and len(row) == 2 and type(row[0]) is int:
+            hs = row[1] if isinstance(row[1], list) else []
+            j = next(
+                (j for j, h in enumerate(hs[:MAX_REPLICAS]) if type(h) is int and h in mine), None
+            )
+            if j is not None:
+                out.append([row[0], j])
+    return out
+
+
+def sources(
+    uri: str,
+    so: dict[str, Any],
+    m: DcpManifest,
+    digest: str,
+    held_by: Sequence[tuple[str | None, tuple[int, ...]]],
+    lacking: Sequence[int],
+    pg: Any,
+) -> dict[int, int] | None:
+    """Every rank: :func:`plan` with each node's place among the save's holders of each
+    part, gathered as JSON (a malformed or unreadable answer counts as no preference)."""
+    try:
+        mine = runtime.run(_preference(uri, so, m)) if any(d == digest for d, _r in held_by) else []
+    except Exception:  # no placement here (none held, or of an earlier release): no order
+        mine = []
+    prefer: list[dict[int, int]] = []
+    for got in _gather(pg, mine):
+        ok = isinstance(got, list) and len(got) <= m.world_size
+        rows = got if ok else []
+        prefer.append(
+            {
+                r: j
+                for x in rows
+                if isinstance(x, list) and len(x) == 2 and all(type(v) is int for v in x)
+                for r, j in [x]
+            }
+        )
+    return plan(digest, held_by, lacking, prefer)
 
 
 def fetch(uri: str, so: dict[str, Any], m: DcpManifest, routes: dict[int, int], pg: Any) -> str:
