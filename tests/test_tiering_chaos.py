@@ -132,7 +132,6 @@ keep_latest = {KEEP["lustre"]}
 [daemon]
 interval = "0.1s"
 max_backoff = "1s"
-bwlimit = "2MB"
 concurrency = 2
 {daemon}
 """
@@ -213,7 +212,8 @@ def run_schedule(tmp_path, s3_server, s3_bucket, monkeypatch, kills: int, wipe_a
             f'url = "s3://{s3_bucket}/fm"\nendpoint_url = "{proxy.endpoint_url}"\n'
             'addressing_style = "path"\nregion = "us-east-1"\nmax_attempts = 20'
         )
-        cfg = _write_config(tmp_path / "fmstore.toml", base, s3_table, "")
+        # The limit keeps copies open long enough for kills to land in them.
+        cfg = _write_config(tmp_path / "fmstore.toml", base, s3_table, 'bwlimit = "2MB"')
         config = load_config(cfg)
         runs = {"trainer": 0, "daemon": 0}
 
@@ -323,8 +323,8 @@ def run_schedule(tmp_path, s3_server, s3_bucket, monkeypatch, kills: int, wipe_a
         _kill(daemon_p)
         last = _committed_steps(committed)[-1]
 
-        # A final drain, with the faults off (they were the chaos phase's), whose start-up
-        # sweep removes every orphan at once.
+        # A final drain, with the faults and the bandwidth limit off (they were the chaos
+        # phase's), whose start-up sweep removes every orphan at once.
         proxy.clear()
         drain_cfg = _write_config(tmp_path / "drain.toml", base, s3_table, 'orphan_grace = "0"')
         r = subprocess.run(
