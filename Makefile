@@ -63,10 +63,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -x -q -m "not slow" tests
 
-# The kill schedules at length: the three-node job killed at least 20 times (make test runs
-# a short schedule of it), and the single-node tiering chaos test.
+# The kill schedules at length (make test runs a short schedule of each): the three-node job
+# killed at least 20 times, the single-node trainer and daemon killed 10 times, the daemon
+# alone killed 24 times.
 test-chaos: $(STAMP)
-	FMSTORE_CHAOS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -s tests/test_cluster_chaos.py tests/test_tiering_chaos.py
+	FMSTORE_CHAOS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -s tests/test_cluster_chaos.py tests/test_tiering_chaos.py \
+	  tests/test_tiering_daemon.py::test_kill_9_of_the_daemon_at_random_moments_loses_nothing_long
 
 # The deterministic simulation of exports in node parts (tests/sim_parts.py) at length:
 # fresh seeds for SIM_SECONDS (default 600); ends with "schedules: N, violations: V".

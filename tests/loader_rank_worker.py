@@ -11,7 +11,8 @@ options of each epoch in turn.  Every rank streams epoch ``e``
 through a ``StreamingDataLoader`` whose store talks to ``epochs[e]``'s endpoint (the test
 gives each epoch its own proxy, so it can count each epoch's requests apart), writes the
 sample ids it got to ``OUT/e{e}-r{rank}.json`` and waits for every rank at a barrier
-before the next epoch starts.
+before the next epoch starts.  ``CFG`` may also be a list of such objects: they run one after
+the other in the same launch (tests share one start of the ranks).
 """
 
 from __future__ import annotations
@@ -41,9 +42,14 @@ def go_file(out: str, epoch: int, rank: int) -> str:
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
+    cfgs = json.loads(sys.argv[1])
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    for cfg in cfgs if isinstance(cfgs, list) else [cfgs]:
+        run(cfg, dist.get_rank())
+    dist.destroy_process_group()
+
+
+def run(cfg: dict, rank: int) -> None:
     for epoch, opts in enumerate(cfg["epochs"]):
         ds = StreamingDataset(
             cfg["remote"],
@@ -72,7 +78,6 @@ def main() -> None:
         with open(os.path.join(cfg["out"], f"e{epoch}-r{rank}.json"), "w") as f:
             json.dump(got, f)
         dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -480,7 +480,8 @@ def test_s3_outage_is_a_clear_error_and_commits_nothing(s3_server, s3_bucket):
     from fmstore.testing.faultproxy import FaultProxy, Rule
 
     with FaultProxy(s3_server.endpoint_url) as proxy:
-        so = {**s3_server.store_options(), "endpoint_url": proxy.endpoint_url}
+        # Every manifest PUT fails: 3 attempts, not the default 10 (10 s of back-off).
+        so = {**s3_server.store_options(), "endpoint_url": proxy.endpoint_url, "max_attempts": 3}
         uri = f"s3://{s3_bucket}/down"
         proxy.set_plan([Rule("error", method="PUT", path=r".*manifest\.json")])
         with pytest.raises(BaseException) as ei:

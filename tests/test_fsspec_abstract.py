@@ -80,6 +80,17 @@ class _FmstoreFixtures(abstract.AbstractFixtures):
             request.addfinalizer(mp.undo)
         return FmstoreFileSystem(config=str(cfg), skip_instance_cache=True)
 
+    @pytest.fixture(autouse=True)
+    def _cwd_left_empty(self, tmp_path_factory: Any, monkeypatch: Any) -> Any:
+        """Each case runs in an empty working directory that it must leave empty: a local
+        path that lost its leading "/" would land there (files of a get once landed in
+        the repository, which was the working directory)."""
+        cwd = tmp_path_factory.mktemp("cwd")
+        monkeypatch.chdir(cwd)
+        yield
+        left = sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*"))
+        assert not left, f"the case wrote under the working directory: {left[:10]}"
+
     @pytest.fixture
     def fs_join(self) -> Any:
         return lambda *args: "/".join(args)

@@ -321,3 +321,40 @@ def test_exclusive_open_of_an_existing_key_is_refused_at_open_and_again_at_commi
     with pytest.raises(AlreadyExists):
         f.close()
     assert fs.cat("nvme/x.bin") == b"1" and fs.cat("nvme/y.bin") == b"theirs"
+
+
+@pytest.mark.parametrize("prefix", ["nvme/src", "fmstore://nvme/src"])
+def test_get_of_a_glob_to_a_local_directory_writes_under_it_alone(
+    posix_cfg, tmp_path, monkeypatch, prefix
+):
+    """``get`` of a glob into an absolute local directory (fsspec's "copy scenario 1h")
+    writes there and nowhere else: not under the working directory, as if the target's
+    leading "/" had been dropped."""
+    fs = fsspec.filesystem("fmstore")
+    for key in ("file1", "subdir/subfile1", "subdir/subfile2", "subdir/nesteddir/nestedfile"):
+        fs.pipe(f"nvme/src/{key}", key.encode())
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    target = tmp_path / "target"
+    flat = {"subfile1", "subfile2"}
+    deep = flat | {"nesteddir/nestedfile"}
+    for slash in ("", "/"):
+        for glob, kwargs, want in [
+            ("*", {}, flat),
+            ("*", {"recursive": True}, deep),
+            ("**", {}, deep),
+            ("*", {"recursive": True, "maxdepth": 1}, flat),
+            ("**", {"maxdepth": 1}, flat),
+        ]:
+            target.mkdir()
+            fs.get(f"{prefix}/subdir/{glob}", f"{target}/newdir{slash}", **kwargs)
+            got = {
+                os.path.relpath(os.path.join(d, f), target / "newdir")
+                for d, _, files in os.walk(target)
+                for f in files
+            }
+            assert got == want, (glob, kwargs, slash)
+            assert (target / "newdir" / "subfile1").read_bytes() == b"subdir/subfile1"
+            assert os.listdir(cwd) == [], (glob, kwargs, slash)
+            fsspec.filesystem("file").rm(str(target), recursive=True)

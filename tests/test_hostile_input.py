@@ -242,17 +242,28 @@ def _edit_stride_overhang(doc: dict) -> None:
     _tensor(doc).update(shape=[64, 64], stride=[65, 1])
 
 
-@pytest.mark.parametrize(
-    "edit",
-    [_edit_storage_6gib, _edit_unaligned_overhang, _edit_huge_shape, _edit_negative_offset,
-     _edit_stride_overhang],
-    ids=lambda f: f.__name__[6:],
-)  # fmt: skip
-def test_views_and_sizes_beyond_the_blobs_are_refused_on_every_read_path(tmp_path, edit):
-    uri, doc = _ckpt(tmp_path)
-    edit(doc)
-    write_json(Path(uri) / "manifest.json", doc)
-    results = run_limited(_every_read_path(uri))
+_EDITS = [_edit_storage_6gib, _edit_unaligned_overhang, _edit_huge_shape, _edit_negative_offset,
+          _edit_stride_overhang]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def edited_reads(tmp_path_factory) -> dict[str, list[dict]]:
+    """edit -> the results of every read path of a checkpoint with that edit, all read in
+    one capped interpreter (one start of torch for the five edits, not five)."""
+    uris = {}
+    for edit in _EDITS:
+        uri, doc = _ckpt(tmp_path_factory.mktemp(edit.__name__[6:]))
+        edit(doc)
+        write_json(Path(uri) / "manifest.json", doc)
+        uris[edit.__name__] = uri
+    results = run_limited("".join(_every_read_path(u) for u in uris.values()))
+    assert len(results) == 4 * len(uris), results
+    return {name: results[4 * i : 4 * i + 4] for i, name in enumerate(uris)}
+
+
+@pytest.mark.parametrize("edit", _EDITS, ids=lambda f: f.__name__[6:])
+def test_views_and_sizes_beyond_the_blobs_are_refused_on_every_read_path(edited_reads, edit):
+    results = edited_reads[edit.__name__]
     assert len(results) == 4
     for r in results:
         assert r["error"] == "CorruptData", r

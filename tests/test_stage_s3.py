@@ -272,6 +272,9 @@ def test_s3_to_posix_through_faults(s3env, s3_server, tmp_path):
         assert sum(proxy.injected.values()) > 0
         assert file_crcs(str(dst)) == want
         proxy.down()
+        # A dead endpoint is an error once the retries are spent: 3 of them, not the 20
+        # that rode out the faults above (at up to 5 s each).
+        cfg.write_text(cfg.read_text().replace("max_attempts = 20", "max_attempts = 3"))
         r = fm("stage", "proxied:faulty", str(tmp_path / "dst2"), "--no-progress", env=s3env["env"])
         assert r.returncode == 1 and "error:" in r.stderr and "Traceback" not in r.stderr
 

@@ -336,13 +336,14 @@ def test_a_daemon_killed_mid_export_to_s3_leaves_no_upload(
 
 
 def test_a_daemon_killed_mid_export_to_lustre_leaves_no_temp_file(tmp_path):
-    cfg = _daemon_config(
-        tmp_path, f'url = "{tmp_path}/s3"', 'orphan_grace = "0"\nbwlimit = "4MB"\nconcurrency = 1'
-    )
+    s3 = f'url = "{tmp_path}/s3"'
+    cfg = _daemon_config(tmp_path, s3, 'orphan_grace = "0"\nbwlimit = "4MB"\nconcurrency = 1')
     _save_big(cfg)
     # ~72 MiB at 4 MB/s: the copy to lustre takes ~18 s after its temp file appears.
     _kill_when(_daemon(cfg), lambda: _temp_files(tmp_path / "lustre"))
     assert _temp_files(tmp_path / "lustre")
+    # The limit only kept the killed copy open; the drain copies at full speed.
+    _daemon_config(tmp_path, s3, 'orphan_grace = "0"\nconcurrency = 1')
     sweeps = _drain_and_sweep_events(cfg)
     assert sweeps and sweeps[0]["removed"] >= 1 and not sweeps[0]["errors"]
     assert not _temp_files(tmp_path / "lustre") and not _temp_files(tmp_path / "s3")

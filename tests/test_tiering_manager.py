@@ -48,6 +48,19 @@ def test_saves_are_exported_and_retained_by_policy_in_the_background(tmp_path):
     assert on_tier(cfg, "nvme", "runs/a") == {40: True}
 
 
+def test_policies_done_are_seen_at_once_not_an_interval_later(tmp_path):
+    """After a step that moved data the background thread looks again at once (the plan
+    changed while it acted), as the daemon does: ``wait_for_policies`` returns when the
+    work is done, not a ``policy_interval`` later (it took 5 s, the default, per wait)."""
+    cfg = posix_config(str(tmp_path), EXPORT_ALL)
+    with CheckpointManager("runs/a", config=cfg, policy_interval=3600) as mgr:
+        for s in (10, 20):
+            mgr.save(s, state(s))
+            # Far below the interval, far above the work (two small copies, one delete).
+            assert mgr.wait_for_policies(120), s
+        assert mgr.steps("lustre") == [10, 20] and mgr.steps("nvme") == [20]
+
+
 def test_sync_save_and_duplicate_step(tmp_path):
     cfg = posix_config(str(tmp_path), {})
     with CheckpointManager("r", config=cfg, async_save=False, run_policies=False) as mgr:

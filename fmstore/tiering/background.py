@@ -74,7 +74,8 @@ class BackgroundRunner:
     """Runs a :class:`PolicyRunner` in a daemon thread (of the policy helper process, see
     :mod:`.helper`, or of the training process itself).
 
-    It wakes every ``interval`` seconds or when :meth:`poke` is called (after a save), and
+    It wakes every ``interval`` seconds or when :meth:`poke` is called (after a save), at
+    once after a step that moved data (so a wait for idle policies ends with the work), and
     runs a step only when it gets the runner lock, so with an ``fmstore daemon`` on the node
     it stays idle.  After a step that found nothing to do it calls ``on_idle(n)``, ``n``
     being the number of pokes it had seen before that step began.  :meth:`close` stops it
@@ -166,6 +167,8 @@ class BackgroundRunner:
                 self._signal.idle(seen)
                 if self._on_idle is not None:
                     self._on_idle(seen)
+            if fresh is not None and fresh.did_something:
+                continue  # more may be due (the plan changed while we acted), as in the daemon
             due = self.runner.backoff.next_due()
             wait = backoff or self.interval
             if locked and not idle and self._signal.waiting():
