@@ -43,10 +43,12 @@ from .nodes import RANK_RECORD_RE, RankRecord, node_id, tier_scope
 from .peers import Peers
 from .problems import (
     Code,
+    Move,
     Problem,
     code_of,
     first,
     from_json,
+    next_move,
     reason,
     to_json,
 )
@@ -392,14 +394,15 @@ def load(
     why: list[tuple[str, Problem]] = [] if passed is None else passed
     for cand in [uri, *fallbacks]:
         problem = _load_one(state_dict, cand, so, pg, planner, options)
-        for attempt in range(UNKNOWN_TRIES - 1):
-            if problem is None or problem.code is not Code.READ_ERROR:
-                break
-            time.sleep(UNKNOWN_PAUSE * 2**attempt)
+        looks = 1
+        while (move := next_move(problem, looks, UNKNOWN_TRIES)) is Move.LOOK_AGAIN:
+            time.sleep(UNKNOWN_PAUSE * 2 ** (looks - 1))
             problem = _load_one(state_dict, cand, so, pg, planner, options)
-        if problem is None:
+            looks += 1
+        if move is Move.LOAD:
             return cand
-        if problem.code is Code.READ_ERROR:
+        assert problem is not None  # a candidate not loaded has one
+        if move is Move.RAISE:
             raise StoreUnavailable(
                 f"could not tell whether {cand} is a committed checkpoint after "
                 f"{UNKNOWN_TRIES} looks ({problem.text}); not falling back to an older step"

@@ -24,11 +24,13 @@ from dataclasses import dataclass
 
 __all__ = [
     "Code",
+    "Move",
     "Problem",
     "code_of",
     "first",
     "fmstore_error",
     "from_json",
+    "next_move",
     "reason",
     "to_json",
 ]
@@ -122,3 +124,23 @@ def code_of(e: BaseException) -> Code:
     if isinstance(e, OSError) and not isinstance(e, FmstoreError):
         return Code.READ_ERROR
     return Code.UNUSABLE
+
+
+class Move(str, enum.Enum):
+    """What a restore does after every rank looked at a candidate."""
+
+    LOAD = "load"  # every rank can read it: it is the one restored
+    NEXT = "next"  # passed over (absent, unusable): the next, older candidate
+    LOOK_AGAIN = "look_again"  # unknown (a read error): looked at again
+    RAISE = "raise"  # still unknown after every look: raised, never skipped
+
+
+def next_move(problem: Problem | None, looks: int, tries: int) -> Move:
+    """The restore's decision about one candidate from the problem every rank agrees on
+    (:func:`first`) after ``looks`` looks of at most ``tries``: I3 of docs/distributed.md
+    (a candidate whose state is unknown is never skipped for an older one)."""
+    if problem is None:
+        return Move.LOAD
+    if problem.code is not Code.READ_ERROR:
+        return Move.NEXT
+    return Move.LOOK_AGAIN if looks < tries else Move.RAISE
