@@ -345,6 +345,7 @@ FOUND_AT: dict[str, tuple[int, str]] = {
     "restore-unknown": (539, "I3"),
     "supersede": (2696, "I2"),
     "sweep": (12, "I4"),
+    "sweep-leases": (9651, "I4"),
 }
 
 
