@@ -852,7 +852,8 @@ def find_switches(limit: int = 50_000) -> int:
         n = 0
         try:
             while n < limit:
-                n += len(search(range(start + n, start + n + 500), frozenset([revert])))
+                batch = range(start + n, start + min(n + 500, limit))
+                n += len(search(batch, frozenset([revert])))
             print(f"{revert}: not found in {limit} schedules (seeds from {start})", flush=True)
             missed += 1
         except Violation as e:
