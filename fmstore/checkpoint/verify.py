@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeAlias, cast
 
 from .. import runtime
-from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
+from ..errors import CorruptData, InvalidRange, NotFound
 from ..format.checksum import crc32c
 from ..format.manifest import DCP_FORMAT_NAME, MANIFEST_KEY, Manifest, sniff_format
 from ..stores.base import Store
@@ -201,7 +201,11 @@ async def verify_checkpoint(
     page cache and would prove nothing more.
 
     Never raises for bad data: problems are listed in the result (a missing manifest is a
-    problem too); store outages raise :class:`~fmstore.errors.StoreUnavailable`.
+    problem too).  Only what is proven is a problem: a manifest or blob the store says is
+    not there, a wrong size, bytes that fail their checksum or do not parse.  A read that
+    fails otherwise (:class:`~fmstore.errors.PermissionDenied`, a store outage:
+    :class:`~fmstore.errors.StoreUnavailable`, any other error) leaves the copy's state
+    unknown and is raised: a caller retries later and never deletes a copy on it.
     ``progress(n)`` is called with the stored bytes of each run of chunks checked.
     """
     res = VerifyResult(url=store.url, tier=store.tier)
@@ -279,13 +283,13 @@ async def verify_checkpoint(
                     data = memoryview(await store.get_range(key, start, end))
                 except NotFound:
                     data = memoryview(b"")
-                except StoreUnavailable:
-                    raise
-                except FmstoreError as e:
+                except (CorruptData, InvalidRange) as e:  # the store's proof: bad bytes
                     for c in chunks[i:j]:
                         fail(c.name, key, c.offset, f"is unreadable ({e.message})")
                     i = j
                     continue
+                # Any other error (PermissionDenied, StoreUnavailable, ...) proves nothing
+                # about the bytes: it is raised, never a verdict.
                 for c in chunks[i:j]:
                     piece = data[c.offset - start : c.offset - start + c.length]
                     if len(piece) != c.length:

@@ -41,7 +41,17 @@ from . import replicas
 from .manifest import MANIFEST_KEY, DcpManifest
 from .nodes import RANK_RECORD_RE, RankRecord, node_id, tier_scope
 from .peers import Peers
-from .problems import Code, Problem, first, fmstore_error, from_json, reason, to_json
+from .problems import (
+    Code,
+    Move,
+    Problem,
+    code_of,
+    first,
+    from_json,
+    next_move,
+    reason,
+    to_json,
+)
 from .reader import Reader
 from .staging import Stager
 from .wire import broadcast_result, gather_json
@@ -375,36 +385,24 @@ def load(
     (:data:`UNKNOWN_TRIES`), then the error is raised on every rank: never skipped for an
     older one.  Raises :class:`CandidatesFailed` (a :class:`NotFound`) naming every
     candidate and why it was passed over; ``passed``, when given, receives the candidates
-    passed over before the one loaded.
+    passed over before the one loaded.  Without a process group the same rules hold for
+    the one process: only a manifest the store says is absent sends it to the next
+    candidate as "no checkpoint"; a read error is looked at again, then raised.
     """
-    import torch.distributed.checkpoint as dcp
-
     so = dict(store_options or {})
     pg = process_group if process_group is not None else checkpoint_group()
     why: list[tuple[str, Problem]] = [] if passed is None else passed
     for cand in [uri, *fallbacks]:
-        if _dist() is None:
-            try:
-                dcp.load(
-                    state_dict,
-                    storage_reader=Reader(cand, store_options=so, **options),
-                    no_dist=True,
-                )
-                return cand
-            except BaseException as e:  # DCP's CheckpointException is a BaseException
-                missing = isinstance(fmstore_error(e), NotFound)
-                code = Code.NO_MANIFEST if missing else Code.UNUSABLE
-                why.append((cand, Problem(code, reason(e))))
-                continue
-        problem = _try(state_dict, cand, so, pg, planner, options)
-        for attempt in range(UNKNOWN_TRIES - 1):
-            if problem is None or problem.code is not Code.READ_ERROR:
-                break
-            time.sleep(UNKNOWN_PAUSE * 2**attempt)
-            problem = _try(state_dict, cand, so, pg, planner, options)
-        if problem is None:
+        problem = _load_one(state_dict, cand, so, pg, planner, options)
+        looks = 1
+        while (move := next_move(problem, looks, UNKNOWN_TRIES)) is Move.LOOK_AGAIN:
+            time.sleep(UNKNOWN_PAUSE * 2 ** (looks - 1))
+            problem = _load_one(state_dict, cand, so, pg, planner, options)
+            looks += 1
+        if move is Move.LOAD:
             return cand
-        if problem.code is Code.READ_ERROR:
+        assert problem is not None  # a candidate not loaded has one
+        if move is Move.RAISE:
             raise StoreUnavailable(
                 f"could not tell whether {cand} is a committed checkpoint after "
                 f"{UNKNOWN_TRIES} looks ({problem.text}); not falling back to an older step"
@@ -412,6 +410,34 @@ def load(
         why.append((cand, problem))
     text = "; ".join(f"{c}: {p.text}" for c, p in why)
     raise CandidatesFailed("no checkpoint every rank can read: " + text[:1500], why)
+
+
+def _load_one(
+    state_dict: dict[str, Any],
+    cand: str,
+    so: dict[str, Any],
+    pg: Any,
+    planner: Any,
+    options: dict[str, Any],
+) -> Problem | None:
+    """One look at ``cand``: the collective one (:func:`_try`), or without a process group
+    a plain load, its problem coded by :func:`~.problems.code_of` (only the manifest's
+    absence is ``NO_MANIFEST``; a read error leaves the candidate unknown)."""
+    if _dist() is not None:
+        return _try(state_dict, cand, so, pg, planner, options)
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        reader = Reader(cand, store_options=so, **options)
+        # Looked at first, outside DCP: its load reports a failed metadata read as a bare
+        # AssertionError, which would hide whether the manifest is absent or unreadable.
+        reader.read_metadata()
+        dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        return Problem(code_of(e), reason(e))
+    return None
 
 
 def _try(
@@ -423,8 +449,9 @@ def _try(
     options: dict[str, Any],
 ) -> Problem | None:
     """Every rank: prepare ``cand`` and load it; the problem every rank agrees on, None
-    once loaded.  A read that failed for a transient cause (:class:`StoreUnavailable`) is a
-    ``READ_ERROR``; a bad checksum or a missing blob makes the candidate ``UNUSABLE``."""
+    once loaded.  A read that failed without a verdict (:class:`StoreUnavailable`,
+    :class:`PermissionDenied`: :func:`~.problems.code_of`) is a ``READ_ERROR``; a bad
+    checksum or a missing blob makes the candidate ``UNUSABLE``."""
     import torch.distributed.checkpoint as dcp
 
     problem, routed = _prepare(cand, so, pg)
@@ -439,8 +466,8 @@ def _try(
     try:
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=pg)
     except BaseException as e:
-        transient = isinstance(fmstore_error(e), StoreUnavailable)
-        err = Problem(Code.READ_ERROR if transient else Code.UNUSABLE, reason(e))
+        unknown = code_of(e) is Code.READ_ERROR
+        err = Problem(Code.READ_ERROR if unknown else Code.UNUSABLE, reason(e))
     return first(_gather_problems(pg, err))
 
 

@@ -22,7 +22,18 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Code", "Problem", "first", "fmstore_error", "from_json", "reason", "to_json"]
+__all__ = [
+    "Code",
+    "Move",
+    "Problem",
+    "code_of",
+    "first",
+    "fmstore_error",
+    "from_json",
+    "next_move",
+    "reason",
+    "to_json",
+]
 
 
 class Code(str, enum.Enum):
@@ -92,3 +103,44 @@ def reason(e: BaseException) -> str:
     e = fmstore_error(e)
     text = str(e).splitlines()[0] if str(e) else ""
     return f"{type(e).__name__}: {text}"[:400]
+
+
+def code_of(e: BaseException) -> Code:
+    """The code of one rank's failed look at or load of a candidate, from the error's type
+    (and, for a ``NotFound``, the key it names), never its text: ``NO_MANIFEST`` only when
+    the store said ``manifest.json`` itself is absent; ``READ_ERROR`` for a read that
+    failed without a verdict (:class:`~fmstore.errors.StoreUnavailable`,
+    :class:`~fmstore.errors.PermissionDenied`, an OS error fmstore did not translate);
+    ``UNUSABLE`` for a proven problem (a missing blob, a bad checksum, a layout this job
+    cannot read)."""
+    from ...errors import FmstoreError, NotFound, PermissionDenied, StoreUnavailable
+    from ...format.manifest import MANIFEST_KEY
+
+    e = fmstore_error(e)
+    if isinstance(e, NotFound):
+        return Code.NO_MANIFEST if e.key == MANIFEST_KEY else Code.UNUSABLE
+    if isinstance(e, (StoreUnavailable, PermissionDenied)):
+        return Code.READ_ERROR
+    if isinstance(e, OSError) and not isinstance(e, FmstoreError):
+        return Code.READ_ERROR
+    return Code.UNUSABLE
+
+
+class Move(str, enum.Enum):
+    """What a restore does after every rank looked at a candidate."""
+
+    LOAD = "load"  # every rank can read it: it is the one restored
+    NEXT = "next"  # passed over (absent, unusable): the next, older candidate
+    LOOK_AGAIN = "look_again"  # unknown (a read error): looked at again
+    RAISE = "raise"  # still unknown after every look: raised, never skipped
+
+
+def next_move(problem: Problem | None, looks: int, tries: int) -> Move:
+    """The restore's decision about one candidate from the problem every rank agrees on
+    (:func:`first`) after ``looks`` looks of at most ``tries``: I3 of docs/distributed.md
+    (a candidate whose state is unknown is never skipped for an older one)."""
+    if problem is None:
+        return Move.LOAD
+    if problem.code is not Code.READ_ERROR:
+        return Move.NEXT
+    return Move.LOOK_AGAIN if looks < tries else Move.RAISE
