@@ -27,7 +27,7 @@ from .. import runtime
 from ..errors import ConfigError, CorruptData, NotFound
 from ..stores import Location, open_store
 from .hf import INDEX, SINGLE, is_hf_dir, read_hf_dir, read_safetensors_fd
-from .zipguard import check_torch_zip, open_regular
+from .zipguard import check_torch_zip, load_refusal, open_regular
 
 TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -145,12 +145,10 @@ def read_source(f: SourceFile) -> Any:
             return torch.load(fh, map_location="cpu", weights_only=True)
         except MemoryError:
             raise
-        except Exception as e:  # torch's message is a page of advice: keep its first line
-            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-            why = next((ln for ln in lines if "Unpickler error" in ln), lines[0] if lines else "")
+        except Exception as e:
             raise CorruptData(
                 f"{f.name} is not a torch.save file fmstore reads with weights_only=True: "
-                f"{why[:300] or type(e).__name__}"
+                f"{load_refusal(e, 300)}"
             ) from None
 
 

@@ -44,7 +44,7 @@ from typing import IO
 
 from ..errors import CorruptData, NotFound
 
-__all__ = ["MAX_MEMBERS", "check_torch_zip", "open_regular", "torch_file"]
+__all__ = ["MAX_MEMBERS", "check_torch_zip", "load_refusal", "open_regular", "torch_file"]
 
 #: More members than this is no ``torch.save`` archive (one per storage, plus five).
 MAX_MEMBERS = 1 << 20
@@ -223,3 +223,11 @@ def _declared_directory(f: IO[bytes], size: int, bad: Callable[[str], CorruptDat
             "(torch and zipfile would read two different directories)"
         )
     return int(dir_at)
+
+
+def load_refusal(e: BaseException, limit: int = 200) -> str:
+    """Why ``torch.load(weights_only=True)`` refused, in one line: its message is a page of
+    advice whose line about the data (the unpickler's, else the first) is the reason."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    why = next((ln for ln in lines if "Unpickler error" in ln), lines[0] if lines else "")
+    return why[:limit] or type(e).__name__

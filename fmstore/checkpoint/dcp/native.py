@@ -46,7 +46,7 @@ from ...errors import CorruptData, FmstoreError, InvalidKey, NotFound
 from ...format.dtypes import dtype_from_name, dtype_name
 from ...keys import validate_key
 from ...stores import Store
-from ..zipguard import check_torch_zip
+from ..zipguard import check_torch_zip, load_refusal
 
 __all__ = [
     "MAX_METADATA_BYTES",
@@ -497,10 +497,9 @@ def decode_tensor(data: bytes, item: NativeItem, url: str, *, verify: bool = Tru
     try:
         t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        why = (lines[0] if lines else type(e).__name__)[:200]
         raise CorruptData(
-            f"corrupt item {item.where(url)}: not a tensor torch can load ({why})", key=item.path
+            f"corrupt item {item.where(url)}: not a tensor torch can load ({load_refusal(e)})",
+            key=item.path,
         ) from None
     want = dtype_from_name(item.dtype)
     if not isinstance(t, torch.Tensor) or t.dtype != want or tuple(t.shape) != item.shape:

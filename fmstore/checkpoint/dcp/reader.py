@@ -48,7 +48,7 @@ from ...stores import Location, Store, open_store
 from ...stores.bounded import manifest_limit, read_bounded
 from ..devring import RingLoad, cpu_routed, open_ring, run_all
 from ..routing import PART
-from ..zipguard import check_torch_zip
+from ..zipguard import check_torch_zip, load_refusal
 from .manifest import MANIFEST_KEY, DcpItem, DcpManifest
 from .native import NativeCheckpoint, NativeItem, has_native_metadata, read_native, read_native_data
 from .peers import Part as _Part
@@ -318,10 +318,7 @@ class Reader(StorageReader):
         try:
             obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:
-            # torch's message is a page of advice; its one line about the data is the reason.
-            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-            why = next((ln for ln in lines if "Unpickler error" in ln), lines[0] if lines else "")
-            why = why[:200] or type(e).__name__
+            why = load_refusal(e)
             raise CorruptData(
                 f"{fqn!r} in {where} is not a plain value (tensors, numbers, "
                 f"strings, containers) and fmstore does not unpickle it: {why}; pass "
