@@ -63,7 +63,7 @@ from .transfer import TransferOptions
 if TYPE_CHECKING:
     from ..checkpoint.dcp.manifest import DcpManifest
 
-__all__ = ["delete_own_part", "export_part", "in_parts", "part_records"]
+__all__ = ["delete_own_part", "export_part", "in_parts", "lease_renewals", "part_records"]
 
 
 def in_parts(manifest: object) -> bool:
@@ -390,7 +390,7 @@ async def delete_own_part(dst: Store, node: str, src: Store | None = None) -> bo
         # before, so it is read here, and it writes the manifest only while that lease
         # still looks alive to this node.
         await dst.delete(rec_key)
-        leases = await _lease_renewals(dst, gen)
+        leases = await lease_renewals(dst, gen)
         now = time.time()  # before the manifest is looked for: a lease dead at ``now`` had
         # its committer's write land (if at all) before this moment, so it is seen below
         committed = await dst.exists(MANIFEST_KEY)
@@ -406,7 +406,7 @@ async def delete_own_part(dst: Store, node: str, src: Store | None = None) -> bo
     return done
 
 
-async def _lease_renewals(dst: Store, gen: str) -> dict[str, float]:
+async def lease_renewals(dst: Store, gen: str) -> dict[str, float]:
     """Node -> last renewal of each export lease of ``gen`` at ``dst``; a lease that does
     not parse counts from its file's modification time (or as renewed now, without one),
     so that nothing anyone wrote there shortens a live exporter's lease."""

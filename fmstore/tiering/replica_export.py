@@ -25,7 +25,7 @@ from ..checkpoint.verify import read_committed
 from ..config import Config
 from ..errors import FmstoreError, NotFound
 from ..stores.base import Store
-from .parts import _lease_renewals, export_part, in_parts, part_records
+from .parts import export_part, in_parts, lease_renewals, part_records
 from .protocol import replica_export_due
 from .rules import Policies
 from .tiers import Tiers
@@ -153,7 +153,7 @@ async def _due(
     except NotFound:
         return False
     records = {n: r.written for n, r in (await part_records(dst, generation)).items()}
-    leases = await _lease_renewals(dst, generation)
+    leases = await lease_renewals(dst, generation)
     return replica_export_due(
         node,
         records,
