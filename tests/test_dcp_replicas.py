@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_cluster_chaos import wait_for
 
 from fmstore.testing.cluster import Cluster, S3Tier
 from fmstore.testing.faultproxy import FaultProxy
@@ -72,12 +73,15 @@ def test_the_ring_places_no_replica_on_its_own_node_and_the_plan_needs_a_holder(
     from dataclasses import replace
 
     from fmstore.checkpoint.dcp.manifest import DcpPart
-    from fmstore.checkpoint.dcp.replicas import partners, plan
+    from fmstore.checkpoint.dcp.replicas import holders_of, partners, plan, sources_of
 
     m, _ = saved_manifest(tmp_path)
     three = [DcpPart(f"n{i}", (2 * i, 2 * i + 1)) for i in range(3)]
     ring = partners(replace(m, parts=three))
-    assert ring == {0: 2, 1: 3, 2: 4, 3: 5, 4: 0, 5: 1}
+    assert ring == {0: (2,), 1: (3,), 2: (4,), 3: (5,), 4: (0,), 5: (1,)}
+    # Known from the ranks' nodes at planning, before any manifest exists: the same.
+    assert holders_of(["n0", "n0", "n1", "n1", "n2", "n2"]) == ring
+    assert sources_of(ring, 0) == (4,)
     assert partners(replace(m, parts=three[:1])) is None  # one node: nowhere else to go
     uneven = [DcpPart("n0", (0, 1)), DcpPart("n1", (2,))]
     assert partners(replace(m, parts=uneven)) is None
@@ -105,6 +109,43 @@ def test_a_replica_blob_is_checked_chunk_by_chunk(tmp_path):
         check_blob(m, i, data[:-1], "replica")
 
 
+def test_a_pending_replica_is_swept_like_a_pending_part_and_a_committed_one_stays(tmp_path):
+    """What a holder streamed for a save that never committed (blobs, no record, no
+    manifest under ``.replicas/KEY``) is an orphan generation the sweep removes; a replica
+    whose record is written but not yet its manifest is kept like a pending part; the
+    committed replica of the previous step stays whole."""
+    from fmstore import runtime
+    from fmstore.checkpoint.dcp.manifest import MANIFEST_KEY
+    from fmstore.checkpoint.dcp.nodes import RankRecord, rank_record_key
+    from fmstore.checkpoint.layout import new_generation
+    from fmstore.stores import open_store
+    from fmstore.tiering.sweep import Sweeper
+
+    m, ck = saved_manifest(tmp_path)
+    root = tmp_path / "nvme"
+    done = root / ".replicas" / "run" / "step_000000000010"
+    shutil.copytree(ck, done)
+    never, half = new_generation(), new_generation()
+    for step, gen in ((30, never), (40, half)):
+        d = root / ".replicas" / "run" / f"step_{step:012d}" / gen
+        d.mkdir(parents=True)
+        (d / "000000.bin").write_bytes(b"x" * 100)
+    rec = RankRecord(half, "s", 0, "n0", (("000000.bin", 100),))
+    (root / ".replicas/run/step_000000000040" / rank_record_key(half, 0)).write_bytes(rec.dumps())
+    before = {p: p.read_bytes() for p in done.rglob("*") if p.is_file()}
+    sw = Sweeper(str(tmp_path / "state"), grace=0)
+    runtime.run(sw.tier("nvme", open_store(str(root))))
+    assert not sw.report.errors, sw.report.errors
+    got = {o.where: o.action for o in sw.report.orphans if o.kind == "generation"}
+    assert got == {
+        f".replicas/run/step_000000000030/{never}": "removed",
+        f".replicas/run/step_000000000040/{half}": "kept: pending part",
+    }
+    assert not (root / ".replicas/run/step_000000000030" / never / "000000.bin").exists()
+    assert {p: p.read_bytes() for p in done.rglob("*") if p.is_file()} == before
+    assert (done / MANIFEST_KEY).is_file() and m.generation
+
+
 @pytest.mark.slow
 @pytest.mark.s3
 def test_lost_nodes_restore_from_replicas_or_fall_back_together(tmp_path: Path, s3_server):
@@ -116,6 +157,43 @@ def test_lost_nodes_restore_from_replicas_or_fall_back_together(tmp_path: Path, 
                 run_sequence(c, proxy)
     finally:
         s3_server.delete_bucket(bucket)
+
+
+def tree(c: Cluster, key: str) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(c.base)): p.read_bytes()
+        for n in NODES
+        for p in (c.nvme(n) / ".replicas" / key).rglob("*")
+        if p.is_file()
+    }
+
+
+def faults(c: Cluster, gen: str) -> None:
+    """Step 20 with a chunk of rank 2's replica corrupted in flight: committed, the save
+    raises the holder's finding on every rank; step 30 with n1 killed mid-transfer: never
+    committed.  Step 10's replicas stay as they were through both."""
+    before = tree(c, KEY)
+    assert len(before) > 6
+    procs = c.start(WORKER, ["faults", str(c.out)], NODES, name="faults", env=ENV)
+    wait_for(lambda: any(c.out.glob("stalled-*")), procs, "n1's replica transfer of step 30")
+    c.kill("n1")
+    for n in ("n0", "n2"):
+        c.agents[n].wait(timeout=120)  # they fail once n1 is gone
+    reps = [json.loads((c.out / f"faults-{r}.json").read_text()) for r in range(6)]
+    for r in reps:
+        assert "is committed, but not every node's part has its replica" in r["error"], r
+        assert "rank 2's blob" in r["error"] and "fails its CRC32C on arrival" in r["error"], r
+    twenty, thirty = KEY.replace("10", "20"), KEY.replace("10", "30")
+    assert all((c.nvme(n) / twenty / "manifest.json").is_file() for n in NODES)
+    assert not [p for n in NODES for p in (c.nvme(n) / thirty).rglob("manifest.json")]
+    g20 = json.loads((c.nvme("n0") / twenty / "manifest.json").read_text())["generation"]
+    # n2 holds rank 3's replica of step 20, never rank 2's (its chunk failed on arrival).
+    assert {
+        int(p.stem.split("-")[1])
+        for p in (c.nvme("n2") / ".replicas" / twenty / g20).glob("rank-*.json")
+    } == {3}
+    assert tree(c, KEY) == before and (c.nvme("n2") / ".replicas" / KEY).is_dir()
+    assert gen
 
 
 def run_sequence(c: Cluster, proxy: FaultProxy) -> None:
@@ -136,6 +214,8 @@ def run_sequence(c: Cluster, proxy: FaultProxy) -> None:
         if b["rank"] in (2, 3):
             own = (c.nvme("n1") / KEY / gen / b["name"]).read_bytes()
             assert (rep_dir / gen / b["name"]).read_bytes() == own
+
+    faults(c, gen)
 
     uris = ["nvme:" + KEY, "lustre:" + KEY, "s3:" + KEY]
     lustre, away = c.lustre / "run", c.base / "lustre-away"

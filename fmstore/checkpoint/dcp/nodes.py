@@ -122,6 +122,8 @@ class LocalInfo:
 
     node: str
     items: tuple[WriteItem, ...]
+    #: the replicas it would stream while writing (0: none, or it cannot reach the group)
+    replicas: int = 0
 
 
 def local_copies(plans: list[SavePlan], nodes: tuple[str, ...]) -> list[SavePlan]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ... import runtime
 from ...errors import AlreadyExists, ConfigError, CorruptData, FmstoreError
@@ -33,9 +33,21 @@ from ...stores.bounded import RECORD_LIMIT, manifest_limit, read_bounded
 from ..layout import RANK_RECORD_RE, REPLICA_PREFIX, parse_step
 from .manifest import MANIFEST_KEY, DcpManifest
 from .nodes import RankRecord, rank_record_key
+
+if TYPE_CHECKING:
+    from .replica_stream import Stream
 from .wire import gather_json
 
-__all__ = ["REPLICA_PREFIX", "fetch", "partners", "plan", "replica_uri", "replicas_of", "replicate"]
+__all__ = [
+    "REPLICA_PREFIX",
+    "fetch",
+    "holders_of",
+    "partners",
+    "plan",
+    "replica_uri",
+    "replicas_of",
+    "replicate",
+]
 
 log = logging.getLogger("fmstore.checkpoint")
 
@@ -61,18 +73,38 @@ def replica_uri(uri: str, config: Any = None) -> str:
     return f"{name}:{REPLICA_PREFIX}/{rest.strip('/')}"
 
 
-def partners(m: DcpManifest) -> dict[int, int] | None:
-    """Rank -> the rank that holds its replica: the rank at the same position on the next
-    node of the ring of the manifest's parts.  None where there is no such placement (one
-    node, or nodes with different numbers of ranks)."""
-    parts = [sorted(p.ranks) for p in m.parts]
+def _holders(nodes: Sequence[tuple[str, Sequence[int]]]) -> dict[int, tuple[int, ...]] | None:
+    """The placement: rank -> the ranks that hold its replica, from ``nodes`` (each node's
+    id and sorted ranks, in the order of their lowest rank).  A ring of nodes: the rank at
+    the same position on the next node.  None where there is no such placement (one node,
+    or nodes with different numbers of ranks)."""
+    parts = [list(r) for _n, r in nodes]
     if len(parts) < 2 or len({len(r) for r in parts}) != 1:
         return None
-    out: dict[int, int] = {}
+    out: dict[int, tuple[int, ...]] = {}
     for i, ranks in enumerate(parts):
         nxt = parts[(i + 1) % len(parts)]
-        out.update(zip(ranks, nxt, strict=True))
+        out.update((r, (p,)) for r, p in zip(ranks, nxt, strict=True))
     return out
+
+
+def holders_of(rank_nodes: Sequence[str]) -> dict[int, tuple[int, ...]] | None:
+    """The placement for a save whose rank ``r`` runs on node ``rank_nodes[r]`` (known at
+    planning, before any manifest exists); the same as :func:`partners` of its manifest."""
+    nodes = [
+        (n, [r for r, x in enumerate(rank_nodes) if x == n]) for n in dict.fromkeys(rank_nodes)
+    ]
+    return _holders(nodes)
+
+
+def partners(m: DcpManifest) -> dict[int, tuple[int, ...]] | None:
+    """Rank -> the ranks that hold its replica, for the parts of ``m``."""
+    return _holders([(p.node, sorted(p.ranks)) for p in m.parts])
+
+
+def sources_of(placement: dict[int, tuple[int, ...]], rank: int) -> tuple[int, ...]:
+    """The ranks whose replica ``rank`` holds."""
+    return tuple(r for r, hs in sorted(placement.items()) if rank in hs)
 
 
 def _blobs_of(m: DcpManifest, rank: int) -> list[int]:
@@ -179,10 +211,20 @@ def _gather(pg: Any, obj: Any) -> list[Any]:
     return gather_json(pg, obj)
 
 
-def replicate(uri: str, manifest: bytes, pg: Any, so: dict[str, Any] | None = None) -> None:
-    """Every rank, after the commit of ``uri`` (``manifest``: its bytes): send this rank's
-    part to its partner and write the part of the rank it partners as a replica.  Raises on
-    every rank when some replica could not be made (the checkpoint stays committed)."""
+def replicate(
+    uri: str,
+    manifest: bytes,
+    pg: Any,
+    so: dict[str, Any] | None = None,
+    inbox: Stream | None = None,
+) -> None:
+    """Every rank, after the commit of ``uri`` (``manifest``: its bytes): make this node's
+    replicas of the parts it holds count.  ``inbox``: what this rank received while the save
+    wrote (:mod:`.replica_stream`): each replica counts once its blob table equals the
+    manifest's, then its record and the manifest are written.  Without one (a save in DCP's
+    checkpoint process, which cannot reach the replica group), each rank reads its part
+    back and sends it to its holders.  Raises on every rank when some replica could not be
+    made (the checkpoint stays committed, older replicas stay)."""
     import torch.distributed as dist
 
     m = DcpManifest.loads(manifest, where=f"{uri}/{MANIFEST_KEY}")
@@ -202,27 +244,10 @@ def replicate(uri: str, manifest: bytes, pg: Any, so: dict[str, Any] | None = No
     if not wanted.pop() or pmap is None:
         return
     rank = dist.get_rank(pg)
-    src = next(r for r, p in pmap.items() if p == rank)
-    err = ""
-    rec: bytes | None = None
-    blobs: list[bytes] = []
-    try:
-        rec, blobs = runtime.run(_read(open_store(uri, **so), m, rank))
-    except Exception as e:
-        err = f"rank {rank} could not read its part: {_reason(e)}"
-    works = _send(pg, pmap[rank], rec, blobs)
-    got = _recv(pg, src, [m.blobs[i].size for i in _blobs_of(m, src)])
-    for w in works:
-        w.wait()
-    if isinstance(got, str):
-        err = err or f"rank {src} could not send its part to rank {rank}: {got}"
+    if inbox is not None:
+        err = _count(uri, m, manifest, inbox, so)
     else:
-        try:
-            store = open_store(replica_uri(uri, cfg), **so)
-            runtime.run(_write(store, m, src, got[0], got[1], f"replica at {store.url}"))
-            runtime.run(_put_manifest(store, manifest))
-        except Exception as e:
-            err = f"rank {rank} could not write the replica of rank {src}: {_reason(e)}"
+        err = _read_back(uri, m, manifest, pg, pmap, so)
     bad = [e for e in _gather(pg, err) if e]
     if bad:
         raise FmstoreError(
@@ -237,6 +262,81 @@ def replicate(uri: str, manifest: bytes, pg: Any, so: dict[str, Any] | None = No
             runtime.run(_drop_older(uri, so))
         except Exception as e:  # kept a while longer; the next save retries
             log.warning("could not remove older replicas beside %s: %s", uri, e)
+
+
+def table(m: DcpManifest, rank: int) -> dict[str, tuple[int, list[tuple[int, int, int]]]]:
+    """``rank``'s blobs in ``m``: name -> size and its chunks' (offset, length, CRC32C)."""
+    out = {m.blobs[i].name: (m.blobs[i].size, []) for i in _blobs_of(m, rank)}
+    names = [b.name for b in m.blobs]
+    for it in m.items:
+        for c in it.chunks:
+            if m.blobs[c.blob].rank == rank:
+                out[names[c.blob]][1].append((c.offset, c.length, c.crc32c))
+    return {k: (n, sorted(cs)) for k, (n, cs) in out.items()}
+
+
+def _count(uri: str, m: DcpManifest, manifest: bytes, inbox: Stream, so: dict[str, Any]) -> str:
+    """The replicas ``inbox`` received, counted against ``m``: '' or why not."""
+    try:
+        got = inbox.wait_received()
+        if inbox.send_error:
+            return inbox.send_error
+        where = f"replica at {inbox.store.url}"
+        for src, r in sorted(got.items()):
+            if r.error:
+                return r.error
+            if {k: (n, sorted(cs)) for k, (n, cs) in r.blobs.items()} != table(m, src):
+                return f"rank {inbox.rank}'s {where} of rank {src} differs from the manifest"
+            rec = RankRecord.loads(r.record or b"", where=f"{where}, rank {src}'s record")
+            if rec.generation != m.generation or rec.rank != src:
+                return f"{where}: the record of rank {src} is of another save"
+            key = rank_record_key(m.generation, src)
+            runtime.run(inbox.store.put(key, r.record or b"", PutOptions(mode="overwrite")))
+        if got:
+            runtime.run(_put_manifest(inbox.store, manifest))
+    except Exception as e:
+        return f"rank {inbox.rank} could not write its replicas: {_reason(e)}"
+    return ""
+
+
+def _read_back(
+    uri: str,
+    m: DcpManifest,
+    manifest: bytes,
+    pg: Any,
+    pmap: dict[int, tuple[int, ...]],
+    so: dict[str, Any],
+) -> str:
+    """Each rank's part read back from its tier and sent to its holders: '' or why not."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(pg)
+    err = ""
+    rec: bytes | None = None
+    blobs: list[bytes] = []
+    try:
+        rec, blobs = runtime.run(_read(open_store(uri, **so), m, rank))
+    except Exception as e:
+        err = f"rank {rank} could not read its part: {_reason(e)}"
+    works = [w for h in pmap[rank] for w in _send(pg, h, rec, blobs)]
+    store = open_store(replica_uri(uri, so.get("config")), **so)
+    for src in sources_of(pmap, rank):
+        got = _recv(pg, src, [m.blobs[i].size for i in _blobs_of(m, src)])
+        if isinstance(got, str):
+            err = err or f"rank {src} could not send its part to rank {rank}: {got}"
+            continue
+        try:
+            runtime.run(_write(store, m, src, got[0], got[1], f"replica at {store.url}"))
+        except Exception as e:
+            err = err or f"rank {rank} could not write the replica of rank {src}: {_reason(e)}"
+    for w in works:
+        w.wait()
+    if not err and sources_of(pmap, rank):
+        try:
+            runtime.run(_put_manifest(store, manifest))
+        except Exception as e:
+            err = f"rank {rank} could not write the replica's manifest: {_reason(e)}"
+    return err
 
 
 async def _drop_older(uri: str, so: dict[str, Any]) -> None:
