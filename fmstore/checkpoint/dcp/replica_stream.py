@@ -31,6 +31,7 @@ import concurrent.futures as cf
 import os
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,6 +127,11 @@ class Stream:
         self._made = 0
         self._made_lock = threading.Lock()
         self.received: dict[int, Received] = {s: Received() for s in sources}
+        #: when each phase of this rank's side ended (``time.perf_counter``): ``opened``,
+        #: ``own_write`` (its blobs and record durable), ``sent`` (every send completed),
+        #: ``committed`` (the commit and the manifest's copy done), ``received`` (every
+        #: replica it holds durable), ``counted`` (records and manifest written)
+        self.times: dict[str, float] = {"opened": time.perf_counter()}
         self._commits: dict[int, list[tuple[str, cf.Future[None]]]] = {s: [] for s in sources}
         self._corrupt = os.environ.get(CORRUPT_ENV, "") == str(rank)
         stall = os.environ.get(STALL_ENV, "")
@@ -163,9 +169,11 @@ class Stream:
     def finish_sends(self, ok: bool) -> str:
         """End this rank's stream (``ok`` False: tell the holders its write failed) and wait
         until every send completed; why a send failed, or ''."""
+        self.times["own_write"] = time.perf_counter()
         self._out.put((_head(_END if ok else _ABORT, 0, 0, 0, 0), None))
         self._out.put(None)
         self._sender.join()
+        self.times["sent"] = time.perf_counter()
         return self.send_error
 
     def _release(self) -> None:
@@ -317,6 +325,7 @@ class Stream:
                             f"{type(e).__name__}: {e}"
                         )[:300]
                     )
+        self.times["received"] = time.perf_counter()
         return self.received
 
 

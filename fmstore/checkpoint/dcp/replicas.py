@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -277,6 +278,7 @@ def table(m: DcpManifest, rank: int) -> dict[str, tuple[int, list[tuple[int, int
 
 def _count(uri: str, m: DcpManifest, manifest: bytes, inbox: Stream, so: dict[str, Any]) -> str:
     """The replicas ``inbox`` received, counted against ``m``: '' or why not."""
+    inbox.times["committed"] = time.perf_counter()
     try:
         got = inbox.wait_received()
         if inbox.send_error:
@@ -294,6 +296,7 @@ def _count(uri: str, m: DcpManifest, manifest: bytes, inbox: Stream, so: dict[st
             runtime.run(inbox.store.put(key, r.record or b"", PutOptions(mode="overwrite")))
         if got:
             runtime.run(_put_manifest(inbox.store, manifest))
+        inbox.times["counted"] = time.perf_counter()
     except Exception as e:
         return f"rank {inbox.rank} could not write its replicas: {_reason(e)}"
     return ""
