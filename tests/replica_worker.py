@@ -6,7 +6,8 @@ CPU; ``[tiers.nvme] replicas = 1`` from the environment).
 * ``save``: step 10 through ``fmstore.checkpoint.dcp.save`` to ``nvme:`` (node-local, with
   its replicas), ``lustre:`` and ``s3:`` (the state of tests/node_worker.py: FSDP2 model,
   Adam state, values DCP deduplicates onto rank 0);
-* ``faults``: step 20 to ``nvme:`` with rank 2's first replica chunk corrupted in flight
+* ``faults``: step 5 to ``nvme:`` in DCP's checkpoint process (``async_save(process=True)``:
+  no replica group there, so each part is read back and sent after the commit), then step 20 to ``nvme:`` with rank 2's first replica chunk corrupted in flight
   (the save raises; its text in the report), then step 30 with node n1 stuck after the
   first chunk of its replica transfer (``PATH-RANK`` written in OUT once it is sent; the
   test kills n1 there);
@@ -51,6 +52,7 @@ def main() -> None:
                 save_step(10, tier, model, opt, ckpt, out)
         elif name == "faults":
             model, opt = trained(2)
+            save_step(5, "nvme", model, opt, ckpt, out, process=True)
             os.environ[replica_stream.CORRUPT_ENV] = "2"
             try:
                 save_step(20, "nvme", model, opt, ckpt, out)

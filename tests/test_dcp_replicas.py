@@ -184,6 +184,14 @@ def faults(c: Cluster, gen: str) -> None:
         assert "is committed, but not every node's part has its replica" in r["error"], r
         assert "rank 2's blob" in r["error"] and "fails its CRC32C on arrival" in r["error"], r
     twenty, thirty = KEY.replace("10", "20"), KEY.replace("10", "30")
+    # Step 5, saved in DCP's checkpoint process: its replicas read back and sent.
+    five = KEY.replace("10", "05")
+    g5 = json.loads((c.nvme("n0") / five / "manifest.json").read_text())["generation"]
+    for node, ranks in (("n1", {0, 1}), ("n2", {2, 3}), ("n0", {4, 5})):
+        assert ranks == {
+            int(p.stem.split("-")[1])
+            for p in (c.nvme(node) / ".replicas" / five / g5).glob("rank-*")
+        }
     assert all((c.nvme(n) / twenty / "manifest.json").is_file() for n in NODES)
     assert not [p for n in NODES for p in (c.nvme(n) / thirty).rglob("manifest.json")]
     g20 = json.loads((c.nvme("n0") / twenty / "manifest.json").read_text())["generation"]

@@ -267,7 +267,9 @@ def replicate(
 
 def table(m: DcpManifest, rank: int) -> dict[str, tuple[int, list[tuple[int, int, int]]]]:
     """``rank``'s blobs in ``m``: name -> size and its chunks' (offset, length, CRC32C)."""
-    out = {m.blobs[i].name: (m.blobs[i].size, []) for i in _blobs_of(m, rank)}
+    out: dict[str, tuple[int, list[tuple[int, int, int]]]] = {
+        m.blobs[i].name: (m.blobs[i].size, []) for i in _blobs_of(m, rank)
+    }
     names = [b.name for b in m.blobs]
     for it in m.items:
         for c in it.chunks:
