@@ -325,6 +325,8 @@ class Stream:
                             f"{type(e).__name__}: {e}"
                         )[:300]
                     )
+        while not self._free.empty():  # the pool goes with the save
+            self._free.get_nowait()
         self.times["received"] = time.perf_counter()
         return self.received
 
