@@ -375,13 +375,13 @@ class Writer(StorageWriter):
         packed = [wi for wi in items if not self._is_direct(wi)]
         # Largest first, so the longest uploads start early.
         direct.sort(key=_item_bytes, reverse=True)
-        nos = range(rp.blob_base, rp.blob_base + rp.blob_count)
+        b0 = rp.blob_base
         blobs = [
-            _BlobOut(nos[i], blob_name(nos[i]), [wi], direct=True) for i, wi in enumerate(direct)
+            _BlobOut(b0 + i, blob_name(b0 + i), [wi], direct=True) for i, wi in enumerate(direct)
         ]
         n = len(blobs)
         blobs += [
-            _BlobOut(nos[n + i], blob_name(nos[n + i]), b)
+            _BlobOut(b0 + n + i, blob_name(b0 + n + i), b)
             for i, b in enumerate(_split(packed, rp.streams))
         ]
 
