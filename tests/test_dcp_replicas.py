@@ -109,6 +109,35 @@ def test_a_replica_blob_is_checked_chunk_by_chunk(tmp_path):
         check_blob(m, i, data[:-1], "replica")
 
 
+def test_a_streamed_replica_counts_only_if_its_blob_table_is_the_manifests(tmp_path):
+    """What a holder received while the save wrote is compared, after the commit, with
+    the committed manifest: every blob's size and every chunk's offset, length and CRC32C,
+    and the sender's record; anything else is named, and the replica is not counted."""
+    from fmstore.checkpoint.dcp.nodes import RankRecord
+    from fmstore.checkpoint.dcp.replica_stream import Received
+    from fmstore.checkpoint.dcp.replicas import mismatch, table
+
+    m, _ = saved_manifest(tmp_path)
+    rec = RankRecord(m.generation, "s", 0, "n0", tuple((b.name, b.size) for b in m.blobs))
+
+    def received(**change: Any) -> Received:
+        blobs = {k: (n, list(cs)) for k, (n, cs) in table(m, 0).items()}
+        return Received(**{"blobs": blobs, "record": rec.dumps(), **change})
+
+    assert table(m, 0) and mismatch(m, 0, received(), "r") == ""
+    name, (size, chunks) = next(iter(table(m, 0).items()))
+    off, n, crc = chunks[0]
+    bad_crc = {**table(m, 0), name: (size, [(off, n, crc ^ 1), *chunks[1:]])}
+    short = {**table(m, 0), name: (size - 1, chunks)}
+    missing = dict(list(table(m, 0).items())[1:])
+    for blobs in (bad_crc, short, missing):
+        assert "differs from the manifest" in mismatch(m, 0, received(blobs=blobs), "r")
+    other = RankRecord("g000000000000-00000000", "s", 0, "n0", ())
+    assert "of another save" in mismatch(m, 0, received(record=other.dumps()), "r")
+    assert mismatch(m, 0, received(record=None), "r")  # no record: not counted
+    assert mismatch(m, 0, received(error="rank 4: bad"), "r") == "rank 4: bad"
+
+
 def test_a_pending_replica_is_swept_like_a_pending_part_and_a_committed_one_stays(tmp_path):
     """What a holder streamed for a save that never committed (blobs, no record, no
     manifest under ``.replicas/KEY``) is an orphan generation the sweep removes; a replica

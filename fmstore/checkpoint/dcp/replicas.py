@@ -36,7 +36,7 @@ from .manifest import MANIFEST_KEY, DcpManifest
 from .nodes import RankRecord, rank_record_key
 
 if TYPE_CHECKING:
-    from .replica_stream import Stream
+    from .replica_stream import Received, Stream
 from .wire import gather_json
 
 __all__ = [
@@ -246,7 +246,7 @@ def replicate(
         return
     rank = dist.get_rank(pg)
     if inbox is not None:
-        err = _count(uri, m, manifest, inbox, so)
+        err = _count(m, manifest, inbox)
     else:
         err = _read_back(uri, m, manifest, pg, pmap, so)
     bad = [e for e in _gather(pg, err) if e]
@@ -278,22 +278,34 @@ def table(m: DcpManifest, rank: int) -> dict[str, tuple[int, list[tuple[int, int
     return {k: (n, sorted(cs)) for k, (n, cs) in out.items()}
 
 
-def _count(uri: str, m: DcpManifest, manifest: bytes, inbox: Stream, so: dict[str, Any]) -> str:
+def mismatch(m: DcpManifest, src: int, got: Received, where: str) -> str:
+    """Why what a holder received of rank ``src``'s part is not its replica in ``m`` ('' if
+    it is): the stream failed, a blob's size or a chunk's offset, length or CRC32C differs
+    from the manifest's, or the rank record is not ``src``'s of this save."""
+    if got.error:
+        return got.error
+    if {k: (n, sorted(cs)) for k, (n, cs) in got.blobs.items()} != table(m, src):
+        return f"{where} of rank {src} differs from the manifest (blob sizes or chunks)"
+    try:
+        rec = RankRecord.loads(got.record or b"", where=f"{where}, rank {src}'s record")
+    except CorruptData as e:
+        return str(e)[:300]
+    if rec.generation != m.generation or rec.rank != src:
+        return f"{where}: the record of rank {src} is of another save"
+    return ""
+
+
+def _count(m: DcpManifest, manifest: bytes, inbox: Stream) -> str:
     """The replicas ``inbox`` received, counted against ``m``: '' or why not."""
     inbox.times["committed"] = time.perf_counter()
     try:
         got = inbox.wait_received()
         if inbox.send_error:
             return inbox.send_error
-        where = f"replica at {inbox.store.url}"
+        where = f"rank {inbox.rank}'s replica at {inbox.store.url}"
         for src, r in sorted(got.items()):
-            if r.error:
-                return r.error
-            if {k: (n, sorted(cs)) for k, (n, cs) in r.blobs.items()} != table(m, src):
-                return f"rank {inbox.rank}'s {where} of rank {src} differs from the manifest"
-            rec = RankRecord.loads(r.record or b"", where=f"{where}, rank {src}'s record")
-            if rec.generation != m.generation or rec.rank != src:
-                return f"{where}: the record of rank {src} is of another save"
+            if why := mismatch(m, src, r, where):
+                return why
             key = rank_record_key(m.generation, src)
             runtime.run(inbox.store.put(key, r.record or b"", PutOptions(mode="overwrite")))
         if got:
