@@ -37,7 +37,7 @@ from ...stores import PutOptions, Store
 from ...stores.bounded import RECORD_LIMIT, manifest_limit, read_bounded
 from ..layout import GENERATION_RE
 from ..routing import Holding, Routes, lowest_rank, may_drop_pending, route
-from . import replicas
+from . import replica_stream, replicas
 from .manifest import MANIFEST_KEY, DcpManifest
 from .nodes import RANK_RECORD_RE, RankRecord, node_id, tier_scope
 from .peers import Peers
@@ -113,8 +113,10 @@ def save(
         dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=True)
         return
     _wait_previous(pg)
+    if spans := _spans_nodes(writer, pg):
+        writer.replica_group = replica_stream.group_for(pg)
     dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=pg)
-    if _spans_nodes(writer, pg):
+    if spans:
         _distribute(writer, pg)
 
 
@@ -148,6 +150,8 @@ def async_save(
     pg = process_group if process_group is not None else checkpoint_group()
     _wait_previous(pg)
     kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
+    if pg is not None and not process and _spans_nodes(writer, pg):
+        writer.replica_group = replica_stream.group_for(pg)  # out of reach of a process
     fut = dcp.async_save(
         state_dict,
         storage_writer=writer,
@@ -232,7 +236,7 @@ def _distribute(writer: Writer, pg: Any) -> None:
             key=MANIFEST_KEY,
         )
     # With [tiers.X] replicas: each rank's part to its partner on the next node.
-    replicas.replicate(writer.uri, box[0], pg, writer.store_options)
+    replicas.replicate(writer.uri, box[0], pg, writer.store_options, writer.replica_stream)
 
 
 async def _put_manifest(store: Store, data: bytes) -> None:
