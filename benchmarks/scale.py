@@ -53,6 +53,7 @@ from .scale_model import (
     manifest_phase,
     predict,
     prefixes_needed,
+    replica_spread,
     shared_fraction,
     targets,
 )
@@ -467,12 +468,11 @@ def report(inp: Inputs, jobs: list[Job]) -> dict[str, Any]:
                     "on every node s": _fmt_s(manifest_phase(job, inp, way, at_restore=False).own),
                 }
             )
-        for spread in sorted({inp.replica_spread, job.gpus_per_node}):
-            got = targets(job, inp.but(replica_spread=spread))
-            trows.append(
-                {"job": job.name, "replica spread": spread}
-                | {k: f"{v:.2f}" for k, v in got.items()}
-            )
+        got = targets(job, inp)
+        trows.append(
+            {"job": job.name, "replica spread": replica_spread(job)}
+            | {k: f"{v:.2f}" for k, v in got.items()}
+        )
     print_table(
         "scale: the manifest (items x chunks x bytes per entry) and its trip to the ranks",
         mrows,

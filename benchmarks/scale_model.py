@@ -139,9 +139,6 @@ class Inputs:
     #: how the manifest reaches the ranks at restore (and every node after a commit): one of
     #: :data:`MANIFEST_WAYS`; "every rank" is what fmstore does
     manifest: str = "every rank"
-    #: holders one node's replica is spread over (1: the next node holds all of it, as
-    #: fmstore places replicas; ``gpus_per_node``: each rank's part on another node)
-    replica_spread: int = 1
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -422,7 +419,7 @@ def predict(job: Job, inp: Inputs) -> Prediction:
     # One node replaced: its part comes from the replica's holders over the network, into
     # the restore (the new node writes it to its NVMe behind, below); a holder reads its own
     # part and its share of the replica from the same NVMe.
-    spread = max(1, inp.replica_spread)
+    spread = max(1, replica_spread(job))
     from_replica = Phase(
         "restore, one node lost, from the replica",
         (
@@ -502,6 +499,15 @@ def predict(job: Job, inp: Inputs) -> Prediction:
         from_s3,
     ]
     return Prediction(job, {p.name: p for p in phases}, puts, gets, fsx)
+
+
+def replica_spread(job: Job) -> int:
+    """The holder nodes one node's replica is spread over: fmstore's placement for this
+    job's nodes (without failure domains), computed by the placement itself
+    (:func:`fmstore.checkpoint.dcp.placement.spread`), never an input."""
+    from fmstore.checkpoint.dcp.placement import spread
+
+    return spread(job.nodes, job.gpus_per_node)
 
 
 def targets(job: Job, inp: Inputs) -> dict[str, float]:

@@ -8,11 +8,12 @@ on SeaweedFS behind the fault proxy).  One launch sequence shares the setup: a s
 relaunches after losing nodes:
 
 1. n1 replaced (its NVMe wiped) and the Lustre copy moved away: the job restores step 10
-   from NVMe, n1's part fetched from the replica n2 holds, bit-exact, with no GET of a
+   from NVMe, n1's part fetched from the replicas n2 (rank 2's) and n0 (rank 3's) hold (the
+   placement spreads a node's ranks over its holders), bit-exact, with no GET of a
    manifest or blob key on S3;
 2. n1 replaced again and a chunk of n2's replica of it flipped: the arrival check fails and
    every rank falls back to Lustre, bit-exact;
-3. n1 and n2 lost at once (n1's replica was on n2): every rank falls back to S3, bit-exact.
+3. n1 and n2 lost at once (rank 2's replica was on n2): every rank falls back to S3, bit-exact.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "replica_worker.py")
 NODES = ["n0", "n1", "n2"]
 KEY = f"run/step_{10:012d}"
+#: the replicas each node holds (replicas = 1, 2 ranks per node: spread over the ring)
+SPREAD = (("n1", {0, 5}), ("n2", {1, 2}), ("n0", {3, 4}))
 ENV = {"FMSTORE__TIERS__NVME__REPLICAS": "1"}
 
 
@@ -78,10 +81,14 @@ def test_the_ring_places_no_replica_on_its_own_node_and_the_plan_needs_a_holder(
     m, _ = saved_manifest(tmp_path)
     three = [DcpPart(f"n{i}", (2 * i, 2 * i + 1)) for i in range(3)]
     ring = placement_of(replace(m, parts=three), 1)
-    assert ring == {0: (2,), 1: (3,), 2: (4,), 3: (5,), 4: (0,), 5: (1,)}
+    assert ring == {0: (2,), 1: (5,), 2: (4,), 3: (1,), 4: (0,), 5: (3,)}
+    # what the node test expects each node to hold
+    assert all(
+        ranks == {r for r, hs in ring.items() if f"n{hs[0] // 2}" == n} for n, ranks in SPREAD
+    )
     # Known from the ranks' nodes at planning, before any manifest exists: the same.
     assert holders_of(["n0", "n0", "n1", "n1", "n2", "n2"], 1) == ring
-    assert sources_of(ring, 0) == (4,)
+    assert sources_of(ring, 0) == (4,) and sources_of(ring, 1) == (3,)
     assert placement_of(replace(m, parts=three[:1]), 1) is None  # one node: nowhere to go
     uneven = [DcpPart("n0", (0, 1)), DcpPart("n1", (2,))]
     assert placement_of(replace(m, parts=uneven), 1) is None
@@ -252,7 +259,7 @@ def faults(c: Cluster, gen: str) -> None:
     # Step 5, saved in DCP's checkpoint process: its replicas read back and sent.
     five = KEY.replace("10", "05")
     g5 = json.loads((c.nvme("n0") / five / "manifest.json").read_text())["generation"]
-    for node, ranks in (("n1", {0, 1}), ("n2", {2, 3}), ("n0", {4, 5})):
+    for node, ranks in SPREAD:
         assert ranks == {
             int(p.stem.split("-")[1])
             for p in (c.nvme(node) / ".replicas" / five / g5).glob("rank-*")
@@ -260,11 +267,11 @@ def faults(c: Cluster, gen: str) -> None:
     assert all((c.nvme(n) / twenty / "manifest.json").is_file() for n in NODES)
     assert not [p for n in NODES for p in (c.nvme(n) / thirty).rglob("manifest.json")]
     g20 = json.loads((c.nvme("n0") / twenty / "manifest.json").read_text())["generation"]
-    # n2 holds rank 3's replica of step 20, never rank 2's (its chunk failed on arrival).
+    # n2 holds rank 1's replica of step 20, never rank 2's (its chunk failed on arrival).
     assert {
         int(p.stem.split("-")[1])
         for p in (c.nvme("n2") / ".replicas" / twenty / g20).glob("rank-*.json")
-    } == {3}
+    } == {1}
     assert tree(c, KEY) == before and (c.nvme("n2") / ".replicas" / KEY).is_dir()
     assert gen
 
@@ -274,17 +281,16 @@ def run_sequence(c: Cluster, proxy: FaultProxy) -> None:
     assert [r["node"] for r in reps] == ["n0", "n0", "n1", "n1", "n2", "n2"]
     m = manifest(c, "n0")
     gen = m["generation"]
-    # Ring of nodes: n0's ranks' replicas on n1, n1's on n2, n2's on n0; each a copy of
-    # the sender's blobs and record, beside the manifest, outside the checkpoint's prefix.
-    assert replica_ranks(c, "n1", gen) == {0, 1}
-    assert replica_ranks(c, "n2", gen) == {2, 3}
-    assert replica_ranks(c, "n0", gen) == {4, 5}
+    # Spread over the ring: node i's rank at position j on node i + 1 + j (mod 3); each a
+    # copy of the sender's blobs and record, beside the manifest, outside the checkpoint's.
+    for node, ranks in SPREAD:
+        assert replica_ranks(c, node, gen) == ranks
     rep_dir = c.nvme("n2") / ".replicas" / KEY
     assert (rep_dir / "manifest.json").read_bytes() == (
         c.nvme("n1") / KEY / "manifest.json"
     ).read_bytes()
     for b in m["blobs"]:
-        if b["rank"] in (2, 3):
+        if b["rank"] == 2:
             own = (c.nvme("n1") / KEY / gen / b["name"]).read_bytes()
             assert (rep_dir / gen / b["name"]).read_bytes() == own
 
@@ -306,7 +312,8 @@ def run_sequence(c: Cluster, proxy: FaultProxy) -> None:
     assert not [k for k in reads if k.endswith((".bin", "manifest.json"))], reads
     assert sorted(p for n in NODES for p in c.nvme(n).rglob("*")) == before
 
-    # 1. n1 replaced; the Lustre copy gone: the restore reads n1's part from n2's replica.
+    # 1. n1 replaced; the Lustre copy gone: the restore reads rank 2's part from n2's
+    # replica and rank 3's from n0's.
     c.replace("n1")
     seen = len(proxy.seen)
     reps = launch(c, "restore", *uris)
@@ -333,7 +340,7 @@ def run_sequence(c: Cluster, proxy: FaultProxy) -> None:
     why = reps[0]["why"]
     assert "its replica did not restore it" in why and "CRC32C" in why, why
 
-    # 3. n1 and n2 lost at once (n1's replica was on n2), Lustre's copy gone: S3.
+    # 3. n1 and n2 lost at once (rank 2's replica was on n2), Lustre's copy gone: S3.
     c.replace("n1")
     c.replace("n2")
     shutil.move(lustre, away)
