@@ -291,8 +291,9 @@ def manifest_phase(job: Job, inp: Inputs, way: str, *, at_restore: bool = True) 
     """The manifest's trip to the ranks that need it, ``way`` one of :data:`MANIFEST_WAYS`.
 
     * ``every rank`` (fmstore today): at restore each rank reads the whole manifest from its
-      tier twice (the collective's look, then the Reader's), parses it twice, and the rank
-      holding it broadcasts its bytes to every rank (gloo's broadcast, taken as a binomial
+      tier once (the collective's look hashes it), the rank holding it broadcasts its bytes
+      to every rank, and every rank parses it once (the collective's check hands the parsed
+      manifest to the Reader) (gloo's broadcast, taken as a binomial
       tree: log2(ranks) hops of the whole manifest over one gloo stream each); after a
       commit rank 0 broadcasts it the same way and each node writes it.
     * ``per node``: one rank per node reads it once, the bytes go down a tree of nodes
@@ -310,8 +311,8 @@ def manifest_phase(job: Job, inp: Inputs, way: str, *, at_restore: bool = True) 
         lims = [Limit("broadcast to every rank", m * hops, inp.replica_pair, shared=True)]
         if at_restore:
             lims += [
-                Limit("every rank reads it twice", 2 * g * m, inp.nvme_read),
-                Limit("every rank parses it twice", 2 * e, inp.manifest_parse),
+                Limit("every rank reads it", g * m, inp.nvme_read),
+                Limit("every rank parses it once", e, inp.manifest_parse),
             ]
         else:
             lims.append(Limit("each node writes it", m, inp.nvme_write))

@@ -224,15 +224,17 @@ def test_the_manifest_grows_with_ranks_and_every_rank_reading_it_binds_at_scale(
     per_rank = sum(max(1, math.ceil(b / DOCS.chunk_size)) for b in job.rank_items())
     assert manifest_entries(job, DOCS) == per_rank * job.gpus
     assert manifest_bytes(job, DOCS) == pytest.approx(per_rank * job.gpus * 490)
-    # 1,024 ranks parsing a 1 GB manifest twice take far longer than reading the part
+    # 1,024 ranks parsing a 1 GB manifest take far longer than reading the part; each parses
+    # it once (the collective's check hands it to the Reader)
     today = manifest_phase(job, DOCS, "every rank")
-    assert today.binding.name == "every rank parses it twice"
+    assert today.binding.name == "every rank parses it once"
+    assert today.seconds == pytest.approx(manifest_entries(job, DOCS) / DOCS.manifest_parse)
     data = job.node_bytes / DOCS.nvme_read
     assert today.seconds > 10 * data
     # every rank's own slice: a rank's share, under a tenth of the part's read
     cut = manifest_phase(job, DOCS, "slices")
     assert cut.seconds < data / 10
-    assert manifest_phase(job, DOCS, "per node").seconds < today.seconds
+    assert manifest_phase(job, DOCS, "per node").seconds <= today.seconds
     # the restore's rows wait for the way the Inputs name
     p = predict(job, DOCS.but(manifest="slices"))
     assert p.phases["restore, nothing lost"].before == pytest.approx(cut.seconds)

@@ -431,15 +431,16 @@ def _try(
     ``READ_ERROR``; a bad checksum or a missing blob makes the candidate ``UNUSABLE``."""
     import torch.distributed.checkpoint as dcp
 
-    problem, routed = _prepare(cand, so, pg)
+    problem, prepared = _prepare(cand, so, pg)
     if problem is not None:
         return problem
     err: Problem | None = None
     reader = Reader(cand, store_options=so, **options)
-    if routed is not None:
+    routes, reader.checked = prepared or (None, None)  # the manifest parsed once per rank
+    if routes is not None and reader.checked is not None:
         cfg = so.get("config")
         where = replicas.replica_uri(cand, cfg) if replicas.replicas_of(cand, cfg) else cand
-        reader.peers = Peers(pg, _dist().get_rank(pg), routed[0], where, routed[1])
+        reader.peers = Peers(pg, _dist().get_rank(pg), routes, where, reader.checked)
     try:
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=pg)
     except BaseException as e:
@@ -450,11 +451,11 @@ def _try(
 
 def _prepare(
     uri: str, so: dict[str, Any], pg: Any
-) -> tuple[Problem | None, tuple[Routes, DcpManifest] | None]:
+) -> tuple[Problem | None, tuple[Routes | None, DcpManifest] | None]:
     """Agree on whether ``uri`` is readable by every rank, adopting or removing pending
-    parts; no problem when it is (the same answer on every rank), with the routes of its
-    blobs and its manifest when some rank reads blobs from another node or its node's
-    replicas."""
+    parts; no problem when it is (the same answer on every rank), with its manifest as
+    parsed here (the Reader parses it no second time) and the routes of its blobs when some
+    rank reads blobs from another node or its node's replicas (else None)."""
     dist = _dist()
     rank = dist.get_rank(pg)
     # Every step below answers on every rank, errors included: a rank that raised here
@@ -538,7 +539,7 @@ def _prepare(
             except Exception as e:
                 text = f"node {views[rank].node} could not adopt its part: {reason(e)}"
                 err = Problem(Code.UNUSABLE, text)
-    return first(_gather_problems(pg, err)), (None if routes is None else (routes, m))
+    return first(_gather_problems(pg, err)), (routes, m)
 
 
 def _remapped(m: DcpManifest, views: list[_View], uri: str, so: dict[str, Any]) -> bool:
