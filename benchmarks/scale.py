@@ -53,6 +53,7 @@ from .scale_model import (
     manifest_phase,
     predict,
     prefixes_needed,
+    replica_spread,
     shared_fraction,
     targets,
 )
@@ -467,12 +468,11 @@ def report(inp: Inputs, jobs: list[Job]) -> dict[str, Any]:
                     "on every node s": _fmt_s(manifest_phase(job, inp, way, at_restore=False).own),
                 }
             )
-        for spread in sorted({inp.replica_spread, job.gpus_per_node}):
-            got = targets(job, inp.but(replica_spread=spread))
-            trows.append(
-                {"job": job.name, "replica spread": spread}
-                | {k: f"{v:.2f}" for k, v in got.items()}
-            )
+        got = targets(job, inp)
+        trows.append(
+            {"job": job.name, "replica spread": replica_spread(job)}
+            | {k: f"{v:.2f}" for k, v in got.items()}
+        )
     print_table(
         "scale: the manifest (items x chunks x bytes per entry) and its trip to the ranks",
         mrows,
@@ -549,6 +549,38 @@ def bracket(runs: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+#: the phases of a save with replicas (benchmarks/scale_worker.py), each ending at a mark
+PHASES = [
+    ("plan", "opened"),
+    ("own write (replica sent beside it)", "own_write"),
+    ("replica sends left after the own write", "sent"),
+    ("commit + manifest to every node", "committed"),
+    ("replicas held made durable (waited)", "received"),
+    ("replicas counted (records, manifest)", "counted"),
+    ("rest of save()", "returned"),
+]
+
+
+def phase_table(runs: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rank 0's phases of each save with replicas (a sync ``save``: no staging phase); the
+    replica is streamed inside "own write", nothing is read back."""
+    rows = []
+    for nodes, got in sorted(runs.items()):
+        for i, ph in enumerate(got.get("phases", [])):
+            prev = 0.0
+            for what, mark in PHASES:
+                if mark not in ph:
+                    continue
+                rows.append(
+                    {"nodes": nodes, "round": i, "phase": what, "s": _fmt_s(ph[mark] - prev)}
+                )
+                prev = ph[mark]
+    print_table(
+        "scale: phases of a save with replicas (rank 0)", rows, ["nodes", "round", "phase", "s"]
+    )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -603,6 +635,7 @@ def main() -> None:
                 payload["runs"] = runs
                 payload["check"] = check(inp, runs, node_bytes)
                 payload["bracket"] = bracket(runs)
+                phase_table(runs)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     save_json("scale", payload)

@@ -139,9 +139,6 @@ class Inputs:
     #: how the manifest reaches the ranks at restore (and every node after a commit): one of
     #: :data:`MANIFEST_WAYS`; "every rank" is what fmstore does
     manifest: str = "every rank"
-    #: holders one node's replica is spread over (1: the next node holds all of it, as
-    #: fmstore places replicas; ``gpus_per_node``: each rank's part on another node)
-    replica_spread: int = 1
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -294,8 +291,9 @@ def manifest_phase(job: Job, inp: Inputs, way: str, *, at_restore: bool = True) 
     """The manifest's trip to the ranks that need it, ``way`` one of :data:`MANIFEST_WAYS`.
 
     * ``every rank`` (fmstore today): at restore each rank reads the whole manifest from its
-      tier twice (the collective's look, then the Reader's), parses it twice, and the rank
-      holding it broadcasts its bytes to every rank (gloo's broadcast, taken as a binomial
+      tier once (the collective's look hashes it), the rank holding it broadcasts its bytes
+      to every rank, and every rank parses it once (the collective's check hands the parsed
+      manifest to the Reader) (gloo's broadcast, taken as a binomial
       tree: log2(ranks) hops of the whole manifest over one gloo stream each); after a
       commit rank 0 broadcasts it the same way and each node writes it.
     * ``per node``: one rank per node reads it once, the bytes go down a tree of nodes
@@ -313,8 +311,8 @@ def manifest_phase(job: Job, inp: Inputs, way: str, *, at_restore: bool = True) 
         lims = [Limit("broadcast to every rank", m * hops, inp.replica_pair, shared=True)]
         if at_restore:
             lims += [
-                Limit("every rank reads it twice", 2 * g * m, inp.nvme_read),
-                Limit("every rank parses it twice", 2 * e, inp.manifest_parse),
+                Limit("every rank reads it", g * m, inp.nvme_read),
+                Limit("every rank parses it once", e, inp.manifest_parse),
             ]
         else:
             lims.append(Limit("each node writes it", m, inp.nvme_write))
@@ -422,7 +420,7 @@ def predict(job: Job, inp: Inputs) -> Prediction:
     # One node replaced: its part comes from the replica's holders over the network, into
     # the restore (the new node writes it to its NVMe behind, below); a holder reads its own
     # part and its share of the replica from the same NVMe.
-    spread = max(1, inp.replica_spread)
+    spread = max(1, replica_spread(job))
     from_replica = Phase(
         "restore, one node lost, from the replica",
         (
@@ -502,6 +500,15 @@ def predict(job: Job, inp: Inputs) -> Prediction:
         from_s3,
     ]
     return Prediction(job, {p.name: p for p in phases}, puts, gets, fsx)
+
+
+def replica_spread(job: Job) -> int:
+    """The holder nodes one node's replica is spread over: fmstore's placement for this
+    job's nodes (without failure domains), computed by the placement itself
+    (:func:`fmstore.checkpoint.dcp.placement.spread`), never an input."""
+    from fmstore.checkpoint.dcp.placement import spread
+
+    return spread(job.nodes, job.gpus_per_node)
 
 
 def targets(job: Job, inp: Inputs) -> dict[str, float]:

@@ -9,7 +9,11 @@ then restores the ``nvme:`` copy (page cache dropped); with two nodes or more it
 to ``peer:`` (node-local, ``replicas = 1``), removes the last node's part and restores it
 from its replica, ``ROUNDS`` times after a warm-up save
 of almost nothing; each phase between two barriers of the checkpoint group, timed on rank 0,
-which writes the medians (and every run) to ``OUT/times.json``.
+which writes the medians (and every run) to ``OUT/times.json``, with the phases of rank 0's
+saves with replicas (seconds from the call: ``opened`` its write began, after planning;
+``own_write`` its blobs and record durable; ``sent`` its replica stream done;
+``committed`` the commit and the manifest's copy done; ``received`` the replicas it holds
+durable; ``counted`` their records and manifest written; ``returned``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(rank)
     state = {f"t{i}": torch.rand(n, generator=gen) for i in range(8)}
     times: dict[str, list[float]] = {}
+    phases: list[dict[str, float]] = []
 
     def timed(name: str, fn: object) -> None:
         dist.barrier(group=pg)
@@ -52,7 +57,16 @@ def main() -> None:
         """A save to the tier with ``replicas = 1``, the last node's part of it removed (a
         replaced node), and the restore that brings it back from the replica."""
         uri = f"peer:scale/r{r}"
-        timed("save to nvme with replicas", lambda: fdcp.save(state, uri, process_group=pg))
+        w = fdcp.Writer(uri)
+
+        def save() -> None:
+            t0 = time.perf_counter()
+            fdcp.save(state, w, process_group=pg)
+            got = w.replica_stream.times if w.replica_stream is not None else {}
+            at = {k: v - t0 for k, v in got.items()}
+            phases.append({**at, "returned": time.perf_counter() - t0})
+
+        timed("save to nvme with replicas", save)
         dist.barrier(group=pg)
         if rank == dist.get_world_size() - 1:
             shutil.rmtree(os.path.join(os.environ["SCALE_PEER_DIR"], "scale", f"r{r}"))
@@ -83,7 +97,8 @@ def main() -> None:
     if rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
         with open(os.path.join(out, "times.json"), "w") as f:
-            json.dump({"world": dist.get_world_size(), "times": med, "runs": times}, f)
+            doc = {"world": dist.get_world_size(), "times": med, "runs": times}
+            json.dump({**doc, "phases": phases}, f)
     dist.destroy_process_group()
 
 

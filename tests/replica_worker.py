@@ -6,6 +6,11 @@ CPU; ``[tiers.nvme] replicas = 1`` from the environment).
 * ``save``: step 10 through ``fmstore.checkpoint.dcp.save`` to ``nvme:`` (node-local, with
   its replicas), ``lustre:`` and ``s3:`` (the state of tests/node_worker.py: FSDP2 model,
   Adam state, values DCP deduplicates onto rank 0);
+* ``faults``: step 5 to ``nvme:`` in DCP's checkpoint process (``async_save(process=True)``:
+  no replica group there, so each part is read back and sent after the commit), then step 20 to ``nvme:`` with rank 2's first replica chunk corrupted in flight
+  (the save raises; its text in the report), then step 30 with node n1 stuck after the
+  first chunk of its replica transfer (``PATH-RANK`` written in OUT once it is sent; the
+  test kills n1 there);
 * ``restore``: the first of the URIs every rank can read, checked bit-exact against step
   10's state (the first URI is tried alone first, to report why it was passed over).
 
@@ -27,8 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dcp_worker import same  # noqa: E402
 from node_worker import ref, restore, save_step, trained  # noqa: E402
 
+from fmstore.checkpoint.dcp import replica_stream  # noqa: E402
 from fmstore.checkpoint.dcp.nodes import node_id  # noqa: E402
-from fmstore.errors import NotFound  # noqa: E402
+from fmstore.errors import FmstoreError, NotFound  # noqa: E402
 from fmstore.testing.cluster import pg_timeout  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -44,6 +50,21 @@ def main() -> None:
             model, opt = trained(2)
             for tier in ("nvme", "lustre", "s3"):
                 save_step(10, tier, model, opt, ckpt, out)
+        elif name == "faults":
+            model, opt = trained(2)
+            save_step(5, "nvme", model, opt, ckpt, out, process=True)
+            os.environ[replica_stream.CORRUPT_ENV] = "2"
+            try:
+                save_step(20, "nvme", model, opt, ckpt, out)
+                rep["error"] = ""
+            except FmstoreError as e:
+                rep["error"] = str(e)
+            del os.environ[replica_stream.CORRUPT_ENV]
+            with open(os.path.join(out, f"{name}-{dist.get_rank()}.json"), "w") as f:
+                json.dump(rep, f)
+            os.environ[replica_stream.STALL_ENV] = f"n1:{os.path.join(out, 'stalled')}"
+            save_step(30, "nvme", model, opt, ckpt, out)  # never returns: n1 is killed
+            raise AssertionError("step 30 was saved while n1 was stuck")
         else:
             # The first URI alone, to report why it was passed over; then the fallbacks.
             try:

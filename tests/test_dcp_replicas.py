@@ -8,11 +8,12 @@ on SeaweedFS behind the fault proxy).  One launch sequence shares the setup: a s
 relaunches after losing nodes:
 
 1. n1 replaced (its NVMe wiped) and the Lustre copy moved away: the job restores step 10
-   from NVMe, n1's part fetched from the replica n2 holds, bit-exact, with no GET of a
+   from NVMe, n1's part fetched from the replicas n2 (rank 2's) and n0 (rank 3's) hold (the
+   placement spreads a node's ranks over its holders), bit-exact, with no GET of a
    manifest or blob key on S3;
 2. n1 replaced again and a chunk of n2's replica of it flipped: the arrival check fails and
    every rank falls back to Lustre, bit-exact;
-3. n1 and n2 lost at once (n1's replica was on n2): every rank falls back to S3, bit-exact.
+3. n1 and n2 lost at once (rank 2's replica was on n2): every rank falls back to S3, bit-exact.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_cluster_chaos import wait_for
 
 from fmstore.testing.cluster import Cluster, S3Tier
 from fmstore.testing.faultproxy import FaultProxy
@@ -35,6 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "replica_worker.py")
 NODES = ["n0", "n1", "n2"]
 KEY = f"run/step_{10:012d}"
+#: the replicas each node holds (replicas = 1, 2 ranks per node: spread over the ring)
+SPREAD = (("n1", {0, 5}), ("n2", {1, 2}), ("n0", {3, 4}))
 ENV = {"FMSTORE__TIERS__NVME__REPLICAS": "1"}
 
 
@@ -72,12 +76,19 @@ def test_the_ring_places_no_replica_on_its_own_node_and_the_plan_needs_a_holder(
     from dataclasses import replace
 
     from fmstore.checkpoint.dcp.manifest import DcpPart
-    from fmstore.checkpoint.dcp.replicas import placement_of, plan
+    from fmstore.checkpoint.dcp.replicas import holders_of, placement_of, plan, sources_of
 
     m, _ = saved_manifest(tmp_path)
     three = [DcpPart(f"n{i}", (2 * i, 2 * i + 1)) for i in range(3)]
     ring = placement_of(replace(m, parts=three), 1)
-    assert ring == {0: (2,), 1: (3,), 2: (4,), 3: (5,), 4: (0,), 5: (1,)}
+    assert ring == {0: (2,), 1: (5,), 2: (4,), 3: (1,), 4: (0,), 5: (3,)}
+    # what the node test expects each node to hold
+    assert all(
+        ranks == {r for r, hs in ring.items() if f"n{hs[0] // 2}" == n} for n, ranks in SPREAD
+    )
+    # Known from the ranks' nodes at planning, before any manifest exists: the same.
+    assert holders_of(["n0", "n0", "n1", "n1", "n2", "n2"], 1) == ring
+    assert sources_of(ring, 0) == (4,) and sources_of(ring, 1) == (3,)
     assert placement_of(replace(m, parts=three[:1]), 1) is None  # one node: nowhere to go
     uneven = [DcpPart("n0", (0, 1)), DcpPart("n1", (2,))]
     assert placement_of(replace(m, parts=uneven), 1) is None
@@ -87,6 +98,42 @@ def test_the_ring_places_no_replica_on_its_own_node_and_the_plan_needs_a_holder(
     assert plan("d", held, [2, 3]) == {2: 4, 3: 4}
     assert plan("other", held, [2, 3]) is None  # a replica of another save
     assert plan("d", held, [2, 3, 4, 5]) is None  # its holder lost too
+
+
+def test_the_plan_carries_k_and_domains_so_the_stream_places_like_the_commit(tmp_path):
+    from dataclasses import replace
+
+    from fmstore.checkpoint.dcp.manifest import DcpPart
+    from fmstore.checkpoint.dcp.nodes import LocalInfo
+    from fmstore.checkpoint.dcp.replica_stream import agreed
+    from fmstore.checkpoint.dcp.replicas import holders_of, placement_of
+
+    m, _ = saved_manifest(tmp_path)
+    nodes = ("n0", "n0", "n1", "n1", "n2", "n2", "n3", "n3")
+    m4 = replace(m, parts=[DcpPart(f"n{i}", (2 * i, 2 * i + 1)) for i in range(4)])
+    racks = {"n0": "a", "n1": "a", "n2": "b", "n3": "b"}
+
+    def infos(k: Any = 2, dom: Any = racks.get) -> list[Any]:
+        return [LocalInfo(n, (), k, dom(n)) for n in nodes]
+
+    k, said = agreed(infos(), nodes)
+    assert (k, said) == (2, tuple(racks[n] for n in nodes))
+    # The plan's placement is the committed manifest's over the same domains: k holders in
+    # the other rack first (own rack last), from the nodes and domains alone, before anything is written.
+    assert holders_of(nodes, k, said) == placement_of(m4, 2, racks)
+    assert holders_of(nodes, k, said)[0] == (4, 6)  # n2, n3: rack b, then b again
+    assert holders_of(nodes, 1, None) == placement_of(m4, 1)
+    # Hostile or disagreeing local plans stream nothing (the commit's check raises).
+    assert agreed(infos(k=3)[:-1] + infos()[-1:], nodes) == (0, ())
+    assert agreed(infos(k="2"), nodes) == (0, ())
+    assert agreed(infos(k=99), nodes) == (0, ())
+    bad = infos()
+    bad[1] = LocalInfo("n0", (), 2, "b")  # n0's ranks disagree on its domain
+    assert agreed(bad, nodes) == (0, ())
+    assert agreed(infos(dom=lambda n: "no such name!" * 20), nodes) == (0, ())
+    # Some node names none: the ring, as after the commit.
+    k, said = agreed(infos(dom=lambda n: racks[n] if n != "n3" else None), nodes)
+    assert holders_of(nodes, k, said) == placement_of(m4, 2)
 
 
 def test_a_replica_blob_is_checked_chunk_by_chunk(tmp_path):
@@ -105,6 +152,72 @@ def test_a_replica_blob_is_checked_chunk_by_chunk(tmp_path):
         check_blob(m, i, data[:-1], "replica")
 
 
+def test_a_streamed_replica_counts_only_if_its_blob_table_is_the_manifests(tmp_path):
+    """What a holder received while the save wrote is compared, after the commit, with
+    the committed manifest: every blob's size and every chunk's offset, length and CRC32C,
+    and the sender's record; anything else is named, and the replica is not counted."""
+    from fmstore.checkpoint.dcp.nodes import RankRecord
+    from fmstore.checkpoint.dcp.replica_stream import Received
+    from fmstore.checkpoint.dcp.replicas import mismatch, table
+
+    m, _ = saved_manifest(tmp_path)
+    rec = RankRecord(m.generation, "s", 0, "n0", tuple((b.name, b.size) for b in m.blobs))
+
+    def received(**change: Any) -> Received:
+        blobs = {k: (n, list(cs)) for k, (n, cs) in table(m, 0).items()}
+        return Received(**{"blobs": blobs, "record": rec.dumps(), **change})
+
+    assert table(m, 0) and mismatch(m, 0, received(), "r") == ""
+    name, (size, chunks) = next(iter(table(m, 0).items()))
+    off, n, crc = chunks[0]
+    bad_crc = {**table(m, 0), name: (size, [(off, n, crc ^ 1), *chunks[1:]])}
+    short = {**table(m, 0), name: (size - 1, chunks)}
+    missing = dict(list(table(m, 0).items())[1:])
+    for blobs in (bad_crc, short, missing):
+        assert "differs from the manifest" in mismatch(m, 0, received(blobs=blobs), "r")
+    other = RankRecord("g000000000000-00000000", "s", 0, "n0", ())
+    assert "of another save" in mismatch(m, 0, received(record=other.dumps()), "r")
+    assert mismatch(m, 0, received(record=None), "r")  # no record: not counted
+    assert mismatch(m, 0, received(error="rank 4: bad"), "r") == "rank 4: bad"
+
+
+def test_a_pending_replica_is_swept_like_a_pending_part_and_a_committed_one_stays(tmp_path):
+    """What a holder streamed for a save that never committed (blobs, no record, no
+    manifest under ``.replicas/KEY``) is an orphan generation the sweep removes; a replica
+    whose record is written but not yet its manifest is kept like a pending part; the
+    committed replica of the previous step stays whole."""
+    from fmstore import runtime
+    from fmstore.checkpoint.dcp.manifest import MANIFEST_KEY
+    from fmstore.checkpoint.dcp.nodes import RankRecord, rank_record_key
+    from fmstore.checkpoint.layout import new_generation
+    from fmstore.stores import open_store
+    from fmstore.tiering.sweep import Sweeper
+
+    m, ck = saved_manifest(tmp_path)
+    root = tmp_path / "nvme"
+    done = root / ".replicas" / "run" / "step_000000000010"
+    shutil.copytree(ck, done)
+    never, half = new_generation(), new_generation()
+    for step, gen in ((30, never), (40, half)):
+        d = root / ".replicas" / "run" / f"step_{step:012d}" / gen
+        d.mkdir(parents=True)
+        (d / "000000.bin").write_bytes(b"x" * 100)
+    rec = RankRecord(half, "s", 0, "n0", (("000000.bin", 100),))
+    (root / ".replicas/run/step_000000000040" / rank_record_key(half, 0)).write_bytes(rec.dumps())
+    before = {p: p.read_bytes() for p in done.rglob("*") if p.is_file()}
+    sw = Sweeper(str(tmp_path / "state"), grace=0)
+    runtime.run(sw.tier("nvme", open_store(str(root))))
+    assert not sw.report.errors, sw.report.errors
+    got = {o.where: o.action for o in sw.report.orphans if o.kind == "generation"}
+    assert got == {
+        f".replicas/run/step_000000000030/{never}": "removed",
+        f".replicas/run/step_000000000040/{half}": "kept: pending part",
+    }
+    assert not (root / ".replicas/run/step_000000000030" / never / "000000.bin").exists()
+    assert {p: p.read_bytes() for p in done.rglob("*") if p.is_file()} == before
+    assert (done / MANIFEST_KEY).is_file() and m.generation
+
+
 @pytest.mark.slow
 @pytest.mark.s3
 def test_lost_nodes_restore_from_replicas_or_fall_back_together(tmp_path: Path, s3_server):
@@ -118,24 +231,70 @@ def test_lost_nodes_restore_from_replicas_or_fall_back_together(tmp_path: Path, 
         s3_server.delete_bucket(bucket)
 
 
+def tree(c: Cluster, key: str) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(c.base)): p.read_bytes()
+        for n in NODES
+        for p in (c.nvme(n) / ".replicas" / key).rglob("*")
+        if p.is_file()
+    }
+
+
+def faults(c: Cluster, gen: str) -> None:
+    """Step 20 with a chunk of rank 2's replica corrupted in flight: committed, the save
+    raises the holder's finding on every rank; step 30 with n1 killed mid-transfer: never
+    committed.  Step 10's replicas stay as they were through both."""
+    before = tree(c, KEY)
+    assert len(before) > 6
+    procs = c.start(WORKER, ["faults", str(c.out)], NODES, name="faults", env=ENV)
+    wait_for(lambda: any(c.out.glob("stalled-*")), procs, "n1's replica transfer of step 30")
+    c.kill("n1")
+    for n in ("n0", "n2"):
+        c.agents[n].wait(timeout=120)  # they fail once n1 is gone
+    reps = [json.loads((c.out / f"faults-{r}.json").read_text()) for r in range(6)]
+    for r in reps:
+        assert "is committed, but not every node's part has its replica" in r["error"], r
+        assert "rank 2's blob" in r["error"] and "fails its CRC32C on arrival" in r["error"], r
+    twenty, thirty = KEY.replace("10", "20"), KEY.replace("10", "30")
+    # Step 5, saved in DCP's checkpoint process: its replicas read back and sent.
+    five = KEY.replace("10", "05")
+    g5 = json.loads((c.nvme("n0") / five / "manifest.json").read_text())["generation"]
+    for node, ranks in SPREAD:
+        assert ranks == {
+            int(p.stem.split("-")[1])
+            for p in (c.nvme(node) / ".replicas" / five / g5).glob("rank-*")
+        }
+    assert all((c.nvme(n) / twenty / "manifest.json").is_file() for n in NODES)
+    assert not [p for n in NODES for p in (c.nvme(n) / thirty).rglob("manifest.json")]
+    g20 = json.loads((c.nvme("n0") / twenty / "manifest.json").read_text())["generation"]
+    # n2 holds rank 1's replica of step 20, never rank 2's (its chunk failed on arrival).
+    assert {
+        int(p.stem.split("-")[1])
+        for p in (c.nvme("n2") / ".replicas" / twenty / g20).glob("rank-*.json")
+    } == {1}
+    assert tree(c, KEY) == before and (c.nvme("n2") / ".replicas" / KEY).is_dir()
+    assert gen
+
+
 def run_sequence(c: Cluster, proxy: FaultProxy) -> None:
     reps = launch(c, "save")
     assert [r["node"] for r in reps] == ["n0", "n0", "n1", "n1", "n2", "n2"]
     m = manifest(c, "n0")
     gen = m["generation"]
-    # Ring of nodes: n0's ranks' replicas on n1, n1's on n2, n2's on n0; each a copy of
-    # the sender's blobs and record, beside the manifest, outside the checkpoint's prefix.
-    assert replica_ranks(c, "n1", gen) == {0, 1}
-    assert replica_ranks(c, "n2", gen) == {2, 3}
-    assert replica_ranks(c, "n0", gen) == {4, 5}
+    # Spread over the ring: node i's rank at position j on node i + 1 + j (mod 3); each a
+    # copy of the sender's blobs and record, beside the manifest, outside the checkpoint's.
+    for node, ranks in SPREAD:
+        assert replica_ranks(c, node, gen) == ranks
     rep_dir = c.nvme("n2") / ".replicas" / KEY
     assert (rep_dir / "manifest.json").read_bytes() == (
         c.nvme("n1") / KEY / "manifest.json"
     ).read_bytes()
     for b in m["blobs"]:
-        if b["rank"] in (2, 3):
+        if b["rank"] == 2:
             own = (c.nvme("n1") / KEY / gen / b["name"]).read_bytes()
             assert (rep_dir / gen / b["name"]).read_bytes() == own
+
+    faults(c, gen)
 
     uris = ["nvme:" + KEY, "lustre:" + KEY, "s3:" + KEY]
     lustre, away = c.lustre / "run", c.base / "lustre-away"
@@ -153,7 +312,8 @@ def run_sequence(c: Cluster, proxy: FaultProxy) -> None:
     assert not [k for k in reads if k.endswith((".bin", "manifest.json"))], reads
     assert sorted(p for n in NODES for p in c.nvme(n).rglob("*")) == before
 
-    # 1. n1 replaced; the Lustre copy gone: the restore reads n1's part from n2's replica.
+    # 1. n1 replaced; the Lustre copy gone: the restore reads rank 2's part from n2's
+    # replica and rank 3's from n0's.
     c.replace("n1")
     seen = len(proxy.seen)
     reps = launch(c, "restore", *uris)
@@ -180,7 +340,7 @@ def run_sequence(c: Cluster, proxy: FaultProxy) -> None:
     why = reps[0]["why"]
     assert "its replica did not restore it" in why and "CRC32C" in why, why
 
-    # 3. n1 and n2 lost at once (n1's replica was on n2), Lustre's copy gone: S3.
+    # 3. n1 and n2 lost at once (rank 2's replica was on n2), Lustre's copy gone: S3.
     c.replace("n1")
     c.replace("n2")
     shutil.move(lustre, away)

@@ -108,6 +108,30 @@ def restore(rank: int, tmp: str) -> dict[str, Any]:
     return out
 
 
+def restore_in_place(rank: int, tmp: str) -> tuple[int, bool]:
+    """Step 20 restored on the nodes that saved it: how many times this rank parsed its
+    manifest (the collective's check and the Reader's), and whether the state is exact."""
+    import torch
+    import torch.distributed as dist
+
+    import fmstore.checkpoint.dcp as fdcp
+    from fmstore.checkpoint.dcp.manifest import DcpManifest
+
+    pg = dist.new_group(backend="gloo")
+    parsed: list[str] = []
+    loads = DcpManifest.loads.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: Any, data: bytes, *, where: str = "") -> Any:
+        if ".replicas" not in where:  # the replicas a node holds are their own manifests
+            parsed.append(where)
+        return loads(cls, data, where=where)
+
+    DcpManifest.loads = classmethod(counted)  # type: ignore[method-assign, assignment]
+    state = make_state(0)
+    fdcp.load(state, "nvme:" + STEP.format(20), process_group=pg)
+    return len(parsed), bool(torch.equal(state["w"].to_local(), make_state(20)["w"].to_local()))
+
+
 def restore_with_manager(rank: int, tmp: str) -> tuple[int | None, bool]:
     import torch
     import torch.distributed as dist
@@ -130,6 +154,10 @@ def test_swapped_nodes_restore_the_newest_step_from_the_nodes_not_the_shared_tie
         return {"FMSTORE_NODE_ID": node, "FMSTORE_CONFIG": f"{tmp}/{node}.toml"}
 
     run(save, [env("n0"), env("n1")], tmp, init=str(tmp_path / "init1"))
+    # On the nodes that saved it, each rank parses the manifest once: the collective's
+    # check hands it to the Reader.
+    got = run(restore_in_place, [env("n0"), env("n1")], tmp, init=str(tmp_path / "init0"))
+    assert got == [(1, True), (1, True)]
     # The relaunch's rendezvous orders the hosts the other way round.
     reps = run(restore, [env("n1"), env("n0")], tmp, init=str(tmp_path / "init2"))
     for r in reps:

@@ -284,6 +284,7 @@ def test_sizes_peers_announce_are_bounded_before_anything_is_allocated(two_ranks
     assert "announces a rank record of 1099511627776 bytes" in res["recv"], res
     assert res["gather"].startswith("FmstoreError: rank 1 sent a message of 1099511627776"), res
     assert "announced a broadcast of 1099511627776 bytes" in res["broadcast"], res
+    assert "sent rank 0: a chunk of 1099511627776 bytes at offset 0" in res["stream"], res
 
 
 # ---- 11. messages that name what was missed ----------------------------------------------------

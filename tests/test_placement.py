@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from fmstore.checkpoint.dcp.placement import capped, holders, is_domain, node_holders
+from fmstore.checkpoint.dcp.placement import capped, holders, is_domain, node_holders, spread
 
 
 def _nodes(n: int, per: int) -> list[tuple[str, list[int]]]:
@@ -23,9 +23,8 @@ def _domain_maps(n: int):
             yield {f"n{i}": f"rack-{d}" for i, d in enumerate(labels)}
 
 
-@pytest.mark.parametrize("n", range(2, 7))
-def test_every_rank_has_k_holders_on_other_nodes_and_survives_any_k_lost_nodes(n):
-    per = 2
+@pytest.mark.parametrize(("n", "per"), [(n, 2) for n in range(2, 7)] + [(4, 3), (5, 4)])
+def test_every_rank_has_k_holders_on_other_nodes_and_survives_any_k_lost_nodes(n, per):
     for k in range(1, 4):
         for domains in _domain_maps(n):
             hmap = holders(_nodes(n, per), k, domains)
@@ -37,6 +36,17 @@ def test_every_rank_has_k_holders_on_other_nodes_and_survives_any_k_lost_nodes(n
                 assert len(set(where)) == len(hs) == kk, (r, hs)
                 assert node[r] not in where
                 assert all(h % per == r % per for h in hs)  # same position on the node
+            # the spread: a node's ranks' first holders span as many nodes as may come first
+            for i in range(n):
+                first = {hmap[r][0] // per for r in range(i * per, (i + 1) * per)}
+                others = [x for x in range(n) if x != i]
+                if domains is not None and len(set(domains.values())) > 1:
+                    others = [x for x in others if domains[f"n{x}"] != domains[f"n{i}"]]
+                assert len(first) == min(per, len(others)), (k, domains, i, first)
+            if domains is None:  # every position a rotation: each rank holds k parts
+                assert Counter(h for hs in hmap.values() for h in hs) == Counter(
+                    {r: kk for r in range(n * per)}
+                )
             for lost in itertools.combinations(range(n), kk):
                 gone = {f"n{i}" for i in lost}
                 for r, hs in hmap.items():
@@ -76,14 +86,22 @@ def test_placement_is_the_ring_without_domains_and_balanced_with_equal_domains()
 
 def test_placement_is_deterministic_caps_k_and_places_nothing_it_cannot():
     assert holders(_nodes(3, 2), 2) == holders(_nodes(3, 2), 2)
+    # position 0: the next nodes of the ring; position 1 starts one node further
     assert holders(_nodes(3, 2), 2) == {
         0: (2, 4),
-        1: (3, 5),
+        1: (5, 3),
         2: (4, 0),
-        3: (5, 1),
+        3: (1, 5),
         4: (0, 2),
-        5: (1, 3),
+        5: (3, 1),
     }
+    # node i's rank at position j -> node i + 1 + (j mod (n - 1)), same position
+    eight = holders(_nodes(9, 8), 1)
+    assert eight is not None
+    assert all(
+        eight[8 * i + j] == (8 * ((i + 1 + j % 8) % 9) + j,) for i in range(9) for j in range(8)
+    )
+    assert (spread(128, 8), spread(3, 8), spread(2, 8), spread(5, 1)) == (8, 2, 1, 1)
     assert holders(_nodes(3, 1), 5) == holders(_nodes(3, 1), 2)  # capped at nodes - 1
     assert capped(5, 3) == 2 and capped(1, 1) == 0
     assert holders(_nodes(1, 2), 1) is None  # one node: nowhere else to go
@@ -93,6 +111,26 @@ def test_placement_is_deterministic_caps_k_and_places_nothing_it_cannot():
         holders([("n0", [0]), ("n0", [1])], 1)
     assert is_domain("rack-a") and is_domain("az1/rack:2")
     assert not any(is_domain(x) for x in ("", " a", "../x", "a b", "x" * 200, 3, None))
+
+
+def test_replicas_placed_by_the_old_ring_restore_without_a_placement_file():
+    """Replicas saved before the spread (node i's part wholly on node i + 1, no
+    ``placement.json``): what each node holds is all a restore needs, for any lost node."""
+    from fmstore.checkpoint.dcp.replicas import plan
+
+    n, per = 4, 2
+    ring = {r: ((r + per) % (n * per),) for r in range(n * per)}  # the old k = 1 ring
+    assert ring != holders(_nodes(n, per), 1)  # the spread places otherwise now
+    for lost in range(n):
+        lacking = list(range(lost * per, (lost + 1) * per))
+        held = [
+            ("d", tuple(s for s, hs in ring.items() if any(h // per == r // per for h in hs)))
+            if r not in lacking
+            else (None, ())
+            for r in range(n * per)
+        ]
+        got = plan("d", held, lacking)
+        assert got is not None and all(ring[r][0] // per == got[r] // per for r in lacking)
 
 
 def test_a_lost_part_comes_from_the_first_surviving_holder_in_the_saves_order():

@@ -3,8 +3,9 @@ for the ``nvme`` tier, whose ``scope = "node"`` was forgotten; rank 0 prints, as
 fmstore made of each case (one pair of processes for them all: starting one costs seconds).
 
 1. ``save``: a two-node save onto that tier (the coordinator misses rank 1's blob).
-2. ``recv``, ``gather``, ``broadcast``: rank 1 turns hostile and announces 2**40 bytes to a
-   replica transfer, a gather and a broadcast, while rank 0's address space is capped.
+2. ``recv``, ``gather``, ``broadcast``, ``stream``: rank 1 turns hostile and announces
+   2**40 bytes to a replica transfer, a gather, a broadcast and a replica streamed while
+   saving, while rank 0's address space is capped.
 
 Run as ``python two_rank_worker.py RANK PORT BASE``."""
 
@@ -26,10 +27,13 @@ os.environ["FMSTORE_NODE_ID"] = f"n{RANK}"
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from fmstore import runtime  # noqa: E402
 from fmstore.checkpoint import dcp  # noqa: E402
 from fmstore.checkpoint.dcp import replicas  # noqa: E402
+from fmstore.checkpoint.dcp.replica_stream import Stream  # noqa: E402
 from fmstore.checkpoint.dcp.wire import broadcast_result, gather_json  # noqa: E402
 from fmstore.errors import FmstoreError  # noqa: E402
+from fmstore.stores import open_store  # noqa: E402
 
 
 def hostile_sizes(pg: object) -> dict[str, str]:
@@ -70,6 +74,24 @@ try:
 except BaseException as e:  # DCP raises its CheckpointException, a BaseException
     result = {"save": str(e)}
 result.update(hostile_sizes(dist.group.WORLD))
+
+
+def hostile_stream(pg: object) -> str:
+    """Rank 1 announces a 2**40-byte chunk to rank 0's replica stream: refused."""
+    if RANK == 1:
+        dist.send(torch.tensor([1, 0, 0, 1 << 40, 0], dtype=torch.int64), 0, group=pg)
+        return ""
+
+    async def holder() -> Stream:
+        store = open_store(f"{BASE}/replica")
+        return Stream(pg, 0, "n0", (), (1,), store, "g000000000000-00000000", 4096)
+
+    stream = runtime.run(holder())
+    stream.finish_sends(True)
+    return stream.wait_received()[1].error
+
+
+result["stream"] = hostile_stream(dist.group.WORLD)
 if RANK == 0:
     print("RESULT", json.dumps(result), flush=True)
 dist.destroy_process_group()

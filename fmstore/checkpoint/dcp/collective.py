@@ -37,7 +37,7 @@ from ...stores import PutOptions, Store
 from ...stores.bounded import RECORD_LIMIT, manifest_limit, read_bounded
 from ..layout import GENERATION_RE
 from ..routing import Holding, Routes, lowest_rank, may_drop_pending, route
-from . import replicas
+from . import replica_stream, replicas
 from .manifest import MANIFEST_KEY, DcpManifest
 from .nodes import RANK_RECORD_RE, RankRecord, node_id, tier_scope
 from .peers import Peers
@@ -123,8 +123,10 @@ def save(
         dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=True)
         return
     _wait_previous(pg)
+    if spans := _spans_nodes(writer, pg):
+        writer.replica_group = replica_stream.group_for(pg)
     dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=pg)
-    if _spans_nodes(writer, pg):
+    if spans:
         _distribute(writer, pg)
 
 
@@ -158,6 +160,8 @@ def async_save(
     pg = process_group if process_group is not None else checkpoint_group()
     _wait_previous(pg)
     kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
+    if pg is not None and not process and _spans_nodes(writer, pg):
+        writer.replica_group = replica_stream.group_for(pg)  # out of reach of a process
     fut = dcp.async_save(
         state_dict,
         storage_writer=writer,
@@ -242,7 +246,7 @@ def _distribute(writer: Writer, pg: Any) -> None:
             key=MANIFEST_KEY,
         )
     # With [tiers.X] replicas: each rank's part to its partner on the next node.
-    replicas.replicate(writer.uri, box[0], pg, writer.store_options)
+    replicas.replicate(writer.uri, box[0], pg, writer.store_options, writer.replica_stream)
 
 
 async def _put_manifest(store: Store, data: bytes) -> None:
@@ -454,15 +458,16 @@ def _try(
     checksum or a missing blob makes the candidate ``UNUSABLE``."""
     import torch.distributed.checkpoint as dcp
 
-    problem, routed = _prepare(cand, so, pg)
+    problem, prepared = _prepare(cand, so, pg)
     if problem is not None:
         return problem
     err: Problem | None = None
     reader = Reader(cand, store_options=so, **options)
-    if routed is not None:
+    routes, reader.checked = prepared or (None, None)  # the manifest parsed once per rank
+    if routes is not None and reader.checked is not None:
         cfg = so.get("config")
         where = replicas.replica_uri(cand, cfg) if replicas.replicas_of(cand, cfg) else cand
-        reader.peers = Peers(pg, _dist().get_rank(pg), routed[0], where, routed[1])
+        reader.peers = Peers(pg, _dist().get_rank(pg), routes, where, reader.checked)
     try:
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=pg)
     except BaseException as e:
@@ -473,11 +478,11 @@ def _try(
 
 def _prepare(
     uri: str, so: dict[str, Any], pg: Any
-) -> tuple[Problem | None, tuple[Routes, DcpManifest] | None]:
+) -> tuple[Problem | None, tuple[Routes | None, DcpManifest] | None]:
     """Agree on whether ``uri`` is readable by every rank, adopting or removing pending
-    parts; no problem when it is (the same answer on every rank), with the routes of its
-    blobs and its manifest when some rank reads blobs from another node or its node's
-    replicas."""
+    parts; no problem when it is (the same answer on every rank), with its manifest as
+    parsed here (the Reader parses it no second time) and the routes of its blobs when some
+    rank reads blobs from another node or its node's replicas (else None)."""
     dist = _dist()
     rank = dist.get_rank(pg)
     # Every step below answers on every rank, errors included: a rank that raised here
@@ -561,7 +566,7 @@ def _prepare(
             except Exception as e:
                 text = f"node {views[rank].node} could not adopt its part: {reason(e)}"
                 err = Problem(Code.UNUSABLE, text)
-    return first(_gather_problems(pg, err)), (None if routes is None else (routes, m))
+    return first(_gather_problems(pg, err)), (routes, m)
 
 
 def _remapped(m: DcpManifest, views: list[_View], uri: str, so: dict[str, Any]) -> bool:

@@ -122,6 +122,10 @@ class LocalInfo:
 
     node: str
     items: tuple[WriteItem, ...]
+    #: the replicas it would stream while writing (0: none, or it cannot reach the group)
+    replicas: int = 0
+    #: its node's failure domain for the tier (None: none named)
+    domain: str | None = None
 
 
 def local_copies(plans: list[SavePlan], nodes: tuple[str, ...]) -> list[SavePlan]:

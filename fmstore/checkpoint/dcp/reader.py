@@ -142,6 +142,9 @@ class Reader(StorageReader):
         #: set by the collective restore when some blobs are read from other nodes (or
         #: this node's replicas): the routes, see :mod:`.peers`
         self.peers: Peers | None = None
+        #: set by the collective restore: the manifest its check read and parsed (the same
+        #: bytes on every rank), so this rank does not read and parse it a second time
+        self.checked: DcpManifest | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         d = self.__dict__.copy()
@@ -171,6 +174,7 @@ class Reader(StorageReader):
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.uri:
             self.uri = os.fspath(checkpoint_id)
             self._store = None
+            self.checked = None
         self.manifest = None
         self.native = None
         self.storage_data = {}
@@ -188,6 +192,8 @@ class Reader(StorageReader):
         try:
             if self.peers is not None:
                 self.manifest = self.peers.manifest
+            elif self.checked is not None:
+                self.manifest = self.checked
             else:
                 self.manifest = runtime.run(read_manifest(self.store))
         except NotFound:

@@ -25,8 +25,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ... import runtime
 from ...errors import AlreadyExists, ConfigError, CorruptData, FmstoreError
@@ -39,10 +40,14 @@ from .nodes import RankRecord, rank_record_key
 from .placement import MAX_REPLICAS, capped, domains_of, holders
 from .wire import gather_json
 
+if TYPE_CHECKING:
+    from .replica_stream import Received, Stream
+
 __all__ = [
     "PLACEMENT_KEY",
     "REPLICA_PREFIX",
     "fetch",
+    "holders_of",
     "placement_of",
     "plan",
     "replica_uri",
@@ -89,6 +94,26 @@ def placement_of(
     """Rank -> the ranks holding its ``k`` replicas, in preference order, over the nodes of
     ``m``'s parts (:func:`.placement.holders`); None where there is no placement."""
     return holders([(p.node, sorted(p.ranks)) for p in m.parts], k, domains)
+
+
+def holders_of(
+    rank_nodes: Sequence[str], k: int, said: Sequence[object] | None = None
+) -> dict[int, tuple[int, ...]] | None:
+    """The placement of a save whose rank ``r`` runs on node ``rank_nodes[r]`` and says its
+    node's failure domain is ``said[r]`` (None: it names none), known at planning, before
+    any manifest exists: the same as :func:`placement_of` of its manifest with the domains
+    :func:`_agree` checks after the commit.  Raises :class:`ValueError` where a node's ranks
+    say different domains or something that is not one (:func:`.placement.domains_of`)."""
+    nodes = [
+        (n, [r for r, x in enumerate(rank_nodes) if x == n]) for n in dict.fromkeys(rank_nodes)
+    ]
+    domains = domains_of(nodes, said if said is not None else [None] * len(rank_nodes))
+    return holders(nodes, k, domains if len(domains) == len(nodes) else None)
+
+
+def sources_of(placement: dict[int, tuple[int, ...]], rank: int) -> tuple[int, ...]:
+    """The ranks whose replica ``rank`` holds."""
+    return tuple(r for r, hs in sorted(placement.items()) if rank in hs)
 
 
 def _blobs_of(m: DcpManifest, rank: int) -> list[int]:
@@ -185,6 +210,13 @@ async def _put_manifest(store: Store, data: bytes) -> None:
             await store.put(MANIFEST_KEY, data, PutOptions(mode="overwrite"))
 
 
+async def _put_placed(store: Store, hmap: dict[int, tuple[int, ...]], manifest: bytes) -> None:
+    """The save's placement (:data:`PLACEMENT_KEY`), then its manifest: the replicas count."""
+    placed = json.dumps({"holders": [[r, list(h)] for r, h in hmap.items()]}).encode()
+    await store.put(PLACEMENT_KEY, placed, PutOptions(mode="overwrite"))
+    await _put_manifest(store, manifest)
+
+
 def _reason(e: BaseException) -> str:
     text = str(e).splitlines()[0] if str(e) else ""
     return f"{type(e).__name__}: {text}"[:300]
@@ -249,11 +281,21 @@ def _agree(uri: str, m: DcpManifest, pg: Any, cfg: Any) -> tuple[int, dict[str, 
     return k, (domains if len(domains) == len(m.parts) else None)
 
 
-def replicate(uri: str, manifest: bytes, pg: Any, so: dict[str, Any] | None = None) -> None:
-    """Every rank, after the commit of ``uri`` (``manifest``: its bytes): send this rank's
-    part to each of its holders (:mod:`.placement`) and write the parts of the ranks it
-    holds as replicas.  Raises on every rank when some replica could not be made (the
-    checkpoint stays committed)."""
+def replicate(
+    uri: str,
+    manifest: bytes,
+    pg: Any,
+    so: dict[str, Any] | None = None,
+    inbox: Stream | None = None,
+) -> None:
+    """Every rank, after the commit of ``uri`` (``manifest``: its bytes): make this node's
+    replicas of the parts it holds count, for the placement of :mod:`.placement`.
+    ``inbox``: what this rank received while the save wrote (:mod:`.replica_stream`): each
+    replica counts once its blob table equals the manifest's, then its record, the
+    placement and the manifest are written.  Without one (a save in DCP's checkpoint
+    process, which cannot reach the replica group), each rank reads its part back and
+    sends it to each of its holders.  Raises on every rank when some replica could not be
+    made (the checkpoint stays committed, older replicas stay)."""
     import torch.distributed as dist
 
     m = DcpManifest.loads(manifest, where=f"{uri}/{MANIFEST_KEY}")
@@ -265,40 +307,10 @@ def replicate(uri: str, manifest: bytes, pg: Any, so: dict[str, Any] | None = No
     if hmap is None:
         return
     rank = dist.get_rank(pg)
-    err = ""
-    rec: bytes | None = None
-    blobs: list[bytes] = []
-    try:
-        rec, blobs = runtime.run(_read(open_store(uri, **so), m, rank))
-    except Exception as e:
-        err = f"rank {rank} could not read its part: {_reason(e)}"
-    works: list[Any] = []
-    for holder in hmap[rank]:
-        works += _send(pg, holder, rec, blobs)
-    store: Store | None = None
-    wrote = True
-    for src in sorted(s for s, hs in hmap.items() if rank in hs):
-        # received (and checked, written) one part at a time: memory holds one part
-        got = _recv(pg, src, [m.blobs[i].size for i in _blobs_of(m, src)])
-        wrote = wrote and not isinstance(got, str)
-        if isinstance(got, str):
-            err = err or f"rank {src} could not send its part to rank {rank}: {got}"
-            continue
-        try:
-            store = store or open_store(replica_uri(uri, cfg), **so)
-            runtime.run(_write(store, m, src, got[0], got[1], f"replica at {store.url}"))
-        except Exception as e:
-            wrote = False
-            err = err or f"rank {rank} could not write the replica of rank {src}: {_reason(e)}"
-    for w in works:
-        w.wait()
-    if store is not None and wrote:
-        try:
-            placed = json.dumps({"holders": [[r, list(h)] for r, h in hmap.items()]}).encode()
-            runtime.run(store.put(PLACEMENT_KEY, placed, PutOptions(mode="overwrite")))
-            runtime.run(_put_manifest(store, manifest))
-        except Exception as e:
-            err = f"rank {rank} could not write its replicas' manifest: {_reason(e)}"
+    if inbox is not None:
+        err = _count(m, manifest, inbox, hmap)
+    else:
+        err = _read_back(uri, m, manifest, pg, hmap, so)
     bad = [e for e in _gather(pg, err) if e]
     if bad:
         raise FmstoreError(
@@ -313,6 +325,100 @@ def replicate(uri: str, manifest: bytes, pg: Any, so: dict[str, Any] | None = No
             runtime.run(_drop_older(uri, so))
         except Exception as e:  # kept a while longer; the next save retries
             log.warning("could not remove older replicas beside %s: %s", uri, e)
+
+
+def table(m: DcpManifest, rank: int) -> dict[str, tuple[int, list[tuple[int, int, int]]]]:
+    """``rank``'s blobs in ``m``: name -> size and its chunks' (offset, length, CRC32C)."""
+    out: dict[str, tuple[int, list[tuple[int, int, int]]]] = {
+        m.blobs[i].name: (m.blobs[i].size, []) for i in _blobs_of(m, rank)
+    }
+    names = [b.name for b in m.blobs]
+    for it in m.items:
+        for c in it.chunks:
+            if m.blobs[c.blob].rank == rank:
+                out[names[c.blob]][1].append((c.offset, c.length, c.crc32c))
+    return {k: (n, sorted(cs)) for k, (n, cs) in out.items()}
+
+
+def mismatch(m: DcpManifest, src: int, got: Received, where: str) -> str:
+    """Why what a holder received of rank ``src``'s part is not its replica in ``m`` ('' if
+    it is): the stream failed, a blob's size or a chunk's offset, length or CRC32C differs
+    from the manifest's, or the rank record is not ``src``'s of this save."""
+    if got.error:
+        return got.error
+    if {k: (n, sorted(cs)) for k, (n, cs) in got.blobs.items()} != table(m, src):
+        return f"{where} of rank {src} differs from the manifest (blob sizes or chunks)"
+    try:
+        rec = RankRecord.loads(got.record or b"", where=f"{where}, rank {src}'s record")
+    except CorruptData as e:
+        return str(e)[:300]
+    if rec.generation != m.generation or rec.rank != src:
+        return f"{where}: the record of rank {src} is of another save"
+    return ""
+
+
+def _count(m: DcpManifest, manifest: bytes, inbox: Stream, hmap: dict[int, tuple[int, ...]]) -> str:
+    """The replicas ``inbox`` received, counted against ``m`` and the placement ``hmap``
+    the commit's check agreed on: '' or why not."""
+    inbox.times["committed"] = time.perf_counter()
+    try:
+        got = inbox.wait_received()
+        if inbox.send_error:
+            return inbox.send_error
+        if (inbox.holders, inbox.sources) != (hmap[inbox.rank], sources_of(hmap, inbox.rank)):
+            return f"rank {inbox.rank}: the placement planned differs from the committed one"
+        where = f"rank {inbox.rank}'s replica at {inbox.store.url}"
+        for src, r in sorted(got.items()):
+            if why := mismatch(m, src, r, where):
+                return why
+            key = rank_record_key(m.generation, src)
+            runtime.run(inbox.store.put(key, r.record or b"", PutOptions(mode="overwrite")))
+        if got:
+            runtime.run(_put_placed(inbox.store, hmap, manifest))
+        inbox.times["counted"] = time.perf_counter()
+    except Exception as e:
+        return f"rank {inbox.rank} could not write its replicas: {_reason(e)}"
+    return ""
+
+
+def _read_back(
+    uri: str,
+    m: DcpManifest,
+    manifest: bytes,
+    pg: Any,
+    pmap: dict[int, tuple[int, ...]],
+    so: dict[str, Any],
+) -> str:
+    """Each rank's part read back from its tier and sent to its holders: '' or why not."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(pg)
+    err = ""
+    rec: bytes | None = None
+    blobs: list[bytes] = []
+    try:
+        rec, blobs = runtime.run(_read(open_store(uri, **so), m, rank))
+    except Exception as e:
+        err = f"rank {rank} could not read its part: {_reason(e)}"
+    works = [w for h in pmap[rank] for w in _send(pg, h, rec, blobs)]
+    store = open_store(replica_uri(uri, so.get("config")), **so)
+    for src in sources_of(pmap, rank):
+        got = _recv(pg, src, [m.blobs[i].size for i in _blobs_of(m, src)])
+        if isinstance(got, str):
+            err = err or f"rank {src} could not send its part to rank {rank}: {got}"
+            continue
+        try:
+            runtime.run(_write(store, m, src, got[0], got[1], f"replica at {store.url}"))
+        except Exception as e:
+            err = err or f"rank {rank} could not write the replica of rank {src}: {_reason(e)}"
+    for w in works:
+        w.wait()
+    if not err and sources_of(pmap, rank):
+        try:
+            runtime.run(_put_placed(store, pmap, manifest))
+        except Exception as e:
+            err = f"rank {rank} could not write its replicas' manifest: {_reason(e)}"
+    return err
 
 
 async def _drop_older(uri: str, so: dict[str, Any]) -> None:

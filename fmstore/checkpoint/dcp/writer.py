@@ -66,7 +66,7 @@ from ...stores import PutOptions, Store, open_store, split_tier
 from ...stores.bounded import manifest_limit, read_bounded
 from ..layout import blob_name, new_generation
 from ..partrecords import is_node_id
-from . import staging
+from . import replica_stream, staging
 from .manifest import MANIFEST_KEY, DcpBlob, DcpItem, DcpManifest, DcpPart
 from .nodes import LocalInfo, RankRecord, local_copies, node_id, rank_record_key, tier_scope
 
@@ -123,6 +123,10 @@ class _RankPlan:
     #: each rank's node, when the tier is node-local and the ranks span several nodes
     nodes: tuple[str, ...] = ()
     save_id: str = ""
+    #: replicas streamed while writing (:mod:`.replica_stream`), 0: none
+    replicas: int = 0
+    #: each rank's failure domain when it streams replicas (:func:`.replica_stream.agreed`)
+    domains: tuple[str | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,7 @@ class _ItemResult:
 
 @dataclass
 class _BlobOut:
+    no: int
     name: str
     items: list[WriteItem] = field(default_factory=list)
     direct: bool = False
@@ -219,12 +224,15 @@ class Writer(StorageWriter):
         #: set by fmstore.checkpoint.dcp.save / async_save, which copy the committed
         #: manifest to every node; a bare Writer refuses a node-local tier of several nodes
         self.distributes = False
+        #: replica traffic's group (set by fdcp.save / async_save) and this save's stream
+        self.replica_group: Any = None
+        self.replica_stream: replica_stream.Stream | None = None
 
     # ---- pickling (process-based async_save) ------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
         d = self.__dict__.copy()
-        d["_store"] = None
+        d["_store"] = d["replica_group"] = d["replica_stream"] = None
         return d
 
     # ---- StorageWriter ----------------------------------------------------------------
@@ -270,7 +278,8 @@ class Writer(StorageWriter):
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return replace(plan, storage_data=LocalInfo(node_id(), tuple(plan.items)))
+        info = LocalInfo(node_id(), tuple(plan.items), *replica_stream.setting(self))
+        return replace(plan, storage_data=info)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if not self.options.overwrite and runtime.run(self.store.exists(MANIFEST_KEY)):
@@ -282,13 +291,18 @@ class Writer(StorageWriter):
         generation = new_generation()
         streams = self.options.streams
         nodes = self._node_local(plans)
+        k, doms = (
+            replica_stream.agreed([p.storage_data for p in plans], nodes) if nodes else (0, ())
+        )
         if nodes:
             plans = local_copies(plans, nodes)
         out = []
         base = 0
         for i, p in enumerate(plans):
             count = len(p.items) + streams
-            rp = _RankPlan(generation, i, len(plans), streams, base, count, nodes, self.save_id)
+            rp = _RankPlan(
+                generation, i, len(plans), streams, base, count, nodes, self.save_id, k, doms
+            )
             out.append(replace(p, storage_data=rp))
             base += count
         self._plans = out
@@ -341,7 +355,8 @@ class Writer(StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         leases = staging.claim_leases(planner)
         try:
-            results = runtime.run(self._write_rank(plan.items, planner, rp))
+            write = self._write_rank(plan.items, planner, rp)
+            results = runtime.run(replica_stream.around(self, rp, write))
         except BaseException as e:
             fut.set_exception(e)  # type: ignore[arg-type]
         else:
@@ -366,12 +381,13 @@ class Writer(StorageWriter):
         packed = [wi for wi in items if not self._is_direct(wi)]
         # Largest first, so the longest uploads start early.
         direct.sort(key=_item_bytes, reverse=True)
+        b0 = rp.blob_base
         blobs = [
-            _BlobOut(blob_name(rp.blob_base + i), [wi], direct=True) for i, wi in enumerate(direct)
+            _BlobOut(b0 + i, blob_name(b0 + i), [wi], direct=True) for i, wi in enumerate(direct)
         ]
         n = len(blobs)
         blobs += [
-            _BlobOut(blob_name(rp.blob_base + n + i), b)
+            _BlobOut(b0 + n + i, blob_name(b0 + n + i), b)
             for i, b in enumerate(_split(packed, rp.streams))
         ]
 
@@ -401,6 +417,8 @@ class Writer(StorageWriter):
             await store.put(
                 rank_record_key(rp.generation, rp.rank), rec.dumps(), PutOptions(mode="create")
             )
+            if self.replica_stream is not None:
+                await self.replica_stream.record(rec.dumps())
         results: list[WriteResult] = []
         for b, recs in zip(blobs, per_blob, strict=True):
             for wi, item in recs:
@@ -430,7 +448,9 @@ class Writer(StorageWriter):
         size = self.options.chunk_size
         spans = [(o, min(o + size, n)) for o in range(0, n, size)]
         crcs = await runtime.to_cpu(lambda: [crc32c(data[lo:hi]) for lo, hi in spans])
-        await store.put(f"{rp.generation}/{blob.name}", data)
+        put = store.put(f"{rp.generation}/{blob.name}", data)
+        rs = replica_stream.send_blob(self.replica_stream, blob.no, data, spans, crcs)
+        await _all_or_cancel([put, rs])
         blob.size = n
         chunks = tuple(
             ChunkEntry(0, lo, hi - lo, lo, hi - lo, "raw", crc, 1)
@@ -496,6 +516,8 @@ class Writer(StorageWriter):
                 task, n, held = entry
                 codec, stored, crc = await task
                 await writer.write(stored)
+                if self.replica_stream is not None:
+                    await self.replica_stream.chunk(blob.no, pos, stored, crc)
                 written.append(ChunkEntry(0, pos, len(stored), 0, n, codec, crc, 1))
                 pos += len(stored)
                 await budget.release(held)
@@ -505,6 +527,8 @@ class Writer(StorageWriter):
             await writer.abort()
             raise
         blob.size = pos
+        if self.replica_stream is not None:
+            await self.replica_stream.blob_end(blob.no, pos)
         # Attach chunk entries (in write order) to their items.
         out: list[tuple[WriteItem, DcpItem]] = []
         k = 0
