@@ -34,12 +34,12 @@ from ... import runtime
 from ...config import is_node_id
 from ...errors import AlreadyExists, CorruptData, FmstoreError, NotFound, StoreUnavailable
 from ...stores import PutOptions, Store
-from ...stores.bounded import RECORD_LIMIT, manifest_limit, read_bounded
+from ...stores.bounded import manifest_limit, read_bounded
 from ..layout import GENERATION_RE
-from ..routing import Holding, Routes, lowest_rank, may_drop_pending, route
+from ..routing import Holding, Routes, lowest_rank, route
 from . import replica_stream, replicas
 from .manifest import MANIFEST_KEY, DcpManifest
-from .nodes import RANK_RECORD_RE, RankRecord, node_id, tier_scope
+from .nodes import drop_pending, has_rank_record, node_id, tier_scope
 from .peers import Peers
 from .problems import (
     Code,
@@ -503,7 +503,7 @@ def _prepare(
         pending = [v for v in views if v.pending]
         if views[rank].pending and rank == lowest_rank(nodes, views[rank].node):
             with contextlib.suppress(Exception):  # stays pending: the next restore retries
-                runtime.run(_drop_pending(uri, so, views[rank].pending, nodes))
+                runtime.run(drop_pending(_open(uri, so), views[rank].pending, nodes))
         if pending:
             text = "never committed: no node holds its manifest; its pending parts are removed"
             return Problem(Code.NO_MANIFEST, text), None
@@ -628,40 +628,9 @@ async def _look(uri: str, so: dict[str, Any], rank: int) -> _View:
         # ranks here than the save did).
         async for o in store.list("", recursive=False):
             gen = o.key.rstrip("/").rsplit("/", 1)[-1]
-            if GENERATION_RE.match(gen) and await _has_record(store, gen):
+            if GENERATION_RE.match(gen) and await has_rank_record(store, gen):
                 pending.append(gen)
     return _View(rank, me, None, tuple(sorted(pending)), held=held)
-
-
-async def _has_record(store: Store, gen: str) -> bool:
-    async for o in store.list(f"{gen}/", recursive=False):
-        if not o.is_dir and RANK_RECORD_RE.match(o.key.rsplit("/", 1)[-1]):
-            return True
-    return False
-
-
-async def _drop_pending(
-    uri: str, so: dict[str, Any], gens: Sequence[str], nodes: tuple[str, ...]
-) -> None:
-    """Remove this node's pending parts of saves no node committed (by the node's lowest
-    rank): the collective found no manifest on any node of the job (``nodes``: each rank's
-    node), and every node of the save is in it, whatever rank it runs now
-    (:func:`~fmstore.checkpoint.routing.may_drop_pending`).  A part of a save some of whose
-    nodes are not in the job stays pending (a job with them decides about it)."""
-    store = _open(uri, so)
-    for gen in gens:
-        async for o in store.list(f"{gen}/", recursive=False):
-            if o.is_dir or not RANK_RECORD_RE.match(o.key.rsplit("/", 1)[-1]):
-                continue
-            try:
-                raw = await read_bounded(store, o.key, RECORD_LIMIT, what="rank record")
-                rec = RankRecord.loads(raw, where=f"{store.url}/{o.key}")
-            except FmstoreError:
-                continue
-            if rec.generation != gen or not may_drop_pending(rec.nodes, nodes):
-                continue
-            await store.delete_many([f"{gen}/{name}" for name, _size in rec.blobs])
-            await store.delete(o.key)
 
 
 async def _check_part(

@@ -18,22 +18,28 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from ...config import NODE_ENV, node_id
-from ...errors import CorruptData
+from ...errors import CorruptData, FmstoreError
 from ...format.manifest import field_int, field_list, field_str, parse_header
+from ...stores import Store
+from ...stores.bounded import RECORD_LIMIT, read_bounded
 from ..layout import RANK_RECORD_RE
 from ..partrecords import field_node
+from ..routing import may_drop_pending
 
 __all__ = [
     "NODE_ENV",
     "LocalInfo",
     "RANK_RECORD_RE",
     "RankRecord",
+    "drop_pending",
+    "has_rank_record",
     "local_copies",
     "node_id",
     "rank_record_key",
@@ -144,3 +150,32 @@ def local_copies(plans: list[SavePlan], nodes: tuple[str, ...]) -> list[SavePlan
                     out[r].append(wi)
                     have.add(wi.index)
     return [replace(p, items=items) for p, items in zip(plans, out, strict=True)]
+
+
+async def has_rank_record(store: Store, gen: str) -> bool:
+    """Whether generation ``gen`` of ``store`` holds any rank's record."""
+    async for o in store.list(f"{gen}/", recursive=False):
+        if not o.is_dir and RANK_RECORD_RE.match(o.key.rsplit("/", 1)[-1]):
+            return True
+    return False
+
+
+async def drop_pending(store: Store, gens: Sequence[str], nodes: tuple[str, ...]) -> None:
+    """Remove this node's pending parts ``gens`` in ``store`` of saves no node committed (by
+    the node's lowest rank): a restore's collective found no manifest on any node of the job
+    (``nodes``: each rank's node), and every node of the save is in it, whatever rank it runs
+    now (:func:`~fmstore.checkpoint.routing.may_drop_pending`).  A part of a save some of
+    whose nodes are not in the job stays pending (a job with them decides about it)."""
+    for gen in gens:
+        async for o in store.list(f"{gen}/", recursive=False):
+            if o.is_dir or not RANK_RECORD_RE.match(o.key.rsplit("/", 1)[-1]):
+                continue
+            try:
+                raw = await read_bounded(store, o.key, RECORD_LIMIT, what="rank record")
+                rec = RankRecord.loads(raw, where=f"{store.url}/{o.key}")
+            except FmstoreError:
+                continue
+            if rec.generation != gen or not may_drop_pending(rec.nodes, nodes):
+                continue
+            await store.delete_many([f"{gen}/{name}" for name, _size in rec.blobs])
+            await store.delete(o.key)
