@@ -1,7 +1,8 @@
 """Run under several ``torchrun`` agents on loopback (each agent a node, with its own
 ``FMSTORE_CONFIG`` and ``FMSTORE_NODE_ID``) by tests/test_dcp_nodes.py (gloo, CPU).
 
-``python -m torch.distributed.run --nnodes=N ... tests/node_worker.py SCENARIO OUT``
+``python -m torch.distributed.run --nnodes=N ... tests/node_worker.py SCENARIO[,SCENARIO...] OUT``
+(several scenarios: run one after the other in the same launch)
 
 The state: a model sharded with FSDP2 over every rank plus its Adam state, and replicated
 values (a tensor, an int, a string) that DCP's deduplication (``dedup_save_to_lowest_rank``)
@@ -248,15 +249,16 @@ def main() -> None:
     faulthandler.dump_traceback_later(
         float(os.environ.get("NODE_WORKER_HANG_DUMP", "300")), exit=True
     )
-    name, out = sys.argv[1:3]
+    names, out = sys.argv[1:3]
     timeout = pg_timeout()
     dist.init_process_group("gloo", timeout=timeout)
     try:
         ckpt = dist.new_group(backend="gloo", timeout=timeout)
-        rep = scenario(name, out, ckpt)
-        with open(os.path.join(out, f"{name}-{dist.get_rank()}.json"), "w") as f:
-            json.dump(rep, f)
-        dist.barrier(group=ckpt)
+        for name in names.split(","):  # one launch, the scenarios in this order
+            rep = scenario(name, out, ckpt)
+            with open(os.path.join(out, f"{name}-{dist.get_rank()}.json"), "w") as f:
+                json.dump(rep, f)
+            dist.barrier(group=ckpt)
     finally:
         dist.destroy_process_group()
 

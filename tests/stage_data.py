@@ -87,9 +87,12 @@ def file_crcs(root: str) -> dict[str, int]:
     return out
 
 
-def make_dataset(root: Path, *, small_dirs: int = 50) -> dict:
+def make_dataset(
+    root: Path, *, small_dirs: int = 50, big_n: int = BIG_N, big_size: int = BIG_SIZE
+) -> dict:
     """10,000 × 4 KiB files in 50 directories and 3 × 300 MiB files, all distinct
-    (``small_dirs`` < 50 generates only the small files of the first directories)."""
+    (``small_dirs`` < 50 generates only the small files of the first directories;
+    ``big_n`` × ``big_size`` bytes, whole MiB, instead of the big files' default)."""
     small = root / "small"
     for i in range(SMALL_N):
         if i % 50 >= small_dirs:
@@ -100,9 +103,9 @@ def make_dataset(root: Path, *, small_dirs: int = 50) -> dict:
     big = root / "big"
     big.mkdir()
     block = os.urandom(1 << 20)
-    for i in range(BIG_N):
+    for i in range(big_n):
         with open(big / f"shard-{i}.bin", "wb") as f:
-            for j in range(BIG_SIZE >> 20):
+            for j in range(big_size >> 20):
                 f.write(j.to_bytes(8, "little") + bytes([i]) + block[9:])
     os.chmod(big / "shard-1.bin", 0o640)
     return {

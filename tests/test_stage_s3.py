@@ -15,8 +15,6 @@ import time
 import pytest
 from pagecache import cachestat
 from stage_data import (
-    BIG_N,
-    BIG_SIZE,
     SMALL_N,
     file_crcs,
     fm,
@@ -42,9 +40,16 @@ from fmstore.tiering.transfer import TransferOptions, copy_items
 pytestmark = pytest.mark.s3
 
 
+#: The big files here: above the 64 MiB multipart threshold, twelve 8 MiB parts each, two
+#: of them (one with other permissions); the POSIX tests keep three of 300 MiB.
+BIG_N, BIG_SIZE = 2, 96 << 20
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("dataset"), small_dirs=3)
+    return make_dataset(
+        tmp_path_factory.mktemp("dataset"), small_dirs=3, big_n=BIG_N, big_size=BIG_SIZE
+    )
 
 
 @pytest.fixture
@@ -167,11 +172,12 @@ def test_ctrl_c_exits_130_and_the_rerun_resumes(s3env, s3_server, tmp_path):
 @pytest.mark.slow
 def test_kill9_during_upload_resumes_multipart_without_resending_parts(dataset, s3env, s3_server):
     env = s3env["env"]
-    # One 300 MiB file is enough to interrupt mid-upload (the others are the big test's).
+    # One file is enough to interrupt mid-upload (the other is the big test's): 8 of its
+    # 12 parts go through, the next ones stall until the kill.
     args = ["stage", dataset["big"], "proxied:resume", "--part-size", "8MiB", "--no-progress"]
     args += ["--include", "shard-0.bin"]
-    with proxied(s3env, s3_server, pass_then_hold(20, "PUT", r"/ds/resume/shard-0\.bin")):
-        kill9_after_parts([*args, "--concurrency", "4"], s3env, 20)
+    with proxied(s3env, s3_server, pass_then_hold(8, "PUT", r"/ds/resume/shard-0\.bin")):
+        kill9_after_parts([*args, "--concurrency", "4"], s3env, 8)
     done = sum(r["n"] for r in journal_parts(s3env["home"]))
     c = s3_server.boto3_client()
     listed = c.list_objects_v2(Bucket=s3env["bucket"], Prefix="ds/resume/").get("Contents", [])
