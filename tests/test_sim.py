@@ -15,14 +15,14 @@ import pytest
 import sim_parts as sim
 
 #: Protections the search finds from fresh seeds, with the schedules it gets (about nine
-#: times the most any of six runs took, docs/distributed.md: a miss has a chance of about
-#: 1e-4 or less).  The races (supersede, sweep, restore-unknown) within a few hundred
+#: times the most any of six runs took, docs/distributed.md: a miss has a chance below 1e-8
+#: each).  The races (supersede, sweep, restore-unknown) within a few hundred
 #: schedules thanks to the schedules' shapes (``sim_parts.AIMS``).
 FRESH = {
-    "count": 60,
-    "record": 160,
-    "retention": 60,
-    "release": 60,
+    "count": 400,
+    "record": 420,
+    "retention": 150,
+    "release": 160,
     "supersede": 1800,
     "restore-unknown": 2250,
     "sweep": 4050,
