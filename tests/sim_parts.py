@@ -528,7 +528,9 @@ class World:
         self.sched = sched
         self.nodes = ALL_NODES[: rng.choice((2, 3))]
         self.keep = 1 if aim == "commit" else rng.choice((1, 2))
-        self.flaky = rng.choice((0.03, 0.1, 0.3) if aim == "restore" else (0, 0, 0.03, 0.1, 0.3))
+        self.flaky = rng.choice(
+            (0.03, 0.1, 0.3) if aim == "restore" else (0.0, 0.0, 0.03, 0.1, 0.3)
+        )
         self.saves = {st: checkpoint(self.nodes, st) for st in STEPS}
         self.gens = {st: json.loads(m)["generation"] for st, (m, _) in self.saves.items()}
         self.shared = SimStore("lustre", sched, self._on_delete, self.flaky)
