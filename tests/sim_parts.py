@@ -12,7 +12,10 @@ sweeps orphans (``sweep.Sweeper``); a stranger may write a part record or a junk
 Faults: a node killed between two store calls, clocks apart within the allowed skew, typed
 transient store errors (a write or delete may land and still fail).  Virtual time advances
 between calls, never past a parked call's deadline (a store call lands within half a lease
-lifetime of being made: the protocol's stated assumption).  After every call the oracles
+lifetime of being made: the protocol's stated assumption).  Each schedule draws a shape
+(:data:`AIMS`): all of the actors, or a few aimed at one race (a superseder against the
+others' commits, sweeps against exports mid-commit, restores on a flaky tier after the
+exports) by which actors run and which of their calls are slow.  After every call the oracles
 check I1 in full (the shared tier's ``keep_latest`` newest steps restorable from some tier)
 and its counting half, I2 (a manifest's blobs all there, byte-exact) and I4 (no blob of a
 committed manifest deleted).
@@ -86,6 +89,8 @@ class Scheduler:
     #: The share of calls that are slow: granted only when every parked call is slow
     #: (at the latest half a lease lifetime after they were made, as any call).
     slow: float = 0.0
+    #: The calls a schedule's shape aims at, each slow: (actors, verb, end of the key) each.
+    aimed: tuple[tuple[frozenset[str], str, str], ...] = ()
     #: Puts and deletes that landed: the oracles look again only after one.
     writes: int = 0
     trace: list[str] = field(default_factory=list)
@@ -96,6 +101,10 @@ class Scheduler:
     async def point(self, what: str) -> None:
         call = _Call(_actor.get(), self.now, asyncio.get_running_loop().create_future())
         call.slow = bool(self.slow) and self.rng.random() < self.slow
+        call.slow = call.slow or any(
+            call.actor in actors and what.startswith(verb) and what.endswith(end)
+            for actors, verb, end in self.aimed
+        )
         self.parked.append(call)
         await call.go
         slow = " (slow)" if call.slow else ""
@@ -338,14 +347,15 @@ REVERTS = (  # every protection a test-only switch can take back
 )
 
 
-#: For the switches the search needs hundreds of schedules or more to find: the first seed
-#: from 0 at which each breaks an invariant, and which (``make test`` replays these;
-#: ``python tests/sim_parts.py --switches`` finds every switch from fresh seeds).
+#: For the races: a seed at which each switch breaks an invariant, and which (``make test``
+#: replays these; ``python tests/sim_parts.py --switches`` finds every switch from fresh
+#: seeds).  The first from 0, but for ``sweep-leases`` (tens of thousands of schedules):
+#: the seed a run of ``--switches`` found it at.
 FOUND_AT: dict[str, tuple[int, str]] = {
-    "restore-unknown": (539, "I3"),
-    "supersede": (2696, "I2"),
-    "sweep": (12, "I4"),
-    "sweep-leases": (9651, "I4"),
+    "restore-unknown": (209, "I3"),
+    "supersede": (105, "I2"),
+    "sweep": (5, "I2"),
+    "sweep-leases": (705938744404, "I2"),
 }
 
 
@@ -476,6 +486,9 @@ class Outcome:
 
 
 STEPS = (10, 20)
+#: The shapes a schedule draws (swarm testing, as FoundationDB's buggify and TigerBeetle's
+#: VOPR): which actors run and which of their calls are slow; docs/distributed.md.
+AIMS = ("mixed", "commit", "sweep", "restore")
 ALL_NODES = ("n0", "n1", "n2")
 
 
@@ -508,15 +521,17 @@ def _setup() -> tuple[Any, Any]:
 class World:
     """One schedule's stores, nodes and node catalogs."""
 
-    def __init__(self, seed: int, rng: random.Random, sched: Scheduler) -> None:
+    def __init__(self, seed: int, rng: random.Random, sched: Scheduler, aim: str) -> None:
         from fmstore.tiering import catalog as cat
         from fmstore.tiering.tiers import Tiers
 
         self.seed = seed
         self.sched = sched
         self.nodes = ALL_NODES[: rng.choice((2, 3))]
-        self.keep = rng.choice((1, 2))
-        self.flaky = rng.choice((0.0, 0.0, 0.03, 0.1, 0.3))
+        self.keep = 1 if aim == "commit" else rng.choice((1, 2))
+        self.flaky = rng.choice(
+            (0.03, 0.1, 0.3) if aim == "restore" else (0.0, 0.0, 0.03, 0.1, 0.3)
+        )
         self.saves = {st: checkpoint(self.nodes, st) for st in STEPS}
         self.gens = {st: json.loads(m)["generation"] for st, (m, _) in self.saves.items()}
         self.shared = SimStore("lustre", sched, self._on_delete, self.flaky)
@@ -612,8 +627,9 @@ async def _schedule(seed: int) -> Outcome:
     from fmstore.tiering.mover import CHECKPOINT_COPY
 
     rng = random.Random(seed)
+    aim = rng.choice(AIMS)
     sched = Scheduler(rng, {n: rng.uniform(-CLOCK_SKEW / 2, CLOCK_SKEW / 2) for n in ALL_NODES})
-    w = World(seed, rng, sched)
+    w = World(seed, rng, sched, aim)
     if rng.random() < 0.5:
         sched.prio = {}
         sched.drops = frozenset(rng.randrange(150) for _ in range(rng.randint(1, 3)))
@@ -623,7 +639,29 @@ async def _schedule(seed: int) -> Outcome:
     plans = rng.random() < 0.7  # retention and release passes
     sweeps = rng.choice((0.0, 0.4, 0.9))
     sched.slow = rng.choice((0.0, 0.1, 0.3))
-    sched.trace.append(f"  (retention passes: {plans}, sweeps at {sweeps}, slow: {sched.slow})")
+    super_node = rng.choice(w.nodes)
+    actors = {"exporters", "daemons", "stranger", "job"}
+    manifest = f"/{MANIFEST_KEY}"
+    if aim == "commit":
+        # A superseder and the others' commits of one generation together: slow, the
+        # others' part records (written after the superseder's export looked) and
+        # manifests, and the superseder's removal of its record (``delete_own_part``).
+        plans, sweeps, actors = False, 0.0, {"exporters"}
+        others = [n for n in w.nodes if n != super_node]
+        sched.aimed = (
+            (frozenset(others), "put ", manifest),
+            (frozenset([super_node]), "delete ", f"/part-{super_node}.json"),
+            *[(frozenset([n]), "put ", f"/part-{n}.json") for n in others],
+        )
+    elif aim == "sweep":  # sweeps while exports are between their records and manifest
+        plans, sweeps, actors = False, 0.9, {"exporters", "daemons", "stranger"}
+        sched.aimed = ((frozenset(w.nodes), "put ", manifest),)
+    elif aim == "restore":  # the job looking after the exports, on a flaky shared tier
+        sweeps, actors = 0.0, {"exporters", "daemons", "job"}
+        sched.aimed = ((frozenset(["job"]), "", ""),)
+    sched.trace.append(
+        f"  (aim: {aim}, retention passes: {plans}, sweeps at {sweeps}, slow: {sched.slow})"
+    )
     clock = _Clock(sched)
     from fmstore.tiering import sweep
 
@@ -634,7 +672,6 @@ async def _schedule(seed: int) -> Outcome:
         m.time = clock  # type: ignore[attr-defined]
     for m in (tiers, partrecords):
         m.node_here = lambda: _actor.get().split(":")[0]  # type: ignore[attr-defined]
-    super_node = rng.choice(w.nodes)
 
     async def exporter(node: str) -> None:
         from fmstore.tiering import catalog as cat
@@ -723,9 +760,12 @@ async def _schedule(seed: int) -> Outcome:
     plan: dict[str, Any] = {}
     for n in w.nodes:
         plan[n] = exporter(n)
-        plan[f"{n}:daemon"] = daemon(n)
-    plan["stranger"] = stranger()
-    plan["job"] = restorer()
+        if "daemons" in actors:
+            plan[f"{n}:daemon"] = daemon(n)
+    if "stranger" in actors:
+        plan["stranger"] = stranger()
+    if "job" in actors:
+        plan["job"] = restorer()
     tasks = [asyncio.create_task(as_actor(k, c), name=k) for k, c in plan.items()]
     kill = rng.choice([None, *w.nodes]) if rng.random() < 0.3 else None
     kill_at = rng.randint(1, 60)
