@@ -28,10 +28,8 @@ whoever can write where it lies, and fmstore often runs as root.  So:
 
 from __future__ import annotations
 
-import grp
 import json
 import os
-import pwd
 import stat as _stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -44,6 +42,7 @@ from ..stores import Location, open_store, split_tier
 from ..stores.base import Store
 from ..stores.crc import from_hex
 from ..stores.location import scheme_of
+from ..trust import why_untrusted, why_untrusted_dir
 
 INDEX_NAME = ".fmstore-lazy.jsonl"
 #: Largest index read (about four million files).
@@ -86,59 +85,10 @@ class LazyIndex:
 # ---- who may have written it ------------------------------------------------------------
 
 
-def _trusted_uid(uid: int) -> bool:
-    return uid == 0 or uid == os.geteuid()
-
-
-def _private_group(gid: int) -> bool:
-    """Root's group, or the caller's own group under the user-private-group convention."""
-    if gid == 0:
-        return True
-    if gid != os.getegid():
-        return False
-    try:
-        g, u = grp.getgrgid(gid), pwd.getpwuid(os.geteuid())
-    except KeyError:
-        return False
-    return not g.gr_mem and g.gr_name == u.pw_name
-
-
-def _writable_by_others(st: os.stat_result) -> bool:
-    return bool(st.st_mode & _stat.S_IWOTH) or (
-        bool(st.st_mode & _stat.S_IWGRP) and not _private_group(st.st_gid)
-    )
-
-
-def _why_untrusted(path: str, st: os.stat_result, child: os.stat_result | None) -> str | None:
-    """Why someone other than root and the caller could change directory ``path`` (its
-    ``lstat``), or None; ``child``: the next directory down on the path, if any."""
-    what = "directory" if child is not None else "its directory"
-    if not _trusted_uid(st.st_uid):
-        return f"{what} {path} is owned by uid {st.st_uid}"
-    if _writable_by_others(st):
-        sticky = bool(st.st_mode & _stat.S_ISVTX)
-        if sticky and child is not None and _trusted_uid(child.st_uid):
-            return None  # nobody else can rename the directory below
-        return f"{what} {path} is writable by others (mode {_stat.S_IMODE(st.st_mode):04o})"
-    return None
-
-
 def _check_trusted(path: str, st: os.stat_result) -> None:
     """Raise :class:`PermissionDenied` unless the index at ``path`` (its ``lstat``) and every
-    directory above it can be changed only by root and the caller."""
-    why = None
-    if not _trusted_uid(st.st_uid):
-        why = f"owned by uid {st.st_uid}, neither root nor the caller"
-    elif _writable_by_others(st):
-        why = f"writable by others (mode {_stat.S_IMODE(st.st_mode):04o})"
-    d, child = os.path.dirname(path), None
-    while why is None:
-        here = os.lstat(d)
-        why = _why_untrusted(d, here, child)
-        parent = os.path.dirname(d)
-        if parent == d:
-            break
-        d, child = parent, here
+    directory above it can be changed only by root and the caller (:mod:`fmstore.trust`)."""
+    why = why_untrusted(path, st)
     if why is not None:
         raise PermissionDenied(f"lazy index not trusted, so not used: {why}", key=path)
 
@@ -342,7 +292,7 @@ def find_index(path: str, *, stop: str | None = None) -> tuple[LazyIndex, str] |
             if idx is not None:
                 rel = os.path.relpath(real, d)
                 return idx, "" if rel == "." else rel.replace(os.sep, "/")
-            if _why_untrusted(d, st, child) is not None:
+            if why_untrusted_dir(d, st, child) is not None:
                 return None
         if d == top:
             return None
