@@ -329,3 +329,30 @@ def test_a_download_above_the_limit_is_refused_before_it_is_copied(
         assert torch.equal(fmstore.load("s3:models/small.pt")["w"], GOOD["w"])
     finally:
         fm_config.set_config(None)
+
+
+@root_only
+def test_a_copy_that_does_not_fit_in_state_dir_is_refused(tmp_path, monkeypatch):
+    """A copy of 256 MiB or more goes to ``state_dir``, only when its file system has the
+    room (here a 1 MiB tmpfs and a 2 MiB file)."""
+    from fmstore.errors import TierFull
+
+    small = tmp_path / "small"
+    small.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(small)], capture_output=True
+    )
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode()[:200]}")
+    try:
+        (tmp_path / "fmstore.toml").write_text(f'state_dir = "{small / "state"}"\n')
+        monkeypatch.setenv("FMSTORE_CONFIG", str(tmp_path / "fmstore.toml"))
+        monkeypatch.setattr(private, "MEMORY_BELOW", 0)
+        fm_config.set_config(None)
+        p = _others(tmp_path / "x.pt", _archive({"w": torch.zeros(1 << 19)}, zipfile.ZIP_STORED))
+        with pytest.raises(TierFull, match=r"x.pt is owned by uid 65534.* do not fit in .*chown"):
+            fmstore.load(str(p))
+        assert os.listdir(small / "state") == []
+    finally:
+        fm_config.set_config(None)
+        subprocess.run(["umount", str(small)], check=True)
