@@ -100,13 +100,13 @@ def stable_fd(fd: int, name: str) -> Iterator[int]:
     if size < MEMORY_BELOW:
         check_copy_size(size, name, None, f"is {why}", HOW_TO_TRUST)
         copy = os.memfd_create("fmstore-private", os.MFD_CLOEXEC)
-        os.fchmod(copy, 0o600)  # created 0777; reachable only through this process anyway
     else:
         state_dir = get_config().state_dir
         os.makedirs(state_dir, mode=0o700, exist_ok=True)
         check_copy_size(size, name, state_dir, f"is {why}", HOW_TO_TRUST)
         copy = _unlinked_file(state_dir)
     try:
+        os.fchmod(copy, 0o600)  # a memfd is created 0777, though only this process holds it
         _copy(fd, copy, size, name)
         yield copy
     finally:
