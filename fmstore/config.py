@@ -135,7 +135,8 @@ SCHEMA: dict[str, dict[str, Check]] = {
         **_S3,
     },
     "s3": _S3,
-    "checkpoint": {},
+    # the most bytes copied of a file someone else could rewrite, or downloaded, before it is read
+    "checkpoint": {"private_copy_limit": SIZE},
     "dataset": {},
     "stage": {"preserve_owner": BOOL, "lazy_sources": STRINGS},
     "daemon": {

@@ -348,14 +348,16 @@ async def _load_torch_file(
     path: str, name: str, map_location: MapLocation, weights_only: bool
 ) -> Any:
     """A ``torch.save`` file, through the zip guard, with ``torch.load(weights_only=…)``.
-    Onto a device it is read on the host (memory-mapped); the caller moves it."""
+    Onto a device it is read on the host (memory-mapped: the file itself when only trusted
+    uids can write it, else a private copy); the caller moves it."""
     from .zipguard import torch_file
 
     device = isinstance(map_location, (str, torch.device))
     where = "cpu" if device else map_location
 
     def read() -> Any:
-        # one open (no symbolic link followed), checked and loaded through that descriptor
+        # one open (no symbolic link followed), checked and loaded through that descriptor,
+        # or through a private copy when someone else could rewrite the file in place
         with torch_file(path, name=name) as checked:
             return torch.load(checked, map_location=where, weights_only=weights_only, mmap=True)
 

@@ -126,8 +126,16 @@ def _read_shard(dirfd: int, name: str, where: str) -> dict[str, torch.Tensor]:
 
 def read_safetensors_fd(fd: int, where: str) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors file open at ``fd`` (a regular file), its header
-    size checked against the file before safetensors parses it; CorruptData naming
-    ``where`` when it does not parse."""
+    size checked against the file before safetensors parses it (and maps it): a private
+    copy of it when someone else could rewrite it (:func:`.private.stable_fd`);
+    CorruptData naming ``where`` when it does not parse."""
+    from .private import stable_fd
+
+    with stable_fd(fd, where) as own:
+        return _read_safetensors(own, where)
+
+
+def _read_safetensors(fd: int, where: str) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
 
     size = os.fstat(fd).st_size

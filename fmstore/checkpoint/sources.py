@@ -8,8 +8,8 @@ The kind is told by the name: ``*.safetensors`` is safetensors, ``*.pt``, ``*.pt
 or torch.distributed.checkpoint's).  A local file of any other name is read as a
 ``torch.save`` file, as ``torch.load`` would.
 
-A file on a remote tier (S3) is downloaded to a temporary file first, then read like a local
-one: through the zip guard (``torch.save`` files) or the header check (safetensors), never
+A file on a remote tier (S3) is downloaded to a temporary file first (at most ``[checkpoint]
+private_copy_limit`` bytes, and only when they fit), then read like a local one: through the zip guard (``torch.save`` files) or the header check (safetensors), never
 trusted because of where it lies.
 """
 
@@ -27,7 +27,8 @@ from .. import runtime
 from ..errors import ConfigError, CorruptData, NotFound
 from ..stores import Location, open_store
 from .hf import INDEX, SINGLE, is_hf_dir, read_hf_dir, read_safetensors_fd
-from .zipguard import check_torch_zip, load_refusal, open_regular
+from .private import check_copy_size
+from .zipguard import load_refusal, open_regular, torch_file
 
 TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -113,9 +114,23 @@ async def _download(location: str, path: str) -> bool:
             meta = await store.stat(name)
         except NotFound:
             return False
+        check_copy_size(
+            meta.size,
+            location,
+            os.path.dirname(path),
+            "is downloaded",
+            "copy it to a local file yourself (fmstore cp) and load that",
+        )
         out = await runtime.to_io(open, path, "xb")
+        written = 0
 
         async def write(piece: memoryview) -> None:
+            nonlocal written
+            written += len(piece)
+            if written > meta.size:  # never more than the size checked above
+                raise CorruptData(
+                    f"{location}: more than the {meta.size} bytes its size says", tier=store.tier
+                )
             await runtime.to_io(out.write, piece)
 
         try:
@@ -139,10 +154,9 @@ def read_source(f: SourceFile) -> Any:
         with open_regular(f.path, name=f.name) as fh:
             return read_safetensors_fd(fh.fileno(), f.name)
     # one open, no symbolic link followed: the guard checks the bytes torch then reads
-    with open_regular(f.path, name=f.name, follow=False) as fh:
-        check_torch_zip(fh, name=f.name)
+    with torch_file(f.path, name=f.name) as checked:
         try:
-            return torch.load(fh, map_location="cpu", weights_only=True)
+            return torch.load(checked, map_location="cpu", weights_only=True, mmap=True)
         except MemoryError:
             raise
         except Exception as e:

@@ -21,9 +21,11 @@ naming the file and the member:
   offset the end record declares, so a file with two directories would pass the check
   with one and be read by torch with the other.
 
-A file is opened once (:func:`torch_file`, not following a symbolic link), checked through
-that descriptor, and torch is handed the same open file (``/proc/self/fd/N``, so
-``mmap=True`` still works): nothing can swap the file between the check and the load.
+A file is opened once (:func:`torch_file`, not following a symbolic link), so nothing can
+swap it between the check and the load; a file someone other than a trusted uid could
+rewrite in place is first copied into a private file (:mod:`.private`).  The check reads
+that descriptor and torch is handed the same open file (``/proc/self/fd/N``, so
+``mmap=True`` still works): torch reads the bytes that were checked.
 
 After the check the archive's members are disjoint stored byte ranges of the file, so what
 torch reads from it is bounded by the file's size.  It is the same for any ``torch.save``
@@ -43,6 +45,7 @@ from collections.abc import Callable, Iterator
 from typing import IO
 
 from ..errors import CorruptData, NotFound
+from .private import stable_fd
 
 __all__ = ["MAX_MEMBERS", "check_torch_zip", "load_refusal", "open_regular", "torch_file"]
 
@@ -83,16 +86,25 @@ def open_regular(
         raise
 
 
+#: Test-only seam: called with the path given to :func:`torch_file` after the check and
+#: before the caller's load (a test rewrites the file there).  None outside tests.
+after_check: Callable[[str], None] | None = None
+
+
 @contextlib.contextmanager
 def torch_file(path: str | os.PathLike[str], *, name: str | None = None) -> Iterator[str]:
     """A path torch can load (``mmap=True`` included) naming the file ``path`` was when it
-    was opened, once, without following a symbolic link, and checked through that
-    descriptor (:func:`check_torch_zip`).  The path is ``/proc/self/fd/N``, valid inside
-    the ``with`` block only."""
+    was opened, once, without following a symbolic link, or a private copy of it when
+    someone other than a trusted uid could rewrite it (:func:`.private.stable_fd`); checked
+    through that descriptor (:func:`check_torch_zip`).  The path is ``/proc/self/fd/N``,
+    valid inside the ``with`` block only."""
     where = name or os.fspath(path)
-    with open_regular(path, name=where, follow=False) as f:
-        check_torch_zip(f, name=where)
-        yield f"/proc/self/fd/{f.fileno()}"
+    with open_regular(path, name=where, follow=False) as f, stable_fd(f.fileno(), where) as fd:
+        with os.fdopen(fd, "rb", closefd=False) as checked:
+            check_torch_zip(checked, name=where)
+        if after_check is not None:
+            after_check(os.fspath(path))
+        yield f"/proc/self/fd/{fd}"
 
 
 def check_torch_zip(
