@@ -84,7 +84,7 @@ def hostile_stream(pg: object) -> str:
 
     async def holder() -> Stream:
         store = open_store(f"{BASE}/replica")
-        return Stream(pg, 0, "n0", (), (1,), store, "g000000000000-00000000", 4096)
+        return Stream(pg, 0, "n0", (), (1,), store, "g000000000000-00000000", 4096, {})
 
     stream = runtime.run(holder())
     stream.finish_sends(True)

@@ -6,7 +6,6 @@ import json
 from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
@@ -14,7 +13,7 @@ from .. import runtime
 from ..stores.base import Store
 from .main import ckpt
 from .progress import byte_columns, make_console
-from .util import human_bytes, plural
+from .util import human_bytes, plural, printable
 
 if TYPE_CHECKING:
     from ..checkpoint.sources import SourceFile
@@ -59,7 +58,9 @@ def inspect(
         return
     console = make_console()
     t = Table(
-        title=escape(f"{store.url}  (format v{m.version}, {m.writer}, generation {m.generation})")
+        title=printable(
+            f"{store.url}  (format v{m.version}, {m.writer}, generation {m.generation})"
+        )
     )
     for col, just in (
         ("name", "left"),
@@ -81,11 +82,11 @@ def inspect(
         seen.add(e.storage)
         nbytes = e.numel * _itemsize(e.dtype)
         t.add_row(
-            escape(e.name) + (" (shares storage)" if shared else ""),
-            escape(e.dtype),
+            printable(e.name) + (" (shares storage)" if shared else ""),
+            printable(e.dtype),
             "x".join(map(str, e.shape)) or "scalar",
             human_bytes(nbytes),
-            "+".join(codecs) if len(codecs) > 1 else codecs[0],
+            printable("+".join(codecs)),
             ratio if not shared else "",
         )
     console.print(t)
@@ -117,11 +118,11 @@ def _inspect_file(src: SourceFile, limit: int, as_json: bool) -> None:
         typer.echo(json.dumps({**doc, "tensor_count": len(rows), "bytes": total}))
         return
     console = make_console()
-    t = Table(title=f"{src.name}  ({src.kind})")
+    t = Table(title=printable(f"{src.name}  ({src.kind})"))
     for col, just in (("name", "left"), ("dtype", "left"), ("shape", "left"), ("bytes", "right")):
         t.add_column(col, justify=just)  # type: ignore[arg-type]
     for n, d, sh, b in shown:
-        t.add_row(n, d, "x".join(map(str, sh)) or "scalar", human_bytes(b))
+        t.add_row(printable(n), printable(d), "x".join(map(str, sh)) or "scalar", human_bytes(b))
     console.print(t)
     console.print(f"{len(rows)} tensors: {human_bytes(total)}")
 
@@ -217,7 +218,7 @@ def verify(
     out = make_console()
     if not res.ok:
         for problem in res.problems:
-            out.print(f"[red]BAD[/red] {escape(problem)}", highlight=False)
+            out.print(f"[red]BAD[/red] {printable(problem)}", highlight=False)
         out.print(f"{len(res.problems)} problem(s) in {store.url}", markup=False)
         raise typer.Exit(1)
     where = f" (the part of node {part})" if part else ""
@@ -290,7 +291,7 @@ def _inspect_dcp(uri: str, limit: int, as_json: bool = False) -> None:
         return
     console = make_console()
     t = Table(
-        title=escape(
+        title=printable(
             f"{uri}  (native torch DCP, {m.world_size} ranks, DCP version {m.version})"
             if native
             else f"{uri}  (DCP, {m.world_size} ranks, format v{m.version}, generation {m.generation})"  # type: ignore[union-attr]
@@ -308,12 +309,12 @@ def _inspect_dcp(uri: str, limit: int, as_json: bool = False) -> None:
         t.add_column(col, justify=just)  # type: ignore[arg-type]
     for r in rows if limit <= 0 else rows[:limit]:
         t.add_row(
-            escape(r.fqn),
-            escape(r.dtype) if r.kind == "tensor" else "(object)",
+            printable(r.fqn),
+            printable(r.dtype) if r.kind == "tensor" else "(object)",
             "x".join(map(str, r.shape)) or ("scalar" if r.kind == "tensor" else "-"),
             str(r.shards),
             human_bytes(r.nbytes),
-            "+".join(r.codecs) or "-",
+            printable("+".join(r.codecs)) or "-",
             f"{r.nbytes / r.stored:.2f}" if r.stored else "-",
         )
     console.print(t)
@@ -365,21 +366,24 @@ def gc_cmd(
     console = make_console()
     verb = "would remove" if dry_run else "removed"
     for key in rep.removed:
-        console.print(f"{verb} {key}", highlight=False, markup=False)
+        console.print(f"{verb} {printable(key, markup=False)}", highlight=False, markup=False)
     for y in rep.young:
         console.print(
-            f"[dim]kept (younger than {older_than:.0f} s): {escape(y)}[/dim]", highlight=False
+            f"[dim]kept (younger than {older_than:.0f} s): {printable(y)}[/dim]", highlight=False
         )
     for p in rep.pending:
         console.print(
-            f"[dim]kept (pending part of a sharded checkpoint; a restore decides): {escape(p)}[/dim]",
+            f"[dim]kept (pending part of a sharded checkpoint; a restore decides): {printable(p)}[/dim]",
             highlight=False,
         )
     for x in rep.exporting:
-        console.print(f"[dim]kept (an export writes there now): {escape(x)}[/dim]", highlight=False)
+        console.print(
+            f"[dim]kept (an export writes there now): {printable(x)}[/dim]", highlight=False
+        )
     for u in rep.unreadable:
         console.print(
-            f"[yellow]unreadable manifest, left alone: {escape(u or '.')}[/yellow]", highlight=False
+            f"[yellow]unreadable manifest, left alone: {printable(u or '.')}[/yellow]",
+            highlight=False,
         )
     console.print(
         f"{plural(len(rep.checkpoints), 'committed checkpoint')}; {verb} "

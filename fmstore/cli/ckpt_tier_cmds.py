@@ -12,7 +12,6 @@ import time
 from typing import Any
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -31,7 +30,7 @@ from ..tiering.policies import Policies, State, export_lags, from_config
 from ..tiering.tiers import Tiers
 from .main import ckpt
 from .progress import make_console
-from .util import human_bytes, plural
+from .util import human_bytes, plural, printable
 
 _STYLE = {
     cat.PRESENT: "green",
@@ -164,19 +163,19 @@ def list_checkpoints(
             else:
                 where = f" part {part['index']}/{part['of']} ({part['node']})" if part else ""
             cells.append(Text(f"{cp.state}{mark}{where}{size}", style=_STYLE.get(cp.state, "")))
-        table.add_row(escape(r), str(s), *cells)
+        table.add_row(printable(r), str(s), *cells)
     console = make_console()
     console.print(table)
     console.print(f"[dim]{plural(len(by_step), 'checkpoint')}; ✓ = verified[/dim]")
     for line in lags:
-        console.print(line, highlight=False, markup=False)
+        console.print(printable(line, markup=False), highlight=False, markup=False)
     for line in _failure_lines(rows, now):
-        console.print(line, style="red", highlight=False, markup=False)
+        console.print(printable(line, markup=False), style="red", highlight=False, markup=False)
     for c in rows:
         if c.state == cat.EXPORTING and not c.failures and (c.error or "").startswith("waiting"):
             # This node's part is on the shared tier; the commit waits for other nodes'.
             line = f"part of {c.root} step {c.step} on {c.tier}, commit {c.error}"
-            console.print(line, highlight=False, markup=False)
+            console.print(printable(line, markup=False), highlight=False, markup=False)
 
 
 def _check_root(root: str, cfg: Config) -> None:
@@ -362,7 +361,7 @@ def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = Fa
         for tier, step, ok, problems, nbytes in results:
             if step < 0:
                 bad += 1
-                console.print(f"[red]{tier}: {escape(problems[0])}[/red]", highlight=False)
+                console.print(f"[red]{tier}: {printable(problems[0])}[/red]", highlight=False)
                 continue
             catalog.record_checkpoint(root, step)
             if ok:
@@ -376,7 +375,7 @@ def verify_all_tiers(root: str, config: str | None = None, *, as_json: bool = Fa
                 state = cat.MISSING if gone else cat.CORRUPT
                 catalog.set_copy(root, step, tier, state, error="; ".join(problems)[:2000])
                 console.print(
-                    f"[red]BAD[/red] {tier:<8} step {step}: {escape('; '.join(problems))}",
+                    f"[red]BAD[/red] {tier:<8} step {step}: {printable('; '.join(problems))}",
                     highlight=False,
                 )
     good_steps = {s for _t, s, ok, _p, _n in results if ok}

@@ -7,12 +7,11 @@ import os
 from typing import Any
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from .main import HELP_MARKUP, app
 from .progress import make_console
-from .util import human_bytes, size_option
+from .util import human_bytes, printable, size_option
 
 dataset_app = typer.Typer(
     help="Write and inspect streaming datasets (fmstore shards, token streams, WebDataset, MDS, Parquet).",
@@ -133,9 +132,9 @@ def inspect(
     words = {"shards": "files", "samples": "rows"} if fmt.name == "parquet" else {}
     for k, v in info.items():
         if k == "columns" and isinstance(v, dict):
-            t.add_row(k, escape("\n".join(f"{c}: {typ}" for c, typ in v.items())) or "-")
+            t.add_row(k, "\n".join(printable(f"{c}: {typ}") for c, typ in v.items()) or "-")
             continue
-        t.add_row(words.get(k, k), human_bytes(v) if k == "bytes" else escape(str(v)))
+        t.add_row(words.get(k, k), human_bytes(v) if k == "bytes" else printable(v))
     console.print(t)
     if shards:
         st = Table(box=None)
@@ -144,10 +143,10 @@ def inspect(
             st.add_column(col, justify="left" if col in ("key", "compression") else "right")
         for r in rows:
             st.add_row(
-                escape(str(r["key"])),
+                printable(r["key"]),
                 str(r["samples"]),
                 human_bytes(r["bytes"]),
-                escape(str(r["compression"] or "")),
+                printable(r["compression"] or ""),
                 *(str(r[c]) for c in extra),
             )
         console.print(st)

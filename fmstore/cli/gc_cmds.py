@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from .. import runtime
 from .main import app
 from .progress import make_console
-from .util import human_bytes
+from .util import human_bytes, printable
 
 
 def _age(seconds: float) -> str:
@@ -103,7 +102,7 @@ def gc_cmd(
             ):
                 t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
             for o in shown:
-                t.add_row(o.kind, escape(o.where), human_bytes(o.size), _age(o.age), o.action)
+                t.add_row(o.kind, printable(o.where), human_bytes(o.size), _age(o.age), o.action)
             console.print(t)
         kept = len(rep.orphans) - len(rep.removed)
         n = len(rep.removed)
@@ -113,6 +112,6 @@ def gc_cmd(
             highlight=False,
         )
         for e in rep.errors:
-            make_console(stderr=True).print(f"[red]error:[/red] {e}", highlight=False)
+            make_console(stderr=True).print(f"[red]error:[/red] {printable(e)}", highlight=False)
     if rep.errors:
         raise typer.Exit(1)

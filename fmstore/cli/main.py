@@ -346,7 +346,9 @@ def main(argv: list[str] | None = None) -> None:
         # One line, whatever a message quoted from the data or a library holds; a config
         # with several problems: one line each (values in them are quoted with repr).
         parts = str(e).split("\n") if isinstance(e, ConfigError) else [str(e)]
-        lines = [" ".join(p.split()) for p in parts if p.strip()]
+        from .util import printable  # no control character of a quoted key reaches the terminal
+
+        lines = [printable(" ".join(p.split()), markup=False) for p in parts if p.strip()]
         typer.secho("error: " + "\n  ".join(lines), fg=typer.colors.RED, err=True)
         sys.exit(1)
     except typer.Exit as e:

@@ -24,7 +24,7 @@ from .progress import (
     list_failures,
     preserve_owner,
 )
-from .util import human_bytes, is_root, plural, split_object
+from .util import human_bytes, is_root, plural, printable, split_object
 
 
 def _is_local_file(url: str) -> bool:
@@ -223,7 +223,7 @@ def du_cmd(
     if not summarize:
         for top in sorted(groups):
             size, n = groups[top]
-            out.print(f"{fmt(size):>12}  {_files(n)}  {top}", markup=False)
+            out.print(f"{fmt(size):>12}  {_files(n)}  {printable(top, markup=False)}", markup=False)
     out.print(f"{fmt(total):>12}  {_files(len(tree))}  total", markup=False)
 
 
@@ -285,7 +285,7 @@ def rm_cmd(
             err=True,
         )
         for c in tracked[:20]:
-            typer.echo(f"  {c.describe()}", err=True)
+            typer.echo(f"  {printable(c.describe(), markup=False)}", err=True)
         if len(tracked) > 20:
             typer.echo(f"  … and {len(tracked) - 20} more", err=True)
     replicas = _replicas_beside(url) if recursive else None

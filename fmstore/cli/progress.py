@@ -32,7 +32,7 @@ import typer
 from .. import runtime
 from ..tiering.stage import preserve_owner_setting
 from ..tiering.transfer import TransferProgress, TransferReport
-from .util import human_bytes, plural
+from .util import human_bytes, plural, printable
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -249,7 +249,7 @@ def list_failures(report: TransferReport) -> None:
             f"{plural(len(report.failures), 'file')} failed:", fg=typer.colors.RED, err=True
         )
         for f in report.failures[:200]:
-            typer.echo(f"  FAILED {f.key}: {f.error}", err=True)
+            typer.echo(printable(f"  FAILED {f.key}: {f.error}", markup=False), err=True)
         if len(report.failures) > 200:
             typer.echo(f"  … and {len(report.failures) - 200} more", err=True)
 

@@ -43,7 +43,7 @@ from .progress import (
     shard_label,
     summary,
 )
-from .util import human_bytes, plural, size_option
+from .util import human_bytes, plural, printable, size_option
 
 
 def _transfer_options(
@@ -229,7 +229,7 @@ def stage_cmd(
             markup=False,
         )
         for k in plan.delete[:10]:
-            out.print(f"  {k}", markup=False)
+            out.print(f"  {printable(k, markup=False)}", markup=False)
         if len(plan.delete) > 10:
             out.print(f"  … and {len(plan.delete) - 10} more")
         return ask_yes(
@@ -292,7 +292,7 @@ def _print_result(
             )
         for key in result.lazy_kept:
             typer.echo(
-                f"  kept {key}: changed locally (or not fetched by fmstore); "
+                f"  kept {printable(key, markup=False)}: changed locally (or not fetched by fmstore); "
                 "it may differ from the listed version",
                 err=True,
             )
@@ -304,7 +304,7 @@ def _print_result(
             err=True,
         )
         for key, err in result.delete_failures:
-            typer.echo(f"  FAILED delete {key}: {err}", err=True)
+            typer.echo(printable(f"  FAILED delete {key}: {err}", markup=False), err=True)
     if json_out:
         d = result.report.as_dict()
         d.update(
@@ -348,14 +348,16 @@ def _print_plan(plan: StagePlan, json_out: bool, lazy: bool, shard: tuple[int, i
     )
     out.print(f"  to copy: {plural(len(todo), 'file')}, {human_bytes(sum(i.size for i in todo))}")
     for i in todo[:10]:
-        out.print(f"    {i.src_key}  ({human_bytes(i.size)})", markup=False)
+        out.print(
+            f"    {printable(i.src_key, markup=False)}  ({human_bytes(i.size)})", markup=False
+        )
     if len(todo) > 10:
         out.print(f"    … and {len(todo) - 10} more")
     out.print(f"  already present with the same size (checked against checksums when run): {same}")
     if plan.delete:
         out.print(f"  to delete: {plural(len(plan.delete), 'file')}")
         for k in plan.delete[:10]:
-            out.print(f"    {k}", markup=False)
+            out.print(f"    {printable(k, markup=False)}", markup=False)
     out.print("dry run: nothing was changed")
 
 
@@ -415,7 +417,7 @@ def release_cmd(
         err=True,
     )
     for key, why in res.kept[:50]:
-        typer.echo(f"  kept {key}: {why}", err=True)
+        typer.echo(printable(f"  kept {key}: {why}", markup=False), err=True)
     if json_out:
         typer.echo(
             json.dumps(

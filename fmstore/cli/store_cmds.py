@@ -15,7 +15,7 @@ from .. import runtime
 from ..errors import ConfigError, PermissionDenied
 from ..stores.base import ObjectMeta, Store
 from .main import app
-from .util import human_bytes, is_root, plural, split_object
+from .util import human_bytes, is_root, plural, printable, split_object
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
@@ -76,7 +76,6 @@ def ls(
         typer.echo(json.dumps(doc))
         return
     # rich on demand: loading it (30 ms) would delay the listing's first request.
-    from rich.markup import escape
     from rich.table import Table
 
     from .progress import console as make_console
@@ -91,14 +90,14 @@ def ls(
         rows2 = [(m.key, m) for m in entries] + [(k, None) for k in lazy]
         for key, m in sorted(rows2, key=lambda r: r[0].encode()):
             if m is None:
-                t.add_row(fmt(lazy[key][0]), "lazy", escape(key))
+                t.add_row(fmt(lazy[key][0]), "lazy", printable(key))
                 continue
             when = dt.datetime.fromtimestamp(m.mtime).strftime("%Y-%m-%d %H:%M") if m.mtime else ""
-            t.add_row("" if m.is_dir else fmt(m.size), when, escape(m.key))
+            t.add_row("" if m.is_dir else fmt(m.size), when, printable(m.key))
         console.print(t)
     else:
         for key in sorted([m.key for m in entries] + list(lazy), key=str.encode):
-            console.print(key, markup=False)
+            console.print(printable(key, markup=False), markup=False)
     line = f"{plural(files, 'object')}, {fmt(total)}"
     if in_bytes:
         line += " bytes"
@@ -109,7 +108,7 @@ def ls(
     if lazy:
         n, size = sum(c for _s, c in lazy.values()), sum(s for s, _c in lazy.values())
         line += f"; {n} more listed lazily ({fmt(size)}, not fetched yet)"
-    console.print(f"[dim]{escape(line)}[/dim]")
+    console.print(f"[dim]{printable(line)}[/dim]")
 
 
 def _entries(url: str, recursive: bool) -> tuple[list[ObjectMeta], dict[str, tuple[int, int]]]:

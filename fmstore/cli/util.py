@@ -11,7 +11,33 @@ from ..errors import ConfigError
 from ..stores import split_tier
 from ..units import human_bytes, parse_size
 
-__all__ = ["human_bytes", "plural", "is_root", "size_option", "split_object"]
+__all__ = ["human_bytes", "plural", "printable", "is_root", "size_option", "split_object"]
+
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _visible(c: str) -> str:
+    o = ord(c)
+    return _NAMED.get(c) or (
+        f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"
+    )
+
+
+def printable(name: object, *, markup: bool = True) -> str:
+    """``name`` (a key, a file or tensor name, a problem quoting one: anything from data) as
+    the terminal may show it: every character Python does not call printable (C0 and C1
+    controls, DEL, the bidirectional overrides and isolates, other format characters, line
+    and paragraph separators) as a visible escape (``\\x1b``, ``\\r``, ``\\u202e``), so no
+    name can hide itself, retitle the terminal or fake a line; and, for output rich reads
+    as markup (``markup``, the default), rich's markup escaped (``[/]`` is text)."""
+    text = str(name)
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else _visible(c) for c in text)
+    if markup:
+        from rich.markup import escape  # on demand, like the consoles
+
+        text = escape(text)
+    return text
 
 
 def size_option(text: str, what: str) -> int:

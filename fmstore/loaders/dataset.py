@@ -199,6 +199,7 @@ class StreamingDataset(tud.IterableDataset):
         self._layout: NodeLayout | None = None
         #: canonical partitions of the epochs to come (0: the global order of old)
         self.canonical = 0 if po.mode == "global" else po.canonical or self.node_layout().nodes
+        self._own_canonical = self.canonical  # what this configuration's states name
         self.cache = ShardCache(
             self.local, self.cache_limit
         )  # checks that the directory is writable
@@ -315,6 +316,7 @@ class StreamingDataset(tud.IterableDataset):
                 f"state is for seed {st.seed} and {st.length} samples per epoch; this dataset has "
                 f"seed {self.seed} and {self.plan.length}"
             )
+        st.check_canonical(self._own_canonical)
         fixed = self.partition.canonical
         if st.canonical and fixed is not None and fixed != st.canonical:
             raise ConfigError(

@@ -14,6 +14,7 @@ state speaks for all of them.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -22,6 +23,47 @@ from ..errors import ConfigError
 VERSION = 2
 #: the most canonical partitions a state may name (every one is a slice of an epoch)
 MAX_CANONICAL = 1 << 20
+#: the most ranks a state may name (as many as a checkpoint's world may hold)
+MAX_WORLD = 1 << 20
+_I63 = (1 << 63) - 1
+
+#: each field's whole-number range (inclusive); a state is read from a checkpoint, so a
+#: value outside it (``inf``, ``-3``, ``true``, ``"7"``) is refused here, by name, not deep
+#: inside numpy (epochs and seeds seed its generators, which take no negative number).
+RANGES: dict[str, tuple[int, int]] = {
+    "epoch": (0, _I63),
+    "position": (0, _I63),
+    "seed": (0, (1 << 64) - 1),
+    "length": (0, _I63),
+    "world_size": (1, MAX_WORLD),
+    "version": (1, VERSION),
+    "canonical": (0, MAX_CANONICAL),
+}
+
+
+def _shown(v: int) -> str:
+    # str() of an int of over 4300 digits raises; a state's numbers are small when sane.
+    return str(v) if v.bit_length() <= 64 else f"a number of {v.bit_length()} bits"
+
+
+def _field(d: dict[Any, Any], name: str) -> int:
+    if name not in d:
+        if name == "canonical":  # states of version 1 have none: the global order of old
+            return 0
+        raise ConfigError(f"loader state has no field {name!r}")
+    v = d[name]
+    if isinstance(v, bool):
+        raise ConfigError(f"loader state field {name!r} must be a whole number, not a bool")
+    try:
+        n = operator.index(v)  # ints and numpy's integers; never a float or a string
+    except TypeError:
+        raise ConfigError(
+            f"loader state field {name!r} must be a whole number, not {type(v).__name__}"
+        ) from None
+    lo, hi = RANGES[name]
+    if not lo <= n <= hi:
+        raise ConfigError(f"loader state field {name!r} is {_shown(n)}, outside [{lo}, {hi}]")
+    return n
 
 
 @dataclass(frozen=True)
@@ -41,22 +83,19 @@ class LoaderState:
     def from_dict(cls, d: Any) -> LoaderState:
         if not isinstance(d, dict):
             raise ConfigError(f"loader state must be a dict, not {type(d).__name__}")
-        try:
-            st = cls(
-                **{
-                    k: int(d[k])
-                    for k in ("epoch", "position", "seed", "length", "world_size", "version")
-                },
-                canonical=int(d.get("canonical", 0)),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"loader state is malformed: {e}") from None
-        if st.version > VERSION:
-            raise ConfigError(f"loader state version {st.version} is newer than {VERSION}")
-        if not 0 <= st.position <= st.length:
-            raise ConfigError(f"loader state position {st.position} is outside [0, {st.length}]")
-        if not 0 <= st.canonical <= MAX_CANONICAL:
+        st = cls(**{name: _field(d, name) for name in RANGES})
+        if st.position > st.length:
             raise ConfigError(
-                f"loader state canonical partitions {st.canonical} is outside [0, {MAX_CANONICAL}]"
+                f"loader state field 'position' is {st.position}, outside [0, {st.length}]"
             )
         return st
+
+    def check_canonical(self, configured: int) -> None:
+        """Refuse canonical partitions no dataset of this state's length needs: each epoch
+        costs time linear in them, so 2^20 of them on 600 samples took minutes an epoch.
+        At most one partition a sample, or what this dataset's configuration would write."""
+        if self.canonical > max(1, self.length, configured):
+            raise ConfigError(
+                f"loader state field 'canonical' is {self.canonical}, more canonical "
+                f"partitions than the {self.length} samples of an epoch"
+            )

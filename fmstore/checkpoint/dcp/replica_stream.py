@@ -17,8 +17,11 @@ orphan generation there, which the sweep removes like any other.
 
 Everything a peer sends is hostile: each header is checked (kind, blob number, offset in
 order, length at most the chunk size, record at most :data:`RECORD_LIMIT`) before anything
-is allocated or written.  A holder that finds a bad chunk drains the rest of that source's
-stream (so the sender never waits for a receive that never comes) and reports it.
+is allocated or written, and against the source's :class:`Part` of the save plan (its blob
+numbers, and the bytes its items hold) before anything is written.  A holder that finds a
+bad chunk drains the rest of that source's stream (so the sender never waits for a receive
+that never comes), writes nothing more of it, removes the blobs it already wrote of it at
+once (not at the next sweep) and reports it.
 
 The traffic runs on a gloo group of its own (:func:`group_for`), apart from the checkpoint
 group DCP's collectives use, made on the calling thread before the save starts.
@@ -29,11 +32,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures as cf
+import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +50,7 @@ from ...stores.bounded import RECORD_LIMIT
 from ..layout import blob_name
 from .placement import MAX_REPLICAS
 
-__all__ = ["SLOTS", "Received", "Stream", "group_for"]
+__all__ = ["SLOTS", "Part", "Received", "Stream", "group_for"]
 
 #: chunks a sender has in flight, and buffers a holder receives into (each ``chunk_size``)
 SLOTS = 4
@@ -62,6 +66,7 @@ STALL_ENV = "FMSTORE_TEST_REPLICA_STALL"
 
 _CHUNK, _BLOB_END, _RECORD, _END, _ABORT = 1, 2, 3, 4, 5
 
+log = logging.getLogger("fmstore.checkpoint")
 _lock = threading.Lock()
 _groups: dict[int, Any] = {}
 
@@ -76,6 +81,27 @@ def group_for(pg: Any) -> Any:
             ranks = dist.get_process_group_ranks(pg)
             _groups[id(pg)] = dist.new_group(ranks=ranks, backend="gloo")
         return _groups[id(pg)]
+
+
+@dataclass(frozen=True)
+class Part:
+    """What the save plan lets one source send its holders: blob numbers ``first`` ..
+    ``first + count - 1`` and at most ``most`` bytes in all (its items' bytes: an encoded
+    chunk is never larger than its raw bytes).  ``most`` is None when the part holds
+    non-tensor items, whose size no plan gives: its blob numbers still bound it."""
+
+    first: int
+    count: int
+    most: int | None
+
+    def refuses(self, blob: int, end: int) -> str:
+        """Why a chunk of blob ``blob`` taking the part to ``end`` bytes is outside it."""
+        if not self.first <= blob < self.first + self.count:
+            last = self.first + self.count - 1
+            return f"names blob {blob}, outside its planned blobs {self.first}..{last}"
+        if self.most is not None and end > self.most:
+            return f"takes its part to {end} bytes, more than the {self.most} its plan holds"
+        return ""
 
 
 @dataclass
@@ -117,9 +143,12 @@ class Stream:
         store: Store,
         generation: str,
         chunk_size: int,
+        parts: Mapping[int, Part],
     ) -> None:
         self.group, self.rank, self.node = group, rank, node
         self.holders, self.sources = tuple(holders), tuple(sources)
+        #: each source's planned part (a source the plan gives none may send nothing)
+        self.parts = {s: parts.get(s, Part(0, 0, 0)) for s in self.sources}
         self.store, self.generation, self.chunk_size = store, generation, chunk_size
         self._gate = asyncio.Semaphore(SLOTS)
         self._loop = asyncio.get_running_loop()
@@ -135,6 +164,7 @@ class Stream:
         #: replica it holds durable), ``counted`` (records and manifest written)
         self.times: dict[str, float] = {"opened": time.perf_counter()}
         self._commits: dict[int, list[tuple[str, cf.Future[None]]]] = {s: [] for s in sources}
+        self._discarded: set[int] = set()
         self._corrupt = os.environ.get(CORRUPT_ENV, "") == str(rank)
         stall = os.environ.get(STALL_ENV, "")
         self._stall = stall.partition(":")[2] if stall.partition(":")[0] == node else ""
@@ -235,8 +265,10 @@ class Stream:
         import torch.distributed as dist
 
         got = self.received[src]
+        part = self.parts[src]
         writers: dict[int, tuple[BlobWriter, cf.Future[None] | None]] = {}
         sizes: dict[int, int] = {}
+        total = 0  # bytes of this source received, every blob together
         head = torch.zeros(5, dtype=torch.int64)
         try:
             while True:
@@ -262,6 +294,10 @@ class Stream:
                 if kind == _BLOB_END:
                     if off != pos:
                         raise ValueError(f"blob {blob_name(blob)} of {off} bytes, {pos} sent")
+                    if why := part.refuses(blob, total):
+                        got.error = (
+                            got.error or f"rank {src} sent rank {self.rank} a blob that {why}"
+                        )
                     self._end_blob(src, writers, blob, pos)
                     continue
                 if off != pos or not 0 < n <= self.chunk_size:
@@ -269,9 +305,13 @@ class Stream:
                         f"a chunk of {n} bytes at offset {off} of blob {blob_name(blob)} "
                         f"(expected offset {pos}, at most {self.chunk_size} bytes)"
                     )
+                # A well-framed chunk outside the plan is drained, like a bad one: never written.
+                if why := part.refuses(blob, total + n):
+                    got.error = got.error or f"rank {src} sent rank {self.rank} a chunk that {why}"
                 buf = self._slot()
                 dist.recv(buf[:n], group=self.group, group_src=src)
                 sizes[blob] = pos + n
+                total += n
                 view = memoryview(buf[:n].numpy())
                 if got.error or crc32c(view) != crc:
                     got.error = got.error or (
@@ -288,6 +328,8 @@ class Stream:
         finally:
             for w, prev in writers.values():
                 runtime.run(_abort(w, prev))
+            if got.error:
+                self.discard(src)
 
     def _write(self, writers: dict[int, Any], blob: int, buf: Any, view: memoryview) -> None:
         if blob not in writers:
@@ -310,8 +352,22 @@ class Stream:
         self._commits[src].append((name, runtime.submit(_commit(w, prev))))
         got.blobs[name] = (size, got.blobs.get(name, (0, []))[1])
 
+    def discard(self, src: int) -> None:
+        """Remove at once the blobs of ``src`` this holder wrote (its stream failed, or what it
+        received is not its part of the commit): nothing of it waits for the sweep."""
+        if src in self._discarded:
+            return
+        self._discarded.add(src)
+        # a blob whose commit failed is not there (its writer's abort removed the temp file)
+        names = [f"{self.generation}/{n}" for n, fut in self._commits[src] if _committed(fut)]
+        try:
+            runtime.run(self.store.delete_many(names))
+        except Exception as e:  # left for the sweep, as before
+            log.warning("could not remove rank %d's replica blobs: %s", src, e)
+
     def wait_received(self) -> dict[int, Received]:
-        """Every source's stream, once it ended and its blobs are durable here."""
+        """Every source's stream, once it ended and its blobs are durable here (a failed
+        source's removed)."""
         for t in self._receivers:
             t.join()
         for src, commits in self._commits.items():
@@ -327,10 +383,20 @@ class Stream:
                             f"{type(e).__name__}: {e}"
                         )[:300]
                     )
+            if self.received[src].error:
+                self.discard(src)
         while not self._free.empty():  # the pool goes with the save
             self._free.get_nowait()
         self.times["received"] = time.perf_counter()
         return self.received
+
+
+def _committed(fut: cf.Future[None]) -> bool:
+    try:
+        fut.result()
+    except Exception:
+        return False
+    return True
 
 
 async def _append(w: BlobWriter, prev: cf.Future[None] | None, view: memoryview) -> None:
@@ -393,6 +459,26 @@ def agreed(infos: Sequence[Any], nodes: Sequence[str]) -> tuple[int, tuple[str |
     return k, said  # type: ignore[return-value]  # each checked by holders_of
 
 
+def parts_held(
+    nodes: Sequence[str],
+    k: int,
+    domains: Sequence[str | None],
+    parts: Sequence[tuple[int, int, int | None]],
+) -> list[tuple[tuple[int, int, int, int | None], ...]]:
+    """For each rank, the planned parts (``(rank, first blob, blobs, bytes)``, from each
+    rank's ``parts``) of the ranks it holds a replica of when the save streams ``k``
+    replicas over ``nodes``: at planning, by the coordinator, so each holder can refuse
+    what its sources send outside their plan."""
+    from .replicas import holders_of
+
+    placement = holders_of(nodes, k, domains) if k and nodes else None
+    held: list[list[tuple[int, int, int, int | None]]] = [[] for _ in parts]
+    for src, hs in sorted((placement or {}).items()):  # one pass: ranks x k, not ranks^2
+        for h in hs:
+            held[h].append((src, *parts[src]))
+    return [tuple(x) for x in held]
+
+
 async def around(writer: Any, rp: Any, write: Any) -> Any:
     """Run ``write`` (the rank's own write of plan ``rp``) with its replica stream open
     (``writer.replica_stream``; None when this save streams none), then end the stream:
@@ -415,6 +501,7 @@ async def around(writer: Any, rp: Any, write: Any) -> Any:
         store,
         rp.generation,
         writer.options.chunk_size,
+        {s: Part(first, count, most) for s, first, count, most in rp.parts},
     )
     try:
         out = await write

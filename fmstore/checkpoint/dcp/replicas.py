@@ -370,6 +370,7 @@ def _count(m: DcpManifest, manifest: bytes, inbox: Stream, hmap: dict[int, tuple
         where = f"rank {inbox.rank}'s replica at {inbox.store.url}"
         for src, r in sorted(got.items()):
             if why := mismatch(m, src, r, where):
+                inbox.discard(src)  # blobs the manifest does not name: not left to the sweep
                 return why
             key = rank_record_key(m.generation, src)
             runtime.run(inbox.store.put(key, r.record or b"", PutOptions(mode="overwrite")))

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import os
 import uuid
 from collections.abc import Coroutine, Sequence
@@ -127,6 +128,9 @@ class _RankPlan:
     replicas: int = 0
     #: each rank's failure domain when it streams replicas (:func:`.replica_stream.agreed`)
     domains: tuple[str | None, ...] = ()
+    #: the planned part of each rank this one holds a replica of: ``(rank, blob_base,
+    #: blob_count, bytes or None)`` (:class:`.replica_stream.Part`)
+    parts: tuple[tuple[int, int, int, int | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,14 @@ def _split(items: Sequence[WriteItem], n: int) -> list[list[WriteItem]]:
         buckets[i].append(it)
         loads[i] += max(_item_bytes(it), 1)
     return [b for b in buckets if b]
+
+
+def _part_bytes(items: Sequence[WriteItem]) -> int | None:
+    """The most bytes a rank's blobs of ``items`` take (None: some item is not a tensor,
+    whose size the plan does not give)."""
+    if any(it.type == WriteItemType.BYTE_IO or it.tensor_storage_size() is None for it in items):
+        return None
+    return sum(_item_bytes(it) for it in items)
 
 
 def _item_bytes(item: WriteItem) -> int:
@@ -296,15 +308,18 @@ class Writer(StorageWriter):
         )
         if nodes:
             plans = local_copies(plans, nodes)
+        counts = [len(p.items) + streams for p in plans]
+        bases = [0, *itertools.accumulate(counts)][:-1]
+        held = replica_stream.parts_held(
+            nodes, k, doms, [(b, c, _part_bytes(p.items)) for b, c, p in zip(bases, counts, plans)]
+        )
         out = []
-        base = 0
         for i, p in enumerate(plans):
-            count = len(p.items) + streams
             rp = _RankPlan(
-                generation, i, len(plans), streams, base, count, nodes, self.save_id, k, doms
-            )
+                generation, i, len(plans), streams, bases[i], counts[i], nodes, self.save_id, k,
+                doms, held[i],
+            )  # fmt: skip
             out.append(replace(p, storage_data=rp))
-            base += count
         self._plans = out
         return out
 
