@@ -207,3 +207,30 @@ def test_a_token_with_a_trailing_newline_is_no_token(tmp_path):
     with pytest.raises(ValueError, match="not a step moved aside"):
         aside.remove(store, f".aside/{odd.name}")
     assert odd.is_dir()
+
+
+def test_rm_r_never_follows_a_link_in_the_tiers_path(tmp_path, monkeypatch):
+    """``rm -r``'s note on the replicas beside a run and its removal of the directories it
+    emptied resolve the path beneath the tier's root: a link on the way (one swapped in
+    after the delete, here planted before the clean-up) is never followed."""
+    from fmstore import config as fm_config
+    from fmstore.cli import object_cmds
+
+    nvme, outside = tmp_path / "nvme", tmp_path / "outside"
+    (outside / "run" / "empty").mkdir(parents=True)
+    (nvme / ".replicas").mkdir(parents=True)
+    (nvme / ".replicas" / "run").symlink_to(outside / "run")
+    (nvme / "scratch").symlink_to(outside)
+    monkeypatch.setattr(fm_config, "_cached", _config(tmp_path))  # restored after the test
+    assert object_cmds._replicas_beside("nvme:run") is None
+    object_cmds._remove_empty_dirs("nvme:scratch/run", keep_top=False)
+    assert (outside / "run" / "empty").is_dir()
+    # the location's own empty directories go, and it too
+    (nvme / "scratch").unlink()
+    (nvme / "scratch" / "run" / "a" / "b").mkdir(parents=True)
+    (nvme / "scratch" / "run" / "link").symlink_to(outside)
+    object_cmds._remove_empty_dirs("nvme:scratch/run", keep_top=False)
+    assert _tree(nvme / "scratch") == ["run", "run/link"] and (outside / "run" / "empty").is_dir()
+    (nvme / "scratch" / "run" / "link").unlink()
+    object_cmds._remove_empty_dirs("nvme:scratch/run", keep_top=False)
+    assert _tree(nvme / "scratch") == []
