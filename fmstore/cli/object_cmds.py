@@ -6,12 +6,13 @@ import contextlib
 import json
 import os
 import re
+from collections.abc import Iterator
 
 import typer
 
 from .. import runtime
 from ..errors import ConfigError, NotFound
-from ..stores import open_store, split_tier
+from ..stores import Location, beneath, open_store, split_tier
 from ..tiering.stage import local_dir, open_source
 from ..tiering.transfer import CopyItem, TransferOptions, TransferReport, copy_items, version_of
 from .main import app
@@ -259,7 +260,7 @@ def rm_cmd(
         keys = sorted(runtime.run(list_tree(store)))
         if not keys:
             typer.echo(f"nothing under {url}", err=True)
-            _remove_empty_dirs(local, keep_top=is_root(url))
+            _remove_empty_dirs(url, keep_top=is_root(url))
             return
         total = f"{plural(len(keys), 'object')} under {url}"
     else:
@@ -316,7 +317,7 @@ def rm_cmd(
         # longer one to restore from or to count as a replica.
         record_removed(tracked)
     if recursive:
-        _remove_empty_dirs(local, keep_top=is_root(url))
+        _remove_empty_dirs(url, keep_top=is_root(url))
     typer.echo(f"deleted {plural(len(keys), 'object')}", err=True)
 
 
@@ -334,10 +335,41 @@ def _replicas_beside(url: str) -> str | None:
     if rest.split("/", 1)[0] == REPLICA_PREFIX:
         return None
     where = f"{name}:{REPLICA_PREFIX}/{rest}" if rest else f"{name}:{REPLICA_PREFIX}"
-    path = local_dir(where)
-    if path is not None:  # opening a local store would create the directory
-        return where if os.path.isdir(path) and any(os.scandir(path)) else None
+    if local_dir(where) is not None:  # opening a local store would create the directory
+        with _local_tree(where) as got:
+            return where if got is not None and any(os.scandir(got[2])) else None
     return where if _has_objects_under(where) else None
+
+
+@contextlib.contextmanager
+def _local_tree(url: str) -> Iterator[tuple[int, str, int] | None]:
+    """(its parent, its name, itself) of the directory of local location ``url``, open
+    (None: not there, or not reached): a tier's path resolved beneath the tier's root with
+    no link followed; a plain path's last component is not followed either."""
+    loc = Location.parse(url)
+    path = loc.local_root
+    if path is None:
+        yield None
+        return
+    if loc.tier is not None:
+        base, rel = Location.parse(f"{loc.tier}:").local_root or path, loc.sub.strip("/")
+    else:
+        base, rel = os.path.split(path.rstrip("/") or "/")
+    up, _, name = rel.rpartition("/")
+    fds: list[int] = []
+    try:
+        try:
+            fds.append(os.open(base, beneath.DIR_FLAGS))
+            fds.append(beneath.open_dir(fds[0], up))
+            fds.append(beneath.open_dir(fds[1], name) if name else os.dup(fds[1]))
+        except OSError:  # not there, or a link: never followed
+            got = None
+        else:
+            got = (fds[1], name, fds[2])
+        yield got
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _has_objects_under(url: str) -> bool:
@@ -356,13 +388,21 @@ def _has_objects_under(url: str) -> bool:
     return runtime.run(go())
 
 
-def _remove_empty_dirs(path: str | None, *, keep_top: bool) -> None:
+def _remove_empty_dirs(url: str, *, keep_top: bool) -> None:
     """After ``rm -r`` on a file system: remove the directories it emptied, bottom-up (and
-    ``path`` itself unless it is a tier's root); a directory still holding anything stays."""
-    if path is None or os.path.islink(path) or not os.path.isdir(path):
-        return
-    for here, _dirs, _files in os.walk(path, topdown=False):
-        if keep_top and os.path.samefile(here, path):
-            continue
-        with contextlib.suppress(OSError):
-            os.rmdir(here)
+    the location itself unless it is a tier's root); a directory still holding anything
+    stays.  Walked from descriptors: a link (one swapped in since the delete included) is
+    never followed, and nothing outside the location is removed."""
+    with _local_tree(url) as got:
+        if got is None:
+            return
+        parent, name, top = got
+        for _d, dirs, _files, dfd in os.fwalk(
+            ".", dir_fd=top, topdown=False, follow_symlinks=False
+        ):
+            for d in dirs:
+                with contextlib.suppress(OSError):
+                    os.rmdir(d, dir_fd=dfd)
+        if name and not keep_top:
+            with contextlib.suppress(OSError):
+                os.rmdir(name, dir_fd=parent)

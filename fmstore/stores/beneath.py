@@ -22,6 +22,9 @@ import functools
 import os
 from collections.abc import Callable
 
+from ..errors import PermissionDenied
+from ..trust import trusted_uid, writable_by_others
+
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_BENEATH = 0x08
@@ -129,3 +132,60 @@ def is_link_error(e: OSError) -> bool:
     """Whether ``e`` is what a symbolic link in the way gives (``ENOTDIR`` is ambiguous:
     also a file where a directory was expected)."""
     return e.errno == errno.ELOOP
+
+
+def shared_dir(dir_fd: int, name: str, *, tier: str, create: bool, mode: int = 0o755) -> int | None:
+    """Directory ``name`` directly beneath ``dir_fd`` (a tier's root) that holds what every
+    user of the tier puts there (``.replicas``, ``.aside``), open; None when it is not there
+    and not ``create``.
+
+    Made with ``mode`` less the umask and, when the caller is root, given to the tier
+    root's owner.  One that exists is used only when owned by root, the caller (or
+    ``sudo``'s user) or the tier root's owner, and not writable by others: whoever else
+    made it first could rename, plant or remove what every user puts there.  A link, a
+    file, or a directory of someone else's raises :class:`~fmstore.errors.PermissionDenied`."""
+    made = False
+    try:
+        try:
+            fd = open_dir(dir_fd, name)
+        except FileNotFoundError:
+            if not create:
+                return None
+            try:
+                os.mkdir(name, mode, dir_fd=dir_fd)
+                made = True
+                os.fsync(dir_fd)
+            except FileExistsError:
+                pass
+            fd = open_dir(dir_fd, name)
+    except OSError as e:
+        if e.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        raise PermissionDenied(
+            "a symbolic link or a file where a directory should be: links inside a tier "
+            "are not followed",
+            tier=tier,
+            key=name,
+        ) from None
+    try:
+        st, top = os.fstat(fd), os.fstat(dir_fd)
+        # Only a directory this call made, still root's, is given away: one swapped in
+        # between the mkdir and the open keeps its owner, and is judged by it below.
+        if made and os.geteuid() == 0 and st.st_uid == 0 and top.st_uid != 0:
+            os.fchown(fd, top.st_uid, top.st_gid)
+            st = os.fstat(fd)
+        if not (trusted_uid(st.st_uid) or st.st_uid == top.st_uid):
+            why = f"owned by uid {st.st_uid}, neither root, the caller nor the tier's owner"
+        elif writable_by_others(st):
+            why = f"writable by others (mode {st.st_mode & 0o7777:04o})"
+        else:
+            return fd
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    raise PermissionDenied(
+        f"{why}: someone else could change what it holds; remove it or fix its owner and mode",
+        tier=tier,
+        key=name,
+    )

@@ -17,6 +17,7 @@ import json
 import mmap
 import os
 import re
+import stat as _stat
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -59,12 +60,27 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def tree_bytes(path: str) -> int:
-    """The bytes of the files under directory ``path`` (0 where there is none); links are
-    counted as themselves, never followed."""
-    return sum(
-        os.lstat(os.path.join(d, f)).st_size for d, _dirs, files in os.walk(path) for f in files
-    )
+def tree_bytes(path: str, *, dir_fd: int | None = None) -> int:
+    """The bytes of the files under directory ``path`` (relative to ``dir_fd`` when given;
+    0 where there is none), walked from descriptors: a link below is counted as itself,
+    never followed, and ``path`` itself being a link raises ``OSError(ELOOP)``."""
+    try:
+        top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return 0
+    except NotADirectoryError:  # a file, or a link (O_NOFOLLOW with O_DIRECTORY)
+        if _stat.S_ISLNK(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            raise OSError(errno.ELOOP, "a symbolic link, not followed", path) from None
+        return 0
+    total = 0
+    try:
+        for _d, _dirs, files, dfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+            for f in files:
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.stat(f, dir_fd=dfd, follow_symlinks=False).st_size
+    finally:
+        os.close(top)
+    return total
 
 
 def commit_file(tmp: str, final: str, *, create_only: bool = False, sync: bool = True) -> None:

@@ -21,23 +21,34 @@ was (the next restore falls back again, as nothing has become more readable, and
 again), after it the step is wholly aside.  The catalog rows go first (the node's
 daemon starts no new export of the step) and an export of it under way on this node is
 waited for before the rename, so no export reads a directory being moved.
+
+Every path is resolved from a descriptor of the tier's root with no link followed
+(:mod:`fmstore.stores.beneath`): listed with ``scandir(fd)``, moved with ``rename`` between
+directory descriptors, removed with ``rmtree(dir_fd=)``.  A link where a step's directory,
+the run's, ``.replicas`` or ``.aside`` should be refuses the call
+(:class:`~fmstore.errors.PermissionDenied`, naming the tier and key) before anything is
+moved or removed, and ``.aside`` / ``.replicas`` made by someone else are refused too
+(:func:`~fmstore.stores.beneath.shared_dir`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import re
 import secrets
 import shutil
+import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from ..checkpoint.layout import REPLICA_PREFIX, parse_step, step_name
-from ..errors import FmstoreError
+from ..errors import FmstoreError, PermissionDenied
+from ..stores import beneath
 from ..stores.base import Store
-from ..stores.posix_io import fsync_dir, tree_bytes
+from ..stores.posix_io import tree_bytes
 from .journal import live_destinations
 
 __all__ = [
@@ -51,7 +62,7 @@ __all__ = [
 
 #: The directory of a node-local tier that holds the steps moved aside.
 ASIDE_PREFIX = ".aside"
-_TOKEN_RE = re.compile(r"^([0-9]{13})-[0-9a-f]{8}$")
+_TOKEN_RE = re.compile(r"([0-9]{13})-[0-9a-f]{8}")  # whole names only (fullmatch)
 #: how often this node's exports are looked at again while one of a step is under way,
 #: and for how long at most (seconds)
 EXPORT_POLL = 0.5
@@ -69,47 +80,142 @@ def _tier_root(store: Store, tier: str) -> str:
     return root
 
 
+@contextlib.contextmanager
+def _root_fd(base: str) -> Iterator[int]:
+    """The tier's root, open (the operator's path, links and all, as the store opens it);
+    everything below it is resolved from this descriptor with no link followed."""
+    fd = os.open(base, beneath.DIR_FLAGS)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _refused(tier: str, key: str) -> PermissionDenied:
+    return PermissionDenied(
+        "a symbolic link or a file where a step's directory should be: links inside a tier "
+        "are not followed, and nothing there is moved aside or removed",
+        tier=tier,
+        key=key,
+    )
+
+
+def _open_dir(dir_fd: int, rel: str, tier: str, key: str) -> int | None:
+    """Directory ``rel`` beneath ``dir_fd``, open; None when it is not there."""
+    try:
+        return beneath.open_dir(dir_fd, rel)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise _refused(tier, key) from None
+        raise
+
+
+def _places(root: int, tier: str, run: str) -> list[tuple[str, int]]:
+    """Where this node holds steps of ``run``: (key, open directory) of ``run`` and of
+    ``.replicas/run`` (the caller closes them); a link on the way, or a ``.replicas``
+    someone else made (:func:`~fmstore.stores.beneath.shared_dir`), raises
+    :class:`PermissionDenied`."""
+    out: list[tuple[str, int]] = []
+    try:
+        fd = _open_dir(root, run, tier, run)
+        if fd is not None:
+            out.append((run, fd))
+        reps = beneath.shared_dir(root, REPLICA_PREFIX, tier=tier, create=False)
+        if reps is not None:
+            key = f"{REPLICA_PREFIX}/{run}"
+            try:
+                fd = _open_dir(reps, run, tier, key)
+            finally:
+                os.close(reps)
+            if fd is not None:
+                out.append((key, fd))
+    except BaseException:
+        for _k, fd in out:
+            os.close(fd)
+        raise
+    return out
+
+
+@contextlib.contextmanager
+def _held(store: Store, tier: str, run: str) -> Iterator[tuple[int, list[tuple[str, int]]]]:
+    with _root_fd(_tier_root(store, tier)) as root:
+        places = _places(root, tier, run)
+        try:
+            yield root, places
+        finally:
+            for _k, fd in places:
+                os.close(fd)
+
+
 def newer_steps(store: Store, tier: str, run: str, than: int) -> list[int]:
     """The steps above ``than`` whose directory (own part or replica) this node holds
-    of ``run`` on ``tier`` (``store``: its root)."""
-    base = _tier_root(store, tier)
+    of ``run`` on ``tier`` (``store``: its root).  A link where a directory of them should
+    be raises :class:`PermissionDenied` (the restore then says so on every rank)."""
     found: set[int] = set()
-    for where in (os.path.join(base, run), os.path.join(base, REPLICA_PREFIX, run)):
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(where) as it:
-            for e in it:
-                s = parse_step(e.name)
-                if s is not None and s > than and e.is_dir(follow_symlinks=False):
-                    found.add(s)
+    with _held(store, tier, run) as (_root, places):
+        for key, fd in places:
+            with os.scandir(fd) as it:
+                for e in it:
+                    s = parse_step(e.name)
+                    if s is None or s <= than:
+                        continue
+                    if e.is_symlink():
+                        raise _refused(tier, f"{key}/{e.name}")
+                    if e.is_dir(follow_symlinks=False):
+                        found.add(s)
     return sorted(found)
+
+
+def _made(parent: int, _name: str) -> None:
+    os.fsync(parent)
 
 
 def move_aside(store: Store, tier: str, run: str, steps: Iterable[int]) -> str | None:
     """Move this node's directories of ``steps`` of ``run`` (its part, its replicas) into
-    one new ``.aside/TOKEN`` directory of ``tier``; returns it (None: nothing to move)."""
-    base = _tier_root(store, tier)
-    moves = []
-    for s in steps:
-        for sub in (run, f"{REPLICA_PREFIX}/{run}"):
-            src = os.path.join(base, sub, step_name(s))
-            if os.path.isdir(src) and not os.path.islink(src):
-                moves.append((sub, src))
-    if not moves:
-        return None
-    token = f"{int(time.time() * 1000):013d}-{secrets.token_hex(4)}"
-    dest = os.path.join(base, ASIDE_PREFIX, token)
-    for sub, src in moves:
-        parent = os.path.join(dest, sub)
-        os.makedirs(parent, exist_ok=True)
-        # one atomic rename of the whole step directory, durable with both parents (and
-        # the directories made for it, up to the tier's root)
-        os.rename(src, os.path.join(parent, os.path.basename(src)))
-        fsync_dir(os.path.dirname(src))
-        d = parent
-        while d != base:
-            fsync_dir(d)
-            d = os.path.dirname(d)
-    fsync_dir(base)
-    return dest
+    one new ``.aside/TOKEN`` directory of ``tier``; returns it (None: nothing to move).
+    Every directory is resolved from the tier's root with no link followed: a link in the
+    way raises :class:`PermissionDenied` before anything is moved."""
+    steps = list(steps)
+    with _held(store, tier, run) as (root, places):
+        moves: list[tuple[int, str, str]] = []
+        for s in steps:
+            name = step_name(s)
+            for key, fd in places:
+                try:
+                    mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISLNK(mode):
+                    raise _refused(tier, f"{key}/{name}")
+                if stat.S_ISDIR(mode):
+                    moves.append((fd, key, name))
+        if not moves:
+            return None
+        token = f"{int(time.time() * 1000):013d}-{secrets.token_hex(4)}"
+        aside = beneath.shared_dir(root, ASIDE_PREFIX, tier=tier, create=True)
+        assert aside is not None
+        try:
+            os.mkdir(token, dir_fd=aside)
+            os.fsync(aside)
+            dest = beneath.open_dir(aside, token)
+        finally:
+            os.close(aside)
+        try:
+            for fd, key, name in moves:
+                # one atomic rename of the whole step directory, durable with both parents
+                # (and each directory made for it: make_dirs fsyncs their parents)
+                dfd = beneath.make_dirs(dest, key, _made)
+                try:
+                    os.rename(name, name, src_dir_fd=fd, dst_dir_fd=dfd)
+                    os.fsync(fd)
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+        finally:
+            os.close(dest)
+    return os.path.join(_tier_root(store, tier), ASIDE_PREFIX, token)
 
 
 def _under(url: str, dests: Iterable[str]) -> str | None:
@@ -139,26 +245,49 @@ async def wait_for_exports(
 
 def moved_aside(store: Store, *, now: float) -> list[tuple[str, int, float]]:
     """Each ``.aside/TOKEN`` key of ``store`` (a tier's root) with its bytes and its age
-    (from ``now``, by the token's time); a name that is not a token is left alone."""
+    (from ``now``, by the token's time); a name that is not a token, or a link, is left
+    alone.  A ``.aside`` that is a link, or someone else's, raises
+    :class:`PermissionDenied` (the sweep reports it and removes nothing there)."""
     base = store.local_root
     if base is None:
         return []
     out = []
-    where = os.path.join(base, ASIDE_PREFIX)
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(where) as it:
-        for e in it:
-            m = _TOKEN_RE.match(e.name)
-            if m is None or not e.is_dir(follow_symlinks=False):
-                continue
-            size = tree_bytes(e.path)
-            out.append((f"{ASIDE_PREFIX}/{e.name}", size, now - int(m.group(1)) / 1000))
+    with _root_fd(base) as root:
+        aside = beneath.shared_dir(root, ASIDE_PREFIX, tier=store.tier, create=False)
+        if aside is None:
+            return []
+        try:
+            with os.scandir(aside) as it:
+                for e in it:
+                    m = _TOKEN_RE.fullmatch(e.name)
+                    if m is None or not e.is_dir(follow_symlinks=False):
+                        continue
+                    size = tree_bytes(e.name, dir_fd=aside)
+                    out.append((f"{ASIDE_PREFIX}/{e.name}", size, now - int(m.group(1)) / 1000))
+        finally:
+            os.close(aside)
     return out
 
 
 def remove(store: Store, key: str) -> None:
-    """Remove ``key`` (a :func:`moved_aside` key) of ``store``; links are removed, never
-    followed."""
+    """Remove ``key`` (a :func:`moved_aside` key) of ``store``, resolved from the tier's
+    root with no link followed: links below it are removed, never followed, and a link in
+    its place (or ``.aside`` as one) raises :class:`PermissionDenied`."""
     base = store.local_root
-    if base is None or not _TOKEN_RE.match(key.removeprefix(f"{ASIDE_PREFIX}/")):
+    token = key.removeprefix(f"{ASIDE_PREFIX}/")
+    if base is None or token == key or not _TOKEN_RE.fullmatch(token):
         raise ValueError(f"{key!r} is not a step moved aside")
-    shutil.rmtree(os.path.join(base, key))
+    with _root_fd(base) as root:
+        aside = beneath.shared_dir(root, ASIDE_PREFIX, tier=store.tier, create=False)
+        if aside is None:
+            return
+        try:
+            try:
+                mode = os.stat(token, dir_fd=aside, follow_symlinks=False).st_mode
+            except FileNotFoundError:
+                return
+            if not stat.S_ISDIR(mode):
+                raise _refused(store.tier, key)
+            shutil.rmtree(token, dir_fd=aside)
+        finally:
+            os.close(aside)

@@ -6,6 +6,7 @@ digits, so listings sort by step) on every tier; copies between tiers keep the s
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -26,6 +27,8 @@ from ..stores.bounded import manifest_limit, read_bounded
 from ..stores.posix_io import tree_bytes
 from .policies import TierUsage
 from .protocol import ManifestFacts, manifest_facts, step_committed
+
+log = logging.getLogger("fmstore.tiering")
 
 #: ``known(step, crc32c)``: whether that manifest was validated on the tier before.
 Known = Callable[[int, int], bool]
@@ -89,7 +92,12 @@ class Tiers:
             return None
         du = shutil.disk_usage(d)
         node = self.config.tier(tier).scope == "node"
-        reps = tree_bytes(os.path.join(d, REPLICA_PREFIX)) if node else 0
+        reps = 0
+        if node:
+            try:
+                reps = tree_bytes(os.path.join(d, REPLICA_PREFIX))
+            except OSError as e:  # a link: not followed, nor counted
+                log.warning("%s: %s not counted: %s", tier, REPLICA_PREFIX, e)
         return TierUsage(used=du.total - du.free, total=du.total, replicas=reps)
 
     def free_bytes(self, tier: str) -> int | None:

@@ -21,9 +21,10 @@ from ... import runtime
 from ...errors import CorruptData, FmstoreError
 from ...format.checksum import crc32c
 from ...format.manifest import ChunkEntry
-from ...stores import Store, open_store
+from ...stores import Store
 from ..routing import REPLICA, Routes
 from .manifest import DcpItem, DcpManifest
+from .replicas import open_replicas
 from .wire import gather_json
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ def exchange(reader: Reader, targets: Sequence[_Target], failed: bool) -> None:
     def store(kind: str) -> Store:
         if kind not in stores:
             stores[kind] = (
-                open_store(peers.replica_uri, **reader.store_options)
+                open_replicas(peers.replica_uri, reader.store_options)
                 if kind == REPLICA
                 else reader.store
             )

@@ -484,14 +484,20 @@ async def around(writer: Any, rp: Any, write: Any) -> Any:
     (``writer.replica_stream``; None when this save streams none), then end the stream:
     every send done before the staged memory may be reused."""
     from ...stores import open_store
-    from .replicas import holders_of, replica_uri, sources_of
+    from .replicas import holders_of, open_replicas, replica_uri, sources_of
 
     writer.replica_stream = None
     placement = holders_of(rp.nodes, rp.replicas, rp.domains) if rp.replicas and rp.nodes else None
     if placement is None or writer.replica_group is None:
         return await write
     so = writer.store_options
-    store = open_store(replica_uri(writer.uri, so.get("config")), **so)
+    where = replica_uri(writer.uri, so.get("config"))
+    refused = ""
+    try:
+        store = open_replicas(where, so, create=bool(sources_of(placement, rp.rank)))
+    except Exception as e:  # what is sent here is still received (drained, never written)
+        refused = f"rank {rp.rank} cannot hold replicas: {type(e).__name__}: {e}"[:300]
+        store = open_store(where, **so)
     stream = writer.replica_stream = Stream(
         writer.replica_group,
         rp.rank,
@@ -503,6 +509,8 @@ async def around(writer: Any, rp: Any, write: Any) -> Any:
         writer.options.chunk_size,
         {s: Part(first, count, most) for s, first, count, most in rp.parts},
     )
+    for got in stream.received.values():
+        got.error = got.error or refused
     try:
         out = await write
     except BaseException:

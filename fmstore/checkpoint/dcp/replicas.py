@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ... import runtime
 from ...errors import AlreadyExists, ConfigError, CorruptData, FmstoreError
 from ...format.checksum import crc32c
-from ...stores import PutOptions, Store, open_store, split_tier
+from ...stores import Location, PutOptions, Store, beneath, open_store, split_tier
 from ...stores.bounded import RECORD_LIMIT, manifest_limit, read_bounded
 from ..layout import RANK_RECORD_RE, REPLICA_PREFIX, parse_step
 from .manifest import MANIFEST_KEY, DcpManifest
@@ -48,6 +49,7 @@ __all__ = [
     "REPLICA_PREFIX",
     "fetch",
     "holders_of",
+    "open_replicas",
     "placement_of",
     "plan",
     "replica_uri",
@@ -86,6 +88,29 @@ def replica_uri(uri: str, config: Any = None) -> str:
     if name is None:
         raise FmstoreError(f"replicas need a configured tier, not {uri!r}")
     return f"{name}:{REPLICA_PREFIX}/{rest.strip('/')}"
+
+
+def open_replicas(where: str, so: dict[str, Any], *, create: bool = False) -> Store:
+    """The store at ``where`` (a :func:`replica_uri`; any other URI is just opened), once
+    its tier's ``.replicas`` directory, on a POSIX tier, is one the tier's users share
+    safely (:func:`~fmstore.stores.beneath.shared_dir`: made by ``create`` with the tier
+    root's owner; a link or someone else's raises
+    :class:`~fmstore.errors.PermissionDenied`)."""
+    cfg = so.get("config")
+    store = open_store(where, **so)  # makes the tier's root where it is missing
+    name, rest = split_tier(where, cfg)
+    if name is None or not rest.strip("/").startswith(REPLICA_PREFIX + "/"):
+        return store
+    base = Location.parse(f"{name}:", cfg).local_root
+    if base is not None:
+        root = os.open(base, beneath.DIR_FLAGS)
+        try:
+            fd = beneath.shared_dir(root, REPLICA_PREFIX, tier=name, create=create)
+            if fd is not None:
+                os.close(fd)
+        finally:
+            os.close(root)
+    return store
 
 
 def placement_of(
@@ -402,11 +427,18 @@ def _read_back(
     except Exception as e:
         err = f"rank {rank} could not read its part: {_reason(e)}"
     works = [w for h in pmap[rank] for w in _send(pg, h, rec, blobs)]
-    store = open_store(replica_uri(uri, so.get("config")), **so)
+    store: Store | None = None
+    if sources_of(pmap, rank):
+        try:  # every send to this rank is still received below: the ranks stay in step
+            store = open_replicas(replica_uri(uri, so.get("config")), so, create=True)
+        except Exception as e:
+            err = err or f"rank {rank} cannot hold replicas: {_reason(e)}"
     for src in sources_of(pmap, rank):
         got = _recv(pg, src, [m.blobs[i].size for i in _blobs_of(m, src)])
         if isinstance(got, str):
             err = err or f"rank {src} could not send its part to rank {rank}: {got}"
+            continue
+        if store is None:
             continue
         try:
             runtime.run(_write(store, m, src, got[0], got[1], f"replica at {store.url}"))
@@ -414,7 +446,7 @@ def _read_back(
             err = err or f"rank {rank} could not write the replica of rank {src}: {_reason(e)}"
     for w in works:
         w.wait()
-    if not err and sources_of(pmap, rank):
+    if not err and store is not None:
         try:
             runtime.run(_put_placed(store, pmap, manifest))
         except Exception as e:
@@ -429,7 +461,7 @@ async def _drop_older(uri: str, so: dict[str, Any]) -> None:
     if name is None or step is None:
         return
     where = f"{name}:{REPLICA_PREFIX}/{root}" if root else f"{name}:{REPLICA_PREFIX}"
-    store = open_store(where, **so)
+    store = open_replicas(where, so)
     async for o in store.list("", recursive=False):
         s = parse_step(o.key.rstrip("/"))
         if o.is_dir and s is not None and s < step:
@@ -443,7 +475,7 @@ async def held(uri: str, so: dict[str, Any]) -> tuple[str | None, tuple[int, ...
     """The sha256 of the manifest of the replicas this node holds for ``uri`` and the ranks
     whose replica is complete (its record written after its blobs); (None, ()) if none."""
     try:
-        store = open_store(replica_uri(uri, so.get("config")), **so)
+        store = open_replicas(replica_uri(uri, so.get("config")), so)
         data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
         m = DcpManifest.loads(data, where=f"{store.url}/{MANIFEST_KEY}")
         # one listing, not a look-up per rank of a world_size the manifest declares
@@ -488,7 +520,7 @@ async def _preference(uri: str, so: dict[str, Any], m: DcpManifest) -> list[list
     from ...config import node_id
 
     part = m.part_of(node_id())
-    store = open_store(replica_uri(uri, so.get("config")), **so)
+    store = open_replicas(replica_uri(uri, so.get("config")), so)
     data = await read_bounded(store, PLACEMENT_KEY, manifest_limit(), what="placement")
     rows = json.loads(data).get("holders")
     mine = set(part.ranks) if part is not None else set()
@@ -549,7 +581,7 @@ def fetch(uri: str, so: dict[str, Any], m: DcpManifest, routes: dict[int, int], 
         blobs: list[bytes] = []
         try:
             where = replica_uri(uri, so.get("config"))
-            rec, blobs = runtime.run(_read(open_store(where, **so), m, r))
+            rec, blobs = runtime.run(_read(open_replicas(where, so), m, r))
         except Exception as e:
             err = f"rank {h} could not read the replica of rank {r}: {_reason(e)}"
         works += _send(pg, r, rec, blobs)
