@@ -80,7 +80,10 @@ def why_untrusted(path: str, st: os.stat_result | None = None) -> str | None:
         st = os.lstat(path)
     if not trusted_uid(st.st_uid):
         return f"owned by uid {st.st_uid}, neither root nor the caller"
-    if writable_by_others(st):
+    # A link's mode means nothing (nobody writes a link): who can replace it is its owner
+    # and whoever can write its directory, checked next.  What it names is the caller's
+    # to judge (the config lookup follows no link it finds by walking).
+    if not _stat.S_ISLNK(st.st_mode) and writable_by_others(st):
         return f"writable by others (mode {_stat.S_IMODE(st.st_mode):04o})"
     d, child = os.path.dirname(path), None
     while True:

@@ -414,6 +414,11 @@ def main(
 ) -> int:
     """Entry of ``fmstore daemon``; ``log_level``: of its JSON log lines (default info)."""
     setup_logging(logging.INFO if log_level is None else log_level)
+    # Which config the daemon acts by, first: "config: FILE (how it was found)".
+    log.info(
+        config.provenance,
+        extra={"event": "config", "fields": {"file": config.source, "found_by": config.found_by}},
+    )
     settings = settings_from_config(config)
     if port is not None:
         from dataclasses import replace
