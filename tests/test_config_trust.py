@@ -78,7 +78,9 @@ def _sticky(d: Path) -> Path:
 
 
 @needs_root
-def test_a_config_planted_in_a_sticky_directory_above_is_refused_and_deletes_nothing(iso):
+def test_a_config_planted_in_a_sticky_directory_above_is_refused_and_deletes_nothing(
+    iso, monkeypatch
+):
     """Another uid's fmstore.toml in a 1777 scratch directory above root's working
     directory named another team's directory as tier lustre: ``rm -r -y`` deleted it."""
     victim = iso / "teamB" / "runs" / "old"
@@ -100,7 +102,7 @@ def test_a_config_planted_in_a_sticky_directory_above_is_refused_and_deletes_not
     assert "safe_directories" in lines[0]
     assert (victim / "last-copy.bin").read_bytes() == b"x" * 10
     # A library caller below it (a training process) gets the same error.
-    os.chdir(run)
+    monkeypatch.chdir(run)
     with pytest.raises(ConfigError, match="is not trusted"):
         fm_config.load_config()
 
