@@ -414,11 +414,6 @@ def main(
 ) -> int:
     """Entry of ``fmstore daemon``; ``log_level``: of its JSON log lines (default info)."""
     setup_logging(logging.INFO if log_level is None else log_level)
-    # Which config the daemon acts by, first: "config: FILE (how it was found)".
-    log.info(
-        config.provenance,
-        extra={"event": "config", "fields": {"file": config.source, "found_by": config.found_by}},
-    )
     settings = settings_from_config(config)
     if port is not None:
         from dataclasses import replace
@@ -427,6 +422,11 @@ def main(
     # Before the first thread: the HTTP server, the event loop and the pools inherit it.
     lower_priority(settings.priority)
     d = Daemon(config, settings=settings)
+    # Which config the daemon acts by (once it is known to be valid), before it acts.
+    log.info(
+        config.provenance,
+        extra={"event": "config", "fields": {"file": config.source, "found_by": config.found_by}},
+    )
     d.install_signals()
     d.check_tiers()
     if http:
