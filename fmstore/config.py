@@ -424,13 +424,15 @@ def _trusted_walked(p: Path, st: os.stat_result, how: str) -> tuple[Path, str]:
     if listed is not None and not _stat.S_ISLNK(st.st_mode):
         return p, f"{how}, in a safe directory of {listed}"
     q = shlex.quote(str(p))
+    # a ceiling keeps the walk out of a directory above, never out of the working one
+    ceiling = f"; to keep the lookup out of it, add {shlex.quote(str(p.parent))} to ${CEILING_ENV}"
     raise ConfigError(
         f"{p} ({how}) is not trusted, so not used: {why}. fmstore reads a config it finds "
         "by looking only when nobody but root and you could have written it or any "
         f"directory above it. To use it anyway, name it: --config {q} or "
         f"FMSTORE_CONFIG={q}; to trust its directory for good, list it in [trust] "
-        f"safe_directories of {USER_CONFIG} or {SYSTEM_CONFIG}; to keep the lookup out "
-        f"of it, add {shlex.quote(str(p.parent))} to ${CEILING_ENV}"
+        f"safe_directories of {USER_CONFIG} or {SYSTEM_CONFIG}"
+        + (ceiling if how == FOUND_ABOVE else "")
     )
 
 
