@@ -104,6 +104,11 @@ def _why_file(st: os.stat_result, target: int | str) -> str | None:
     stat; ``target``: its descriptor or path, for the ACL), or None."""
     if not trusted_uid(st.st_uid):
         return f"owned by uid {st.st_uid}, neither root nor the caller"
+    if _stat.S_ISLNK(st.st_mode):
+        # A link's mode means nothing (nobody writes a link): who can replace it is its
+        # owner and whoever can write its directory, checked next.  What it names is the
+        # caller's to judge (the config lookup follows no link it finds by walking).
+        return None
     if writable_by_others(st):
         return f"writable by others (mode {_stat.S_IMODE(st.st_mode):04o})"
     return _acl_writer(target)

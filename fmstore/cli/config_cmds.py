@@ -17,7 +17,9 @@ def config_cmd(
     directory, and each tier's resolved location.
 
     The file is the global --config, else $FMSTORE_CONFIG, else fmstore.toml in the working
-    directory or the nearest directory above it, else ~/.config/fmstore/fmstore.toml.
+    directory or the nearest directory above it (up to $HOME, a file-system boundary or a
+    directory of $FMSTORE_CEILING_DIRECTORIES; used only when nobody but root and you could
+    have written it), else ~/.config/fmstore/fmstore.toml, else /etc/fmstore/fmstore.toml.
     """
     from ..config import get_config
     from ..stores import Location
@@ -35,10 +37,15 @@ def config_cmd(
         if endpoint:
             tiers[name]["endpoint_url"] = str(endpoint)
     if as_json:
-        doc = {"config": cfg.source, "state_dir": cfg.state_dir, "tiers": tiers}
+        doc = {
+            "config": cfg.source,
+            "found_by": cfg.found_by,
+            "state_dir": cfg.state_dir,
+            "tiers": tiers,
+        }
         typer.echo(json.dumps(doc, indent=1))
         return
-    typer.echo(f"config: {cfg.origin}")
+    typer.echo(cfg.provenance if cfg.source else f"config: {cfg.origin}")
     typer.echo(f"state_dir: {cfg.state_dir}")
     width = max((len(n) for n in tiers), default=0)
     for name, t in tiers.items():

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import typer
 
-from ..config import load_config
+from .. import config as config_mod
 from .main import app
 from .util import plural
 
@@ -50,9 +51,14 @@ def daemon(
     """
     from ..tiering import daemon as d
     from ..tiering.policies import from_config
+    from . import main as cli_main
 
-    cfg = load_config(config)
+    if config is not None:
+        config_mod.use_file(config)  # what the global --config does: "named by --config"
+    cfg = config_mod.get_config()
     if check:
+        if cli_main.log_level != logging.ERROR:
+            typer.echo(cfg.provenance, err=True)
         from ..tiering.probe import probe_once_per_node
 
         pol = from_config(cfg)
@@ -70,7 +76,6 @@ def daemon(
         )
         return
     from ..units import parse_duration
-    from . import main as cli_main
 
     sys.exit(
         d.main(

@@ -32,8 +32,10 @@ app = typer.Typer(
         "level when neither is given.\n\n"
         "--config FILE (-c FILE before the command) picks the fmstore.toml every command "
         "reads; without it: $FMSTORE_CONFIG, fmstore.toml here or in the nearest directory "
-        "above, ~/.config/fmstore/fmstore.toml, else the embedded default. 'fmstore config' "
-        "shows which one is in effect."
+        "above (only one nobody but root and you could have written), "
+        "~/.config/fmstore/fmstore.toml, /etc/fmstore/fmstore.toml, else the embedded "
+        "default. 'fmstore config' shows which one is in effect; commands that write or "
+        "delete print it on stderr first."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -144,10 +146,16 @@ def _root(
     """fmstore: move checkpoints and datasets between NVMe, Lustre and S3."""
     global log_level
     log_level = level_from(verbose, quiet)
-    if config is not None:
-        from ..config import use_file
+    from .. import config as config_mod
 
-        use_file(config)
+    if config is not None:
+        config_mod.use_file(config)
+    if _announce:
+        # Loaded here, before the command acts: the config it uses is the one named (the
+        # process caches it), and a config that is not trusted stops it first.
+        cfg = config_mod.get_config()
+        if not quiet and cfg.found_by not in config_mod.NAMED_BY:
+            typer.echo(cfg.provenance, err=True)
     if ctx.invoked_subcommand != "daemon":  # the daemon logs JSON lines (its own handler)
         setup_logging(log_level)
 
@@ -178,6 +186,26 @@ _COMMAND_OWNERS = {
     "config": ("config_cmds",),
 }
 
+
+#: Commands that write, move or delete: each given a tier's location or an S3 URL prints
+#: the config in effect (one line on stderr, :attr:`~fmstore.config.Config.provenance`)
+#: before it acts, unless the caller named the file (``--config``, ``$FMSTORE_CONFIG``);
+#: ``daemon`` logs it as a JSON line of its own.  Read-only commands do not (``fmstore
+#: config`` shows it), nor commands on plain paths only.
+ANNOUNCING = {
+    ("cp",),
+    ("rm",),
+    ("stage",),
+    ("hydrate",),
+    ("release",),
+    ("gc",),
+    ("ckpt", "gc"),
+    ("ckpt", "convert"),
+    ("dataset", "write"),
+}
+#: Whether the command being run is one of :data:`ANNOUNCING` given a location the config
+#: decides (set by :func:`main`).
+_announce = False
 
 #: The root's options that take a value.
 _ROOT_VALUED = ("--config", "-c")
@@ -281,16 +309,24 @@ def hoist_root_options(
     return [*args[:first], *moved, args[first], *rest, *args[end:]]
 
 
-def _own_options(args: list[str]) -> set[str]:
-    """The option names of the (sub)command ``args`` invoke, among the root's valued ones
-    (typer vendors click: groups are matched by their ``commands``)."""
+def _invoked(args: list[str]) -> tuple[Any, tuple[str, ...]]:
+    """The (sub)command ``args`` invoke and the names leading to it (typer vendors click:
+    groups are matched by their ``commands``)."""
     cmd: Any = typer.main.get_command(app)
     first = command_at(args)
-    for w in [a for a in args[first or 0 :] if not a.startswith("-")]:
+    path: list[str] = []
+    for w in [a for a in args[first or 0 :] if not a.startswith("-")] if first is not None else []:
         commands = getattr(cmd, "commands", None)
         if commands is None or w not in commands:
             break
         cmd = commands[w]
+        path.append(w)
+    return cmd, tuple(path)
+
+
+def _own_options(args: list[str]) -> set[str]:
+    """The option names of the (sub)command ``args`` invoke, among the root's valued ones."""
+    cmd, _ = _invoked(args)
     if getattr(cmd, "commands", None) is not None:
         return set()
     names = {o for p in cmd.params for o in getattr(p, "opts", [])}
@@ -316,9 +352,20 @@ typer.core.TyperArgument.make_metavar = _usage_metavar(  # type: ignore[method-a
 )
 
 
+def _announces(args: list[str]) -> bool:
+    """Whether ``args`` run a command of :data:`ANNOUNCING` on a location the config decides."""
+    from ..stores.location import decided_by_config
+
+    _, path = _invoked(args)
+    if path not in ANNOUNCING or "--help" in args:
+        return False
+    words = [a for a in args[(command_at(args) or 0) + len(path) :] if not a.startswith("-")]
+    return any(decided_by_config(w) for w in words)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry: fmstore errors become one clear line and exit code 1."""
-    global log_level
+    global log_level, _announce
     from .. import config as config_mod
 
     log_level = None
@@ -333,6 +380,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     _register(argv)
     argv = hoist_root_options(argv, _own_options)
+    _announce = _announces(argv)
     logger = logging.getLogger("fmstore")
     level_before = logger.level
     # In-process callers (tests, embedding) get their config back after a --config.
@@ -371,6 +419,7 @@ def main(argv: list[str] | None = None) -> None:
         if log_level is not None and logger.level == log_level:
             logger.setLevel(level_before)
         config_mod._explicit, config_mod._cached = config_before
+        _announce = False
 
 
 def entry() -> None:

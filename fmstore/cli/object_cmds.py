@@ -262,7 +262,7 @@ def rm_cmd(
             typer.echo(f"nothing under {url}", err=True)
             _remove_empty_dirs(url, keep_top=is_root(url))
             return
-        total = f"{plural(len(keys), 'object')} under {url}"
+        total = f"{plural(len(keys), 'object')} under {_resolved(url)}"
     else:
         if local is not None and os.path.isdir(local):
             raise ConfigError(f"{url!r} is a directory: use 'fmstore rm -r' to delete it")
@@ -277,7 +277,7 @@ def rm_cmd(
                 ) from None
             raise  # a clear error, exit 1
         keys = [key]
-        total = url
+        total = _resolved(url)
     tracked = tracked_copies(url, keys if recursive else [""], recursive=recursive)
     if tracked:
         typer.echo(
@@ -319,6 +319,14 @@ def rm_cmd(
     if recursive:
         _remove_empty_dirs(url, keep_top=is_root(url))
     typer.echo(f"deleted {plural(len(keys), 'object')}", err=True)
+
+
+def _resolved(url: str) -> str:
+    """``url`` and what it resolved to, for the question before a delete: a tier's
+    directory or URL and the config that named the tier, an S3 endpoint."""
+    loc = Location.parse(url)
+    endpoint = loc.options.get("endpoint_url") if loc.scheme == "s3" else None
+    return f"{loc.described()} at {endpoint}" if endpoint else loc.described()
 
 
 def _replicas_beside(url: str) -> str | None:

@@ -74,6 +74,14 @@ def split_tier(url: str, config: Config | None = None) -> tuple[str | None, str]
     return None, url
 
 
+def decided_by_config(url: str) -> bool:
+    """Whether the config decides where ``url`` is: a tier's location (``TIER:path``) or an
+    S3 URL (``[s3] endpoint_url``); judged from the text alone, loading nothing."""
+    if _SCHEME.match(url):
+        return scheme_of(url) in ("s3", "s3a")
+    return _TIER.match(url) is not None and "::" not in url.split("/", 1)[0]
+
+
 def scheme_of(url: str) -> str | None:
     """The lower-cased URL scheme (``s3``, ``file``, ``memory``…), None for a plain path."""
     m = _SCHEME.match(url)

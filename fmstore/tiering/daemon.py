@@ -422,6 +422,11 @@ def main(
     # Before the first thread: the HTTP server, the event loop and the pools inherit it.
     lower_priority(settings.priority)
     d = Daemon(config, settings=settings)
+    # Which config the daemon acts by (once it is known to be valid), before it acts.
+    log.info(
+        config.provenance,
+        extra={"event": "config", "fields": {"file": config.source, "found_by": config.found_by}},
+    )
     d.install_signals()
     d.check_tiers()
     if http:
