@@ -61,7 +61,10 @@ def test_ls_lists_with_total(tmp_path):
 def test_errors_are_one_clear_line(tmp_path):
     r = fm("ls", "nosuchtier:x", cwd=tmp_path)
     assert r.returncode == 1
-    assert r.stderr.strip().startswith("error: unknown tier 'nosuchtier'")
+    # the config in effect, then the error: one line each
+    said = r.stderr.strip().splitlines()
+    assert said[-1].startswith("error: unknown tier 'nosuchtier'"), said
+    assert [x for x in said[:-1] if not x.startswith("config: ")] == [], said
     assert "Traceback" not in r.stderr
 
 

@@ -290,13 +290,17 @@ def test_commands_that_act_on_tiers_print_the_config_in_effect(iso, monkeypatch)
         ("ckpt", "gc", "-n", "nvme:runs"),
         ("cp", "nvme:runs/a/f.bin", "lustre:runs/f.bin"),
         ("stage", "-n", "nvme:runs", "lustre:runs"),
-        ("-q", "ls", "nvme:runs"),  # read-only: nothing said
+        ("ls", "nvme:runs"),  # read-only commands say it too
+        ("-q", "ls", "nvme:runs"),  # -q: nothing said
     ):
         r = fm_here(*args)
         assert r.returncode == 0, (args, r.stderr)
         said = r.stderr.splitlines()[:1] == [line]
         assert said == (args[0] != "-q"), (args, r.stderr)
-    assert fm_here("ls", "nvme:runs").stderr == ""
+    assert fm_here("ls", str(proj / "src")).stderr == ""  # a plain path: the config decides nothing
+    # ckpt list reads every tier whatever its argument: said before its answer (none here)
+    r = fm_here("ckpt", "list", "runs")
+    assert r.stderr.splitlines()[0] == line and "no checkpoint" in r.stderr, r.stderr
     # a file the caller named is not announced; the embedded default is
     monkeypatch.setenv("FMSTORE_CONFIG", str(cfg))
     assert line not in fm_here("rm", "-r", "-n", "nvme:runs/a").stderr

@@ -187,22 +187,29 @@ _COMMAND_OWNERS = {
 }
 
 
-#: Commands that write, move or delete: each given a tier's location or an S3 URL prints
-#: the config in effect (one line on stderr, :attr:`~fmstore.config.Config.provenance`)
-#: before it acts, unless the caller named the file (``--config``, ``$FMSTORE_CONFIG``);
-#: ``daemon`` logs it as a JSON line of its own.  Read-only commands do not (``fmstore
-#: config`` shows it), nor commands on plain paths only.
+#: Commands that act on tiers: each given a tier's location or an S3 URL prints the config
+#: in effect (one line on stderr, :attr:`~fmstore.config.Config.provenance`) before it
+#: acts, unless the caller named the file (``--config``, ``$FMSTORE_CONFIG``) or passed
+#: ``-q``; ``daemon`` logs it as a JSON line of its own.  Commands on plain paths only do
+#: not (the config decides nothing there).
 ANNOUNCING = {
+    ("ls",),
+    ("du",),
     ("cp",),
     ("rm",),
     ("stage",),
     ("hydrate",),
     ("release",),
     ("gc",),
+    ("ckpt", "inspect"),
+    ("ckpt", "verify"),
     ("ckpt", "gc"),
     ("ckpt", "convert"),
     ("dataset", "write"),
+    ("dataset", "inspect"),
 }
+#: Commands whose every run reads the configured tiers, whatever their arguments.
+ALWAYS_ANNOUNCING = {("ckpt", "list")}
 #: Whether the command being run is one of :data:`ANNOUNCING` given a location the config
 #: decides (set by :func:`main`).
 _announce = False
@@ -357,8 +364,10 @@ def _announces(args: list[str]) -> bool:
     from ..stores.location import decided_by_config
 
     _, path = _invoked(args)
-    if path not in ANNOUNCING or "--help" in args:
+    if "--help" in args or path not in ANNOUNCING | ALWAYS_ANNOUNCING:
         return False
+    if path in ALWAYS_ANNOUNCING:
+        return True
     words = [a for a in args[(command_at(args) or 0) + len(path) :] if not a.startswith("-")]
     return any(decided_by_config(w) for w in words)
 
