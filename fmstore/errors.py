@@ -83,3 +83,42 @@ class PermissionDenied(FmstoreError, PermissionError):
 
 class NotSupported(FmstoreError):
     """The backend cannot do this (for example a conditional put on a store without one)."""
+
+
+#: Longest part of an error's own text that :func:`describe_error` keeps.
+_EXCERPT = 200
+
+
+def describe_error(e: BaseException) -> str:
+    """A short description of an exception raised while decoding data read from outside:
+    its type and where in the input it arose, at most a bounded excerpt of its text.
+
+    Never ``repr(e)`` nor ``str(e)`` of the whole: a ``UnicodeDecodeError`` holds all the
+    bytes it was decoding (its repr costs about four characters a byte: a 4 GiB sparse
+    "manifest" took root's ``gc`` past the machine's memory), and ``float(s)`` raises a
+    ``ValueError`` quoting all of ``s``."""
+    import json
+
+    if isinstance(e, UnicodeDecodeError):
+        return f"not {e.encoding} text: {str(e.reason)[:80]} at byte {e.start}"
+    if isinstance(e, json.JSONDecodeError):
+        return f"not JSON: {e.msg[:80]} at line {e.lineno} column {e.colno} (char {e.pos})"
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    if isinstance(e, FmstoreError):
+        return _excerpt(e.message)
+    args = ", ".join(_excerpt(a) for a in e.args[:3])
+    return f"{type(e).__name__}: {args}" if args else type(e).__name__
+
+
+def _excerpt(a: object) -> str:
+    """``a`` (an exception argument) cut short before it is formatted whole."""
+    if isinstance(a, str):
+        return a[:_EXCERPT] + ("..." if len(a) > _EXCERPT else "")
+    if isinstance(a, (bytes, bytearray, memoryview)):
+        return f"{bytes(a[:40])!r}" + ("..." if len(a) > 40 else "")
+    if isinstance(a, bool) or a is None or isinstance(a, float):
+        return repr(a)
+    if isinstance(a, int):
+        return repr(a) if a.bit_length() <= 128 else f"<an int of {a.bit_length()} bits>"
+    return f"<{type(a).__name__[:60]}>"

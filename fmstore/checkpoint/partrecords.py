@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import NODE, is_node_id
-from ..errors import CorruptData
+from ..errors import CorruptData, describe_error
 from ..format.manifest import field_int, field_ints, field_list, field_str, parse_header
 
 __all__ = [
@@ -145,7 +145,9 @@ class PartRecord:
                 written=float(d.get("written", 0.0)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CorruptData(f"part record at {where} is malformed ({e!r})"[:300]) from None
+            raise CorruptData(
+                f"part record at {where} is malformed ({describe_error(e)})"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,9 @@ class ExportLease:
         try:
             lease = cls(field_node(d, "node"), field_int(d, "pid"), float(d["renewed"]))
         except (KeyError, TypeError, ValueError) as e:
-            raise CorruptData(f"export lease at {where} is malformed ({e!r})"[:300]) from None
+            raise CorruptData(
+                f"export lease at {where} is malformed ({describe_error(e)})"
+            ) from None
         if not 0 < lease.pid <= MAX_PID:
             raise CorruptData(f"export lease at {where} names pid {lease.pid}, not a process id")
         return lease

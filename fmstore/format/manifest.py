@@ -14,7 +14,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CorruptData, VersionError
+from ..errors import CorruptData, VersionError, describe_error
+from ..stores.bounded import decode_json
 from .bounds import chunk_run_problem, is_int, view_problem
 from .dtypes import dtype_itemsize
 from .treecheck import tree_problem
@@ -251,7 +252,8 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptData(
-                f"not a valid checkpoint{suffix}: manifest is malformed ({e!r})", key=MANIFEST_KEY
+                f"not a valid checkpoint{suffix}: manifest is malformed ({describe_error(e)})",
+                key=MANIFEST_KEY,
             ) from None
         m.validate(where)
         return m
@@ -333,9 +335,11 @@ def parse_header(
     kind: ``CorruptData`` ("not a KIND") or ``VersionError`` past ``max_version``."""
     suffix = f" at {where}" if where else ""
     try:
-        d = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise CorruptData(f"not a valid checkpoint{suffix}: manifest is not JSON ({e!r})") from None
+        d = decode_json(data)
+    except ValueError as e:  # decode_json's own: short, never quoting the input
+        raise CorruptData(
+            f"not a valid checkpoint{suffix}: manifest does not parse ({e})"
+        ) from None
     if not isinstance(d, dict) or d.get("format") != format_name:
         fmt = d.get("format") if isinstance(d, dict) else None
         raise CorruptData(
@@ -355,7 +359,7 @@ def parse_header(
 def sniff_format(data: bytes) -> str | None:
     """The ``format`` field of a manifest's bytes, or None when it is not a JSON object."""
     try:
-        d = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+        d = decode_json(data)
+    except ValueError:
         return None
     return d.get("format") if isinstance(d, dict) else None

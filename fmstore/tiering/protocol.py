@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CorruptData
+from ..errors import CorruptData, describe_error
 from ..format.manifest import (
     DCP_FORMAT_NAME,
     DCP_FORMAT_VERSION,
@@ -138,7 +138,9 @@ def manifest_facts(data: bytes, *, crc32c: int, where: str) -> ManifestFacts:
                 raise ValueError("a part entry is not an object")
             parts.append((field_str(p, "node"), field_ints(p, "ranks")))
     except (KeyError, TypeError, ValueError) as e:
-        raise CorruptData(f"checkpoint manifest at {where} is malformed ({e})"[:300]) from None
+        raise CorruptData(
+            f"checkpoint manifest at {where} is malformed ({describe_error(e)})"
+        ) from None
     return ManifestFacts(fmt, version, gen, float(created), tuple(blobs), tuple(parts), crc32c)
 
 

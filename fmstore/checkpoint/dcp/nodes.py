@@ -25,7 +25,7 @@ from typing import Any
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from ...config import NODE_ENV, node_id
-from ...errors import CorruptData, FmstoreError
+from ...errors import CorruptData, FmstoreError, describe_error
 from ...format.manifest import field_int, field_list, field_str, parse_header
 from ...stores import Store
 from ...stores.bounded import RECORD_LIMIT, read_bounded
@@ -118,7 +118,9 @@ class RankRecord:
                 nodes=tuple(field_node({"node": n}, "node") for n in field_list(d, "nodes")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CorruptData(f"rank record at {where} is malformed ({e!r})"[:300]) from None
+            raise CorruptData(
+                f"rank record at {where} is malformed ({describe_error(e)})"
+            ) from None
 
 
 @dataclass(frozen=True)
