@@ -115,10 +115,21 @@ def _excerpt(a: object) -> str:
     """``a`` (an exception argument) cut short before it is formatted whole."""
     if isinstance(a, str):
         return a[:_EXCERPT] + ("..." if len(a) > _EXCERPT else "")
-    if isinstance(a, (bytes, bytearray, memoryview)):
-        return f"{bytes(a[:40])!r}" + ("..." if len(a) > 40 else "")
-    if isinstance(a, bool) or a is None or isinstance(a, float):
-        return repr(a)
-    if isinstance(a, int):
-        return repr(a) if a.bit_length() <= 128 else f"<an int of {a.bit_length()} bits>"
-    return f"<{type(a).__name__[:60]}>"
+    return short_repr(a, 40)
+
+
+def short_repr(v: object, limit: int = 80) -> str:
+    """A repr of a value read from outside, for a message: strings and bytes cut to
+    ``limit`` before they are formatted (``f"{v!r:.80}"`` formats all of ``v`` first),
+    containers by their length, big ints by their size."""
+    if isinstance(v, (str, bytes, bytearray, memoryview)):
+        return repr(v[:limit] if isinstance(v, str) else bytes(v[:limit])) + (
+            "..." if len(v) > limit else ""
+        )
+    if isinstance(v, bool) or v is None or isinstance(v, float):
+        return repr(v)
+    if isinstance(v, int):
+        return repr(v) if v.bit_length() <= 128 else f"<an int of {v.bit_length()} bits>"
+    if isinstance(v, (list, tuple, dict, set, frozenset)):
+        return f"<a {type(v).__name__} of {len(v)}>"
+    return f"<{type(v).__name__[:60]}>"

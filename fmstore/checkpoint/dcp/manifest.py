@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ...errors import CorruptData, describe_error
+from ...errors import CorruptData, describe_error, short_repr
 from ...format.bounds import MAX_DEPTH, chunk_run_problem, is_int
 from ...format.dtypes import dtype_from_name, dtype_name
 from ...format.manifest import (
@@ -73,7 +73,7 @@ def _field_time(d: dict[str, Any], key: str) -> float:
     """``d[key]`` (absent: 0.0): a finite, non-negative number of seconds."""
     v = d.get(key, 0.0)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e11:
-        raise ValueError(f"field {key!r} is {v!r:.80}, not a time")
+        raise ValueError(f"field {key!r} is {short_repr(v)}, not a time")
     return float(v)
 
 
