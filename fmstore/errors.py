@@ -102,7 +102,7 @@ def describe_error(e: BaseException) -> str:
     if isinstance(e, UnicodeDecodeError):
         return f"not {e.encoding} text: {str(e.reason)[:80]} at byte {e.start}"
     if isinstance(e, json.JSONDecodeError):
-        return f"not JSON: {e.msg[:80]} at line {e.lineno} column {e.colno} (char {e.pos})"
+        return f"{e.msg[:80]} at line {e.lineno} column {e.colno} (char {e.pos})"
     if isinstance(e, RecursionError):
         return "nested too deeply"
     if isinstance(e, FmstoreError):

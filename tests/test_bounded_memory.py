@@ -189,7 +189,7 @@ def test_a_manifest_in_utf16_or_utf32_is_not_a_manifest(tmp_path):
     Manifest.loads(good)
     for enc in ("utf-16", "utf-32-le", "utf-32-be"):
         text = good.decode().encode(enc)
-        with pytest.raises(CorruptData, match="does not parse") as e:
+        with pytest.raises(CorruptData, match="manifest is not JSON") as e:
             Manifest.loads(text)
         assert len(str(e.value)) < SHORT
         (tmp_path / "c" / "manifest.json").write_bytes(text)
@@ -219,7 +219,7 @@ def test_describe_error_never_formats_the_input_whole():
     assert describe_error(KeyError("generation")) == "KeyError: generation"
     assert describe_error(ValueError(b"\x00" * 1000)).startswith("ValueError: b'\\x00")
     assert len(describe_error(TypeError(10**4000))) < 100
-    with pytest.raises(ValueError, match=r"^not JSON: Expecting value at line 1 column 1"):
+    with pytest.raises(ValueError, match=r"^Expecting value at line 1 column 1 \(char 0\)$"):
         decode_json(b"nope")
     with pytest.raises(ValueError, match="nested too deeply"):
         decode_json(b"[" * 100_000)

@@ -346,9 +346,7 @@ def parse_header(
     try:
         d = decode_json(data)
     except ValueError as e:  # decode_json's own: short, never quoting the input
-        raise CorruptData(
-            f"not a valid checkpoint{suffix}: manifest does not parse ({e})"
-        ) from None
+        raise CorruptData(f"not a valid checkpoint{suffix}: manifest is not JSON ({e})") from None
     if not isinstance(d, dict) or d.get("format") != format_name:
         fmt = d.get("format") if isinstance(d, dict) else None
         raise CorruptData(

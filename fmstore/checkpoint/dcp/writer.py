@@ -316,9 +316,7 @@ class Writer(StorageWriter):
             return ()
         nodes = tuple(i.node for i in infos)  # type: ignore[union-attr]
         if bad := next((n for n in nodes if not is_node_id(n)), None):
-            raise CorruptData(
-                f"a rank of this save reports node id {short_repr(bad)}, not a node id"
-            )
+            raise CorruptData(f"a rank of this save reports {short_repr(bad)}, not a node id")
         self._rank_nodes = nodes
         if len(set(nodes)) < 2 or tier_scope(self.uri, self.store_options.get("config")) != "node":
             return ()
