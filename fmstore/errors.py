@@ -83,3 +83,53 @@ class PermissionDenied(FmstoreError, PermissionError):
 
 class NotSupported(FmstoreError):
     """The backend cannot do this (for example a conditional put on a store without one)."""
+
+
+#: Longest part of an error's own text that :func:`describe_error` keeps.
+_EXCERPT = 200
+
+
+def describe_error(e: BaseException) -> str:
+    """A short description of an exception raised while decoding data read from outside:
+    its type and where in the input it arose, at most a bounded excerpt of its text.
+
+    Never ``repr(e)`` nor ``str(e)`` of the whole: a ``UnicodeDecodeError`` holds all the
+    bytes it was decoding (its repr costs about four characters a byte: a 4 GiB sparse
+    "manifest" took root's ``gc`` past the machine's memory), and ``float(s)`` raises a
+    ``ValueError`` quoting all of ``s``."""
+    import json
+
+    if isinstance(e, UnicodeDecodeError):
+        return f"not {e.encoding} text: {str(e.reason)[:80]} at byte {e.start}"
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg[:80]} at line {e.lineno} column {e.colno} (char {e.pos})"
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    if isinstance(e, FmstoreError):
+        return _excerpt(e.message)
+    args = ", ".join(_excerpt(a) for a in e.args[:3])
+    return f"{type(e).__name__}: {args}" if args else type(e).__name__
+
+
+def _excerpt(a: object) -> str:
+    """``a`` (an exception argument) cut short before it is formatted whole."""
+    if isinstance(a, str):
+        return a[:_EXCERPT] + ("..." if len(a) > _EXCERPT else "")
+    return short_repr(a, 40)
+
+
+def short_repr(v: object, limit: int = 80) -> str:
+    """A repr of a value read from outside, for a message: strings and bytes cut to
+    ``limit`` before they are formatted (``f"{v!r:.80}"`` formats all of ``v`` first),
+    containers by their length, big ints by their size."""
+    if isinstance(v, (str, bytes, bytearray, memoryview)):
+        return repr(v[:limit] if isinstance(v, str) else bytes(v[:limit])) + (
+            "..." if len(v) > limit else ""
+        )
+    if isinstance(v, bool) or v is None or isinstance(v, float):
+        return repr(v)
+    if isinstance(v, int):
+        return repr(v) if v.bit_length() <= 128 else f"<an int of {v.bit_length()} bits>"
+    if isinstance(v, (list, tuple, dict, set, frozenset)):
+        return f"<a {type(v).__name__} of {len(v)}>"
+    return f"<{type(v).__name__[:60]}>"

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import AlreadyExists, ConfigError, CorruptData, NotFound, NotSupported
 from ..stores import Location
+from ..stores.bounded import decode_json
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -99,8 +100,8 @@ def read_index(dirfd: int, where: str) -> dict[str, str]:
     finally:
         os.close(fd)
     try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError) as e:
+        doc = decode_json(data)
+    except ValueError as e:  # decode_json's own: short, never quoting the input
         raise CorruptData(f"{where}/{INDEX} is not valid JSON: {e}") from None
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not wm:

@@ -31,8 +31,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import NODE, is_node_id
-from ..errors import CorruptData
-from ..format.manifest import field_int, field_ints, field_list, field_str, parse_header
+from ..errors import CorruptData, describe_error, short_repr
+from ..format.manifest import (
+    field_int,
+    field_ints,
+    field_list,
+    field_number,
+    field_str,
+    parse_header,
+)
 
 __all__ = [
     "CLOCK_SKEW",
@@ -63,7 +70,7 @@ def field_node(d: dict[str, Any], key: str) -> str:
     """``d[key]``, a node id; ValueError naming the field otherwise."""
     v = d[key]
     if not is_node_id(v):
-        raise ValueError(f"field {key!r} is {v!r:.80}, not a node id")
+        raise ValueError(f"field {key!r} is {short_repr(v)}, not a node id")
     return str(v)
 
 
@@ -142,10 +149,12 @@ class PartRecord:
                     )
                     for b in field_list(d, "blobs")
                 ),
-                written=float(d.get("written", 0.0)),
+                written=field_number(d, "written", 0.0),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CorruptData(f"part record at {where} is malformed ({e!r})"[:300]) from None
+            raise CorruptData(
+                f"part record at {where} is malformed ({describe_error(e)})"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -173,9 +182,11 @@ class ExportLease:
             data, where=where, format_name=LEASE_FORMAT_NAME, max_version=1, kind="export lease"
         )
         try:
-            lease = cls(field_node(d, "node"), field_int(d, "pid"), float(d["renewed"]))
+            lease = cls(field_node(d, "node"), field_int(d, "pid"), field_number(d, "renewed"))
         except (KeyError, TypeError, ValueError) as e:
-            raise CorruptData(f"export lease at {where} is malformed ({e!r})"[:300]) from None
+            raise CorruptData(
+                f"export lease at {where} is malformed ({describe_error(e)})"
+            ) from None
         if not 0 < lease.pid <= MAX_PID:
             raise CorruptData(f"export lease at {where} names pid {lease.pid}, not a process id")
         return lease

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CorruptData, FmstoreError
+from ..errors import CorruptData, FmstoreError, describe_error
 from ..format.dtypes import dtype_from_name, dtype_name
 
 
@@ -257,7 +257,7 @@ def decode_tree(
         raise
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError, binascii.Error) as e:
         # RecursionError is a RuntimeError; torch.device raises RuntimeError on bad names.
-        raise CorruptData(f"checkpoint state tree does not decode: {e!r}"[:300]) from None
+        raise CorruptData(f"checkpoint state tree does not decode: {describe_error(e)}") from None
 
 
 def _hashable(k: Any) -> Any:

@@ -14,7 +14,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CorruptData, VersionError
+from ..errors import CorruptData, VersionError, describe_error, short_repr
+from ..stores.bounded import decode_json
 from .bounds import chunk_run_problem, is_int, view_problem
 from .dtypes import dtype_itemsize
 from .treecheck import tree_problem
@@ -243,7 +244,7 @@ class Manifest:
                 tensors=tuple(TensorEntry.from_json(t) for t in field_list(d, "tensors")),
                 storages=tuple(StorageEntry.from_json(s) for s in field_list(d, "storages")),
                 blobs=tuple(BlobEntry.from_json(b) for b in field_list(d, "blobs")),
-                created=float(d.get("created", 0.0)),
+                created=field_number(d, "created", 0.0),
                 writer=str(d.get("writer", "")),
                 pickled=bool(d.get("pickled", False)),
                 version=version,
@@ -251,7 +252,8 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptData(
-                f"not a valid checkpoint{suffix}: manifest is malformed ({e!r})", key=MANIFEST_KEY
+                f"not a valid checkpoint{suffix}: manifest is malformed ({describe_error(e)})",
+                key=MANIFEST_KEY,
             ) from None
         m.validate(where)
         return m
@@ -300,14 +302,23 @@ class Manifest:
 def field_int(d: dict[str, Any], key: str, default: int | None = None) -> int:
     v = d.get(key, default) if default is not None else d[key]
     if not is_int(v):
-        raise ValueError(f"field {key!r} is {v!r:.80}, not an int")
+        raise ValueError(f"field {key!r} is {short_repr(v)}, not an int")
     return v
+
+
+def field_number(d: dict[str, Any], key: str, default: float | None = None) -> float:
+    """``d[key]`` (absent: ``default``; without one, a ``KeyError``), a JSON number, as a
+    float: never ``float()`` of a string, whose error quotes all of it."""
+    v = d.get(key, default) if default is not None else d[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"field {key!r} is {short_repr(v)}, not a number")
+    return float(v)
 
 
 def field_str(d: dict[str, Any], key: str) -> str:
     v = d[key]
     if not isinstance(v, str):
-        raise ValueError(f"field {key!r} is {v!r:.80}, not a string")
+        raise ValueError(f"field {key!r} is {short_repr(v)}, not a string")
     return v
 
 
@@ -322,7 +333,7 @@ def field_ints(d: dict[str, Any], key: str) -> tuple[int, ...]:
     """``d[key]``, a list of JSON integers, as a tuple; ValueError naming the field otherwise."""
     v = field_list(d, key)
     if not all(type(x) is int for x in v):
-        raise ValueError(f"field {key!r} is {v!r:.80}, not a list of ints")
+        raise ValueError(f"field {key!r} is {short_repr(v)}, not a list of ints")
     return tuple(v)
 
 
@@ -333,9 +344,9 @@ def parse_header(
     kind: ``CorruptData`` ("not a KIND") or ``VersionError`` past ``max_version``."""
     suffix = f" at {where}" if where else ""
     try:
-        d = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise CorruptData(f"not a valid checkpoint{suffix}: manifest is not JSON ({e!r})") from None
+        d = decode_json(data)
+    except ValueError as e:  # decode_json's own: short, never quoting the input
+        raise CorruptData(f"not a valid checkpoint{suffix}: manifest is not JSON ({e})") from None
     if not isinstance(d, dict) or d.get("format") != format_name:
         fmt = d.get("format") if isinstance(d, dict) else None
         raise CorruptData(
@@ -355,7 +366,7 @@ def parse_header(
 def sniff_format(data: bytes) -> str | None:
     """The ``format`` field of a manifest's bytes, or None when it is not a JSON object."""
     try:
-        d = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+        d = decode_json(data)
+    except ValueError:
         return None
     return d.get("format") if isinstance(d, dict) else None

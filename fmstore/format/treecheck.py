@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import short_repr
 from .bounds import MAX_DEPTH, is_int
 from .dtypes import dtype_itemsize
 
@@ -34,7 +35,7 @@ def tree_problem(tree: Any, ntensors: int) -> str | None:
                 if in_key:
                     return f"{path}: a dict key refers to a tensor"
                 if not is_int(n[tag]) or not 0 <= n[tag] < ntensors:
-                    return f"{path}.{tag}: {n[tag]!r:.40} is not a tensor index (0..{ntensors - 1})"
+                    return f"{path}.{tag}: {short_repr(n[tag], 40)} is not a tensor index (0..{ntensors - 1})"
                 break
         else:
             why = _node_children(n, path, depth, in_key, stack)
@@ -74,7 +75,7 @@ def _node_children(
                 stack.append((v, f"{path}.{tag}[{i}]", depth + 1, in_key))
             return None
     if "float" in n:
-        return None if n["float"] in _FLOATS else f"{path}.float: {n['float']!r:.40}"
+        return None if n["float"] in _FLOATS else f"{path}.float: {short_repr(n['float'], 40)}"
     for tag, typ in _SCALAR_TAGS.items():
         if tag in n:
             if not isinstance(n[tag], typ):
@@ -83,10 +84,10 @@ def _node_children(
                 try:
                     dtype_itemsize(n[tag])
                 except KeyError:
-                    return f"{path}.dtype: unknown dtype {n[tag]!r:.40}"
+                    return f"{path}.dtype: unknown dtype {short_repr(n[tag], 40)}"
             if tag == "np":
                 if n[tag].lstrip("<>=|")[:1] not in ("b", "i", "u", "f", "c"):
-                    return f"{path}.np: {n[tag]!r:.40} is not a numeric numpy dtype"
+                    return f"{path}.np: {short_repr(n[tag], 40)} is not a numeric numpy dtype"
                 stack.append((n.get("v"), f"{path}.v", depth + 1, in_key))
             return None
     return f"{path}: unknown tree node with keys {sorted(n)[:5]!r}"

@@ -7,6 +7,14 @@ object's size first (``stat``), refuses it when over the limit of its kind, and 
 most that many bytes (a ranged get), so an object that grows between the two calls is
 still read bounded.
 
+Every kind is a JSON object, and it is judged as its bytes arrive: a first byte other than
+whitespace or ``{``, or a NUL anywhere (never in JSON text; what a sparse file's holes read
+as), is :class:`CorruptData` at the first window that shows it, so a sparse 4 GiB
+"manifest" is refused after its first MiB, never read whole.  The file's block count is
+never consulted (compressed file systems make good manifests look sparse).
+:func:`decode_json` then decodes the bytes as UTF-8 (never letting ``json`` guess UTF-16 or
+UTF-32 from NULs) and describes an error by its kind and position only.
+
 The limits:
 
 * :data:`LEASE_LIMIT` for export leases (a node name, a pid and a time);
@@ -19,9 +27,11 @@ The limits:
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
 
-from ..errors import ConfigError, CorruptData, InvalidRange
+from ..errors import ConfigError, CorruptData, InvalidRange, describe_error
 from .base import Store
 
 __all__ = [
@@ -29,6 +39,7 @@ __all__ = [
     "LEASE_LIMIT",
     "MANIFEST_LIMIT",
     "RECORD_LIMIT",
+    "decode_json",
     "index_limit",
     "manifest_limit",
     "read_bounded",
@@ -42,6 +53,12 @@ RECORD_LIMIT = 4 << 20
 MANIFEST_LIMIT = 4 << 30
 #: Largest dataset index read unless ``$FMSTORE_MAX_INDEX_BYTES`` says otherwise.
 INDEX_LIMIT = 1 << 30
+#: The first read of an object: every lease and most records and manifests in one request.
+FIRST_WINDOW = 1 << 20
+#: Each later read of a large object, judged before the next is asked for.
+WINDOW = 64 << 20
+#: JSON's whitespace, which may come before the ``{``.
+_SPACE = b" \t\r\n"
 #: Reads of an object replaced by a shorter one between its stat and its read.
 _ATTEMPTS = 3
 
@@ -71,25 +88,78 @@ def _limit(name: str, default: int) -> int:
     return value
 
 
-async def read_bounded(store: Store, key: str, limit: int, *, what: str = "record") -> bytes:
+async def read_bounded(
+    store: Store, key: str, limit: int, *, what: str = "record", json_object: bool = True
+) -> bytes:
     """The bytes of ``key`` in ``store``, at most ``limit`` of them: an object larger than
     that is refused (:class:`CorruptData` naming ``what``, the store and the key) before
-    any of it is read.  ``NotFound`` when there is no such object."""
+    any of it is read.  With ``json_object`` (every kind fmstore reads this way), bytes that
+    cannot begin a JSON object or that hold a NUL are refused as they are read.
+    ``NotFound`` when there is no such object."""
+    where = f"{what} {store.url.rstrip('/')}/{key}"
     for attempt in range(_ATTEMPTS):
-        size = (await store.stat(key)).size
+        meta = await store.stat(key)
+        size = meta.size
         if size > limit:
             raise CorruptData(
-                f"{what} {store.url.rstrip('/')}/{key} is {size} bytes, more than the {limit} "
-                f"fmstore reads for a {what}",
+                f"{where} is {size} bytes, more than the {limit} fmstore reads for a {what}",
                 tier=store.tier,
                 key=key,
             )
         if size <= 0:
             return b""
         try:
-            return await store.get_range(key, 0, size)
+            return await _read_windows(store, key, size, meta.etag, where, json_object)
         except InvalidRange:
             # replaced by a shorter object between the two calls (a lease renewed): again
             if attempt == _ATTEMPTS - 1:
                 raise
     raise AssertionError("unreachable")
+
+
+async def _read_windows(
+    store: Store, key: str, size: int, etag: str | None, where: str, json_object: bool
+) -> bytes:
+    """``size`` bytes of ``key``, read a window at a time, each judged before the next."""
+    pieces: list[bytes] = []
+    off = 0
+    while off < size:
+        end = min(size, off + (FIRST_WINDOW if off == 0 else WINDOW))
+        piece = await store.get_range(key, off, end)
+        if json_object:
+            why = json_bytes_problem(piece, off)
+            if why:
+                raise CorruptData(f"{where} is not JSON text: {why}", tier=store.tier, key=key)
+        pieces.append(piece)
+        off = end
+    if len(pieces) == 1:
+        return pieces[0]
+    if etag is not None and (await store.stat(key)).etag != etag:
+        # replaced while it was read in windows: never splice two versions
+        raise InvalidRange("object changed while it was read", tier=store.tier, key=key)
+    return b"".join(pieces)
+
+
+def json_bytes_problem(piece: bytes, offset: int) -> str | None:
+    """Why ``piece``, the bytes at ``offset`` of a JSON object's text, cannot be part of one
+    (None: it may be)."""
+    nul = piece.find(0)
+    if nul >= 0:
+        return f"a NUL byte at byte {offset + nul}"
+    if offset == 0:
+        head = piece.lstrip(_SPACE)[:1]
+        if head and head != b"{":
+            return f"it begins with {head!r}, not '{{'"
+    return None
+
+
+def decode_json(data: bytes | bytearray | memoryview) -> Any:
+    """``data`` decoded as UTF-8 and parsed as JSON; a ``ValueError`` that says what is
+    wrong and where (never one quoting the input) otherwise."""
+    why = None
+    try:
+        return json.loads(bytes(data).decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError too
+        why = describe_error(e)
+    # raised outside the handler: the error carries no context holding the input
+    raise ValueError(why)

@@ -55,7 +55,13 @@ from ..errors import AlreadyExists, CorruptData, FmstoreError, NotFound
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
 from ..stores.base import PutOptions, Store
-from ..stores.bounded import LEASE_LIMIT, RECORD_LIMIT, manifest_limit, read_bounded
+from ..stores.bounded import (
+    LEASE_LIMIT,
+    RECORD_LIMIT,
+    decode_json,
+    manifest_limit,
+    read_bounded,
+)
 from .blobcopy import CopyResult, copy_blobs
 from .protocol import commit_holds, may_remove_part, record_holds
 from .transfer import TransferOptions
@@ -472,13 +478,12 @@ async def parts_on(store: Store) -> dict[str, object] | None:
     there, from the destination's part records: ``{"present": [nodes], "of": N or None,
     "committed": bool}``; None when no generation there holds a part record.  ``of`` comes
     from the manifest where one is committed (else it is not known from here).  No torch."""
-    import json
 
     of: int | None = None
     gen: str | None = None
     committed = False
     with contextlib.suppress(NotFound, CorruptData, ValueError, KeyError, TypeError):
-        d = json.loads(await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest"))
+        d = decode_json(await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest"))
         gen, committed = str(d["generation"]), True
         of = len(d.get("parts") or []) or None
     gens = [gen] if gen else []

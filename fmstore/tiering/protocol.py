@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CorruptData
+from ..errors import CorruptData, describe_error, short_repr
 from ..format.manifest import (
     DCP_FORMAT_NAME,
     DCP_FORMAT_VERSION,
@@ -100,7 +100,7 @@ class ManifestFacts:
 
 def _name(v: Any, what: str) -> str:
     if not isinstance(v, str) or not v or "/" in v or "\\" in v or v.startswith("."):
-        raise ValueError(f"{what} {v!r:.80} is not a plain name")
+        raise ValueError(f"{what} {short_repr(v)} is not a plain name")
     return v
 
 
@@ -112,7 +112,7 @@ def manifest_facts(data: bytes, *, crc32c: int, where: str) -> ManifestFacts:
     fmt = sniff_format(data)
     max_version = _MAX_VERSION.get(fmt or "")
     if fmt is None or max_version is None:
-        raise CorruptData(f"not a checkpoint manifest at {where} (format {fmt!r:.80})")
+        raise CorruptData(f"not a checkpoint manifest at {where} (format {short_repr(fmt)})")
     d, version = parse_header(
         data, where=where, format_name=fmt, max_version=max_version, kind="checkpoint manifest"
     )
@@ -120,7 +120,7 @@ def manifest_facts(data: bytes, *, crc32c: int, where: str) -> ManifestFacts:
         gen = _name(d.get("generation"), "generation")
         created = d.get("created", 0.0)
         if isinstance(created, bool) or not isinstance(created, int | float):
-            raise ValueError(f"created {created!r:.80} is not a number")
+            raise ValueError(f"created {short_repr(created)} is not a number")
         if not math.isfinite(created) or created < 0:
             raise ValueError(f"created {created!r} is not a time")
         blobs = []
@@ -138,7 +138,9 @@ def manifest_facts(data: bytes, *, crc32c: int, where: str) -> ManifestFacts:
                 raise ValueError("a part entry is not an object")
             parts.append((field_str(p, "node"), field_ints(p, "ranks")))
     except (KeyError, TypeError, ValueError) as e:
-        raise CorruptData(f"checkpoint manifest at {where} is malformed ({e})"[:300]) from None
+        raise CorruptData(
+            f"checkpoint manifest at {where} is malformed ({describe_error(e)})"
+        ) from None
     return ManifestFacts(fmt, version, gen, float(created), tuple(blobs), tuple(parts), crc32c)
 
 

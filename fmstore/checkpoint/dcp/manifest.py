@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ...errors import CorruptData
+from ...errors import CorruptData, describe_error, short_repr
 from ...format.bounds import MAX_DEPTH, chunk_run_problem, is_int
 from ...format.dtypes import dtype_from_name, dtype_name
 from ...format.manifest import (
@@ -73,7 +73,7 @@ def _field_time(d: dict[str, Any], key: str) -> float:
     """``d[key]`` (absent: 0.0): a finite, non-negative number of seconds."""
     v = d.get(key, 0.0)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e11:
-        raise ValueError(f"field {key!r} is {v!r:.80}, not a time")
+        raise ValueError(f"field {key!r} is {short_repr(v)}, not a time")
     return float(v)
 
 
@@ -261,7 +261,7 @@ def decode_value(v: Any, *, allow_pickle: bool, what: str) -> Any:
     except _Unencodable:
         raise CorruptData(f"{what} holds pickled values; pass allow_pickle=True") from None
     except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as e:
-        raise CorruptData(f"{what} is malformed ({e!r})", key=MANIFEST_KEY) from None
+        raise CorruptData(f"{what} is malformed ({describe_error(e)})", key=MANIFEST_KEY) from None
 
 
 def _depth(v: Any) -> int:
@@ -515,7 +515,7 @@ class DcpManifest:
                 raise ValueError("storage_meta.modules is not a list")
         except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
             raise CorruptData(
-                f"not a valid checkpoint{suffix}: manifest is malformed ({e!r})"[:500],
+                f"not a valid checkpoint{suffix}: manifest is malformed ({describe_error(e)})",
                 key=MANIFEST_KEY,
             ) from None
         m.validate(where)

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint import metadata as dmd
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
 from ... import runtime
-from ...errors import CorruptData, FmstoreError, InvalidKey, NotFound
+from ...errors import CorruptData, FmstoreError, InvalidKey, NotFound, describe_error
 from ...format.dtypes import dtype_from_name, dtype_name
 from ...keys import validate_key
 from ...stores import Store
@@ -253,7 +253,7 @@ def _unpickle(data: bytes, where: str, allow_pickle: bool) -> dmd.Metadata:
         raise CorruptData(f"not a valid checkpoint at {where}: {e}", key=METADATA_KEY) from None
     except Exception as e:  # a garbled pickle raises almost anything
         raise CorruptData(
-            f"not a valid checkpoint at {where}: .metadata does not parse ({e!r})"[:500],
+            f"not a valid checkpoint at {where}: .metadata does not parse ({describe_error(e)})",
             key=METADATA_KEY,
         ) from None
     if not isinstance(md, dmd.Metadata):

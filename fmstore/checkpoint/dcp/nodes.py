@@ -25,8 +25,8 @@ from typing import Any
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from ...config import NODE_ENV, node_id
-from ...errors import CorruptData, FmstoreError
-from ...format.manifest import field_int, field_list, field_str, parse_header
+from ...errors import CorruptData, FmstoreError, describe_error
+from ...format.manifest import field_int, field_list, field_number, field_str, parse_header
 from ...stores import Store
 from ...stores.bounded import RECORD_LIMIT, read_bounded
 from ..layout import RANK_RECORD_RE
@@ -114,11 +114,13 @@ class RankRecord:
                 blobs=tuple(
                     (field_str(b, "name"), field_int(b, "size")) for b in field_list(d, "blobs")
                 ),
-                created=float(d.get("created", 0.0)),
+                created=field_number(d, "created", 0.0),
                 nodes=tuple(field_node({"node": n}, "node") for n in field_list(d, "nodes")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CorruptData(f"rank record at {where} is malformed ({e!r})"[:300]) from None
+            raise CorruptData(
+                f"rank record at {where} is malformed ({describe_error(e)})"
+            ) from None
 
 
 @dataclass(frozen=True)

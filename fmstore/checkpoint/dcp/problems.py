@@ -22,6 +22,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ...errors import short_repr
+
 __all__ = [
     "Code",
     "Move",
@@ -67,7 +69,7 @@ def from_json(d: object) -> Problem | None:
     if d is None:
         return None
     if not (isinstance(d, dict) and set(d) == {"code", "text"} and isinstance(d["text"], str)):
-        raise ValueError(f"not a problem: {d!r:.80}")
+        raise ValueError(f"not a problem: {short_repr(d)}")
     return Problem(Code(d["code"]), d["text"])
 
 

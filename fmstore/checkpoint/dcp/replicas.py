@@ -34,7 +34,7 @@ from ... import runtime
 from ...errors import AlreadyExists, ConfigError, CorruptData, FmstoreError
 from ...format.checksum import crc32c
 from ...stores import Location, PutOptions, Store, beneath, open_store, split_tier
-from ...stores.bounded import RECORD_LIMIT, manifest_limit, read_bounded
+from ...stores.bounded import RECORD_LIMIT, decode_json, manifest_limit, read_bounded
 from ..layout import RANK_RECORD_RE, REPLICA_PREFIX, parse_step
 from .manifest import MANIFEST_KEY, DcpManifest
 from .nodes import RankRecord, rank_record_key
@@ -522,7 +522,7 @@ async def _preference(uri: str, so: dict[str, Any], m: DcpManifest) -> list[list
     part = m.part_of(node_id())
     store = open_replicas(replica_uri(uri, so.get("config")), so)
     data = await read_bounded(store, PLACEMENT_KEY, manifest_limit(), what="placement")
-    rows = json.loads(data).get("holders")
+    rows = decode_json(data).get("holders")
     mine = set(part.ranks) if part is not None else set()
     out: list[list[int]] = []
     for row in rows if isinstance(rows, list) else []:

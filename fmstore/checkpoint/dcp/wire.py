@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 from ...errors import CorruptData, FmstoreError
+from ...stores.bounded import decode_json
 
 __all__ = ["MAX_MESSAGE", "broadcast_result", "gather_json"]
 
@@ -54,11 +55,9 @@ def gather_json(pg: Any, obj: Any, *, limit: int = MAX_MESSAGE) -> list[Any]:
     got = []
     for r, (t, n) in enumerate(zip(outs, lens, strict=True)):
         try:
-            got.append(json.loads(t[:n].numpy().tobytes()))
-        except (ValueError, RecursionError) as e:
-            raise CorruptData(
-                f"rank {r} sent a gather message that is not JSON ({e})"[:300]
-            ) from None
+            got.append(decode_json(t[:n].numpy().tobytes()))
+        except ValueError as e:  # decode_json's own: short, never quoting the input
+            raise CorruptData(f"rank {r} sent a gather message that is not JSON ({e})") from None
     return got
 
 

@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ... import runtime
-from ...errors import AlreadyExists, CorruptData, FmstoreError, NotFound
+from ...errors import AlreadyExists, CorruptData, FmstoreError, NotFound, short_repr
 from ...format.checksum import crc32c
 from ...format.codecs import choose_codec, encode
 from ...format.dtypes import dtype_name
@@ -331,7 +331,7 @@ class Writer(StorageWriter):
             return ()
         nodes = tuple(i.node for i in infos)  # type: ignore[union-attr]
         if bad := next((n for n in nodes if not is_node_id(n)), None):
-            raise CorruptData(f"a rank of this save reports node id {bad!r:.80}, not a node id")
+            raise CorruptData(f"a rank of this save reports {short_repr(bad)}, not a node id")
         self._rank_nodes = nodes
         if len(set(nodes)) < 2 or tier_scope(self.uri, self.store_options.get("config")) != "node":
             return ()

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 from ... import runtime
-from ...errors import ConfigError, CorruptData, NotFound
+from ...errors import ConfigError, CorruptData, NotFound, describe_error
 from ...stores import Store
-from ...stores.bounded import index_limit, read_bounded
+from ...stores.bounded import decode_json, index_limit, read_bounded
 from . import fmstore as fms
 from . import mds, parquet, tokens, wds
 from .base import DatasetFormat, ShardReader, ShardSpec
@@ -96,13 +96,14 @@ def _load(store: Store, o: FormatOptions, index_dir: str | None) -> DatasetForma
             raw = None
         if raw is not None:
             try:
-                doc = json.loads(raw)
-            except ValueError as e:
+                doc = decode_json(raw)
+            except ValueError as e:  # decode_json's own: short, never quoting the input
                 raise CorruptData(
                     f"index.json is not valid JSON: {e}", tier=store.tier, key=fms.INDEX_KEY
                 ) from None
+            del raw  # parsed once; the text need not outlive it
     if isinstance(doc, dict) and doc.get("format") == fms.FORMAT_NAME:
-        doc = fms.parse_index(raw or b"", where=f"{store.url}/{fms.INDEX_KEY}")
+        doc = fms.check_index(doc, where=f"{store.url}/{fms.INDEX_KEY}")
         if doc["kind"] == "tokens":
             dtype, seq_len = tokens.check_options(o.dtype or doc.get("dtype"), o.seq_len)
             extra = 1 if o.targets else 0
@@ -133,7 +134,9 @@ def _load(store: Store, o: FormatOptions, index_dir: str | None) -> DatasetForma
         return mfmt
     if doc is not None and o.format in ("fmstore", "mds"):
         raise CorruptData(
-            f"index.json is not an {o.format} index", tier=store.tier, key=fms.INDEX_KEY
+            f"index.json is not an {o.format} index: {_not_an_index(doc)}",
+            tier=store.tier,
+            key=fms.INDEX_KEY,
         )
     if o.format in ("fmstore", "mds"):
         raise NotFound(
@@ -156,11 +159,33 @@ def _load(store: Store, o: FormatOptions, index_dir: str | None) -> DatasetForma
         raise NotFound(
             "no dataset here: no index.json and no shards", tier=store.tier, key=store.url
         )
+    index = (
+        f"index.json is not a dataset index ({_not_an_index(doc)})"
+        if doc is not None
+        else "no index.json"
+    )
     raise NotFound(
-        "no index.json, no .tar shards, no .bin/.npy token files and no .parquet files",
+        f"{index}, no .tar shards, no .bin/.npy token files and no .parquet files",
         tier=store.tier,
         key=store.url,
     )
+
+
+def _not_an_index(doc: Any) -> str:
+    """What a parsed ``index.json`` that is neither fmstore's nor MDS's index lacks."""
+    if not isinstance(doc, dict):
+        return f"a JSON {type(doc).__name__}, not an object"
+    fmt = doc.get("format")
+    if isinstance(fmt, str) and fmt != fms.FORMAT_NAME:
+        return f"its 'format' is {fmt[:80]!r}, not {fms.FORMAT_NAME!r}"
+    if fmt is not None and fmt != fms.FORMAT_NAME:
+        return f"its 'format' is a JSON {type(fmt).__name__}, not {fms.FORMAT_NAME!r}"
+    shards = doc.get("shards")
+    if not isinstance(shards, list):
+        return "it has no 'format' and no list of 'shards'"
+    if not shards:
+        return "its list of 'shards' is empty"
+    return 'its \'shards\' are not MDS shards (each with "format": "mds")'
 
 
 async def _list(store: Store) -> list[Any]:
@@ -217,7 +242,9 @@ def _npy_header(store: Store, key: str) -> tuple[int, np.dtype]:
     except Exception as e:
         # numpy parses the header (a Python literal) with tokenize and ast: a damaged one
         # raises ValueError, SyntaxError, tokenize.TokenError, ... depending on the damage.
-        raise CorruptData(f"not a .npy file: {e!r}"[:300], tier=store.tier, key=key) from None
+        raise CorruptData(
+            f"not a .npy file: {describe_error(e)}", tier=store.tier, key=key
+        ) from None
     if len(shape) != 1:
         raise ConfigError(f"{key}: token arrays must be 1-D, not shape {shape}")
     return f.tell(), dtype

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import CorruptData, FmstoreError, InvalidKey
+from ...errors import CorruptData, FmstoreError, InvalidKey, describe_error
 from ...format.bounds import MAX_ZSTD_RATIO
 from ...keys import validate_key
 
@@ -97,7 +97,7 @@ def decoding(key: str, index: int) -> Iterator[None]:
     except FmstoreError:
         raise
     except (ValueError, TypeError, KeyError, IndexError, struct.error, RecursionError) as e:
-        raise CorruptData(f"sample {index} does not decode: {e!r}"[:300], key=key) from None
+        raise CorruptData(f"sample {index} does not decode: {describe_error(e)}", key=key) from None
 
 
 def check_offsets(offsets: np.ndarray, lo: int, hi: int, *, key: str, what: str) -> None:

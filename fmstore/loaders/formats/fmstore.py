@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import CorruptData, VersionError
+from ...errors import CorruptData, VersionError, describe_error
+from ...stores.bounded import decode_json
 from .base import DatasetFormat, ShardReader, ShardSpec, check_offsets, check_spec, decoding
 
 MAGIC = b"FMSHARD1"
@@ -144,9 +145,14 @@ class FmstoreFormat(DatasetFormat):
 def parse_index(raw: bytes, *, where: str) -> dict[str, Any]:
     """Validate an fmstore ``index.json`` and return it as a dict."""
     try:
-        doc = json.loads(raw)
-    except ValueError as e:
+        doc = decode_json(raw)
+    except ValueError as e:  # decode_json's own: short, never quoting the input
         raise CorruptData(f"index is not valid JSON: {e}", key=where) from None
+    return check_index(doc, where=where)
+
+
+def check_index(doc: Any, *, where: str) -> dict[str, Any]:
+    """``doc``, a parsed ``index.json``, when it is an fmstore dataset index."""
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CorruptData("not an fmstore dataset index", key=where)
     version = doc.get("version")
@@ -171,7 +177,7 @@ def shard_specs(doc: dict[str, Any], *, where: str) -> list[ShardSpec]:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptData(
-                f"index entry {i} of 'shards' is malformed ({e})", key=where
+                f"index entry {i} of 'shards' is malformed ({describe_error(e)})", key=where
             ) from None
         out.append(check_spec(spec, entry=i, where=where))
     return out

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import CorruptData, NotSupported
+from ...errors import CorruptData, NotSupported, describe_error
 from .base import DatasetFormat, ShardReader, ShardSpec, check_offsets, check_spec, decoding
 
 _SCALARS = ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
@@ -256,9 +256,13 @@ def from_index(doc: dict[str, Any], *, allow_pickle: bool, where: str) -> MDSFor
                     key=where,
                 )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CorruptData(f"MDS index.json entry {i} is malformed ({e!r})", key=where) from None
+            raise CorruptData(
+                f"MDS index.json entry {i} is malformed ({describe_error(e)})", key=where
+            ) from None
         shards.append(spec)
     try:
         return MDSFormat(shards, allow_pickle)
     except (KeyError, TypeError, ValueError) as e:
-        raise CorruptData(f"MDS index.json columns are malformed ({e!r})", key=where) from None
+        raise CorruptData(
+            f"MDS index.json columns are malformed ({describe_error(e)})", key=where
+        ) from None
