@@ -18,6 +18,7 @@ import pytest
 from stage_data import fm_here
 
 from fmstore import config as fm_config
+from fmstore import configfile as fm_configfile
 from fmstore.errors import ConfigError
 
 NOBODY = 65534
@@ -38,7 +39,7 @@ def iso(tmp_path, monkeypatch):
     monkeypatch.setenv("FMSTORE_HOME", str(tmp_path / "default-home"))
     monkeypatch.setenv(CEILING, str(tmp_path.parent))
     system = str(tmp_path / "etc" / "fmstore.toml")
-    monkeypatch.setattr(fm_config, "SYSTEM_CONFIG", system, raising=False)
+    monkeypatch.setattr(fm_configfile, "SYSTEM_CONFIG", system)
     fm_config.set_config(None)
     yield tmp_path
     fm_config.set_config(None)

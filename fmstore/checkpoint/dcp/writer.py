@@ -46,7 +46,7 @@ import io
 import itertools
 import os
 import uuid
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -68,6 +68,7 @@ from ...stores.bounded import manifest_limit, read_bounded
 from ..layout import blob_name, new_generation
 from ..partrecords import is_node_id
 from . import replica_stream, staging
+from .items import item_bytes, offset_of, part_bytes, split, tensor_bytes
 from .manifest import MANIFEST_KEY, DcpBlob, DcpItem, DcpManifest, DcpPart
 from .nodes import LocalInfo, RankRecord, local_copies, node_id, rank_record_key, tier_scope
 
@@ -161,47 +162,6 @@ async def _all_or_cancel(aws: list[Coroutine[Any, Any, T]]) -> list[T]:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _split(items: Sequence[WriteItem], n: int) -> list[list[WriteItem]]:
-    """Spread items over ``n`` streams, largest first onto the least-loaded one."""
-    buckets: list[list[WriteItem]] = [[] for _ in range(n)]
-    loads = [0] * n
-    for it in sorted(items, key=_item_bytes, reverse=True):
-        i = loads.index(min(loads))
-        buckets[i].append(it)
-        loads[i] += max(_item_bytes(it), 1)
-    return [b for b in buckets if b]
-
-
-def _part_bytes(items: Sequence[WriteItem]) -> int | None:
-    """The most bytes a rank's blobs of ``items`` take (None: some item is not a tensor,
-    whose size the plan does not give)."""
-    if any(it.type == WriteItemType.BYTE_IO or it.tensor_storage_size() is None for it in items):
-        return None
-    return sum(_item_bytes(it) for it in items)
-
-
-def _item_bytes(item: WriteItem) -> int:
-    if item.type == WriteItemType.BYTE_IO:
-        return item.bytes_io_data.nbytes if item.bytes_io_data is not None else 0
-    return item.tensor_storage_size() or 0
-
-
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The row-major bytes of ``t`` (copied to CPU / made contiguous only when needed)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    arr: Any = t.reshape(-1).view(torch.uint8).numpy()
-    return memoryview(arr)
 
 
 class Writer(StorageWriter):
@@ -311,7 +271,7 @@ class Writer(StorageWriter):
         counts = [len(p.items) + streams for p in plans]
         bases = [0, *itertools.accumulate(counts)][:-1]
         held = replica_stream.parts_held(
-            nodes, k, doms, [(b, c, _part_bytes(p.items)) for b, c, p in zip(bases, counts, plans)]
+            nodes, k, doms, [(b, c, part_bytes(p.items)) for b, c, p in zip(bases, counts, plans)]
         )
         out = []
         for i, p in enumerate(plans):
@@ -395,7 +355,7 @@ class Writer(StorageWriter):
         direct = [wi for wi in items if self._is_direct(wi)]
         packed = [wi for wi in items if not self._is_direct(wi)]
         # Largest first, so the longest uploads start early.
-        direct.sort(key=_item_bytes, reverse=True)
+        direct.sort(key=item_bytes, reverse=True)
         b0 = rp.blob_base
         blobs = [
             _BlobOut(b0 + i, blob_name(b0 + i), [wi], direct=True) for i, wi in enumerate(direct)
@@ -403,7 +363,7 @@ class Writer(StorageWriter):
         n = len(blobs)
         blobs += [
             _BlobOut(b0 + n + i, blob_name(b0 + n + i), b)
-            for i, b in enumerate(_split(packed, rp.streams))
+            for i, b in enumerate(split(packed, rp.streams))
         ]
 
         async def one(b: _BlobOut) -> list[tuple[WriteItem, DcpItem]]:
@@ -451,7 +411,7 @@ class Writer(StorageWriter):
         if wi.type == WriteItemType.BYTE_IO or wi.tensor_data is None:
             return False
         codec = choose_codec(self.options.compression, wi.tensor_data.properties.dtype)
-        return codec == "raw" and _item_bytes(wi) >= self.options.direct_min
+        return codec == "raw" and item_bytes(wi) >= self.options.direct_min
 
     async def _write_direct(
         self, store: Store, rp: _RankPlan, blob: _BlobOut, planner: SavePlanner
@@ -471,7 +431,7 @@ class Writer(StorageWriter):
             ChunkEntry(0, lo, hi - lo, lo, hi - lo, "raw", crc, 1)
             for (lo, hi), crc in zip(spans, crcs, strict=True)
         )
-        return [(wi, DcpItem(wi.index.fqn, _off(wi), kind, dt, shape, n, chunks))]
+        return [(wi, DcpItem(wi.index.fqn, offset_of(wi), kind, dt, shape, n, chunks))]
 
     async def _write_blob(
         self,
@@ -511,7 +471,9 @@ class Writer(StorageWriter):
                         )
                         recs.append((lo, hi, task))
                         await queue.put((task, hi - lo, held))
-                    records.append((wi, DcpItem(wi.index.fqn, _off(wi), kind, dt, shape, n, ())))
+                    records.append(
+                        (wi, DcpItem(wi.index.fqn, offset_of(wi), kind, dt, shape, n, ()))
+                    )
                     pending_chunks.append(recs)
                 await queue.put(None)
             except BaseException:
@@ -583,7 +545,7 @@ class Writer(StorageWriter):
                 f"{wi.index.fqn}: planner resolved a {data.dtype} {tuple(data.shape)} tensor for "
                 f"a {td.properties.dtype} {tuple(td.chunk.sizes)} write item"
             )
-        return _tensor_bytes(data), "tensor", name, tuple(int(s) for s in td.chunk.sizes)
+        return tensor_bytes(data), "tensor", name, tuple(int(s) for s in td.chunk.sizes)
 
     # ---- the commit -------------------------------------------------------------------
 
@@ -703,10 +665,6 @@ class Writer(StorageWriter):
             return _generation_of(data)
         except FmstoreError:
             return None
-
-
-def _off(wi: WriteItem) -> tuple[int, ...] | None:
-    return None if wi.index.offset is None else tuple(int(x) for x in wi.index.offset)
 
 
 def _encode_chunk(codec: str, data: memoryview, group: int) -> tuple[str, Any, int]:
