@@ -11,7 +11,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "fmstore"
 
-CORE = {"errors", "units", "keys", "config", "runtime", "buffers", "metrics", "limits", "trust", "configfile"}
+CORE = {
+    "errors",
+    "units",
+    "keys",
+    "config",
+    "runtime",
+    "buffers",
+    "metrics",
+    "limits",
+    "trust",
+    "configfile",
+}
 #: What each package (or top-level module) may import besides itself and the core.
 ALLOWED: dict[str, set[str]] = {
     **{m: set() for m in CORE},
