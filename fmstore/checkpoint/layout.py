@@ -17,7 +17,7 @@ import secrets
 import time
 
 from .. import keys as _keys
-from ..errors import NotFound
+from ..errors import CorruptData, NotFound
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores.base import Store
 from ..stores.bounded import manifest_limit, read_bounded
@@ -91,6 +91,8 @@ async def manifest_bytes(store: Store) -> bytes:
         raise NotFound(
             f"no checkpoint at {store.url} (no {MANIFEST_KEY})", tier=store.tier, key=MANIFEST_KEY
         ) from None
+    except CorruptData as e:  # refused as read (too big, not JSON text): said as the parse says it
+        raise CorruptData(f"not a valid checkpoint: {e.message}", tier=e.tier, key=e.key) from None
 
 
 async def read_manifest_bytes(store: Store) -> tuple[bytes, Manifest]:
