@@ -3,25 +3,35 @@
 
 ``Trainer(..., callbacks=[FmstoreCallback("runs/gpt")])``: whenever the Trainer saves
 (``save_steps``, ``save_strategy``), the model's, optimizer's and scheduler's state dicts,
-the step, the Trainer's state and the RNG states are saved as the manager's checkpoint of
-that step, on its write tier; the manager's policies carry copies to the slower tiers.
-See docs/integrations.md.  Importing this module imports ``transformers``.
+the step, the Trainer's state and every rank's RNG states and data position are saved as
+the manager's checkpoint of that step, on its write tier; the manager's policies carry
+copies to the slower tiers.  Under DDP only world process zero saves (and only its manager
+exists); every rank restores.  See docs/integrations.md.  Importing this module imports
+``transformers``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import random
+import logging
+import os
+import warnings
 from typing import Any
 
-import numpy as np
-import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from .. import runtime
+from ..config import get_config, load_config
+from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
 from ..tiering.manager import CheckpointManager
+from ..tiering.policies import from_config
+from ..tiering.tiers import Tiers
+from . import rank_state
 
 __all__ = ["FmstoreCallback", "restore", "training_state"]
+
+log = logging.getLogger("fmstore.integrations.hf")
 
 #: The fields of ``TrainerState`` that say how far training got, restored from a checkpoint
 #: (the others, ``max_steps``, ``save_steps`` and the like, come from the run's arguments).
@@ -44,9 +54,12 @@ def training_state(
     state: TrainerState,
     *,
     include_rng: bool = True,
+    ranks: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What :class:`FmstoreCallback` saves: plain data only (tensors, numbers, strings),
-    so it loads with ``weights_only=True``."""
+    so it loads with ``weights_only=True``.  ``ranks``: every rank's RNG states and data
+    position by rank number (the callback gathers them); default this process's RNG
+    states as rank 0's (when ``include_rng``)."""
     out: dict[str, Any] = {
         "model": model.state_dict(),
         "step": int(state.global_step),
@@ -57,22 +70,22 @@ def training_state(
         out["optimizer"] = optimizer.state_dict()
     if lr_scheduler is not None:
         out["scheduler"] = lr_scheduler.state_dict()
-    if include_rng:
-        out["rng"] = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-        }
+    if ranks is None and include_rng:
+        ranks = {"0": {"rng": rank_state.rng_state()}}
+    if ranks is not None:
+        out["ranks"] = ranks
+        out["world_size"] = len(ranks)
     return out
 
 
 def _load_into(
-    ckpt: dict[str, Any],
+    ckpt: Any,
     model: Any,
     optimizer: Any | None,
     lr_scheduler: Any | None,
     state: TrainerState | None,
 ) -> None:
+    """Weights, optimizer, scheduler and the Trainer's progress (not the RNGs)."""
     model.load_state_dict(ckpt["model"])
     if optimizer is not None and "optimizer" in ckpt:
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -83,11 +96,18 @@ def _load_into(
         for k in _PROGRESS:  # not max_steps, save_steps, ...: those are the new run's
             if k in saved and hasattr(state, k):
                 setattr(state, k, saved[k])
-    rng = ckpt.get("rng")
-    if rng is not None:
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
+
+
+def _rank_record(ckpt: Any, rank: int) -> Any:
+    """Rank ``rank``'s saved record (``{"rng": …, "data": …}``), or None; a checkpoint of
+    the older layout holds one ``rng`` (rank 0's)."""
+    ranks = ckpt.get("ranks")
+    if ranks is not None:
+        if not isinstance(ranks, dict):
+            raise CorruptData("ranks: not a mapping")
+        return ranks.get(str(rank))
+    old = ckpt.get("rng")
+    return {"rng": old} if old is not None and rank == 0 else None
 
 
 def restore(
@@ -100,7 +120,8 @@ def restore(
     """Load the checkpoint of ``step`` (default: the newest complete one, any tier, see
     :meth:`CheckpointManager.restore`) into ``trainer``: the model's weights, the optimizer
     and scheduler (created first with ``trainer.create_optimizer_and_scheduler`` when the
-    Trainer has none yet), ``trainer.state`` and the RNG states.  Returns the step.
+    Trainer has none yet), ``trainer.state`` and rank 0's RNG states.  Returns the step.
+    One process; under DDP use ``FmstoreCallback(..., resume=True)``.
 
     ``trainer.train()`` starts a fresh ``TrainerState`` (step 0); to continue counting from
     the restored step, pass ``FmstoreCallback(..., resume=True)`` instead, which restores at
@@ -110,7 +131,102 @@ def restore(
     if trainer.optimizer is None or trainer.lr_scheduler is None:
         trainer.create_optimizer_and_scheduler(num_training_steps=max(trainer.args.max_steps, 1))
     _load_into(ckpt, trainer.model, trainer.optimizer, trainer.lr_scheduler, trainer.state)
+    rec = _rank_record(ckpt, 0)
+    if rec is not None and rec.get("rng") is not None:
+        rank_state.apply_rng(rec["rng"], "ranks.0.rng")
     return int(ckpt["step"])
+
+
+class _TierReader:
+    """How a rank other than world process zero reads the step rank 0 restored: straight
+    from the tiers (no catalog, no policies), the tier rank 0 read first, then the rest of
+    the ladder fastest first (a rank on another node does not see rank 0's NVMe)."""
+
+    def __init__(self, root: str, config: Any, ladder: list[str], tiers: Tiers | None) -> None:
+        self.root = root.strip("/")
+        self.config = config
+        self.ladder = ladder
+        self.tiers = tiers if tiers is not None else Tiers(config)
+        self._owned = tiers is None
+
+    @classmethod
+    def of(
+        cls, manager: CheckpointManager | None, root: str, options: dict[str, Any]
+    ) -> _TierReader:
+        if manager is not None:
+            return cls(manager.root, manager.config, list(manager.policies.ladder), manager.tiers)
+        cfg = options.get("config")
+        config = (
+            get_config()
+            if cfg is None
+            else cfg
+            if not isinstance(cfg, str | os.PathLike)
+            else load_config(cfg)
+        )
+        pol = options.get("policies")
+        ladder = list((pol.validate(config.tiers) if pol else from_config(config)).ladder)
+        return cls(root, config, ladder, None)
+
+    def load(self, step: int, first: str | None, weights_only: bool) -> Any:
+        from ..checkpoint import api
+
+        order = [first] if first in self.ladder else []
+        order += [t for t in self.ladder if t not in order]
+        failures = []
+        for tier in order:
+            try:
+                return api.load(
+                    self.tiers.checkpoint(tier, self.root, step),
+                    map_location="cpu",
+                    weights_only=weights_only,
+                )
+            except (NotFound, CorruptData, StoreUnavailable) as e:
+                failures.append(f"{tier}: {e}")
+        raise NotFound(
+            f"step {step} of {self.root!r}, which rank 0 restored, is on no tier this rank "
+            "can read (a node-local tier of rank 0's node is not visible from here until a "
+            "policy exports the step): " + "; ".join(failures)
+        )
+
+    def close(self) -> None:
+        if self._owned:
+            runtime.run(self.tiers.close(), timeout=30)
+
+
+def _dist_group() -> Any:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return None
+    from ..checkpoint.dcp.collective import checkpoint_group
+
+    return checkpoint_group()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _is_sharded(model: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    if type(model).__name__ == "FullyShardedDataParallel":
+        return True
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _ga(args: Any) -> int:
+    return int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+
+
+def _steps_per_epoch(dl: Any, ga: int) -> int | None:
+    try:
+        n = len(dl)
+    except TypeError:
+        return None
+    return max(n // ga + int(n % ga > 0), 1)
 
 
 class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
@@ -118,18 +234,21 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
     Trainer saves.
 
     ``manager``: a ``CheckpointManager``, or its root (then ``manager_options`` go to
-    ``CheckpointManager(root, **manager_options)``, and the callback closes it at the end of
-    training).  Saves are asynchronous as the manager's are (``save`` returns once the
-    state is snapshotted); the end of training waits for them.
+    ``CheckpointManager(root, **manager_options)``, made on world process zero only, and
+    the callback closes it at the end of training).  Saves are asynchronous as the
+    manager's are (``save`` returns once the state is snapshotted); the end of training
+    waits for them.  Under DDP, world process zero saves for every rank (the others' RNG
+    states and data positions are gathered to it); give the root, so that no other rank
+    opens a manager (a manager given on another rank is only read through).
 
     ``replace_trainer_save=True``: save only through fmstore; the Trainer's own checkpoint
     directories under ``output_dir`` are not written (the callback takes the save the
     Trainer decided on and cancels it).  Default False: both are written.
     ``resume=True``: at the start of training, restore the newest checkpoint the manager
-    holds (weights, optimizer, scheduler, ``TrainerState`` with its step, RNG states), so
-    training continues from its step up to ``max_steps``.  The data order starts again
-    from the first batch.  ``include_rng``: also save the Python, NumPy and torch RNG
-    states.
+    holds on every rank (weights, optimizer, scheduler, ``TrainerState`` with its step,
+    each rank's RNG states and data position), so training continues from its step, with
+    the next batch, up to ``max_steps``.  ``include_rng``: also save the Python, NumPy,
+    torch (and CUDA) RNG states of every rank.
     """
 
     def __init__(
@@ -142,51 +261,223 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
         weights_only: bool = True,
         **manager_options: Any,
     ) -> None:
+        # torchrun and accelerate set RANK before the Trainer exists; on_train_begin checks
+        # it against the Trainer's own world process zero.
+        self._zero = os.environ.get("RANK", "0") == "0"
+        self._root = manager.root if isinstance(manager, CheckpointManager) else manager
+        self._options = dict(manager_options)
+        self.manager: CheckpointManager | None
         if isinstance(manager, CheckpointManager):
             if manager_options:
                 raise TypeError("manager options given with a CheckpointManager")
             self.manager, self._owned = manager, False
-        else:
+        elif self._zero:
             self.manager, self._owned = CheckpointManager(manager, **manager_options), True
+        else:
+            self.manager, self._owned = None, False
         self.replace_trainer_save = replace_trainer_save
         self.resume = resume
         self.include_rng = include_rng
         self.weights_only = weights_only
         self.restored_step: int | None = None
         self._saved: set[int] = set()
+        self._pg: Any = None
+        self._reader: _TierReader | None = None
         #: The manager's :meth:`~fmstore.CheckpointManager.prepare`, started after the
-        #: first step (when the optimizer's state exists).
+        #: first step (when the optimizer's state exists), on world process zero.
         self.prepared: Any = None
+        # Where the data is: the epoch being read and the batches taken from it.
+        self._epoch = 0
+        self._batches = 0
+        self._loop_epochs = 0  # on_epoch_begin calls of this train()
+        self._resume_at: tuple[int, int] | None = None  # (epoch, batch) to continue from
+        self._rng: Any = None  # this rank's RNG states to set before the next batch
 
-    def _save(self, state: TrainerState, kwargs: dict[str, Any]) -> None:
+    # ---- saving ------------------------------------------------------------------------
+
+    def _save(self, args: TrainingArguments, state: TrainerState, kwargs: dict[str, Any]) -> None:
         step = int(state.global_step)
-        if step in self._saved or step in self.manager.steps():
+        if step in self._saved:
             return  # saved already (the Trainer may save a step twice: on a step and at the end)
         self._saved.add(step)
+        record: dict[str, Any] = {"data": {"epoch": self._epoch, "batch": self._batches}}
+        if self.include_rng:
+            record["rng"] = rank_state.rng_state()
+        ranks = rank_state.gather(self._pg, record)  # every rank, at the same point
+        if ranks is None:
+            return  # not world process zero: rank 0 saves for it
+        assert self.manager is not None
+        if step in self.manager.steps():
+            return  # a step an earlier run saved
         ckpt = training_state(
-            kwargs["model"],
-            kwargs.get("optimizer"),
-            kwargs.get("lr_scheduler"),
-            state,
-            include_rng=self.include_rng,
-        )
+            kwargs["model"], kwargs.get("optimizer"), kwargs.get("lr_scheduler"), state,
+            ranks=ranks,
+        )  # fmt: skip
         self.manager.save(step, ckpt)
 
-    def on_train_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    def _take_save(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        kwargs: dict[str, Any],
     ) -> None:
-        if not self.resume or self.manager.latest_step() is None:
+        if self.replace_trainer_save and control.should_save:
+            self._save(args, state, kwargs)
+            control.should_save = False
+
+    # ---- restoring ---------------------------------------------------------------------
+
+    def _restore(
+        self, args: TrainingArguments, state: TrainerState, kwargs: dict[str, Any]
+    ) -> None:
+        from ..checkpoint.dcp.wire import broadcast_result
+
+        rank = _rank()
+        ckpt: Any = None
+        said: bytes | str | None = None
+        if self._zero:
+            assert self.manager is not None
+            try:
+                if self.manager.latest_step() is not None:
+                    ckpt = self.manager.restore(map_location="cpu", weights_only=self.weights_only)
+                said = json.dumps(
+                    {
+                        "step": None if ckpt is None else self.manager.restored_step,
+                        "tier": self.manager.restored_tier,
+                    }  # fmt: skip
+                ).encode()
+            except Exception as e:
+                said = f"{type(e).__name__}: {e}"
+                if self._pg is not None:
+                    broadcast_result(self._pg, 0, said, limit=4096)
+                raise
+        if self._pg is not None:
+            got = broadcast_result(self._pg, 0, said if self._zero else None, limit=4096)
+            if isinstance(got, str):
+                raise FmstoreError(f"world process zero could not restore, so no rank does: {got}")
+            if not self._zero:
+                msg = json.loads(got)
+                if msg["step"] is not None:
+                    if self._reader is None:
+                        self._reader = _TierReader.of(self.manager, self._root, self._options)
+                    ckpt = self._reader.load(int(msg["step"]), msg["tier"], self.weights_only)
+        if ckpt is None:
             return
-        ckpt = self.manager.restore(map_location="cpu", weights_only=self.weights_only)
         _load_into(
             ckpt, kwargs["model"], kwargs.get("optimizer"), kwargs.get("lr_scheduler"), state
         )
         self.restored_step = int(ckpt["step"])
+        self._position(args, state, ckpt, rank, kwargs.get("train_dataloader"))
+
+    def _position(
+        self, args: TrainingArguments, state: TrainerState, ckpt: Any, rank: int, dl: Any
+    ) -> None:
+        """This rank's data position and RNG states to continue from; on another world size
+        what could not be restored is said (world process zero warns, naming the ranks)."""
+        world = int(getattr(args, "world_size", 1))
+        saved = ckpt.get("world_size")
+        saved = int(saved) if isinstance(saved, int) else (1 if "rng" in ckpt else None)
+        rec = _rank_record(ckpt, rank)
+        same = saved == world
+        if same and isinstance(rec, dict) and isinstance(rec.get("data"), dict):
+            data = rec["data"]
+            e, b = data.get("epoch"), data.get("batch")
+            if not (isinstance(e, int) and isinstance(b, int) and e >= 0 and b >= 0):
+                raise CorruptData(f"ranks.{rank}.data: not an epoch and a batch")
+        else:  # the Trainer's own reckoning from the step
+            per = _steps_per_epoch(dl, _ga(args)) or 1
+            g = int(state.global_step)
+            e, b = g // per, (g % per) * _ga(args)
+        self._resume_at = (e, b)
+        if same and isinstance(rec, dict) and rec.get("rng") is not None:
+            self._rng = (rec["rng"], f"ranks.{rank}.rng")
+        if self._zero and saved != world:
+            have = sorted(int(k) for k in ckpt.get("ranks", {"0": None}) if str(k).isdigit())
+            n = "an unknown number of" if saved is None else str(saved)
+            msg = (
+                f"step {self.restored_step} was saved on {n} rank(s) and resumes on {world}: "
+                f"the RNG states of rank(s) {_ranges(range(world))} are not restored (they "
+                f"keep their seeded states; the saved ones of rank(s) {_ranges(have) or 'none'} "
+                f"are not used); each rank's data continues from epoch {e}, batch {b}, "
+                "reckoned from the step, but the sampler shards the data differently, so "
+                "the batches are not those the saved run would have read next"
+            )
+            log.warning("%s", msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    # ---- the Trainer's events ----------------------------------------------------------
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if bool(state.is_world_process_zero) != self._zero:
+            raise FmstoreError(
+                f"RANK={os.environ.get('RANK')!r} when the callback was made, but the Trainer "
+                f"says world process zero is {state.is_world_process_zero}: make the callback "
+                "in the process that trains, after the launcher set RANK"
+            )
+        if _is_sharded(kwargs["model"]) or getattr(args, "fsdp", None):
+            raise FmstoreError(
+                "FmstoreCallback saves the full state dict from world process zero (DDP or one "
+                "process); the model is sharded (FSDP): save it with "
+                "fmstore.ShardedCheckpointManager and get_state_dict instead"
+            )
+        self._pg = _dist_group()  # a collective on first use: every rank is here
+        self._loop_epochs = 0
+        self._epoch, self._batches = 0, 0
+        if self.resume:
+            self._restore(args, state, kwargs)
+
+    def on_epoch_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # The Trainer counts this run's epochs from 0: a resume shifts them to the saved
+        # epoch and skips the batches already taken from it (the Trainer's own resume does
+        # the same from its checkpoint directory).
+        first = self._loop_epochs == 0
+        shift, skip = self._resume_at or (0, 0)
+        self._epoch = shift + self._loop_epochs
+        self._batches = skip if first else 0
+        self._loop_epochs += 1
+        dl = kwargs.get("train_dataloader")
+        if shift or skip:
+            if dl is not None and hasattr(dl, "set_epoch") and hasattr(dl, "skip_batches"):
+                dl.set_epoch(self._epoch)
+                dl.skip_batches = self._batches
+            elif first:
+                warnings.warn(
+                    "the Trainer's DataLoader cannot skip batches: the data order starts "
+                    "again from the first batch",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        if first and skip == 0 and self._rng is not None:
+            # At an epoch's start the RNGs are set before its DataLoader starts (it draws
+            # its base seed), as in the saved run.
+            rank_state.apply_rng(*self._rng)
+            self._rng = None
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._rng is not None:  # mid-epoch: after the DataLoader started, before the step
+            rank_state.apply_rng(*self._rng)
+            self._rng = None
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.prepared is None and "model" in kwargs:
+        self._batches += _ga(args)
+        shift, skip = self._resume_at or (0, 0)
+        if shift or skip:
+            # The Trainer's epoch counts from this run's first epoch and batch.
+            dl = kwargs.get("train_dataloader")
+            n = len(dl) if dl is not None and hasattr(dl, "__len__") else 0
+            first = skip / n if self._loop_epochs == 1 and n else 0.0
+            state.epoch = (state.epoch or 0.0) + shift + first
+        if self._zero and self.prepared is None and "model" in kwargs:
+            assert self.manager is not None
             # Staging memory and discovery off the stall of the first save.
             ckpt = training_state(
                 kwargs["model"],
@@ -196,24 +487,42 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
                 include_rng=self.include_rng,
             )
             self.prepared = self.manager.prepare(ckpt)
-        if self.replace_trainer_save and control.should_save:
-            self._save(state, kwargs)
-            control.should_save = False
+        self._take_save(args, state, control, kwargs)
 
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self.on_step_end(args, state, control, **kwargs)
+        self._take_save(args, state, control, kwargs)
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if not self.replace_trainer_save:
-            self._save(state, kwargs)
+            self._save(args, state, kwargs)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self.manager.wait()
-        if self._owned:
-            self.manager.close()
+        try:
+            if self.manager is not None and self._zero:
+                self.manager.wait()
+        finally:
+            if self._owned and self.manager is not None:
+                self.manager.close()
+            if self._reader is not None:
+                self._reader.close()
+                self._reader = None
+
+
+def _ranges(ranks: Any) -> str:
+    """``0-3, 6`` for ranks 0, 1, 2, 3, 6."""
+    out: list[str] = []
+    rs = sorted(ranks)
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ", ".join(out)

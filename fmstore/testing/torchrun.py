@@ -14,8 +14,35 @@ import signal
 import subprocess
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 from .seaweed import free_ports
+
+
+def launch(
+    script: str,
+    args: list[str],
+    *,
+    nproc: int,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    stdout: Any = subprocess.PIPE,
+) -> subprocess.Popen[str]:
+    """Start ``script args`` on ``nproc`` ranks and return at once (stderr joins stdout);
+    end it with
+    :func:`fmstore.testing.cluster.kill_tree` (its ranks run in sessions of their own)."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        "--master-addr=127.0.0.1", f"--master-port={free_ports(1)[0]}", script, *args,
+    ]  # fmt: skip
+    return subprocess.Popen(
+        cmd,
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=None if env is None else dict(env),
+        cwd=cwd,
+    )
 
 
 def torchrun(
@@ -28,17 +55,7 @@ def torchrun(
 ) -> tuple[int, str]:
     """``(exit status, stdout and stderr)`` of ``script args`` on ``nproc`` ranks; the
     status is -1 when it ran past ``timeout`` seconds (and was killed, ranks included)."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--master-addr=127.0.0.1", f"--master-port={free_ports(1)[0]}", script, *args,
-    ]  # fmt: skip
-    p = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=None if env is None else dict(env),
-    )
+    p = launch(script, args, nproc=nproc, env=env)
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -17,7 +17,7 @@ from typing import Any
 from ...errors import CorruptData, FmstoreError
 from ...stores.bounded import decode_json
 
-__all__ = ["MAX_MESSAGE", "broadcast_result", "gather_json"]
+__all__ = ["MAX_MESSAGE", "broadcast_result", "gather_json", "gather_json_to"]
 
 #: Largest JSON message one rank sends in a gather (errors, views, settings).
 MAX_MESSAGE = 16 << 20
@@ -32,11 +32,10 @@ def _lengths(pg: Any, n: int) -> list[int]:
     return [int(t[0]) for t in out]
 
 
-def gather_json(pg: Any, obj: Any, *, limit: int = MAX_MESSAGE) -> list[Any]:
-    """Every rank's ``obj`` (JSON values: what comes back has lists for tuples), in rank
-    order.  A message over ``limit`` bytes, or one that is not JSON, raises on every rank."""
+def _framed(pg: Any, obj: Any, limit: int) -> tuple[Any, list[int]]:
+    """``obj`` as JSON in a buffer padded to the longest message of any rank, and every
+    rank's length (checked against ``limit`` on every rank alike)."""
     import torch
-    import torch.distributed as dist
 
     data = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
     lens = _lengths(pg, len(data) if len(data) <= limit else -1)
@@ -46,12 +45,13 @@ def gather_json(pg: Any, obj: Any, *, limit: int = MAX_MESSAGE) -> list[Any]:
             f"rank {bad[0]} sent a message of {lens[bad[0]]} bytes to a gather (the limit is "
             f"{limit}; -1: its own message was over it)"
         )
-    top = max(lens)
-    buf = torch.zeros(top, dtype=torch.uint8)
+    buf = torch.zeros(max(lens), dtype=torch.uint8)
     if data:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    outs = [torch.empty(top, dtype=torch.uint8) for _ in lens]
-    dist.all_gather(outs, buf, group=pg)
+    return buf, lens
+
+
+def _decoded(outs: list[Any], lens: list[int]) -> list[Any]:
     got = []
     for r, (t, n) in enumerate(zip(outs, lens, strict=True)):
         try:
@@ -59,6 +59,36 @@ def gather_json(pg: Any, obj: Any, *, limit: int = MAX_MESSAGE) -> list[Any]:
         except ValueError as e:  # decode_json's own: short, never quoting the input
             raise CorruptData(f"rank {r} sent a gather message that is not JSON ({e})") from None
     return got
+
+
+def gather_json(pg: Any, obj: Any, *, limit: int = MAX_MESSAGE) -> list[Any]:
+    """Every rank's ``obj`` (JSON values: what comes back has lists for tuples), in rank
+    order.  A message over ``limit`` bytes, or one that is not JSON, raises on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    buf, lens = _framed(pg, obj, limit)
+    top = buf.numel()
+    outs = [torch.empty(top, dtype=torch.uint8) for _ in lens]
+    dist.all_gather(outs, buf, group=pg)
+    return _decoded(outs, lens)
+
+
+def gather_json_to(pg: Any, dst: int, obj: Any, *, limit: int) -> list[Any] | None:
+    """Every rank's ``obj`` on rank ``dst`` only (in rank order; None on the others): what
+    rank ``dst`` receives grows with the ranks, what the others receive does not (one
+    length per rank).  A message over ``limit`` bytes raises on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    buf, lens = _framed(pg, obj, limit)
+    top = buf.numel()
+    mine = dist.get_rank(pg) == dst
+    outs = [torch.empty(top, dtype=torch.uint8) for _ in lens] if mine else None
+    dist.gather(buf, outs, group=pg, group_dst=dst)
+    if outs is None:
+        return None
+    return _decoded(outs, lens)
 
 
 def broadcast_result(pg: Any, src: int, value: bytes | str | None, *, limit: int) -> bytes | str:

@@ -1,0 +1,267 @@
+"""transformers' ``Trainer`` under DDP on 2 ranks (torchrun, gloo, CPU) saving through
+``FmstoreCallback``: world process zero saves each step once, with every rank's RNG states
+and data position; a launch SIGKILLed once step 6 is committed and exported resumes, after
+the NVMe copy is wiped, from the Lustre copy on both ranks, bit-exact with an uninterrupted
+run of the same script (another launch) at the same step, and the next 3 steps' losses
+match it exactly.  Nothing but fmstore checkpoints is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from fmstore.testing.cluster import kill_tree  # noqa: E402
+from fmstore.testing.torchrun import launch  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "hf_rank_worker.py")
+AT = 6  # the step the killed launch commits last (epoch 1, batch 2 of 4 on each rank)
+ROOT = "runs/hf"
+#: What the Trainer writes when it saves by itself (and DCP, Lightning): none may appear.
+NATIVE = (
+    "pytorch_model.bin", "model.safetensors", "optimizer.pt", "scheduler.pt",
+    "trainer_state.json", "rng_state*.pth", "checkpoint-*", ".metadata", "*.distcp", "meta.pt",
+)  # fmt: skip
+
+
+def _config(tmp: Path) -> Path:
+    cfg = tmp / "fmstore.toml"
+    cfg.write_text(
+        f"""
+state_dir = "{tmp}/state"
+[tiers.nvme]
+url = "{tmp}/nvme"
+[tiers.lustre]
+url = "{tmp}/lustre"
+[policies]
+[[policies.export]]
+to = "lustre"
+every_steps = 2
+"""
+    )
+    return cfg
+
+
+def _manifest(tmp: Path, tier: str, step: int) -> Path:
+    return tmp / tier / ROOT / f"step_{step:012d}" / "manifest.json"
+
+
+def _start(tmp: Path, mode: str, tiers: Path) -> Any:
+    """A launch of ``mode`` with the tiers (and working directory) under ``tiers``."""
+    work = tiers / "work"
+    work.mkdir(exist_ok=True)
+    env = {
+        **os.environ,
+        "FMSTORE_CONFIG": str(tiers / "fmstore.toml"),
+        "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)]),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    log = open(tmp / f"{mode}.log", "w")  # noqa: SIM115 (closed with the launch)
+    p = launch(WORKER, [mode, str(tmp / "out"), str(AT)], nproc=2, env=env, cwd=str(work),
+               stdout=log)  # fmt: skip
+    p.log = log  # type: ignore[attr-defined]
+    return p
+
+
+def _finish(p: Any, tmp: Path, mode: str, timeout: float = 300) -> None:
+    try:
+        rc = p.wait(timeout=timeout)
+    except Exception:
+        kill_tree(p.pid)
+        raise
+    finally:
+        p.log.close()
+    assert rc == 0, (tmp / f"{mode}.log").read_text()[-6000:]
+
+
+def _wait_for(path: Path, p: Any, tmp: Path, mode: str, timeout: float = 300) -> None:
+    """Until ``path`` exists (the event); fail at once if the launch exited first."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert p.poll() is None, (tmp / f"{mode}.log").read_text()[-6000:]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def _equal(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), where
+        for k in a:
+            _equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def _no_native_files(*dirs: Path) -> None:
+    for d in dirs:
+        for pat in NATIVE:
+            found = list(d.rglob(pat))
+            assert not found, f"fmstore was bypassed: {found}"
+
+
+def test_trainer_ddp_saves_once_and_resumes_bit_exact_from_lustre(tmp_path):
+    import fmstore
+
+    job, other = tmp_path / "job", tmp_path / "ref"
+    for d in (job, other, tmp_path / "out"):
+        d.mkdir()
+        _config(d)
+    t0 = time.monotonic()
+    # The uninterrupted reference (tiers of its own) and the launch to be killed side by side.
+    ref = _start(tmp_path, "ref", other)
+    killed = _start(tmp_path, "kill", job)
+    try:
+        _wait_for(_manifest(job, "lustre", AT), killed, tmp_path, "kill")  # exported
+    finally:
+        kill_tree(killed.pid)
+        killed.wait()
+        killed.log.close()
+    _finish(ref, tmp_path, "ref")
+
+    # The NVMe copy is lost: the resume must come from Lustre.
+    assert _manifest(job, "nvme", AT).exists()
+    shutil.rmtree(job / "nvme" / ROOT)
+    resumed = _start(tmp_path, "resume", job)
+    _finish(resumed, tmp_path, "resume")
+    took = time.monotonic() - t0
+
+    out = tmp_path / "out"
+    saved = fmstore.load(str(_manifest(job, "lustre", AT).parent))
+    assert saved["step"] == AT and saved["world_size"] == 2
+    assert set(saved["ranks"]) == {"0", "1"}
+    for rank in (0, 1):
+        want = torch.load(out / f"ref-state-{rank}.pt", weights_only=False)
+        got = torch.load(out / f"resume-state-{rank}.pt", weights_only=False)
+        assert want["step"] == got["step"] == AT
+        assert got["tier"] == ("lustre" if rank == 0 else None)
+        for part in ("model", "optimizer", "scheduler", "rng"):
+            _equal(want[part], got[part], f"rank {rank} {part}")
+        assert got["epoch"] == pytest.approx(want["epoch"])
+        _equal(saved["model"], want["model"], "saved model")
+        # Each rank's RNG as that rank had it, under its own key (they differ).
+        assert not torch.equal(
+            saved["ranks"]["0"]["rng"]["torch"], saved["ranks"]["1"]["rng"]["torch"]
+        )
+        _equal(saved["ranks"][str(rank)]["rng"]["torch"], want["rng"]["torch"], f"rank {rank} rng")
+        assert saved["ranks"][str(rank)]["data"] == {"epoch": 1, "batch": 2}
+        ref_losses = json.loads((out / f"ref-losses-{rank}.json").read_text())
+        res_losses = json.loads((out / f"resume-losses-{rank}.json").read_text())
+        nxt = [str(s) for s in range(AT + 1, AT + 4)]
+        assert [res_losses[s] for s in nxt] == [ref_losses[s] for s in nxt], rank
+        assert min(int(s) for s in res_losses) == AT + 1  # trained from step 7 on
+
+    # Saved once per step, by world process zero only; nothing else written.
+    assert _manifest(job, "nvme", 8).exists()  # the resumed run saves on
+    for mode in ("kill", "resume", "ref"):
+        assert "AlreadyExists" not in (tmp_path / f"{mode}.log").read_text(), mode
+    _no_native_files(job, other)
+    print(f"3 launches of 2 ranks: {took:.1f} s")
+
+
+# ---- in one process: the per-rank records, another world size, FSDP ----------------------
+
+
+def test_rank_rng_states_round_trip_and_bad_ones_are_refused(tmp_path):
+    import random
+
+    import numpy as np
+
+    import fmstore
+    from fmstore.errors import CorruptData
+    from fmstore.integrations import rank_state
+
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    random.gauss(0, 1)  # a cached gauss value is part of the state
+    fmstore.save({"rng": rank_state.rng_state()}, str(tmp_path / "c"))
+    want = (random.random(), random.gauss(0, 1), float(np.random.rand()), torch.rand(3))
+    back = fmstore.load(str(tmp_path / "c"))["rng"]  # weights_only
+    rank_state.apply_rng(back)
+    got = (random.random(), random.gauss(0, 1), float(np.random.rand()), torch.rand(3))
+    assert got[:3] == want[:3] and torch.equal(got[3], want[3])
+
+    # A checkpoint is outside input: a state that does not fit sets no RNG at all.
+    before = (random.getstate(), torch.get_rng_state())
+    bad_py = {**back, "python": {**back["python"], "state": torch.full((625,), 1 << 40)}}
+    with pytest.raises(CorruptData, match="python.state"):
+        rank_state.apply_rng(bad_py)
+    with pytest.raises(CorruptData, match="rng"):
+        rank_state.apply_rng({**back, "torch": torch.zeros(3, dtype=torch.uint8)})
+    assert random.getstate() == before[0] and torch.equal(torch.get_rng_state(), before[1])
+
+
+def _args(**kw: Any) -> Any:
+    import types
+
+    return types.SimpleNamespace(
+        **{"world_size": 1, "gradient_accumulation_steps": 1, "fsdp": [], **kw}
+    )
+
+
+def test_resume_on_another_world_size_says_which_ranks_it_could_not_restore(tmp_path):
+    from tiering_helpers import posix_config
+    from transformers import TrainerControl, TrainerState
+
+    from fmstore import CheckpointManager
+    from fmstore.integrations import rank_state
+    from fmstore.integrations.hf import FmstoreCallback, training_state
+
+    config = posix_config(str(tmp_path / "t"), {"ladder": ["nvme", "lustre"]}, ("nvme", "lustre"))
+    st = TrainerState()
+    st.global_step = 5
+    rec = {"rng": rank_state.rng_state(), "data": {"epoch": 1, "batch": 1}}
+    with CheckpointManager("runs/ws", config=config, run_policies=False) as mgr:
+        ckpt = training_state(torch.nn.Linear(3, 2), None, None, st, ranks={"0": rec, "1": rec})
+        mgr.save(5, ckpt).result()
+        cb = FmstoreCallback(mgr, resume=True)
+        fresh = TrainerState()
+        dl = torch.utils.data.DataLoader(list(range(8)), batch_size=2)  # 4 batches
+        with pytest.warns(RuntimeWarning) as seen:
+            cb.on_train_begin(_args(), fresh, TrainerControl(), model=torch.nn.Linear(3, 2),
+                              train_dataloader=dl)  # fmt: skip
+        text = str(seen[0].message)
+        assert "saved on 2 rank(s) and resumes on 1" in text, text
+        assert "rank(s) 0 are not restored" in text and "rank(s) 0-1 are not used" in text, text
+        assert "epoch 1, batch 1" in text, text
+        assert fresh.global_step == 5 and cb.restored_step == 5
+        torch.manual_seed(9)
+        seeded = torch.get_rng_state()
+        cb.on_step_begin(_args(), fresh, TrainerControl())
+        assert torch.equal(torch.get_rng_state(), seeded)  # no other world's RNG mixed in
+
+
+def test_a_sharded_model_is_refused_not_saved_in_part(tmp_path):
+    from tiering_helpers import posix_config
+    from transformers import TrainerControl, TrainerState
+
+    from fmstore import CheckpointManager
+    from fmstore.errors import FmstoreError
+    from fmstore.integrations.hf import FmstoreCallback
+
+    config = posix_config(str(tmp_path / "t"), {"ladder": ["nvme"]}, ("nvme",))
+    with CheckpointManager("runs/fsdp", config=config, run_policies=False) as mgr:
+        cb = FmstoreCallback(mgr)
+        with pytest.raises(FmstoreError, match="ShardedCheckpointManager"):
+            cb.on_train_begin(_args(fsdp=["full_shard"]), TrainerState(), TrainerControl(),
+                              model=torch.nn.Linear(3, 2))  # fmt: skip
+        assert mgr.steps() == []
