@@ -28,26 +28,45 @@ def torchrun(
 ) -> tuple[int, str]:
     """``(exit status, stdout and stderr)`` of ``script args`` on ``nproc`` ranks; the
     status is -1 when it ran past ``timeout`` seconds (and was killed, ranks included)."""
+    p = launch(script, args, nproc=nproc, env=env)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_all(p)
+        out, _ = p.communicate()
+        return -1, f"{out}\nkilled after {timeout} s"
+    return p.returncode, out
+
+
+def launch(
+    script: str,
+    args: list[str],
+    *,
+    nproc: int,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+) -> subprocess.Popen[str]:
+    """``script args`` on ``nproc`` ranks under torchrun, started (stdout and stderr
+    together on its ``stdout`` pipe); end it with :func:`kill_all`."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
         "--master-addr=127.0.0.1", f"--master-port={free_ports(1)[0]}", script, *args,
     ]  # fmt: skip
-    p = subprocess.Popen(
+    return subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=None if env is None else dict(env),
+        cwd=cwd,
     )
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for pid in [p.pid, *descendants(p.pid)]:  # listed before any is killed and reparented
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        return -1, f"{out}\nkilled after {timeout} s"
-    return p.returncode, out
+
+
+def kill_all(p: subprocess.Popen[str]) -> None:
+    """SIGKILL torchrun and every process it started (ranks run in sessions of their own)."""
+    for pid in [p.pid, *descendants(p.pid)]:  # listed before any is killed and reparented
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def descendants(pid: int) -> list[int]:
