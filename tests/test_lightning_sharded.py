@@ -256,10 +256,39 @@ def test_the_plugin_does_not_warn_about_the_format_it_writes(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP needs a non-CPU accelerator device")
-def test_fsdp_strategy_sharded_saves_through_fmstore(tmp_path):  # pragma: no cover
-    from fmstore.integrations.lightning import FmstoreFSDPStrategy
+def test_fsdp_strategy_sharded_saves_through_fmstore(tmp_path, one_rank):  # pragma: no cover
+    from fmstore.checkpoint.dcp import inspect_checkpoint
+    from fmstore.checkpoint.layout import step_name
+    from fmstore.integrations.lightning import FmstoreFSDPStrategy, FmstoreModelCheckpoint
 
-    raise NotImplementedError(FmstoreFSDPStrategy)
+    class Plain(_Tiny):
+        def configure_model(self) -> None:  # FSDP1 wraps the module itself
+            pass
+
+    def fit(steps: int, **kw):  # type: ignore[no-untyped-def]
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+        data = torch.utils.data.TensorDataset(x, x[:, :1])
+        ckpt = FmstoreModelCheckpoint(dirpath=str(tmp_path / "run"), every_n_train_steps=1)
+        t = pl.Trainer(
+            accelerator="cuda",
+            devices=1,
+            strategy=FmstoreFSDPStrategy(),
+            max_steps=steps,
+            callbacks=[ckpt],
+            logger=False,
+            enable_progress_bar=False,
+        )
+        m = Plain()
+        t.fit(m, torch.utils.data.DataLoader(data, batch_size=4), **kw)
+        return t, m
+
+    fit(2)
+    path = tmp_path / "run" / step_name(2)
+    fqns = {r.fqn for r in inspect_checkpoint(str(path))[1]}
+    assert "lightning" in fqns and any(f.startswith("model.") for f in fqns)
+    assert _native_files(tmp_path) == []
+    t2, _ = fit(3, ckpt_path="last")
+    assert t2.global_step == 3
 
 
 if __name__ == "__main__":  # pragma: no cover

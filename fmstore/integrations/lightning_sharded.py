@@ -15,6 +15,7 @@ step on any tier of the ladder.  See docs/integrations.md.
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import re
@@ -30,11 +31,10 @@ from ..stores import Location
 from ..stores.location import split_tier
 from .lightning import CheckpointIO
 
-_pl: Any
-if CheckpointIO.__module__.startswith("lightning."):
-    import lightning.pytorch as _pl
-else:
-    import pytorch_lightning as _pl
+# The trainer package of the Lightning the plugin's base class comes from.
+_pl: Any = importlib.import_module(
+    "lightning.pytorch" if CheckpointIO.__module__.startswith("lightning.") else "pytorch_lightning"
+)
 
 __all__ = ["FmstoreFSDPStrategy", "FmstoreModelCheckpoint", "FmstoreModelParallelStrategy"]
 
