@@ -19,9 +19,12 @@ import os
 import shutil
 import sys
 import threading
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from ..checkpoint import SaveHandle, async_save, load, prepare_async_save, save
+from ..checkpoint.api import TorchSuffixWarning
+from ..errors import NotSupported
 from ..stores import Location, open_store
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,7 +50,11 @@ else:
 
     CheckpointIO = _checkpoint_io_base()
 
-__all__ = ["FmstoreCheckpointIO", "prepare_callback"]
+__all__ = [
+    "FmstoreBypassedWarning",
+    "FmstoreCheckpointIO",
+    "prepare_callback",
+]  # and, imported on first use, the names of _SHARDED (fmstore.integrations.lightning_sharded)
 
 
 def _url(path: Any) -> str:
@@ -56,6 +63,36 @@ def _url(path: Any) -> str:
 
 def _local_path(url: str) -> str | None:
     return Location.parse(url).local_root
+
+
+#: What Lightning's own sharded strategies write, going around any ``CheckpointIO``: torch's
+#: DCP files and the rest of the checkpoint pickled beside them.
+_NATIVE_SHARDED = (".metadata", "meta.pt")
+
+
+class FmstoreBypassedWarning(UserWarning):
+    """A checkpoint at a path this plugin was handed was written without it."""
+
+
+def _bypassed(local: str | None) -> bool:
+    """Whether ``local`` is a checkpoint Lightning's ``ModelParallelStrategy`` or
+    ``FSDPStrategy(state_dict_type="sharded")`` wrote itself (never calling the plugin)."""
+    return (
+        local is not None
+        and os.path.isdir(local)
+        and not os.path.exists(os.path.join(local, "manifest.json"))
+        and any(os.path.isfile(os.path.join(local, n)) for n in _NATIVE_SHARDED)
+    )
+
+
+def _bypass_text(path: str) -> str:
+    return (
+        f"{path} was written by Lightning's sharded strategy itself (torch's .metadata and a "
+        "meta.pt pickle, no fmstore checkpoint): ModelParallelStrategy and "
+        "FSDPStrategy(state_dict_type='sharded') never call a CheckpointIO plugin, so "
+        "FmstoreCheckpointIO was bypassed. Use strategy=FmstoreModelParallelStrategy(...) "
+        "or FmstoreFSDPStrategy(...) from fmstore.integrations.lightning instead"
+    )
 
 
 class FmstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
@@ -77,6 +114,13 @@ class FmstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
     default): True, as in ``torch.load``, refuses pickled values; a checkpoint saved with
     ``pickle=True`` needs ``weights_only=False`` here or in ``trainer.fit``.  An explicit
     ``weights_only`` from Lightning wins.
+
+    Lightning's sharded strategies (``ModelParallelStrategy``,
+    ``FSDPStrategy(state_dict_type="sharded")``) never call a ``CheckpointIO``: use
+    ``FmstoreModelParallelStrategy`` / ``FmstoreFSDPStrategy`` for them.  A checkpoint such
+    a strategy wrote itself is refused by ``load_checkpoint`` (``NotSupported``, saying so)
+    and warned about (:class:`FmstoreBypassedWarning`) by ``remove_checkpoint``, the first
+    call this plugin gets from such a run.
 
     ``overwrite`` (default True, as ``torch.save`` overwrites files): Lightning saves
     ``last.ckpt`` again and again; each overwrite is atomic.  ``save_options`` go to
@@ -121,10 +165,13 @@ class FmstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
         options.setdefault("pickle", self.pickle)
         url = _url(path)
         self._raise_failed()
-        if not self.async_save:
-            save(checkpoint, url, **options)
-            return
-        handle = async_save(checkpoint, url, **options)
+        with warnings.catch_warnings():
+            # A ".ckpt" that is a directory is what this plugin is documented to write.
+            warnings.simplefilter("ignore", TorchSuffixWarning)
+            if not self.async_save:
+                save(checkpoint, url, **options)
+                return
+            handle = async_save(checkpoint, url, **options)
         with self._lock:
             self._pending.append(handle)
 
@@ -166,6 +213,8 @@ class FmstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
         url = _url(path)
         wo = self.weights_only if weights_only is None else weights_only
         local = _local_path(url)
+        if _bypassed(local):
+            raise NotSupported(_bypass_text(url))
         if local is not None and os.path.isfile(local):
             import torch
 
@@ -180,6 +229,9 @@ class FmstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self.wait()
         url = _url(path)
         local = _local_path(url)
+        if _bypassed(local):
+            # Only rank 0 removes: raising here would leave the other ranks waiting.
+            warnings.warn(_bypass_text(url), FmstoreBypassedWarning, stacklevel=2)
         if local is not None:
             if os.path.isfile(local) or os.path.islink(local):
                 os.remove(local)
@@ -232,3 +284,15 @@ def prepare_callback() -> Any:
                 self.future = io.prepare(state)
 
     return FmstorePrepare()
+
+
+_SHARDED = ("FmstoreFSDPStrategy", "FmstoreModelCheckpoint", "FmstoreModelParallelStrategy")
+
+
+def __getattr__(name: str) -> Any:
+    # The strategies import Lightning's trainer package: only when asked for.
+    if name in _SHARDED:
+        from . import lightning_sharded
+
+        return getattr(lightning_sharded, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

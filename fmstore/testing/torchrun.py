@@ -29,8 +29,7 @@ def launch(
     stdout: Any = subprocess.PIPE,
 ) -> subprocess.Popen[str]:
     """Start ``script args`` on ``nproc`` ranks and return at once (stderr joins stdout);
-    end it with
-    :func:`fmstore.testing.cluster.kill_tree` (its ranks run in sessions of their own)."""
+    end it with :func:`kill_all` (its ranks run in sessions of their own)."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
         "--master-addr=127.0.0.1", f"--master-port={free_ports(1)[0]}", script, *args,
@@ -59,12 +58,17 @@ def torchrun(
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        for pid in [p.pid, *descendants(p.pid)]:  # listed before any is killed and reparented
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_all(p)
         out, _ = p.communicate()
         return -1, f"{out}\nkilled after {timeout} s"
     return p.returncode, out
+
+
+def kill_all(p: subprocess.Popen[str]) -> None:
+    """SIGKILL torchrun and every process it started (ranks run in sessions of their own)."""
+    for pid in [p.pid, *descendants(p.pid)]:  # listed before any is killed and reparented
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def descendants(pid: int) -> list[int]:
