@@ -112,6 +112,8 @@ def test_a_bug_is_raised_as_it_is_and_only_the_checkpoints_own_verdicts_fall_bac
     passed.clear()
     assert fdcp.load({"w": torch.zeros(4)}, new, fallbacks=[old], passed=passed) == old
     assert [p.code for _c, p in passed] == [Code.UNUSABLE], passed
+    # A Reader's read options are the load's: unchecked, the flipped byte is loaded.
+    assert fdcp.load({"w": torch.zeros(4)}, Reader(new, verify=False), fallbacks=[old]) == new
 
 
 def test_what_plain_dcp_load_raises_for_a_missing_checkpoint(tmp_path):
@@ -125,8 +127,10 @@ def test_what_plain_dcp_load_raises_for_a_missing_checkpoint(tmp_path):
         dcp.load({"w": torch.zeros(4)}, storage_reader=Reader(missing))
     assert not isinstance(got.value, Exception)
     assert "no checkpoint at" in str(got.value)
-    with pytest.raises(NotFound, match="no committed checkpoint|no checkpoint at"):
+    with pytest.raises(NotFound, match="no checkpoint every rank can read") as failed:
         fdcp.load({"w": torch.zeros(4)}, missing)
+    assert isinstance(failed.value, CandidatesFailed)
+    assert [p.code for _c, p in failed.value.problems] == [Code.NO_MANIFEST]
     assert not os.path.exists(missing)
 
 
