@@ -22,24 +22,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
+import os
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from ... import runtime
-from ...config import is_node_id
 from ...errors import AlreadyExists, CorruptData, FmstoreError, NotFound, StoreUnavailable
 from ...stores import PutOptions, Store
 from ...stores.bounded import manifest_limit, read_bounded
-from ..layout import GENERATION_RE
 from ..routing import Holding, Routes, lowest_rank, route
 from . import replica_stream, replicas
 from .manifest import MANIFEST_KEY, DcpManifest
-from .nodes import drop_pending, has_rank_record, node_id, tier_scope
+from .nodes import drop_pending, node_id, tier_scope
 from .peers import Peers
 from .problems import (
     Code,
@@ -47,13 +44,16 @@ from .problems import (
     Problem,
     code_of,
     first,
+    fmstore_error,
     from_json,
+    look_failed,
     next_move,
     reason,
     to_json,
 )
 from .reader import Reader
 from .staging import Stager
+from .views import View, look, open_candidate
 from .wire import broadcast_result, gather_json
 from .writer import Writer
 
@@ -301,52 +301,6 @@ def _gather_answers(
 # ---- the collective restore -------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _View:
-    """What one rank's node holds of one candidate."""
-
-    rank: int
-    node: str
-    digest: str | None  # sha256 of the manifest this node holds, None: no manifest
-    pending: tuple[str, ...]  # generations holding this rank's record, no manifest here
-    #: a read failed: what this node holds is unknown
-    error: Problem | None = None
-    #: the replicas this node holds of other nodes' parts: sha256 of their manifest, ranks
-    held: tuple[str | None, tuple[int, ...]] = (None, ())
-
-    @classmethod
-    def gather(cls, pg: Any, mine: _View) -> list[_View]:
-        """Every rank's view, sent as JSON and checked field by field on arrival."""
-        out = []
-        sent = {**dataclasses.asdict(mine), "error": to_json(mine.error)}
-        for r, d in enumerate(gather_json(pg, sent)):
-            try:
-                digest, ranks = d["held"]
-                v = cls(
-                    rank=d["rank"],
-                    node=d["node"],
-                    digest=d["digest"],
-                    pending=tuple(d["pending"]),
-                    error=from_json(d["error"]),
-                    held=(digest, tuple(ranks)),
-                )
-                ok = (
-                    isinstance(d["pending"], list)
-                    and isinstance(ranks, list)
-                    and type(v.rank) is int
-                    and is_node_id(v.node)
-                    and all(isinstance(x, (str, type(None))) for x in (v.digest, digest))
-                    and all(isinstance(g, str) for g in v.pending)
-                    and all(type(x) is int for x in v.held[1])
-                )
-            except (KeyError, TypeError, ValueError):
-                ok = False
-            if not ok:
-                raise CorruptData(f"rank {r} sent a view of its candidate that is not one")
-            out.append(v)
-        return out
-
-
 class CandidatesFailed(NotFound):
     """No candidate is readable by every rank; ``problems``: each candidate and the
     problem every rank agreed on (all ``NO_MANIFEST``: the run has no checkpoint there)."""
@@ -367,7 +321,7 @@ UNKNOWN_PAUSE = 0.2
 
 def load(
     state_dict: dict[str, Any],
-    uri: str,
+    uri: Reader | str | os.PathLike[str],
     *,
     fallbacks: Sequence[str] = (),
     process_group: Any = None,
@@ -376,8 +330,9 @@ def load(
     passed: list[tuple[str, Problem]] | None = None,
     **options: Any,
 ) -> str:
-    """Load the first of ``uri`` and ``fallbacks`` that every rank can read into
-    ``state_dict`` (in place, like ``dcp.load``), the same one on every rank; returns it.
+    """Load the first of ``uri`` (a URI, or a :class:`Reader`: its URI, store and read
+    options) and ``fallbacks`` that every rank can read into ``state_dict`` (in place, like
+    ``dcp.load``), the same one on every rank; returns it.
 
     Candidates on a node-local tier are used only when every rank's node holds its part
     (checked with the manifest, before anything is read) under the same rank-to-node map
@@ -387,16 +342,25 @@ def load(
     a missing blob) every rank goes on to the next candidate.  A candidate some rank could
     not look at (a read error: its state is unknown) is looked at again
     (:data:`UNKNOWN_TRIES`), then the error is raised on every rank: never skipped for an
-    older one.  Raises :class:`CandidatesFailed` (a :class:`NotFound`) naming every
+    older one.  An error that is no storage error (a bug, a wrong argument:
+    :data:`~.problems.Code.FAILED`) on any rank raises :class:`FmstoreError` on every rank
+    at once.  Raises :class:`CandidatesFailed` (a :class:`NotFound`) naming every
     candidate and why it was passed over; ``passed``, when given, receives the candidates
     passed over before the one loaded.  Without a process group the same rules hold for
     the one process: only a manifest the store says is absent sends it to the next
-    candidate as "no checkpoint"; a read error is looked at again, then raised.
+    candidate as "no checkpoint"; a read error is looked at again, then raised; any other
+    error than fmstore's is raised as it is.
     """
+    if isinstance(uri, Reader):
+        if store_options is not None or options:
+            raise TypeError("load(Reader(...)): give store_options and read options to the Reader")
+        store_options, options, uri = uri.store_options, dataclasses.asdict(uri.options), uri.uri
+    if not all(isinstance(u, (str, os.PathLike)) for u in (uri, *fallbacks)):
+        raise TypeError(f"load() takes URIs or a Reader, not {uri!r:.80} {fallbacks!r:.80}")
     so = dict(store_options or {})
     pg = process_group if process_group is not None else checkpoint_group()
     why: list[tuple[str, Problem]] = [] if passed is None else passed
-    for cand in [uri, *fallbacks]:
+    for cand in [os.fspath(u) for u in (uri, *fallbacks)]:
         problem = _load_one(state_dict, cand, so, pg, planner, options)
         looks = 1
         while (move := next_move(problem, looks, UNKNOWN_TRIES)) is Move.LOOK_AGAIN:
@@ -406,6 +370,8 @@ def load(
         if move is Move.LOAD:
             return cand
         assert problem is not None  # a candidate not loaded has one
+        if move is Move.RAISE and problem.code is Code.FAILED:
+            raise FmstoreError(f"restoring {cand} failed on a rank, not retried: {problem.text}")
         if move is Move.RAISE:
             raise StoreUnavailable(
                 f"could not tell whether {cand} is a committed checkpoint after "
@@ -426,7 +392,8 @@ def _load_one(
 ) -> Problem | None:
     """One look at ``cand``: the collective one (:func:`_try`), or without a process group
     a plain load, its problem coded by :func:`~.problems.code_of` (only the manifest's
-    absence is ``NO_MANIFEST``; a read error leaves the candidate unknown)."""
+    absence is ``NO_MANIFEST``; a read error leaves the candidate unknown; a failure is
+    raised, the error inside DCP's ``CheckpointException`` unwrapped)."""
     if _dist() is not None:
         return _try(state_dict, cand, so, pg, planner, options)
     import torch.distributed.checkpoint as dcp
@@ -436,11 +403,16 @@ def _load_one(
         # Looked at first, outside DCP: its load reports a failed metadata read as a bare
         # AssertionError, which would hide whether the manifest is absent or unreadable.
         reader.read_metadata()
+        reader.checked = reader.manifest  # not read a second time
         dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        return Problem(code_of(e), reason(e))
+        if code_of(e) is not Code.FAILED:
+            return Problem(code_of(e), reason(e))
+        if fmstore_error(e) is e:
+            raise
+        raise fmstore_error(e) from fmstore_error(e).__cause__  # unwrapped from DCP's
     return None
 
 
@@ -454,8 +426,9 @@ def _try(
 ) -> Problem | None:
     """Every rank: prepare ``cand`` and load it; the problem every rank agrees on, None
     once loaded.  A read that failed without a verdict (:class:`StoreUnavailable`,
-    :class:`PermissionDenied`: :func:`~.problems.code_of`) is a ``READ_ERROR``; a bad
-    checksum or a missing blob makes the candidate ``UNUSABLE``."""
+    :class:`PermissionDenied`: :func:`~.problems.code_of`) is a ``READ_ERROR``, another
+    error than fmstore's or DCP's verdict a ``FAILED``; a bad checksum or a missing blob
+    makes the candidate ``UNUSABLE``."""
     import torch.distributed.checkpoint as dcp
 
     problem, prepared = _prepare(cand, so, pg)
@@ -471,8 +444,8 @@ def _try(
     try:
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=pg)
     except BaseException as e:
-        unknown = code_of(e) is Code.READ_ERROR
-        err = Problem(Code.READ_ERROR if unknown else Code.UNUSABLE, reason(e))
+        code = code_of(e)
+        err = Problem(code if code in (Code.READ_ERROR, Code.FAILED) else Code.UNUSABLE, reason(e))
     return first(_gather_problems(pg, err))
 
 
@@ -487,13 +460,12 @@ def _prepare(
     rank = dist.get_rank(pg)
     # Every step below answers on every rank, errors included: a rank that raised here
     # would leave the others waiting in the next collective.
-    try:
-        mine = runtime.run(_look(uri, so, rank))
-    except Exception as e:
-        mine = _View(rank, node_id(), None, (), Problem(Code.READ_ERROR, reason(e)))
-    views = _View.gather(pg, mine)
+    views = View.gather(pg, look(uri, so, rank))
     nodes = tuple(v.node for v in views)
     holders = [v for v in views if v.digest is not None]
+    unread = [(v.node, p) for v in views for p in (v.error, v.held_error) if p is not None]
+    if failed := [p for _n, p in unread if p.code is Code.FAILED]:
+        return failed[0], None  # a bug on some rank: raised on every rank
     if not holders:
         bad = [v for v in views if v.error is not None]
         if bad:
@@ -503,7 +475,7 @@ def _prepare(
         pending = [v for v in views if v.pending]
         if views[rank].pending and rank == lowest_rank(nodes, views[rank].node):
             with contextlib.suppress(Exception):  # stays pending: the next restore retries
-                runtime.run(drop_pending(_open(uri, so), views[rank].pending, nodes))
+                runtime.run(drop_pending(open_candidate(uri, so), views[rank].pending, nodes))
         if pending:
             text = "never committed: no node holds its manifest; its pending parts are removed"
             return Problem(Code.NO_MANIFEST, text), None
@@ -513,7 +485,9 @@ def _prepare(
     if rank == src.rank:
         try:
             box[0] = runtime.run(
-                read_bounded(_open(uri, so), MANIFEST_KEY, manifest_limit(), what="manifest")
+                read_bounded(
+                    open_candidate(uri, so), MANIFEST_KEY, manifest_limit(), what="manifest"
+                )
             )
         except Exception as e:
             box[0] = f"node {src.node} could not read its manifest again: {reason(e)}"
@@ -531,15 +505,21 @@ def _prepare(
         try:
             mine_p, own = runtime.run(_check_part(uri, so, m, views, rank, src))
         except Exception as e:  # listing this node's blobs failed: unknown
-            mine_p = Problem(Code.READ_ERROR, reason(e))
+            mine_p = look_failed(e, f"this node's part of {uri}")
     answers = _gather_answers(pg, mine_p, own)
     every = [p for p, _own in answers]
     problem = first(every)
     routes: Routes | None = None
+    # What no node is known to hold may be in the replicas a node could not read (I3).
+    unknown = next(
+        (Problem(Code.READ_ERROR, f"node {n} could not look: {p.text}") for n, p in unread), None
+    )
     if problem is None and m is not None and _remapped(m, views, uri, so):
         # The relaunch put ranks on other nodes than the save: each item from a node
         # that holds it, or the candidate passed over (a shared tier reads it).
         problem, routes = _route(m, views, [o for _p, o in answers], src)
+        if problem is not None:  # a saved rank on no node, even as a replica
+            return unknown or problem, None
     if problem is not None:
         # Parts lost with their nodes come back from the replicas other nodes hold.
         lacking = [r for r, p in enumerate(every) if p is not None]
@@ -547,6 +527,7 @@ def _prepare(
         if m is not None and all(p is None or p.code is Code.LACKS_PART for p in every):
             held = [v.held for v in views]
             fetches = replicas.sources(uri, so, m, src.digest or "", held, lacking, pg)
+            problem = problem if fetches is not None else unknown or problem
         if m is None or fetches is None:
             return problem, None
         errs = [e for e in _gather(pg, replicas.fetch(uri, so, m, fetches, pg)) if e]
@@ -562,14 +543,14 @@ def _prepare(
         holds = routes is None or bool(answers[rank][1])
         if part is not None and holds and rank == lowest_rank(nodes, views[rank].node):
             try:
-                runtime.run(_put_manifest(_open(uri, so), box[0]))
+                runtime.run(_put_manifest(open_candidate(uri, so), box[0]))
             except Exception as e:
                 text = f"node {views[rank].node} could not adopt its part: {reason(e)}"
                 err = Problem(Code.UNUSABLE, text)
     return first(_gather_problems(pg, err)), (routes, m)
 
 
-def _remapped(m: DcpManifest, views: list[_View], uri: str, so: dict[str, Any]) -> bool:
+def _remapped(m: DcpManifest, views: list[View], uri: str, so: dict[str, Any]) -> bool:
     """Whether ``m`` is in node-local parts and some rank runs on another node than its
     part was saved on (every rank decides alike, from gathered facts)."""
     if not m.parts or tier_scope(uri, so.get("config")) != "node":
@@ -578,7 +559,7 @@ def _remapped(m: DcpManifest, views: list[_View], uri: str, so: dict[str, Any]) 
 
 
 def _route(
-    m: DcpManifest, views: list[_View], own: list[frozenset[int]], src: _View
+    m: DcpManifest, views: list[View], own: list[frozenset[int]], src: View
 ) -> tuple[Problem | None, Routes | None]:
     """The routes of a remapped restore (every rank alike), or why there are none."""
     holdings = [
@@ -600,41 +581,8 @@ def _route(
     return Problem(Code.LACKS_PART, text), None
 
 
-def _open(uri: str, so: dict[str, Any]) -> Store:
-    return Reader(uri, store_options=so).store
-
-
-async def _look(uri: str, so: dict[str, Any], rank: int) -> _View:
-    me = node_id()
-    cfg = so.get("config")
-    try:
-        store = _open(uri, so)
-    except NotFound:
-        return _View(rank, me, None, ())
-    try:
-        data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
-    except NotFound:
-        data = None
-    except Exception as e:
-        return _View(rank, me, None, (), Problem(Code.READ_ERROR, reason(e)))
-    held: tuple[str | None, tuple[int, ...]] = (None, ())
-    if replicas.replicas_of(uri, cfg):
-        held = await replicas.held(uri, so)
-    if data is not None:
-        return _View(rank, me, hashlib.sha256(data).hexdigest(), (), held=held)
-    pending = []
-    if tier_scope(uri, cfg) == "node":
-        # A generation holding any rank's record on this node (the relaunch may run other
-        # ranks here than the save did).
-        async for o in store.list("", recursive=False):
-            gen = o.key.rstrip("/").rsplit("/", 1)[-1]
-            if GENERATION_RE.match(gen) and await has_rank_record(store, gen):
-                pending.append(gen)
-    return _View(rank, me, None, tuple(sorted(pending)), held=held)
-
-
 async def _check_part(
-    uri: str, so: dict[str, Any], m: DcpManifest, views: list[_View], rank: int, src: _View
+    uri: str, so: dict[str, Any], m: DcpManifest, views: list[View], rank: int, src: View
 ) -> tuple[Problem | None, frozenset[int]]:
     """Why this rank cannot read its share of the checkpoint ``m`` at ``uri`` (None if it
     can), and the saved ranks whose blobs this node's part holds complete."""
@@ -662,7 +610,7 @@ async def _check_part(
     have: dict[str, int] = {}
     if part is not None:
         try:
-            store = _open(uri, so)
+            store = open_candidate(uri, so)
         except NotFound:
             pass  # not even the checkpoint's directory on this node
         else:

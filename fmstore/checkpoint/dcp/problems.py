@@ -13,12 +13,16 @@ rank's :class:`Problem`, never its text: rewording a message changes no behaviou
   node, wiped NVMe): a replica may restore it;
 * ``UNUSABLE``: the candidate is readable but not by this job (another layout, another
   world size, two different manifests, a failed adoption, a failed load): the next
-  candidate is tried.
+  candidate is tried;
+* ``FAILED``: a rank met an error that is no verdict on the candidate (a bug, a wrong
+  argument: a ``TypeError``, a ``ValueError`` raised by code): raised on every rank at
+  once, never retried nor passed over.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +36,7 @@ __all__ = [
     "first",
     "fmstore_error",
     "from_json",
+    "look_failed",
     "next_move",
     "reason",
     "to_json",
@@ -43,6 +48,7 @@ class Code(str, enum.Enum):
     READ_ERROR = "read_error"
     LACKS_PART = "lacks_part"
     UNUSABLE = "unusable"
+    FAILED = "failed"
 
 
 @dataclass(frozen=True)
@@ -74,12 +80,14 @@ def from_json(d: object) -> Problem | None:
 
 
 def first(problems: Sequence[Problem | None]) -> Problem | None:
-    """The problem that decides for every rank: a read error first (the candidate is
-    unknown), then any other, in rank order; None when no rank had one."""
+    """The problem that decides for every rank: a failure first (raised everywhere), then a
+    read error (the candidate is unknown), then any other, in rank order; None when no rank
+    had one."""
     got = [p for p in problems if p is not None]
-    for p in got:
-        if p.code is Code.READ_ERROR:
-            return p
+    for code in (Code.FAILED, Code.READ_ERROR):
+        for p in got:
+            if p.code is code:
+                return p
     return got[0] if got else None
 
 
@@ -113,19 +121,35 @@ def code_of(e: BaseException) -> Code:
     the store said ``manifest.json`` itself is absent; ``READ_ERROR`` for a read that
     failed without a verdict (:class:`~fmstore.errors.StoreUnavailable`,
     :class:`~fmstore.errors.PermissionDenied`, an OS error fmstore did not translate);
-    ``UNUSABLE`` for a proven problem (a missing blob, a bad checksum, a layout this job
-    cannot read)."""
+    ``UNUSABLE`` for a proven problem (a missing blob, a bad checksum: fmstore's other
+    errors; a layout this job cannot read: the ``ValueError`` or ``RuntimeError`` of DCP's
+    check of the checkpoint against the state dict, inside its ``CheckpointException``);
+    ``FAILED`` for any other error (a bug, a wrong argument)."""
     from ...errors import FmstoreError, NotFound, PermissionDenied, StoreUnavailable
     from ...format.manifest import MANIFEST_KEY
 
-    e = fmstore_error(e)
-    if isinstance(e, NotFound):
-        return Code.NO_MANIFEST if e.key == MANIFEST_KEY else Code.UNUSABLE
-    if isinstance(e, (StoreUnavailable, PermissionDenied)):
+    inner = fmstore_error(e)
+    if isinstance(inner, NotFound):
+        return Code.NO_MANIFEST if inner.key == MANIFEST_KEY else Code.UNUSABLE
+    if isinstance(inner, (StoreUnavailable, PermissionDenied)):
         return Code.READ_ERROR
-    if isinstance(e, OSError) and not isinstance(e, FmstoreError):
+    if isinstance(inner, OSError) and not isinstance(inner, FmstoreError):
         return Code.READ_ERROR
-    return Code.UNUSABLE
+    if isinstance(inner, FmstoreError):
+        return Code.UNUSABLE
+    if inner is not e and isinstance(inner, (ValueError, RuntimeError)):
+        return Code.UNUSABLE  # DCP's verdict: "Size mismatch", "Missing key"
+    return Code.FAILED
+
+
+def look_failed(e: BaseException, what: str) -> Problem:
+    """This rank's problem when its look at ``what`` (a candidate's manifest, part or
+    replicas) raised ``e``: ``FAILED`` for a failure (:func:`code_of`; its traceback is
+    logged here, on the one rank that has it), else ``READ_ERROR``: its state is unknown."""
+    if code_of(e) is not Code.FAILED:
+        return Problem(Code.READ_ERROR, reason(e))
+    logging.getLogger("fmstore.checkpoint").error("looking at %s failed", what, exc_info=e)
+    return Problem(Code.FAILED, reason(e))
 
 
 class Move(str, enum.Enum):
@@ -140,9 +164,12 @@ class Move(str, enum.Enum):
 def next_move(problem: Problem | None, looks: int, tries: int) -> Move:
     """The restore's decision about one candidate from the problem every rank agrees on
     (:func:`first`) after ``looks`` looks of at most ``tries``: I3 of docs/distributed.md
-    (a candidate whose state is unknown is never skipped for an older one)."""
+    (a candidate whose state is unknown is never skipped for an older one); a failure is
+    raised at once."""
     if problem is None:
         return Move.LOAD
+    if problem.code is Code.FAILED:
+        return Move.RAISE
     if problem.code is not Code.READ_ERROR:
         return Move.NEXT
     return Move.LOOK_AGAIN if looks < tries else Move.RAISE

@@ -39,6 +39,7 @@ from ..layout import RANK_RECORD_RE, REPLICA_PREFIX, parse_step
 from .manifest import MANIFEST_KEY, DcpManifest
 from .nodes import RankRecord, rank_record_key
 from .placement import MAX_REPLICAS, capped, domains_of, holders
+from .problems import Code, code_of
 from .wire import gather_json
 
 if TYPE_CHECKING:
@@ -473,7 +474,9 @@ async def _drop_older(uri: str, so: dict[str, Any]) -> None:
 
 async def held(uri: str, so: dict[str, Any]) -> tuple[str | None, tuple[int, ...]]:
     """The sha256 of the manifest of the replicas this node holds for ``uri`` and the ranks
-    whose replica is complete (its record written after its blobs); (None, ()) if none."""
+    whose replica is complete (its record written after its blobs); (None, ()) if none (no
+    manifest there, or a proven bad one: :func:`~.problems.code_of`).  A read that failed
+    without a verdict raises: what this node holds is unknown (I3 of docs/distributed.md)."""
     try:
         store = open_replicas(replica_uri(uri, so.get("config")), so)
         data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
@@ -484,8 +487,10 @@ async def held(uri: str, so: dict[str, Any]) -> tuple[str | None, tuple[int, ...
             async for o in store.list(f"{m.generation}/", recursive=False)
         ]
         ranks = sorted({r for f in found if f and (r := int(f.group(1))) < m.world_size})
-    except Exception:  # none here, or unreadable: holds nothing a restore could use
-        return None, ()
+    except Exception as e:
+        if code_of(e) not in (Code.NO_MANIFEST, Code.UNUSABLE):
+            raise
+        return None, ()  # none here, or not one: holds nothing a restore could use
     return hashlib.sha256(data).hexdigest(), tuple(ranks)
 
 
