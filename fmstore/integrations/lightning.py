@@ -17,38 +17,15 @@ import importlib
 import importlib.util
 import os
 import shutil
-import sys
 import threading
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..checkpoint import SaveHandle, async_save, load, prepare_async_save, save
 from ..checkpoint.api import TorchSuffixWarning
 from ..errors import NotSupported
-from ..stores import Location, open_store
-
-if TYPE_CHECKING:  # pragma: no cover
-    from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
-else:
-
-    def _checkpoint_io_base() -> type:
-        """Lightning's ``CheckpointIO`` of the Lightning the Trainer comes from (its
-        plugin check is an ``isinstance`` against that very class)."""
-        order = ["lightning_fabric", "lightning.fabric"]
-        if "lightning" in sys.modules or importlib.util.find_spec("lightning_fabric") is None:
-            order.reverse()
-        for pkg in order:
-            try:
-                mod = importlib.import_module(f"{pkg}.plugins.io.checkpoint_io")
-            except ImportError:
-                continue
-            return mod.CheckpointIO  # type: ignore[no-any-return]
-        raise ImportError(
-            "fmstore.integrations.lightning needs Lightning: pip install lightning "
-            "(or pytorch-lightning)"
-        )
-
-    CheckpointIO = _checkpoint_io_base()
+from ..stores import Location
+from .lightning_pkg import CheckpointIO, remove_checkpoint_prefix
 
 __all__ = [
     "FmstoreBypassedWarning",
@@ -236,24 +213,10 @@ class FmstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
             if os.path.isfile(local) or os.path.islink(local):
                 os.remove(local)
             elif os.path.isdir(local):
-                _remove_prefix(url)
+                remove_checkpoint_prefix(url)
                 shutil.rmtree(local, ignore_errors=True)  # the directories left empty
             return
-        _remove_prefix(url)
-
-
-def _remove_prefix(url: str) -> None:
-    from .. import runtime
-    from ..tiering.mover import delete_checkpoint
-
-    async def go() -> None:
-        store = open_store(url)
-        try:
-            await delete_checkpoint(store)
-        finally:
-            await store.close()
-
-    runtime.run(go())
+        remove_checkpoint_prefix(url)
 
 
 def prepare_callback() -> Any:

@@ -29,7 +29,7 @@ from ..checkpoint.layout import MANIFEST_KEY, parse_step, step_name
 from ..config import get_config
 from ..stores import Location
 from ..stores.location import split_tier
-from .lightning import CheckpointIO
+from .lightning_pkg import CheckpointIO, remove_checkpoint_prefix
 
 # The trainer package of the Lightning the plugin's base class comes from.
 _pl: Any = importlib.import_module(
@@ -139,14 +139,12 @@ class _FmstoreSharded:
         """Remove the checkpoint (manifest first); rank 0, as Lightning removes."""
         if not self.is_global_zero:  # type: ignore[attr-defined]
             return
-        from .lightning import _remove_prefix
-
         url = checkpoint_url(filepath)
         local = Location.parse(url).local_root
         if local is not None and os.path.isfile(local):
             os.remove(local)
             return
-        _remove_prefix(url)
+        remove_checkpoint_prefix(url)
         if local is not None and os.path.isdir(local):
             import shutil
 
