@@ -9,8 +9,10 @@ process and the daemon.  Guarantees:
 * every write is an idempotent upsert keyed by ``(root, step, tier)``: running a step twice
   gives the same catalog, which is what makes every daemon step safe to repeat after a crash;
 * the catalog is a cache of what the tiers hold, never the only truth: a copy is a
-  checkpoint because its ``manifest.json`` exists on the tier, and :mod:`fmstore.tiering.mover`
-  re-checks the tier before trusting a row for anything destructive.
+  checkpoint because its ``manifest.json`` on the tier was read and validated
+  (:meth:`fmstore.tiering.tiers.Tiers.committed_facts`); a rescan reconciles stale rows
+  with that (:mod:`fmstore.tiering.discovery`), and :mod:`fmstore.tiering.mover` re-checks
+  the tier before trusting a row for anything destructive.
 
 States of a copy (one row per checkpoint per tier):
 

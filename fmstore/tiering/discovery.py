@@ -6,8 +6,11 @@ checkpoint is a ``ROOT/step_SSSSSSSSSSSS/manifest.json`` on some tier.  :func:`r
 is the one scan that ``CheckpointManager`` (its own root), ``fmstore daemon`` (every root
 of every tier, at start-up) and ``fmstore ckpt list`` use.
 
-What it records: each committed copy the catalog does not know (or knows as ``deleted``,
-``released`` or ``missing``) becomes ``present``; a checkpoint new to the catalog is
+What it records: each committed copy the catalog does not know, or knows in a state a
+validated manifest contradicts (``writing``: a save that committed but died before
+recording it; ``deleted``, ``released``, ``missing``, ``superseded``), becomes ``present``
+(:func:`record_found`, the one repair the daemon's reconcile step makes too); a checkpoint
+new to the catalog is
 recorded with the earliest commit time found on any tier as its creation time, steps in
 ascending order (a sharded checkpoint's: the creation time its global manifest records, the
 same on every node).  Known copies are left alone, so running it again changes nothing.
@@ -15,6 +18,7 @@ same on every node).  Known copies are left alone, so running it again changes n
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -23,8 +27,14 @@ from ..checkpoint.layout import parse_step
 from ..errors import FmstoreError, NotFound
 from ..format.manifest import DCP_FORMAT_NAME
 from . import catalog as cat
-from .catalog import Catalog
+from .catalog import Catalog, Copy
 from .tiers import CommittedCopy, Tiers
+
+#: Copy states that a validated manifest on the tier proves stale.  Not ``exporting``,
+#: ``deleting`` or ``corrupt``: their owner (an export, a removal, a verify) decides them.
+STALE = (cat.WRITING, cat.DELETED, cat.RELEASED, cat.MISSING, cat.SUPERSEDED)
+
+log = logging.getLogger("fmstore.tiering")
 
 #: How deep below a tier's root run roots are looked for (``team/project/run`` is 3).
 MAX_ROOT_DEPTH = 6
@@ -116,13 +126,49 @@ async def rediscover(
             )
             rep.checkpoints += 1
         for tier in ladder:
-            if tier not in on:
-                continue
-            cp = catalog.copy(root, step, tier)
-            if cp is None or cp.state in (cat.DELETED, cat.RELEASED, cat.MISSING, cat.SUPERSEDED):
-                catalog.set_copy(root, step, tier, cat.PRESENT)
+            if tier in on and record_found(catalog, root, step, tier, on[tier]):
                 rep.copies += 1
     return rep
+
+
+def record_found(catalog: Catalog, root: str, step: int, tier: str, copy: CommittedCopy) -> bool:
+    """Record that ``(root, step)`` is committed on ``tier`` (``copy``: its validated
+    manifest there): a missing or :data:`STALE` row becomes ``present``, others are left
+    alone.  A checkpoint recorded before its manifest existed (a save's first row) gets the
+    manifest's size and checksum.  Returns whether the row changed."""
+    cp = catalog.copy(root, step, tier)
+    if cp is not None and cp.state not in STALE:
+        return False
+    ck = catalog.checkpoint(root, step)
+    if ck is not None and ck.manifest_crc32c is None:
+        catalog.record_checkpoint(
+            root, step, bytes=copy.facts.stored_bytes, manifest_crc32c=copy.facts.crc32c
+        )
+    changed = catalog.set_copy(
+        root, step, tier, cat.PRESENT, bytes=copy.facts.stored_bytes, expect=[None, *STALE]
+    )
+    if changed and cp is not None and cp.state == cat.WRITING:
+        log.info(
+            "step %d of %r on %s was committed but recorded as writing: now present",
+            step,
+            root,
+            tier,
+            extra={"event": "repaired", "fields": {"root": root, "step": step, "tier": tier}},
+        )
+    return changed
+
+
+async def repair_writing(catalog: Catalog, tiers: Tiers) -> list[Copy]:
+    """Every copy the catalog has as ``writing`` whose manifest validates on its tier (a
+    save or copy that committed, then died before recording it), recorded ``present``
+    (:func:`record_found`); the rows repaired.  One read per such row; a read error is
+    raised."""
+    repaired = []
+    for cp in catalog.copies(states=[cat.WRITING]):
+        found = await tiers.committed_copy(cp.tier, cp.root, cp.step)
+        if found is not None and record_found(catalog, cp.root, cp.step, cp.tier, found):
+            repaired.append(cp)
+    return repaired
 
 
 def _validated_before(catalog: Catalog, root: str, tier: str) -> Callable[[int, int], bool]:

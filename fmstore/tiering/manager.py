@@ -372,8 +372,11 @@ class CheckpointManager:
     # ---- what exists -----------------------------------------------------------------
 
     def refresh(self) -> None:
-        """Record in the catalog every committed checkpoint of this root found on the tiers
-        (a new node, a lost catalog); known ones are left as they are."""
+        """Reconcile the catalog with the tiers for this root: every step whose manifest
+        validates on a tier is recorded there as present (a new node, a lost catalog, a save
+        that committed but died before recording it: its row said ``writing``); rows in
+        other states are left as they are (:func:`~fmstore.tiering.discovery.rediscover`).
+        Done once, on first use."""
         found = runtime.run(
             rediscover(self.catalog, self.tiers, self.policies.ladder, roots=[self.root])
         )
@@ -412,9 +415,11 @@ class CheckpointManager:
         return fut
 
     def steps(self, tier: str | None = None) -> list[int]:
-        """Steps with a complete copy (on ``tier``, or anywhere), ascending.  Waits for the
-        saves in flight first, so a step just saved is there once committed (a failed
-        save's error stays for :meth:`wait`)."""
+        """Steps committed (on ``tier``, or anywhere), ascending: their manifest was read and
+        validated on the tier, by this manager's save or by the scan of its first use
+        (:meth:`refresh`), whatever the catalog said before.  Waits for the saves in flight
+        first, so a step just saved is there once committed (a failed save's error stays
+        for :meth:`wait`)."""
         with self._lock:
             pending = [p._future for p in self._pending]
         cf.wait(pending)
@@ -425,6 +430,7 @@ class CheckpointManager:
         return sorted({c.step for c in copies})
 
     def latest_step(self) -> int | None:
+        """The newest committed step (:meth:`steps`), None when there is none."""
         s = self.steps()
         return s[-1] if s else None
 

@@ -3,8 +3,8 @@
 :class:`PolicyRunner` is what both the daemon and a training process without a daemon run.
 One :meth:`PolicyRunner.step`:
 
-1. **reconciles** the catalog with the tiers: a copy left ``writing`` whose manifest is on
-   the tier is ``present`` (the save committed, its process died before recording it); a
+1. **reconciles** the catalog with the tiers: a copy left ``writing`` whose manifest validates
+   on the tier is ``present`` (the save committed, its process died before recording it); a
    copy left ``deleting`` is deleted to the end;
 2. **plans** with :func:`fmstore.tiering.policies.plan` (pure: catalog in, actions out);
 3. **acts**, one action at a time, re-checking on the tiers before anything destructive
@@ -32,7 +32,6 @@ from typing import Any
 import filelock
 
 from .. import runtime
-from ..checkpoint.verify import read_committed as _read_manifest
 from ..config import Config
 from ..errors import (
     CorruptData,
@@ -44,6 +43,7 @@ from . import catalog as cat
 from . import metrics as m
 from .backoff import TierBackoff
 from .catalog import Catalog
+from .discovery import repair_writing
 from .failures import ActionFailure, FailureLog, reason_of
 from .mover import CHECKPOINT_COPY, copy_checkpoint, delete_checkpoint, has_checkpoint
 from .parts import remove_uncommitted, this_node
@@ -283,34 +283,18 @@ class PolicyRunner:
     # ---- reconcile -------------------------------------------------------------------
 
     async def _reconcile(self, rep: StepReport) -> None:
-        for cp in self.catalog.copies(states=[cat.WRITING, cat.DELETING]):
+        # A copy left writing whose manifest validates was committed: the same repair a
+        # rescan makes (discovery.record_found).
+        for cp in await repair_writing(self.catalog, self.tiers):
+            rep.repaired += 1
+            event("repaired", root=cp.root, step=cp.step, tier=cp.tier, state="present")
+        for cp in self.catalog.copies(states=[cat.DELETING]):
             store = self.tiers.checkpoint(cp.tier, cp.root, cp.step)
-            if cp.state == cat.WRITING:
-                try:
-                    data, manifest = await _read_manifest(store)
-                except (NotFound, CorruptData):
-                    continue
-                from ..format.checksum import crc32c
-
-                self.catalog.record_checkpoint(
-                    cp.root, cp.step, bytes=manifest.stored_bytes, manifest_crc32c=crc32c(data)
-                )
-                self.catalog.set_copy(
-                    cp.root,
-                    cp.step,
-                    cp.tier,
-                    cat.PRESENT,
-                    bytes=manifest.stored_bytes,
-                    expect=[cat.WRITING],
-                )
-                rep.repaired += 1
-                event("repaired", root=cp.root, step=cp.step, tier=cp.tier, state="present")
-            else:
-                final = cat.RELEASED if cp.error == _RELEASE_NOTE else cat.DELETED
-                await delete_checkpoint(store)
-                self.catalog.set_copy(cp.root, cp.step, cp.tier, final, expect=[cat.DELETING])
-                rep.repaired += 1
-                event("repaired", root=cp.root, step=cp.step, tier=cp.tier, state=final)
+            final = cat.RELEASED if cp.error == _RELEASE_NOTE else cat.DELETED
+            await delete_checkpoint(store)
+            self.catalog.set_copy(cp.root, cp.step, cp.tier, final, expect=[cat.DELETING])
+            rep.repaired += 1
+            event("repaired", root=cp.root, step=cp.step, tier=cp.tier, state=final)
 
     # ---- actions ---------------------------------------------------------------------
 

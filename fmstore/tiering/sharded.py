@@ -10,8 +10,8 @@ Every method but :meth:`save`'s wait is a collective of every rank of ``process_
   stall is the device-to-host copy) and writes it in the background to the write tier
   through :func:`fmstore.checkpoint.dcp.async_save` (on a node-local tier, one part per
   node, the manifest then copied to every node);
-* :meth:`latest_step` is the newest step some node holds a committed manifest of, the same
-  on every rank;
+* :meth:`latest_step` is the newest step some node holds committed (its manifest read and
+  validated, never a file merely there), the same on every rank;
 * :meth:`restore` loads the newest step every rank can read, from the fastest tier of the
   ladder that holds it for every rank (:func:`fmstore.checkpoint.dcp.load`): all ranks fall
   back together to a slower tier, then to an older step; it returns None when every rank
@@ -45,7 +45,6 @@ import signal
 import threading
 from typing import Any
 
-from .. import keys as _keys
 from .. import runtime
 from ..checkpoint.dcp import Stager, checkpoint_group
 from ..checkpoint.dcp import async_save as dcp_async_save
@@ -54,7 +53,7 @@ from ..checkpoint.dcp.collective import CandidatesFailed
 from ..checkpoint.dcp.nodes import node_id
 from ..checkpoint.dcp.problems import Code, Problem, fmstore_error, reason
 from ..checkpoint.dcp.wire import gather_json
-from ..checkpoint.layout import MANIFEST_KEY, checkpoint_key, parse_step, step_name
+from ..checkpoint.layout import checkpoint_key, parse_step, step_name
 from ..config import Config, get_config, is_node_id, load_config
 from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
 from .rules import from_config
@@ -295,15 +294,16 @@ class ShardedCheckpointManager:
 
     # ---- restoring ---------------------------------------------------------------------
 
-    def _steps(self) -> dict[str, tuple[set[int], set[int]]]:
-        """This rank's view: per tier, the steps it sees committed and every step directory;
-        under the key ``""``, the tiers it could not list (as ``(set(), set())`` values are
-        not enough: an unlisted tier may hold the newest step)."""
+    def _steps(self, committed: bool) -> dict[str, tuple[set[int], set[int]]]:
+        """This rank's view: per tier, with ``committed`` the newest step it sees committed
+        (else nothing), and every step directory; the tiers it could not list go to
+        :attr:`_unlisted` (as ``(set(), set())`` values are not enough: an unlisted tier may
+        hold the newest step)."""
         out: dict[str, tuple[set[int], set[int]]] = {}
         self._unlisted = []
         for tier in self.ladder:
             try:
-                out[tier] = runtime.run(self._steps_on(tier))
+                out[tier] = runtime.run(self._steps_on(tier, committed))
             except Exception as e:
                 # Unreachable from this rank: it sees nothing there (and must still answer
                 # the collective, or the other ranks would wait for it).
@@ -311,27 +311,18 @@ class ShardedCheckpointManager:
                 self._unlisted.append(f"{tier} (node {node_id()}): {reason(e)}")
         return out
 
-    async def _steps_on(self, tier: str) -> tuple[set[int], set[int]]:
-        store = self.tiers.store(tier)
-        prefix = _keys.validate_prefix(self.root)
-        committed: set[int] = set()
-        present: set[int] = set()
-        try:
-            async for meta in store.list(prefix, recursive=False):
-                step = parse_step(meta.key[len(prefix) :]) if meta.is_dir else None
-                if step is None:
-                    continue
-                present.add(step)
-                if await store.exists(_keys.join(self.root, step_name(step), MANIFEST_KEY)):
-                    committed.add(step)
-        except NotFound:
-            pass
-        return committed, present
+    async def _steps_on(self, tier: str, committed: bool) -> tuple[set[int], set[int]]:
+        """The newest step committed on ``tier`` (its manifest read and validated, this
+        node's part there on a node-local tier: :meth:`Tiers.committed_copy`), when
+        ``committed``; and every step directory there."""
+        present = await self.tiers.step_dirs(tier, self.root)
+        newest = await self.tiers.newest_committed(tier, self.root, present) if committed else None
+        return ({newest} if newest is not None else set()), set(present)
 
-    def _views(self) -> list[dict[str, tuple[set[int], set[int]]]]:
+    def _views(self, committed: bool = False) -> list[dict[str, tuple[set[int], set[int]]]]:
         """Every rank's :meth:`_steps`; the tiers some rank could not list go to
         :attr:`_unlisted_anywhere` (the same on every rank)."""
-        mine = self._steps()
+        mine = self._steps(committed)
         if self.pg is None:
             self._unlisted_anywhere = list(self._unlisted)
             return [mine]
@@ -349,8 +340,10 @@ class ShardedCheckpointManager:
         return out
 
     def latest_step(self) -> int | None:
-        """Every rank: the newest step some node holds a committed manifest of."""
-        steps = {s for v in self._views() for c, _p in v.values() for s in c}
+        """Every rank: the newest step some node holds committed on some tier (its manifest
+        read and validated there, with the node's part on a node-local tier), the same on
+        every rank; None when there is none."""
+        steps = {s for v in self._views(committed=True) for c, _p in v.values() for s in c}
         return max(steps) if steps else None
 
     def restore(self, state: dict[str, Any], step: int | None = None) -> int | None:
@@ -406,8 +399,7 @@ class ShardedCheckpointManager:
         if self.record and self.restored_step is not None:
             from ..checkpoint.dcp.nodes import tier_scope
 
-            here = self.tiers.checkpoint(tier, self.root, self.restored_step)
-            if tier_scope(used, self.config) == "node" and self._holds(here):
+            if tier_scope(used, self.config) == "node" and self._holds(tier, self.restored_step):
                 # A part adopted or written back from a replica is this node's to tier (a
                 # node that read every item from other nodes holds nothing of the step).
                 self._record(self.restored_step, tier)
@@ -487,12 +479,12 @@ class ShardedCheckpointManager:
             moved.update(steps)
         return sorted(moved)
 
-    @staticmethod
-    def _holds(store: Any) -> bool:
-        """Whether this node holds a committed manifest at ``store`` (a read error: it may,
-        and recording it says what went wrong)."""
+    def _holds(self, tier: str, step: int) -> bool:
+        """Whether this node holds ``step`` committed on ``tier`` (its manifest validated,
+        with this node's part: :meth:`Tiers.committed_copy`); a read error: it may, and
+        recording it says what went wrong."""
         try:
-            return bool(runtime.run(store.exists(MANIFEST_KEY)))
+            return runtime.run(self.tiers.committed_copy(tier, self.root, step)) is not None
         except Exception:
             return True
 

@@ -11,7 +11,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .. import keys as _keys
@@ -136,38 +136,72 @@ class Tiers:
         this tier before (the catalog); its blobs are then not listed again.
         ``not_counted``: filled with manifest URL -> why, for each manifest there that
         does not count (a newer fmstore's included: this one cannot check it)."""
+        found: dict[int, CommittedCopy] = {}
+        for step in await self.step_dirs(tier, root):
+            copy = await self.committed_copy(tier, root, step, known, not_counted)
+            if copy is not None:
+                found[step] = copy
+        return found
+
+    async def step_dirs(self, tier: str, root: str) -> list[int]:
+        """Every step directory under ``root`` on ``tier``, committed or not (one listing),
+        ascending."""
         store = self.store(tier)
         prefix = _keys.validate_prefix(root)
-        node = node_here() if self.config.tier(tier).scope == "node" else None
-        found: dict[int, CommittedCopy] = {}
         try:
-            steps = [
-                step
-                async for meta in store.list(prefix, recursive=False)
-                if meta.is_dir and (step := parse_step(meta.key[len(prefix) :])) is not None
-            ]
+            return sorted(
+                [
+                    step
+                    async for meta in store.list(prefix, recursive=False)
+                    if meta.is_dir and (step := parse_step(meta.key[len(prefix) :])) is not None
+                ]
+            )
         except NotFound:
-            return {}
-        for step in steps:
-            ckpt = store.sub(checkpoint_key(root, step))
-            where = f"{ckpt.url}/{MANIFEST_KEY}"
-            try:
-                data, mtime = await read_manifest(ckpt)
-                crc = crc32c(data)
-                facts = manifest_facts(data, crc32c=crc, where=where)
-                sizes = None if known and known(step, crc) else await _sizes(ckpt, facts)
-            except NotFound:
-                continue  # no manifest: the step is not committed here
-            except CorruptData as e:  # not a manifest this fmstore can count
-                if not_counted is not None:
-                    not_counted[where] = str(e)[:300]
-                continue
-            why = step_committed(facts, sizes=sizes, node=node, now=time.time(), skew=CLOCK_SKEW)
-            if why is None:
-                found[step] = CommittedCopy(facts, mtime)
-            elif not_counted is not None:
-                not_counted[where] = why.value
-        return found
+            return []
+
+    async def committed_copy(
+        self,
+        tier: str,
+        root: str,
+        step: int,
+        known: Known | None = None,
+        not_counted: dict[str, str] | None = None,
+    ) -> CommittedCopy | None:
+        """Step ``step`` of ``root`` on ``tier`` if it is committed there (validated as
+        :meth:`committed_facts` says), else None; a read error is raised, never taken for
+        "not committed"."""
+        ckpt = self.store(tier).sub(checkpoint_key(root, step))
+        node = node_here() if self.config.tier(tier).scope == "node" else None
+        where = f"{ckpt.url}/{MANIFEST_KEY}"
+        try:
+            data, mtime = await read_manifest(ckpt)
+            crc = crc32c(data)
+            facts = manifest_facts(data, crc32c=crc, where=where)
+            sizes = None if known and known(step, crc) else await _sizes(ckpt, facts)
+        except NotFound:
+            return None  # no manifest: the step is not committed here
+        except CorruptData as e:  # not a manifest this fmstore can count
+            if not_counted is not None:
+                not_counted[where] = str(e)[:300]
+            return None
+        why = step_committed(facts, sizes=sizes, node=node, now=time.time(), skew=CLOCK_SKEW)
+        if why is None:
+            return CommittedCopy(facts, mtime)
+        if not_counted is not None:
+            not_counted[where] = why.value
+        return None
+
+    async def newest_committed(
+        self, tier: str, root: str, steps: Iterable[int] | None = None
+    ) -> int | None:
+        """The newest step of ``root`` committed on ``tier`` (of ``steps``, its step
+        directories when already listed): validated newest first, so that the usual answer
+        costs one listing and one manifest read."""
+        dirs = await self.step_dirs(tier, root) if steps is None else steps
+        for step in sorted(dirs, reverse=True):
+            if await self.committed_copy(tier, root, step) is not None:
+                return step
+        return None
 
     async def close(self) -> None:
         with self._lock:
