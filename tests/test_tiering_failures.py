@@ -124,7 +124,8 @@ def test_check_names_a_misspelt_bucket_and_passes_the_right_one_leaving_nothing(
     assert code == 1 and out == ""
     assert f"bucket '{s3_bucket}x' does not exist" in err
     assert "tier s3: read failed" in err and "[tiers.s3] url" in err
-    assert err.startswith("error:")
+    # the config it checked, then the error
+    assert err.startswith(f"config: {bad} (named by --config)\nerror:"), err
 
     good = write_config(tmp_path, s3_server, s3_bucket)
     code, out, err = cli(capsys, "daemon", "--check", "--config", good)
