@@ -183,7 +183,12 @@ def one_rank(monkeypatch, tmp_path):  # type: ignore[no-untyped-def]
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_ports(1)[0]))
+    # Lightning's cluster environment writes RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK… into
+    # os.environ: later tests (the loaders read their world from it) must not see them.
+    before = dict(os.environ)
     yield
+    os.environ.clear()
+    os.environ.update(before)
     from fmstore.checkpoint.dcp import collective
 
     if dist.is_initialized():
