@@ -14,7 +14,7 @@ STREAMING := mosaicml-streaming==0.13.0
 NO_TORCHVISION = $(PIP) uninstall -q -y torchvision 2>/dev/null || true; \
 	$(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torchvision') is not None and 'torchvision is installed: it does not load on the CPU torch')"
 
-.PHONY: setup setup-bench setup-prometheus demo demo-cluster test test-fast test-chaos test-sim test-compat fuzz lint format bench clean
+.PHONY: setup setup-bench setup-prometheus demo demo-cluster test test-stacks test-fast test-chaos test-sim test-compat fuzz lint format bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -57,8 +57,12 @@ demo-crash: $(STAMP)
 demo-cluster: $(STAMP)
 	$(BIN)/python -m fmstore.demo.cluster $(DEMO_ARGS)
 
+# The training stacks' own loops on 2 ranks (tests/test_stack_*.py) run in test-stacks.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 --ignore-glob='tests/test_stack_*.py' tests
+
+test-stacks: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=10 tests/test_stack_*.py
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -x -q -m "not slow" tests

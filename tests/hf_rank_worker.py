@@ -1,4 +1,4 @@
-"""Run under ``torchrun --nproc-per-node=2`` by tests/test_hf_ranks.py (gloo, CPU): a tiny
+"""Run under ``torchrun --nproc-per-node=2`` by tests/test_stack_hf.py (gloo, CPU): a tiny
 GPT-2 trained by transformers' own ``Trainer`` under DDP, saving through fmstore.
 
 The training script is stock ``Trainer`` usage plus the one documented line (the
