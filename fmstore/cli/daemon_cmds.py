@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import typer
@@ -47,7 +48,8 @@ def daemon(
     the current copy finish (a second SIGTERM leaves it resumable), then exits 0.
 
     Exit codes: 0 done, 1 bad configuration or another daemon holds the state directory,
-    3 --drain timed out with work left (resumable).
+    2 --drain or --check under the embedded default with no catalog (no run ever used it:
+    the config meant is elsewhere), 3 --drain timed out with work left (resumable).
     """
     from ..tiering import daemon as d
     from ..tiering.policies import from_config
@@ -56,6 +58,8 @@ def daemon(
     if config is not None:
         config_mod.use_file(config)  # what the global --config does: "named by --config"
     cfg = config_mod.get_config()
+    if drain or check:
+        _refuse_an_unused_default(cfg, "--drain" if drain else "--check")
     if check:
         if cli_main.log_level != logging.ERROR:
             typer.echo(cfg.provenance, err=True)
@@ -88,3 +92,21 @@ def daemon(
             log_level=cli_main.log_level,
         )
     )
+
+
+def _refuse_an_unused_default(cfg: config_mod.Config, flag: str) -> None:
+    """Exit 2 when ``--drain``/``--check`` would act on the embedded default that no run has
+    used (its state directory holds no catalog): run from another directory than the job's,
+    the command would create empty tiers, drain nothing and report success."""
+    from ..tiering.catalog import DB_NAME
+
+    if cfg.source is not None or os.path.exists(os.path.join(cfg.state_dir, DB_NAME)):
+        return
+    typer.echo(
+        f"error: no catalog under the embedded default config (state directory "
+        f"{cfg.state_dir}): no run has used it, so `daemon {flag}` has nothing to act on. "
+        f"Did you mean `fmstore -c PATH daemon {flag}` with the fmstore.toml the job used "
+        f"(or FMSTORE_CONFIG=PATH, or running it from the job's directory)?",
+        err=True,
+    )
+    raise typer.Exit(2)

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 from ..errors import FmstoreError
-from .failures import DRAIN_COMMAND, warn_due
+from .failures import drain_command, warn_due
 from .policies import plan
 from .runner import PolicyRunner, StepReport, log, warn_event
 
@@ -118,7 +118,7 @@ class BackgroundRunner:
             if f.action == "export" and warn_due(f.failures, every):
                 self._on_warn(
                     f"{f.describe()}; the checkpoint is not on {f.dst} yet (`fmstore daemon "
-                    f"--check` names the setting to fix; `{DRAIN_COMMAND}` finishes the exports)"
+                    f"--check` names the setting to fix; `{drain_command(self.runner.config)}` finishes the exports)"
                 )
 
     def _check(self) -> None:

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shlex
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..config import Config
 from .catalog import Catalog, Copy
 from .policies import Export, Policies, plan
 from .policies import State as PlanState
@@ -32,6 +34,15 @@ log = logging.getLogger("fmstore.tiering")
 REPEAT_EVERY = 300.0
 #: The command that finishes pending exports by hand.
 DRAIN_COMMAND = "fmstore daemon --drain"
+
+
+def drain_command(config: Config) -> str:
+    """The drain command for this process's config: with ``-c FILE`` whenever a file is in
+    effect, since the same command run from another directory may find another config (or
+    the embedded default) and drain nothing."""
+    if config.source is None:
+        return DRAIN_COMMAND
+    return f"fmstore -c {shlex.quote(config.source)} daemon --drain"
 
 
 def reason_of(e: BaseException) -> str:
@@ -194,7 +205,9 @@ def failing_since_wait(
     return stuck
 
 
-def close_warning(wait: PolicyWait, root: str, daemon_running: bool) -> str | None:
+def close_warning(
+    wait: PolicyWait, root: str, daemon_running: bool, config: Config
+) -> str | None:
     """The warning ``CheckpointManager.close()`` logs, or None when nothing is left (or a
     daemon on the node will finish what is pending and nothing fails)."""
     if wait.done or (not wait.pending and not wait.failing):
@@ -206,7 +219,7 @@ def close_warning(wait: PolicyWait, root: str, daemon_running: bool) -> str | No
     msg = f"exports of {root!r} are {what} at close ({steps}): {wait.describe()}"
     if daemon_running:
         return msg + "; the fmstore daemon on this node keeps retrying"
-    return msg + f"; run `{DRAIN_COMMAND}` on this node to finish them"
+    return msg + f"; run `{drain_command(config)}` on this node to finish them"
 
 
 def warn_due(failures: int, every: int) -> bool:

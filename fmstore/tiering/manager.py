@@ -586,7 +586,7 @@ class CheckpointManager:
         except filelock.Timeout:
             daemon = True  # another runner (the daemon) holds the node's state directory
         wait = policy_wait(False, self.policies, self.catalog, self.root)
-        text = close_warning(wait, self.root, daemon)
+        text = close_warning(wait, self.root, daemon, self.config)
         if text is not None:
             log.warning("%s", text, extra={"event": "close_unfinished", "fields": {}})
 
