@@ -100,6 +100,11 @@ def make_state(total: int) -> dict[str, Any]:
             p + "ln1.weight": (h,),
             p + "ln2.weight": (h,),
         }
+    # What whole layers leave of the size: an output head of that many rows, so that a
+    # size asked for is the size written (128 MiB, not 100).
+    rest = params - 8192 * h - layers * per_layer
+    if rest >= h:
+        shapes["head.weight"] = (rest // h, h)
     model = {k: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for k, s in shapes.items()}
     optim = {
         i: {

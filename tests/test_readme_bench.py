@@ -79,3 +79,11 @@ def test_a_range_names_its_unit_once():
     assert (
         readme.render_fig(results, readme.Fig("s", "t", {"what": "w"}, "v")) == "1250.00–1355.00×"
     )
+
+
+def test_the_checkpoint_benchmark_writes_the_size_it_names():
+    from benchmarks.checkpoint import make_state, nbytes_of, parse_size
+
+    for size in ("128MiB", "300MiB"):
+        got = nbytes_of(make_state(parse_size(size)))
+        assert abs(got - parse_size(size)) / parse_size(size) < 0.01, (size, got)
