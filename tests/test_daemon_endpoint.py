@@ -114,3 +114,19 @@ def test_silent_and_oversized_heads_are_closed_and_answers_are_one_per_connectio
         assert server.open_connections() == 0
     finally:
         server.close()
+
+
+def test_a_port_in_use_names_the_setting_that_gives_each_daemon_its_own():
+    import pytest
+
+    from fmstore.errors import FmstoreError
+
+    first = Endpoint("127.0.0.1", 0, {})
+    port = first.start()
+    try:
+        with pytest.raises(FmstoreError) as e:
+            Endpoint("127.0.0.1", port, {}).start()
+        assert "address already in use" in str(e.value).lower()
+        assert "[daemon] port" in str(e.value) and "--port" in str(e.value), e.value
+    finally:
+        first.close()

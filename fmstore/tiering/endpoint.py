@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import threading
 from collections.abc import Callable, Mapping
 
@@ -110,8 +111,15 @@ class Endpoint:
         started.wait()
         if failure:
             e = failure[0]
+            hint = ""
+            if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+                # Two daemons on one host (nodes tried on one machine): each needs a port.
+                hint = (
+                    "; another process (another node's daemon on this host?) has it: set "
+                    "[daemon] port in this node's fmstore.toml, or --port (0 picks a free one)"
+                )
             raise FmstoreError(
-                f"the daemon's endpoint could not listen on {self.host}:{self.port}: {e}"
+                f"the daemon's endpoint could not listen on {self.host}:{self.port}: {e}{hint}"
             ) from e
         return self.port
 
