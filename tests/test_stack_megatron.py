@@ -151,3 +151,34 @@ def test_dist_checkpointing_saves_kills_and_resumes_from_lustre(tmp_path):
     assert not (nvme / step_name(4)).exists()  # the files written back for the load are gone
     assert _stray_files(tmp_path) == []
     assert not any("nvme:" in f.name for f in tmp_path.rglob("*"))
+
+
+def test_tier_urls_and_foreign_checkpoints_are_refused_before_anything_is_written(tmp_path):
+    from fmstore.config import load_config
+    from fmstore.errors import NotSupported
+    from fmstore.integrations import megatron
+
+    cfg = load_config(str(_config(tmp_path)))
+    save = megatron.FmstoreSaveStrategy(config=cfg)
+    with pytest.raises(NotSupported, match="tier URL"):
+        save.save({}, "nvme:runs/meg/step_000000000002")
+    assert not (tmp_path / "nvme:runs").exists() and not Path("nvme:runs").exists()
+    # a tier URL's local directory is what megatron-core is given
+    assert megatron.local_dir("nvme:runs/meg/step_000000000002", config=cfg) == str(
+        tmp_path / "nvme" / "runs" / "meg" / "step_000000000002"
+    )
+    with pytest.raises(NotSupported, match="local directory"):
+        megatron.local_dir("s3://bucket/runs/meg", config=cfg)
+    with pytest.raises(NotSupported, match="'torch_dist' backend"):
+        megatron.FmstoreLoadStrategy().check_backend_compatibility("torch_dist")
+    # registered beside megatron-core's own, which its look-ups re-register
+    from megatron.core.dist_checkpointing.strategies.base import (
+        StrategyAction,
+        get_default_strategy,
+    )
+
+    got = get_default_strategy(StrategyAction.SAVE_SHARDED, "fmstore", 1)
+    assert isinstance(got, megatron.FmstoreSaveStrategy)
+    assert type(get_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1)).__name__ == (
+        "TorchDistSaveShardedStrategy"
+    )

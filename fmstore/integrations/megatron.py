@@ -327,6 +327,12 @@ class FmstoreLoadStrategy(LoadShardedStrategy):
     def load_tensors_metadata(self, checkpoint_dir: Any) -> Any:
         raise NotSupported(f"{BACKEND!r} checkpoints: load_tensors_metadata is not supported")
 
+    def load_sharded_metadata(self, checkpoint_dir: Any) -> Any:
+        raise NotSupported(
+            f"{BACKEND!r} checkpoints: load_sharded_metadata (and a strict= that needs it) "
+            "is not supported"
+        )
+
 
 def resume_dir(
     root: str, step: int | None = None, *, config: Config | str | None = None
