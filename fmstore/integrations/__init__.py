@@ -1,5 +1,6 @@
-"""Plugins for trainers: :mod:`.lightning` (a Lightning ``CheckpointIO``) and :mod:`.hf`
-(a Hugging Face ``TrainerCallback``).
+"""Plugins for trainers: :mod:`.lightning` (a Lightning ``CheckpointIO``), :mod:`.hf`
+(a Hugging Face ``TrainerCallback``) and :mod:`.megatron` (a megatron-core
+``dist_checkpointing`` strategy).
 
 Nothing here is imported by ``fmstore`` itself, and each module imports its trainer library
 only when it is imported, so fmstore never needs Lightning or transformers installed.
