@@ -247,7 +247,7 @@ def test_a_tier_url_never_becomes_a_local_directory(one_process):
     _no_native_files(tmp)
 
 
-def test_what_it_would_not_save_faithfully_is_refused(one_process, monkeypatch):
+def test_what_it_would_not_save_faithfully_is_refused(one_process):
     import fmstore.integrations.accelerate as fa
     from fmstore.errors import FmstoreError, NotSupported
 
@@ -262,10 +262,11 @@ def test_what_it_would_not_save_faithfully_is_refused(one_process, monkeypatch):
     acc.project_configuration.total_limit = None
     from accelerate.utils import DistributedType
 
-    monkeypatch.setattr(type(acc), "distributed_type", property(lambda self: DistributedType.FSDP))
-    with pytest.raises(NotSupported, match="FSDP.*ShardedCheckpointManager"):
-        fa.save_state(acc, "runs/acc", 1)
-    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as mp:  # only this patch: the fixture's env stays
+        mp.setattr(type(acc), "distributed_type", property(lambda self: DistributedType.FSDP))
+        with pytest.raises(NotSupported, match="FSDP.*ShardedCheckpointManager"):
+            fa.save_state(acc, "runs/acc", 1)
+    assert os.environ["FMSTORE_CONFIG"] == str(tmp / "fmstore.toml")
 
     # A checkpoint of other objects is refused before anything is loaded.
     fa.save_state(acc, "runs/acc", 1).result()
