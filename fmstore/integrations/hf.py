@@ -21,13 +21,12 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from .. import runtime
-from ..config import get_config, load_config
-from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
+from ..errors import CorruptData, FmstoreError
 from ..tiering.manager import CheckpointManager
-from ..tiering.policies import from_config
-from ..tiering.tiers import Tiers
 from . import rank_state
+from .rank_zero import TierReader, restore_on_every_rank
+from .rank_zero import dist_group as _dist_group
+from .rank_zero import rank as _rank
 
 __all__ = ["FmstoreCallback", "restore", "training_state"]
 
@@ -137,78 +136,6 @@ def restore(
     return int(ckpt["step"])
 
 
-class _TierReader:
-    """How a rank other than world process zero reads the step rank 0 restored: straight
-    from the tiers (no catalog, no policies), the tier rank 0 read first, then the rest of
-    the ladder fastest first (a rank on another node does not see rank 0's NVMe)."""
-
-    def __init__(self, root: str, config: Any, ladder: list[str], tiers: Tiers | None) -> None:
-        self.root = root.strip("/")
-        self.config = config
-        self.ladder = ladder
-        self.tiers = tiers if tiers is not None else Tiers(config)
-        self._owned = tiers is None
-
-    @classmethod
-    def of(
-        cls, manager: CheckpointManager | None, root: str, options: dict[str, Any]
-    ) -> _TierReader:
-        if manager is not None:
-            return cls(manager.root, manager.config, list(manager.policies.ladder), manager.tiers)
-        cfg = options.get("config")
-        config = (
-            get_config()
-            if cfg is None
-            else cfg
-            if not isinstance(cfg, str | os.PathLike)
-            else load_config(cfg)
-        )
-        pol = options.get("policies")
-        ladder = list((pol.validate(config.tiers) if pol else from_config(config)).ladder)
-        return cls(root, config, ladder, None)
-
-    def load(self, step: int, first: str | None, weights_only: bool) -> Any:
-        from ..checkpoint import api
-
-        order = [first] if first in self.ladder else []
-        order += [t for t in self.ladder if t not in order]
-        failures = []
-        for tier in order:
-            try:
-                return api.load(
-                    self.tiers.checkpoint(tier, self.root, step),
-                    map_location="cpu",
-                    weights_only=weights_only,
-                )
-            except (NotFound, CorruptData, StoreUnavailable) as e:
-                failures.append(f"{tier}: {e}")
-        raise NotFound(
-            f"step {step} of {self.root!r}, which rank 0 restored, is on no tier this rank "
-            "can read (a node-local tier of rank 0's node is not visible from here until a "
-            "policy exports the step): " + "; ".join(failures)
-        )
-
-    def close(self) -> None:
-        if self._owned:
-            runtime.run(self.tiers.close(), timeout=30)
-
-
-def _dist_group() -> Any:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
-        return None
-    from ..checkpoint.dcp.collective import checkpoint_group
-
-    return checkpoint_group()
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def _is_sharded(model: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -282,7 +209,7 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
         self.restored_step: int | None = None
         self._saved: set[int] = set()
         self._pg: Any = None
-        self._reader: _TierReader | None = None
+        self._reader: TierReader | None = None
         #: The manager's :meth:`~fmstore.CheckpointManager.prepare`, started after the
         #: first step (when the optimizer's state exists), on world process zero.
         self.prepared: Any = None
@@ -331,37 +258,14 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
     def _restore(
         self, args: TrainingArguments, state: TrainerState, kwargs: dict[str, Any]
     ) -> None:
-        from ..checkpoint.dcp.wire import broadcast_result
+        def reader() -> TierReader:
+            if self._reader is None:
+                self._reader = TierReader.of(self.manager, self._root, self._options)
+            return self._reader
 
         rank = _rank()
-        ckpt: Any = None
-        said: bytes | str | None = None
-        if self._zero:
-            assert self.manager is not None
-            try:
-                if self.manager.latest_step() is not None:
-                    ckpt = self.manager.restore(map_location="cpu", weights_only=self.weights_only)
-                said = json.dumps(
-                    {
-                        "step": None if ckpt is None else self.manager.restored_step,
-                        "tier": self.manager.restored_tier,
-                    }  # fmt: skip
-                ).encode()
-            except Exception as e:
-                said = f"{type(e).__name__}: {e}"
-                if self._pg is not None:
-                    broadcast_result(self._pg, 0, said, limit=4096)
-                raise
-        if self._pg is not None:
-            got = broadcast_result(self._pg, 0, said if self._zero else None, limit=4096)
-            if isinstance(got, str):
-                raise FmstoreError(f"world process zero could not restore, so no rank does: {got}")
-            if not self._zero:
-                msg = json.loads(got)
-                if msg["step"] is not None:
-                    if self._reader is None:
-                        self._reader = _TierReader.of(self.manager, self._root, self._options)
-                    ckpt = self._reader.load(int(msg["step"]), msg["tier"], self.weights_only)
+        zero = self.manager if self._zero else None
+        ckpt = restore_on_every_rank(zero, self._pg, reader, self.weights_only)
         if ckpt is None:
             return
         _load_into(

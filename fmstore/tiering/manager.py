@@ -467,13 +467,15 @@ class CheckpointManager:
                 self.root, s, reason="restore", owner=f"pid {os.getpid()}", ttl=3600
             )
             keep_pin = False
+            present = self.tiers_of(s)
             try:
-                for tier in self.tiers_of(s):
+                for tier in [*present, *self._exporting_to(s)]:
                     try:
                         out = self._load_from(s, tier, map_location, keys, lazy, weights_only)
                     except (CorruptData, NotFound) as e:
                         bad = cat.CORRUPT if isinstance(e, CorruptData) else cat.MISSING
-                        self.catalog.set_copy(self.root, s, tier, bad, error=str(e))
+                        if tier in present:  # an export's row is its owner's to decide
+                            self.catalog.set_copy(self.root, s, tier, bad, error=str(e))
                         failures.append(f"step {s} on {tier}: {e}")
                         event("restore_fallback", root=self.root, step=s, tier=tier, error=str(e))
                         continue
@@ -495,6 +497,15 @@ class CheckpointManager:
         raise NotFound(
             f"could not restore {what} of {self.root!r}: " + "; ".join(failures or ["no copy"])
         )
+
+    def _exporting_to(self, step: int) -> list[str]:
+        """Tiers an export of ``step`` was copying to, fastest first.  An export killed after
+        its commit on the destination but before its catalog record leaves the row
+        ``exporting`` with a committed copy there: a restore reads it (the load validates
+        the manifest and every checksum; no manifest is a miss) when no present copy loads."""
+        rows = self.catalog.copies(self.root, step=step, states=[cat.EXPORTING])
+        have = {c.tier for c in rows}
+        return [t for t in self.policies.ladder if t in have]
 
     def _load_from(
         self,
