@@ -205,9 +205,7 @@ def failing_since_wait(
     return stuck
 
 
-def close_warning(
-    wait: PolicyWait, root: str, daemon_running: bool, config: Config
-) -> str | None:
+def close_warning(wait: PolicyWait, root: str, daemon_running: bool, config: Config) -> str | None:
     """The warning ``CheckpointManager.close()`` logs, or None when nothing is left (or a
     daemon on the node will finish what is pending and nothing fails)."""
     if wait.done or (not wait.pending and not wait.failing):
