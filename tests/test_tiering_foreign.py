@@ -105,7 +105,10 @@ def foreign_tiers(nvme: str) -> dict[str, str]:
 
     save_file({"w": torch.zeros(2)}, f"{nvme}/models/model.safetensors")
     fmstore.save(st, f"{nvme}/runs/a/final")  # fmstore's, under a name with no step
-    fmstore.save(st, f"{nvme}/runs/a/step_000000000001")  # the one that counts
+    fmstore.save(st, f"{nvme}/runs/a/step_000000000001")  # the ones that count
+    # a run root below a stack's name; a stray marker beside steps hides none of them
+    fmstore.save(st, f"{nvme}/sweep/checkpoint-1/run/step_000000000002")
+    open(f"{nvme}/runs/a/.metadata", "wb").close()
     dcp_why = "a native DCP checkpoint (.metadata), not an fmstore one: never tiered"
     return {
         "nvme:runs/tt/step-4": "named 'step-4', not step_NNNNNNNNNNNN: declare step_pattern = "
@@ -126,14 +129,15 @@ def test_each_foreign_kind_is_reported_with_its_reason_and_never_counted(tmp_pat
     cfg = config(str(tmp_path))
     want = foreign_tiers(str(tmp_path / "nvme"))
     rep = scan(cfg)
-    assert rep.roots == ["runs/a"] and rep.checkpoints == 1
+    assert rep.roots == ["runs/a", "sweep/checkpoint-1/run"] and rep.checkpoints == 2
     assert set(rep.not_counted) == set(want), rep.not_counted
     for url, words in want.items():
         assert words in rep.not_counted[url], (url, rep.not_counted[url])
     assert "save it through fmstore.checkpoint.dcp" in rep.not_counted["nvme:runs/titan/step-7"]
     assert rep.not_counted_more == {}
     with Catalog.for_state_dir(cfg.state_dir) as c:
-        assert c.roots() == ["runs/a"] and [k.step for k in c.checkpoints("runs/a")] == [1]
+        assert sorted(c.roots()) == ["runs/a", "sweep/checkpoint-1/run"]
+        assert [k.step for k in c.checkpoints("runs/a")] == [1]
 
     # a scan of one root (a manager's, `ckpt list ROOT`) says the same of that root
     assert scan(cfg, ["runs/tt"]).not_counted == {

@@ -166,26 +166,27 @@ class NotCounted:
 
 @dataclass
 class Look:
-    """What one listing of a prefix shows: its step directories, its other directories
-    (where run roots may lie deeper), and whether it is itself a checkpoint fmstore does
-    not count (then reported, and nothing below it is looked at)."""
+    """What one listing of a prefix shows: its step directories and its other directories
+    (where run roots may lie deeper)."""
 
     steps: list[int] = field(default_factory=list)
     dirs: list[str] = field(default_factory=list)
-    foreign: bool = False
 
 
-async def _markers(store: Store, prefix: str) -> set[str]:
-    """Which of ``manifest.json`` and ``.metadata`` the directory ``prefix`` holds."""
+async def _markers(store: Store, prefix: str) -> tuple[set[str], bool]:
+    """Which of ``manifest.json`` and ``.metadata`` the directory ``prefix`` holds, and
+    whether it holds directories (not hidden ones)."""
     found: set[str] = set()
+    dirs = False
     try:
         async for meta in store.list(prefix, recursive=False):
             name = meta.key[len(prefix) :]
             if not meta.is_dir and name in (MANIFEST_KEY, DCP_METADATA):
                 found.add(name)
+            dirs = dirs or (meta.is_dir and not name.startswith("."))
     except NotFound:
         pass
-    return found
+    return found, dirs
 
 
 def _named(name: str, root: str, declared: StepPattern | None) -> str:
@@ -241,11 +242,12 @@ async def look(
     notes: NotCounted | None,
 ) -> Look:
     """One listing of ``prefix`` on ``store`` (``tier``): its step directories (named as
-    ``patterns`` say for it as a run root) and other directories, ascending by name.  With ``notes``, what
-    it shows and fmstore does not count is noted there: foreign-named directories (one
-    listing each of those listed, to tell what they hold), bare checkpoint files, the
-    prefix itself when it is a native DCP checkpoint or an fmstore one under a name that is
-    no step of its parent.  NotFound: an empty look."""
+    ``patterns`` say for it as a run root) and other directories, ascending.  With
+    ``notes``, what it shows and fmstore does not count is noted there: foreign-named
+    directories (one listing each of those listed, to tell what they hold), bare checkpoint
+    files, and the prefix itself when it holds no step but is a native DCP checkpoint or an
+    fmstore one under a name that is no step of its parent (nothing below it is looked
+    at).  NotFound: an empty look."""
     prefix = _keys.validate_prefix(prefix)
     root = prefix.rstrip("/")
     here = f"{tier}:{root}"
@@ -276,8 +278,8 @@ async def look(
             elif parse_step(name) is not None or any(p.match(name) for p, _, _ in _DIR_NAMES):
                 # a step_… name under a root that declares another pattern, or a stack's
                 if notes is None:
-                    continue
-                if len(files) + len(candidates) < notes.per_root:
+                    out.dirs.append(name)
+                elif len(files) + len(candidates) < notes.per_root:
                     candidates.append(name)
                 else:
                     unlisted += 1
@@ -285,24 +287,28 @@ async def look(
                 out.dirs.append(name)
     except NotFound:
         return out
+    out.steps.sort()
+    out.dirs.sort()
     if notes is None:
         return out
-    if root and markers:  # the prefix is itself a checkpoint, not a step of its parent
+    if root and markers and not out.steps:  # itself a checkpoint, not a step of its parent
         parent, _, name = root.rpartition("/")
         notes.add(
             f"{tier}:{parent}", here, _dir_reason(name, markers, parent, patterns.get(parent))
         )
-        return Look(foreign=True)
+        return Look()
     for name, why in files:
         notes.add(here, f"{here}/{name}", why)
     for name in candidates:
-        if notes.room(here):
-            found = await _markers(store, f"{prefix}{name}/")
-            notes.add(here, f"{here}/{name}", _dir_reason(name, found, root, declared))
-        else:
+        if not notes.room(here):
             unlisted += 1
+            continue
+        found, dirs = await _markers(store, f"{prefix}{name}/")
+        if not found and dirs:  # a directory of directories (run roots below?): looked into
+            out.dirs.append(name)
+        else:
+            notes.add(here, f"{here}/{name}", _dir_reason(name, found, root, declared))
     if unlisted:
         notes.skip(here, unlisted)
-    out.steps.sort()
     out.dirs.sort()
     return out
