@@ -32,7 +32,8 @@ from .configfile import NAMED_BY as NAMED_BY
 from .configfile import NO_FILE, existing, locate
 from .configfile import SYSTEM_CONFIG as SYSTEM_CONFIG
 from .configfile import USER_CONFIG as USER_CONFIG
-from .errors import ConfigError
+from .errors import ConfigError, InvalidKey
+from .keys import StepPattern, validate_prefix
 from .units import parse_duration, parse_size
 
 
@@ -183,6 +184,8 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "durable": STRINGS,
     },
     "policies.restore": {"mode": one_of("lazy", "eager"), "cache_tier": STRING},
+    # one table per run root ([runs."team/run"]): how its step directories are named
+    "runs.*": {"step_pattern": STRING},
     # read only from the user's and the system's file (see locate_config)
     "trust": {"safe_directories": STRINGS},
 }
@@ -363,6 +366,8 @@ def from_dict(
             tiers[name] = _tier(where, name, table, data.get("s3", {}))
         except ConfigError as e:
             problems.append(e.message)
+    if "runs" in data:
+        data = {**data, "runs": _runs(data["runs"], _origin or _Origin(source), problems)}
     state_dir = data.get("state_dir", default_dict()["state_dir"])
     if not isinstance(state_dir, str):
         problems.append(f"{where}: state_dir must be a string path")
@@ -407,6 +412,33 @@ def _tier(where: str, name: str, table: Any, s3_defaults: Mapping[str, Any]) -> 
         replicas=replicas,
         failure_domain=domain,
     )
+
+
+def _runs(runs: Mapping[str, Any], origin: _Origin, problems: list[str]) -> dict[str, Any]:
+    """``[runs."ROOT"]`` with each root a valid key prefix (kept without its trailing
+    ``/``, named once) and each ``step_pattern`` a :class:`~fmstore.keys.StepPattern`."""
+    out: dict[str, Any] = {}
+    for root, table in runs.items():
+        path: KeyPath = ("runs", root)
+        try:
+            name = validate_prefix(root).rstrip("/")
+        except InvalidKey as e:
+            problems.append(f'{origin.at(path)}: [runs."{root}"] is not a run root: {e.message}')
+            continue
+        if not name or name in out:
+            why = "the tier's top" if not name else f"{name!r} twice"
+            problems.append(f'{origin.at(path)}: [runs."{root}"] names {why}')
+            continue
+        if "step_pattern" in table:
+            try:
+                StepPattern(table["step_pattern"])
+            except ValueError as e:
+                problems.append(
+                    f'{origin.at((*path, "step_pattern"))}: [runs."{root}"] step_pattern: {e}'
+                )
+                continue
+        out[name] = table
+    return out
 
 
 def _apply_env(data: dict[str, Any], env: Mapping[str, str], origin: _Origin) -> None:

@@ -83,3 +83,80 @@ def _check_segment(seg: str, key: str, tier: str | None) -> None:
         raise InvalidKey(
             f"a key segment is longer than {MAX_SEGMENT_BYTES} bytes", tier=tier, key=key
         )
+
+
+#: The one field of a step pattern: ``{step}`` (decimal, no padding) or ``{step:0Nd}``
+#: (zero-padded to N digits, like Megatron's ``iter_{step:07d}``).
+_STEP_FIELD = re.compile(r"\{step(?::0([1-9][0-9]?)d)?\}")
+_GLOB = "*?[]"
+
+
+class StepPattern:
+    """How a run root names its step directories: ``prefix``, the step in decimal (at
+    least ``width`` digits, zero-padded), ``suffix``.  ``step-{step}`` is torchtitan's,
+    ``checkpoint-{step}`` the Hugging Face Trainer's.  Names round-trip: a name counts only
+    when :meth:`name` of its step spells it exactly (``step-04`` is not step 4's), so each
+    step has one key on every tier."""
+
+    def __init__(self, text: object) -> None:
+        """Raises ValueError saying what is wrong with ``text``."""
+        if not isinstance(text, str):
+            raise ValueError(f"a step pattern is a string, not {type(text).__name__}")
+        fields = list(_STEP_FIELD.finditer(text))
+        if len(fields) != 1:
+            other = re.search(r"\{[^{}]*\}", text) if not fields else None
+            raise ValueError(
+                (
+                    f"{other.group(0)!r} in {text!r} is not a step field"
+                    if other
+                    else f"{text!r} holds {len(fields) or 'no'} {{step}} field{'s' * (len(fields) > 1)}"
+                )
+                + '; a pattern holds exactly one, {step} or {step:0Nd}, like "step-{step}" or '
+                '"iter_{step:07d}"'
+            )
+        f = fields[0]
+        self.text = text
+        self.prefix, self.suffix = text[: f.start()], text[f.end() :]
+        self.width = int(f.group(1) or 0)
+        rest = self.prefix + self.suffix
+        for ch in "{}":
+            if ch in rest:
+                raise ValueError(
+                    f"{text!r} holds {ch!r} outside its {{step}} field (the field is "
+                    "{step} or {step:0Nd}, nothing else)"
+                )
+        if "/" in rest:
+            raise ValueError(f"{text!r} holds '/': a step is one directory below its run root")
+        if ".." in rest or rest.startswith("."):
+            raise ValueError(
+                f"{text!r} holds '..' or starts with '.': a step's name is never hidden and "
+                "never leaves its run root"
+            )
+        if glob := [c for c in _GLOB if c in rest]:
+            raise ValueError(
+                f"{text!r} holds the glob character {glob[0]!r}: a pattern spells names, "
+                "it does not match them by wildcard"
+            )
+        if _BAD_CHAR.search(rest):
+            raise ValueError(f"{text!r} holds a control character or a backslash")
+        if len(rest.encode("utf-8")) + max(self.width, 20) > MAX_SEGMENT_BYTES:
+            raise ValueError(f"{text!r} is too long for a directory name")
+
+    def name(self, step: int) -> str:
+        return f"{self.prefix}{step:0{self.width}d}{self.suffix}"
+
+    def step(self, name: str) -> int | None:
+        """The step ``name`` spells (a trailing ``/`` ignored), or None."""
+        name = name.rstrip("/")
+        if len(name) <= len(self.prefix) + len(self.suffix):
+            return None
+        if not (name.startswith(self.prefix) and name.endswith(self.suffix)):
+            return None
+        digits = name[len(self.prefix) : len(name) - len(self.suffix)]
+        if not (digits.isascii() and digits.isdigit()):
+            return None
+        step = int(digits)
+        return step if self.name(step) == name else None
+
+    def __repr__(self) -> str:
+        return f"StepPattern({self.text!r})"

@@ -89,23 +89,27 @@ def list_checkpoints(
     config: str = typer.Option(None, "--config", "-c", help="fmstore.toml to use."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """A table of steps × tiers with each copy's state and size; below it the export lag
-    and, for each copy whose export keeps failing, its failures and the last error."""
+    """A table of steps × tiers with each copy's state and size; below it the export lag,
+    for each copy whose export keeps failing, its failures and the last error, and what the
+    tiers hold that is not counted as a checkpoint (a native DCP directory, torchtitan's
+    step-4, ...) and why."""
     cfg = load_config(config)
     pol = from_config(cfg)
     if root:
         _check_root(root, cfg)
     with Catalog.for_state_dir(cfg.state_dir) as catalog:
-        _discover(cfg, catalog, pol.ladder, [root.strip("/")] if root else None)
+        found = _discover(cfg, catalog, pol.ladder, [root.strip("/")] if root else None)
         roots = [root.strip("/")] if root else catalog.roots()
         rows = [c for r in roots for c in catalog.copies(r)]
         ckpts = {(c.root, c.step): c for r in roots for c in catalog.checkpoints(r)}
         lags = _lag_lines(pol, catalog, roots)
         now = catalog.now()
+    uncounted = [printable(found.notes.describe(r), markup=False) for r in found.notes.roots()]
     if root and not rows:
         raise NotFound(
             f"no checkpoint of run root {root.strip('/')!r} on any tier "
             f"({', '.join(pol.ladder)}) nor in the catalog of {cfg.state_dir}"
+            + "".join(f"\n  {line}" for line in uncounted)
         )
     by_step: dict[tuple[str, int], dict[str, cat.Copy]] = {}
     for c in rows:
@@ -135,6 +139,8 @@ def list_checkpoints(
             for (r, s), copies in sorted(by_step.items())
         ]
         typer.echo(json.dumps(out, indent=2))
+        for line in uncounted:
+            typer.echo(f"warning: {line}", err=True)
         return
     table = Table(box=None, show_header=True)
     table.add_column("root")
@@ -176,6 +182,8 @@ def list_checkpoints(
             # This node's part is on the shared tier; the commit waits for other nodes'.
             line = f"part of {c.root} step {c.step} on {c.tier}, commit {c.error}"
             console.print(printable(line, markup=False), highlight=False, markup=False)
+    for line in uncounted:
+        console.print(f"not counted: {line}", style="yellow", highlight=False, markup=False)
 
 
 def _check_root(root: str, cfg: Config) -> None:

@@ -78,6 +78,8 @@ def daemon(
             f"{plural(len(pol.exports), 'export rule')}, retention on "
             f"{plural(len(pol.retention), 'tier')}, release on {plural(len(pol.release), 'tier')}"
         )
+        for line in _not_counted(cfg, pol.ladder):
+            typer.echo(f"warning: {line}", err=True)
         return
     from ..units import parse_duration
 
@@ -110,3 +112,23 @@ def _refuse_an_unused_default(cfg: config_mod.Config, flag: str) -> None:
         err=True,
     )
     raise typer.Exit(2)
+
+
+def _not_counted(cfg: config_mod.Config, ladder: tuple[str, ...]) -> list[str]:
+    """What the tiers hold that the daemon will not count as checkpoints, one line per
+    prefix (a listing of each directory, as the daemon's start-up scan makes)."""
+    from .. import runtime
+    from ..tiering.discovery import survey
+    from ..tiering.tiers import Tiers
+    from .util import printable
+
+    tiers = Tiers(cfg)
+
+    async def scan() -> list[str]:
+        try:
+            notes, _ = await survey(tiers, ladder)  # an unreachable tier: the probe said so
+        finally:
+            await tiers.close()
+        return [printable(notes.describe(r), markup=False) for r in notes.roots()]
+
+    return runtime.run(scan())

@@ -9,7 +9,9 @@ catalog), and starts the HTTP endpoint:
 
 Before its first step the daemon rescans every tier for committed checkpoints the
 catalog does not know (:func:`~fmstore.tiering.discovery.rediscover`), so a lost catalog or
-a new node carries on with every existing step; a catalog SQLite cannot read is moved aside
+a new node carries on with every existing step, and logs at warning, once per run root and
+daemon run, what it found there and does not count (a native DCP directory, torchtitan's
+``step-4``: :mod:`.foreign`); a catalog SQLite cannot read is moved aside
 (``catalog.sqlite3.corrupt-<time>``, one ``catalog_corrupt`` log line) and rebuilt the same
 way.  The loop runs one :class:`~fmstore.tiering.runner.PolicyRunner` step every
 ``interval`` seconds.  A step that meets an unreachable or full tier stops early; the daemon then backs
@@ -51,6 +53,7 @@ from . import metrics as m
 from .catalog import Catalog
 from .discovery import rediscover
 from .endpoint import Endpoint
+from .foreign import NotCounted
 from .mover import CHECKPOINT_COPY
 from .policies import Policies, from_config
 from .priority import PRIORITIES, lower_priority
@@ -210,6 +213,8 @@ class Daemon:
         #: Rescan the tiers before the next step: at start-up, and again while a tier was
         #: unreachable during the last scan.
         self.rescan_due = True
+        #: Prefixes whose uncounted entries were logged at warning (once per daemon run).
+        self._warned: set[str] = set()
         self._next_sweep = 0.0  # the orphan sweep runs at start, then every sweep_interval
 
     # ---- HTTP ------------------------------------------------------------------------
@@ -393,7 +398,24 @@ class Daemon:
             copies=found.copies,
             unreachable=found.unreachable,
             not_counted=found.not_counted,
+            not_counted_more=found.not_counted_more,
         )
+        self.warn_not_counted(found.notes)
+
+    def warn_not_counted(self, notes: NotCounted) -> None:
+        """One warning line per prefix holding what fmstore does not count, the first
+        time this daemon finds it there (a rescan says nothing new about it)."""
+        for root in notes.roots():
+            if root in self._warned:
+                continue
+            self._warned.add(root)
+            warn_event(
+                "not_counted",
+                notes.describe(root),
+                root=root,
+                entries=notes.by_root.get(root, {}),
+                more=notes.more.get(root, 0),
+            )
 
     def close(self) -> None:
         if self.server is not None:

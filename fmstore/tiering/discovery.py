@@ -2,7 +2,8 @@
 
 The catalog is a record of the tiers, never the only truth (see
 :mod:`fmstore.tiering.catalog`), so everything it must know can be found again: a
-checkpoint is a ``ROOT/step_SSSSSSSSSSSS/manifest.json`` on some tier.  :func:`rediscover`
+checkpoint is a ``ROOT/step_SSSSSSSSSSSS/manifest.json`` on some tier (or under the name
+the root's declared step pattern gives).  :func:`rediscover`
 is the one scan that ``CheckpointManager`` (its own root), ``fmstore daemon`` (every root
 of every tier, at start-up) and ``fmstore ckpt list`` use.
 
@@ -14,6 +15,10 @@ new to the catalog is
 recorded with the earliest commit time found on any tier as its creation time, steps in
 ascending order (a sharded checkpoint's: the creation time its global manifest records, the
 same on every node).  Known copies are left alone, so running it again changes nothing.
+
+What it finds and does not count is reported (:class:`Rediscovered`'s ``notes``, bounded):
+manifests that do not validate, and checkpoints under names fmstore does not count
+(:mod:`.foreign`: a native DCP directory, torchtitan's ``step-4``, ...).
 """
 
 from __future__ import annotations
@@ -22,12 +27,11 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from .. import keys as _keys
-from ..checkpoint.layout import parse_step
-from ..errors import FmstoreError, NotFound
+from ..errors import FmstoreError
 from ..format.manifest import DCP_FORMAT_NAME
 from . import catalog as cat
 from .catalog import Catalog, Copy
+from .foreign import NotCounted, look
 from .tiers import CommittedCopy, Tiers
 
 #: Copy states that a validated manifest on the tier proves stale.  Not ``exporting``,
@@ -49,36 +53,61 @@ class Rediscovered:
     checkpoints: int = 0
     copies: int = 0
     unreachable: dict[str, str] = field(default_factory=dict)
-    #: Manifests found but not counted as commits (URL -> why): not fmstore's, damaged,
-    #: a newer fmstore's, created in the future, or missing blobs.
-    not_counted: dict[str, str] = field(default_factory=dict)
+    #: What was found and not counted, by the prefix it lies under, bounded: manifests
+    #: that do not validate (not fmstore's, damaged, a newer fmstore's, created in the
+    #: future, missing blobs) and checkpoints under names fmstore does not count.
+    notes: NotCounted = field(default_factory=NotCounted)
+
+    @property
+    def not_counted(self) -> dict[str, str]:
+        """URL -> why, for each entry listed in :attr:`notes`."""
+        return self.notes.flat()
+
+    @property
+    def not_counted_more(self) -> dict[str, int]:
+        """Prefix -> how many more entries it holds that are not counted, nor listed."""
+        return dict(self.notes.more)
 
 
-async def find_roots(tiers: Tiers, tier: str, *, max_depth: int = MAX_ROOT_DEPTH) -> set[str]:
-    """Run roots on ``tier``: prefixes with at least one ``step_…`` directory below them,
-    looked for breadth first down to ``max_depth`` levels (never inside a step)."""
+async def find_roots(
+    tiers: Tiers,
+    tier: str,
+    *,
+    max_depth: int = MAX_ROOT_DEPTH,
+    notes: NotCounted | None = None,
+) -> set[str]:
+    """Run roots on ``tier``: prefixes with at least one step directory below them
+    (``step_…``, or named by the root's declared pattern), looked for breadth first down to
+    ``max_depth`` levels (never inside a step, nor inside a checkpoint fmstore does not
+    count: those are noted in ``notes``, see :func:`.foreign.look`), and every root with a
+    declared step pattern."""
     store = tiers.store(tier)
-    roots: set[str] = set()
+    roots: set[str] = set(tiers.patterns)
     level = [""]
     for _ in range(max_depth + 1):
         nxt: list[str] = []
         for prefix in level:
-            try:
-                async for meta in store.list(prefix, recursive=False):
-                    if not meta.is_dir:
-                        continue
-                    name = meta.key[len(prefix) :].rstrip("/")
-                    if parse_step(name) is not None:
-                        roots.add(prefix.rstrip("/"))
-                    elif name and not name.startswith("."):
-                        nxt.append(_keys.validate_prefix(prefix + name))
-            except NotFound:
-                continue
+            seen = await look(store, tier, prefix, tiers.patterns, notes)
+            if seen.steps:
+                roots.add(prefix.rstrip("/"))
+            nxt.extend(f"{prefix}{name}/" for name in seen.dirs)
         level = nxt
         if not level:
             break
     roots.discard("")  # a step directly at a tier's root has no run root: not ours
     return roots
+
+
+async def survey(tiers: Tiers, ladder: Iterable[str]) -> tuple[NotCounted, dict[str, str]]:
+    """What every tier of ``ladder`` holds that fmstore does not count (by name and by
+    listing only: no manifest is read, nothing recorded), and the tiers it could not read."""
+    notes, unreachable = NotCounted(), {}
+    for tier in ladder:
+        try:
+            await find_roots(tiers, tier, notes=notes)
+        except FmstoreError as e:
+            unreachable[tier] = str(e)
+    return notes, unreachable
 
 
 async def rediscover(
@@ -95,11 +124,16 @@ async def rediscover(
     found: dict[tuple[str, int], dict[str, CommittedCopy]] = {}
     for tier in ladder:
         try:
-            tier_roots = want if want is not None else await find_roots(tiers, tier)
+            tier_roots = (
+                want if want is not None else await find_roots(tiers, tier, notes=rep.notes)
+            )
             for root in sorted(tier_roots):
                 known = _validated_before(catalog, root, tier)
+                # a root find_roots found: what its listing shows is noted already
                 for step, copy in (
-                    await tiers.committed_facts(tier, root, known, rep.not_counted)
+                    await tiers.committed_facts(
+                        tier, root, known, rep.notes, listing=want is not None
+                    )
                 ).items():
                     found.setdefault((root, step), {})[tier] = copy
         except FmstoreError as e:  # unreachable, or refusing us: the others still count

@@ -251,7 +251,7 @@ class CheckpointManager:
             raise AlreadyExists(
                 f"checkpoint step {step} already exists",
                 tier=tier,
-                key=checkpoint_key(self.root, step),
+                key=self.tiers.key(self.root, step),
             )
         self.catalog.record_checkpoint(self.root, step)
         self.catalog.set_copy(self.root, step, tier, cat.WRITING, error=None)

@@ -21,10 +21,10 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..checkpoint.layout import checkpoint_key
 from ..config import Config, get_config
 from ..stores import Location
 from . import catalog as cat
+from .foreign import step_key, step_patterns
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,9 @@ def tracked_copies(
     try:
         full = sorted(f"{prefix}/{k}".strip("/") if k else prefix for k in keys)
         out: list[TrackedCopy] = []
+        patterns = step_patterns(config)
         for c in catalog.copies(tier=tier, states=cat.HOLDS_BYTES):
-            ck = checkpoint_key(c.root, c.step)
+            ck = step_key(patterns, c.root, c.step)
             i = bisect.bisect_left(full, ck + "/")
             if i == len(full) or not full[i].startswith(ck + "/"):
                 continue  # nothing of it goes

@@ -55,7 +55,8 @@ from ..checkpoint.dcp.problems import Code, Problem, fmstore_error, reason
 from ..checkpoint.dcp.wire import gather_json
 from ..checkpoint.layout import checkpoint_key, parse_step, step_name
 from ..config import Config, get_config, is_node_id, load_config
-from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
+from ..errors import ConfigError, CorruptData, FmstoreError, NotFound, StoreUnavailable
+from .foreign import step_patterns
 from .rules import from_config
 from .tiers import Tiers
 
@@ -99,6 +100,13 @@ class ShardedCheckpointManager:
         policies = from_config(self.config)
         self.root = root.strip("/")
         checkpoint_key(self.root, 0)  # validates the root as a key
+        if (declared := step_patterns(self.config).get(self.root)) is not None:
+            # its parts, replicas and restores are keyed step_…: one name per step
+            raise ConfigError(
+                f'{self.config.origin}: [runs."{self.root}"] declares step_pattern '
+                f"{declared.text!r}, but ShardedCheckpointManager names its steps "
+                "step_NNNNNNNNNNNN: remove the step_pattern, or save under another run root"
+            )
         self.ladder = list(ladder or policies.ladder)
         self.write_tier = write_tier or policies.write_tier
         for t in [*self.ladder, self.write_tier]:

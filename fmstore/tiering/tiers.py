@@ -1,7 +1,8 @@
 """The configured tiers as stores, and where a checkpoint lives on each.
 
 A checkpoint of run root ``R`` at step ``S`` is the prefix ``R/step_SSSSSSSSSSSS`` (12
-digits, so listings sort by step) on every tier; copies between tiers keep the same key.
+digits, so listings sort by step) on every tier, or ``R/`` + the name its step pattern
+gives (``[runs."R"] step_pattern``, :mod:`.foreign`); copies between tiers keep the same key.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .. import keys as _keys
-from ..checkpoint.layout import REPLICA_PREFIX, checkpoint_key, parse_step
+from ..checkpoint.layout import REPLICA_PREFIX
 from ..checkpoint.partrecords import CLOCK_SKEW, node_here
 from ..config import Config
 from ..errors import CorruptData, NotFound
@@ -25,6 +26,7 @@ from ..stores import Location, open_store
 from ..stores.base import Store
 from ..stores.bounded import manifest_limit, read_bounded
 from ..stores.posix_io import tree_bytes
+from .foreign import DCP, DCP_METADATA, NotCounted, look, step_key, step_parser, step_patterns
 from .policies import TierUsage
 from .protocol import ManifestFacts, manifest_facts, step_committed
 
@@ -64,6 +66,8 @@ class Tiers:
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        #: Run root -> the step pattern it declares (others: ``step_…``).
+        self.patterns = step_patterns(config)
         self._stores: dict[str, Store] = {}
         self._lock = threading.Lock()
 
@@ -78,7 +82,11 @@ class Tiers:
 
     def checkpoint(self, tier: str, root: str, step: int) -> Store:
         """The store rooted at checkpoint ``(root, step)`` on ``tier``."""
-        return self.store(tier).sub(checkpoint_key(root, step))
+        return self.store(tier).sub(self.key(root, step))
+
+    def key(self, root: str, step: int) -> str:
+        """The key of checkpoint ``(root, step)`` on every tier."""
+        return step_key(self.patterns, root, step)
 
     def local_dir(self, tier: str) -> str | None:
         """The directory behind a POSIX tier (None for object stores)."""
@@ -122,7 +130,9 @@ class Tiers:
         tier: str,
         root: str,
         known: Known | None = None,
-        not_counted: dict[str, str] | None = None,
+        notes: NotCounted | None = None,
+        *,
+        listing: bool = True,
     ) -> dict[int, CommittedCopy]:
         """Every step under ``root`` committed on ``tier``, with its manifest's facts.
 
@@ -134,26 +144,32 @@ class Tiers:
         the allowed clock skew (:func:`fmstore.tiering.protocol.step_committed`).
         ``known(step, crc32c)``: True when this manifest (same checksum) was validated on
         this tier before (the catalog); its blobs are then not listed again.
-        ``not_counted``: filled with manifest URL -> why, for each manifest there that
-        does not count (a newer fmstore's included: this one cannot check it)."""
+        ``notes``: given what does not count, with why: each manifest there that does not
+        (a newer fmstore's included: this one cannot check it), each step directory holding
+        a native DCP checkpoint, and what the root's listing shows under names fmstore does
+        not count (:func:`.foreign.look`; ``listing=False``: not the listing, already
+        looked at)."""
         found: dict[int, CommittedCopy] = {}
-        for step in await self.step_dirs(tier, root):
-            copy = await self.committed_copy(tier, root, step, known, not_counted)
+        for step in await self.step_dirs(tier, root, notes if listing else None):
+            copy = await self.committed_copy(tier, root, step, known, notes)
             if copy is not None:
                 found[step] = copy
         return found
 
-    async def step_dirs(self, tier: str, root: str) -> list[int]:
+    async def step_dirs(self, tier: str, root: str, notes: NotCounted | None = None) -> list[int]:
         """Every step directory under ``root`` on ``tier``, committed or not (one listing),
-        ascending."""
+        ascending; ``notes``: given what the listing shows that fmstore does not count."""
         store = self.store(tier)
+        if notes is not None:
+            return (await look(store, tier, root, self.patterns, notes)).steps
         prefix = _keys.validate_prefix(root)
+        step_of = step_parser(self.patterns, root)
         try:
             return sorted(
                 [
                     step
                     async for meta in store.list(prefix, recursive=False)
-                    if meta.is_dir and (step := parse_step(meta.key[len(prefix) :])) is not None
+                    if meta.is_dir and (step := step_of(meta.key[len(prefix) :])) is not None
                 ]
             )
         except NotFound:
@@ -165,30 +181,36 @@ class Tiers:
         root: str,
         step: int,
         known: Known | None = None,
-        not_counted: dict[str, str] | None = None,
+        notes: NotCounted | None = None,
     ) -> CommittedCopy | None:
         """Step ``step`` of ``root`` on ``tier`` if it is committed there (validated as
         :meth:`committed_facts` says), else None; a read error is raised, never taken for
         "not committed"."""
-        ckpt = self.store(tier).sub(checkpoint_key(root, step))
+        key = self.key(root, step)
+        ckpt = self.store(tier).sub(key)
         node = node_here() if self.config.tier(tier).scope == "node" else None
         where = f"{ckpt.url}/{MANIFEST_KEY}"
+        under = f"{tier}:{root.strip('/')}"
         try:
             data, mtime = await read_manifest(ckpt)
             crc = crc32c(data)
             facts = manifest_facts(data, crc32c=crc, where=where)
             sizes = None if known and known(step, crc) else await _sizes(ckpt, facts)
         except NotFound:
-            return None  # no manifest: the step is not committed here
+            # No manifest: not committed here (a save under way), or torch's own files
+            # under a step's name (one stat, made by scans only).
+            if notes is not None and await ckpt.exists(DCP_METADATA):
+                notes.add(under, f"{tier}:{key}", DCP)
+            return None
         except CorruptData as e:  # not a manifest this fmstore can count
-            if not_counted is not None:
-                not_counted[where] = str(e)[:300]
+            if notes is not None:
+                notes.add(under, where, str(e))
             return None
         why = step_committed(facts, sizes=sizes, node=node, now=time.time(), skew=CLOCK_SKEW)
         if why is None:
             return CommittedCopy(facts, mtime)
-        if not_counted is not None:
-            not_counted[where] = why.value
+        if notes is not None:
+            notes.add(under, where, why.value)
         return None
 
     async def newest_committed(
