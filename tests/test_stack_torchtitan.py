@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torchtitan.components.checkpointer")
 pytest.importorskip("torchtitan.components.optimizer")  # spmd_types
 pytest.importorskip("torchtitan.components.dataloader")  # torchdata
+
+from torchtitan.components.checkpointer import (  # noqa: E402
+    BaseCheckpointManager,
+    CheckpointManager,
+)
+from torchtitan.config import Configurable  # noqa: E402
 
 from fmstore.testing.torchrun import kill_all, launch  # noqa: E402
 
@@ -42,6 +49,7 @@ def _config(tmp: Path) -> Path:
         f'state_dir = "{tmp}/state"\n'
         f'[tiers.nvme]\nurl = "{tmp}/nvme"\n'
         f'[tiers.lustre]\nurl = "{tmp}/lustre"\n'
+        '[daemon]\ninterval = "0.2s"\n'
         '[policies]\nladder = ["nvme", "lustre"]\n'
         '[[policies.export]]\nto = "lustre"\nevery_steps = 2\n'
         "[policies.retention.nvme]\nkeep_latest = 1\n"
@@ -72,6 +80,17 @@ def _wait_for(path: Path, procs: list[Any], timeout: float = 240) -> None:
                 out = p.communicate()[0] if p.stdout else ""
                 pytest.fail(f"{p.args[:4]} exited ({p.returncode}) first:\n{out}")
         assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def _wait_for_gone(path: Path, procs: list[Any], timeout: float = 240) -> None:
+    """Until ``path`` is gone (retention removed it), or fail when a process exited."""
+    deadline = time.monotonic() + timeout
+    while path.exists():
+        for p in procs:
+            if p.poll() is not None:
+                pytest.fail(f"{p.args[:4]} exited ({p.returncode}) first:\n{p.communicate()[0]}")
+        assert time.monotonic() < deadline, f"{path} was never removed"
         time.sleep(0.05)
 
 
@@ -106,28 +125,30 @@ def test_torchtitan_manager_saves_kills_and_resumes_from_lustre(tmp_path):
             WORKER, [mode, f"nvme:{root}", str(out), how], nproc=2, env=env, cwd=str(work)
         )
 
+    # the node's daemon, running throughout the first two launches
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "fmstore", "daemon", "--no-http"],
+        env=env, cwd=str(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
     ref = start("ref", "runs/ref", "disabled")  # uninterrupted, in parallel
     killed = start("kill", ROOT, "async")
-    daemon = None
     try:
+        # step 4 committed and exported, step 2 exported and gone from NVMe by retention
+        _wait_for(_manifest(tmp_path, "lustre", ROOT, AT), [killed, daemon])
+        _wait_for(_manifest(tmp_path, "lustre", ROOT, 2), [killed, daemon])
+        _wait_for_gone(_manifest(tmp_path, "nvme", ROOT, 2).parent, [killed, daemon])
         for r in (0, 1):
-            _wait_for(out / f"waiting_{r}", [killed])  # step 4 committed and recorded
-        daemon = subprocess.Popen(
-            [sys.executable, "-m", "fmstore", "daemon", "--no-http", "--drain", "--timeout", "120"],
-            env=env, cwd=str(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        _wait_for(_manifest(tmp_path, "lustre", ROOT, AT), [killed, daemon])  # exported
-        dout, _ = daemon.communicate(timeout=120)
-        assert daemon.returncode == 0, dout
+            _wait_for(out / f"waiting_{r}", [killed])
         kill_all(killed)
         rout, _ = ref.communicate(timeout=240)
         assert ref.returncode == 0, rout
     finally:
         for p in (ref, killed):
             kill_all(p)
-        if daemon is not None and daemon.poll() is None:
-            daemon.kill()
         killed.communicate()
+        daemon.terminate()  # before the resume, whose saves it would tier
+        dout, _ = daemon.communicate(timeout=60)
+    assert "step-" not in dout and '"not_counted": {}' in dout, dout
 
     nvme = tmp_path / "nvme" / ROOT
     lustre = tmp_path / "lustre" / ROOT
@@ -174,9 +195,9 @@ def test_config_refuses_what_would_bypass_fmstore():
     assert Config(folder="nvme:runs/a").keep_latest_k == 0
     with pytest.raises(NotSupported, match=r"keep_latest_k=5.*\[policies.retention"):
         Config(folder="nvme:runs/a", keep_latest_k=5)
-    for field in ("last_save_in_hf",):
-        with pytest.raises(NotSupported, match=field):
-            Config(folder="runs/a", **{field: True})
+    for name in ("last_save_in_hf", "initial_load_in_hf"):
+        with pytest.raises(NotSupported, match=name):
+            Config(folder="runs/a", **{name: True})
     with pytest.raises(NotSupported, match="initial_load_path"):
         Config(folder="runs/a", initial_load_path="/ckpt/step-10")
     for folder in ("/abs/ckpt", "./ckpt", "s3://b/ckpt", "fmstore://nvme/runs/a"):
@@ -212,3 +233,26 @@ def test_dataloader_pickle_with_objects_is_refused():
     assert loader.got is None
     _CheckedLoader(loader, allow_pickle=True).load_state_dict(evil)  # the opt-in
     assert loader.got is evil
+
+
+class _Job(Configurable):  # the shape of torchtitan's Trainer.Config
+    @dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        checkpoint: BaseCheckpointManager.Config = field(default_factory=CheckpointManager.Config)
+
+
+def test_torchtitan_command_line_overrides_keep_the_fmstore_manager():
+    """The one line in a config registry survives torchtitan's own CLI parsing (tyro), and
+    ``--checkpoint.*`` overrides reach it."""
+    import tyro
+    from torchtitan.config.manager import ConfigManager, custom_registry
+
+    from fmstore.integrations.torchtitan import FmstoreCheckpointManager
+
+    ConfigManager()  # registers torchtitan's tyro rules
+    registered = _Job.Config(checkpoint=FmstoreCheckpointManager.Config(folder="nvme:runs/a"))
+    args = ["--checkpoint.interval", "7", "--checkpoint.async_mode", "async"]
+    got = tyro.cli(_Job.Config, args=args, default=registered, registry=custom_registry)
+    assert type(got.checkpoint) is FmstoreCheckpointManager.Config
+    assert (got.checkpoint.interval, got.checkpoint.async_mode) == (7, "async")
+    assert got.checkpoint.folder == "nvme:runs/a"
