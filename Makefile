@@ -10,6 +10,9 @@ TORCH   := torch==2.13.0
 # The MDS writer and reader (format tests, benchmark peer), without its dependencies: it
 # requires torchvision, and no torchvision wheel here is built for the CPU torch.
 STREAMING := mosaicml-streaming==0.13.0
+# torchtitan (its checkpoint manager's seam, make test-stacks) without its dependencies: it
+# requires datasets<4.8 (the dev extras need 5.0) and pulls wandb and tensorboard.
+TITAN := torchtitan==0.3.0
 # A torchvision left by an older set-up (a CUDA build) is removed, then none may remain.
 NO_TORCHVISION = $(PIP) uninstall -q -y torchvision 2>/dev/null || true; \
 	$(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torchvision') is not None and 'torchvision is installed: it does not load on the CPU torch')"
@@ -23,7 +26,7 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -c constraints.txt -e '.[dev]'
-	$(PIP) install -q -c constraints.txt --no-deps $(STREAMING)
+	$(PIP) install -q -c constraints.txt --no-deps $(STREAMING) $(TITAN)
 	$(NO_TORCHVISION)
 	touch $@
 
