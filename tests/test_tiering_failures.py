@@ -287,10 +287,11 @@ def test_training_process_is_warned_and_told_why_and_what_to_run(
     warned = rec.at(logging.WARNING)
     # the helper's tier check at start, the export's failures, and close() naming the fix
     assert any("fmstore tier check: tier s3: read failed" in w for w in warned), warned
-    assert any("has failed 2 times" in w and "fmstore daemon --drain" in w for w in warned)
+    drain = f"fmstore -c {cfg.source} daemon --drain"  # the config this process used
+    assert any("has failed 2 times" in w and drain in w for w in warned), warned
     closing = [w for w in warned if "at close" in w]
     assert len(closing) == 1 and "(step 1)" in closing[0]
-    assert "run `fmstore daemon --drain`" in closing[0] and "does not exist" in closing[0]
+    assert f"run `{drain}`" in closing[0] and "does not exist" in closing[0]
 
 
 def test_wait_for_policies_is_truthy_when_done_and_close_is_quiet(tmp_path):
