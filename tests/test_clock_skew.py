@@ -227,3 +227,31 @@ def test_protocol_settings_come_from_the_config_and_the_environment_overrides(
     p.write_text("[protocol]\nclock_skw = 3\n")
     with pytest.raises(ConfigError, match="clock_skew"):
         load_config(str(p))
+
+
+def test_a_step_no_node_can_complete_is_said_so(tmp_path):
+    """``ckpt list``: a shared copy waiting for nodes that exported a later step since
+    (their NVMe no longer holds this one's part) with no replicas kept cannot complete."""
+    from fmstore.cli.ckpt_tier_cmds import _cannot_lines, _never
+    from fmstore.config import load_config
+
+    p = tmp_path / "f.toml"
+    p.write_text(
+        f'[tiers.nvme]\nurl = "{tmp_path}/nvme"\nscope = "node"\n'
+        f'[tiers.lustre]\nurl = "{tmp_path}/lustre"\n'
+    )
+    parts: dict = {
+        ("r", 10, "lustre"): {"present": ["n0", "n2"], "of": 4, "waiting": ["n1", "n3"]},
+        ("r", 20, "lustre"): {"present": ["n0", "n1", "n2", "n3"], "of": 4, "waiting": []},
+        ("r", 30, "lustre"): {"present": ["n0"], "of": 4, "waiting": ["n1", "n2", "n3"]},
+    }
+    _never(load_config(str(p)), parts)
+    assert parts[("r", 10, "lustre")]["cannot"] == ["n1", "n3"]
+    assert "cannot" not in parts[("r", 30, "lustre")]  # they may still export it
+    (line,) = _cannot_lines(parts)
+    assert "r step 10 on lustre cannot complete: no node holds the parts of n1, n3" in line
+    # with replicas kept, a peer may still export them: only waiting
+    p.write_text(p.read_text().replace('scope = "node"', 'scope = "node"\nreplicas = 1'))
+    parts[("r", 10, "lustre")].pop("cannot")
+    _never(load_config(str(p)), parts)
+    assert "cannot" not in parts[("r", 10, "lustre")]

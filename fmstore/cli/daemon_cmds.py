@@ -84,8 +84,8 @@ def daemon(
         from ..tiering.skew import clock_warning
 
         for tier, offset in probed.clock.items():
-            if (line := clock_warning(tier, offset, partrecords.CLOCK_SKEW)) is not None:
-                typer.echo(f"warning: {line}", err=True)
+            if (skewed := clock_warning(tier, offset, partrecords.CLOCK_SKEW)) is not None:
+                typer.echo(f"warning: {skewed}", err=True)
         return
     from ..units import parse_duration
 

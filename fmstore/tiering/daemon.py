@@ -11,7 +11,9 @@ Before its first step the daemon rescans every tier for committed checkpoints th
 catalog does not know (:func:`~fmstore.tiering.discovery.rediscover`), so a lost catalog or
 a new node carries on with every existing step, and logs at warning, once per run root and
 daemon run, what it found there and does not count (a native DCP directory, torchtitan's
-``step-4``: :mod:`.foreign`); a catalog SQLite cannot read is moved aside
+``step-4``: :mod:`.foreign`), and at warning on every rescan the checkpoints whose
+manifests were created in the future (a node's clock is off: :mod:`.skew`), rescanning every
+minute until they count; a catalog SQLite cannot read is moved aside
 (``catalog.sqlite3.corrupt-<time>``, one ``catalog_corrupt`` log line) and rebuilt the same
 way.  The loop runs one :class:`~fmstore.tiering.runner.PolicyRunner` step every
 ``interval`` seconds.  A step that meets an unreachable or full tier stops early; the daemon then backs
