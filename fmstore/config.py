@@ -186,6 +186,7 @@ SCHEMA: dict[str, dict[str, Check]] = {
     "policies.restore": {"mode": one_of("lazy", "eager"), "cache_tier": STRING},
     # one table per run root ([runs."team/run"]): how its step directories are named
     "runs.*": {"step_pattern": STRING},
+    "protocol": {"lease_ttl": DURATION, "lease_renew": DURATION, "clock_skew": DURATION0},
     # read only from the user's and the system's file (see locate_config)
     "trust": {"safe_directories": STRINGS},
 }

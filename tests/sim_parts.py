@@ -375,8 +375,9 @@ def patches(revert: frozenset[str] = frozenset()) -> list[tuple[Any, str, Any]]:
         # Nothing of the process reaches a schedule: its id, its environment's settings.
         (parts, "os", _SimOs()),
         (partrecords, "os", _SimOs()),
-        *[(m, "LEASE_TTL", LEASE_TTL) for m in (partrecords, parts, gc)],
-        *[(m, "CLOCK_SKEW", CLOCK_SKEW) for m in (partrecords, parts, tiers)],
+        # the process's protocol settings, read from partrecords where they are used
+        (partrecords, "LEASE_TTL", LEASE_TTL),
+        (partrecords, "CLOCK_SKEW", CLOCK_SKEW),
     ]
     if "count" in revert:  # a step counted from its manifest's existence alone
 

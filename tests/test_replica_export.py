@@ -67,7 +67,9 @@ def step(cfg: str) -> None:
         PolicyRunner(config, from_config(config), c).step(blocking_lock=True)
 
 
-def test_a_lost_nodes_part_is_exported_from_its_replica_and_the_step_commits(tmp_path, monkeypatch):
+def test_a_lost_nodes_part_is_exported_from_its_replica_and_the_step_commits(
+    tmp_path, monkeypatch, caplog
+):
     tmp = str(tmp_path)
     for node in ("n0", "n1"):
         Path(tmp, f"{node}.toml").write_text(config_text(tmp, node, "10m"))
@@ -95,6 +97,7 @@ def test_a_lost_nodes_part_is_exported_from_its_replica_and_the_step_commits(tmp
     assert not (lustre / "manifest.json").exists()
     # n1's lease is gone: n0 exports n1's part from its replica and the step commits.
     lease.unlink()
+    caplog.set_level("INFO", logger="fmstore.tiering")
     step(n0)
     assert (lustre / "manifest.json").read_bytes() == (
         Path(tmp, "n0", "nvme", KEY, "manifest.json").read_bytes()
@@ -106,3 +109,8 @@ def test_a_lost_nodes_part_is_exported_from_its_replica_and_the_step_commits(tmp
     import fmstore.checkpoint.dcp as fdcp
 
     assert fdcp.verify_checkpoint(str(lustre)).ok
+    # The export says why n1's part was missing: n1 saved nothing after this step that n0
+    # holds a replica of (lost; a node whose ranks saved later steps is "daemon_not_exporting").
+    done = [r for r in caplog.records if getattr(r, "event", None) == "replica_export_done"]
+    assert [(r.fields["step"], r.fields["why"]) for r in done] == [(10, "node_lost")]
+    assert "was lost" in done[0].getMessage() and "n1" in done[0].getMessage()

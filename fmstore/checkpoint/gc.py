@@ -42,8 +42,9 @@ from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores import open_store
 from ..stores.base import ObjectMeta, Store
 from ..stores.bounded import LEASE_LIMIT, manifest_limit, read_bounded
+from . import partrecords as pr
 from .layout import BLOB_RE, GENERATION_RE, RANK_RECORD_RE, generation_age
-from .partrecords import LEASE_RE, LEASE_TTL, PART_RECORD_RE, ExportLease
+from .partrecords import LEASE_RE, PART_RECORD_RE, ExportLease
 
 
 @dataclass
@@ -186,7 +187,7 @@ async def _live_lease(store: Store, keys: list[str]) -> bool:
                 written = written_at(await store.stat(key))
             except NotFound:
                 continue
-            if written is None or abs(time.time() - written) < LEASE_TTL:
+            if written is None or abs(time.time() - written) < pr.LEASE_TTL:
                 return True
         except FmstoreError:
             return True  # unreadable (the tier is unavailable): assume alive

@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import NODE, is_node_id
-from ..errors import CorruptData, describe_error, short_repr
+from ..config import NODE, Config, is_node_id
+from ..errors import ConfigError, CorruptData, describe_error, short_repr
 from ..format.manifest import (
     field_int,
     field_ints,
@@ -40,6 +40,7 @@ from ..format.manifest import (
     field_str,
     parse_header,
 )
+from ..units import parse_duration
 
 __all__ = [
     "CLOCK_SKEW",
@@ -55,6 +56,8 @@ __all__ = [
     "lease_key",
     "manifest_sha256",
     "part_record_key",
+    "use_config",
+    "writer_node",
 ]
 
 PART_FORMAT_NAME = "fmstore-dcp-part"
@@ -75,16 +78,63 @@ def field_node(d: dict[str, Any], key: str) -> str:
 
 
 #: Seconds an export lease keeps a generation alive after its last renewal
-#: (``$FMSTORE_EXPORT_LEASE_TTL`` overrides it).  Nodes' clocks must agree to well within
-#: it (NTP does); an exporter renews its lease every :data:`LEASE_RENEW` seconds.
+#: (``[protocol] lease_ttl``; ``$FMSTORE_EXPORT_LEASE_TTL`` overrides it).  Nodes' clocks
+#: must agree to well within it (NTP does); an exporter renews its lease every
+#: :data:`LEASE_RENEW` seconds (``[protocol] lease_renew``, default a sixth of the TTL).
+#: These are the process's settings: read them as ``partrecords.LEASE_TTL`` when used
+#: (:func:`use_config` sets them from a config's ``[protocol]`` table).
 LEASE_TTL = float(os.environ.get("FMSTORE_EXPORT_LEASE_TTL", "120"))
 LEASE_RENEW = max(0.05, LEASE_TTL / 6)
-#: The most two nodes' clocks may be apart, in seconds (``$FMSTORE_CLOCK_SKEW`` overrides
-#: it; default a twelfth of the lease lifetime, 10 s).  A lease is taken for alive until
-#: its renewal is older than ``LEASE_TTL + CLOCK_SKEW`` on the reader's clock; a committer
-#: refuses to commit once its own lease could look expired to a node whose clock is ahead;
-#: a manifest ``created`` later than now plus the skew is not counted as committed.
+#: The most two nodes' clocks may be apart, in seconds (``[protocol] clock_skew``;
+#: ``$FMSTORE_CLOCK_SKEW`` overrides it; default a twelfth of the lease lifetime, 10 s).  A
+#: lease is taken for alive until its renewal is older than ``LEASE_TTL + CLOCK_SKEW`` on
+#: the reader's clock; a committer refuses to commit once its own lease could look expired
+#: to a node whose clock is ahead; a manifest ``created`` later than now plus the skew is
+#: not counted as committed (and reported: a clock is off).
 CLOCK_SKEW = float(os.environ.get("FMSTORE_CLOCK_SKEW", str(LEASE_TTL / 12)))
+
+
+def use_config(config: Config) -> None:
+    """Take this process's lease lifetime, renewal and allowed clock skew from
+    ``config``'s ``[protocol]`` table; ``$FMSTORE_EXPORT_LEASE_TTL`` and
+    ``$FMSTORE_CLOCK_SKEW`` still override it.  A key the table does not set leaves the
+    value in effect (the defaults derive from the lifetime: renewal a sixth, skew a
+    twelfth).  ConfigError when the renewal plus the skew leave a committer no time to
+    write the manifest (they must stay under half the lifetime)."""
+    global LEASE_TTL, LEASE_RENEW, CLOCK_SKEW
+    raw, w = config.table("protocol")
+    if not raw:  # the environment was read at import
+        return
+    env_ttl, env_skew = os.environ.get(_TTL_VAR), os.environ.get(_SKEW_VAR)
+    if env_ttl:
+        ttl = float(env_ttl)
+    elif "lease_ttl" in raw:
+        ttl = parse_duration(raw["lease_ttl"], f"{w} lease_ttl")
+    else:
+        ttl = LEASE_TTL
+    default_renew, default_skew = (
+        (LEASE_RENEW, CLOCK_SKEW) if ttl == LEASE_TTL else (max(0.05, ttl / 6), ttl / 12)
+    )
+    renew = (
+        parse_duration(raw["lease_renew"], f"{w} lease_renew")
+        if "lease_renew" in raw
+        else default_renew
+    )
+    if env_skew:
+        skew = float(env_skew)
+    elif "clock_skew" in raw:
+        skew = parse_duration(raw["clock_skew"], f"{w} clock_skew", allow_zero=True)
+    else:
+        skew = default_skew
+    if ttl > 0 and renew + skew >= ttl / 2:
+        raise ConfigError(
+            f"{w} lease_renew ({renew:g} s) plus clock_skew ({skew:g} s) must stay under half "
+            f"of lease_ttl ({ttl:g} s): a committer needs that much of its lease left"
+        )
+    LEASE_TTL, LEASE_RENEW, CLOCK_SKEW = ttl, renew, skew
+
+
+_TTL_VAR, _SKEW_VAR = "FMSTORE_EXPORT_LEASE_TTL", "FMSTORE_CLOCK_SKEW"
 #: Largest process id a lease may name (Linux's pid_max is at most 2**22).
 MAX_PID = 2**31 - 1
 
@@ -218,3 +268,15 @@ def node_here() -> str:
     import socket
 
     return os.environ.get("FMSTORE_NODE_ID") or socket.gethostname()
+
+
+#: How a manifest's ``writer`` names the node that wrote it (its clock set ``created``).
+WRITER_ON = " on "
+
+
+def writer_node() -> str:
+    """`` on NODE`` for a manifest's ``writer`` (this node's id), or ``""`` where the host
+    name is no node id: an operator seeing a manifest created in the future learns whose
+    clock set it."""
+    here = node_here()
+    return f"{WRITER_ON}{here}" if is_node_id(here) else ""

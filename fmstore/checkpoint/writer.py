@@ -33,6 +33,7 @@ from ..format.manifest import MANIFEST_KEY, BlobEntry, ChunkEntry, Manifest, Sto
 from ..limits import ByteBudget
 from ..stores.base import Buffer, PutOptions, Store
 from .layout import new_generation
+from .partrecords import writer_node
 from .planner import ALIGN, SavePlan
 
 
@@ -173,7 +174,7 @@ async def write_checkpoint(
             storages=tuple(storages),
             blobs=tuple(BlobEntry(b.name, sizes[i]) for i, b in enumerate(plan.blobs)),
             created=time.time(),
-            writer=f"fmstore {__version__}",
+            writer=f"fmstore {__version__}{writer_node()}",
             pickled=plan.pickled,
         )
         opts = PutOptions(mode="overwrite") if options.overwrite else PutOptions(mode="create")

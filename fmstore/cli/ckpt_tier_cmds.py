@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import runtime
+from ..checkpoint import partrecords as pr
 from ..config import Config, load_config
 from ..errors import ConfigError, FmstoreError, NotFound
 from ..format.manifest import MANIFEST_KEY, Manifest
@@ -27,6 +28,7 @@ from ..tiering.catalog import Catalog
 from ..tiering.discovery import Rediscovered, rediscover
 from ..tiering.parts import parts_on
 from ..tiering.policies import Policies, State, export_lags, from_config
+from ..tiering.skew import InFuture, future_groups
 from ..tiering.tiers import Tiers
 from .main import ckpt
 from .progress import make_console
@@ -105,6 +107,14 @@ def list_checkpoints(
         lags = _lag_lines(pol, catalog, roots)
         now = catalog.now()
     uncounted = [printable(found.notes.describe(r), markup=False) for r in found.notes.roots()]
+    ahead = [f for f in found.notes.future if f.root in roots or not root]
+    skewed = [printable(g.describe(pr.CLOCK_SKEW), markup=False) for g in future_groups(ahead)]
+    if root and not rows and ahead:
+        raise NotFound(
+            f"no checkpoint of run root {root.strip('/')!r} is counted as committed, but "
+            f"{plural(len(ahead), 'checkpoint')} of it exist with manifests created in the "
+            "future:" + "".join(f"\n  {line}" for line in skewed)
+        )
     if root and not rows:
         raise NotFound(
             f"no checkpoint of run root {root.strip('/')!r} on any tier "
@@ -114,6 +124,10 @@ def list_checkpoints(
     by_step: dict[tuple[str, int], dict[str, cat.Copy]] = {}
     for c in rows:
         by_step.setdefault((c.root, c.step), {})[c.tier] = c
+    future: dict[tuple[str, int], dict[str, InFuture]] = {}
+    for f in ahead:  # not in the catalog: not counted; shown in their rows all the same
+        future.setdefault((f.root, f.step), {})[f.tier] = f
+        by_step.setdefault((f.root, f.step), {})
     parts = _parts(cfg, rows)
     if as_json:
         out = [
@@ -134,12 +148,21 @@ def list_checkpoints(
                         else {}
                     )
                     for t, c in copies.items()
+                }
+                | {
+                    t: {
+                        "state": "not_counted",
+                        "why": "created_in_future",
+                        "offset_seconds": round(f.offset, 1),
+                        "node": f.node,
+                    }
+                    for t, f in future.get((r, s), {}).items()
                 },
             }
             for (r, s), copies in sorted(by_step.items())
         ]
         typer.echo(json.dumps(out, indent=2))
-        for line in uncounted:
+        for line in skewed + uncounted:
             typer.echo(f"warning: {line}", err=True)
         return
     table = Table(box=None, show_header=True)
@@ -147,12 +170,14 @@ def list_checkpoints(
     table.add_column("step", justify="right")
     for t in pol.ladder:
         table.add_column(t)
+    local_parts = False  # a node-local column showing this node's part of a step in parts
     for (r, s), copies in sorted(by_step.items()):
         cells: list[str | Text] = []
         for t in pol.ladder:
             cp = copies.get(t)
             if cp is None:
-                cells.append("")
+                f = future.get((r, s), {}).get(t)
+                cells.append("" if f is None else Text(f.describe(), style="bold red"))
                 continue
             nbytes = cp.bytes
             part = parts.get((r, s, t))
@@ -164,10 +189,19 @@ def list_checkpoints(
             if part and "present" in part:  # a shared tier: the nodes whose parts are there
                 present: list[str] = part["present"]  # type: ignore[assignment]
                 where = f" parts {len(present)}/{part['of'] or '?'} ({','.join(present)})"
-                if part.get("waiting"):
+                if part.get("cannot"):
+                    where += (
+                        " cannot complete: no node holds the parts of " + ", ".join(part["cannot"])  # type: ignore[arg-type]
+                    )
+                elif part.get("waiting"):
                     where += f" waiting for {','.join(part['waiting'])}"  # type: ignore[arg-type]
             else:
-                where = f" part {part['index']}/{part['of']} ({part['node']})" if part else ""
+                where = (
+                    f" part {part['index']}/{part['of']} (this node, {part['node']})"
+                    if part
+                    else ""
+                )
+                local_parts = local_parts or bool(part)
             cells.append(Text(f"{cp.state}{mark}{where}{size}", style=_STYLE.get(cp.state, "")))
         table.add_row(printable(r), str(s), *cells)
     console = make_console()
@@ -182,6 +216,19 @@ def list_checkpoints(
             # This node's part is on the shared tier; the commit waits for other nodes'.
             line = f"part of {c.root} step {c.step} on {c.tier}, commit {c.error}"
             console.print(printable(line, markup=False), highlight=False, markup=False)
+    if local_parts:
+        console.print(
+            "part i/N (this node, NODE): a node-local tier's column shows this node's part "
+            "only; the step restores from node-local copies only while every node of the save "
+            "holds its part, else from a shared tier's committed copy",
+            style="dim",
+            highlight=False,
+            markup=False,
+        )
+    for line in skewed:
+        console.print(line, style="bold red", highlight=False, markup=False)
+    for line in _cannot_lines(parts):
+        console.print(printable(line, markup=False), style="red", highlight=False, markup=False)
     for line in uncounted:
         console.print(f"not counted: {line}", style="yellow", highlight=False, markup=False)
 
@@ -271,10 +318,45 @@ def _parts(cfg: Config, rows: list[cat.Copy]) -> dict[tuple[str, int, str], dict
                     # the nodes whose parts the step waits for on this tier
                     got["waiting"] = [] if got["committed"] else [n for n in names if n not in have]
                     out[(c.root, c.step, c.tier)] = got
+        _never(cfg, out)
         await tiers.close()
         return out
 
     return runtime.run(read())
+
+
+def _never(cfg: Config, parts: dict[tuple[str, int, str], dict[str, object]]) -> None:
+    """Mark the shared copies whose commit cannot complete (``cannot``: the nodes whose
+    parts no node holds), as this node sees it: a waited-for node exported its part of a
+    later step of the run root to that tier (its daemon is past this step, so its node no
+    longer holds this one's part: a replaced node, a wiped NVMe) and no node-local tier keeps
+    replicas of parts (``replicas = 0``) that a peer could export in its place."""
+    if any(t.scope == "node" and t.replicas > 0 for t in cfg.tiers.values()):
+        return
+    seen: dict[tuple[str, str, str], int] = {}  # (root, tier, node) -> its newest step there
+    for (r, s, t), p in parts.items():
+        for n in p.get("present") or []:  # type: ignore[attr-defined]
+            seen[(r, t, n)] = max(seen.get((r, t, n), s), s)
+    for (r, s, t), p in parts.items():
+        waiting: list[str] = p.get("waiting") or []  # type: ignore[assignment]
+        cannot = [n for n in waiting if seen.get((r, t, n), -1) > s]
+        if cannot:
+            p["cannot"] = cannot
+
+
+def _cannot_lines(parts: dict[tuple[str, int, str], dict[str, object]]) -> list[str]:
+    """Why each shared copy marked by :func:`_never` stays uncommitted, and what to do."""
+    out = []
+    for (r, s, t), p in sorted(parts.items()):
+        cannot: list[str] = p.get("cannot") or []  # type: ignore[assignment]
+        if cannot:
+            nodes = ", ".join(cannot)
+            out.append(
+                f"{r} step {s} on {t} cannot complete: no node holds the parts of {nodes} "
+                f"({nodes} exported a later step since, and no replicas are kept): it will "
+                "never be restorable from there; restore a committed step"
+            )
+    return out
 
 
 async def _own_part(store: Store) -> Any:

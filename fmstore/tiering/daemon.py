@@ -11,7 +11,9 @@ Before its first step the daemon rescans every tier for committed checkpoints th
 catalog does not know (:func:`~fmstore.tiering.discovery.rediscover`), so a lost catalog or
 a new node carries on with every existing step, and logs at warning, once per run root and
 daemon run, what it found there and does not count (a native DCP directory, torchtitan's
-``step-4``: :mod:`.foreign`); a catalog SQLite cannot read is moved aside
+``step-4``: :mod:`.foreign`), and at warning on every rescan the checkpoints whose
+manifests were created in the future (a node's clock is off: :mod:`.skew`), rescanning every
+minute until they count; a catalog SQLite cannot read is moved aside
 (``catalog.sqlite3.corrupt-<time>``, one ``catalog_corrupt`` log line) and rebuilt the same
 way.  The loop runs one :class:`~fmstore.tiering.runner.PolicyRunner` step every
 ``interval`` seconds.  A step that meets an unreachable or full tier stops early; the daemon then backs
@@ -46,6 +48,7 @@ import filelock
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import runtime
+from ..checkpoint import partrecords
 from ..config import Config
 from ..errors import ConfigError, FmstoreError
 from ..units import parse_duration, parse_size
@@ -59,8 +62,12 @@ from .policies import Policies, from_config
 from .priority import PRIORITIES, lower_priority
 from .probe import ProbeReport, probe_once_per_node
 from .runner import PolicyRunner, StepReport, event, log, log_record_json, warn_event
+from .skew import clock_warning, future_groups
 from .sweep import SweepReport, sweep
 from .transfer import TransferOptions
+
+#: Seconds between rescans while manifests created in the future are found.
+FUTURE_RESCAN = 60.0
 
 _KEYS = {
     "host",
@@ -215,6 +222,9 @@ class Daemon:
         self.rescan_due = True
         #: Prefixes whose uncounted entries were logged at warning (once per daemon run).
         self._warned: set[str] = set()
+        #: When to rescan again while manifests created in the future were found (they
+        #: count once this node's clock reaches them; each rescan warns again).
+        self._future_rescan: float | None = None
         self._next_sweep = 0.0  # the orphan sweep runs at start, then every sweep_interval
 
     # ---- HTTP ------------------------------------------------------------------------
@@ -292,7 +302,8 @@ class Daemon:
         try:
             while not self.stop.is_set():
                 try:
-                    if self.rescan_due:
+                    again = self._future_rescan
+                    if self.rescan_due or (again is not None and time.monotonic() >= again):
                         self.rescan()
                     if time.monotonic() >= self._next_sweep:
                         self.sweep()
@@ -361,6 +372,10 @@ class Daemon:
         """Prove every tier usable (:mod:`.probe`) under the node's probe lock, logging
         each problem at error; the daemon runs on (a tier down now may come back)."""
         rep = probe_once_per_node(self.config, self.policies, self.runner.tiers, force=True)
+        for tier, offset in rep.clock.items():
+            m.TIER_CLOCK_OFFSET.labels(tier).set(offset)
+            if (line := clock_warning(tier, offset, partrecords.CLOCK_SKEW)) is not None:
+                warn_event("clock_skew", line, tier=tier, offset_seconds=round(offset, 1))
         for p in rep.problems:
             log.error(
                 p.describe(),
@@ -401,6 +416,34 @@ class Daemon:
             not_counted_more=found.not_counted_more,
         )
         self.warn_not_counted(found.notes)
+        self.warn_in_future(found.notes)
+
+    def warn_in_future(self, notes: NotCounted) -> None:
+        """At warning on every rescan: each run root, tier and node whose manifests were
+        created in the future (:mod:`.skew`), with the offset; and the metrics."""
+        skew = partrecords.CLOCK_SKEW
+        worst: dict[str, float] = {}
+        count: dict[str, int] = {}
+        for f in notes.future:
+            count[f.tier] = count.get(f.tier, 0) + 1
+            worst[f.tier] = max(worst.get(f.tier, 0.0), f.offset)
+        for tier in self.policies.ladder:
+            m.MANIFESTS_IN_FUTURE.labels(tier).set(count.get(tier, 0))
+            m.MANIFEST_FUTURE_SECONDS.labels(tier).set(worst.get(tier, 0.0))
+        for g in future_groups(notes.future):
+            warn_event(
+                "created_in_future",
+                g.describe(skew),
+                tier=g.tier,
+                root=g.root,
+                node=g.node,
+                steps=list(g.steps),
+                max_offset_seconds=round(g.max_offset, 1),
+                clock_skew=skew,
+            )
+        self._future_rescan = (
+            time.monotonic() + max(self.settings.interval, FUTURE_RESCAN) if notes.future else None
+        )
 
     def warn_not_counted(self, notes: NotCounted) -> None:
         """One warning line per prefix holding what fmstore does not count, the first

@@ -54,8 +54,9 @@ class Rediscovered:
     copies: int = 0
     unreachable: dict[str, str] = field(default_factory=dict)
     #: What was found and not counted, by the prefix it lies under, bounded: manifests
-    #: that do not validate (not fmstore's, damaged, a newer fmstore's, created in the
-    #: future, missing blobs) and checkpoints under names fmstore does not count.
+    #: that do not validate (not fmstore's, damaged, a newer fmstore's, missing blobs) and
+    #: checkpoints under names fmstore does not count; apart (``notes.future``), the steps
+    #: whose manifests were created in the future (:mod:`.skew`: a clock is off).
     notes: NotCounted = field(default_factory=NotCounted)
 
     @property

@@ -27,6 +27,7 @@ from ..errors import ConfigError, NotFound
 from ..format.manifest import MANIFEST_KEY
 from ..keys import StepPattern
 from ..stores.base import Store
+from .skew import InFuture
 
 #: Entries listed under one prefix, and prefixes listed, per scan; the rest are counted.
 PER_ROOT = 10
@@ -111,6 +112,10 @@ def suggest_pattern(name: str) -> str | None:
     return text
 
 
+#: Manifests created in the future listed per scan (the rest are counted).
+MAX_FUTURE = 1000
+
+
 @dataclass
 class NotCounted:
     """What a scan found and does not count, by the prefix it lies under (``tier:key``):
@@ -122,6 +127,18 @@ class NotCounted:
     max_roots: int = MAX_ROOTS
     by_root: dict[str, dict[str, str]] = field(default_factory=dict)
     more: dict[str, int] = field(default_factory=dict)
+    #: steps not counted because their manifests were created in the future (every one
+    #: up to :data:`MAX_FUTURE`, whatever ``per_root`` lists); ``future_more``: the rest
+    future: list[InFuture] = field(default_factory=list)
+    future_more: int = 0
+
+    def add_future(self, f: InFuture) -> None:
+        """Note ``f`` among the manifests created in the future (said apart from the other
+        entries, at warning on every scan: :mod:`.skew`)."""
+        if len(self.future) < MAX_FUTURE:
+            self.future.append(f)
+        else:
+            self.future_more += 1
 
     def room(self, root: str) -> bool:
         """Whether one more entry under ``root`` would be listed."""

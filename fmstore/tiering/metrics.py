@@ -97,3 +97,22 @@ NODE_EXPORT_LAG = Gauge(
     "Age of the oldest checkpoint this node still has to export to the destination (0: none)",
     ["node", "dest"],
 )
+# Clock skew (:mod:`.skew`): manifests a rescan did not count because they were created
+# later than this node's clock allows, and this node's clock against the tiers'.
+MANIFESTS_IN_FUTURE = Gauge(
+    "fmstore_manifests_in_future",
+    "Manifests the last rescan found created later than this node's clock plus the allowed "
+    "skew (not counted as committed: a node's clock is off)",
+    ["tier"],
+)
+MANIFEST_FUTURE_SECONDS = Gauge(
+    "fmstore_manifest_future_max_seconds",
+    "How far ahead of this node's clock the furthest such manifest was created (0: none)",
+    ["tier"],
+)
+TIER_CLOCK_OFFSET = Gauge(
+    "fmstore_tier_clock_offset_seconds",
+    "The tier's clock minus this node's, from the modification time a probe write got "
+    "there (0: within the write's duration)",
+    ["tier"],
+)

@@ -34,11 +34,9 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from ..checkpoint import partrecords as pr
 from ..checkpoint.partrecords import (
-    CLOCK_SKEW,
     LEASE_RE,
-    LEASE_RENEW,
-    LEASE_TTL,
     PART_RECORD_RE,
     ExportLease,
     PartRecord,
@@ -125,7 +123,7 @@ class _Lease:
 
     async def _renew(self) -> None:
         while True:
-            await asyncio.sleep(LEASE_RENEW)
+            await asyncio.sleep(pr.LEASE_RENEW)
             with contextlib.suppress(FmstoreError):
                 await self.put()
 
@@ -282,7 +280,7 @@ async def commit_if_complete(
     missing = await _holding_records(dst, manifest, data)
     if missing:
         return missing
-    if not commit_holds(lease.renewed, now=time.time(), ttl=LEASE_TTL, skew=CLOCK_SKEW):
+    if not commit_holds(lease.renewed, now=time.time(), ttl=pr.LEASE_TTL, skew=pr.CLOCK_SKEW):
         # Listed too long ago: a node may have taken its part out since, trusting this
         # lease expired.  Not committed; the next attempt (any node's) lists afresh.
         return [p.node for p in manifest.parts]
@@ -401,7 +399,7 @@ async def delete_own_part(dst: Store, node: str, src: Store | None = None) -> bo
         # its committer's write land (if at all) before this moment, so it is seen below
         committed = await dst.exists(MANIFEST_KEY)
         if not may_remove_part(
-            node, leases, committed=committed, now=now, ttl=LEASE_TTL, skew=CLOCK_SKEW
+            node, leases, committed=committed, now=now, ttl=pr.LEASE_TTL, skew=pr.CLOCK_SKEW
         ):
             # A commit counted this part, or may still: the part stays, as it was.
             if rec_data is not None:

@@ -20,7 +20,9 @@ first save would.
 prefix would be a load of their own, so :func:`probe_once_per_node` takes a file lock in the
 state directory (one per node), and a process finding a fresh result there
 (``probe.json``, younger than :data:`PROBE_TTL` and for the same tiers and policies) reuses
-it instead of probing again.
+it instead of probing again.  The result is keyed by the tiers, the policies and a SHA-256
+of the credentials each S3 tier resolves to (never the secret itself): a probe with a wrong
+secret does not stand for processes with the right keys, nor a good one for bad keys.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ from ..errors import (
     TierFull,
 )
 from ..stores.base import Store
+from .credentials import credentials_digest
 from .rules import Policies
+from .skew import clock_offset
 from .tiers import Tiers
 
 #: Where probe objects go, at each tier's root (skipped by discovery, ``ls`` and ``stage``).
@@ -80,6 +84,9 @@ class ProbeReport:
 
     problems: list[TierProblem] = field(default_factory=list)
     checked: dict[str, list[str]] = field(default_factory=dict)
+    #: shared tier -> its clock minus this node's, in seconds, from the modification time
+    #: the probe write got (:func:`.skew.clock_offset`; 0: within the write's duration)
+    clock: dict[str, float] = field(default_factory=dict)
     at: float = 0.0
     cached: bool = False
 
@@ -130,7 +137,7 @@ def _fix(config: Config, tier: str, e: FmstoreError, check: str) -> str:
 
 
 async def _probe_tier(
-    config: Config, tier: str, store: Store, checks: set[str]
+    config: Config, tier: str, store: Store, checks: set[str], clock: dict[str, float]
 ) -> list[TierProblem]:
     local = store.local_root is not None
     try:
@@ -144,10 +151,16 @@ async def _probe_tier(
     key = f"{PROBE_PREFIX}/{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     data = b"fmstore tier probe\n"
     try:
+        before = time.time()
         await store.put(key, data)
+        after = time.time()
     except FmstoreError as e:
         return [TierProblem(tier, "write", str(e), _fix(config, tier, e, "write"))]
     problems = []
+    if config.tier(tier).scope != "node":  # a shared tier's times: the other nodes' view
+        with contextlib.suppress(FmstoreError):
+            mtime = (await store.stat(key)).mtime
+            clock[tier] = clock_offset(before, after, mtime, resolution=1.0)
     try:
         if await store.get(key) != data:
             problems.append(
@@ -186,7 +199,7 @@ async def aprobe_tiers(config: Config, policies: Policies, tiers: Tiers) -> Prob
         except FmstoreError as e:
             rep.problems.append(TierProblem(tier, "read", str(e), _fix(config, tier, e, "read")))
             continue
-        rep.problems.extend(await _probe_tier(config, tier, store, checks))
+        rep.problems.extend(await _probe_tier(config, tier, store, checks, rep.clock))
     return rep
 
 
@@ -207,11 +220,20 @@ def probe_tiers(config: Config, policies: Policies, tiers: Tiers | None = None) 
 
 
 def _fingerprint(config: Config, policies: Policies) -> str:
+    """What a probe's result depends on: the tiers, the checks, each tier's options (a
+    secret among them only as part of this digest) and the S3 credentials the process
+    resolves (:func:`.credentials.credentials_digest`): a process with other keys probes
+    again, whatever another process found with its own."""
     uses = {t: sorted(c) for t, c in tier_uses(policies).items()}
     tiers = {
-        t: [config.tier(t).url, sorted(map(str, config.tier(t).options.items()))] for t in uses
+        t: [
+            config.tier(t).url,
+            sorted(map(str, config.tier(t).options.items())),
+            credentials_digest(config, t),
+        ]
+        for t in uses
     }
-    return hashlib.sha256(json.dumps([uses, tiers], sort_keys=True).encode()).hexdigest()[:32]
+    return hashlib.sha256(json.dumps([uses, tiers], sort_keys=True).encode()).hexdigest()
 
 
 def probe_once_per_node(
@@ -244,6 +266,7 @@ def probe_once_per_node(
                     return ProbeReport(
                         problems=[TierProblem(**p) for p in doc["problems"]],
                         checked=doc["checked"],
+                        clock=doc.get("clock", {}),
                         at=doc["at"],
                         cached=True,
                     )
@@ -252,6 +275,7 @@ def probe_once_per_node(
             "fingerprint": fp,
             "at": rep.at,
             "checked": rep.checked,
+            "clock": rep.clock,
             "problems": [asdict(p) for p in rep.problems],
         }
         tmp = f"{marker}.{os.getpid()}.tmp"

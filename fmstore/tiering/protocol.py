@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..config import is_node_id
 from ..errors import CorruptData, describe_error, short_repr
 from ..format.manifest import (
     DCP_FORMAT_NAME,
@@ -82,6 +83,17 @@ class ManifestFacts:
     blobs: tuple[BlobFact, ...]
     parts: tuple[tuple[str, tuple[int, ...]], ...]  # (node, ranks) of a checkpoint in parts
     crc32c: int
+    writer: str = ""  # "fmstore 0.4 on n1": what wrote it, and on which node
+
+    @property
+    def written_by(self) -> str | None:
+        """The node whose clock set ``created``: the one its ``writer`` names (``… on
+        NODE``), else the node of rank 0 (a sharded save's coordinator) of a checkpoint in
+        parts; None where the manifest does not say."""
+        _, on, node = self.writer.rpartition(" on ")
+        if on and is_node_id(node):
+            return node
+        return next((n for n, ranks in self.parts if 0 in ranks), None)
 
     @property
     def stored_bytes(self) -> int:
@@ -141,7 +153,17 @@ def manifest_facts(data: bytes, *, crc32c: int, where: str) -> ManifestFacts:
         raise CorruptData(
             f"checkpoint manifest at {where} is malformed ({describe_error(e)})"
         ) from None
-    return ManifestFacts(fmt, version, gen, float(created), tuple(blobs), tuple(parts), crc32c)
+    writer = d.get("writer")
+    return ManifestFacts(
+        fmt,
+        version,
+        gen,
+        float(created),
+        tuple(blobs),
+        tuple(parts),
+        crc32c,
+        writer[:300] if isinstance(writer, str) else "",
+    )
 
 
 def step_committed(

@@ -9,7 +9,10 @@ of the node holding N's replica exports that part with :func:`~.parts.export_par
 the replica: the step then commits without N.  N may come back and export its part too:
 both write the same blobs and records, and a part record is trusted by its content (blobs
 that verify against the manifest), not by who wrote it (:func:`~.protocol.record_holds`).
-The decision is :func:`~.protocol.replica_export_due`.
+The decision is :func:`~.protocol.replica_export_due`.  Each export says why the part was
+missing (:attr:`ReplicaExport.why`): the node was lost (this node holds no replica of a later
+step of its), or the node is up and only its daemon is not exporting (its ranks saved later
+steps: a daemon not started yet, or behind; the same bytes are exported twice then).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
+from ..checkpoint import partrecords as pr
 from ..checkpoint.layout import MANIFEST_KEY, RANK_RECORD_RE, REPLICA_PREFIX, parse_step, step_name
-from ..checkpoint.partrecords import CLOCK_SKEW, LEASE_TTL
 from ..checkpoint.verify import read_committed
 from ..config import Config
 from ..errors import FmstoreError, NotFound
@@ -50,6 +54,35 @@ class ReplicaExport:
     source: str
     dest: str
     committed: bool
+    #: why ``node``'s part was missing: ``node_lost`` (this node holds no replica of a
+    #: later step of ``node``'s: it saved nothing since) or ``daemon_not_exporting`` (its
+    #: ranks saved later steps, so the node is up: its daemon is not running, or behind)
+    why: str = "node_lost"
+    #: the newest step of ``root`` whose replica of ``node``'s part this node holds
+    newest_saved: int | None = None
+
+    def describe(self) -> str:
+        if self.why == NOT_EXPORTING:
+            cause = (
+                f"node {self.node} is up (its ranks saved step {self.newest_saved} since) but "
+                f"its part did not reach {self.dest}: its daemon is not running or is behind "
+                f"(check fmstore daemon on {self.node}); the same bytes, exported here"
+            )
+        else:
+            cause = (
+                f"node {self.node} saved nothing of {self.root!r} after this step that this "
+                "node holds a replica of: it was lost, or its job stopped"
+            )
+        done = "the step committed" if self.committed else "the step still waits for others"
+        return (
+            f"exported node {self.node}'s part of {self.root} step {self.step} to {self.dest} "
+            f"from its replica on {self.source} ({done}): {cause}"
+        )
+
+
+#: :attr:`ReplicaExport.why` codes.
+NODE_LOST = "node_lost"
+NOT_EXPORTING = "daemon_not_exporting"
 
 
 def _destinations(config: Config, policies: Policies, tier: str) -> list[str]:
@@ -110,6 +143,9 @@ async def export_replicas(
         if not dests:
             continue
         base = tiers.store(tier)
+        held_parts: list[tuple[str, int, Store, Any, set[int]]] = []
+        #: (root, node) -> the newest step whose replica of node's part is complete here
+        newest: dict[tuple[str, str], int] = {}
         for root, step in await _replicas(base):
             src = base.sub(f"{REPLICA_PREFIX}/{root}/{step_name(step)}")
             try:
@@ -119,13 +155,19 @@ async def export_replicas(
             if not in_parts(m):
                 continue
             held = await _held_ranks(src, m.generation)  # type: ignore[union-attr]
+            held_parts.append((root, step, src, m, held))
             for part in m.parts:  # type: ignore[union-attr]
+                if part.node != me and set(part.ranks) <= held:
+                    key = (root, part.node)
+                    newest[key] = max(newest.get(key, step), step)
+        for root, step, src, m, held in held_parts:
+            for part in m.parts:
                 if part.node == me or not set(part.ranks) <= held:
                     continue
                 for dest in dests:
                     dst = tiers.checkpoint(dest, root, step)
                     try:
-                        if not await _due(dst, m.generation, part.node, policies, now):  # type: ignore[union-attr]
+                        if not await _due(dst, m.generation, part.node, policies, now):
                             continue
                         res = await export_part(src, dst, part.node, options=options)
                     except FmstoreError as e:
@@ -139,8 +181,18 @@ async def export_replicas(
                             e,
                         )
                         continue
+                    later = newest.get((root, part.node), step)
                     done.append(
-                        ReplicaExport(part.node, root, step, tier, dest, not res.waiting_for)
+                        ReplicaExport(
+                            part.node,
+                            root,
+                            step,
+                            tier,
+                            dest,
+                            not res.waiting_for,
+                            NOT_EXPORTING if later > step else NODE_LOST,
+                            later,
+                        )
                     )
     return done
 
@@ -161,6 +213,6 @@ async def _due(
         committed=committed,
         now=time.time() if now is None else now,
         after=policies.replica_export_after,
-        ttl=LEASE_TTL,
-        skew=CLOCK_SKEW,
+        ttl=pr.LEASE_TTL,
+        skew=pr.CLOCK_SKEW,
     )

@@ -417,14 +417,21 @@ class PolicyRunner:
             self.config, self.policies, self.tiers, this_node(), options=self.mover
         ):
             rep.exported += int(x.committed)
-            event(
-                "replica_export_done",
-                node=x.node,
-                root=x.root,
-                step=x.step,
-                src=x.source,
-                dst=x.dest,
-                committed=x.committed,
+            log.info(
+                x.describe(),
+                extra={
+                    "event": "replica_export_done",
+                    "fields": {
+                        "node": x.node,
+                        "why": x.why,
+                        "newest_saved": x.newest_saved,
+                        "root": x.root,
+                        "step": x.step,
+                        "src": x.source,
+                        "dst": x.dest,
+                        "committed": x.committed,
+                    },
+                },
             )
 
     def _part_args(self, source: str) -> dict[str, Any]:

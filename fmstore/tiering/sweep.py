@@ -52,6 +52,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from .. import runtime
+from ..checkpoint import partrecords
 from ..checkpoint.gc import Generation, orphan_generations, remove_generation
 from ..config import Config
 from ..errors import FmstoreError
@@ -252,6 +253,7 @@ async def sweep(
     """Sweep each ``{tier: store}`` (a tier's root or a prefix of it) with the live copies
     of ``config``'s state directory; see the module doc.  Never raises for a tier that
     fails: its error is in the report."""
+    partrecords.use_config(config)  # the lease lifetime a lease is judged by
     s = Sweeper(config.state_dir, grace=grace, dry_run=dry_run)
     for tier, store in stores.items():
         await s.tier(tier, store)

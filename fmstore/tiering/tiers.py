@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .. import keys as _keys
+from ..checkpoint import partrecords as pr
 from ..checkpoint.layout import REPLICA_PREFIX
-from ..checkpoint.partrecords import CLOCK_SKEW, node_here
+from ..checkpoint.partrecords import node_here
 from ..config import Config
 from ..errors import CorruptData, NotFound
 from ..format.checksum import crc32c
@@ -26,9 +27,18 @@ from ..stores import Location, open_store
 from ..stores.base import Store
 from ..stores.bounded import manifest_limit, read_bounded
 from ..stores.posix_io import tree_bytes
-from .foreign import DCP, DCP_METADATA, NotCounted, look, step_key, step_parser, step_patterns
+from .foreign import (
+    DCP,
+    DCP_METADATA,
+    InFuture,
+    NotCounted,
+    look,
+    step_key,
+    step_parser,
+    step_patterns,
+)
 from .policies import TierUsage
-from .protocol import ManifestFacts, manifest_facts, step_committed
+from .protocol import ManifestFacts, Problem, manifest_facts, step_committed
 
 log = logging.getLogger("fmstore.tiering")
 
@@ -66,6 +76,8 @@ class Tiers:
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        # Leases, commits and counting follow the config's [protocol] settings.
+        pr.use_config(config)
         #: Run root -> the step pattern it declares (others: ``step_…``).
         self.patterns = step_patterns(config)
         self._stores: dict[str, Store] = {}
@@ -206,10 +218,16 @@ class Tiers:
             if notes is not None:
                 notes.add(under, where, str(e))
             return None
-        why = step_committed(facts, sizes=sizes, node=node, now=time.time(), skew=CLOCK_SKEW)
+        now = time.time()
+        why = step_committed(facts, sizes=sizes, node=node, now=now, skew=pr.CLOCK_SKEW)
         if why is None:
             return CommittedCopy(facts, mtime)
-        if notes is not None:
+        if notes is None:
+            pass
+        elif why is Problem.CREATED_IN_FUTURE:  # a clock is off: said loudly by the scans
+            offset = facts.created - now
+            notes.add_future(InFuture(tier, root.strip("/"), step, where, offset, facts.written_by))
+        else:
             notes.add(under, where, why.value)
         return None
 

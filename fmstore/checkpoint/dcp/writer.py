@@ -66,7 +66,7 @@ from ...limits import ByteBudget
 from ...stores import PutOptions, Store, open_store, split_tier
 from ...stores.bounded import manifest_limit, read_bounded
 from ..layout import blob_name, new_generation
-from ..partrecords import is_node_id
+from ..partrecords import is_node_id, writer_node
 from . import replica_stream, staging
 from .items import item_bytes, offset_of, part_bytes, split, tensor_bytes
 from .manifest import MANIFEST_KEY, DcpBlob, DcpItem, DcpManifest, DcpPart
@@ -625,7 +625,7 @@ class Writer(StorageWriter):
             items=items,
             blobs=blobs,
             allow_pickle=self.options.allow_pickle,
-            writer=f"fmstore (torch {torch.__version__})",
+            writer=f"fmstore (torch {torch.__version__}){writer_node()}",
             parts=parts,
         )
         manifest.validate(MANIFEST_KEY)
