@@ -22,7 +22,10 @@ Scenarios (every rank writes ``OUT/SCENARIO-RANK.json``; any failed check exits 
   error every rank got;
 * ``redo``: with that node replaced, the sharded manager falls back to step 10 on Lustre,
   saves step 30 again (the newer steps moved aside) and restores it bit-exact;
-* ``reshard``: on fewer ranks, restores step 10 from ``lustre:`` bit-exact.
+* ``reshard``: on fewer ranks, restores step 10 from ``lustre:`` bit-exact;
+* ``pause``: sets ``nodes/paused-RANK`` in the test's TCP store (its port in
+  ``NODE_WORKER_TEST_PORT``) and waits for the test's ``nodes/go`` (the test wipes a node
+  meanwhile), so one launch serves the scenarios before and after.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import os
 import sys
 import time
 import warnings
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -243,18 +247,28 @@ def scenario(name: str, out: str, ckpt: Any) -> dict[str, Any]:
     return rep
 
 
+def pause(rank: int) -> None:
+    """Until the test's signal: its checks and changes take no process group's time."""
+    port = int(os.environ["NODE_WORKER_TEST_PORT"])
+    test = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
+    test.set(f"nodes/paused-{rank}", "1")
+    test.wait(["nodes/go"])
+
+
 def main() -> None:
     import faulthandler
 
-    faulthandler.dump_traceback_later(
-        float(os.environ.get("NODE_WORKER_HANG_DUMP", "300")), exit=True
-    )
+    hang = float(os.environ.get("NODE_WORKER_HANG_DUMP", "300"))
     names, out = sys.argv[1:3]
     timeout = pg_timeout()
     dist.init_process_group("gloo", timeout=timeout)
     try:
         ckpt = dist.new_group(backend="gloo", timeout=timeout)
         for name in names.split(","):  # one launch, the scenarios in this order
+            faulthandler.dump_traceback_later(hang, exit=True)  # each scenario's own limit
+            if name == "pause":
+                pause(dist.get_rank())
+                continue
             rep = scenario(name, out, ckpt)
             with open(os.path.join(out, f"{name}-{dist.get_rank()}.json"), "w") as f:
                 json.dump(rep, f)

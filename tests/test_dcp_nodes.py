@@ -4,9 +4,11 @@ Each node is a ``torchrun`` agent on loopback started by the project's harness
 (:class:`fmstore.testing.cluster.Cluster`: ``--nnodes=2 --nproc-per-node=2``, c10d rendezvous
 on a store the harness owns, so killing a node never takes the rendezvous with it), with its
 own ``FMSTORE_CONFIG`` (its own ``nvme`` directory, ``scope = "node"``, and state directory)
-and ``FMSTORE_NODE_ID``; the ``lustre`` directory is shared.  One launch after another (tests/node_worker.py): save and restore; a node
-killed mid-save; the relaunched job falling back and saving again; a replaced node; the
-sharded manager falling back from it and redoing a step; a restore on fewer ranks from the shared tier.
+and ``FMSTORE_NODE_ID``; the ``lustre`` directory is shared.  One launch after another
+(tests/node_worker.py): save and restore; a node killed mid-save; then one relaunch (a start
+of the job costs more than its work) for the job falling back and saving again, a replaced
+node (wiped while the relaunch waits on the test's signal) and the sharded manager falling
+back from it and redoing a step; a restore on fewer ranks from the shared tier.
 """
 
 from __future__ import annotations
@@ -199,7 +201,18 @@ def test_node_killed_mid_save_commits_nothing_and_the_relaunch_falls_back_and_sa
     data = bytearray(blob.read_bytes())
     data[0] ^= 0xFF
     blob.write_bytes(bytes(data))
-    reps = run(cluster, "resume", ["n0", "n1"])
+    # One launch for this test's resume and the next two tests' scenarios: it pauses
+    # after the resume while the next test replaces n1 (one start of the job fewer).
+    procs = cluster.start(
+        WORKER,
+        ["resume,pause,replaced,redo", str(cluster.out)],
+        ["n0", "n1"],
+        name="relaunch",
+        env={"NODE_WORKER_TEST_PORT": str(cluster.port)},
+    )
+    cluster.relaunch = procs  # type: ignore[attr-defined]
+    _wait_paused(cluster, procs)
+    reps = reports(cluster, "resume", ["n0", "n1"])
     # Step 20 was never committed, and n1 cannot read step 10 from its NVMe: every rank
     # fell back together to step 10 on Lustre (bit-exact, checked by the worker); step 20's
     # pending parts are gone, and step 30 saved and restored.
@@ -210,14 +223,30 @@ def test_node_killed_mid_save_commits_nothing_and_the_relaunch_falls_back_and_sa
         assert (cluster.nvme(node) / STEP.format(30) / "manifest.json").is_file()
 
 
+def _wait_paused(cluster: Cluster, procs: list[Any], timeout: float = 300) -> None:
+    """Until every rank of the relaunch waits at its pause (the event)."""
+    keys = [f"nodes/paused-{r}" for r in range(4)]
+    deadline = time.monotonic() + timeout
+    while not cluster.store.check(keys):
+        assert all(p.poll() is None for p in procs), cluster.logs("relaunch", ["n0", "n1"])
+        assert time.monotonic() < deadline, "the relaunch never paused"
+        time.sleep(0.1)
+
+
 def test_replaced_node_gets_an_error_naming_its_missing_part(cluster):
-    if not (cluster.nvme("n1") / STEP.format(30) / "manifest.json").is_file():
+    procs = getattr(cluster, "relaunch", None)
+    if procs is None or not (cluster.nvme("n1") / STEP.format(30) / "manifest.json").is_file():
         pytest.skip("needs the relaunched job's step 30")
+    # n1 replaced while the relaunch waits: its NVMe and state directory wiped.
     shutil.rmtree(cluster.nvme("n1"))
     shutil.rmtree(cluster.base / "n1" / "state", ignore_errors=True)
-    # The same launch then runs the next test's scenario (one start of the job fewer): the
-    # replaced node's restore fails first, as it must before any fallback.
-    run(cluster, "replaced,redo", ["n0", "n1"])
+    # The same launch then runs the next test's scenario: the replaced node's restore
+    # fails first, as it must before any fallback.
+    cluster.store.set("nodes/go", "1")
+    rcs = [p.wait(timeout=300) for p in procs]
+    assert rcs == [0, 0], cluster.logs("relaunch", ["n0", "n1"])
+    for node in ("n0", "n1"):  # an agent that exited left no rank behind
+        assert not cluster.live(node, "job"), node
     reps = reports(cluster, "replaced", ["n0", "n1"])
     errors = {r["error"] for r in reps}
     assert len(errors) == 1, errors  # the same answer on every rank

@@ -2,10 +2,14 @@
 
 Three ``torchrun`` agents x 2 ranks on loopback (:class:`fmstore.testing.cluster.Cluster`:
 each node its own config, NVMe and state; ``[tiers.nvme] replicas = 1``; Lustre shared; S3
-on SeaweedFS behind the fault proxy).  One launch sequence shares the setup: a save of step
-10 to NVMe (with replicas), Lustre and S3; then a relaunch that swaps two nodes' ranks
-(issue 46: each item from the node holding it, streamed over the group), and three
-relaunches after losing nodes:
+on SeaweedFS behind the fault proxy).  Three launches share the setup (each start of 3
+nodes costs more than the work; between the phases of one launch its ranks wait on the
+test's signal while the test checks and changes the nodes' directories): a save of step
+10 to NVMe (with replicas), Lustre and S3, then in the same launch the faults of later
+steps, ending with n1 killed; a relaunch that swaps two nodes' ranks (issue 46: each item
+from the node holding it, streamed over the group); and one relaunch that restores three
+times after losing nodes (a lost node's NVMe and state directory wiped while its ranks
+wait):
 
 1. n1 replaced (its NVMe wiped) and the Lustre copy moved away: the job restores step 10
    from NVMe, n1's part fetched from the replicas n2 (rank 2's) and n0 (rank 3's) hold (the
@@ -42,13 +46,30 @@ SPREAD = (("n1", {0, 5}), ("n2", {1, 2}), ("n0", {3, 4}))
 ENV = {"FMSTORE__TIERS__NVME__REPLICAS": "1"}
 
 
-def launch(c: Cluster, name: str, *uris: str, nodes: list[str] = NODES) -> list[dict[str, Any]]:
-    rcs = c.run(WORKER, [name, str(c.out), *uris], nodes, name=name, env=ENV, timeout=300)
-    assert rcs == [0, 0, 0], c.logs(name, nodes)
-    reps = [json.loads((c.out / f"{name}-{r}.json").read_text()) for r in range(6)]
-    for r in range(6):
-        (c.out / f"{name}-{r}.json").unlink()
-    return reps
+def start(c: Cluster, name: str, *uris: str, nodes: list[str] = NODES) -> list[Any]:
+    return c.start(WORKER, [name, str(c.out), str(c.port), *uris], nodes, name=name, env=ENV)
+
+
+def reports(c: Cluster, name: str, procs: list[Any]) -> list[dict[str, Any]]:
+    """Every rank's report of phase ``name``, once every rank set its key (the event)."""
+    keys = [f"replicas/{name}-{r}" for r in range(6)]
+    wait_for(lambda: c.store.check(keys), procs, f"phase {name}")
+    return [json.loads((c.out / f"{name}-{r}.json").read_text()) for r in range(6)]
+
+
+def go(c: Cluster, name: str) -> None:
+    c.store.set(f"replicas/go-{name}", "1")
+
+
+def finished(c: Cluster, name: str, procs: list[Any]) -> None:
+    rcs = [p.wait(timeout=300) for p in procs]
+    assert rcs == [0, 0, 0], c.logs(name, NODES)
+
+
+def lose(c: Cluster, node: str) -> None:
+    """``node`` replaced while the job's ranks wait: its NVMe and state directory wiped."""
+    shutil.rmtree(c.nvme(node), ignore_errors=True)
+    shutil.rmtree(c.state(node), ignore_errors=True)
 
 
 def manifest(c: Cluster, node: str) -> dict[str, Any]:
@@ -240,13 +261,13 @@ def tree(c: Cluster, key: str) -> dict[str, bytes]:
     }
 
 
-def faults(c: Cluster, gen: str) -> None:
+def faults(c: Cluster, procs: list[Any]) -> None:
     """Step 20 with a chunk of rank 2's replica corrupted in flight: committed, the save
     raises the holder's finding on every rank; step 30 with n1 killed mid-transfer: never
     committed.  Step 10's replicas stay as they were through both."""
     before = tree(c, KEY)
     assert len(before) > 6
-    procs = c.start(WORKER, ["faults", str(c.out)], NODES, name="faults", env=ENV)
+    go(c, "faults")
     wait_for(lambda: any(c.out.glob("stalled-*")), procs, "n1's replica transfer of step 30")
     c.kill("n1")
     for n in ("n0", "n2"):
@@ -273,11 +294,11 @@ def faults(c: Cluster, gen: str) -> None:
         for p in (c.nvme("n2") / ".replicas" / twenty / g20).glob("rank-*.json")
     } == {1}
     assert tree(c, KEY) == before and (c.nvme("n2") / ".replicas" / KEY).is_dir()
-    assert gen
 
 
 def run_sequence(c: Cluster, proxy: FaultProxy) -> None:
-    reps = launch(c, "save")
+    procs = start(c, "save")
+    reps = reports(c, "save", procs)
     assert [r["node"] for r in reps] == ["n0", "n0", "n1", "n1", "n2", "n2"]
     m = manifest(c, "n0")
     gen = m["generation"]
@@ -294,7 +315,9 @@ def run_sequence(c: Cluster, proxy: FaultProxy) -> None:
             own = (c.nvme("n1") / KEY / gen / b["name"]).read_bytes()
             assert (rep_dir / gen / b["name"]).read_bytes() == own
 
-    faults(c, gen)
+    faults(c, procs)  # the same launch goes on, to n1's kill
+    c.kill("n0")
+    c.kill("n2")
 
     uris = ["nvme:" + KEY, "lustre:" + KEY, "s3:" + KEY]
     lustre, away = c.lustre / "run", c.base / "lustre-away"
@@ -305,18 +328,24 @@ def run_sequence(c: Cluster, proxy: FaultProxy) -> None:
     shutil.move(lustre, away)
     before = sorted(p for n in NODES for p in c.nvme(n).rglob("*"))
     seen = len(proxy.seen)
-    reps = launch(c, "restore", *uris, nodes=["n1", "n0", "n2"])
+    procs = start(c, "restore", *uris, nodes=["n1", "n0", "n2"])
+    reps = reports(c, "restore", procs)
+    finished(c, "restore", procs)
     assert [r["node"] for r in reps] == ["n1", "n1", "n0", "n0", "n2", "n2"]
     assert all(r["used"] == uris[0] and r["why"] == "" for r in reps), reps
     reads = [s.key for s in proxy.seen[seen:] if s.method == "GET" and not s.key.endswith("/")]
     assert not [k for k in reads if k.endswith((".bin", "manifest.json"))], reads
     assert sorted(p for n in NODES for p in c.nvme(n).rglob("*")) == before
 
+    # One launch for the three losses: its ranks restore on each signal.
     # 1. n1 replaced; the Lustre copy gone: the restore reads rank 2's part from n2's
     # replica and rank 3's from n0's.
     c.replace("n1")
     seen = len(proxy.seen)
-    reps = launch(c, "restore", *uris)
+    procs = start(c, "restores", *uris)
+    go(c, "restore1")
+    reps = reports(c, "restore1", procs)
+    assert [r["node"] for r in reps] == ["n0", "n0", "n1", "n1", "n2", "n2"]
     assert all(r["used"] == uris[0] and r["why"] == "" for r in reps), reps
     reads = [s.key for s in proxy.seen[seen:] if s.method == "GET" and not s.key.endswith("/")]
     assert not [k for k in reads if k.endswith((".bin", "manifest.json"))], reads
@@ -329,22 +358,25 @@ def run_sequence(c: Cluster, proxy: FaultProxy) -> None:
     # 2. n1 replaced again, a flipped byte in a chunk of n2's replica of rank 2: the check
     # on arrival fails and every rank falls back to Lustre.
     shutil.move(away, lustre)
-    c.replace("n1")
+    lose(c, "n1")
     blob = rep_dir / gen / next(b["name"] for b in m["blobs"] if b["rank"] == 2)
     data = bytearray(blob.read_bytes())
     data[len(data) // 2] ^= 0xFF
     blob.write_bytes(bytes(data))
-    reps = launch(c, "restore", *uris)
+    go(c, "restore2")
+    reps = reports(c, "restore2", procs)
     assert all(r["used"] == uris[1] for r in reps), reps
     assert len({r["why"] for r in reps}) == 1, reps  # the same reason on every rank
     why = reps[0]["why"]
     assert "its replica did not restore it" in why and "CRC32C" in why, why
 
     # 3. n1 and n2 lost at once (rank 2's replica was on n2), Lustre's copy gone: S3.
-    c.replace("n1")
-    c.replace("n2")
+    lose(c, "n1")
+    lose(c, "n2")
     shutil.move(lustre, away)
-    reps = launch(c, "restore", *uris)
+    go(c, "restore3")
+    reps = reports(c, "restore3", procs)
+    finished(c, "restores", procs)
     assert all(r["used"] == uris[2] for r in reps), reps
     why = reps[0]["why"]
     assert "node n1 lacks its part" in why and "replica" not in why, why
