@@ -7,11 +7,13 @@ A block is one of three kinds, decided by what it carries:
 - the HTML comment just above it reads ``<!-- run by tests/test_x.py: "KEY" -->``: that test
   runs it.  Checked here: the file exists and names the doc and ``KEY``, and ``KEY`` is
   found in this block (or the comments just above it) and in no other block of the doc;
-- anything else is run here, as written: the blocks of one doc one after another in a
-  fresh interpreter (each in its own namespace), cwd under ``tmp_path``, with a temporary
-  ``FMSTORE_CONFIG`` whose ``nvme`` and ``lustre`` tiers are directories under
-  ``tmp_path`` and whose ``s3`` tier (and ``[s3]`` endpoint, for ``s3://`` URLs) is a
-  bucket named ``bucket`` on the session's SeaweedFS.
+- anything else is run here, as written: the docs in three groups (:data:`GROUPS`; the
+  multi-rank docs' blocks as rank 0 of a gloo world of one), each group's blocks one
+  after another in a fresh interpreter of its own (each block in its own namespace), cwd
+  under ``tmp_path``, with a temporary ``FMSTORE_CONFIG`` whose ``nvme`` and ``lustre``
+  tiers are directories under ``tmp_path`` and whose ``s3`` tier (and ``[s3]`` endpoint,
+  for ``s3://`` URLs) is a prefix of a bucket named ``bucket`` on the session's
+  SeaweedFS.  Nothing may appear at the file system's root.
 
 The names a block takes from the program around it (``model``, ``opt``, ``step``, a
 dataset the example reads…) are the placeholders of :data:`GIVEN`, defined before the block
