@@ -146,3 +146,42 @@ def test_the_from_pretrained_example_runs_as_written(tmp_path):
         timeout=300,
     )
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+HF_SETUP = """
+import torch
+import transformers
+
+torch.manual_seed(0)
+cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)
+model = transformers.GPT2LMHeadModel(cfg)
+ids = torch.randint(0, 50, (16, 16), generator=torch.Generator().manual_seed(0))
+ds = [{"input_ids": r, "labels": r} for r in ids]
+args = transformers.TrainingArguments(
+    output_dir="out", max_steps=4, save_steps=2, per_device_train_batch_size=4,
+    report_to=[], use_cpu=True, disable_tqdm=True, logging_strategy="no",
+)
+"""
+
+
+def test_the_hf_callback_example_runs_as_written(tmp_path):
+    """The ``FmstoreCallback`` block of docs/integrations.md, run twice: the second run
+    continues from the first's newest step (nothing left to train) instead of starting over."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    (example,) = [
+        b
+        for b in blocks("integrations.md", "python")
+        if "trainer.train()      # saves at save_steps" in b
+    ]
+    env = environment(tmp_path)
+    report = (
+        "\nimport fmstore\nm = fmstore.CheckpointManager('runs/gpt', run_policies=False)\n"
+        "print('steps', m.steps(), 'global_step', trainer.state.global_step)\n"
+    )
+    for expected in ("steps [2, 4] global_step 4", "steps [2, 4] global_step 4"):
+        r = run(HF_SETUP + example + report, tmp_path, env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stdout.strip().splitlines()[-1] == expected, r.stdout + r.stderr
+    # replace_trainer_save=True: the Trainer wrote no checkpoint of its own format.
+    assert not list((tmp_path / "out").glob("checkpoint-*"))

@@ -488,3 +488,17 @@ def test_first_batch_ranged_reads_do_not_read_most_of_a_shard(tmp_path, s3_serve
         assert len(ds._preloaded[1][0]) == 8  # the first batch, read by range
         served = sum(s.body for s in proxy.fetched().get(f"/{s3_bucket}/ds/{shard.key}", []))
     assert served <= shard.size / 16, (served, shard.size)
+
+
+def test_the_cache_directory_may_be_a_local_tiers_location(tmp_path, posix_cfg, monkeypatch):
+    """``local="nvme:cache/x"`` is below the nvme tier, never a directory named after the
+    URL in the working directory; a remote location is refused."""
+    remote = make_dataset(tmp_path, n=40)
+    monkeypatch.chdir(tmp_path)
+    assert sorted(ids(remote, "nvme:cache/x")) == list(range(40))
+    assert (tmp_path / "nvme" / "cache" / "x").is_dir()
+    assert not [p for p in tmp_path.iterdir() if ":" in p.name]
+    with pytest.raises(ConfigError, match="not a directory"):
+        StreamingDataset(remote, "memory://cache", batch_size=8)
+    with pytest.raises(ConfigError):
+        StreamingDataset(remote, "nvme", batch_size=8)  # the bare tier name: which one?

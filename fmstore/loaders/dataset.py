@@ -43,7 +43,14 @@ from .prefetch import Prefetcher
 from .state import LoaderState
 
 
-def default_cache_dir() -> str:
+def cache_dir(local: str | None) -> str:
+    """The node cache's directory: ``local``, a path or a local tier's location
+    (``nvme:cache``, never a directory of that name), else ``<nvme tier>/dataset-cache``."""
+    if local is not None:
+        root = Location.parse(os.fspath(local)).local_root
+        if root is None:
+            raise ConfigError(f"local={local!r} is not a directory: the cache is on this node")
+        return root
     root = Location.parse("nvme:").local_root
     if root is None:
         url = get_config().tier("nvme").url
@@ -177,7 +184,7 @@ class StreamingDataset(tud.IterableDataset):
         self.streams = list(streams)
         self.format_options = fo
         self.cache_options = co
-        self.local = os.path.abspath(co.local or default_cache_dir())
+        self.local = cache_dir(co.local)
         self.cache_limit = co.limit
         self.batch_size = batch_size
         self.transform = transform
