@@ -20,6 +20,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from stack_support import assert_same, files, wait_for  # noqa: E402
+
 from fmstore.testing.cluster import kill_tree  # noqa: E402
 from fmstore.testing.torchrun import launch  # noqa: E402
 
@@ -88,34 +90,15 @@ def _finish(p: Any, tmp: Path, mode: str, timeout: float = 300) -> None:
 
 
 def _wait_for(path: Path, p: Any, tmp: Path, mode: str, timeout: float = 300) -> None:
-    """Until ``path`` exists (the event); fail at once if the launch exited first."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert p.poll() is None, (tmp / f"{mode}.log").read_text()[-6000:]
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
+    wait_for(path, p, log=tmp / f"{mode}.log", timeout=timeout)
 
 
-def _equal(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), where
-        for k in a:
-            _equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
+_equal = assert_same
 
 
 def _no_native_files(*dirs: Path) -> None:
-    for d in dirs:
-        for pat in NATIVE:
-            found = list(d.rglob(pat))
-            assert not found, f"fmstore was bypassed: {found}"
+    found = files(dirs, lambda f: any(f.match(pat) for pat in NATIVE))
+    assert not found, f"fmstore was bypassed: {found}"
 
 
 def test_trainer_ddp_saves_once_and_resumes_bit_exact_from_lustre(tmp_path):

@@ -7,13 +7,14 @@ import json
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 pl = pytest.importorskip("pytorch_lightning")
 torch = pytest.importorskip("torch")
+
+from stack_support import files, rank_env, same, wait_for  # noqa: E402
 
 from fmstore.testing.torchrun import kill_all, launch  # noqa: E402
 
@@ -34,39 +35,19 @@ def _config(tmp: Path) -> Path:
 
 
 def _env(tmp: Path, cfg: Path) -> dict[str, str]:
-    repo = str(Path(__file__).resolve().parents[1])
-    return {
-        **os.environ,
-        "FMSTORE_CONFIG": str(cfg),
-        "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
+    return rank_env(cfg)
 
 
 def _wait_for(path: Path, p, timeout: float = 240) -> None:  # type: ignore[no-untyped-def]
-    """Until ``path`` exists (the event), or fail when the launch exited first."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if p.poll() is not None:
-            pytest.fail(f"the launch exited ({p.returncode}) first:\n{p.communicate()[0]}")
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
+    wait_for(path, p, timeout=timeout)
 
 
 def _native_files(base: Path) -> list[str]:
-    return [
-        str(f)
-        for f in base.rglob("*")
-        if f.name in NATIVE or f.suffix == ".distcp" or f.name.startswith("rng_state_")
-    ]
+    return files([base], lambda f: f.name in NATIVE or f.suffix == ".distcp"
+                 or f.name.startswith("rng_state_"))  # fmt: skip
 
 
-def _same(a, b) -> bool:  # type: ignore[no-untyped-def]
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return bool(a == b)
+_same = same
 
 
 def test_model_parallel_strategy_saves_kills_and_resumes_from_lustre(tmp_path):

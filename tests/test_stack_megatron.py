@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("megatron.core.dist_checkpointing")
 torch = pytest.importorskip("torch")
+
+from stack_support import rank_env, same, wait_for  # noqa: E402
 
 from fmstore.testing.torchrun import kill_all, launch  # noqa: E402
 
@@ -34,24 +34,11 @@ def _config(tmp: Path) -> Path:
 
 
 def _env(cfg: Path) -> dict[str, str]:
-    repo = str(Path(__file__).resolve().parents[1])
-    return {
-        **os.environ,
-        "FMSTORE_CONFIG": str(cfg),
-        "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
-    }
+    return rank_env(cfg, PYTHONWARNINGS="ignore")
 
 
 def _wait_for(path: Path, p, timeout: float = 240) -> None:  # type: ignore[no-untyped-def]
-    """Until ``path`` exists (the event), or fail when the launch exited first."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if p.poll() is not None:
-            pytest.fail(f"the launch exited ({p.returncode}) first:\n{p.communicate()[0]}")
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
+    wait_for(path, p, timeout=timeout)
 
 
 def _stray_files(base: Path) -> list[str]:
@@ -67,12 +54,7 @@ def _stray_files(base: Path) -> list[str]:
     return [str(f) for f in base.rglob("*") if stray(f)]
 
 
-def _same(a, b) -> bool:  # type: ignore[no-untyped-def]
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return bool(a == b)
+_same = same
 
 
 def test_dist_checkpointing_saves_kills_and_resumes_from_lustre(tmp_path):

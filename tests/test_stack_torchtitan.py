@@ -18,7 +18,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ pytest.importorskip("torchtitan.components.checkpointer")
 pytest.importorskip("torchtitan.components.optimizer")  # spmd_types
 pytest.importorskip("torchtitan.components.dataloader")  # torchdata
 
+from stack_support import files, rank_env, same, wait_for  # noqa: E402
 from torchtitan.components.checkpointer import (  # noqa: E402
     BaseCheckpointManager,
     CheckpointManager,
@@ -58,13 +58,7 @@ def _config(tmp: Path) -> Path:
 
 
 def _env(cfg: Path) -> dict[str, str]:
-    repo = str(Path(__file__).resolve().parents[1])
-    return {
-        **os.environ,
-        "FMSTORE_CONFIG": str(cfg),
-        "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
+    return rank_env(cfg)
 
 
 def _manifest(tmp: Path, tier: str, root: str, step: int) -> Path:
@@ -72,45 +66,20 @@ def _manifest(tmp: Path, tier: str, root: str, step: int) -> Path:
 
 
 def _wait_for(path: Path, procs: list[Any], timeout: float = 240) -> None:
-    """Until ``path`` exists (the event), or fail when a process it depends on exited."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        for p in procs:
-            if p.poll() is not None:
-                out = p.communicate()[0] if p.stdout else ""
-                pytest.fail(f"{p.args[:4]} exited ({p.returncode}) first:\n{out}")
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
+    wait_for(path, procs, timeout=timeout)
 
 
 def _wait_for_gone(path: Path, procs: list[Any], timeout: float = 240) -> None:
-    """Until ``path`` is gone (retention removed it), or fail when a process exited."""
-    deadline = time.monotonic() + timeout
-    while path.exists():
-        for p in procs:
-            if p.poll() is not None:
-                pytest.fail(f"{p.args[:4]} exited ({p.returncode}) first:\n{p.communicate()[0]}")
-        assert time.monotonic() < deadline, f"{path} was never removed"
-        time.sleep(0.05)
+    wait_for(path, procs, gone=True, timeout=timeout)
 
 
 def _foreign(base: Path) -> list[str]:
     """torch's native DCP files and torchtitan's own step names, anywhere under ``base``."""
-    return [
-        str(f)
-        for f in base.rglob("*")
-        if f.name == ".metadata" or f.suffix == ".distcp" or f.name.startswith("step-")
-    ]
+    return files([base], lambda f: f.name == ".metadata" or f.suffix == ".distcp"
+                 or f.name.startswith("step-"))  # fmt: skip
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(map(_same, a, b))
-    return bool(a == b)
+_same = same
 
 
 def test_torchtitan_manager_saves_kills_and_resumes_from_lustre(tmp_path):
