@@ -31,6 +31,7 @@ pytest.importorskip("accelerate")
 from test_stack_hf import (  # noqa: E402
     AT,
     ROOT,
+    _args,
     _config,
     _equal,
     _finish,
@@ -131,3 +132,55 @@ def test_trainer_fsdp2_saves_shards_on_every_rank_and_resumes_bit_exact_from_lus
     assert _manifest(job, "nvme", 8).exists()  # the resumed run saves on
     _no_native_files(job, other)
     print(f"3 launches of 2 ranks and a daemon pass: {took:.1f} s")
+
+
+# ---- in one process: what is refused, before anything is saved ---------------------------
+
+
+@pytest.fixture
+def one_rank(monkeypatch):  # type: ignore[no-untyped-def]
+    """A 1-rank gloo group in this process, gone after the test."""
+    import torch.distributed as dist
+
+    from fmstore.checkpoint.dcp import collective
+    from fmstore.testing.seaweed import free_ports
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_ports(1)[0]))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        collective._groups.clear()  # the checkpoint group of that world is gone with it
+
+
+def _begin(cb: Any, model: Any) -> None:
+    from transformers import TrainerControl, TrainerState
+
+    cb.on_train_begin(_args(), TrainerState(), TrainerControl(), model=model)
+
+
+def test_a_sharded_model_with_a_checkpoint_manager_or_fsdp1_is_refused(tmp_path, one_rank):
+    from tiering_helpers import posix_config
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+    from fmstore import CheckpointManager, ShardedCheckpointManager
+    from fmstore.errors import FmstoreError
+    from fmstore.integrations.hf import FmstoreCallback
+
+    config = posix_config(str(tmp_path / "t"), {"ladder": ["nvme"]}, ("nvme",))
+    sharded = fully_shard(torch.nn.Linear(3, 2))
+    with CheckpointManager("runs/fsdp", config=config, run_policies=False) as mgr:
+        # A CheckpointManager saves a full state dict from one process: never part of one.
+        with pytest.raises(FmstoreError, match="give the root .* ShardedCheckpointManager"):
+            _begin(FmstoreCallback(mgr), sharded)
+        assert mgr.steps() == []
+    fsdp1 = FullyShardedDataParallel(torch.nn.Linear(3, 2), device_id=torch.device("cpu"))
+    with pytest.raises(FmstoreError, match="FSDP2"):
+        _begin(FmstoreCallback("runs/fsdp1", config=config), fsdp1)
+    # A ShardedCheckpointManager with a model DDP or one process trains is refused too.
+    smgr = ShardedCheckpointManager("runs/s", config=config, handle_sigterm=False)
+    with smgr, pytest.raises(FmstoreError, match="not sharded"):
+        _begin(FmstoreCallback(smgr), torch.nn.Linear(3, 2))
+    assert not (tmp_path / "t" / "nvme" / "runs").exists()  # nothing saved anywhere

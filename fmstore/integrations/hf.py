@@ -367,19 +367,21 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
             log.warning("%s", msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
-    def _use_sharded(self) -> None:
+    def _use_sharded(self, model: Any) -> None:
         """FSDP2: a ShardedCheckpointManager on every rank (the one given, or made here)."""
+        if isinstance(self.manager, CheckpointManager) and self._owned:
+            self.manager.close()  # made before the Trainer said FSDP: it saved nothing
+            self.manager, self._owned = None, False
+        hf_sharded.refuse_fsdp1(model)
         if isinstance(self.manager, ShardedCheckpointManager):
             return
-        if isinstance(self.manager, CheckpointManager) and not self._owned:
+        if isinstance(self.manager, CheckpointManager):
             raise FmstoreError(
                 "the model is sharded (FSDP2) and FmstoreCallback was given a "
                 "CheckpointManager, which saves a full state dict from one process: give the "
                 "root (every rank then saves its shards through a ShardedCheckpointManager) "
                 "or a ShardedCheckpointManager made on every rank"
             )
-        if self.manager is not None:  # made before the Trainer said FSDP: it saved nothing
-            self.manager.close()
         # SIGTERM stays the Trainer's: nothing here asks the manager's flag.
         opts = {"handle_sigterm": False, **self._options}
         self.manager, self._owned = ShardedCheckpointManager(self._root, **opts), True
@@ -407,8 +409,7 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
             )
         self._pg = _dist_group()  # a collective on first use: every rank is here
         if _is_sharded(kwargs["model"]):
-            hf_sharded.refuse_fsdp1(kwargs["model"])
-            self._use_sharded()
+            self._use_sharded(kwargs["model"])
         else:
             self._use_full()
         self._loop_epochs = 0

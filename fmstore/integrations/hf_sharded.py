@@ -32,8 +32,8 @@ def refuse_fsdp1(model: Any) -> None:
         raise FmstoreError(
             "FmstoreCallback saves sharded models of FSDP2 (fsdp_version 2: FSDP_VERSION=2, "
             "or fsdp_version: 2 in the accelerate config); this model is FSDP1's "
-            "FullyShardedDataParallel, which fmstore does not save through the callback "
-            "(FSDP1 runs only on an accelerator, where this path is not tested)"
+            "FullyShardedDataParallel, whose state the callback does not save (its path "
+            "is built and tested for FSDP2's DTensor shards only)"
         )
 
 
