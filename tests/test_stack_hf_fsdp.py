@@ -184,3 +184,38 @@ def test_a_sharded_model_with_a_checkpoint_manager_or_fsdp1_is_refused(tmp_path,
     with smgr, pytest.raises(FmstoreError, match="not sharded"):
         _begin(FmstoreCallback(smgr), torch.nn.Linear(3, 2))
     assert not (tmp_path / "t" / "nvme" / "runs").exists()  # nothing saved anywhere
+
+
+def test_a_rank_the_saved_run_did_not_have_reads_no_record_and_a_bad_part_is_refused(
+    tmp_path, one_rank
+):
+    from tiering_helpers import posix_config
+    from torch.distributed.fsdp import fully_shard
+
+    from fmstore import ShardedCheckpointManager
+    from fmstore.errors import CorruptData
+    from fmstore.integrations import hf_sharded, rank_state
+
+    config = posix_config(str(tmp_path / "t"), {"ladder": ["nvme"]}, ("nvme",))
+    torch.manual_seed(0)
+    model = fully_shard(torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    part = {"step": 4, "world_size": 1, "scheduler": {"last_epoch": 4}}
+    rec = rank_state.capture({"epoch": 0, "batch": 4})
+    with ShardedCheckpointManager("runs/r", config=config, handle_sigterm=False) as mgr:
+        mgr.save(4, hf_sharded.state(model, opt, part, rec)).result()
+        want = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        step, got_part, got = hf_sharded.restore(mgr, model, opt, 0, True)  # type: ignore[misc]
+        assert step == 4 and got_part == part and got["data"] == rec["data"]
+        assert all(torch.equal(v.full_tensor(), want[k]) for k, v in model.state_dict().items())
+        # rank 1 of a larger world: the saved run had no rank 1, so no record (no error)
+        assert hf_sharded.restore(mgr, model, opt, 1, True)[2] is None  # type: ignore[index]
+        # a Trainer's part that is not the step's is outside input: refused
+        mgr.save(6, hf_sharded.state(model, opt, {**part, "step": 5}, rec)).result()
+        with pytest.raises(CorruptData, match="step 6"):
+            hf_sharded.restore(mgr, model, opt, 0, True)
