@@ -15,12 +15,12 @@ save is committed (``waiting-R`` then says so).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
 from typing import Any
 
+import hf_rank_worker
 import torch
 import transformers
 from hf_rank_worker import Tokens, _rng
@@ -62,23 +62,8 @@ def _local(v: Any) -> Any:
     return v
 
 
-class _Probe(transformers.TrainerCallback):  # type: ignore[misc]
-    def __init__(self, mode: str, out: str, at: int, fm: FmstoreCallback) -> None:
-        self.mode, self.out, self.at, self.fm = mode, out, at, fm
-        self.rank = int(os.environ["RANK"])
-        self.losses: dict[int, float] = {}
-        self.step = 0
-        self.first = True
-
-    def hook(self, model, inputs, output) -> None:  # type: ignore[no-untyped-def]
-        if model.training:
-            self.losses[self.step] = float(output.loss.detach())
-
-    def on_train_begin(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
-        # Distinct RNGs on each rank (and another seed on resume): only the checkpoint's
-        # per-rank states can make the resumed steps match.
-        seed = 1000 * (self.mode == "resume") + self.rank
-        transformers.set_seed(seed)
+class _Probe(hf_rank_worker._Probe):
+    """The DDP worker's instrument (losses, per-rank seeds), dumping shards and full state."""
 
     def on_step_begin(
         self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw
@@ -110,10 +95,6 @@ class _Probe(transformers.TrainerCallback):  # type: ignore[misc]
                 },
                 os.path.join(self.out, f"{self.mode}-state-{self.rank}.pt"),
             )
-
-    def on_train_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
-        with open(os.path.join(self.out, f"{self.mode}-losses-{self.rank}.json"), "w") as f:
-            json.dump({str(k): v for k, v in self.losses.items()}, f)
 
 
 def main() -> None:
