@@ -160,7 +160,7 @@ def test_trainer_ddp_saves_once_and_resumes_bit_exact_from_lustre(tmp_path):
     print(f"3 launches of 2 ranks: {took:.1f} s")
 
 
-# ---- in one process: the per-rank records, another world size, FSDP ----------------------
+# ---- in one process: the per-rank records, another world size ---------------------------
 
 
 def test_rank_rng_states_round_trip_and_bad_ones_are_refused(tmp_path):
@@ -231,20 +231,3 @@ def test_resume_on_another_world_size_says_which_ranks_it_could_not_restore(tmp_
         seeded = torch.get_rng_state()
         cb.on_step_begin(_args(), fresh, TrainerControl())
         assert torch.equal(torch.get_rng_state(), seeded)  # no other world's RNG mixed in
-
-
-def test_a_sharded_model_is_refused_not_saved_in_part(tmp_path):
-    from tiering_helpers import posix_config
-    from transformers import TrainerControl, TrainerState
-
-    from fmstore import CheckpointManager
-    from fmstore.errors import FmstoreError
-    from fmstore.integrations.hf import FmstoreCallback
-
-    config = posix_config(str(tmp_path / "t"), {"ladder": ["nvme"]}, ("nvme",))
-    with CheckpointManager("runs/fsdp", config=config, run_policies=False) as mgr:
-        cb = FmstoreCallback(mgr)
-        with pytest.raises(FmstoreError, match="ShardedCheckpointManager"):
-            cb.on_train_begin(_args(fsdp=["full_shard"]), TrainerState(), TrainerControl(),
-                              model=torch.nn.Linear(3, 2))  # fmt: skip
-        assert mgr.steps() == []

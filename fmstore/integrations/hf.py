@@ -6,7 +6,9 @@
 the step, the Trainer's state and every rank's RNG states and data position are saved as
 the manager's checkpoint of that step, on its write tier; the manager's policies carry
 copies to the slower tiers.  Under DDP only world process zero saves (and only its manager
-exists); every rank restores.  See docs/integrations.md.  Importing this module imports
+exists); every rank restores.  Under FSDP2 every rank saves its shards through a
+:class:`~fmstore.ShardedCheckpointManager` (:mod:`.hf_sharded`) and restores them.  See
+docs/integrations.md.  Importing this module imports
 ``transformers``.
 """
 
@@ -23,7 +25,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from ..errors import CorruptData, FmstoreError
 from ..tiering.manager import CheckpointManager
-from . import rank_state
+from ..tiering.sharded import ShardedCheckpointManager
+from . import hf_sharded, rank_state
 from .rank_zero import TierReader, restore_on_every_rank
 from .rank_zero import dist_group as _dist_group
 from .rank_zero import rank as _rank
@@ -88,6 +91,24 @@ def _load_into(
     model.load_state_dict(ckpt["model"])
     if optimizer is not None and "optimizer" in ckpt:
         optimizer.load_state_dict(ckpt["optimizer"])
+    _load_progress(ckpt, lr_scheduler, state)
+
+
+def _progress(state: TrainerState, lr_scheduler: Any | None, world: int) -> dict[str, Any]:
+    """The Trainer's part of a sharded save: what ``training_state`` holds besides the
+    model, optimizer and RNGs."""
+    out: dict[str, Any] = {
+        "step": int(state.global_step),
+        "epoch": float(state.epoch or 0.0),
+        "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True),
+        "world_size": world,
+    }
+    if lr_scheduler is not None:
+        out["scheduler"] = lr_scheduler.state_dict()
+    return out
+
+
+def _load_progress(ckpt: Any, lr_scheduler: Any | None, state: TrainerState | None) -> None:
     if lr_scheduler is not None and "scheduler" in ckpt:
         lr_scheduler.load_state_dict(ckpt["scheduler"])
     if state is not None:
@@ -166,7 +187,11 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
     manager's are (``save`` returns once the state is snapshotted); the end of training
     waits for them.  Under DDP, world process zero saves for every rank (the others' RNG
     states and data positions are gathered to it); give the root, so that no other rank
-    opens a manager (a manager given on another rank is only read through).
+    opens a manager (a manager given on another rank is only read through).  Under FSDP2
+    (the model's parameters are DTensors) every rank saves its own shards, RNG states and
+    data position through a :class:`~fmstore.ShardedCheckpointManager` (made from the
+    root on every rank at the start of training, or given), and every rank restores them;
+    FSDP1 is refused.
 
     ``replace_trainer_save=True``: save only through fmstore; the Trainer's own checkpoint
     directories under ``output_dir`` are not written (the callback takes the save the
@@ -180,7 +205,7 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
 
     def __init__(
         self,
-        manager: CheckpointManager | str,
+        manager: CheckpointManager | ShardedCheckpointManager | str,
         *,
         replace_trainer_save: bool = False,
         resume: bool = False,
@@ -191,15 +216,18 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
         # torchrun and accelerate set RANK before the Trainer exists; on_train_begin checks
         # it against the Trainer's own world process zero.
         self._zero = os.environ.get("RANK", "0") == "0"
-        self._root = manager.root if isinstance(manager, CheckpointManager) else manager
+        self._root: str = manager if isinstance(manager, str) else manager.root
         self._options = dict(manager_options)
-        self.manager: CheckpointManager | None
-        if isinstance(manager, CheckpointManager):
+        self.manager: CheckpointManager | ShardedCheckpointManager | None
+        # TrainingArguments(fsdp=...) and accelerate's FSDP config set this: the manager
+        # then waits for on_train_begin, where the model says which one it needs.
+        fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        if not isinstance(manager, str):
             if manager_options:
-                raise TypeError("manager options given with a CheckpointManager")
+                raise TypeError(f"manager options given with a {type(manager).__name__}")
             self.manager, self._owned = manager, False
-        elif self._zero:
-            self.manager, self._owned = CheckpointManager(manager, **manager_options), True
+        elif self._zero and not fsdp:
+            self.manager, self._owned = CheckpointManager(self._root, **manager_options), True
         else:
             self.manager, self._owned = None, False
         self.replace_trainer_save = replace_trainer_save
@@ -230,6 +258,13 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
         record: dict[str, Any] = {"data": {"epoch": self._epoch, "batch": self._batches}}
         if self.include_rng:
             record["rng"] = rank_state.rng_state()
+        if isinstance(self.manager, ShardedCheckpointManager):  # every rank, its shards
+            if self.restored_step is not None and step <= self.restored_step:
+                return  # a step an earlier run saved
+            part = _progress(state, kwargs.get("lr_scheduler"), int(getattr(args, "world_size", 1)))
+            st = hf_sharded.state(kwargs["model"], kwargs.get("optimizer"), part, record)
+            self.manager.save(step, st)
+            return
         ranks = rank_state.gather(self._pg, record)  # every rank, at the same point
         if ranks is None:
             return  # not world process zero: rank 0 saves for it
@@ -260,11 +295,25 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
     ) -> None:
         def reader() -> TierReader:
             if self._reader is None:
-                self._reader = TierReader.of(self.manager, self._root, self._options)
+                full = self.manager if isinstance(self.manager, CheckpointManager) else None
+                self._reader = TierReader.of(full, self._root, self._options)
             return self._reader
 
         rank = _rank()
-        zero = self.manager if self._zero else None
+        dl = kwargs.get("train_dataloader")
+        if isinstance(self.manager, ShardedCheckpointManager):
+            got = hf_sharded.restore(
+                self.manager, kwargs["model"], kwargs.get("optimizer"), rank, self.weights_only
+            )
+            if got is None:
+                return
+            step, part, rec = got
+            _load_progress(part, kwargs.get("lr_scheduler"), state)
+            self.restored_step = step
+            world = part["world_size"]
+            self._position(args, state, world, rec, range(world), dl)
+            return
+        zero = self.manager if isinstance(self.manager, CheckpointManager) and self._zero else None
         ckpt = restore_on_every_rank(zero, self._pg, reader, self.weights_only)
         if ckpt is None:
             return
@@ -272,17 +321,26 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
             ckpt, kwargs["model"], kwargs.get("optimizer"), kwargs.get("lr_scheduler"), state
         )
         self.restored_step = int(ckpt["step"])
-        self._position(args, state, ckpt, rank, kwargs.get("train_dataloader"))
-
-    def _position(
-        self, args: TrainingArguments, state: TrainerState, ckpt: Any, rank: int, dl: Any
-    ) -> None:
-        """This rank's data position and RNG states to continue from; on another world size
-        what could not be restored is said (world process zero warns, naming the ranks)."""
-        world = int(getattr(args, "world_size", 1))
         saved = ckpt.get("world_size")
         saved = int(saved) if isinstance(saved, int) else (1 if "rng" in ckpt else None)
-        rec = _rank_record(ckpt, rank)
+        have = [int(k) for k in ckpt.get("ranks", {"0": None}) if str(k).isdigit()]
+        self._position(args, state, saved, _rank_record(ckpt, rank), have, dl)
+
+    def _position(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        saved: int | None,
+        rec: Any,
+        have: Any,
+        dl: Any,
+    ) -> None:
+        """This rank's data position and RNG states (``rec``, its saved record) to continue
+        from; ``saved``: the saved world size, ``have``: the ranks with a saved record.  On
+        another world size what could not be restored is said (world process zero warns,
+        naming the ranks)."""
+        rank = _rank()
+        world = int(getattr(args, "world_size", 1))
         same = saved == world
         if same and isinstance(rec, dict) and isinstance(rec.get("data"), dict):
             data = rec["data"]
@@ -297,7 +355,6 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
         if same and isinstance(rec, dict) and rec.get("rng") is not None:
             self._rng = (rec["rng"], f"ranks.{rank}.rng")
         if self._zero and saved != world:
-            have = sorted(int(k) for k in ckpt.get("ranks", {"0": None}) if str(k).isdigit())
             n = "an unknown number of" if saved is None else str(saved)
             msg = (
                 f"step {self.restored_step} was saved on {n} rank(s) and resumes on {world}: "
@@ -310,6 +367,35 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
             log.warning("%s", msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
+    def _use_sharded(self, model: Any) -> None:
+        """FSDP2: a ShardedCheckpointManager on every rank (the one given, or made here)."""
+        if isinstance(self.manager, CheckpointManager) and self._owned:
+            self.manager.close()  # made before the Trainer said FSDP: it saved nothing
+            self.manager, self._owned = None, False
+        hf_sharded.refuse_fsdp1(model)
+        if isinstance(self.manager, ShardedCheckpointManager):
+            return
+        if isinstance(self.manager, CheckpointManager):
+            raise FmstoreError(
+                "the model is sharded (FSDP2) and FmstoreCallback was given a "
+                "CheckpointManager, which saves a full state dict from one process: give the "
+                "root (every rank then saves its shards through a ShardedCheckpointManager) "
+                "or a ShardedCheckpointManager made on every rank"
+            )
+        # SIGTERM stays the Trainer's: nothing here asks the manager's flag.
+        opts = {"handle_sigterm": False, **self._options}
+        self.manager, self._owned = ShardedCheckpointManager(self._root, **opts), True
+
+    def _use_full(self) -> None:
+        """DDP or one process: world process zero's CheckpointManager."""
+        if isinstance(self.manager, ShardedCheckpointManager):
+            raise FmstoreError(
+                "FmstoreCallback was given a ShardedCheckpointManager, but the model is not "
+                "sharded (DDP or one process): give the root or a CheckpointManager"
+            )
+        if self.manager is None and self._zero:  # FSDP was configured, but not applied
+            self.manager, self._owned = CheckpointManager(self._root, **self._options), True
+
     # ---- the Trainer's events ----------------------------------------------------------
 
     def on_train_begin(
@@ -321,13 +407,11 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
                 f"says world process zero is {state.is_world_process_zero}: make the callback "
                 "in the process that trains, after the launcher set RANK"
             )
-        if _is_sharded(kwargs["model"]) or getattr(args, "fsdp", None):
-            raise FmstoreError(
-                "FmstoreCallback saves the full state dict from world process zero (DDP or one "
-                "process); the model is sharded (FSDP): save it with "
-                "fmstore.ShardedCheckpointManager and get_state_dict instead"
-            )
         self._pg = _dist_group()  # a collective on first use: every rank is here
+        if _is_sharded(kwargs["model"]):
+            self._use_sharded(kwargs["model"])
+        else:
+            self._use_full()
         self._loop_epochs = 0
         self._epoch, self._batches = 0, 0
         if self.resume:
@@ -380,8 +464,9 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
             n = len(dl) if dl is not None and hasattr(dl, "__len__") else 0
             first = skip / n if self._loop_epochs == 1 and n else 0.0
             state.epoch = (state.epoch or 0.0) + shift + first
-        if self._zero and self.prepared is None and "model" in kwargs:
-            assert self.manager is not None
+        full = isinstance(self.manager, CheckpointManager)
+        if self._zero and self.prepared is None and full and "model" in kwargs:
+            assert isinstance(self.manager, CheckpointManager)
             # Staging memory and discovery off the stall of the first save.
             ckpt = training_state(
                 kwargs["model"],
@@ -408,7 +493,8 @@ class FmstoreCallback(TrainerCallback):  # type: ignore[misc]
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         try:
-            if self.manager is not None and self._zero:
+            sharded = isinstance(self.manager, ShardedCheckpointManager)
+            if self.manager is not None and (self._zero or sharded):
                 self.manager.wait()
         finally:
             if self._owned and self.manager is not None:

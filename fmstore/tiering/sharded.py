@@ -354,7 +354,9 @@ class ShardedCheckpointManager:
         steps = {s for v in self._views(committed=True) for c, _p in v.values() for s in c}
         return max(steps) if steps else None
 
-    def restore(self, state: dict[str, Any], step: int | None = None) -> int | None:
+    def restore(
+        self, state: dict[str, Any], step: int | None = None, *, planner: Any = None
+    ) -> int | None:
         """Every rank: fill ``state`` (a DCP state dict) from ``step`` (default: the newest
         step every rank can read), the same on every rank; returns it.  None when the run
         has no checkpoint yet (every rank found no manifest, with no error, for every
@@ -362,7 +364,8 @@ class ShardedCheckpointManager:
         over when steps exist but none is readable by every rank (and when ``step`` is
         given and cannot be restored), :class:`~fmstore.errors.StoreUnavailable` when a
         candidate could not be looked at.  Why faster or newer candidates were passed over
-        is in :attr:`restored_reason` (and logged by rank 0)."""
+        is in :attr:`restored_reason` (and logged by rank 0).  ``planner``: DCP's load
+        planner (default torch's), used for every candidate."""
         self._wait_saves()  # this rank's own failures wait for wait() and close()
         views = self._views()
         present = {s for v in views for _c, p in v.values() for s in p}
@@ -385,6 +388,7 @@ class ShardedCheckpointManager:
                 cands[0],
                 fallbacks=cands[1:],
                 process_group=self.pg,
+                planner=planner,
                 store_options=self.store_options,
                 passed=passed,
             )
