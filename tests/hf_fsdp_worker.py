@@ -1,4 +1,4 @@
-"""Run under ``torchrun --nproc-per-node=2`` by tests/test_stack_hf_fsdp.py (gloo, CPU): a
+"""Run under ``torchrun --nproc-per-node=2`` by tests/test_stack_hf.py (gloo, CPU): a
 tiny GPT-2 trained by transformers' own ``Trainer`` with FSDP2 (``fsdp="full_shard
 auto_wrap"``, ``FSDP_VERSION=2`` in the environment as ``accelerate launch`` sets it),
 saving through fmstore.
