@@ -144,8 +144,6 @@ def test_stage_no_progress_keeps_the_log_interval_lines_and_verify_help_is_exact
     r = fm_here(*args[:2], str(tmp_path / "d1"), *args[2:])
     assert r.returncode == 0, r.stderr
     assert "stage: " in r.stderr and " files, " in r.stderr, r.stderr
-    r = fm_here(*args[:2], str(tmp_path / "d2"), *args[2:5], "0")
-    assert r.returncode == 0 and "stage: " not in r.stderr, r.stderr  # 0: no lines
     help_text = " ".join(fm_here("stage", "--help").stdout.split())
     assert "Re-read" not in help_text
     assert "on S3 against the checksum the server computed and validated at upload" in help_text

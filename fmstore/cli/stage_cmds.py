@@ -176,7 +176,7 @@ def stage_cmd(
         "10s",
         "--log-interval",
         help="Time between progress lines whenever no bar is shown (not a terminal, or "
-        "--no-progress): like 10s, 1m, or seconds; 0: no lines.",
+        "--no-progress): like 10s, 1m, or seconds.",
     ),
 ) -> None:
     """Copy a dataset between any two locations: parallel, resumable, verified.
@@ -191,7 +191,7 @@ def stage_cmd(
         concurrency, bwlimit, part_size, verify, fsync, preserve_owner(preserve_owner_flag)
     )
     try:
-        interval = parse_duration(interval_s, "--log-interval", allow_zero=True)
+        interval = parse_duration(interval_s, "--log-interval")
     except ConfigError as e:
         raise typer.BadParameter(e.message, param_hint="--log-interval") from None
     try:
