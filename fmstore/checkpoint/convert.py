@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -133,6 +134,10 @@ def _make_parent(location: str) -> None:
         raise ConfigError(f"cannot create {parent}: {e.strerror}") from None
 
 
+#: torch's warning on a save with ``no_dist=True`` (what one process asks for on purpose).
+_SINGLE_PROCESS = r"torch\.distributed is disabled, unavailable or uninitialized"
+
+
 def write_native_dcp(obj: Any, location: str, *, overwrite: bool = False) -> None:
     """Write ``obj`` (a dict) as a checkpoint of torch's own layout (``.metadata`` and
     ``.distcp`` files, by torch's ``FileSystemWriter``, one process) at ``location``: a
@@ -157,12 +162,21 @@ def write_native_dcp(obj: Any, location: str, *, overwrite: bool = False) -> Non
 
     if not overwrite and runtime.run(existing()):
         raise AlreadyExists(f"a checkpoint exists at {location}; pass --overwrite to replace it")
+
+    def save(directory: str) -> None:
+        # One process by design (no_dist=True): torch still warns that it "assumes" so.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS, category=UserWarning)
+            dcp.save(
+                obj, storage_writer=dcp.FileSystemWriter(directory, overwrite=True), no_dist=True
+            )
+
     if local is not None:
         os.makedirs(local, exist_ok=True)
-        dcp.save(obj, storage_writer=dcp.FileSystemWriter(str(local), overwrite=True), no_dist=True)
+        save(str(local))
         return
     with tempfile.TemporaryDirectory(prefix="fmstore-dcp-") as tmp:
-        dcp.save(obj, storage_writer=dcp.FileSystemWriter(tmp, overwrite=True), no_dist=True)
+        save(tmp)
 
         async def upload() -> None:
             store = open_store(location)

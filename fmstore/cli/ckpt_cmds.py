@@ -6,13 +6,13 @@ import json
 from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.progress import BarColumn, Progress, TextColumn
+from rich.progress import BarColumn, TextColumn
 from rich.table import Table
 
 from .. import runtime
 from ..stores.base import Store
 from .main import ckpt
-from .progress import byte_columns, make_console
+from .progress import byte_columns, make_console, print_titled, progress_bar
 from .util import human_bytes, plural, printable
 
 if TYPE_CHECKING:
@@ -57,11 +57,8 @@ def inspect(
         _inspect_json(store.url, m, limit)
         return
     console = make_console()
-    t = Table(
-        title=printable(
-            f"{store.url}  (format v{m.version}, {m.writer}, generation {m.generation})"
-        )
-    )
+    title = f"{store.url}  (format v{m.version}, {m.writer}, generation {m.generation})"
+    t = Table()
     for col, just in (
         ("name", "left"),
         ("dtype", "left"),
@@ -89,11 +86,12 @@ def inspect(
             printable("+".join(codecs)),
             ratio if not shared else "",
         )
-    console.print(t)
+    print_titled(console, printable(title, markup=False), t)
     raw, stored = m.nbytes, m.stored_bytes
     ratio = f"{raw / stored:.2f}" if stored else "-"
     console.print(
-        f"{len(m.tensors)} tensors in {len(m.storages)} storages, {len(m.blobs)} blobs: "
+        f"{plural(len(m.tensors), 'tensor')} in {plural(len(m.storages), 'storage')}, "
+        f"{plural(len(m.blobs), 'blob')}: "
         f"{human_bytes(raw)} raw, {human_bytes(stored)} stored (ratio {ratio})"
     )
 
@@ -118,13 +116,13 @@ def _inspect_file(src: SourceFile, limit: int, as_json: bool) -> None:
         typer.echo(json.dumps({**doc, "tensor_count": len(rows), "bytes": total}))
         return
     console = make_console()
-    t = Table(title=printable(f"{src.name}  ({src.kind})"))
+    t = Table()
     for col, just in (("name", "left"), ("dtype", "left"), ("shape", "left"), ("bytes", "right")):
         t.add_column(col, justify=just)  # type: ignore[arg-type]
     for n, d, sh, b in shown:
         t.add_row(printable(n), printable(d), "x".join(map(str, sh)) or "scalar", human_bytes(b))
-    console.print(t)
-    console.print(f"{len(rows)} tensors: {human_bytes(total)}")
+    print_titled(console, printable(f"{src.name}  ({src.kind})", markup=False), t)
+    console.print(f"{plural(len(rows), 'tensor')}: {human_bytes(total)}")
 
 
 def _inspect_json(url: str, m: Manifest, limit: int) -> None:
@@ -191,13 +189,7 @@ def verify(
     store, _ = open_location(uri, for_read=True)
     _, m = runtime.run(read_any_manifest(store, native=True))
     m, part = _node_part(m, store, uri)
-    console = make_console(stderr=True)
-    with Progress(
-        TextColumn("verifying"),
-        BarColumn(),
-        *byte_columns(),
-        console=console,
-    ) as progress:
+    with progress_bar(TextColumn("verifying"), BarColumn(), *byte_columns()) as progress:
         total = m.part_bytes(part) if part else m.stored_bytes
         task = progress.add_task("verify", total=total)
         res = runtime.run(verify_checkpoint(store, m, progress=lambda n: progress.advance(task, n)))
@@ -290,13 +282,13 @@ def _inspect_dcp(uri: str, limit: int, as_json: bool = False) -> None:
         typer.echo(json.dumps(doc))
         return
     console = make_console()
-    t = Table(
-        title=printable(
-            f"{uri}  (native torch DCP, {m.world_size} ranks, DCP version {m.version})"
-            if native
-            else f"{uri}  (DCP, {m.world_size} ranks, format v{m.version}, generation {m.generation})"  # type: ignore[union-attr]
-        )
+    ranks = plural(m.world_size, "rank")
+    title = (
+        f"{uri}  (native torch DCP, {ranks}, DCP version {m.version})"
+        if native
+        else f"{uri}  (DCP, {ranks}, format v{m.version}, generation {m.generation})"  # type: ignore[union-attr]
     )
+    t = Table()
     for col, just in (
         ("name", "left"),
         ("dtype", "left"),
@@ -317,14 +309,14 @@ def _inspect_dcp(uri: str, limit: int, as_json: bool = False) -> None:
             printable("+".join(r.codecs)) or "-",
             f"{r.nbytes / r.stored:.2f}" if r.stored else "-",
         )
-    console.print(t)
+    print_titled(console, printable(title, markup=False), t)
     raw, stored = m.nbytes, m.stored_bytes
     ratio = f"{raw / stored:.2f}" if stored else "-"
     files = len(m.files) if native else len(m.blobs)  # type: ignore[union-attr]
     console.print(
-        f"{len(rows)} entries in {len(m.items)} saved items, {files} "
-        f"{'files' if native else 'blobs'} from "
-        f"{m.world_size} ranks: {human_bytes(raw)} raw, {human_bytes(stored)} stored (ratio {ratio})"
+        f"{plural(len(rows), 'entry', 'entries')} in {plural(len(m.items), 'saved item')}, "
+        f"{plural(files, 'file' if native else 'blob')} from "
+        f"{ranks}: {human_bytes(raw)} raw, {human_bytes(stored)} stored (ratio {ratio})"
     )
 
 
@@ -445,4 +437,6 @@ def convert_cmd(
         max_shard_size=max_shard_size or None,
         config=config or None,
     )
-    make_console().print(f"converted {n} tensors: {src} -> {dst}", highlight=False, markup=False)
+    make_console().print(
+        f"converted {plural(n, 'tensor')}: {src} -> {dst}", highlight=False, markup=False
+    )

@@ -142,6 +142,7 @@ def list_checkpoints(
                         if c.failures
                         else {}
                     )
+                    | ({"never_committed": True, "error": c.error} if c.never_committed else {})
                     | (
                         {"parts" if "present" in parts[(r, s, t)] else "part": parts[(r, s, t)]}
                         if (r, s, t) in parts
@@ -202,11 +203,14 @@ def list_checkpoints(
                     else ""
                 )
                 local_parts = local_parts or bool(part)
-            cells.append(Text(f"{cp.state}{mark}{where}{size}", style=_STYLE.get(cp.state, "")))
+            state = "not committed" if cp.never_committed else cp.state  # a save that raised
+            cells.append(Text(f"{state}{mark}{where}{size}", style=_STYLE.get(cp.state, "")))
         table.add_row(printable(r), str(s), *cells)
     console = make_console()
     console.print(table)
-    console.print(f"[dim]{plural(len(by_step), 'checkpoint')}; ✓ = verified[/dim]")
+    # A save that never committed is listed (that it failed is news), not counted.
+    n = sum(not all(c.never_committed for c in cs.values()) for cs in by_step.values())
+    console.print(f"[dim]{plural(n, 'checkpoint')}; ✓ = verified[/dim]")
     for line in lags:
         console.print(printable(line, markup=False), highlight=False, markup=False)
     for line in _failure_lines(rows, now):

@@ -46,13 +46,13 @@ def write(
     """Convert SRC into an fmstore dataset at DST (shards first, index.json last).
 
     A DST that already holds a dataset is refused unless --overwrite."""
-    from rich.progress import BarColumn, Progress, TextColumn
+    from rich.progress import BarColumn, TextColumn
 
     from ..loaders.writer import write_dataset
-    from .progress import byte_columns
+    from .progress import byte_columns, progress_bar
 
     total = _src_bytes(src)
-    with Progress(
+    with progress_bar(
         TextColumn("[bold]writing"), BarColumn(), *byte_columns(),
         TextColumn("{task.fields[samples]} samples"), transient=True,
     ) as bar:  # fmt: skip

@@ -6,13 +6,17 @@ import contextlib
 import json
 import os
 import re
+import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import typer
 
 from .. import runtime
 from ..errors import ConfigError, NotFound
 from ..stores import Location, beneath, open_store, split_tier
+from ..stores.base import Store
 from ..tiering.stage import local_dir, open_source
 from ..tiering.transfer import CopyItem, TransferOptions, TransferReport, copy_items, version_of
 from .main import app
@@ -232,25 +236,21 @@ def _files(n: int) -> str:
     return f"{n:>9} {'file ' if n == 1 else 'files'}"
 
 
-@app.command("rm")
-def rm_cmd(
-    url: str = typer.Argument(..., help="Object to delete, or a prefix with --recursive."),
-    recursive: bool = typer.Option(
-        False, "--recursive", "-r", help="Delete every object under URL."
-    ),
-    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
-    dry_run: bool = typer.Option(
-        False, "--dry-run", "-n", help="Say what would be deleted; delete nothing."
-    ),
-) -> None:
-    """Delete an object, or every object under a prefix (asks first unless --yes).
+@dataclass
+class _Removal:
+    """What ``rm`` of one URL deletes: its store, the keys (none: nothing under a
+    prefix), how to say it, and the checkpoint copies the catalog tracks there."""
 
-    A prefix (a directory) needs --recursive; on a file system the directories it
-    empties are removed too.
+    url: str
+    store: Store
+    keys: list[str]
+    total: str
+    tracked: list[Any]
 
-    Checkpoints the catalog tracks on a tier are listed before anything goes (and by
-    --dry-run), and the catalog records them deleted afterwards."""
-    from ..tiering.removal import record_removed, tracked_copies
+
+def _plan_rm(url: str, recursive: bool) -> _Removal:
+    """Resolve ``url`` as today's single-URL ``rm`` did; raises what it would have."""
+    from ..tiering.removal import tracked_copies
 
     local = local_dir(url)
     if recursive and not _is_local_file(url):  # ``rm -r FILE`` deletes the file, as rm does
@@ -258,10 +258,6 @@ def rm_cmd(
 
         store = open_source(url, role="location")
         keys = sorted(runtime.run(list_tree(store)))
-        if not keys:
-            typer.echo(f"nothing under {url}", err=True)
-            _remove_empty_dirs(url, keep_top=is_root(url))
-            return
         total = f"{plural(len(keys), 'object')} under {_resolved(url)}"
     else:
         if local is not None and os.path.isdir(local):
@@ -270,37 +266,98 @@ def rm_cmd(
         store = open_store(parent)
         try:
             runtime.run(store.stat(key))
-        except NotFound:
+        except NotFound as e:
+            runtime.run(store.close())
             if local is None and _has_objects_under(url):
                 raise ConfigError(
                     f"{url!r} is a prefix: use 'fmstore rm -r' to delete every object under it"
                 ) from None
-            raise  # a clear error, exit 1
+            # The full location: a tier's prefix (s3://bucket/team/...) is part of it, and
+            # the store's key alone is relative to the parent opened here.
+            raise NotFound(f"{e.message}: {store.url.rstrip('/')}/{key}", tier=e.tier) from None
         keys = [key]
         total = _resolved(url)
-    tracked = tracked_copies(url, keys if recursive else [""], recursive=recursive)
-    if tracked:
+    tracked = tracked_copies(url, keys if recursive else [""], recursive=recursive) if keys else []
+    return _Removal(url, store, keys, total, tracked)
+
+
+@app.command("rm")
+def rm_cmd(
+    urls: list[str] = typer.Argument(  # noqa: B008
+        ..., help="Objects to delete, or prefixes with --recursive (one or more)."
+    ),
+    recursive: bool = typer.Option(
+        False, "--recursive", "-r", help="Delete every object under each URL."
+    ),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", "-n", help="Say what would be deleted; delete nothing."
+    ),
+) -> None:
+    """Delete objects, or every object under prefixes (asks first unless --yes).
+
+    A prefix (a directory) needs --recursive; on a file system the directories it
+    empties are removed too.  Every URL is resolved before anything is deleted (one that
+    is missing stops the command, exit 1); then each is confirmed and deleted in turn.
+
+    Checkpoints the catalog tracks on a tier are listed before anything goes (and by
+    --dry-run), and the catalog records them deleted afterwards."""
+    removals: list[_Removal] = []
+    try:
+        for url in urls:
+            removals.append(_plan_rm(url, recursive))
+        declined = False
+        deleted_any = False
+        for r in removals:
+            if not r.keys:
+                typer.echo(f"nothing under {r.url}", err=True)
+                _remove_empty_dirs(r.url, keep_top=is_root(r.url))
+                continue
+            if not _rm_one(
+                r, recursive, yes, dry_run, several=len(removals) > 1, first=not deleted_any
+            ):
+                declined = True
+                if not sys.stdin.isatty():
+                    break  # refused for want of --yes: the others could not be asked either
+                continue
+            deleted_any = not dry_run
+    finally:
+        for r in removals:
+            runtime.run(r.store.close())
+    if declined:
+        raise typer.Exit(EXIT_USAGE)
+
+
+def _rm_one(
+    r: _Removal, recursive: bool, yes: bool, dry_run: bool, *, several: bool, first: bool
+) -> bool:
+    """Show what ``r`` reaches, ask, delete; False when declined."""
+    from ..tiering.removal import record_removed
+
+    if r.tracked:
         typer.echo(
-            f"{plural(len(tracked), 'checkpoint copy', 'checkpoint copies')} the catalog "
+            f"{plural(len(r.tracked), 'checkpoint copy', 'checkpoint copies')} the catalog "
             "tracks would go with it (the catalog then records them deleted):",
             err=True,
         )
-        for c in tracked[:20]:
+        for c in r.tracked[:20]:
             typer.echo(f"  {printable(c.describe(), markup=False)}", err=True)
-        if len(tracked) > 20:
-            typer.echo(f"  … and {len(tracked) - 20} more", err=True)
-    replicas = _replicas_beside(url) if recursive else None
+        if len(r.tracked) > 20:
+            typer.echo(f"  … and {len(r.tracked) - 20} more", err=True)
+    replicas = _replicas_beside(r.url) if recursive else None
     if replicas is not None:
         typer.echo(
-            f"this node's replicas of other nodes' parts under {url} stay in {replicas} "
+            f"this node's replicas of other nodes' parts under {r.url} stay in {replicas} "
             f"(not deleted; 'fmstore rm -r {replicas}' deletes them)",
             err=True,
         )
     if dry_run:
-        typer.echo(f"dry run: would delete {total}; nothing deleted", err=True)
-        return
-    if not ask_yes(f"Delete {total}?", yes):
-        raise typer.Exit(EXIT_USAGE)
+        typer.echo(f"dry run: would delete {r.total}; nothing deleted", err=True)
+        return True
+    nothing = "Nothing deleted." if first and (not several or not sys.stdin.isatty()) else None
+    if not ask_yes(f"Delete {r.total}?", yes, nothing or f"Not deleted: {r.url}."):
+        return False
+    keys, store = r.keys, r.store
 
     async def go() -> None:
         for i in range(0, len(keys), 1000):
@@ -315,10 +372,12 @@ def rm_cmd(
     finally:
         # Also after a failure part-way: a copy rm set out to delete, even in part, is no
         # longer one to restore from or to count as a replica.
-        record_removed(tracked)
+        record_removed(r.tracked)
     if recursive:
-        _remove_empty_dirs(url, keep_top=is_root(url))
-    typer.echo(f"deleted {plural(len(keys), 'object')}", err=True)
+        _remove_empty_dirs(r.url, keep_top=is_root(r.url))
+    where = f" ({r.url})" if several else ""
+    typer.echo(f"deleted {plural(len(keys), 'object')}{where}", err=True)
+    return True
 
 
 def _resolved(url: str) -> str:

@@ -58,6 +58,24 @@ def console(err: bool = False) -> Console:
     return make_console(stderr=err, highlight=False)
 
 
+def progress_bar(*columns: Any, **options: Any) -> Any:
+    """A rich progress bar on stderr, shown only on a terminal: written into a file or a
+    pipe (``2>err``, ``| cat``) a bar is a heap of redrawn lines, so there it is off (the
+    command's result lines say what was done)."""
+    from rich.progress import Progress
+
+    err = make_console(stderr=True)
+    return Progress(*columns, console=err, disable=not err.is_terminal, **options)
+
+
+def print_titled(out: Console, title: str, table: Any) -> None:
+    """``table`` under ``title`` (plain text, already :func:`~.util.printable`), the title a
+    line of its own: a rich table title is wrapped to the table's width, which cuts a long
+    location in two, in a pipe too."""
+    out.print(title, markup=False, highlight=False, soft_wrap=True)
+    out.print(table)
+
+
 class Interrupted(Exception):
     pass
 
@@ -107,10 +125,11 @@ def run_with_progress(
     interval: float,
     confirm: MainThreadConfirm | None = None,
 ) -> T:
-    """Run ``coro`` on the fmstore loop while showing ``progress``: a rich bar on a
-    terminal, a log line every ``interval`` seconds otherwise.  ``confirm``: answered
-    first, before the display starts.  Ctrl-C cancels the run, waits for it to leave its
-    journal in order, and raises :class:`Interrupted`."""
+    """Run ``coro`` on the fmstore loop while showing ``progress``: a rich bar when
+    ``show`` and stderr is a terminal, else a log line every ``interval`` seconds (0:
+    none), so that turning the bar off (``--no-progress``) never silences the lines.
+    ``confirm``: answered first, before the display starts.  Ctrl-C cancels the run,
+    waits for it to leave its journal in order, and raises :class:`Interrupted`."""
     finished = threading.Event()
 
     async def wrapped() -> T:
@@ -123,11 +142,13 @@ def run_with_progress(
     try:
         if confirm is not None:
             confirm.answer(fut)
-        if progress is None or not show or (confirm is not None and confirm.declined):
+        if progress is None or (confirm is not None and confirm.declined):
             return runtime.wait(fut)
-        if sys.stderr.isatty():
+        if show and sys.stderr.isatty():
             return _rich_loop(fut, progress, label, console(err=True))
-        return _log_loop(fut, progress, label, interval)
+        if interval > 0:
+            return _log_loop(fut, progress, label, interval)
+        return runtime.wait(fut)
     except KeyboardInterrupt:
         fut.cancel()
         finished.wait(30)

@@ -148,7 +148,9 @@ def stage_cmd(
     verify: bool = typer.Option(
         False,
         "--verify",
-        help="Re-read every copied file at the destination and compare checksums.",
+        help="Check every copied file's CRC32C at the destination: on S3 against the checksum "
+        "the server computed and validated at upload (a HEAD, no read-back); on a file system, "
+        "or an S3 server that keeps no checksum, by reading the file back.",
     ),
     fsync: str = typer.Option(
         "batch",
@@ -165,12 +167,16 @@ def stage_cmd(
         False, "--json", help="Print the final summary as JSON on stdout."
     ),
     progress: bool = typer.Option(
-        True, "--progress/--no-progress", help="Progress bar (terminal) or log lines."
+        True,
+        "--progress/--no-progress",
+        help="The progress bar on a terminal; --no-progress: no bar, the --log-interval "
+        "lines instead.",
     ),
     interval_s: str = typer.Option(
         "10s",
         "--log-interval",
-        help="Time between progress lines when not on a terminal (like 10s, 1m, or seconds).",
+        help="Time between progress lines whenever no bar is shown (not a terminal, or "
+        "--no-progress): like 10s, 1m, or seconds.",
     ),
 ) -> None:
     """Copy a dataset between any two locations: parallel, resumable, verified.
@@ -245,8 +251,8 @@ def stage_cmd(
             stage_async(src, dst, opts, progress=prog, confirm=confirm),
             prog,
             "stage",
-            progress and not lazy and not dry_run,
-            interval,
+            progress,
+            0.0 if lazy or dry_run else interval,
             confirm,
         )
     except Interrupted:
@@ -372,7 +378,9 @@ def hydrate_cmd(
         False, "--verify", help="Re-read every fetched file and compare checksums."
     ),
     progress: bool = typer.Option(
-        True, "--progress/--no-progress", help="Progress bar (terminal) or log lines."
+        True,
+        "--progress/--no-progress",
+        help="Progress bar (terminal) or a log line every 10 s; --no-progress: neither.",
     ),
     json_out: bool = typer.Option(
         False, "--json", help="Print the final summary as JSON on stdout."
@@ -388,7 +396,11 @@ def hydrate_cmd(
     prog = TransferProgress()
     try:
         report = run_with_progress(
-            _lazy.hydrate_async(path, topts, progress=prog), prog, "hydrate", progress, 10.0
+            _lazy.hydrate_async(path, topts, progress=prog),
+            prog,
+            "hydrate",
+            progress,
+            10.0 if progress else 0.0,
         )
     except Interrupted:
         raise typer.Exit(EXIT_INTERRUPTED) from None

@@ -468,6 +468,9 @@ class PosixTree(Store):
                         os.unlink(name, dir_fd=dfd)
                 finally:
                     os.close(dfd)
+            # As a delete does: the directories it leaves empty (a killed save's
+            # generation, which held only this temp file) go too.
+            self._prune(parent)
 
         await runtime.to_io(do)
 

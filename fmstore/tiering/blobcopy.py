@@ -123,7 +123,9 @@ def raise_for(failures: Sequence[Failure], src: Store, dst: Store) -> None:
     """Raise the class of the first typed failure (never guessed from a message), naming
     the tier it came from; an untyped one (a bug, an unexpected OS error) is reported as
     the destination being unavailable."""
-    text = "; ".join(f"{f.key}: {f.error}" for f in failures[:3])
+    # Each failure by its key under the checkpoint and its own message: the location is
+    # said once, by the error raised here (a typed error's text repeats its tier and key).
+    text = "; ".join(f"{f.key}: {f.exc.message if f.exc else f.error}" for f in failures[:3])
     first = next((f.exc for f in failures if f.exc is not None), None)
     if isinstance(first, CorruptData):
         raise CorruptData(f"copy failed verification: {text}", tier=src.tier, key=src.url)

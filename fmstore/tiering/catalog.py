@@ -22,7 +22,9 @@ States of a copy (one row per checkpoint per tier):
 ``exporting``  (on the destination tier) a copy is under way; a crash leaves it resumable;
 ``released``   the copy was dropped because a verified durable copy exists elsewhere;
 ``deleting``   retention decided to delete it; the manifest goes first, then the blobs;
-``deleted``    gone from the tier (kept as history, and so save counts stay stable);
+``deleted``    gone from the tier (kept as history, and so save counts stay stable); a save
+               that raised before its commit is ``deleted`` with ``error`` starting
+               :data:`SAVE_FAILED` (its blobs removed by the writer): never committed;
 ``corrupt``    a verify found a bad checksum or a missing blob; never read, re-copied by export;
 ``missing``    the catalog thought it present but the tier has no manifest;
 ``superseded`` (on the destination) an export that was pending when a newer checkpoint was
@@ -69,6 +71,8 @@ STATES = (
     MISSING,
     SUPERSEDED,
 )
+#: The ``error`` of a copy whose save raised before its commit (then ``deleted``).
+SAVE_FAILED = "save failed"
 #: States in which the tier holds (or may hold) bytes of the copy.
 HOLDS_BYTES = (WRITING, PRESENT, EXPORTING, DELETING, CORRUPT)
 
@@ -112,6 +116,12 @@ class Copy:
     failures: int = 0
     error_at: float | None = None
     failing_since: float | None = None
+
+    @property
+    def never_committed(self) -> bool:
+        """A save that raised before its commit: nothing of it is left, and it never was a
+        checkpoint (``deleted`` would say someone removed one)."""
+        return self.state == DELETED and (self.error or "").startswith(SAVE_FAILED)
 
 
 @dataclass(frozen=True)

@@ -213,7 +213,9 @@ class Daemon:
         self.stop = self.runner.stop
         self.server: Endpoint | None = None
         self.port: int | None = None
+        #: When the last policy step ended (Unix time), and how many steps this run made.
         self.last_step: float | None = None
+        self.steps = 0
         self.last_report: StepReport | None = None
         self.backoff = 0.0
         self._signals = 0
@@ -252,7 +254,10 @@ class Daemon:
         return {
             "status": "ok",
             "pid": os.getpid(),
-            "last_step": self.last_step,
+            # a policy step of this daemon (one pass over its rules), not a checkpoint's
+            "last_step_at": self.last_step,
+            "policy_steps": self.steps,
+            "last_step": self.last_step,  # the same time, under its first name (kept)
             "backoff_seconds": self.backoff,
             "pending": rep.pending if rep else None,
             "last_errors": rep.errors[-3:] if rep else [],
@@ -315,6 +320,7 @@ class Daemon:
                 self.last_report = rep
                 self.last_step = time.time()
                 steps += 1
+                self.steps += 1
                 if rep.errors:
                     m.STEPS.labels("error").inc()
                 else:

@@ -260,8 +260,8 @@ class CheckpointManager:
         if not self.async_save:
             try:
                 manifest = api.save(state, store, **opts)
-            except TierFull:
-                self._abandon(step, tier)
+            except TierFull as e:
+                self._abandon(step, tier, e)
                 if self.policies.on_full != "fallback":
                     raise
                 nxt = self._next_tier(tier)
@@ -270,8 +270,8 @@ class CheckpointManager:
                 self.catalog.set_copy(self.root, step, nxt, cat.WRITING)
                 tier, store = nxt, self.tiers.checkpoint(nxt, self.root, step)
                 manifest = api.save(state, store, **opts)
-            except BaseException:
-                self._abandon(step, tier)
+            except BaseException as e:
+                self._abandon(step, tier, e)
                 raise
             fut: cf.Future[Manifest] = cf.Future()
             try:
@@ -283,15 +283,15 @@ class CheckpointManager:
             return pending
         try:
             handle = api.async_save(state, store, **opts)
-        except BaseException:
-            self._abandon(step, tier)
+        except BaseException as e:
+            self._abandon(step, tier, e)
             raise
 
         def finish() -> Manifest:
             try:
                 manifest = handle.result()
-            except BaseException:
-                self._abandon(step, tier)
+            except BaseException as e:
+                self._abandon(step, tier, e)
                 raise
             return self._committed(step, tier, manifest)
 
@@ -307,10 +307,18 @@ class CheckpointManager:
             raise TierFull("no tier left to fall back to", tier=tier)
         return ladder[i + 1]
 
-    def _abandon(self, step: int, tier: str) -> None:
+    def _abandon(self, step: int, tier: str, e: BaseException) -> None:
+        """The save raised before its commit (the writer removed its blobs): recorded as
+        never committed (``deleted``, ``error`` :data:`~.catalog.SAVE_FAILED`), which
+        ``fmstore ckpt list`` shows as ``not committed``."""
         with contextlib.suppress(FmstoreError):
             self.catalog.set_copy(
-                self.root, step, tier, cat.DELETED, error="save failed", expect=[cat.WRITING]
+                self.root,
+                step,
+                tier,
+                cat.DELETED,
+                error=f"{cat.SAVE_FAILED}: {type(e).__name__}",
+                expect=[cat.WRITING],
             )
 
     def _committed(self, step: int, tier: str, manifest: Manifest) -> Manifest:

@@ -305,9 +305,10 @@ async def plan_stage(
     shard: tuple[int, int] | None = None,
     delete: bool = False,
     list_destination: bool = True,
+    dst_label: str | None = None,
 ) -> StagePlan:
     """List both sides and plan the copy; ``dst`` None (or ``list_destination`` False)
-    plans against an empty destination."""
+    plans against an empty destination, named ``dst_label`` in the log."""
     src_task = asyncio.ensure_future(list_tree(src, role="source"))
     dst_task = (
         asyncio.ensure_future(list_tree(dst, role="destination"))
@@ -335,7 +336,7 @@ async def plan_stage(
     log.debug(
         "plan %s -> %s: %d of %d source files selected (shard %s), %d to delete",
         src.url,
-        dst.url if dst is not None else "-",
+        dst.url if dst is not None else (dst_label or "-"),
         len(items),
         len(src_all),
         "all" if shard is None else f"{shard[0]}/{shard[1]}",
@@ -528,7 +529,12 @@ async def stage_async(
             if local is None:  # a remote destination, checked once open
                 check_locations(src, dst, delete=options.delete)
         plan = await plan_stage(
-            src, dst, key_filter=key_filter, shard=options.shard, delete=options.delete
+            src,
+            dst,
+            key_filter=key_filter,
+            shard=options.shard,
+            delete=options.delete,
+            dst_label=f"file://{local} (not there yet)" if dst is None else None,
         )
         check_source_has_files(src_url, src, plan)
         if options.dry_run:

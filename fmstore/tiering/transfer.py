@@ -11,8 +11,8 @@ returns a :class:`TransferReport`.  Guarantees:
   objects, combined into the whole object's CRC), compared with the checksum the source
   recorded (``fmstore-crc32c`` metadata) when there is one, handed to the destination
   (``PutOptions.content_crc32c``) and recorded there as metadata with the source's version.
-  ``verify=True`` re-reads the destination and compares.  A mismatch is retried, then
-  reported as a failed file.
+  ``verify=True`` checks the destination's CRC32C: the store's own (S3), else read back.
+  A mismatch is retried, then reported as a failed file.
 * **Atomic.**  Small objects are one ``put``; big ones (and, from a remote store to a
   local file, any over :data:`STREAM_OVER`, streamed) go through
   :meth:`~fmstore.stores.base.Store.open_part_writer`: nothing is visible at the final key

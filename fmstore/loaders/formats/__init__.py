@@ -208,13 +208,24 @@ def _check_sizes(store: Store, specs: list[ShardSpec]) -> None:
 
 
 def _tokens(store: Store, metas: list[Any], o: FormatOptions) -> DatasetFormat:
-    dtype, seq_len = tokens.check_options(o.dtype, o.seq_len)
+    # A .npy file's header says its dtype: without ``dtype`` the files' own is used (the
+    # same in every file); raw .bin files have none to say, so they need ``dtype``.
+    headers = {m.key: _npy_header(store, m.key) for m in metas if m.key.endswith(".npy")}
+    dtype_opt = o.dtype
+    if dtype_opt is None and headers:
+        bins = [m.key for m in metas if m.key not in headers]
+        if bins:
+            raise ConfigError(
+                f"{bins[0]} is a raw token file (no header): give dtype ({', '.join(tokens.DTYPES)})"
+            )
+        dtype_opt = next(iter(headers.values()))[1].name
+    dtype, seq_len = tokens.check_options(dtype_opt, o.seq_len)
     itemsize = np.dtype(dtype).itemsize
     shards: list[ShardSpec] = []
     for m in metas:
         start = 0
-        if m.key.endswith(".npy"):
-            start, file_dtype = _npy_header(store, m.key)
+        if m.key in headers:
+            start, file_dtype = headers[m.key]
             if file_dtype.name != dtype:
                 raise ConfigError(f"{m.key} holds {file_dtype.name} tokens, not {dtype}")
         shards += tokens.split_file(
@@ -247,6 +258,9 @@ def _npy_header(store: Store, key: str) -> tuple[int, np.dtype]:
         ) from None
     if len(shape) != 1:
         raise ConfigError(f"{key}: token arrays must be 1-D, not shape {shape}")
+    if dtype.byteorder == ">" and dtype.itemsize > 1:
+        # Tokens are read little-endian; a big-endian file would give other numbers.
+        raise ConfigError(f"{key}: holds big-endian {dtype.name} tokens; save it little-endian")
     return f.tell(), dtype
 
 
