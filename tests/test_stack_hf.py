@@ -251,7 +251,7 @@ def test_resume_on_another_world_size_says_which_ranks_it_could_not_restore(tmp_
 # ---- FSDP2 -----------------------------------------------------------------------------
 
 
-def _env(tiers: Path) -> dict[str, str]:
+def _fsdp_env(tiers: Path) -> dict[str, str]:
     return {
         **os.environ,
         "FMSTORE_CONFIG": str(tiers / "fmstore.toml"),
@@ -263,11 +263,11 @@ def _env(tiers: Path) -> dict[str, str]:
     }
 
 
-def _start(tmp: Path, mode: str, tiers: Path) -> Any:
+def _fsdp_start(tmp: Path, mode: str, tiers: Path) -> Any:
     work = tiers / "work"
     work.mkdir(exist_ok=True)
     log = open(tmp / f"{mode}.log", "w")  # noqa: SIM115 (closed with the launch)
-    p = launch(FSDP_WORKER, [mode, str(tmp / "out"), str(AT)], nproc=2, env=_env(tiers),
+    p = launch(FSDP_WORKER, [mode, str(tmp / "out"), str(AT)], nproc=2, env=_fsdp_env(tiers),
                cwd=str(work), stdout=log)  # fmt: skip
     p.log = log  # type: ignore[attr-defined]
     return p
@@ -281,14 +281,14 @@ def test_trainer_fsdp2_saves_shards_on_every_rank_and_resumes_bit_exact_from_lus
         d.mkdir()
         _config(d)
     t0 = time.monotonic()
-    ref = _start(tmp_path, "ref", other)
-    killed = _start(tmp_path, "kill", job)
+    ref = _fsdp_start(tmp_path, "ref", other)
+    killed = _fsdp_start(tmp_path, "kill", job)
     try:
         for r in (0, 1):  # step AT committed and recorded; the job waits before step AT+1
             _wait_for(out / f"waiting-{r}", killed, tmp_path, "kill")
         daemon = subprocess.run(
             [sys.executable, "-m", "fmstore", "daemon", "--once", "--no-http"],
-            env=_env(job), cwd=str(job / "work"), capture_output=True, text=True, timeout=300,
+            env=_fsdp_env(job), cwd=str(job / "work"), capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert daemon.returncode == 0, daemon.stderr[-4000:]
         assert _manifest(job, "lustre", AT).exists(), daemon.stderr[-4000:]  # exported
@@ -301,7 +301,7 @@ def test_trainer_fsdp2_saves_shards_on_every_rank_and_resumes_bit_exact_from_lus
     # The NVMe copy is lost: every rank must restore from Lustre.
     assert _manifest(job, "nvme", AT).exists()
     shutil.rmtree(job / "nvme" / ROOT)
-    resumed = _start(tmp_path, "resume", job)
+    resumed = _fsdp_start(tmp_path, "resume", job)
     _finish(resumed, tmp_path, "resume")
     took = time.monotonic() - t0
 
@@ -357,7 +357,7 @@ def one_rank(monkeypatch):  # type: ignore[no-untyped-def]
         collective._groups.clear()  # the checkpoint group of that world is gone with it
 
 
-def _begin(cb: Any, model: Any) -> None:
+def _fsdp_begin(cb: Any, model: Any) -> None:
     from transformers import TrainerControl, TrainerState
 
     cb.on_train_begin(_args(), TrainerState(), TrainerControl(), model=model)
@@ -376,15 +376,15 @@ def test_a_sharded_model_with_a_checkpoint_manager_or_fsdp1_is_refused(tmp_path,
     with CheckpointManager("runs/fsdp", config=config, run_policies=False) as mgr:
         # A CheckpointManager saves a full state dict from one process: never part of one.
         with pytest.raises(FmstoreError, match="give the root .* ShardedCheckpointManager"):
-            _begin(FmstoreCallback(mgr), sharded)
+            _fsdp_begin(FmstoreCallback(mgr), sharded)
         assert mgr.steps() == []
     fsdp1 = FullyShardedDataParallel(torch.nn.Linear(3, 2), device_id=torch.device("cpu"))
     with pytest.raises(FmstoreError, match="FSDP2"):
-        _begin(FmstoreCallback("runs/fsdp1", config=config), fsdp1)
+        _fsdp_begin(FmstoreCallback("runs/fsdp1", config=config), fsdp1)
     # A ShardedCheckpointManager with a model DDP or one process trains is refused too.
     smgr = ShardedCheckpointManager("runs/s", config=config, handle_sigterm=False)
     with smgr, pytest.raises(FmstoreError, match="not sharded"):
-        _begin(FmstoreCallback(smgr), torch.nn.Linear(3, 2))
+        _fsdp_begin(FmstoreCallback(smgr), torch.nn.Linear(3, 2))
     assert not (tmp_path / "t" / "nvme" / "runs").exists()  # nothing saved anywhere
 
 
