@@ -58,7 +58,7 @@ def test_ckpt_list_renders_every_state_and_a_parts_own_size(tmp_path, monkeypatc
         for step, state in enumerate(cat.STATES, start=1):
             assert lines[str(step)].startswith(state), (state, r.stdout)
         # 4000 B of n1's blobs, not the 4300 B of the whole checkpoint
-        assert "part 2/2 (n1) 3.9 KiB" in lines["100"], r.stdout
+        assert "part 2/2 (this node, n1) 3.9 KiB" in lines["100"], r.stdout
         doc = json.loads(fm_here("ckpt", "list", "run", "--json").stdout)
         (row,) = [d for d in doc if d["step"] == 100]
         assert row["tiers"]["nvme"]["part"]["bytes"] == 4000
