@@ -73,6 +73,7 @@ class _FmstoreFixtures(abstract.AbstractFixtures):
         else:
             server = request.getfixturevalue(f"{self.tier}_server")
             bucket = server.create_bucket(f"abs-{uuid.uuid4().hex[:16]}")
+            request.addfinalizer(lambda: server.delete_bucket(bucket))
             write_s3_config(cfg, server.endpoint_url, bucket)
             mp = pytest.MonkeyPatch()
             mp.setenv("AWS_ACCESS_KEY_ID", server.access_key)

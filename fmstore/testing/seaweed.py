@@ -36,6 +36,9 @@ from typing import Any
 START_TIMEOUT = 60.0
 #: Seconds between SIGTERM and SIGKILL.
 STOP_GRACE = 3.0
+#: Volumes the server may hold: SeaweedFS grows 7 for each bucket that receives data, and
+#: more as a bucket passes 1 GiB; 4096 is hundreds of live buckets.
+VOLUME_SLOTS = 4096
 
 
 class SeaweedError(RuntimeError):
@@ -156,7 +159,11 @@ class SeaweedServer:
             f"-dir={data}",
             "-ip=127.0.0.1",
             "-ip.bind=127.0.0.1",
-            "-volume.max=0",
+            # Volume slots are fixed, not "free disk / volume size" (-volume.max=0): with
+            # that, a disk with 50 GB free held 7 buckets (7 volumes each), and a run's
+            # puts all failed with HTTP 500 once tests had made that many. Volumes are not
+            # preallocated, so a slot costs no disk until it holds data.
+            f"-volume.max={VOLUME_SLOTS}",
             "-master.volumeSizeLimitMB=1024",
             "-master.telemetry=false",
             f"-master.port={master}",
