@@ -38,6 +38,8 @@ BENCHMARKS: dict[str, list[str]] = {
     "scale": [],
     # sharded checkpoints of 1-3 nodes on this host: stall, time to durable, exports
     "cluster": ["--size", "256MiB"],
+    # per-rank bytes and collectives of a save and a restore, W = 2..16 (counts, not times)
+    "ranks": [],
 }
 #: ``--quick``: sizes that finish in minutes on a 2-core machine, still past cache effects
 #: where it matters (others use their own ``--quick``).
