@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from tiering_helpers import on_tier, posix_config, state
+from tiering_helpers import on_tier, posix_config, state, with_tier
 
 import fmstore
 from fmstore import CheckpointManager
@@ -306,3 +306,148 @@ def test_sigterm_saves_the_current_state_before_the_process_ends(tmp_path):
         got = mgr.restore()
         assert got["step"] == step and float(got["w"][0]) == step
     assert fmstore.CheckpointManager is CheckpointManager
+
+
+# ---- the redo of a step restore fell back from -----------------------------------------
+
+
+def _damage(cfg, tier: str, root: str, step: int, how: str) -> None:
+    """Damage the copy of ``step`` on ``tier`` through its store (a directory or a bucket):
+    ``blob`` flips a byte of a data blob, ``torn`` truncates the manifest, ``uncommitted``
+    removes it (what a kill mid-save leaves)."""
+    from fmstore import runtime
+    from fmstore.stores.base import PutOptions
+    from fmstore.tiering.tiers import Tiers
+
+    tiers = Tiers(cfg)
+    store = tiers.checkpoint(tier, root, step)
+
+    async def go() -> None:
+        try:
+            if how == "uncommitted":
+                await store.delete("manifest.json")
+            elif how == "torn":
+                data = await store.get("manifest.json")
+                await store.put("manifest.json", data[: len(data) // 2], PutOptions())
+            else:
+                key = next(k for k in await store.list_keys() if k.endswith(".bin"))
+                data = bytearray(await store.get(key))
+                data[len(data) // 2] ^= 0xFF
+                await store.put(key, bytes(data), PutOptions())
+        finally:
+            await tiers.close()
+
+    runtime.run(go())
+
+
+def _s3_write_tier(tmp_path, s3_server, s3_bucket):
+    cfg = posix_config(str(tmp_path), {}, tiers=("s3",))
+    return with_tier(cfg, "s3", f"s3://{s3_bucket}/fm", **s3_server.store_options())
+
+
+def _redo_after_fallback(cfg, tier: str, how: str) -> None:
+    """Steps 10 and 15 saved, 15's only copy damaged (``how``); a new manager restores 10
+    and the training loop's redo of 15 commits.  A damaged copy is cleared out of the
+    redo's way; one never committed (no manifest) did not block it and is left alone."""
+    moved = [] if how == "uncommitted" else [15]
+    with CheckpointManager("r", config=cfg, run_policies=False) as mgr:
+        mgr.save(10, state(10))
+        mgr.save(15, state(15))
+    _damage(cfg, tier, "r", 15, how)
+    # A new process: the newest step's only copy is bad, the restore falls back ...
+    with CheckpointManager("r", config=cfg, run_policies=False) as mgr:
+        assert same(mgr.restore(), state(10)) and mgr.restored_step == 10
+        assert mgr.moved_aside == moved
+        # ... and the training loop's redo of step 15 commits (it raised AlreadyExists
+        # in the background, from wait() and close(), against a damaged copy).
+        mgr.save(15, state(15))
+    with CheckpointManager("r", config=cfg, run_policies=False) as mgr:
+        assert same(mgr.restore(), state(15)) and mgr.restored_step == 15
+        assert mgr.moved_aside == []
+    assert on_tier(cfg, tier, "r") == {10: True, 15: True}
+
+
+@pytest.mark.parametrize("how", ["blob", "torn", "uncommitted"])
+def test_the_redo_of_a_bad_newest_step_saves_after_restore_fell_back(tmp_path, caplog, how):
+    cfg = posix_config(str(tmp_path), {}, tiers=("nvme",))
+    with caplog.at_level("WARNING", logger="fmstore.checkpoint"):
+        _redo_after_fallback(cfg, "nvme", how)
+    said = [r for r in caplog.records if getattr(r, "event", None) == "steps_moved_aside"]
+    assert len(said) == (0 if how == "uncommitted" else 1)
+    aside = tmp_path / "nvme" / ".aside"
+    if how == "uncommitted":
+        assert not aside.exists()
+        return
+    # Moved aside (recoverable), not deleted: the orphan sweep removes it after its grace.
+    (token,) = os.listdir(aside)
+    assert os.listdir(aside / token / "r") == ["step_000000000015"]
+
+
+@pytest.mark.parametrize("how", ["blob", "uncommitted"])
+def test_the_redo_of_a_bad_newest_step_saves_on_an_s3_write_tier(
+    tmp_path, s3_server, s3_bucket, how
+):
+    _redo_after_fallback(_s3_write_tier(tmp_path, s3_server, s3_bucket), "s3", how)
+
+
+def test_a_redo_that_already_failed_once_against_the_leftover_saves_now(tmp_path):
+    """The user's state after the failed run: the redo's failure left the catalog row
+    ``deleted`` (save failed), so the next restore never looks at step 15 again; the
+    leftover still has to go (its checksums are checked first)."""
+    cfg = posix_config(str(tmp_path), {}, tiers=("nvme",))
+    with CheckpointManager("r", config=cfg, run_policies=False) as mgr:
+        mgr.save(10, state(10))
+        mgr.save(15, state(15))
+    _damage(cfg, "nvme", "r", 15, "blob")
+    with CheckpointManager("r", config=cfg, run_policies=False) as mgr:
+        mgr.catalog.set_copy("r", 15, "nvme", cat.DELETED, error=f"{cat.SAVE_FAILED}: x")
+        assert mgr.restore()["step"] == 10 and mgr.moved_aside == [15]
+        mgr.save(15, state(15))
+    with CheckpointManager("r", config=cfg, run_policies=False) as mgr:
+        assert same(mgr.restore(), state(15))
+
+
+def test_a_valid_newer_step_the_restore_passed_over_is_never_moved(tmp_path):
+    """A newer step committed and valid that the restore did not choose (here its row says
+    corrupt, so it was no candidate) stays where it is, and its redo raises as before."""
+    cfg = posix_config(str(tmp_path), {}, tiers=("nvme",))
+    with CheckpointManager("r", config=cfg, run_policies=False) as mgr:
+        mgr.save(10, state(10))
+        mgr.save(15, state(15))
+    with CheckpointManager("r", config=cfg, async_save=False, run_policies=False) as mgr:
+        mgr.catalog.set_copy("r", 15, "nvme", cat.CORRUPT, error="a read that failed")
+        assert mgr.restore()["step"] == 10 and mgr.moved_aside == []
+        with pytest.raises(AlreadyExists):
+            mgr.save(15, state(15))
+    assert on_tier(cfg, "nvme", "r") == {10: True, 15: True}
+    assert not os.path.exists(tmp_path / "nvme" / ".aside")
+
+
+def test_an_explicit_step_restored_moves_nothing(tmp_path):
+    cfg = posix_config(str(tmp_path), {}, tiers=("nvme",))
+    with CheckpointManager("r", config=cfg, run_policies=False) as mgr:
+        mgr.save(10, state(10))
+        mgr.save(15, state(15))
+    _damage(cfg, "nvme", "r", 15, "blob")
+    with CheckpointManager("r", config=cfg, run_policies=False) as mgr:
+        assert same(mgr.restore(10), state(10)) and mgr.moved_aside == []
+    assert os.path.isdir(tmp_path / "nvme" / "r" / "step_000000000015")
+
+
+def test_a_torn_newest_step_a_new_catalog_never_counted_is_moved_for_its_redo(tmp_path):
+    """With the catalog lost, the rescan never counts step 15 (its manifest does not parse),
+    so the restore chooses 10 without trying 15; the torn copy still blocked the redo."""
+    import shutil
+
+    cfg = posix_config(str(tmp_path), {}, tiers=("nvme",))
+    with CheckpointManager("r", config=cfg, run_policies=False) as mgr:
+        mgr.save(10, state(10))
+        mgr.save(15, state(15))
+    _damage(cfg, "nvme", "r", 15, "torn")
+    shutil.rmtree(tmp_path / "state")
+    with CheckpointManager("r", config=cfg, run_policies=False) as mgr:
+        assert mgr.steps() == [10]
+        assert same(mgr.restore(), state(10)) and mgr.moved_aside == [15]
+        mgr.save(15, state(15))
+    with CheckpointManager("r", config=cfg, run_policies=False) as mgr:
+        assert same(mgr.restore(), state(15))

@@ -9,7 +9,9 @@ number commits there again.  A step moved aside is::
     TIER_ROOT/.aside/TOKEN/ROOT/step_N/...            this node's part (and manifest)
     TIER_ROOT/.aside/TOKEN/.replicas/ROOT/step_N/...  its replicas of other nodes' parts
 
-``TOKEN`` is ``<unix milliseconds>-<random hex>``.  Restore, export, retention and the
+``TOKEN`` is ``<unix milliseconds>-<random hex>``.  The single-node
+:class:`~fmstore.tiering.manager.CheckpointManager` moves the newer steps proven damaged on
+its POSIX write tier aside the same way after a fallback (:mod:`.redo`).  Restore, export, retention and the
 catalog's rescan look only under the run's root and its ``.replicas`` (a name that starts
 with a dot is never a run), so they skip it; the orphan sweep removes a ``TOKEN``
 directory once its time is older than the grace period (:func:`moved_aside`).

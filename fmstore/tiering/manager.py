@@ -33,9 +33,12 @@ asynchronous one reports the error from :meth:`wait` (its snapshot is gone by th
 **Restore** tries the newest complete checkpoint first, each tier holding it fastest first;
 a copy that is missing or fails its checksums is marked in the catalog and the next tier is
 tried; when every copy of a step fails and no step was asked for, the next older step is
-tried.  With ``[policies.restore] cache_tier`` set, a copy on a slower tier is brought to
-the cache tier: ``eager`` copies it whole (verified) and loads from there; ``lazy`` loads it
-lazily, fetching blobs on first access and keeping them on the cache tier.
+tried; the newer steps it fell back past whose copies on a write tier are proven damaged are
+then moved aside (deleted on an object store) so that their redo saves (:mod:`.redo`,
+:attr:`CheckpointManager.moved_aside`).  With ``[policies.restore] cache_tier`` set, a copy
+on a slower tier is brought to the cache tier: ``eager`` copies it whole (verified) and
+loads from there; ``lazy`` loads it lazily, fetching blobs on first access and keeping them
+on the cache tier.
 """
 
 from __future__ import annotations
@@ -178,6 +181,9 @@ class CheckpointManager:
         self.restored_step: int | None = None
         #: The tier the last :meth:`restore` read from.
         self.restored_tier: str | None = None
+        #: The newer steps the last :meth:`restore` cleared out of their redo's way (it
+        #: fell back past their damaged copies on a write tier: :mod:`.redo`).
+        self.moved_aside: list[int] = []
         self._runner = PolicyRunner(
             self.config,
             self.policies,
@@ -470,6 +476,8 @@ class CheckpointManager:
         if not candidates:
             raise NotFound(f"no checkpoint under {self.root!r} on any tier")
         failures: list[str] = []
+        self.moved_aside = []
+        damaged: dict[tuple[int, str], str] = {}  # what this restore's loads proved bad
         for s in candidates:
             pin = self.catalog.pin(
                 self.root, s, reason="restore", owner=f"pid {os.getpid()}", ttl=3600
@@ -484,6 +492,7 @@ class CheckpointManager:
                         bad = cat.CORRUPT if isinstance(e, CorruptData) else cat.MISSING
                         if tier in present:  # an export's row is its owner's to decide
                             self.catalog.set_copy(self.root, s, tier, bad, error=str(e))
+                        damaged[(s, tier)] = f"{bad}: {e}"
                         failures.append(f"step {s} on {tier}: {e}")
                         event("restore_fallback", root=self.root, step=s, tier=tier, error=str(e))
                         continue
@@ -495,6 +504,8 @@ class CheckpointManager:
                     self.catalog.touch(self.root, s, tier)
                     keep_pin = lazy
                     event("restored", root=self.root, step=s, tier=tier, lazy=lazy)
+                    if step is None:
+                        self._clear_newer(s, damaged)
                     return out
             finally:
                 if keep_pin:
@@ -505,6 +516,43 @@ class CheckpointManager:
         raise NotFound(
             f"could not restore {what} of {self.root!r}: " + "; ".join(failures or ["no copy"])
         )
+
+    def _clear_newer(self, restored: int, damaged: dict[tuple[int, str], str]) -> None:
+        """After a restore that chose ``restored`` itself: the newer steps whose copy on a
+        write tier is proven damaged stop blocking their redo (:mod:`.redo`: moved aside
+        on a POSIX tier, deleted manifest first on an object store); a valid copy is never
+        touched.  A failure to do so is logged, never raised: the state is restored, the
+        redo fails as it would have, and the next restore tries again."""
+        from .redo import clear_newer
+
+        done = clear_newer(
+            self.config.state_dir,
+            self.tiers,
+            self.catalog,
+            self.policies,
+            self.root,
+            restored,
+            damaged,
+        )
+        self.moved_aside = done.steps
+        if self.moved_aside:
+            log.warning(
+                "restored step %d of %r: moved its newer steps %s aside for their redo (%s)",
+                restored,
+                self.root,
+                self.moved_aside,
+                "; ".join(f"step {s} on {w}" for s, ws in done.moved.items() for w in ws)[:2000],
+                extra={"event": "steps_moved_aside", "fields": {"steps": self.moved_aside}},
+            )
+        if done.problems:
+            log.warning(
+                "restored step %d of %r, but could not look at or move its newer steps on "
+                "%s; a redo of a damaged one raises AlreadyExists until the next restore",
+                restored,
+                self.root,
+                "; ".join(done.problems)[:1000],
+                extra={"event": "steps_moved_aside_failed", "fields": {}},
+            )
 
     def _exporting_to(self, step: int) -> list[str]:
         """Tiers an export of ``step`` was copying to, fastest first.  An export killed after

@@ -11,8 +11,8 @@ A process killed mid-write leaves work no later run may come back to:
     checkpoint blobs no manifest names: a save or an export that never committed, or the
     generation an overwrite superseded (see :mod:`fmstore.checkpoint.gc`);
 ``aside``
-    the steps a restore fell back from, moved aside on a node-local tier
-    (``.aside/TOKEN``: :mod:`.aside`), once the token's time is older than the grace;
+    the steps a restore fell back from, moved aside on a POSIX tier
+    (``.aside/TOKEN``: :mod:`.aside`, :mod:`.redo`), once the token's time is older than the grace;
 ``journal``
     the resume journal of a copy whose process died, when no later run can use it: its
     pending write was removed above, or its destination is gone.  (The journal of a copy
