@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
+from ..checkpoint.commit import commit_manifest
 from ..errors import NotFound, NotSupported
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores.base import Buffer, Consumer, ObjectMeta, PartWriter, PutOptions, Store, Writer
@@ -81,7 +82,8 @@ class ReadThroughStore(Store):
 
     async def _commit(self) -> None:
         data, manifest = await self._load_manifest()
-        await self.fast.put(MANIFEST_KEY, data)
+        # replace: the fast tier's copy is a cache of the slow one, whose manifest wins
+        await commit_manifest(self.fast, data, "replace")
         self.completed = True
         if self.on_complete is not None:
             self.on_complete(manifest, data)

@@ -26,11 +26,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from ..checkpoint.commit import commit_manifest
 from ..checkpoint.verify import read_committed, verify_checkpoint
 from ..errors import FmstoreError, NotFound, VersionError
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
-from ..stores.base import PutOptions, Store
+from ..stores.base import Store
 from ..stores.bounded import manifest_limit, read_bounded
 from .blobcopy import CopyResult, copy_blobs
 from .parts import export_part, in_parts
@@ -118,8 +119,9 @@ async def copy_checkpoint(
     check, copied, skipped = await copy_blobs(
         src, dst, manifest, options, journal_path, on_bad_copy=lambda: delete_checkpoint(dst)
     )
-    # The commit: the manifest, byte for byte, written last.
-    await dst.put(MANIFEST_KEY, data, PutOptions(content_crc32c=mcrc))
+    # The commit: the manifest, byte for byte, written last.  Replace: a different
+    # checkpoint under this name (see above) is superseded by the copy.
+    await commit_manifest(dst, data, "replace", crc=mcrc)
     return CopyResult(manifest, mcrc, copied, skipped, time.monotonic() - t0, check=check)
 
 

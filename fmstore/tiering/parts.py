@@ -35,6 +35,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..checkpoint import partrecords as pr
+from ..checkpoint.commit import commit_manifest
 from ..checkpoint.partrecords import (
     LEASE_RE,
     PART_RECORD_RE,
@@ -52,7 +53,7 @@ from ..checkpoint.verify import (
 from ..errors import AlreadyExists, CorruptData, FmstoreError, NotFound
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
-from ..stores.base import PutOptions, Store
+from ..stores.base import Store
 from ..stores.bounded import (
     LEASE_LIMIT,
     RECORD_LIMIT,
@@ -285,14 +286,15 @@ async def commit_if_complete(
         # lease expired.  Not committed; the next attempt (any node's) lists afresh.
         return [p.node for p in manifest.parts]
     try:
-        await dst.put(MANIFEST_KEY, data, PutOptions(mode="create", content_crc32c=crc32c(data)))
+        # same-or-fail: every node commits the same agreed bytes, so finding them there
+        # means committed already; another checkpoint under this name is never overwritten
+        await commit_manifest(dst, data, "same-or-fail", crc=crc32c(data))
     except AlreadyExists:
-        if await read_bounded(dst, MANIFEST_KEY, manifest_limit(), what="manifest") != data:
-            raise CorruptData(
-                "another checkpoint was committed under this name meanwhile",
-                tier=dst.tier,
-                key=f"{dst.url}/{MANIFEST_KEY}",
-            ) from None
+        raise CorruptData(
+            "another checkpoint was committed under this name meanwhile",
+            tier=dst.tier,
+            key=f"{dst.url}/{MANIFEST_KEY}",
+        ) from None
     return []
 
 

@@ -31,8 +31,9 @@ from typing import Any
 
 from ... import runtime
 from ...errors import AlreadyExists, CorruptData, FmstoreError, NotFound, StoreUnavailable
-from ...stores import PutOptions, Store
+from ...stores import Store
 from ...stores.bounded import manifest_limit, read_bounded
+from ..commit import commit_manifest
 from ..routing import Holding, Routes, lowest_rank, route
 from . import replica_stream, replicas
 from .manifest import MANIFEST_KEY, DcpManifest
@@ -251,12 +252,13 @@ def _distribute(writer: Writer, pg: Any) -> None:
 
 async def _put_manifest(store: Store, data: bytes) -> None:
     try:
-        await store.put(MANIFEST_KEY, data, PutOptions(mode="create"))
+        # same-or-fail: these bytes there already mean copied already; another save's
+        # manifest on this node is never overwritten
+        await commit_manifest(store, data, "same-or-fail")
     except AlreadyExists:
-        if await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest") != data:
-            raise FmstoreError(
-                "another manifest is already committed here", tier=store.tier, key=MANIFEST_KEY
-            ) from None
+        raise FmstoreError(
+            "another manifest is already committed here", tier=store.tier, key=MANIFEST_KEY
+        ) from None
 
 
 def _gather(pg: Any, obj: str) -> list[str]:

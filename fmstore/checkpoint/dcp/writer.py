@@ -65,6 +65,7 @@ from ...format.manifest import ChunkEntry
 from ...limits import ByteBudget
 from ...stores import PutOptions, Store, open_store, split_tier
 from ...stores.bounded import manifest_limit, read_bounded
+from ..commit import commit_manifest
 from ..layout import blob_name, new_generation
 from ..partrecords import is_node_id, writer_node
 from . import replica_stream, staging
@@ -630,8 +631,10 @@ class Writer(StorageWriter):
         )
         manifest.validate(MANIFEST_KEY)
         old_gen = await self._old_generation(store) if self.options.overwrite else None
-        opts = PutOptions(mode="overwrite") if self.options.overwrite else PutOptions(mode="create")
-        await store.put(MANIFEST_KEY, manifest.dumps(), opts)
+        # create unless the caller asked to overwrite: a save never replaces another by accident
+        await commit_manifest(
+            store, manifest.dumps(), "replace" if self.options.overwrite else "create"
+        )
         if old_gen and old_gen != gen:
             # Readers that opened the old manifest may still be reading; they see NotFound
             # after this, never mixed bytes.
