@@ -191,7 +191,7 @@ async def write_checkpoint(
 
 
 async def _current_generation(store: Store) -> str | None:
-    from .layout import read_manifest
+    from .commit import read_manifest
 
     try:
         return (await read_manifest(store)).generation

@@ -16,11 +16,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from ..checkpoint.commit import commit_manifest
+from ..checkpoint.commit import commit_manifest, read_bounded_manifest
 from ..errors import NotFound, NotSupported
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores.base import Buffer, Consumer, ObjectMeta, PartWriter, PutOptions, Store, Writer
-from ..stores.bounded import manifest_limit, read_bounded
 
 
 class ReadThroughStore(Store):
@@ -43,7 +42,7 @@ class ReadThroughStore(Store):
 
     async def _load_manifest(self) -> tuple[bytes, Manifest]:
         if self._manifest is None:
-            data = await read_bounded(self.slow, MANIFEST_KEY, manifest_limit(), what="manifest")
+            data = await read_bounded_manifest(self.slow)
             self._manifest = (data, Manifest.loads(data, where=self.slow.url))
         return self._manifest
 

@@ -26,13 +26,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..checkpoint.commit import commit_manifest
+from ..checkpoint.commit import commit_manifest, read_bounded_manifest
 from ..checkpoint.verify import read_committed, verify_checkpoint
 from ..errors import FmstoreError, NotFound, VersionError
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
 from ..stores.base import Store
-from ..stores.bounded import manifest_limit, read_bounded
 from .blobcopy import CopyResult, copy_blobs
 from .parts import export_part, in_parts
 from .transfer import TransferOptions
@@ -96,7 +95,7 @@ async def copy_checkpoint(
         )
     mcrc = crc32c(data)
     try:
-        existing = await read_bounded(dst, MANIFEST_KEY, manifest_limit(), what="manifest")
+        existing = await read_bounded_manifest(dst)
     except NotFound:
         existing = None
     if existing is not None and crc32c(existing) == mcrc:

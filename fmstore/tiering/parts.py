@@ -35,7 +35,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..checkpoint import partrecords as pr
-from ..checkpoint.commit import commit_manifest
+from ..checkpoint.commit import commit_manifest, read_bounded_manifest
 from ..checkpoint.partrecords import (
     LEASE_RE,
     PART_RECORD_RE,
@@ -58,7 +58,6 @@ from ..stores.bounded import (
     LEASE_LIMIT,
     RECORD_LIMIT,
     decode_json,
-    manifest_limit,
     read_bounded,
 )
 from .blobcopy import CopyResult, copy_blobs
@@ -168,9 +167,7 @@ async def export_part(
     sha = manifest_sha256(data)
     gen = full.generation
     try:
-        existing: bytes | None = await read_bounded(
-            dst, MANIFEST_KEY, manifest_limit(), what="manifest"
-        )
+        existing: bytes | None = await read_bounded_manifest(dst)
     except NotFound:
         existing = None
     if existing is not None and existing != data:
@@ -483,7 +480,7 @@ async def parts_on(store: Store) -> dict[str, object] | None:
     gen: str | None = None
     committed = False
     with contextlib.suppress(NotFound, CorruptData, ValueError, KeyError, TypeError):
-        d = decode_json(await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest"))
+        d = decode_json(await read_bounded_manifest(store))
         gen, committed = str(d["generation"]), True
         of = len(d.get("parts") or []) or None
     gens = [gen] if gen else []

@@ -32,8 +32,8 @@ from typing import Any
 from ... import runtime
 from ...errors import AlreadyExists, CorruptData, FmstoreError, NotFound, StoreUnavailable
 from ...stores import Store
-from ...stores.bounded import manifest_limit, read_bounded
-from ..commit import commit_manifest
+from ...stores.bounded import manifest_limit
+from ..commit import commit_manifest, read_bounded_manifest
 from ..routing import Holding, Routes, lowest_rank, route
 from . import replica_stream, replicas
 from .manifest import MANIFEST_KEY, DcpManifest
@@ -221,9 +221,7 @@ def _distribute(writer: Writer, pg: Any) -> None:
     box: list[Any] = [None]
     if rank == 0:
         try:
-            box[0] = runtime.run(
-                read_bounded(writer.store, MANIFEST_KEY, manifest_limit(), what="manifest")
-            )
+            box[0] = runtime.run(read_bounded_manifest(writer.store))
         except Exception as e:  # every rank raises it below, none waits for the others
             box[0] = f"the coordinator could not read its manifest again: {reason(e)}"
     box[0] = broadcast_result(pg, 0, box[0], limit=manifest_limit())
@@ -486,11 +484,7 @@ def _prepare(
     box: list[Any] = [None]
     if rank == src.rank:
         try:
-            box[0] = runtime.run(
-                read_bounded(
-                    open_candidate(uri, so), MANIFEST_KEY, manifest_limit(), what="manifest"
-                )
-            )
+            box[0] = runtime.run(read_bounded_manifest(open_candidate(uri, so)))
         except Exception as e:
             box[0] = f"node {src.node} could not read its manifest again: {reason(e)}"
     box[0] = broadcast_result(pg, src.rank, box[0], limit=manifest_limit())

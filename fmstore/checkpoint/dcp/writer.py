@@ -64,8 +64,7 @@ from ...format.dtypes import dtype_name
 from ...format.manifest import ChunkEntry
 from ...limits import ByteBudget
 from ...stores import PutOptions, Store, open_store, split_tier
-from ...stores.bounded import manifest_limit, read_bounded
-from ..commit import commit_manifest
+from ..commit import commit_manifest, read_bounded_manifest
 from ..layout import blob_name, new_generation
 from ..partrecords import is_node_id, writer_node
 from . import replica_stream, staging
@@ -661,7 +660,7 @@ class Writer(StorageWriter):
         from ..gc import _generation_of
 
         try:
-            data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
+            data = await read_bounded_manifest(store)
         except NotFound:
             return None
         try:
