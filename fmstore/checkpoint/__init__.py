@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 # Eager: these need no torch, and ``gc`` must be the function, not the submodule that
 # importing ``fmstore.checkpoint.gc`` would otherwise leave under that name.
+from .commit import read_manifest
 from .gc import GcReport, agc, find_checkpoints, gc
-from .layout import read_manifest
 
 if TYPE_CHECKING:
     from .api import (

@@ -21,9 +21,8 @@ from ..errors import ConfigError, CorruptData, FmstoreError, NotFound, NotSuppor
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores import Location, open_store
 from ..stores.base import Store
-from ..stores.bounded import manifest_limit, read_bounded
+from .commit import read_bounded_manifest, read_manifest
 from .devring import cpu_routed
-from .layout import read_manifest
 from .loading import LazyDict, Materializer, PickleRefused, place_tree, select
 from .planner import DEFAULT_BLOB_SIZE, DEFAULT_CHUNK_SIZE, Planned, plan_save, resolve_auto
 from .reader import MapLocation, ReadOptions
@@ -267,7 +266,7 @@ async def _is_dcp(store: Store, error: Exception) -> bool:
     from .dcp.manifest import DCP_FORMAT_NAME, sniff_format
 
     try:
-        data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
+        data = await read_bounded_manifest(store)
         return sniff_format(data) == DCP_FORMAT_NAME
     except (FmstoreError, ValueError, RecursionError):  # a hostile manifest stays its error
         return False

@@ -41,8 +41,9 @@ from ..errors import CorruptData, FmstoreError, NotFound
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores import open_store
 from ..stores.base import ObjectMeta, Store
-from ..stores.bounded import LEASE_LIMIT, manifest_limit, read_bounded
+from ..stores.bounded import LEASE_LIMIT, read_bounded
 from . import partrecords as pr
+from .commit import read_bounded_manifest
 from .layout import BLOB_RE, GENERATION_RE, RANK_RECORD_RE, generation_age
 from .partrecords import LEASE_RE, PART_RECORD_RE, ExportLease
 
@@ -101,7 +102,7 @@ async def _scan(store: Store) -> tuple[dict[str, str | None], _Gens, set[tuple[s
     for prefix in manifests:
         key = f"{prefix}/{MANIFEST_KEY}" if prefix else MANIFEST_KEY
         try:
-            data = await read_bounded(store, key, manifest_limit(), what="manifest")
+            data = await read_bounded_manifest(store, key)
             manifests[prefix] = _generation_of(data)
         except Exception:
             manifests[prefix] = "?"  # unreadable: keep everything under it
@@ -215,7 +216,7 @@ async def remove_generation(store: Store, g: Generation) -> bool:
             return False
         try:
             key = f"{prefix}/{MANIFEST_KEY}" if prefix else MANIFEST_KEY
-            data = await read_bounded(store, key, manifest_limit(), what="manifest")
+            data = await read_bounded_manifest(store, key)
             if _generation_of(data) == gen:
                 return False
         except NotFound:

@@ -17,10 +17,10 @@ import secrets
 import time
 
 from .. import keys as _keys
-from ..errors import CorruptData, NotFound
-from ..format.manifest import MANIFEST_KEY, Manifest
-from ..stores.base import Store
-from ..stores.bounded import manifest_limit, read_bounded
+from ..format.manifest import MANIFEST_KEY
+
+# Re-exported: the manifest's reads lived here before commit.py, and are imported from here too.
+from .commit import manifest_bytes, read_manifest, read_manifest_bytes
 
 #: Where a node keeps the replicas it holds of other nodes' parts, on the same node-local
 #: tier (``.replicas/KEY/`` for the checkpoint at ``KEY``).
@@ -80,29 +80,3 @@ def parse_step(name: str) -> int | None:
 
 def checkpoint_key(root: str, step: int) -> str:
     return _keys.join(root, step_name(step))
-
-
-async def manifest_bytes(store: Store) -> bytes:
-    """The bytes of the committed manifest at ``store``'s root, of either format; NotFound
-    (saying so) when the prefix holds no checkpoint."""
-    try:
-        return await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
-    except NotFound:
-        raise NotFound(
-            f"no checkpoint at {store.url} (no {MANIFEST_KEY})", tier=store.tier, key=MANIFEST_KEY
-        ) from None
-    except CorruptData as e:  # refused as read (too big, not JSON text): said as the parse says it
-        raise CorruptData(f"not a valid checkpoint: {e.message}", tier=e.tier, key=e.key) from None
-
-
-async def read_manifest_bytes(store: Store) -> tuple[bytes, Manifest]:
-    """The committed manifest of the checkpoint at ``store``'s root, with its bytes (their
-    CRC32C is what the catalog records); NotFound when the prefix holds no checkpoint,
-    CorruptData when the manifest does not parse."""
-    data = await manifest_bytes(store)
-    return data, Manifest.loads(data, where=store.url)
-
-
-async def read_manifest(store: Store) -> Manifest:
-    """The committed manifest; NotFound when the prefix holds no checkpoint."""
-    return (await read_manifest_bytes(store))[1]

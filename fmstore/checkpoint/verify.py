@@ -26,7 +26,7 @@ from ..format.checksum import crc32c
 from ..format.manifest import DCP_FORMAT_NAME, MANIFEST_KEY, Manifest, sniff_format
 from ..stores.base import Store
 from ..stores.crc import combine_all
-from .layout import manifest_bytes
+from .commit import manifest_bytes
 
 if TYPE_CHECKING:
     from .dcp.manifest import DcpManifest

@@ -31,7 +31,8 @@ from ..format.checksum import crc32c
 from ..format.codecs import encode
 from ..format.manifest import MANIFEST_KEY, BlobEntry, ChunkEntry, Manifest, StorageEntry
 from ..limits import ByteBudget
-from ..stores.base import Buffer, PutOptions, Store
+from ..stores.base import Buffer, Store
+from .commit import commit_manifest
 from .layout import new_generation
 from .partrecords import writer_node
 from .planner import ALIGN, SavePlan
@@ -177,8 +178,8 @@ async def write_checkpoint(
             writer=f"fmstore {__version__}{writer_node()}",
             pickled=plan.pickled,
         )
-        opts = PutOptions(mode="overwrite") if options.overwrite else PutOptions(mode="create")
-        await store.put(MANIFEST_KEY, manifest.dumps(), opts)
+        # create unless the caller asked to overwrite: a save never replaces another by accident
+        await commit_manifest(store, manifest.dumps(), "replace" if options.overwrite else "create")
     except BaseException:
         with contextlib.suppress(Exception):
             await asyncio.shield(_delete_generation(store, gen))
@@ -190,7 +191,7 @@ async def write_checkpoint(
 
 
 async def _current_generation(store: Store) -> str | None:
-    from .layout import read_manifest
+    from .commit import read_manifest
 
     try:
         return (await read_manifest(store)).generation

@@ -24,7 +24,7 @@ def _manifest(uri: str) -> tuple[Store, Manifest]:
     # Imported here: the checkpoint package loads torch, which every other command
     # (stage, ls, cp) would otherwise pay for at start-up (seconds).
     from ..checkpoint.api import open_location
-    from ..checkpoint.layout import read_manifest
+    from ..checkpoint.commit import read_manifest
 
     store, _ = open_location(uri, for_read=True)
     return store, runtime.run(read_manifest(store))

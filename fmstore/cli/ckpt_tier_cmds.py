@@ -17,12 +17,12 @@ from rich.text import Text
 
 from .. import runtime
 from ..checkpoint import partrecords as pr
+from ..checkpoint.commit import read_bounded_manifest
 from ..config import Config, load_config
 from ..errors import ConfigError, FmstoreError, NotFound
-from ..format.manifest import MANIFEST_KEY, Manifest
+from ..format.manifest import Manifest
 from ..stores import split_tier
 from ..stores.base import Store
-from ..stores.bounded import manifest_limit, read_bounded
 from ..tiering import catalog as cat
 from ..tiering.catalog import Catalog
 from ..tiering.discovery import Rediscovered, rediscover
@@ -292,7 +292,7 @@ def _parts(cfg: Config, rows: list[cat.Copy]) -> dict[tuple[str, int, str], dict
         for c in local:
             try:
                 store = tiers.checkpoint(c.tier, c.root, c.step)
-                data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
+                data = await read_bounded_manifest(store)
                 m = DcpManifest.loads(data, where=f"{c.tier}:{c.root} step {c.step}")
             except Exception:
                 continue  # the copy's state says what is wrong with it

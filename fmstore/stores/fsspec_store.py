@@ -25,9 +25,9 @@ from ..errors import (
     StoreUnavailable,
 )
 from .base import Buffer, ObjectMeta, Pieces, PutOptions, Store, Writer, as_pieces
+from .types import TMP_MARK
 
 _OBJECT_PROTOCOLS = {"memory", "gs", "gcs", "az", "abfs", "abfss", "s3", "s3a", "oss"}
-_TMP_MARK = ".fmstore-tmp."
 
 
 class FsspecStore(Store):
@@ -82,7 +82,7 @@ class FsspecStore(Store):
                 # File systems with directories (local://, sftp…) need the parents; object
                 # stores have none to make.
                 self.fs.makedirs(d, exist_ok=True)
-                tmp = f"{d}/{_TMP_MARK}{uuid.uuid4().hex}.{name}"
+                tmp = f"{d}/{TMP_MARK}{uuid.uuid4().hex}.{name}"
                 self.fs.pipe_file(tmp, data)
                 self.fs.mv(tmp, path)
             return self._stat_sync(key)
@@ -153,7 +153,7 @@ class FsspecStore(Store):
             out = []
             for info in infos:
                 rel = self._rel(info["name"])
-                if not rel or rel.rsplit("/", 1)[-1].startswith(_TMP_MARK):
+                if not rel or rel.rsplit("/", 1)[-1].startswith(TMP_MARK):
                     continue
                 if info.get("type") == "directory":
                     if not recursive:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidRange, NotFound
 from .types import (
+    TMP_MARK,
     Buffer,
     ObjectMeta,
     PartWriter,
@@ -26,9 +27,6 @@ from .types import (
 
 if TYPE_CHECKING:
     from .base import Store
-
-#: Listings of POSIX and fsspec stores hide names starting with this mark.
-TMP_MARK = ".fmstore-tmp."
 
 
 class TempPartsWriter(PartWriter):

@@ -45,8 +45,9 @@ from .posix_io import (
     pwrite_all,
     pwrite_behind,
 )
-from .posix_tree import _LOCK_NAME, TMP_MARK, PosixOptions, PosixTree, _etag
+from .posix_tree import _LOCK_NAME, PosixOptions, PosixTree, _etag
 from .posix_writers import _PosixPartWriter, _PosixWriter
+from .types import TMP_MARK
 
 #: Names importers take from here, wherever they are defined.
 __all__ = [

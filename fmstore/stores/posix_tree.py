@@ -35,9 +35,8 @@ from ..errors import (
 from . import beneath
 from .base import Leftover, ObjectMeta, Store
 from .posix_io import _LOCAL_FS, fs_type, fsync_dir
+from .types import TMP_MARK
 
-#: Temp files carry this marker; listings hide them and ``cleanup_temp`` removes them.
-TMP_MARK = ".fmstore-tmp."
 _LOCK_NAME = ".fmstore-lock"
 
 

@@ -1,6 +1,6 @@
 """The values and writer interfaces of the Store interface (:mod:`fmstore.stores.base`):
-buffers given as one byte string or as pieces, object metadata, put options, ranges, and
-the writers a store hands out.
+buffers given as one byte string or as pieces, object metadata, put options, ranges, the
+writers a store hands out, and the mark of their temp names.
 """
 
 from __future__ import annotations
@@ -11,6 +11,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Literal
+
+#: Every backend's temp objects (a write before its rename, a part before its upload or
+#: join) carry this mark in their name: listings hide them, ``cleanup_temp`` removes them.
+TMP_MARK = ".fmstore-tmp."
 
 Buffer = bytes | bytearray | memoryview
 #: One byte string given as the consecutive pieces a connection delivered, unjoined: a copy

@@ -16,10 +16,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
+from ..checkpoint.commit import commit_manifest, read_bounded_manifest
 from ..errors import NotFound, NotSupported
 from ..format.manifest import MANIFEST_KEY, Manifest
 from ..stores.base import Buffer, Consumer, ObjectMeta, PartWriter, PutOptions, Store, Writer
-from ..stores.bounded import manifest_limit, read_bounded
 
 
 class ReadThroughStore(Store):
@@ -42,7 +42,7 @@ class ReadThroughStore(Store):
 
     async def _load_manifest(self) -> tuple[bytes, Manifest]:
         if self._manifest is None:
-            data = await read_bounded(self.slow, MANIFEST_KEY, manifest_limit(), what="manifest")
+            data = await read_bounded_manifest(self.slow)
             self._manifest = (data, Manifest.loads(data, where=self.slow.url))
         return self._manifest
 
@@ -81,7 +81,8 @@ class ReadThroughStore(Store):
 
     async def _commit(self) -> None:
         data, manifest = await self._load_manifest()
-        await self.fast.put(MANIFEST_KEY, data)
+        # replace: the fast tier's copy is a cache of the slow one, whose manifest wins
+        await commit_manifest(self.fast, data, "replace")
         self.completed = True
         if self.on_complete is not None:
             self.on_complete(manifest, data)

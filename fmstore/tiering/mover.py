@@ -26,12 +26,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from ..checkpoint.commit import commit_manifest, read_bounded_manifest
 from ..checkpoint.verify import read_committed, verify_checkpoint
 from ..errors import FmstoreError, NotFound, VersionError
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
-from ..stores.base import PutOptions, Store
-from ..stores.bounded import manifest_limit, read_bounded
+from ..stores.base import Store
 from .blobcopy import CopyResult, copy_blobs
 from .parts import export_part, in_parts
 from .transfer import TransferOptions
@@ -95,7 +95,7 @@ async def copy_checkpoint(
         )
     mcrc = crc32c(data)
     try:
-        existing = await read_bounded(dst, MANIFEST_KEY, manifest_limit(), what="manifest")
+        existing = await read_bounded_manifest(dst)
     except NotFound:
         existing = None
     if existing is not None and crc32c(existing) == mcrc:
@@ -118,8 +118,9 @@ async def copy_checkpoint(
     check, copied, skipped = await copy_blobs(
         src, dst, manifest, options, journal_path, on_bad_copy=lambda: delete_checkpoint(dst)
     )
-    # The commit: the manifest, byte for byte, written last.
-    await dst.put(MANIFEST_KEY, data, PutOptions(content_crc32c=mcrc))
+    # The commit: the manifest, byte for byte, written last.  Replace: a different
+    # checkpoint under this name (see above) is superseded by the copy.
+    await commit_manifest(dst, data, "replace", crc=mcrc)
     return CopyResult(manifest, mcrc, copied, skipped, time.monotonic() - t0, check=check)
 
 

@@ -35,6 +35,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..checkpoint import partrecords as pr
+from ..checkpoint.commit import commit_manifest, read_bounded_manifest
 from ..checkpoint.partrecords import (
     LEASE_RE,
     PART_RECORD_RE,
@@ -52,12 +53,11 @@ from ..checkpoint.verify import (
 from ..errors import AlreadyExists, CorruptData, FmstoreError, NotFound
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
-from ..stores.base import PutOptions, Store
+from ..stores.base import Store
 from ..stores.bounded import (
     LEASE_LIMIT,
     RECORD_LIMIT,
     decode_json,
-    manifest_limit,
     read_bounded,
 )
 from .blobcopy import CopyResult, copy_blobs
@@ -167,9 +167,7 @@ async def export_part(
     sha = manifest_sha256(data)
     gen = full.generation
     try:
-        existing: bytes | None = await read_bounded(
-            dst, MANIFEST_KEY, manifest_limit(), what="manifest"
-        )
+        existing: bytes | None = await read_bounded_manifest(dst)
     except NotFound:
         existing = None
     if existing is not None and existing != data:
@@ -285,14 +283,15 @@ async def commit_if_complete(
         # lease expired.  Not committed; the next attempt (any node's) lists afresh.
         return [p.node for p in manifest.parts]
     try:
-        await dst.put(MANIFEST_KEY, data, PutOptions(mode="create", content_crc32c=crc32c(data)))
+        # same-or-fail: every node commits the same agreed bytes, so finding them there
+        # means committed already; another checkpoint under this name is never overwritten
+        await commit_manifest(dst, data, "same-or-fail", crc=crc32c(data))
     except AlreadyExists:
-        if await read_bounded(dst, MANIFEST_KEY, manifest_limit(), what="manifest") != data:
-            raise CorruptData(
-                "another checkpoint was committed under this name meanwhile",
-                tier=dst.tier,
-                key=f"{dst.url}/{MANIFEST_KEY}",
-            ) from None
+        raise CorruptData(
+            "another checkpoint was committed under this name meanwhile",
+            tier=dst.tier,
+            key=f"{dst.url}/{MANIFEST_KEY}",
+        ) from None
     return []
 
 
@@ -481,7 +480,7 @@ async def parts_on(store: Store) -> dict[str, object] | None:
     gen: str | None = None
     committed = False
     with contextlib.suppress(NotFound, CorruptData, ValueError, KeyError, TypeError):
-        d = decode_json(await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest"))
+        d = decode_json(await read_bounded_manifest(store))
         gen, committed = str(d["generation"]), True
         of = len(d.get("parts") or []) or None
     gens = [gen] if gen else []

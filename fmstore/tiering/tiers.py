@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from .. import keys as _keys
 from ..checkpoint import partrecords as pr
+from ..checkpoint.commit import read_bounded_manifest
 from ..checkpoint.layout import REPLICA_PREFIX
 from ..checkpoint.partrecords import node_here
 from ..config import Config
@@ -25,7 +26,6 @@ from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
 from ..stores import Location, open_store
 from ..stores.base import Store
-from ..stores.bounded import manifest_limit, read_bounded
 from ..stores.posix_io import tree_bytes
 from .foreign import (
     DCP,
@@ -58,7 +58,7 @@ async def read_manifest(ckpt: Store) -> tuple[bytes, float | None]:
     """The bytes and modification time of the manifest at ``ckpt``'s root: the one read of
     a manifest that counting a step makes (NotFound where there is none)."""
     meta = await ckpt.stat(MANIFEST_KEY)
-    data = await read_bounded(ckpt, MANIFEST_KEY, manifest_limit(), what="manifest")
+    data = await read_bounded_manifest(ckpt)
     return bytes(data), meta.mtime
 
 

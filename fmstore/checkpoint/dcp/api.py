@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ... import runtime
 from ...errors import CorruptData, FmstoreError, NotFound
 from ...stores import Store
-from ...stores.bounded import manifest_limit, read_bounded
+from ..commit import read_bounded_manifest
 from ..verify import VerifyResult
 from ..verify import verify_checkpoint as verify_store
 from .manifest import DCP_FORMAT_NAME, MANIFEST_KEY, DcpManifest, sniff_format
@@ -45,7 +45,7 @@ def is_dcp_checkpoint(uri: str, **store_options: Any) -> bool:
         except NotFound:
             return False
         try:
-            data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
+            data = await read_bounded_manifest(store)
         except NotFound:
             return await has_native_metadata(store)
         finally:

@@ -31,8 +31,9 @@ from typing import Any
 
 from ... import runtime
 from ...errors import AlreadyExists, CorruptData, FmstoreError, NotFound, StoreUnavailable
-from ...stores import PutOptions, Store
-from ...stores.bounded import manifest_limit, read_bounded
+from ...stores import Store
+from ...stores.bounded import manifest_limit
+from ..commit import commit_manifest, read_bounded_manifest
 from ..routing import Holding, Routes, lowest_rank, route
 from . import replica_stream, replicas
 from .manifest import MANIFEST_KEY, DcpManifest
@@ -220,9 +221,7 @@ def _distribute(writer: Writer, pg: Any) -> None:
     box: list[Any] = [None]
     if rank == 0:
         try:
-            box[0] = runtime.run(
-                read_bounded(writer.store, MANIFEST_KEY, manifest_limit(), what="manifest")
-            )
+            box[0] = runtime.run(read_bounded_manifest(writer.store))
         except Exception as e:  # every rank raises it below, none waits for the others
             box[0] = f"the coordinator could not read its manifest again: {reason(e)}"
     box[0] = broadcast_result(pg, 0, box[0], limit=manifest_limit())
@@ -251,12 +250,13 @@ def _distribute(writer: Writer, pg: Any) -> None:
 
 async def _put_manifest(store: Store, data: bytes) -> None:
     try:
-        await store.put(MANIFEST_KEY, data, PutOptions(mode="create"))
+        # same-or-fail: these bytes there already mean copied already; another save's
+        # manifest on this node is never overwritten
+        await commit_manifest(store, data, "same-or-fail")
     except AlreadyExists:
-        if await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest") != data:
-            raise FmstoreError(
-                "another manifest is already committed here", tier=store.tier, key=MANIFEST_KEY
-            ) from None
+        raise FmstoreError(
+            "another manifest is already committed here", tier=store.tier, key=MANIFEST_KEY
+        ) from None
 
 
 def _gather(pg: Any, obj: str) -> list[str]:
@@ -484,11 +484,7 @@ def _prepare(
     box: list[Any] = [None]
     if rank == src.rank:
         try:
-            box[0] = runtime.run(
-                read_bounded(
-                    open_candidate(uri, so), MANIFEST_KEY, manifest_limit(), what="manifest"
-                )
-            )
+            box[0] = runtime.run(read_bounded_manifest(open_candidate(uri, so)))
         except Exception as e:
             box[0] = f"node {src.node} could not read its manifest again: {reason(e)}"
     box[0] = broadcast_result(pg, src.rank, box[0], limit=manifest_limit())

@@ -45,7 +45,7 @@ from ...format.dtypes import dtype_from_name
 from ...format.manifest import ChunkEntry
 from ...limits import ByteBudget
 from ...stores import Location, Store, open_store
-from ...stores.bounded import manifest_limit, read_bounded
+from ..commit import read_bounded_manifest
 from ..devring import RingLoad, cpu_routed, open_ring, run_all
 from ..routing import PART
 from ..zipguard import check_torch_zip, load_refusal
@@ -83,7 +83,7 @@ class ReadOptions:
 async def read_manifest(store: Store) -> DcpManifest:
     """The committed manifest of the DCP checkpoint in ``store``."""
     try:
-        data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
+        data = await read_bounded_manifest(store)
     except NotFound:
         raise NotFound(
             "no committed checkpoint here (manifest.json is missing)",

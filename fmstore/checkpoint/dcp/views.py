@@ -20,7 +20,7 @@ from ... import runtime
 from ...config import is_node_id
 from ...errors import CorruptData, NotFound
 from ...stores import Store
-from ...stores.bounded import manifest_limit, read_bounded
+from ..commit import read_bounded_manifest
 from ..layout import GENERATION_RE
 from . import replicas
 from .manifest import MANIFEST_KEY
@@ -105,7 +105,7 @@ async def _look(uri: str, so: dict[str, Any], rank: int) -> View:
     except NotFound:
         return View(rank, me, None, ())
     try:
-        data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
+        data = await read_bounded_manifest(store)
     except NotFound:
         data = None
     except Exception as e:

@@ -64,7 +64,7 @@ from ...format.dtypes import dtype_name
 from ...format.manifest import ChunkEntry
 from ...limits import ByteBudget
 from ...stores import PutOptions, Store, open_store, split_tier
-from ...stores.bounded import manifest_limit, read_bounded
+from ..commit import commit_manifest, read_bounded_manifest
 from ..layout import blob_name, new_generation
 from ..partrecords import is_node_id, writer_node
 from . import replica_stream, staging
@@ -630,8 +630,10 @@ class Writer(StorageWriter):
         )
         manifest.validate(MANIFEST_KEY)
         old_gen = await self._old_generation(store) if self.options.overwrite else None
-        opts = PutOptions(mode="overwrite") if self.options.overwrite else PutOptions(mode="create")
-        await store.put(MANIFEST_KEY, manifest.dumps(), opts)
+        # create unless the caller asked to overwrite: a save never replaces another by accident
+        await commit_manifest(
+            store, manifest.dumps(), "replace" if self.options.overwrite else "create"
+        )
         if old_gen and old_gen != gen:
             # Readers that opened the old manifest may still be reading; they see NotFound
             # after this, never mixed bytes.
@@ -658,7 +660,7 @@ class Writer(StorageWriter):
         from ..gc import _generation_of
 
         try:
-            data = await read_bounded(store, MANIFEST_KEY, manifest_limit(), what="manifest")
+            data = await read_bounded_manifest(store)
         except NotFound:
             return None
         try:

@@ -39,7 +39,7 @@ from typing import Any
 
 from ...errors import ConfigError, InvalidRange, NotFound
 from ..base import Leftover, ObjectMeta, PartWriter, PutOptions, Writer, part_count
-from ..parts import TMP_MARK
+from ..types import TMP_MARK
 from . import pages
 from .options import MAX_PART, MAX_PARTS, MIN_PART, S3Options, parse_s3_url
 from .reads import S3Reads
