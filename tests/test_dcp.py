@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import warnings
 from typing import Any
 
@@ -31,7 +29,7 @@ from fmstore.checkpoint.dcp.api import (
 from fmstore.checkpoint.gc import gc
 from fmstore.errors import AlreadyExists, CorruptData, NotFound
 from fmstore.stores import open_store
-from fmstore.testing.seaweed import free_ports
+from fmstore.testing import torchrun as launcher
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -40,23 +38,12 @@ WORKER = os.path.join(HERE, "dcp_worker.py")
 
 
 def torchrun(scenario: str, out: str, roots: list[str], env: dict[str, str], timeout: float) -> int:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_ports(1)[0]}",
-        WORKER,
-        scenario,
-        out,
-        *roots,
-    ]
+    """The exit status of ``scenario`` on 2 ranks, its output in ``out/SCENARIO.log``."""
+    cmd = launcher.command(WORKER, [scenario, out, *roots], nproc=2)
     full_env = {**os.environ, **env, "DCP_WORKER_HANG_DUMP": str(int(timeout - 10))}
-    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    with open(os.path.join(out, f"{scenario}.log"), "w") as f:
-        f.write(proc.stdout + proc.stderr)
-    return proc.returncode
+    return launcher.run(
+        cmd, timeout=timeout, log=os.path.join(out, f"{scenario}.log"), env=full_env
+    )
 
 
 def equal_trees(a: Any, b: Any, path: str = "") -> None:
