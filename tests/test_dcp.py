@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from sharded_support import equal_trees
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
@@ -44,23 +45,6 @@ def torchrun(scenario: str, out: str, roots: list[str], env: dict[str, str], tim
     return launcher.run(
         cmd, timeout=timeout, log=os.path.join(out, f"{scenario}.log"), env=full_env
     )
-
-
-def equal_trees(a: Any, b: Any, path: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), path
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert set(a) == set(b), path
-        for k in a:
-            equal_trees(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            equal_trees(x, y, f"{path}.{i}")
-    else:
-        assert a == b, path
 
 
 # ---- the 2-rank launch -----------------------------------------------------------------

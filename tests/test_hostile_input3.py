@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from hostile_helpers import run_limited
 from stage_data import fm_here
 from torch.distributed.checkpoint import metadata as dmd
+from zip_support import deflated, listed_again, torch_bytes
 
 import fmstore
 from fmstore import runtime
@@ -35,30 +36,6 @@ from fmstore.errors import CorruptData
 from fmstore.stores import open_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-# ---- crafting zip archives ----------------------------------------------------------------
-
-
-def torch_bytes(obj: object) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def rezipped(data: bytes, compress_type: int = zipfile.ZIP_STORED) -> bytes:
-    """The same archive written by Python's zipfile (no zip64 records), every member
-    stored or, with ``compress_type``, compressed."""
-    out = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst:
-        for info in src.infolist():
-            dst.writestr(info.filename, src.read(info), compress_type=compress_type)
-    return out.getvalue()
-
-
-def deflated(data: bytes) -> bytes:
-    """The same archive with every member deflated (torch.save stores them)."""
-    return rezipped(data, zipfile.ZIP_DEFLATED)
 
 
 @pytest.fixture(scope="module")
@@ -113,42 +90,6 @@ def limited(tmp_path_factory, bomb) -> dict[str, tuple[Path, list[dict]]]:
         at += n
     assert at == len(res), res
     return out
-
-
-def _central_entries(cd: bytes) -> list[bytes]:
-    out, at = [], 0
-    while at < len(cd):
-        assert cd[at : at + 4] == b"PK\x01\x02"
-        n, m, k = struct.unpack_from("<HHH", cd, at + 28)
-        out.append(cd[at : at + 46 + n + m + k])
-        at += 46 + n + m + k
-    return out
-
-
-def listed_again(data: bytes, member_suffix: str, times: int) -> bytes:
-    """``data`` (a torch.save archive) with the central directory entry of the member
-    ending in ``member_suffix`` repeated ``times`` more times: one stored member, many
-    listings."""
-    eocd = data.rindex(b"PK\x05\x06")
-    z64 = data.rindex(b"PK\x06\x06")
-    count, cd_size, cd_off = struct.unpack_from("<QQQ", data, z64 + 32)
-    entries = _central_entries(data[cd_off : cd_off + cd_size])
-    assert len(entries) == count
-    extra = next(
-        e
-        for e in entries
-        if e[46 : 46 + struct.unpack_from("<H", e, 28)[0]].decode().endswith(member_suffix)
-    )
-    cd = b"".join(entries) + extra * times
-    head = data[:cd_off]
-    z64rec = bytearray(data[z64:eocd])
-    struct.pack_into("<QQQQ", z64rec, 24, count + times, count + times, len(cd), cd_off)
-    # the zip64 locator (just before the end record) points at the zip64 end record
-    loc_at = len(z64rec) - 20
-    struct.pack_into("<Q", z64rec, loc_at + 8, cd_off + len(cd))
-    end = bytearray(data[eocd:])
-    struct.pack_into("<HHII", end, 8, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF)
-    return head + cd + bytes(z64rec) + bytes(end)
 
 
 def test_check_torch_zip_accepts_torch_save_output(tmp_path):

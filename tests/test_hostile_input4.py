@@ -16,7 +16,7 @@ import zipfile
 import pytest
 import torch
 from hostile_helpers import run_limited
-from test_hostile_input3 import rezipped, torch_bytes
+from zip_support import rezipped, torch_bytes
 
 import fmstore
 from fmstore import runtime
