@@ -1,6 +1,7 @@
 """Zip archives crafted from real ones for the hostile-input and fuzzing tests: a
 torch.save archive's bytes, the same archive rewritten (members stored or deflated), and one
-whose central directory lists a member many times."""
+whose central directory lists a member many times; a small archive that inflates to a
+gigabyte."""
 
 from __future__ import annotations
 
@@ -66,3 +67,27 @@ def listed_again(data: bytes, member_suffix: str, times: int) -> bytes:
     end = bytearray(data[eocd:])
     struct.pack_into("<HHII", end, 8, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF)
     return head + cd + bytes(z64rec) + bytes(end)
+
+
+def inflating_bomb() -> bytes:
+    """A 5 MB torch.save file of a 1 GiB tensor of zeros: its storage member deflated
+    (torch.save stores members; torch inflates whatever it is given)."""
+    n, small = 256 << 20, 123457
+    src = io.BytesIO(torch_bytes(torch.zeros(small)))
+    out = io.BytesIO()
+    with (
+        zipfile.ZipFile(src) as z,
+        zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as dst,
+    ):
+        for info in z.infolist():
+            data = z.read(info)
+            if info.filename.endswith("/data/0"):
+                piece = bytes(1 << 20)
+                with dst.open(info.filename, "w", force_zip64=True) as w:
+                    for _ in range(n * 4 >> 20):
+                        w.write(piece)
+                continue
+            if info.filename.endswith("/data.pkl"):  # the storage's and the tensor's sizes
+                data = data.replace(b"J" + struct.pack("<i", small), b"J" + struct.pack("<i", n))
+            dst.writestr(info.filename, data)
+    return out.getvalue()
