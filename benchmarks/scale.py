@@ -36,6 +36,7 @@ import fmstore.checkpoint.dcp as fdcp
 from fmstore import runtime
 from fmstore.checkpoint.dcp.manifest import MANIFEST_KEY
 from fmstore.stores import open_store
+from fmstore.testing import torchrun as launcher
 from fmstore.testing.seaweed import SeaweedServer, free_ports
 from fmstore.tiering.mover import CHECKPOINT_COPY, copy_checkpoint
 
@@ -376,9 +377,14 @@ def run_nodes(
             str(root),
         ]
         log = open(root / f"n{i}.log", "w")  # noqa: SIM115
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(launcher.start(cmd, env=env, stdout=log))
         log.close()
-    rcs = [p.wait(timeout=900) for p in procs]
+    try:
+        rcs = [p.wait(timeout=900) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:  # every agent and its ranks, not the agents alone
+            launcher.stop(p)
+        raise
     if rcs != [0] * nodes:
         logs = "\n".join((root / f"n{i}.log").read_text()[-3000:] for i in range(nodes))
         raise RuntimeError(f"{nodes}-node run failed: {rcs}\n{logs}")

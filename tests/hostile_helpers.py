@@ -1,4 +1,5 @@
-"""Crafting hostile checkpoints and datasets, and running loads under a memory limit."""
+"""Crafting hostile checkpoints and datasets, running loads under a memory limit, and the
+one ``error:`` line a refused command prints."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +95,45 @@ def replace_blob_bytes(ckpt: str | Path, doc: dict[str, Any], si: int, data: byt
     c = dict(st["chunks"][0])
     c.update(blob=len(doc["blobs"]) - 1, offset=0, length=len(data), crc32c=crc32c(data))
     st["chunks"] = [c]
+
+
+class LimitedCases:
+    """Hostile loads of one test module run under a memory limit, all in one fresh
+    interpreter (starting one costs seconds): name -> a function preparing the input in a
+    directory of its own and returning the ``report(...)`` calls to run there (see
+    :func:`run_limited`).  Register with ``@CASES.case`` (``_case_NAME``: ``NAME``); a
+    module-scoped fixture returns :meth:`run`."""
+
+    def __init__(self) -> None:
+        self.cases: dict[str, Callable[[Path, bytes], str]] = {}
+
+    def case(self, fn: Callable[[Path, bytes], str]) -> Callable[[Path, bytes], str]:
+        self.cases[fn.__name__.removeprefix("_case_")] = fn
+        return fn
+
+    def run(self, tmp_path_factory: Any, bomb: bytes) -> dict[str, tuple[Path, list[dict]]]:
+        """name -> (its directory, one result per ``report`` call) of every case; ``bomb``
+        is handed to each preparing function."""
+        dirs, bodies, counts = {}, [], []
+        for name, prepare in self.cases.items():
+            dirs[name] = tmp_path_factory.mktemp(name)
+            body = textwrap.dedent(prepare(dirs[name], bomb))
+            bodies.append(body)
+            counts.append((name, body.count("report(")))
+        res = run_limited("\n".join(bodies), timeout=240)
+        out, at = {}, 0
+        for name, n in counts:
+            out[name] = (dirs[name], res[at : at + n])
+            at += n
+        assert at == len(res), res
+        return out
+
+
+def one_error_line(r: subprocess.CompletedProcess[str]) -> str:
+    """The one ``error:`` line a command that failed with exit status 1 printed (no
+    traceback, nothing else on stderr)."""
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    return lines[0]

@@ -1,5 +1,6 @@
 """save / load round trips: every dtype and structure, ties, views, partial, lazy, mmap,
-map_location, overwrite; on a POSIX directory and on fsspec's memory:// (store-agnostic)."""
+map_location, overwrite; on a POSIX directory and on fsspec's memory:// (store-agnostic).
+A save's manifest shows as one short line."""
 
 from __future__ import annotations
 
@@ -418,3 +419,14 @@ def test_big_storage_loads_bit_exact_and_writable(tmp_path):
     assert torch.equal(out, w)
     out.add_(1)
     assert torch.equal(out, w + 1)
+
+
+def test_save_and_a_handles_result_show_a_one_line_manifest(tmp_path):
+    state = {f"layer{i}": {"w": torch.zeros(64, 64), "b": torch.zeros(64)} for i in range(40)}
+    m = fmstore.save(state, tmp_path / "a")
+    assert len(m.tensors) == 80  # the entries are all there...
+    text = repr(m)
+    assert "\n" not in text and len(text) < 120, text  # ...and the repr is one short line
+    assert text.startswith(f"<Manifest {m.generation}: 80 tensors, ") and "1 blob " in text
+    r = fmstore.async_save({"w": torch.ones(3)}, tmp_path / "b").result()
+    assert repr(r).startswith(f"<Manifest {r.generation}: 1 tensor, 12 B in 1 blob (")

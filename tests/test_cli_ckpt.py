@@ -117,3 +117,19 @@ def test_inspect_of_missing_checkpoint_is_one_clear_error(tmp_path, fm):
         and r.stderr.startswith("error: no checkpoint")
         and "Traceback" not in r.stderr
     )
+
+
+def test_gc_dry_run_counts_the_temp_files_the_real_run_removes(tmp_path):
+    import torch
+    from stage_data import fm_here
+
+    import fmstore
+
+    fmstore.save({"w": torch.ones(4)}, tmp_path / "c")
+    temp = tmp_path / "c" / ".fmstore-tmp.crashed-writer"
+    temp.write_bytes(b"half a blob")
+    r = fm_here("ckpt", "gc", str(tmp_path), "--older-than", "0", "--dry-run")
+    assert r.returncode == 0 and "would remove" in r.stdout, r.stdout + r.stderr
+    assert "1 temp file" in r.stdout and temp.exists()
+    r = fm_here("ckpt", "gc", str(tmp_path), "--older-than", "0")
+    assert r.returncode == 0 and "1 temp file" in r.stdout and not temp.exists()

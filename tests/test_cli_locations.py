@@ -118,3 +118,34 @@ def test_rm_lists_the_tracked_checkpoints_it_deletes_and_keeps_the_catalog_true(
     assert states() == {1: "missing", 2: "deleted", 3: "deleted"}
     r = fm_here("ckpt", "list", "--json")
     assert r.returncode == 0 and "present" not in r.stdout, r.stdout
+
+
+def test_missing_buckets_prefixes_and_run_roots_exit_1_with_one_clear_line(
+    tmp_path, s3_server, s3_bucket, monkeypatch
+):
+    from stage_data import fm_here, s3_env
+
+    from fmstore import config as fm_config
+
+    for k, v in s3_env(s3_server, s3_bucket, tmp_path)["env"].items():
+        monkeypatch.setenv(k, v)
+    fm_config.set_config(None)
+    src = tmp_path / "a.bin"
+    src.write_bytes(b"x" * 100)
+    bad_bucket = f"s3://{s3_bucket}-missing/x/a.bin"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
+    r = fm_here("cp", str(src), bad_bucket)
+    assert r.returncode == 1 and "does not exist" in r.stderr, r.stdout + r.stderr
+    r = fm_here("stage", str(tmp_path), f"s3://{s3_bucket}-missing/x/")
+    assert r.returncode == 1, r.stdout + r.stderr  # the same exit as cp
+    r = fm_here("du", "s3:no/such/prefix")
+    assert r.returncode == 1 and "'s3:no/such/prefix' does not exist" in r.stderr, r.stderr
+    r = fm_here("cp", str(src), "s3:some/a.bin")
+    assert r.returncode == 0, r.stderr
+    r = fm_here("du", "-b", "s3:some/a.bin")  # one object is measured
+    assert r.returncode == 0 and "100" in r.stdout, r.stdout + r.stderr
+    r = fm_here("ckpt", "list", "s3:runs/x")
+    assert r.returncode == 1 and "fmstore ckpt list runs/x" in r.stderr, r.stdout + r.stderr
+    r = fm_here("ckpt", "list", "runs/x")
+    assert r.returncode == 1 and "no checkpoint of run root 'runs/x'" in r.stderr
+    fm_config.set_config(None)

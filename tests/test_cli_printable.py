@@ -1,7 +1,7 @@
 """Names from data reach the terminal as visible text: control characters (C0, C1, DEL),
 bidirectional overrides and rich markup in POSIX names and tensor names are escaped by one
 helper (``fmstore.cli.util.printable``) in ``ls``, ``du``, ``ckpt inspect`` and the one
-``error:`` line; the CLI runs in a subprocess, on a real POSIX tier."""
+``error:`` line; the CLI runs in a subprocess, on a real POSIX tier.  Output piped to a file is not wrapped at 80 columns."""
 
 from __future__ import annotations
 
@@ -103,3 +103,22 @@ def test_no_name_from_data_reaches_the_terminal_raw(hostile_tier):
     assert len(lines) == len(HOSTILE) + 1 and "b\\r\\n1 object, 1 B" in lines, lines
     assert lines[-1] == "6 objects, 6 B", lines
     assert error[1].startswith("error: ") and error[1].count("\n") <= 1, error
+
+
+def test_output_piped_to_a_file_is_not_wrapped_at_80_columns(tmp_path):
+    import os
+
+    name = "very_long_file_name_" * 5 + "x.bin"
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / name).write_bytes(b"x")
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    with open(tmp_path / "out.txt", "w") as out:
+        subprocess.run(
+            [sys.executable, "-m", "fmstore", "ls", "-l", str(tmp_path / "d")],
+            stdout=out,
+            env=env,
+            check=True,
+            timeout=120,
+        )
+    text = (tmp_path / "out.txt").read_text()
+    assert any(name in line and "1 B" in line for line in text.splitlines()), text

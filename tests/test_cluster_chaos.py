@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cluster_support import wait_on_nodes
 
 from fmstore.demo.cluster_train import read_events as events
 from fmstore.stores.posix_tree import TMP_MARK
@@ -73,15 +74,6 @@ interval = "0.2s"
 # ranks have their GPUs and the daemon the spare cores).
 priority = "normal"
 """
-
-
-def wait_for(cond: Any, procs: list[Any], what: str, timeout: float = 600) -> None:
-    """Until ``cond()`` holds (the event), or fail when every agent already exited."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert any(p.poll() is None for p in procs), f"every node exited before {what}"
-        assert time.monotonic() < deadline, f"{what}: never happened"
-        time.sleep(0.05)
 
 
 class Schedule:
@@ -145,17 +137,19 @@ class Schedule:
         floor = self.floor()
         procs = self.c.start("fmstore.demo.cluster_train", self.args(10_000), NODES, module=True)
         launch = self.c.launches
-        wait_for(lambda: self.launch_events(launch, "restore"), procs, f"launch {launch}'s restore")
+        wait_on_nodes(
+            lambda: self.launch_events(launch, "restore"), procs, f"launch {launch}'s restore"
+        )
         self.check_restore(launch, floor)
         if replace:
             # Replaced only once some step is on a shared tier: before that, the job has no
             # copy a replaced node could restore (and says so: test_dcp_nodes.py).
-            wait_for(self.shared_steps, procs, "an export committed on a shared tier")
+            wait_on_nodes(self.shared_steps, procs, "an export committed on a shared tier")
         n_steps = len(self.launch_events(launch, "step")) + self.rng.randint(1, 4 * EVERY)
         daemon_at = self.rng.randint(1, n_steps)
         daemon_node = self.rng.choice(NODES)
         for k in range(1, n_steps + 1):
-            wait_for(lambda k=k: len(self.launch_events(launch, "step")) >= k, procs, "a step")
+            wait_on_nodes(lambda k=k: len(self.launch_events(launch, "step")) >= k, procs, "a step")
             if k == daemon_at:
                 self.c.kill_daemon(daemon_node)  # SIGKILL, then a new daemon on that node
                 self.daemon_kills += 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from test_tiering_parts import ROOT, Node, save_parts
+from parts_support import ROOT, Node, save_parts
 from tiering_helpers import posix_config
 from tiering_runs import held, run_saves
 

@@ -280,3 +280,29 @@ def test_failure_domain_is_a_bounded_name_of_a_node_local_tier(tmp_path, monkeyp
             from_dict({"tiers": {"nvme": {**node, "failure_domain": bad}}})
     with pytest.raises(ConfigError, match='failure_domain needs scope = "node"'):
         from_dict({"tiers": {"lustre": {"url": str(tmp_path), "failure_domain": "r"}}})
+
+
+def test_every_config_error_is_reported_at_once(tmp_path):
+    import pytest
+
+    from fmstore.config import load_config
+    from fmstore.errors import ConfigError
+
+    cfg = tmp_path / "fmstore.toml"
+    cfg.write_text(
+        '[tiers.nvme]\nurl = "/tmp/nvme"\ncolour = "red"\n'
+        '[s3]\nmax_attempts = "many"\n'
+        "[polices]\nladder = []\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg)
+    msg = str(e.value)
+    assert msg.startswith(f"3 problems in {cfg}:"), msg
+    for what in ("line 3", "'colour'", "line 5", "max_attempts", "line 6", "'polices'"):
+        assert what in msg, what
+    from stage_data import fm_here
+
+    r = fm_here("daemon", "--check", "--config", str(cfg))
+    lines = r.stderr.splitlines()
+    assert r.returncode == 1 and len(lines) == 4, r.stderr  # the count, then one per problem
+    assert "line 3" in lines[1] and "line 5" in lines[2] and "line 6" in lines[3]

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import warnings
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from sharded_support import equal_trees
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
@@ -31,7 +30,7 @@ from fmstore.checkpoint.dcp.api import (
 from fmstore.checkpoint.gc import gc
 from fmstore.errors import AlreadyExists, CorruptData, NotFound
 from fmstore.stores import open_store
-from fmstore.testing.seaweed import free_ports
+from fmstore.testing import torchrun as launcher
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -40,40 +39,12 @@ WORKER = os.path.join(HERE, "dcp_worker.py")
 
 
 def torchrun(scenario: str, out: str, roots: list[str], env: dict[str, str], timeout: float) -> int:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_ports(1)[0]}",
-        WORKER,
-        scenario,
-        out,
-        *roots,
-    ]
+    """The exit status of ``scenario`` on 2 ranks, its output in ``out/SCENARIO.log``."""
+    cmd = launcher.command(WORKER, [scenario, out, *roots], nproc=2)
     full_env = {**os.environ, **env, "DCP_WORKER_HANG_DUMP": str(int(timeout - 10))}
-    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    with open(os.path.join(out, f"{scenario}.log"), "w") as f:
-        f.write(proc.stdout + proc.stderr)
-    return proc.returncode
-
-
-def equal_trees(a: Any, b: Any, path: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), path
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert set(a) == set(b), path
-        for k in a:
-            equal_trees(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            equal_trees(x, y, f"{path}.{i}")
-    else:
-        assert a == b, path
+    return launcher.run(
+        cmd, timeout=timeout, log=os.path.join(out, f"{scenario}.log"), env=full_env
+    )
 
 
 # ---- the 2-rank launch -----------------------------------------------------------------

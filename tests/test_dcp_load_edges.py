@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from gloo_ranks import run
-from test_sharded_recovery import config_text, make_state, same
+from sharded_support import config_text, make_state, same
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from fmstore.checkpoint import dcp as fdcp

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_dcp import equal_trees
+from sharded_support import equal_trees
 
 from fmstore.checkpoint.dcp.api import load_full_state_dict
 from fmstore.checkpoint.gc import gc

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_cluster_chaos import wait_for
+from cluster_support import wait_on_nodes
 
 from fmstore.testing.cluster import Cluster, S3Tier
 from fmstore.testing.faultproxy import FaultProxy
@@ -53,7 +53,7 @@ def start(c: Cluster, name: str, *uris: str, nodes: list[str] = NODES) -> list[A
 def reports(c: Cluster, name: str, procs: list[Any]) -> list[dict[str, Any]]:
     """Every rank's report of phase ``name``, once every rank set its key (the event)."""
     keys = [f"replicas/{name}-{r}" for r in range(6)]
-    wait_for(lambda: c.store.check(keys), procs, f"phase {name}")
+    wait_on_nodes(lambda: c.store.check(keys), procs, f"phase {name}")
     return [json.loads((c.out / f"{name}-{r}.json").read_text()) for r in range(6)]
 
 
@@ -268,7 +268,7 @@ def faults(c: Cluster, procs: list[Any]) -> None:
     before = tree(c, KEY)
     assert len(before) > 6
     go(c, "faults")
-    wait_for(lambda: any(c.out.glob("stalled-*")), procs, "n1's replica transfer of step 30")
+    wait_on_nodes(lambda: any(c.out.glob("stalled-*")), procs, "n1's replica transfer of step 30")
     c.kill("n1")
     for n in ("n0", "n2"):
         c.agents[n].wait(timeout=120)  # they fail once n1 is gone

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from gloo_ranks import run
-from test_sharded_recovery import config_text, make_state
+from sharded_support import config_text, make_state
 
 from fmstore.checkpoint.routing import PART, REPLICA, Holding, Routes, may_drop_pending, route
 

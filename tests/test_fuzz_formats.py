@@ -30,22 +30,22 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from fuzz_support import (
+    FUZZ,
+    HOSTILE,
+    Evil,
+    apply_bytes,
+    byte_mutation,
+    check_load,
+    cli_one_line,
+    json_mutation,
+)
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from hypothesis.strategies import DrawFn
-from test_fuzz_input import (
-    FUZZ,
-    HOSTILE,
-    _apply_bytes,
-    _check,
-    _cli,
-    _Evil,
-    byte_mutation,
-    json_mutation,
-)
-from test_hostile_input3 import deflated, listed_again, torch_bytes
 from thrift_compact import BINARY, I16, I32, I64, LIST, STRUCT, join_parquet, split_parquet
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from zip_support import deflated, listed_again, torch_bytes
 
 import fmstore
 from fmstore.checkpoint.dcp import Reader
@@ -171,9 +171,9 @@ def _read_native_every_way(uri: str, out: Path) -> Callable[[], None]:
         ):
             with contextlib.suppress(FmstoreError):
                 fn()
-        _cli("ckpt", "inspect", uri)
-        _cli("ckpt", "verify", uri)
-        _cli("ckpt", "convert", "--overwrite", uri, str(out / "w.safetensors"))
+        cli_one_line("ckpt", "inspect", uri)
+        cli_one_line("ckpt", "verify", uri)
+        cli_one_line("ckpt", "convert", "--overwrite", uri, str(out / "w.safetensors"))
 
     return go
 
@@ -214,9 +214,9 @@ def test_native_dcp_with_hostile_metadata_objects(originals, work, data):
     except Exception:  # DCP's own __getstate__ needs some fields: no file can lack them
         assume(False)
     if data.draw(st.booleans()):  # a planted global, refused without allow_pickle
-        raw = pickle.dumps({"md": md, "evil": _Evil(str(ex / "pwned"))})
+        raw = pickle.dumps({"md": md, "evil": Evil(str(ex / "pwned"))})
     (target / ".metadata").write_bytes(raw)
-    _check(ex, ("target", "out"), ex / "pwned", _read_native_every_way(str(target), ex / "out"))
+    check_load(ex, ("target", "out"), ex / "pwned", _read_native_every_way(str(target), ex / "out"))
 
 
 @FUZZ
@@ -225,8 +225,8 @@ def test_native_dcp_with_damaged_metadata_bytes(originals, work, data):
     ex, target = _fresh(work, originals["native"])
     (ex / "out").mkdir()
     f = target / ".metadata"
-    _apply_bytes(f, data.draw(byte_mutation(f.stat().st_size)))
-    _check(ex, ("target", "out"), ex / "pwned", _read_native_every_way(str(target), ex / "out"))
+    apply_bytes(f, data.draw(byte_mutation(f.stat().st_size)))
+    check_load(ex, ("target", "out"), ex / "pwned", _read_native_every_way(str(target), ex / "out"))
 
 
 # ---- zip members: .distcp items and .pt files ----------------------------------------------
@@ -277,7 +277,7 @@ def test_native_dcp_with_hostile_zip_members(originals, work, data):
     n = len(pickle.loads((target / ".metadata").read_bytes()).storage_data)
     index = data.draw(st.integers(0, n - 1))
     _replace_item(target, index, lambda b: data.draw(zip_mutation(b)))
-    _check(ex, ("target", "out"), ex / "pwned", _read_native_every_way(str(target), ex / "out"))
+    check_load(ex, ("target", "out"), ex / "pwned", _read_native_every_way(str(target), ex / "out"))
 
 
 @FUZZ
@@ -292,10 +292,12 @@ def test_torch_save_file_with_hostile_zip_members(work, data):
     def go() -> None:
         with contextlib.suppress(FmstoreError):
             check_torch_zip(ex / "x.pt", name="x.pt")
-        _cli("ckpt", "convert", "--overwrite", str(ex / "x.pt"), str(ex / "out" / "y.safetensors"))
-        _cli("ckpt", "convert", "--overwrite", str(ex / "x.pt"), str(ex / "out" / "y"))
+        cli_one_line(
+            "ckpt", "convert", "--overwrite", str(ex / "x.pt"), str(ex / "out" / "y.safetensors")
+        )
+        cli_one_line("ckpt", "convert", "--overwrite", str(ex / "x.pt"), str(ex / "out" / "y"))
 
-    _check(ex, ("out",), ex / "pwned", go)
+    check_load(ex, ("out",), ex / "pwned", go)
 
 
 # ---- Hugging Face indexes --------------------------------------------------------------------
@@ -330,14 +332,14 @@ def test_hugging_face_dir_with_a_hostile_index(originals, work, data):
     index.write_text(json.dumps(doc, allow_nan=True))
     if data.draw(st.integers(0, 3)) == 0:  # a shard damaged too
         shard = data.draw(st.sampled_from(sorted(target.glob("model-*.safetensors"))))
-        _apply_bytes(shard, data.draw(byte_mutation(shard.stat().st_size)))
+        apply_bytes(shard, data.draw(byte_mutation(shard.stat().st_size)))
 
     def go() -> None:
         with contextlib.suppress(FmstoreError):
             read_hf_dir(str(target))
-        _cli("ckpt", "convert", "--overwrite", str(target), str(ex / "out" / "w.pt"))
+        cli_one_line("ckpt", "convert", "--overwrite", str(target), str(ex / "out" / "w.pt"))
 
-    _check(ex, ("target", "out"), ex / "pwned", go)
+    check_load(ex, ("target", "out"), ex / "pwned", go)
     assert stat.S_ISFIFO(os.lstat(target / "fifo.safetensors").st_mode)
 
 
@@ -403,7 +405,7 @@ def _read_dataset(remote: Path, cache: Path) -> Callable[[], None]:
                         break
             except FmstoreError:
                 pass
-        _cli("dataset", "inspect", str(remote))
+        cli_one_line("dataset", "inspect", str(remote))
 
     return go
 
@@ -420,8 +422,8 @@ def test_parquet_with_a_hostile_footer(originals, work, data):
     else:  # bytes of the footer and its length
         size = f.stat().st_size
         mutation = data.draw(byte_mutation(600))
-        _apply_bytes(f, (mutation[0], size - 600 + mutation[1], mutation[2]))
-    _check(ex, ("target", "cache"), ex / "pwned", _read_dataset(target, ex / "cache"))
+        apply_bytes(f, (mutation[0], size - 600 + mutation[1], mutation[2]))
+    check_load(ex, ("target", "cache"), ex / "pwned", _read_dataset(target, ex / "cache"))
 
 
 # ---- resume journals -------------------------------------------------------------------------
@@ -464,7 +466,7 @@ def test_stage_with_a_hostile_resume_journal(originals, work, home, data):
     src, dst = ex / "src", ex / "dst"
     shutil.copytree(originals["stage"] / "src", src)
     args = ("stage", str(src), str(dst), "--part-size", "1MiB", "--no-progress")
-    _cli(*args)
+    cli_one_line(*args)
     (journal,) = (ex / "home" / "state" / "transfers").glob("*.jsonl")
     lines = journal.read_text().splitlines()
     for name in ("a.bin", "b.txt", "c/d.txt"):
@@ -490,7 +492,7 @@ def test_stage_with_a_hostile_resume_journal(originals, work, home, data):
         recs = data.draw(st.lists(st.sampled_from(recs), max_size=12))
     journal.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in recs))
     if kind == "bytes":
-        _apply_bytes(journal, data.draw(byte_mutation(journal.stat().st_size)))
-    _check(ex, ("dst", "home"), ex / "pwned", lambda: _cli(*args))
+        apply_bytes(journal, data.draw(byte_mutation(journal.stat().st_size)))
+    check_load(ex, ("dst", "home"), ex / "pwned", lambda: cli_one_line(*args))
     for p in others:
         assert p.read_bytes() == b"another write's bytes", p

@@ -15,14 +15,12 @@ are reproducible); set it higher for a longer search.
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import json
 import os
-import resource
 import shutil
 import tarfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +28,17 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from hypothesis import HealthCheck, given, settings
+from fuzz_support import (
+    FUZZ,
+    Evil,
+    apply_bytes,
+    byte_mutation,
+    check_load,
+    cli_one_line,
+    json_mutation,
+)
+from hypothesis import given
 from hypothesis import strategies as st
-from hypothesis.strategies import DrawFn
 from loader_helpers import write_jsonl
 from peer_libs import import_mds_writer
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -40,179 +46,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 import fmstore
 from fmstore.checkpoint.dcp import Reader, Writer
 from fmstore.checkpoint.dcp.api import inspect_checkpoint, load_full_state_dict, verify_checkpoint
-from fmstore.cli.main import main
 from fmstore.errors import FmstoreError
 from fmstore.format.checksum import crc32c
 from fmstore.loaders import StreamingDataset, write_dataset
 
 pytestmark = pytest.mark.fuzz
-
-EXAMPLES = int(os.environ.get("FMSTORE_FUZZ_EXAMPLES", "30"))
-# A named profile, applied per test (loading it globally would change every other module's
-# hypothesis settings in the same run).
-settings.register_profile(
-    "fmstore-fuzz",
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                           HealthCheck.data_too_large],
-)  # fmt: skip
-FUZZ = settings.get_profile("fmstore-fuzz")
-#: Address space a load may take beyond the process's size when it starts.
-HEADROOM = 3 << 30
-
-
-# ---- guards: memory, files written, code run --------------------------------------------
-
-
-def _vm_size() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
-
-
-@contextlib.contextmanager
-def _address_space_limit() -> Iterator[None]:
-    """Cap the soft RLIMIT_AS for the duration of one load (the hard limit is untouched,
-    so it is restored afterwards): an allocation a hostile size asks for fails loudly as
-    MemoryError / RuntimeError, which the property then reports."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = _vm_size() + HEADROOM
-    if hard != resource.RLIM_INFINITY:
-        cap = min(cap, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-
-
-def _files(root: Path) -> set[str]:
-    return {str(p.relative_to(root)) for p in root.rglob("*")}
-
-
-def _check(root: Path, allowed: tuple[str, ...], marker: Path, load: Callable[[], Any]) -> None:
-    """Run ``load``: only fmstore errors, nothing new under ``root`` outside ``allowed``
-    (relative directory names), and the planted ``marker`` never created."""
-    before = _files(root)
-    try:
-        with _address_space_limit():
-            load()
-    except FmstoreError:
-        pass
-    new = {p for p in _files(root) - before if p.split(os.sep)[0] not in allowed}
-    assert not new, f"files written outside {allowed}: {sorted(new)[:5]}"
-    assert not marker.exists(), "a planted pickle ran"
-
-
-def _cli(*args: str) -> None:
-    """The console entry in-process: fmstore errors end in SystemExit(1) with one line;
-    anything else propagates (and fails the property)."""
-    err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        try:
-            main(list(args))
-        except SystemExit as e:
-            assert e.code in (0, 1, None), e.code
-    lines = err.getvalue().splitlines()
-    assert len(lines) <= 1 and "Traceback" not in err.getvalue(), err.getvalue()[-2000:]
-
-
-class _Evil:
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (open, (self.path, "w"))
-
-
-# ---- mutations ------------------------------------------------------------------------------
-
-
-def _deep(n: int) -> Any:
-    v: Any = 0
-    for _ in range(n):
-        v = [v]
-    return v
-
-
-HOSTILE = st.one_of(
-    st.integers(-(2**70), -1),
-    st.sampled_from([0, 1, 2**31, 2**32 + 1, 2**63, 2**64 + 7, 10**30, 6 << 30, 3_000_000_000]),
-    st.sampled_from([float("nan"), float("inf"), -1.5, 1e308, 0.5]),
-    st.sampled_from(["", "object", "../../escape", "/etc/passwd", "zstd", "pkl", "\x00", "9" * 40]),
-    st.sampled_from([None, True, False, [], {}, [1, -1], {"tensor": 10**9}, {"pickle": 0},
-                     {"__pickle__": "gASVAAAAAA=="}, {"dict": 5}, {"list": None}]),
-    st.sampled_from([_deep(60), _deep(300)]),
-)  # fmt: skip
-
-
-def _paths(doc: Any, prefix: tuple[Any, ...] = (), depth: int = 0) -> list[tuple[Any, ...]]:
-    """Every path to a value inside a JSON document (bounded, to keep draws cheap)."""
-    out: list[tuple[Any, ...]] = []
-    if depth > 12:
-        return out
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            out.append((*prefix, k))
-            out += _paths(v, (*prefix, k), depth + 1)
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc[:40]):
-            out.append((*prefix, i))
-            out += _paths(v, (*prefix, i), depth + 1)
-    return out
-
-
-def _set(doc: Any, path: tuple[Any, ...], value: Any, delete: bool) -> None:
-    for p in path[:-1]:
-        doc = doc[p]
-    if delete and isinstance(doc, dict):
-        del doc[path[-1]]
-    else:
-        doc[path[-1]] = value
-
-
-@st.composite
-def json_mutation(draw: DrawFn, doc: Any) -> Any:
-    """``doc`` with one to three fields replaced by hostile values (or removed)."""
-    doc = json.loads(json.dumps(doc))
-    for _ in range(draw(st.integers(1, 3))):
-        paths = _paths(doc)
-        if not paths:
-            break
-        path = draw(st.sampled_from(paths))
-        # A copy: the strategy's sample objects must never be edited by a later mutation.
-        value = copy.deepcopy(draw(HOSTILE))
-        _set(doc, path, value, draw(st.booleans()) and draw(st.booleans()))
-    return doc
-
-
-@st.composite
-def byte_mutation(draw: DrawFn, size: int) -> tuple[str, int, bytes]:
-    """``(kind, position, payload)``: flip bits at, truncate to, or extend after a position."""
-    kind = draw(st.sampled_from(["flip", "truncate", "extend", "zero"]))
-    pos = draw(st.integers(0, max(0, size - 1)))
-    payload = draw(st.binary(min_size=1, max_size=64))
-    return kind, pos, payload
-
-
-def _apply_bytes(path: Path, mutation: tuple[str, int, bytes]) -> None:
-    kind, pos, payload = mutation
-    data = bytearray(path.read_bytes())
-    if kind == "flip" and data:
-        for i, b in enumerate(payload[:8]):
-            data[(pos + i) % len(data)] ^= b or 0x01
-    elif kind == "truncate":
-        del data[pos:]
-    elif kind == "extend":
-        data[pos:pos] = payload
-    elif kind == "zero":
-        data[pos : pos + len(payload)] = bytes(min(len(payload), len(data) - pos))
-    path.write_bytes(bytes(data))
 
 
 def _write_json(path: Path, doc: Any) -> None:
@@ -310,8 +148,8 @@ def _load_fmstore_every_way(uri: str) -> Callable[[], None]:
                     x.materialize()
             except FmstoreError:
                 pass
-        _cli("ckpt", "verify", uri)
-        _cli("ckpt", "inspect", uri)
+        cli_one_line("ckpt", "verify", uri)
+        cli_one_line("ckpt", "inspect", uri)
 
     return go
 
@@ -326,7 +164,7 @@ def test_fmstore_checkpoint_with_hostile_manifest_fields(originals, work, which,
     ex, target = _fresh(work, originals[which])
     doc = json.loads((target / "manifest.json").read_text())
     _write_json(target / "manifest.json", data.draw(json_mutation(doc)))
-    _check(ex, ("target",), ex / "pwned", _load_fmstore_every_way(str(target)))
+    check_load(ex, ("target",), ex / "pwned", _load_fmstore_every_way(str(target)))
 
 
 @pytest.mark.parametrize("which", CKPTS)
@@ -335,8 +173,8 @@ def test_fmstore_checkpoint_with_hostile_manifest_fields(originals, work, which,
 def test_fmstore_checkpoint_with_damaged_blobs(originals, work, which, data):
     ex, target = _fresh(work, originals[which])
     f = data.draw(st.sampled_from(_data_files(target)))
-    _apply_bytes(f, data.draw(byte_mutation(f.stat().st_size)))
-    _check(ex, ("target",), ex / "pwned", _load_fmstore_every_way(str(target)))
+    apply_bytes(f, data.draw(byte_mutation(f.stat().st_size)))
+    check_load(ex, ("target",), ex / "pwned", _load_fmstore_every_way(str(target)))
 
 
 @FUZZ
@@ -346,7 +184,7 @@ def test_fmstore_checkpoint_with_a_planted_pickle(originals, work, data):
     default, so nothing runs, whatever else the manifest says."""
     ex, target = _fresh(work, originals["ckpt-raw"])
     doc = json.loads((target / "manifest.json").read_text())
-    evil = __import__("pickle").dumps(_Evil(str(ex / "pwned")))
+    evil = __import__("pickle").dumps(Evil(str(ex / "pwned")))
     name = "planted.bin"
     (target / doc["generation"] / name).write_bytes(evil)
     doc["blobs"].append({"name": name, "size": len(evil)})
@@ -360,7 +198,7 @@ def test_fmstore_checkpoint_with_a_planted_pickle(originals, work, data):
     if data.draw(st.booleans()):
         doc = data.draw(json_mutation(doc))
     _write_json(target / "manifest.json", doc)
-    _check(ex, ("target",), ex / "pwned", _load_fmstore_every_way(str(target)))
+    check_load(ex, ("target",), ex / "pwned", _load_fmstore_every_way(str(target)))
 
 
 # ---- DCP checkpoints -------------------------------------------------------------------------
@@ -376,8 +214,8 @@ def _load_dcp_every_way(uri: str) -> Callable[[], None]:
         ):
             with contextlib.suppress(FmstoreError):
                 fn()
-        _cli("ckpt", "inspect", uri)
-        _cli("ckpt", "verify", uri)
+        cli_one_line("ckpt", "inspect", uri)
+        cli_one_line("ckpt", "verify", uri)
 
     return go
 
@@ -405,7 +243,7 @@ def test_dcp_checkpoint_with_hostile_manifest_fields(originals, work, data):
     ex, target = _fresh(work, originals["dcp"])
     doc = json.loads((target / "manifest.json").read_text())
     _write_json(target / "manifest.json", data.draw(json_mutation(doc)))
-    _check(ex, ("target",), ex / "pwned", _load_dcp_every_way(str(target)))
+    check_load(ex, ("target",), ex / "pwned", _load_dcp_every_way(str(target)))
 
 
 @FUZZ
@@ -413,8 +251,8 @@ def test_dcp_checkpoint_with_hostile_manifest_fields(originals, work, data):
 def test_dcp_checkpoint_with_damaged_blobs(originals, work, data):
     ex, target = _fresh(work, originals["dcp"])
     f = data.draw(st.sampled_from(_data_files(target)))
-    _apply_bytes(f, data.draw(byte_mutation(f.stat().st_size)))
-    _check(ex, ("target",), ex / "pwned", _load_dcp_every_way(str(target)))
+    apply_bytes(f, data.draw(byte_mutation(f.stat().st_size)))
+    check_load(ex, ("target",), ex / "pwned", _load_dcp_every_way(str(target)))
 
 
 @FUZZ
@@ -425,7 +263,7 @@ def test_dcp_checkpoint_with_planted_pickles(originals, work, data):
     doc = json.loads((target / "manifest.json").read_text())
     marker = str(ex / "pwned")
     buf = io.BytesIO()
-    torch.save(_Evil(marker), buf)
+    torch.save(Evil(marker), buf)
     evil = buf.getvalue()
     name = "planted.bin"
     (target / doc["generation"] / name).write_bytes(evil)
@@ -436,12 +274,12 @@ def test_dcp_checkpoint_with_planted_pickles(originals, work, data):
     item["chunks"] = [{"blob": len(doc["blobs"]) - 1, "offset": 0, "length": len(evil),
                        "raw_offset": 0, "raw": len(evil), "codec": "raw", "crc32c": crc32c(evil)}]  # fmt: skip
     if data.draw(st.booleans()):
-        raw = __import__("pickle").dumps(_Evil(marker))
+        raw = __import__("pickle").dumps(Evil(marker))
         doc["planner_data"] = {"__pickle__": __import__("base64").b64encode(raw).decode()}
     if data.draw(st.booleans()):
         doc = data.draw(json_mutation(doc))
     _write_json(target / "manifest.json", doc)
-    _check(ex, ("target",), ex / "pwned", _load_dcp_every_way(str(target)))
+    check_load(ex, ("target",), ex / "pwned", _load_dcp_every_way(str(target)))
 
 
 # ---- datasets -------------------------------------------------------------------------------
@@ -472,7 +310,7 @@ def _read_dataset(remote: str, cache: str, kw: dict[str, Any]) -> Callable[[], N
                 pass
         except FmstoreError:
             pass
-        _cli("dataset", "inspect", remote)
+        cli_one_line("dataset", "inspect", remote)
 
     return go
 
@@ -484,7 +322,7 @@ def test_dataset_with_hostile_index_fields(originals, work, which, data):
     ex, target = _fresh(work, _need(originals, which))
     doc = json.loads((target / "index.json").read_text())
     _write_json(target / "index.json", data.draw(json_mutation(doc)))
-    _check(ex, ("target", "cache"), ex / "pwned",
+    check_load(ex, ("target", "cache"), ex / "pwned",
            _read_dataset(str(target), str(ex / "cache"), DATASETS[which]))  # fmt: skip
 
 
@@ -494,8 +332,8 @@ def test_dataset_with_hostile_index_fields(originals, work, which, data):
 def test_dataset_with_damaged_shards(originals, work, which, data):
     ex, target = _fresh(work, _need(originals, which))
     f = data.draw(st.sampled_from(_data_files(target)))
-    _apply_bytes(f, data.draw(byte_mutation(f.stat().st_size)))
-    _check(ex, ("target", "cache"), ex / "pwned",
+    apply_bytes(f, data.draw(byte_mutation(f.stat().st_size)))
+    check_load(ex, ("target", "cache"), ex / "pwned",
            _read_dataset(str(target), str(ex / "cache"), DATASETS[which]))  # fmt: skip
 
 
@@ -508,7 +346,7 @@ def test_webdataset_with_a_hostile_member_table_in_the_cache(originals, work, da
     StreamingDataset(str(target), str(cache))  # writes .meta/wds-index.json
     meta = cache / ".meta" / "wds-index.json"
     _write_json(meta, data.draw(json_mutation(json.loads(meta.read_text()))))
-    _check(ex, ("target", "cache"), ex / "pwned", _read_dataset(str(target), str(cache), {}))
+    check_load(ex, ("target", "cache"), ex / "pwned", _read_dataset(str(target), str(cache), {}))
 
 
 # ---- records of sharded checkpoints: part records, leases, rank records -----------------------

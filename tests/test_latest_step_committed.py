@@ -1,7 +1,7 @@
 """A step is committed when its manifest validates, whatever the catalog says: a save killed
 between its commit and its catalog record (the record blocked on a catalog lock held here,
 then SIGKILL) is found by a restarted manager in every ``run_policies`` mode, restored, and
-the job goes on saving."""
+the job goes on saving; ``latest_step()`` right after an async save is that step."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
-from tiering_helpers import posix_config
+from tiering_helpers import posix_config, state
 
+from fmstore import runtime
 from fmstore.tiering import catalog as cat
 from fmstore.tiering.manager import CheckpointManager
 
@@ -144,3 +146,39 @@ def test_the_sharded_manager_counts_a_step_only_when_its_manifest_validates(tmp_
             d.mkdir(parents=True)
             (d / "manifest.json").write_bytes(data)
         assert mgr.latest_step() == 10
+
+
+def test_latest_step_right_after_an_async_save_is_that_step(tmp_path, monkeypatch):
+    import types
+
+    from fmstore.tiering import manager
+
+    cfg = posix_config(str(tmp_path), {}, tiers=("nvme",))
+    with CheckpointManager("r", config=cfg, run_policies=False) as mgr:
+        assert mgr.latest_step() is None  # the tiers are scanned now, not under the block
+        started, release = threading.Event(), threading.Event()
+
+        async def hold_the_loop() -> None:
+            started.set()
+            release.wait()  # blocks fmstore's loop: the save cannot commit meanwhile
+
+        # The save is held until latest_step() either waits for it or has read the catalog.
+        def wait(*a, **kw):
+            release.set()
+            return cf.wait(*a, **kw)
+
+        def copies(*a, _orig=mgr.catalog.copies, **kw):
+            out = _orig(*a, **kw)
+            release.set()
+            return out
+
+        import concurrent.futures as cf
+
+        monkeypatch.setattr(manager, "cf", types.SimpleNamespace(**{**vars(cf), "wait": wait}))
+        monkeypatch.setattr(mgr.catalog, "copies", copies)
+        held = runtime.submit(hold_the_loop())
+        started.wait()
+        mgr.save(1, state(1))
+        assert mgr.latest_step() == 1
+        held.result(60)
+        monkeypatch.undo()

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from fmstore.testing.seaweed import free_ports
-from fmstore.testing.torchrun import descendants, kill_all
+from fmstore.testing.torchrun import descendants, kill_all, start
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")]
 
@@ -102,12 +102,11 @@ def test_the_quickstart_trains_resumes_and_a_lost_node_relaunched_rejoins(tmp_pa
         envs[node] = {**os.environ, **{k: values.get(k, v) for k, v in exports.items()}}
     runs = {n: tmp_path / n / "nvme" / "fmstore" / "runs" / "quickstart" for n in NODES}
 
-    def start(node: str, steps: int, launch: str) -> subprocess.Popen[str]:
+    def agent(node: str, steps: int, launch: str) -> subprocess.Popen[str]:
         log = open(tmp_path / f"{launch}-{node}.log", "w")  # noqa: SIM115 (the child holds it)
         env = {**envs[node], "STEPS": str(steps), "OMP_NUM_THREADS": "1"}
         # A launch of the whole job takes a new rendezvous id; a relaunched node, the same.
-        p = subprocess.Popen(command(launch), cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
-                             text=True)  # fmt: skip
+        p = start(command(launch), cwd=tmp_path, env=env, stdout=log)
         time.sleep(0.2)  # the rendezvous orders agents on one host by pid
         return p
 
@@ -127,7 +126,7 @@ def test_the_quickstart_trains_resumes_and_a_lost_node_relaunched_rejoins(tmp_pa
     agents: list[subprocess.Popen[str]] = []
     try:
         # A fresh run: steps 0 (every=100) and 2 (the last).
-        agents = [start(n, 3, "fresh") for n in NODES]
+        agents = [agent(n, 3, "fresh") for n in NODES]
         assert [p.wait(300) for p in agents] == [0, 0], logs("fresh")
         assert sorted(p.name for p in runs["n0"].iterdir()) == [
             "step_000000000000",
@@ -135,14 +134,14 @@ def test_the_quickstart_trains_resumes_and_a_lost_node_relaunched_rejoins(tmp_pa
         ]
         # A relaunch with more steps restores step 2 (a fresh start would save step 0 again
         # and fail) and goes on.
-        agents = [start(n, 10**7, "long") for n in NODES]
+        agents = [agent(n, 10**7, "long") for n in NODES]
         wait(lambda: committed(100), agents, "step 100's commit")
         kill_all(agents[1])  # node n1 lost: its agent and its rank
         agents[1].wait()
         newest = max(
             int(p.name[5:]) for p in runs["n1"].iterdir() if (p / "manifest.json").exists()
         )
-        agents[1] = start("n1", 10**7, "long")  # the same lines, on the replacement
+        agents[1] = agent("n1", 10**7, "long")  # the same lines, on the replacement
         wait(lambda: committed(newest + 100), agents, "a save after the relaunch")
         # SIGTERM to both ranks: they agree on it, save once more and stop.
         ranks = [pid for a in agents for pid in descendants(a.pid)

@@ -2,7 +2,8 @@
 endpoint and addressing style where boto3 would (``AWS_ENDPOINT_URL_S3``,
 ``AWS_ENDPOINT_URL``, the profile of ``AWS_PROFILE`` in ``AWS_CONFIG_FILE``) and in ``[s3]``
 of fmstore.toml; the lean transport sends to exactly the URL botocore resolved; a host name
-that does not resolve fails at once."""
+that does not resolve fails at once; a dead endpoint's retries are said after the first
+failed attempt."""
 
 from __future__ import annotations
 
@@ -314,3 +315,25 @@ def test_the_bucket_url_is_botocores(options, want, tmp_path, monkeypatch):
 
     endpoint, path_style, region = runtime.run(resolve())
     assert (endpoint, path_style) == want and region == "us-west-2"
+
+
+def test_a_dead_endpoint_says_what_is_retried_after_the_first_failed_attempt(tmp_path):
+    import socket
+
+    from stage_data import fm
+
+    with socket.socket() as dead:  # bound, never listening: every connection is refused
+        dead.bind(("127.0.0.1", 0))
+        port = dead.getsockname()[1]
+        cfg = tmp_path / "fmstore.toml"
+        cfg.write_text(
+            f'[tiers.s3]\nurl = "s3://bucket/ds"\nendpoint_url = "http://127.0.0.1:{port}"\n'
+            'region = "us-east-1"\nmax_attempts = 2\n'
+        )
+        env = {"FMSTORE_CONFIG": str(cfg), "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+        r = fm("ls", "s3:x", env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stderr.splitlines()
+    retry = [i for i, line in enumerate(lines) if "retrying, up to 2 attempts" in line]
+    assert len(retry) == 1 and "tier s3" in lines[retry[0]], r.stderr
+    assert "connection" in lines[retry[0]] and retry[0] < len(lines) - 1  # before the error

@@ -17,36 +17,11 @@ from typing import Any
 
 import pytest
 from gloo_ranks import run
+from sharded_support import config_text, make_state, same
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")]
 
 STEP = "run/step_{:012d}"
-
-
-def config_text(tmp: str, node: str, *, state: str = "state", replicas: int = 1) -> str:
-    return (
-        f'state_dir = "{tmp}/{node}/{state}"\n'
-        f'[tiers.nvme]\nurl = "{tmp}/{node}/nvme"\nscope = "node"\nreplicas = {replicas}\n'
-        f'[tiers.lustre]\nurl = "{tmp}/lustre"\n'
-    )
-
-
-def make_state(step: int) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    g = torch.Generator().manual_seed(step)
-    full = torch.randn(dist.get_world_size() * 1024, generator=g)
-    return {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": step}
-
-
-def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    import torch
-
-    return bool(torch.equal(a["w"].to_local(), b["w"].to_local()) and a["step"] == b["step"])
 
 
 def _error(fn: Any) -> str:

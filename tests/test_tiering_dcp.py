@@ -22,7 +22,7 @@ from dcp_tier_worker import expected
 from tiering_helpers import on_tier
 
 from fmstore.checkpoint.dcp import Reader, Writer
-from fmstore.testing.seaweed import free_ports
+from fmstore.testing import torchrun as launcher
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -72,25 +72,12 @@ def _listing(cfg: Path) -> dict[int, dict[str, str]]:
 
 def test_two_rank_dcp_checkpoints_are_exported_verified_and_retained(tmp_path):
     cfg = _config(tmp_path)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_ports(1)[0]}",
-        os.path.join(HERE, "dcp_tier_worker.py"),
-        "nvme:runs/d",
-        *map(str, STEPS),
-    ]
-    proc = subprocess.run(
-        cmd,
-        env={**os.environ, "FMSTORE_CONFIG": str(cfg)},
-        capture_output=True,
-        text=True,
-        timeout=300,
+    cmd = launcher.command(
+        os.path.join(HERE, "dcp_tier_worker.py"), ["nvme:runs/d", *map(str, STEPS)], nproc=2
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = tmp_path / "launch.log"
+    rc = launcher.run(cmd, timeout=300, log=log, env={**os.environ, "FMSTORE_CONFIG": str(cfg)})
+    assert rc == 0, log.read_text(errors="replace")[-6000:]
     # Both ranks wrote blobs of their own.
     manifest = json.loads((tmp_path / "nvme/runs/d/step_000000000030/manifest.json").read_text())
     assert {b["rank"] for b in manifest["blobs"]} == {0, 1}

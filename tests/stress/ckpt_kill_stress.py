@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from test_checkpoint_kill import check_after_kill  # noqa: E402
+from ckpt_kill_support import check_after_kill  # noqa: E402
 
 from fmstore.testing.ckpt_kill import save_forever  # noqa: E402
 
