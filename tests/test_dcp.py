@@ -1,7 +1,8 @@
 """Multi-rank checkpoints through torch.distributed.checkpoint with fmstore's Writer/Reader.
 
 Two ``torchrun --nproc_per_node=2`` launches (gloo, CPU) cover the sharded scenarios
-(tests/dcp_worker.py), DCP's save-plan caching among them; everything a single process can check runs here directly.
+(tests/dcp_worker.py), DCP's save-plan caching among them; everything a single process
+can check runs here directly.
 """
 
 from __future__ import annotations
