@@ -17,7 +17,11 @@ store: every ``get``, range or stream).  The restore is checked bit-exact.  A co
 grows with W for the same model is a cost that grows with the job (docs/scale.md models it
 at 16,384 ranks).
 
-    python -m benchmarks.ranks [--ranks 2,4,8,16] [--json PATH]
+    python -m benchmarks.ranks [--ranks 2,4,8,16] [--plan-cache] [--json PATH]
+
+``--plan-cache``: both saves use DCP's save-plan caching
+(``DefaultSavePlanner(enable_plan_caching=True)``, opt-in in fmstore, docs/dcp.md): the
+steady-state save reuses the first save's plan.
 
 Each W runs under ``torchrun`` (gloo, CPU); ``benchmarks/RESULTS.md`` has the figures.
 """
@@ -174,9 +178,10 @@ def _read_bytes() -> int:
     )
 
 
-def _rank(out: str, base: str) -> None:
+def _rank(out: str, base: str, plan_cache: bool = False) -> None:
     import torch
     import torch.distributed as dist
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.device_mesh import init_device_mesh
 
     import fmstore.checkpoint.dcp as fdcp
@@ -188,9 +193,13 @@ def _rank(out: str, base: str) -> None:
     counts = Counts()
     install(counts)
     report: dict[str, Any] = {"rank": rank, "world": world, "own_bytes": own}
-    fdcp.save(state, os.path.join(base, "step_000000000001"))
+
+    def planner() -> Any:
+        return DefaultSavePlanner(enable_plan_caching=True) if plan_cache else None
+
+    fdcp.save(state, os.path.join(base, "step_000000000001"), planner=planner())
     report["save"] = counts.take()
-    fdcp.save(state, os.path.join(base, "step_000000000002"))
+    fdcp.save(state, os.path.join(base, "step_000000000002"), planner=planner())
     report["save_steady"] = counts.take()
     restored, _ = _state(rank, world, mesh, zeros=True)
     before = _read_bytes()
@@ -212,14 +221,15 @@ def _rank(out: str, base: str) -> None:
 # ---- the driver ---------------------------------------------------------------------------
 
 
-def run(world: int, timeout: float = 900) -> dict[str, Any]:
+def run(world: int, timeout: float = 900, plan_cache: bool = False) -> dict[str, Any]:
     """One launch on ``world`` ranks: the per-rank reports summed up as one row."""
     from fmstore.testing.torchrun import torchrun
 
     with tempfile.TemporaryDirectory(prefix="fmstore-ranks-") as tmp:
         out, base = os.path.join(tmp, "out"), os.path.join(tmp, "ckpt")
         os.mkdir(out)
-        rc, log = torchrun(os.path.abspath(__file__), [out, base], nproc=world, timeout=timeout)
+        args = [out, base, *(["plan-cache"] if plan_cache else [])]
+        rc, log = torchrun(os.path.abspath(__file__), args, nproc=world, timeout=timeout)
         if rc != 0:
             raise RuntimeError(f"W={world}: torchrun exited {rc}:\n{log[-4000:]}")
         reps = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
@@ -282,11 +292,12 @@ def main() -> None:
     )
     ap.add_argument("--ranks", default="2,4,8,16", help="comma-separated world sizes")
     ap.add_argument("--quick", action="store_true", help="W = 2 and 4 only (checks the script)")
+    ap.add_argument("--plan-cache", action="store_true", help="save with DCP's save-plan caching")
     ap.add_argument("--json", help="write the rows to this file as JSON")
     a = ap.parse_args()
     rows = []
     for w in (2, 4) if a.quick else (int(x) for x in a.ranks.split(",")):
-        rows.append(run(w))
+        rows.append(run(w, plan_cache=a.plan_cache))
         print(
             f"W={w}: {json.dumps({k: v for k, v in rows[-1].items() if not k.endswith('_ops')})}",
             flush=True,
@@ -295,6 +306,7 @@ def main() -> None:
     print(
         f"## ranks: per-rank bytes and collectives, {LAYERS * WEIGHTS * 3 + 1} items, "
         f"every tensor Shard(0) over W ranks, POSIX, one node"
+        + (", save-plan caching" if a.plan_cache else "")
     )
     print()
     print(table(rows))
@@ -307,7 +319,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and "LOCAL_RANK" in os.environ:
-        _rank(sys.argv[1], sys.argv[2])
+    if len(sys.argv) in (3, 4) and "LOCAL_RANK" in os.environ:
+        _rank(sys.argv[1], sys.argv[2], plan_cache=sys.argv[3:] == ["plan-cache"])
     else:
         main()

@@ -7,7 +7,10 @@ Scenarios:
 * ``main``: for every ROOT (a directory or an ``s3://`` URI): a model sharded with FSDP2
   plus its Adam state, saved on 2 ranks and loaded on 2 ranks into a fresh model; saved on
   1 rank (full tensors, ``no_dist``) and loaded on 2; ``async_save`` (thread and process
-  checkpointers) while training goes on; a rank raising mid-save leaves nothing committed.
+  checkpointers) while training goes on; a rank raising mid-save leaves nothing committed;
+  with DCP's save-plan caching (``plan_cache``): a steady-state save, a changed structure,
+  two structures saved in turn, a value whose dtype changed, ``async_save``, and a rank
+  that skips an item of its cached plan (nothing committed).
   Rank 0 writes the reference values (``OUT/ref-*.pt``) for the checks made in pytest.
 * ``kill``: saves ROOT/k, trains, saves ROOT/k again with ``overwrite=True`` and rank 1
   SIGKILLs itself in the middle of its writes.
@@ -18,11 +21,13 @@ S3 store options (endpoint, credentials) come as JSON in ``FMSTORE_TEST_S3_OPTIO
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import signal
 import sys
 import warnings
+import zlib
 from typing import Any
 
 import torch
@@ -38,6 +43,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import fmstore.checkpoint.dcp as fdcp  # noqa: E402
 from fmstore.checkpoint.dcp import Reader, Stager, Writer, async_save  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -140,6 +146,134 @@ class FailingPlanner(DefaultSavePlanner):
         return super().resolve_data(write_item)
 
 
+class CachingPlanner(DefaultSavePlanner):
+    """DCP's planner with plan caching, recording whether this rank's plan was sent (False:
+    the cached one was reused)."""
+
+    sent: list[bool] = []
+
+    def __init__(self) -> None:
+        super().__init__(enable_plan_caching=True)
+
+    def create_local_plan(self) -> Any:
+        plan = super().create_local_plan()
+        CachingPlanner.sent.append(plan.usable)
+        return plan
+
+
+class SkippingWriter(Writer):
+    """Rank 1 writes all but the last item of the plan it is handed."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        if dist.get_rank() == 1:
+            plan = dataclasses.replace(plan, items=plan.items[:-1])
+        return super().write_data(plan, planner)
+
+
+def loader_state(epoch: int) -> dict[str, Any]:
+    """A second structure (a data loader's position): one value per rank, one shared."""
+    r = dist.get_rank()
+    return {"loader": {"epoch": torch.tensor(epoch), f"pos{r}": torch.arange(5) + 100 * r + epoch}}
+
+
+def load_into(template: dict[str, Any], uri: str) -> dict[str, Any]:
+    fdcp.load(template, uri, store_options=store_options(uri))
+    return template
+
+
+def plan_cache_checks(root: str, model: Any, opt: Any) -> dict[str, Any]:
+    """Saves with plan caching, each loaded back and compared bit-exact."""
+    so = store_options(root)
+
+    def save(sd: dict[str, Any], name: str) -> bool:
+        """Save ``sd`` as ``name``; whether this rank sent its plan (not the cached one)."""
+        fdcp.save(sd, f"{root}/{name}", planner=CachingPlanner(), store_options=so)
+        return CachingPlanner.sent[-1]
+
+    def check_model(name: str, ref: dict[str, Any]) -> None:
+        m, o = load_fresh(f"{root}/{name}", 11)
+        same(full_state(m, o), ref, f"plan cache {name}")
+
+    sent = {}
+    train(model, opt, 1, 20)
+    ref1 = full_state(model, opt)
+    sent["first"] = save(state(model, opt), "pc1")
+    train(model, opt, 1, 21)
+    ref2 = full_state(model, opt)
+    sent["steady"] = save(state(model, opt), "pc2")  # the cached plan
+    check_model("pc1", ref1)
+    check_model("pc2", ref2)
+    # async_save of the same structure: the cached plan again.
+    ref = full_state(model, opt)
+    fut = async_save(
+        state(model, opt), f"{root}/pc-async", planner=CachingPlanner(), store_options=so
+    )
+    fut.result()
+    sent["async"] = CachingPlanner.sent[-1]
+    check_model("pc-async", ref)
+    # A rank that skips an item of its (cached) plan: the coordinator refuses to commit.
+    sent["skip"] = None
+    skip_err = None
+    try:
+        fdcp.save(
+            state(model, opt),
+            SkippingWriter(f"{root}/pc-skip", store_options=so),
+            planner=CachingPlanner(),
+        )
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        skip_err = str(e)
+    sent["skip"] = CachingPlanner.sent[-1]
+    # A new value in the state: the plan changes, and the new value is saved.
+    extra = torch.arange(7, dtype=torch.float64) / 3
+    sent["changed"] = save({**state(model, opt), "extra": extra.clone()}, "pc3")
+    m, o = make_model(12)
+    got = load_into({**state(m, o), "extra": torch.zeros(7, dtype=torch.float64)}, f"{root}/pc3")
+    if not torch.equal(got["extra"], extra):
+        raise AssertionError("plan cache pc3: the added value differs")
+    set_state_dict(m, o, model_state_dict=got["model"], optim_state_dict=got["optim"])
+    same(full_state(m, o), ref2, "plan cache pc3")
+    # Two structures in turn through the same planner class (a model, a loader's state).
+    sent["alternating"] = []
+    for i in range(2):
+        train(model, opt, 1, 30 + i)
+        ref = full_state(model, opt)
+        sent["alternating"].append(save(state(model, opt), f"pc-m{i}"))
+        sent["alternating"].append(save(loader_state(i), f"pc-l{i}"))
+        check_model(f"pc-m{i}", ref)
+        want = loader_state(i)
+        got = load_into(loader_state(-99), f"{root}/pc-l{i}")
+        same(got, want, f"plan cache pc-l{i}")
+    # The loader's state again with a value of another dtype, same name and shape (DCP's
+    # plan comparison leaves dtypes out): planned again, saved with its dtype.
+    f64 = loader_state(5)
+    f64["loader"]["epoch"] = torch.tensor(5.5, dtype=torch.float64)
+    sent["dtype"] = save(f64, "pc-dtype")
+    tmpl = loader_state(-99)
+    tmpl["loader"]["epoch"] = torch.tensor(0.0, dtype=torch.float64)
+    same(load_into(tmpl, f"{root}/pc-dtype"), f64, "plan cache pc-dtype")
+
+    # A save failing on the coordinator after its planner cached the new plans (here: the
+    # checkpoint exists) leaves the coordinator's cache and the ranks' out of step; the
+    # next save of the older structure is refused, not written with the failed save's plan.
+    # A cache of its own for each root (DCP keys its cache by class name): this one stays
+    # out of step (the refusal is the same at every later save of that structure).
+    step_planner = type(f"StepPlanner{zlib.crc32(root.encode())}", (CachingPlanner,), {})
+
+    def step_save(sd: dict[str, Any], name: str) -> str | None:
+        try:
+            fdcp.save(sd, f"{root}/{name}", planner=step_planner(), store_options=so)
+        except BaseException as e:
+            return str(e)
+        return None
+
+    out_of_step = [
+        step_save(state(model, opt), "pc-s1"),
+        step_save(loader_state(0), "pc-s1"),  # refused: pc-s1 is committed
+        step_save(state(model, opt), "pc-s2"),
+    ]
+    return {"sent": sent, "skip_error": skip_err, "out_of_step": out_of_step}
+
+
 def scenario_main(out: str, roots: list[str]) -> dict[str, Any]:
     rank = dist.get_rank()
     report: dict[str, Any] = {}
@@ -220,7 +354,8 @@ def scenario_main(out: str, roots: list[str]) -> dict[str, Any]:
             )
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             err = f"{type(e).__name__}: {e}".splitlines()[0] + " " + str(e).splitlines()[-1]
-        report[root] = {"changed": changed, "reused": reused, "fail_error": err}
+        pc = plan_cache_checks(root, model, opt)
+        report[root] = {"changed": changed, "reused": reused, "fail_error": err, "plan_cache": pc}
     return report
 
 

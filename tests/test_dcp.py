@@ -1,7 +1,8 @@
 """Multi-rank checkpoints through torch.distributed.checkpoint with fmstore's Writer/Reader.
 
 Two ``torchrun --nproc_per_node=2`` launches (gloo, CPU) cover the sharded scenarios
-(tests/dcp_worker.py); everything a single process can check runs here directly.
+(tests/dcp_worker.py), DCP's save-plan caching among them; everything a single process
+can check runs here directly.
 """
 
 from __future__ import annotations
@@ -119,6 +120,42 @@ def test_rank_failing_mid_save_commits_nothing(sharded, which):
     keys = runtime.run(store.list_keys(""))
     assert "manifest.json" not in keys
     assert not is_dcp_checkpoint(f"{root}/fail", **_so(sharded, root))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", [0, 1], ids=["posix", "s3"])
+def test_plan_caching_saves_load_back_bit_exact(sharded, which):
+    # The worker compared every one of these saves bit-exact after loading it back; what
+    # rank 0 sent says the cached plan was used where the structure had not changed.
+    sent = sharded["report"][sharded["roots"][which]]["plan_cache"]["sent"]
+    assert sent["first"] is True
+    assert sent["steady"] is False and sent["async"] is False
+    assert sent["changed"] is True  # a value added: the plan is sent again
+    assert sent["alternating"] == [True] * 4  # two structures in turn: never a stale plan
+    # A dtype changed: DCP's comparison (names, offsets, sizes) kept the cached plan, and
+    # the save still wrote the new dtype (the worker loaded it back bit-exact).
+    assert sent["dtype"] is False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", [0, 1], ids=["posix", "s3"])
+def test_plan_caching_rank_skipping_an_item_commits_nothing(sharded, which):
+    root = sharded["roots"][which]
+    rep = sharded["report"][root]["plan_cache"]
+    assert rep["sent"]["skip"] is False  # the cached plan was in force
+    assert rep["skip_error"] and "rank 1 did not write 1 item(s) of its plan" in rep["skip_error"]
+    assert not is_dcp_checkpoint(f"{root}/pc-skip", **_so(sharded, root))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", [0, 1], ids=["posix", "s3"])
+def test_plan_caching_out_of_step_coordinator_writes_nothing(sharded, which):
+    root = sharded["roots"][which]
+    first, failed, after = sharded["report"][root]["plan_cache"]["out_of_step"]
+    assert first is None
+    assert failed and "already committed" in failed
+    assert after and "the coordinator's planner cached another plan" in after
+    assert not runtime.run(open_store(f"{root}/pc-s2", **_so(sharded, root)).list_keys(""))
 
 
 @pytest.mark.slow

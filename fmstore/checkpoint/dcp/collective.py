@@ -119,6 +119,7 @@ def save(
     import torch.distributed.checkpoint as dcp
 
     writer = _writer(uri, store_options, options)
+    writer.planner = planner  # a planner caching its plans hands the Writer cached ones
     pg = process_group if process_group is not None else checkpoint_group()
     if _dist() is None:
         dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=True)
@@ -156,6 +157,7 @@ def async_save(
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     writer = _writer(uri, store_options, {})
+    writer.planner = kwargs.get("planner")
     if stager is None:
         stager = Stager(share_memory=process)
     pg = process_group if process_group is not None else checkpoint_group()

@@ -134,6 +134,9 @@ class LocalInfo:
     replicas: int = 0
     #: its node's failure domain for the tier (None: none named)
     domain: str | None = None
+    #: :func:`.plancache.digest` of its whole local plan, sent even when plan caching
+    #: leaves the plan empty ("": unknown)
+    digest: str = ""
 
 
 def local_copies(plans: list[SavePlan], nodes: tuple[str, ...]) -> list[SavePlan]:

@@ -67,7 +67,7 @@ from ...stores import PutOptions, Store, open_store, split_tier
 from ..commit import commit_manifest, read_bounded_manifest
 from ..layout import blob_name, new_generation
 from ..partrecords import is_node_id, writer_node
-from . import replica_stream, staging
+from . import plancache, replica_stream, staging
 from .items import item_bytes, offset_of, part_bytes, split, tensor_bytes
 from .manifest import MANIFEST_KEY, DcpBlob, DcpItem, DcpManifest, DcpPart
 from .nodes import LocalInfo, RankRecord, local_copies, node_id, rank_record_key, tier_scope
@@ -170,6 +170,8 @@ class Writer(StorageWriter):
 
     ``Writer(uri, compression="auto")`` sets :class:`WriteOptions` fields by keyword;
     ``store_options`` go to :func:`fmstore.stores.open_store` (endpoint, credentials, ...).
+    ``planner``: the save's planner, needed when it caches plans (``enable_plan_caching``,
+    :mod:`.plancache`); :func:`fmstore.checkpoint.dcp.save` / ``async_save`` set it.
     """
 
     def __init__(
@@ -178,9 +180,11 @@ class Writer(StorageWriter):
         options: WriteOptions | None = None,
         *,
         store_options: dict[str, Any] | None = None,
+        planner: Any = None,
         **overrides: Any,
     ) -> None:
         super().__init__()
+        self.planner = planner
         self.uri = os.fspath(uri)
         self.options = replace(options or WriteOptions(), **overrides)
         self.store_options = dict(store_options or {})
@@ -189,7 +193,6 @@ class Writer(StorageWriter):
         self.rank = 0
         self.save_id = str(uuid.uuid4())
         self._plans: list[SavePlan] | None = None
-        self._used_generations: set[str] = set()
         #: each rank's node as the ranks reported it (whatever the tier's scope), for the
         #: coordinator's hint when it misses another node's blobs
         self._rank_nodes: tuple[str, ...] = ()
@@ -243,6 +246,8 @@ class Writer(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0) or 0)
+        if is_coordinator:
+            plancache.watch(self.planner)
         if kwargs.get("use_collectives", True) is False:
             raise FmstoreError(
                 "fmstore's DCP Writer needs use_collectives=True: the coordinator commits "
@@ -250,10 +255,13 @@ class Writer(StorageWriter):
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        plan, digest = plancache.local_plan(plan, self.planner)
         info = LocalInfo(node_id(), tuple(plan.items), *replica_stream.setting(self))
-        return replace(plan, storage_data=info)
+        return replace(plan, storage_data=replace(info, digest=digest))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # The plans in force: plan caching leaves empty entries for the ranks it reuses.
+        plans = plancache.in_force(plans, self.planner)
         if not self.options.overwrite and runtime.run(self.store.exists(MANIFEST_KEY)):
             raise AlreadyExists(
                 "a checkpoint is already committed here; pass overwrite=True to replace it",
@@ -321,12 +329,12 @@ class Writer(StorageWriter):
                 "the save plan carries no fmstore storage data: was it made by another "
                 "StorageWriter, or cached by the planner?"
             )
-        if rp.generation in self._used_generations:
+        if plancache.written(rp.generation):
             raise FmstoreError(
-                "this save plan's generation was already written (planner plan caching is "
-                "not supported by fmstore's Writer)"
+                "this save plan's generation was already written: a plan cached by the "
+                "planner reached the Writer without this save's storage data"
             )
-        self._used_generations.add(rp.generation)
+        plancache.note_written(rp.generation)
         fut: Future[list[WriteResult]] = Future()
         leases = staging.claim_leases(planner)
         try:
@@ -617,7 +625,8 @@ class Writer(StorageWriter):
                     tier=store.tier,
                     key=key,
                 )
-        metadata.storage_meta = self.storage_meta()
+        # A copy: with plan caching, ``metadata`` is the planner's cached object.
+        metadata = replace(metadata, storage_meta=self.storage_meta())
         manifest = DcpManifest.from_metadata(
             metadata,
             generation=gen,
