@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_tiering_parts import NODES, ROOT, save_parts
+from parts_support import NODES, ROOT, save_parts
 
 from fmstore import runtime
 from fmstore.checkpoint.dcp.manifest import DcpManifest
