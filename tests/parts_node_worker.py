@@ -10,7 +10,10 @@ state of the step it says it restored.
 * ``save``: saves each STEP through ``ShardedCheckpointManager`` on the write tier (the
   nodes' NVMe), waits for every commit;
 * ``restore``: restores the newest step every rank can read; every rank writes
-  ``OUT/restore-RANK.json`` with the step, the tier it read and whether it is bit-exact.
+  ``OUT/restore-RANK.json`` with the step, the tier it read and whether it is bit-exact;
+* ``redo``: ``restore`` (its report also lists the steps the restore moved aside), then
+  saves each STEP again (the job redoing the steps it fell back from) and waits for
+  every commit.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def main() -> None:
             mgr.save(int(s), make_state(int(s), world))
         mgr.wait()
         dist.barrier(pg)
-    elif scenario == "restore":
+    elif scenario in ("restore", "redo"):
         state = make_state(0, world)
         got = mgr.restore(state)
         want = make_state(got if got is not None else 0, world)
@@ -66,7 +69,15 @@ def main() -> None:
             and state["step"] == got
         )
         with open(os.path.join(out, f"restore-{rank}.json"), "w") as f:
-            json.dump({"step": got, "tier": mgr.restored_tier, "exact": exact}, f)
+            rep = {"step": got, "tier": mgr.restored_tier, "exact": exact}
+            if scenario == "redo":
+                rep["moved_aside"] = mgr.moved_aside
+            json.dump(rep, f)
+        if scenario == "redo":  # the job goes on: the steps after the restored one again
+            for s in steps:
+                mgr.save(int(s), make_state(int(s), world))
+            mgr.wait()
+            dist.barrier(pg)
     dist.destroy_process_group()
 
 

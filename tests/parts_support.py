@@ -1,10 +1,10 @@
-"""Checkpoints in node parts on one host, for the tiering tests of parts
-(tests/test_tiering_parts.py and those built on its scenarios): the nodes are state
-directories and NVMe directories beside one shared ``lustre`` directory; a committed
-checkpoint of N nodes x 1 rank as ``fdcp.save`` leaves it; one node's policy runner."""
+"""Checkpoints in node parts as ``fdcp.save`` leaves them on each node's NVMe, and one
+process's stand-in for each node's runner (its own state directory and catalog), beside one
+shared ``lustre`` directory: the helpers of the tests of node-part exports."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -19,6 +19,7 @@ from fmstore.checkpoint.layout import checkpoint_key, new_generation
 from fmstore.config import Config, from_dict
 from fmstore.format.checksum import crc32c
 from fmstore.format.manifest import ChunkEntry
+from fmstore.stores.base import PrefixStore, PutOptions
 from fmstore.tiering import catalog as cat
 from fmstore.tiering.catalog import Catalog
 from fmstore.tiering.rules import from_config
@@ -117,3 +118,49 @@ class Node:
     def state(self, step: int, tier: str) -> str | None:
         cp = self.catalog.copy(ROOT, step, tier)
         return None if cp is None else cp.state
+
+
+EXPORT = {"ladder": ["nvme", "lustre"], "export": [{"to": "lustre", "every_steps": 10}]}
+
+
+def lustre(base: Path, step: int) -> Path:
+    return base / "lustre" / checkpoint_key(ROOT, step)
+
+
+class PauseAt(PrefixStore):
+    """``inner`` under ``prefix``, pausing before a put of ``key``: ``reached`` is set and
+    the put waits for ``go`` (the real store call runs after)."""
+
+    def __init__(self, inner, prefix: str, key: str) -> None:
+        super().__init__(inner, prefix)
+        self.key = key
+        self.reached = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def put(self, key, data, options=PutOptions()):
+        if key == self.key:
+            self.reached.set()
+            await self.go.wait()
+        return await super().put(key, data, options)
+
+
+def ckpt_list(base: Path, node: str, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``fmstore ckpt list run`` as on ``node`` (its config written as a file)."""
+    from fmstore.cli.main import main
+
+    cfg = base / f"{node}.toml"
+    cfg.write_text(
+        f'state_dir = "{base / node / "state"}"\n'
+        f'[tiers.nvme]\nurl = "{base / node / "nvme"}"\nscope = "node"\n'
+        f'[tiers.lustre]\nurl = "{base / "lustre"}"\n'
+        '[policies]\nladder = ["nvme", "lustre"]\n'
+        '[[policies.export]]\nto = "lustre"\nevery_steps = 10\n'
+    )
+    monkeypatch.setenv(NODE_ENV, node)
+    monkeypatch.setenv("COLUMNS", "300")
+    capsys.readouterr()
+    try:
+        main(["ckpt", "list", "run", "--config", str(cfg)])
+    except SystemExit as e:
+        assert not e.code
+    return capsys.readouterr().out

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from parts_support import ROOT, Node, save_parts
+from parts_support import ROOT, Node, PauseAt, save_parts
 from tiering_helpers import posix_config
 from tiering_runs import held, run_saves
 
@@ -20,7 +20,6 @@ from fmstore.errors import NotFound
 from fmstore.format.checksum import crc32c
 from fmstore.format.manifest import MANIFEST_KEY
 from fmstore.stores import open_store
-from fmstore.stores.base import PrefixStore, PutOptions
 from fmstore.tiering import catalog as cat
 from fmstore.tiering.daemon import Daemon, DaemonSettings
 from fmstore.tiering.discovery import rediscover
@@ -106,23 +105,6 @@ def _verifies_part(nvme, step: int, node: str) -> bool:
             return False
 
     return runtime.run(check())
-
-
-class PauseAt(PrefixStore):
-    """``inner`` under ``prefix``, pausing before a put of ``key``: ``reached`` is set and
-    the put waits for ``go`` (the real store call runs after)."""
-
-    def __init__(self, inner, prefix: str, key: str) -> None:
-        super().__init__(inner, prefix)
-        self.key = key
-        self.reached = asyncio.Event()
-        self.go = asyncio.Event()
-
-    async def put(self, key, data, options=PutOptions()):
-        if key == self.key:
-            self.reached.set()
-            await self.go.wait()
-        return await super().put(key, data, options)
 
 
 def _nvme(base, node: str, step: int):

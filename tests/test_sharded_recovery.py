@@ -9,6 +9,7 @@ config whose tiers must stay empty: the managers are given ``config=`` of their 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -179,12 +180,26 @@ def sequence(rank: int, tmp: str) -> dict[str, Any]:
     with Catalog.for_state_dir(f"{tmp}/{node}/state") as c:
         seen["rows_80"] = [(x.tier, x.state) for x in c.copies("run", step=80)]
     seen["redo_80"] = _error(lambda: (mgr.save(80, make_state(81)), mgr.wait()))
+    seen["gen_80"] = json.loads((nvme / STEP.format(80) / "manifest.json").read_bytes())[
+        "generation"
+    ]
     seen["after_redo"] = restore(want=81)
     # the redone step's export follows, beside the old step's uncommitted part
     seen["export_80"] = export_80()
     dist.barrier(pg)
     if rank == 0:
-        seen["export_80"] = export_80()  # n0 again: n1's part is there now, it commits
+        # n0 again: n1's part is there now, but the lease of n0's export of the abandoned
+        # generation may still be alive (its writes could land yet): the commit waits
+        seen["export_80_waits"] = export_80()
+        # no attempt renews that lease any more (the restore took its row): it ages out
+        from fmstore.checkpoint.partrecords import ExportLease, lease_key
+
+        for lease in Path(tmp, "lustre", STEP.format(80)).glob("*/export-n0.json"):
+            if lease.parent.name != seen["gen_80"]:
+                key = lease_key(lease.parent.name, "n0")
+                lease.write_bytes(ExportLease("n0", os.getpid(), 1.0).dumps())
+                seen["aged"] = key
+        seen["export_80"] = export_80()  # it commits
     with Catalog.for_state_dir(f"{tmp}/{node}/state") as c:
         seen["rows_80_redone"] = [(x.tier, x.state) for x in c.copies("run", step=80)]
 
@@ -244,8 +259,11 @@ def test_sharded_manager_recovers_the_way_clusters_fail(tmp_path):
         assert seen["moved_aside"] == [80] and not seen["newer_left"] and seen["rows_80"] == []
         assert seen["rows_80_redone"] == [("nvme", "present")]
         assert all(v for k, v in seen.items() if k.startswith("exact-"))
-    # n0's old part waited for n1; the redone step's export committed on lustre
+    # n0's old part waited for n1; the redone step's export waited for the abandoned
+    # export's lease, then committed on lustre (a new generation; the old one retired)
     assert r0["export_old_80"] == ("n1",) and r0["export_80"] == ()
+    assert [w.split(" ")[0] for w in r0["export_80_waits"]] == ["n0"], r0["export_80_waits"]
+    assert r0["aged"]
     assert Path(tmp, "lustre", STEP.format(80), "manifest.json").is_file()
     assert r0["aside_left"][0].endswith("run") and r1["aside_left"][0].endswith(".replicas/run")
     assert r0["close_local"] and not r1["close_local"]

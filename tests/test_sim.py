@@ -78,6 +78,8 @@ def test_each_protection_taken_back_is_found_from_fresh_seeds(revert, capsys):
 @pytest.mark.parametrize("revert", sorted(FOUND_AT))
 def test_each_rarer_protection_taken_back_fails_its_seed(revert):
     seed, invariant = FOUND_AT[revert]
+    if seed < 0:
+        pytest.skip(f"no seed known for {revert}: python tests/sim_parts.py --switches finds one")
     sim.run(seed)  # holds with the protection
     with pytest.raises(sim.Violation, match=f"^{invariant}"):
         sim.run(seed, frozenset([revert]))

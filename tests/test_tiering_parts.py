@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from parts_support import NODES, ROOT, Node, node_config, save_parts
+from parts_support import EXPORT, NODES, ROOT, Node, ckpt_list, lustre, node_config, save_parts
 from prometheus_client import REGISTRY
 
 from fmstore import runtime
@@ -26,34 +26,6 @@ from fmstore.checkpoint.verify import verify_checkpoint
 from fmstore.stores import open_store
 from fmstore.tiering import catalog as cat
 from fmstore.tiering.rules import from_config
-
-EXPORT = {"ladder": ["nvme", "lustre"], "export": [{"to": "lustre", "every_steps": 10}]}
-
-
-def lustre(base: Path, step: int) -> Path:
-    return base / "lustre" / checkpoint_key(ROOT, step)
-
-
-def ckpt_list(base: Path, node: str, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> str:
-    """``fmstore ckpt list run`` as on ``node`` (its config written as a file)."""
-    from fmstore.cli.main import main
-
-    cfg = base / f"{node}.toml"
-    cfg.write_text(
-        f'state_dir = "{base / node / "state"}"\n'
-        f'[tiers.nvme]\nurl = "{base / node / "nvme"}"\nscope = "node"\n'
-        f'[tiers.lustre]\nurl = "{base / "lustre"}"\n'
-        '[policies]\nladder = ["nvme", "lustre"]\n'
-        '[[policies.export]]\nto = "lustre"\nevery_steps = 10\n'
-    )
-    monkeypatch.setenv(NODE_ENV, node)
-    monkeypatch.setenv("COLUMNS", "300")
-    capsys.readouterr()
-    try:
-        main(["ckpt", "list", "run", "--config", str(cfg)])
-    except SystemExit as e:
-        assert not e.code
-    return capsys.readouterr().out
 
 
 def test_each_node_exports_its_own_part_and_the_last_one_commits(tmp_path, monkeypatch, capsys):

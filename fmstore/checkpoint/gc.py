@@ -45,7 +45,7 @@ from ..stores.bounded import LEASE_LIMIT, read_bounded
 from . import partrecords as pr
 from .commit import read_bounded_manifest
 from .layout import BLOB_RE, GENERATION_RE, RANK_RECORD_RE, generation_age
-from .partrecords import LEASE_RE, PART_RECORD_RE, ExportLease
+from .partrecords import LEASE_RE, PART_RECORD_RE, RETIRED_NAME, ExportLease
 
 
 @dataclass
@@ -92,6 +92,7 @@ async def _scan(store: Store) -> tuple[dict[str, str | None], _Gens, set[tuple[s
                 BLOB_RE.match(parts[-1])
                 or PART_RECORD_RE.fullmatch(parts[-1])
                 or LEASE_RE.fullmatch(parts[-1])
+                or parts[-1] == RETIRED_NAME
             )
         ):
             gens.setdefault(("/".join(parts[:-2]), parts[-2]), []).append(

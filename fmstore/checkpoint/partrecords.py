@@ -15,6 +15,10 @@ through the destination store itself (no node talks to another):
     written when node ``NODE``'s exporter starts an attempt, renewed while it copies, and
     removed after the commit: while it is younger than :data:`LEASE_TTL`, no sweep and no
     ``gc`` on any node removes anything of that generation, whatever the grace period.
+``GEN/retired.json`` (a *retired record*)
+    written by a restore that fell back from the step this generation saved (the step is
+    abandoned and will be redone under a new generation): no commit of ``GEN`` stands once
+    it is there (:mod:`fmstore.tiering.retire`).  Whatever it holds, its name retires.
 
 Both are kept out of the blob names (``BLOB_RE``) so that no reader takes them for data.
 This module is torch-free: the orphan sweep (:mod:`.gc`) reads these records too.
@@ -49,19 +53,25 @@ __all__ = [
     "LEASE_RENEW",
     "LEASE_TTL",
     "PART_RECORD_RE",
+    "RETIRED_NAME",
     "ExportLease",
+    "RetiredRecord",
     "field_node",
     "is_node_id",
     "PartRecord",
     "lease_key",
     "manifest_sha256",
     "part_record_key",
+    "retired_key",
     "use_config",
     "writer_node",
 ]
 
 PART_FORMAT_NAME = "fmstore-dcp-part"
 LEASE_FORMAT_NAME = "fmstore-export-lease"
+RETIRED_FORMAT_NAME = "fmstore-dcp-retired"
+#: The retired record of a generation (``GEN/retired.json``).
+RETIRED_NAME = "retired.json"
 #: A node's id: 1-200 ASCII letters, digits and ``._:@+-``, starting with a letter or a
 #: digit (so never ``.``, ``..`` nor a line break).  The one grammar, checked wherever a
 #: node id is read: the environment, part and rank records, leases, manifests, peers.
@@ -145,6 +155,10 @@ def part_record_key(generation: str, node: str) -> str:
 
 def lease_key(generation: str, node: str) -> str:
     return f"{generation}/export-{node}.json"
+
+
+def retired_key(generation: str) -> str:
+    return f"{generation}/{RETIRED_NAME}"
 
 
 def manifest_sha256(data: bytes) -> str:
@@ -260,6 +274,40 @@ class ExportLease:
             except OSError:
                 pass
         return True
+
+
+@dataclass(frozen=True)
+class RetiredRecord:
+    """Generation ``generation`` of a step was abandoned by a restore on node ``node`` that
+    fell back from that step (at ``written``, its clock)."""
+
+    generation: str
+    node: str
+    written: float = 0.0
+
+    def dumps(self) -> bytes:
+        d = {
+            "format": RETIRED_FORMAT_NAME,
+            "version": 1,
+            "generation": self.generation,
+            "node": self.node,
+            "written": self.written or time.time(),
+        }
+        return json.dumps(d, separators=(",", ":")).encode()
+
+    @classmethod
+    def loads(cls, data: bytes, *, where: str) -> RetiredRecord:
+        d, _v = parse_header(
+            data, where=where, format_name=RETIRED_FORMAT_NAME, max_version=1, kind="retired record"
+        )
+        try:
+            return cls(
+                field_str(d, "generation"), field_node(d, "node"), field_number(d, "written", 0.0)
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptData(
+                f"retired record at {where} is malformed ({describe_error(e)})"
+            ) from None
 
 
 def node_here() -> str:

@@ -105,6 +105,8 @@ class Cluster:
     ``nproc``: ranks per node.  ``pg_timeout``: seconds, passed to the training processes.
     ``replicas``: ``[tiers.nvme] replicas`` (each node's part also on other nodes' NVMe).
     ``domains``: node -> its ``[tiers.nvme] failure_domain`` (nodes not named have none).
+    ``node_toml``: node -> TOML appended to that node's config alone (after ``policies``),
+    such as a ``[daemon] bwlimit`` that makes one node's exports slow.
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class Cluster:
         pg_timeout: float = 60,
         replicas: int = 0,
         domains: Mapping[str, str] | None = None,
+        node_toml: Mapping[str, str] | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -127,6 +130,7 @@ class Cluster:
         self.lustre.mkdir(exist_ok=True)
         self.nproc, self.s3, self.policies, self.pg_timeout = nproc, s3, policies, pg_timeout
         self.replicas, self.domains = replicas, dict(domains or {})
+        self.node_toml = dict(node_toml or {})
         self.port = free_ports(1)[0]
         self.store = dist.TCPStore(
             "127.0.0.1",
@@ -182,7 +186,7 @@ class Cluster:
                 f'[s3]\nendpoint_url = "{self.s3.endpoint_url}"\n'
                 f'region = "{self.s3.region}"\naddressing_style = "path"\n{self.s3.extra}\n'
             )
-        cfg.write_text(text + self.policies)
+        cfg.write_text(text + self.policies + "\n" + self.node_toml.get(node, ""))
         return cfg
 
     def env(self, node: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:

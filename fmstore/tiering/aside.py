@@ -21,8 +21,9 @@ change to a step directory is one ``rename`` of the whole directory, atomic on a
 file system, made durable by an fsync of both parents; before it the step is where it
 was (the next restore falls back again, as nothing has become more readable, and moves it
 again), after it the step is wholly aside.  The catalog rows go first (the node's
-daemon starts no new export of the step) and an export of it under way on this node is
-waited for before the rename, so no export reads a directory being moved.
+daemon starts no new export of the step), then the step's generations are retired on the
+shared tiers (:mod:`.retire`), then the rename: an export of the step still under way
+(nothing waits for it) either finds its source gone or is fenced at its commit.
 
 Every path is resolved from a descriptor of the tier's root with no link followed
 (:mod:`fmstore.stores.beneath`): listed with ``scandir(fd)``, moved with ``rename`` between
@@ -35,7 +36,6 @@ moved or removed, and ``.aside`` / ``.replicas`` made by someone else are refuse
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import os
@@ -46,29 +46,24 @@ import stat
 import time
 from collections.abc import Iterable, Iterator
 
-from ..checkpoint.layout import REPLICA_PREFIX, parse_step, step_name
+from ..checkpoint.layout import GENERATION_RE, REPLICA_PREFIX, parse_step, step_name
 from ..errors import FmstoreError, PermissionDenied
 from ..stores import beneath
 from ..stores.base import Store
 from ..stores.posix_io import tree_bytes
-from .journal import live_destinations
 
 __all__ = [
     "ASIDE_PREFIX",
     "move_aside",
     "moved_aside",
     "newer_steps",
+    "generations",
     "remove",
-    "wait_for_exports",
 ]
 
 #: The directory of a node-local tier that holds the steps moved aside.
 ASIDE_PREFIX = ".aside"
 _TOKEN_RE = re.compile(r"([0-9]{13})-[0-9a-f]{8}")  # whole names only (fullmatch)
-#: how often this node's exports are looked at again while one of a step is under way,
-#: and for how long at most (seconds)
-EXPORT_POLL = 0.5
-EXPORT_WAIT = 600.0
 
 
 def _tier_root(store: Store, tier: str) -> str:
@@ -220,29 +215,26 @@ def move_aside(store: Store, tier: str, run: str, steps: Iterable[int]) -> str |
     return os.path.join(_tier_root(store, tier), ASIDE_PREFIX, token)
 
 
-def _under(url: str, dests: Iterable[str]) -> str | None:
-    return next((d for d in dests if url == d or url.startswith(d + "/")), None)
-
-
-async def wait_for_exports(
-    state_dir: str, dests: Iterable[str], *, limit: float = EXPORT_WAIT
-) -> None:
-    """Until no copy on this node writes under ``dests`` (the URLs of the steps' prefixes
-    on the shared tiers): an export in progress holds its journal's lock
-    (:func:`fmstore.tiering.journal.live_destinations`), dropped when it ends or its process
-    dies.  Raises :class:`FmstoreError` after ``limit`` seconds."""
-    dests = [d.rstrip("/") for d in dests]
-    until = time.monotonic() + limit
-    while True:
-        busy = [u for u in live_destinations(state_dir) if _under(u, dests)]
-        if not busy:
-            return
-        if time.monotonic() > until:
-            raise FmstoreError(
-                f"an export of a step to move aside is still under way after {limit:.0f} s: "
-                f"{busy[0]}"
-            )
-        await asyncio.sleep(EXPORT_POLL)
+def generations(store: Store, tier: str, run: str, steps: Iterable[int]) -> dict[int, set[str]]:
+    """Step -> the generations this node holds of it on ``tier`` (the directories named as
+    generations in its part's directory and in its replicas'), resolved as
+    :func:`newer_steps` resolves them (no link followed)."""
+    out: dict[int, set[str]] = {}
+    with _held(store, tier, run) as (_root, places):
+        for s in steps:
+            name = step_name(s)
+            for key, fd in places:
+                sfd = _open_dir(fd, name, tier, f"{key}/{name}")
+                if sfd is None:
+                    continue
+                try:
+                    with os.scandir(sfd) as it:
+                        for e in it:
+                            if GENERATION_RE.match(e.name) and e.is_dir(follow_symlinks=False):
+                                out.setdefault(s, set()).add(e.name)
+                finally:
+                    os.close(sfd)
+    return out
 
 
 def moved_aside(store: Store, *, now: float) -> list[tuple[str, int, float]]:

@@ -39,6 +39,9 @@ class CopyResult:
     #: A checkpoint in node parts (:mod:`.parts`): the nodes whose parts are not on the
     #: destination yet; empty once the copy there is committed.
     waiting_for: tuple[str, ...] = ()
+    #: A checkpoint in node parts whose generation a restore retired (it abandoned the
+    #: step, :mod:`.retire`): not committed on the destination, and never will be.
+    retired: bool = False
 
 
 async def copy_blobs(

@@ -60,6 +60,7 @@ from ..stores.bounded import (
     decode_json,
     read_bounded,
 )
+from . import retire
 from .blobcopy import CopyResult, copy_blobs
 from .protocol import commit_holds, may_remove_part, record_holds
 from .transfer import TransferOptions
@@ -170,13 +171,24 @@ async def export_part(
         existing: bytes | None = await read_bounded_manifest(dst)
     except NotFound:
         existing = None
+    # A commit of a step a restore abandoned (its generation retired) is deleted, manifest
+    # first, once no exporter of it may be alive (:mod:`.retire`); never overwritten.
+    in_way = None if existing is None else await retire.clear_retired(dst, existing, lease_renewals)
+    if (existing == data and in_way is not None) or (
+        existing is None and await retire.retired(dst, gen)
+    ):
+        return CopyResult(full, mcrc, 0, 0, time.monotonic() - t0, retired=True)
     if existing is not None and existing != data:
-        raise CorruptData(
-            "another checkpoint is committed under this name (its manifest differs from the "
-            "save's); remove it to export this one",
-            tier=dst.tier,
-            key=f"{dst.url}/{MANIFEST_KEY}",
-        )
+        if in_way is None:
+            raise CorruptData(
+                "another checkpoint is committed under this name (its manifest differs from "
+                "the save's); remove it to export this one",
+                tier=dst.tier,
+                key=f"{dst.url}/{MANIFEST_KEY}",
+            )
+        if in_way:
+            return CopyResult(full, mcrc, 0, 0, time.monotonic() - t0, waiting_for=tuple(in_way))
+        existing = None
     if existing is not None:
         # Committed (by this node or another): our part must really be there.
         there = await verify_checkpoint(dst, manifest=view, store_checksums=True)
@@ -204,14 +216,22 @@ async def export_part(
                 await _drop_bad(dst, view, journal_path)
                 mine = False
         if not mine:
-            check, copied, skipped = await copy_blobs(
-                src,
-                dst,
-                view,
-                options,
-                journal_path,
-                on_bad_copy=lambda: _drop_bad(dst, view, journal_path),
-            )
+            try:
+                check, copied, skipped = await copy_blobs(
+                    src,
+                    dst,
+                    view,
+                    options,
+                    journal_path,
+                    on_bad_copy=lambda: _drop_bad(dst, view, journal_path),
+                )
+            except NotFound as e:
+                # The part moved away under the copy: a restore that fell back moves a
+                # step aside only after retiring its generation here, so that is what
+                # happened (the source now holds the redo, or nothing); not a lost part.
+                if e.tier == dst.tier or not await retire.retired(dst, gen):
+                    raise
+                return CopyResult(full, mcrc, 0, 0, time.monotonic() - t0, retired=True)
             crcs = blob_checksums(view)
             rec = PartRecord(
                 node=node,
@@ -223,7 +243,14 @@ async def export_part(
             await dst.put(part_record_key(gen, node), rec.dumps())
         else:
             skipped = view.stored_bytes
-        waiting = await commit_if_complete(dst, full, data, lease)
+        try:
+            waiting = await commit_if_complete(dst, full, data, lease)
+        except retire.Retired:
+            # A restore abandoned this save's step: not committed (or no longer), and the
+            # part here is an uncommitted generation's, left to the sweep.
+            return CopyResult(
+                full, mcrc, copied, skipped, time.monotonic() - t0, check=check, retired=True
+            )
     if not waiting:
         await _drop_leases(dst, gen)
     return CopyResult(
@@ -278,6 +305,12 @@ async def commit_if_complete(
     missing = await _holding_records(dst, manifest, data)
     if missing:
         return missing
+    # The fence against a restore that abandoned this step (:mod:`.retire`): no commit of a
+    # retired generation, and none of a new one while a retired one's exporter may write.
+    if await retire.retired(dst, manifest.generation):
+        raise retire.Retired(manifest.generation)
+    if blocked := await retire.retired_exporters(dst, manifest.generation, lease_renewals):
+        return blocked
     if not commit_holds(lease.renewed, now=time.time(), ttl=pr.LEASE_TTL, skew=pr.CLOCK_SKEW):
         # Listed too long ago: a node may have taken its part out since, trusting this
         # lease expired.  Not committed; the next attempt (any node's) lists afresh.
@@ -287,11 +320,22 @@ async def commit_if_complete(
         # means committed already; another checkpoint under this name is never overwritten
         await commit_manifest(dst, data, "same-or-fail", crc=crc32c(data))
     except AlreadyExists:
-        raise CorruptData(
-            "another checkpoint was committed under this name meanwhile",
-            tier=dst.tier,
-            key=f"{dst.url}/{MANIFEST_KEY}",
-        ) from None
+        # another checkpoint's manifest is there: the commit of a step a restore
+        # abandoned is cleared out of the way (:mod:`.retire`), anything else refused
+        there = await read_bounded_manifest(dst)
+        in_way = await retire.clear_retired(dst, there, lease_renewals)
+        if in_way is None:
+            raise CorruptData(
+                "another checkpoint was committed under this name meanwhile",
+                tier=dst.tier,
+                key=f"{dst.url}/{MANIFEST_KEY}",
+            ) from None
+        return in_way or [p.node for p in manifest.parts]  # the next attempt commits
+    # Looked for again after the write: a restore that retired the generation meanwhile
+    # may have read no manifest, so the commit is taken back here.
+    if await retire.retired(dst, manifest.generation):
+        await retire.retire_own_commit(dst, data, lease)
+        raise retire.Retired(manifest.generation)
     return []
 
 

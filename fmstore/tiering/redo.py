@@ -27,7 +27,8 @@ On a POSIX tier a damaged step is moved aside whole (:func:`.aside.move_aside`:
 its grace period, as the sharded manager does.  On an object store it is deleted, manifest
 first (:func:`~fmstore.tiering.mover.delete_checkpoint`, the path retention and
 ``fmstore rm`` take), see :func:`_clear`.  Catalog rows go first in both cases: no new
-export of the step starts, and an export of it under way on this node is waited for.
+export of the step starts, and an export of it still under way finds its source gone or
+fails its verification (the copy is damaged): nothing waits for it.
 """
 
 from __future__ import annotations
@@ -116,9 +117,8 @@ def _clear(
         for row in catalog.copies(root, step=s):
             if row.tier == tier or row.state == cat.EXPORTING:
                 catalog.forget_copy(root, s, row.tier)
-    others = [t for t in policies.ladder if t != tier]
-    dests = [tiers.checkpoint(t, root, s).url for t in others for s in steps]
-    runtime.run(aside.wait_for_exports(config_state_dir, dests))
+    # Nothing waits for an export of them still under way: it finds its source gone, or
+    # fails its verification (the copy is proven damaged), so it commits nothing.
     store = tiers.store(tier)
     if store.local_root is not None:
         where = aside.move_aside(store, tier, root, steps)

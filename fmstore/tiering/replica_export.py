@@ -189,7 +189,7 @@ async def export_replicas(
                             step,
                             tier,
                             dest,
-                            not res.waiting_for,
+                            not res.waiting_for and not res.retired,
                             NOT_EXPORTING if later > step else NODE_LOST,
                             later,
                         )

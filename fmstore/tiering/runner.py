@@ -357,6 +357,15 @@ class PolicyRunner:
             self._failed(a, e, rep)
             raise
         seconds = time.monotonic() - t0
+        if res.retired:
+            # A restore fell back from this step and retired the generation exported here
+            # (docs/distributed.md, "Steps moved aside"): nothing to record on the
+            # destination; the redo of the step, once saved, is exported afresh.
+            c.forget_copy(a.root, a.step, a.dest)
+            with contextlib.suppress(OSError):
+                os.unlink(jpath)
+            event("export_retired", root=a.root, step=a.step, src=a.source, dst=a.dest)
+            return
         if res.waiting_for:
             # This node's part is there and verified; the commit waits for the others'
             # (whichever node finds them all commits: docs/distributed.md).  Not a failure:

@@ -98,6 +98,8 @@ class ShardedCheckpointManager:
         else:
             self.config = get_config() if config is None else load_config(config)
         policies = from_config(self.config)
+        #: the tiers this node's exports write to (where a step a restore abandoned is fenced)
+        self._export_dests = [e.to for e in policies.exports]
         self.root = root.strip("/")
         checkpoint_key(self.root, 0)  # validates the root as a key
         if (declared := step_patterns(self.config).get(self.root)) is not None:
@@ -420,10 +422,11 @@ class ShardedCheckpointManager:
     def _move_aside_newer(self, restored: int) -> None:
         """Every rank, after a restore of ``restored`` that chose the step itself: the
         lowest rank of each node moves its directories of newer steps (parts, replicas) on
-        the node-local tiers aside (:mod:`.aside`), after their catalog rows and once no
-        export of them is under way, so that the job's redo of those steps saves again.
-        Raises on every rank if some node could not (the restored state stands; the next
-        restore tries again)."""
+        the node-local tiers aside (:mod:`.aside`), after their catalog rows and after
+        retiring their generations on the shared tiers (:mod:`.retire`: a few bounded
+        store calls, no wait for an export), so that the job's redo of those steps saves
+        again and no export of the abandoned ones commits.  Raises on every rank if some
+        node could not (the restored state stands; the next restore tries again)."""
         import torch.distributed as dist
 
         nodes = [node_id()] if self.pg is None else gather_json(self.pg, node_id())
@@ -468,7 +471,7 @@ class ShardedCheckpointManager:
         from . import aside
         from . import catalog as cat
 
-        local = list(dict.fromkeys([*self.ladder, self.write_tier]))
+        local = list(dict.fromkeys([*self.ladder, self.write_tier, *self._export_dests]))
         shared = [t for t in local if self.config.tier(t).scope != "node"]
         local = [t for t in local if self.config.tier(t).scope == "node"]
         moved: set[int] = set()
@@ -484,12 +487,43 @@ class ShardedCheckpointManager:
                     for row in c.copies(self.root, step=s):
                         if row.tier == tier or (row.tier in shared and row.state != cat.PRESENT):
                             c.forget_copy(self.root, s, row.tier)
-            # ... and none under way on this node still reads them.
-            dests = [self.tiers.checkpoint(t, self.root, s).url for t in shared for s in steps]
-            runtime.run(aside.wait_for_exports(self.config.state_dir, dests))
+            # ... and none under way anywhere commits them: their generations are retired
+            # on every shared tier first (an export still reading the part is fenced at its
+            # commit), then the directories move.
+            gens = aside.generations(store, tier, self.root, steps)
+            retired = runtime.run(self._fence(shared, gens))
+            with cat.Catalog.for_state_dir(self.config.state_dir) as c:
+                for t, s in retired:
+                    c.forget_copy(self.root, s, t)
             aside.move_aside(store, tier, self.root, steps)
             moved.update(steps)
         return sorted(moved)
+
+    async def _fence(self, shared: list[str], gens: dict[int, set[str]]) -> list[tuple[str, int]]:
+        """Retire each generation of ``gens`` (step -> generations this node holds) on
+        every tier of ``shared`` (:func:`.retire.fence`), within :data:`FENCE_LIMIT`
+        seconds in all; the (tier, step) of each commit taken back."""
+        import asyncio
+
+        from . import retire
+
+        async def go() -> list[tuple[str, int]]:
+            out = []
+            for t in shared:
+                for s, gs in sorted(gens.items()):
+                    dst = self.tiers.checkpoint(t, self.root, s)
+                    for g in sorted(gs):
+                        if await retire.fence(dst, g, node_id()):
+                            out.append((t, s))
+            return out
+
+        try:
+            return await asyncio.wait_for(go(), FENCE_LIMIT)
+        except TimeoutError:
+            raise StoreUnavailable(
+                f"could not retire the abandoned steps {sorted(gens)} on {shared} within "
+                f"{FENCE_LIMIT:g} s"
+            ) from None
 
     def _holds(self, tier: str, step: int) -> bool:
         """Whether this node holds ``step`` committed on ``tier`` (its manifest validated,
@@ -545,6 +579,11 @@ class ShardedCheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: The most seconds a node's leader spends retiring the steps a restore abandoned on the
+#: shared tiers (a few bounded store calls per step and tier), between two collectives.
+FENCE_LIMIT = 10.0
 
 
 def _view_of(rank: int, v: Any) -> dict[str, tuple[set[int], set[int]]]:
