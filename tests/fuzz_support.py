@@ -51,12 +51,13 @@ def _vm_size() -> int:
 
 
 @contextlib.contextmanager
-def _address_space_limit() -> Iterator[None]:
-    """Cap the soft RLIMIT_AS for the duration of one load (the hard limit is untouched,
-    so it is restored afterwards): an allocation a hostile size asks for fails loudly as
-    MemoryError / RuntimeError, which the property then reports."""
+def address_space_limit(headroom: int = HEADROOM) -> Iterator[None]:
+    """Cap the soft RLIMIT_AS at the process's size plus ``headroom`` for the duration of
+    one load (the hard limit is untouched, so it is restored afterwards): an allocation a
+    hostile size asks for fails loudly as MemoryError / RuntimeError, which the property
+    then reports."""
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = _vm_size() + HEADROOM
+    cap = _vm_size() + headroom
     if hard != resource.RLIM_INFINITY:
         cap = min(cap, hard)
     resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
@@ -66,20 +67,20 @@ def _address_space_limit() -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-def _files(root: Path) -> set[str]:
+def files_below(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*")}
 
 
 def check_load(root: Path, allowed: tuple[str, ...], marker: Path, load: Callable[[], Any]) -> None:
     """Run ``load``: only fmstore errors, nothing new under ``root`` outside ``allowed``
     (relative directory names), and the planted ``marker`` never created."""
-    before = _files(root)
+    before = files_below(root)
     try:
-        with _address_space_limit():
+        with address_space_limit():
             load()
     except FmstoreError:
         pass
-    new = {p for p in _files(root) - before if p.split(os.sep)[0] not in allowed}
+    new = {p for p in files_below(root) - before if p.split(os.sep)[0] not in allowed}
     assert not new, f"files written outside {allowed}: {sorted(new)[:5]}"
     assert not marker.exists(), "a planted pickle ran"
 

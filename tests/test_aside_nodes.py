@@ -15,11 +15,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
+from cluster_support import wait_on_nodes
 
 from fmstore.testing.cluster import Cluster
 
@@ -61,16 +60,6 @@ def copying(state: Path, step: int) -> bool:
     return any(want in j.read_bytes() for j in (state / "transfers").glob("*.jsonl"))
 
 
-def wait_for(what: str, cond: Any, procs: list[Any], timeout: float = 240) -> None:
-    """Until ``cond()`` holds (an event on the tiers or in a log); fails when one of
-    ``procs`` exited, or past ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert all(p.poll() is None for p in procs), f"a daemon exited before {what}"
-        assert time.monotonic() < deadline, f"{what} never happened"
-        time.sleep(0.05)
-
-
 def test_a_fallback_past_a_slow_export_neither_waits_for_it_nor_lets_it_commit(tmp_path):
     with Cluster(tmp_path, nproc=1, policies=POLICIES, pg_timeout=30, node_toml={"n0": SLOW}) as c:
         assert c.run(WORKER, ["save", str(c.out), "16"], NODES) == [0] * 3, c.logs("job", NODES)
@@ -84,13 +73,21 @@ def test_a_fallback_past_a_slow_export_neither_waits_for_it_nor_lets_it_commit(t
         gen = generation(c.nvme("n0"), 24)
         abandoned = step_dir(c.lustre, 24) / gen
         d1, d2 = c.start_daemon("n1"), c.start_daemon("n2")
-        wait_for(
-            "n1's and n2's parts of step 24 on lustre",
+        wait_on_nodes(
             lambda: all((abandoned / f"part-{n}.json").is_file() for n in ("n1", "n2")),
             [d1, d2],
+            "n1's and n2's parts of step 24 on lustre",
+            240,
+            each=True,
         )
         d0 = c.start_daemon("n0")
-        wait_for("n0's copy of its part of step 24", lambda: copying(c.state("n0"), 24), [d0])
+        wait_on_nodes(
+            lambda: copying(c.state("n0"), 24),
+            [d0],
+            "n0's copy of its part of step 24",
+            240,
+            each=True,
+        )
         os.kill(d0.pid, signal.SIGSTOP)  # mid-copy: its journal held, its part not there
         try:
             assert not (abandoned / "part-n0.json").exists()
@@ -112,15 +109,23 @@ def test_a_fallback_past_a_slow_export_neither_waits_for_it_nor_lets_it_commit(t
 
         # n0's daemon goes on: its export of the abandoned step ends, committing nothing
         log0 = c.log("daemon", "n0")
-        wait_for("the end of n0's old export", lambda: "export_retired" in log0.read_text(), [d0])
+        wait_on_nodes(
+            lambda: "export_retired" in log0.read_text(),
+            [d0],
+            "the end of n0's old export",
+            240,
+            each=True,
+        )
         manifest = step_dir(c.lustre, 24) / "manifest.json"
         assert not manifest.exists() or manifest.read_bytes() == redo
         # every node's daemon exports the redone step (n1's is a new one)
         d1 = c.start_daemon("n1")
-        wait_for(
-            "the redone step 24 committed on lustre",
+        wait_on_nodes(
             lambda: manifest.is_file() and manifest.read_bytes() == redo,
             [d0, d1, d2],
+            "the redone step 24 committed on lustre",
+            240,
+            each=True,
         )
         for n in NODES:
             r = c.fmstore(n, "ckpt", "verify", "--all-tiers", "run")

@@ -23,7 +23,6 @@ import http.server
 import io
 import json
 import os
-import resource
 import shutil
 import threading
 from collections.abc import Callable, Iterator
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fuzz_support import address_space_limit, files_below
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.strategies import DrawFn
@@ -64,31 +64,6 @@ KEYS = ["a.bin", "d/b.bin", "d/e/c.bin", "big.bin"]
 
 
 # ---- guards ---------------------------------------------------------------------------------
-
-
-def _vm_size() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
-
-
-@contextlib.contextmanager
-def _address_space_limit() -> Iterator[None]:
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = _vm_size() + HEADROOM
-    if hard != resource.RLIM_INFINITY:
-        cap = min(cap, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-
-
-def _files(root: Path) -> set[str]:
-    return {str(p.relative_to(root)) for p in root.rglob("*")}
 
 
 def _only_fmstore_errors(op: Callable[[], Any]) -> None:
@@ -288,10 +263,10 @@ def test_a_mutated_lazy_index_gives_only_fmstore_errors(staged, http_hits, data)
         )
     )
     dst = _reset(tmp, index, modes)
-    before = _files(tmp)
-    with _address_space_limit():
+    before = files_below(tmp)
+    with address_space_limit(HEADROOM):
         _operations(tmp, dst)
-    new = {p for p in _files(tmp) - before if not any(p.startswith(a) for a in ALLOWED)}
+    new = {p for p in files_below(tmp) - before if not any(p.startswith(a) for a in ALLOWED)}
     assert not new, f"files written outside {ALLOWED}: {sorted(new)[:5]}"
     assert hits == [], f"the index's source was fetched over HTTP: {hits[:3]}"
     assert (

@@ -525,15 +525,7 @@ class CheckpointManager:
         redo fails as it would have, and the next restore tries again."""
         from .redo import clear_newer
 
-        done = clear_newer(
-            self.config.state_dir,
-            self.tiers,
-            self.catalog,
-            self.policies,
-            self.root,
-            restored,
-            damaged,
-        )
+        done = clear_newer(self.tiers, self.catalog, self.policies, self.root, restored, damaged)
         self.moved_aside = done.steps
         if self.moved_aside:
             log.warning(

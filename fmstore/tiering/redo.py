@@ -102,10 +102,8 @@ async def _damage(
 
 
 def _clear(
-    config_state_dir: str,
     tiers: Tiers,
     catalog: Catalog,
-    policies: Policies,
     root: str,
     tier: str,
     steps: list[int],
@@ -136,7 +134,6 @@ def _clear(
 
 
 def clear_newer(
-    state_dir: str,
     tiers: Tiers,
     catalog: Catalog,
     policies: Policies,
@@ -160,7 +157,7 @@ def clear_newer(
                     why[s] = w
             if not why:
                 continue
-            how = _clear(state_dir, tiers, catalog, policies, root, tier, sorted(why))
+            how = _clear(tiers, catalog, root, tier, sorted(why))
         except Exception as e:  # reported by the caller; the restored state stands
             out.problems.append(f"{tier}: {type(e).__name__}: {e}")
             continue
