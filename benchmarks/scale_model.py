@@ -505,8 +505,8 @@ def predict(job: Job, inp: Inputs) -> Prediction:
 def replica_spread(job: Job) -> int:
     """The holder nodes one node's replica is spread over: fmstore's placement for this
     job's nodes (without failure domains), computed by the placement itself
-    (:func:`fmstore.checkpoint.dcp.placement.spread`), never an input."""
-    from fmstore.checkpoint.dcp.placement import spread
+    (:func:`fmstore.protocol.placement.spread`), never an input."""
+    from fmstore.protocol.placement import spread
 
     return spread(job.nodes, job.gpus_per_node)
 

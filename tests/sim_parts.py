@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fmstore.checkpoint.layout import checkpoint_key
-from fmstore.checkpoint.partrecords import PartRecord, manifest_sha256, part_record_key
 from fmstore.errors import AlreadyExists, NotFound, StoreUnavailable
 from fmstore.format.checksum import crc32c
 from fmstore.format.manifest import MANIFEST_KEY
+from fmstore.protocol.records import PartRecord, manifest_sha256, part_record_key
 from fmstore.stores.base import PutOptions, Store
 from fmstore.stores.types import ObjectMeta
 
@@ -367,9 +367,10 @@ def patches(revert: frozenset[str] = frozenset()) -> list[tuple[Any, str, Any]]:
     from dataclasses import replace
 
     gc = importlib.import_module("fmstore.checkpoint.gc")
-    from fmstore.checkpoint import partrecords
+    from fmstore.protocol import decisions as protocol
+    from fmstore.protocol import records as partrecords
     from fmstore.tiering import catalog as cat
-    from fmstore.tiering import parts, policies, protocol, sweep, tiers
+    from fmstore.tiering import parts, policies, sweep, tiers
 
     out: list[tuple[Any, str, Any]] = [
         (parts, "copy_blobs", _fake_copy),
@@ -423,7 +424,7 @@ def patches(revert: frozenset[str] = frozenset()) -> list[tuple[Any, str, Any]]:
     if "sweep-leases" in revert:  # the sweep deleting leases with the records, unread
         out += [(sweep, "remove_generation", _remove_leases_first)]
     if "restore-unknown" in revert:  # a restore's read error taken for "no checkpoint"
-        from fmstore.checkpoint.dcp import problems
+        from fmstore.protocol import problems
 
         out += [(problems, "code_of", _any_not_found_is_absent)]
     return out
@@ -432,7 +433,7 @@ def patches(revert: frozenset[str] = frozenset()) -> list[tuple[Any, str, Any]]:
 def _any_not_found_is_absent(e: BaseException) -> Any:
     """How a load without a process group coded its failures before the fix: any
     NotFound as no manifest, anything else (a read error included) as unusable."""
-    from fmstore.checkpoint.dcp.problems import Code, fmstore_error
+    from fmstore.protocol.problems import Code, fmstore_error
 
     return Code.NO_MANIFEST if isinstance(fmstore_error(e), NotFound) else Code.UNUSABLE
 
@@ -442,7 +443,7 @@ async def _remove_leases_first(store: Store, g: Any) -> bool:
     leases of the scan deleted first (a lease renewed since included), then the leases
     left looked at."""
     from fmstore.checkpoint.gc import _generation_of, _live_lease
-    from fmstore.checkpoint.partrecords import LEASE_RE
+    from fmstore.protocol.records import LEASE_RE
 
     if g.records:
         await store.delete_many(g.records)
@@ -470,8 +471,8 @@ async def _no_lease(store: Store, keys: list[str]) -> bool:
 
 
 async def _readable_leases(store: Store, keys: list[str]) -> bool:
-    from fmstore.checkpoint.partrecords import LEASE_RE, ExportLease
     from fmstore.errors import FmstoreError
+    from fmstore.protocol.records import LEASE_RE, ExportLease
 
     for key in keys:
         if LEASE_RE.match(key.rsplit("/", 1)[-1]):
@@ -622,7 +623,7 @@ class World:
 
 
 async def _schedule(seed: int) -> Outcome:
-    from fmstore.checkpoint import partrecords
+    from fmstore.protocol import records as partrecords
 
     gc = importlib.import_module("fmstore.checkpoint.gc")
     from fmstore.errors import FmstoreError
@@ -725,9 +726,9 @@ async def _schedule(seed: int) -> Outcome:
         reader); the real decision (``problems.code_of``, ``first``, ``next_move``)
         loads it, passes it over, looks again or raises.  I3: a candidate passed over
         was not committed when it was looked at."""
-        from fmstore.checkpoint.dcp import problems
         from fmstore.checkpoint.dcp.collective import UNKNOWN_TRIES
         from fmstore.checkpoint.dcp.reader import read_manifest
+        from fmstore.protocol import problems
 
         for _ in range(rng.randint(1, 3)):
             for step in sorted(STEPS, reverse=True):

@@ -18,10 +18,10 @@ from fmstore import runtime
 from fmstore.checkpoint.dcp.manifest import DcpManifest
 from fmstore.checkpoint.gc import gc
 from fmstore.checkpoint.layout import checkpoint_key
-from fmstore.checkpoint.partrecords import ExportLease, lease_key, retired_key
 from fmstore.checkpoint.verify import verify_checkpoint
 from fmstore.errors import NotFound
 from fmstore.format.manifest import MANIFEST_KEY
+from fmstore.protocol.records import ExportLease, lease_key, retired_key
 from fmstore.stores import open_store
 from fmstore.stores.base import PrefixStore, PutOptions, Store
 from fmstore.tiering import catalog as cat

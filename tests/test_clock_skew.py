@@ -203,9 +203,9 @@ def test_the_skewed_nodes_tier_check_sees_its_clock_ahead_of_the_shared_tier(tmp
 def test_protocol_settings_come_from_the_config_and_the_environment_overrides(
     tmp_path, monkeypatch
 ):
-    from fmstore.checkpoint import partrecords as pr
     from fmstore.config import load_config
     from fmstore.errors import ConfigError
+    from fmstore.protocol import records as pr
 
     for name in ("LEASE_TTL", "LEASE_RENEW", "CLOCK_SKEW"):
         monkeypatch.setattr(pr, name, getattr(pr, name))

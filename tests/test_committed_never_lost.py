@@ -14,11 +14,11 @@ from fmstore import runtime
 from fmstore.checkpoint.dcp.manifest import DcpManifest
 from fmstore.checkpoint.dcp.nodes import NODE_ENV
 from fmstore.checkpoint.layout import checkpoint_key
-from fmstore.checkpoint.partrecords import PartRecord, manifest_sha256
 from fmstore.checkpoint.verify import read_committed, verify_checkpoint
 from fmstore.errors import NotFound
 from fmstore.format.checksum import crc32c
 from fmstore.format.manifest import MANIFEST_KEY
+from fmstore.protocol.records import PartRecord, manifest_sha256
 from fmstore.stores import open_store
 from fmstore.tiering import catalog as cat
 from fmstore.tiering.daemon import Daemon, DaemonSettings

@@ -34,8 +34,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from fmstore.checkpoint import dcp as fdcp
 from fmstore.checkpoint.dcp import Reader
 from fmstore.checkpoint.dcp.collective import CandidatesFailed
-from fmstore.checkpoint.dcp.problems import Code
 from fmstore.errors import NotFound
+from fmstore.protocol.problems import Code
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")]
 

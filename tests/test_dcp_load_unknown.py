@@ -12,8 +12,8 @@ import torch
 
 from fmstore.checkpoint import dcp as fdcp
 from fmstore.checkpoint.dcp import collective
-from fmstore.checkpoint.dcp.problems import Code
 from fmstore.errors import StoreUnavailable
+from fmstore.protocol.problems import Code
 
 
 def _two_steps(tmp_path) -> tuple[str, str]:

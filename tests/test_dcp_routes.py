@@ -12,7 +12,7 @@ import pytest
 from gloo_ranks import run
 from sharded_support import config_text, make_state
 
-from fmstore.checkpoint.routing import PART, REPLICA, Holding, Routes, may_drop_pending, route
+from fmstore.protocol.routing import PART, REPLICA, Holding, Routes, may_drop_pending, route
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")]
 

@@ -354,7 +354,7 @@ def test_webdataset_with_a_hostile_member_table_in_the_cache(originals, work, da
 
 def _records() -> dict[str, bytes]:
     from fmstore.checkpoint.dcp.nodes import RankRecord
-    from fmstore.checkpoint.partrecords import ExportLease, PartRecord
+    from fmstore.protocol.records import ExportLease, PartRecord
 
     gen = "g000000000001-00000001"
     return {
@@ -372,7 +372,7 @@ def test_records_with_hostile_fields(tmp_path_factory, data):
     raising (a pid of 10**30, a renewal at NaN); ``gc`` over it ends in a report."""
     from fmstore.checkpoint.dcp.nodes import RankRecord
     from fmstore.checkpoint.gc import gc
-    from fmstore.checkpoint.partrecords import ExportLease, PartRecord, is_node_id
+    from fmstore.protocol.records import ExportLease, PartRecord, is_node_id
 
     kind = data.draw(st.sampled_from(["part", "lease", "rank"]))
     doc = data.draw(json_mutation(json.loads(_records()[kind])))

@@ -68,7 +68,7 @@ def _lease_doc(node: str, pid: object, renewed: str) -> bytes:
 
 @pytest.mark.parametrize("renewed", ["Infinity", "NaN", "1e300", "1e400", "-Infinity", "FUTURE"])
 def test_lease_renewed_at_no_real_time_is_dead(renewed):
-    from fmstore.checkpoint.partrecords import LEASE_TTL, ExportLease
+    from fmstore.protocol.records import LEASE_TTL, ExportLease
 
     now = time.time()
     doc = _lease_doc("elsewhere", 1, str(now + 100 * LEASE_TTL) if renewed == "FUTURE" else renewed)

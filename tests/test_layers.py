@@ -28,13 +28,15 @@ ALLOWED: dict[str, set[str]] = {
     **{m: set() for m in CORE},
     "stores": set(),
     "format": {"stores"},  # only the Buffer type of stores.base
-    "checkpoint": {"format", "stores"},
+    # The multi-node protocol's records and decisions, below everything that acts on them.
+    "protocol": {"format", "stores"},
+    "checkpoint": {"protocol", "format", "stores"},
     "loaders": {"format", "stores"},
-    "tiering": {"checkpoint", "format", "stores"},
-    "testing": {"checkpoint", "format", "stores"},
-    "cli": {"checkpoint", "format", "stores", "loaders", "tiering"},
-    "integrations": {"checkpoint", "format", "stores", "loaders", "tiering"},
-    "demo": {"checkpoint", "format", "stores", "loaders", "tiering", "cli", "testing"},
+    "tiering": {"checkpoint", "protocol", "format", "stores"},
+    "testing": {"checkpoint", "protocol", "format", "stores"},
+    "cli": {"checkpoint", "protocol", "format", "stores", "loaders", "tiering"},
+    "integrations": {"checkpoint", "protocol", "format", "stores", "loaders", "tiering"},
+    "demo": {"checkpoint", "protocol", "format", "stores", "loaders", "tiering", "cli", "testing"},
     "__main__": {"cli"},
     # fmstore:// for fsspec: reads lazily staged files through, so it sits above tiering.
     "fsspec": {"stores", "tiering"},
@@ -162,3 +164,48 @@ def test_no_import_circles():
 def test_no_module_is_too_big_to_hold_in_mind(path):
     n = len(path.read_text().splitlines())
     assert n <= MAX_LINES, f"{path.relative_to(ROOT)} has {n} lines (at most {MAX_LINES})"
+
+
+def _imports_torch_at_import(path: Path) -> bool:
+    """Whether ``path`` imports torch when it is imported (lazy imports inside functions and
+    annotations under TYPE_CHECKING do not count)."""
+
+    def visit(nodes: list[ast.stmt]) -> bool:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                inner = [] if all(a.name.split(".")[0] != "torch" for a in node.names) else None
+            elif isinstance(node, ast.ImportFrom):
+                torch = not node.level and (node.module or "").split(".")[0] == "torch"
+                inner = None if torch else []
+            elif isinstance(node, ast.If):
+                lazy = "TYPE_CHECKING" in ast.unparse(node.test)  # annotations only
+                inner = node.orelse if lazy else node.body + node.orelse
+            elif isinstance(node, ast.Try):
+                inner = node.body + node.orelse + node.finalbody
+            else:
+                inner = []
+            if inner is None or visit(inner):
+                return True
+        return False
+
+    return visit(ast.parse(path.read_text()).body)
+
+
+def test_the_protocol_decides_without_torch():
+    # Its decisions are pure functions of torch-free facts: the simulation, the daemon and
+    # the CLI use them without loading torch, so none of its modules (nor what they import
+    # within fmstore) may import torch at module level.
+    protocol = sorted((ROOT / "protocol").rglob("*.py"))
+    assert protocol, "fmstore/protocol/ holds no module"
+    seen: set[Path] = set()
+    todo = list(protocol)
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for target in _imports(path, top_level_only=True):
+            p = ROOT.parent / Path(*target.split("."))
+            todo += [q for q in (p.with_suffix(".py"), p / "__init__.py") if q.exists()]
+    heavy = sorted(str(p.relative_to(ROOT)) for p in seen if _imports_torch_at_import(p))
+    assert not heavy, "the protocol loads torch at import through: " + ", ".join(heavy)

@@ -14,7 +14,7 @@ from fmstore.errors import ConfigError, CorruptData
 @pytest.mark.parametrize("bad", ["n0\n", "..", ".", "-x", "n 0", "[/]", "ｎ0", "x" * 201, ""])
 def test_node_id_has_one_grammar(monkeypatch, bad):
     from fmstore.checkpoint.dcp.nodes import NODE_ENV, node_id
-    from fmstore.checkpoint.partrecords import PartRecord, is_node_id
+    from fmstore.protocol.records import PartRecord, is_node_id
 
     assert not is_node_id(bad)
     if bad:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from fmstore import runtime
-from fmstore.checkpoint.partrecords import PartRecord, part_record_key
+from fmstore.protocol.records import PartRecord, part_record_key
 from fmstore.stores import open_store
 from fmstore.tiering.parts import delete_own_part
 

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from fmstore.checkpoint.dcp.placement import capped, holders, is_domain, node_holders, spread
+from fmstore.protocol.placement import capped, holders, is_domain, node_holders, spread
 
 
 def _nodes(n: int, per: int) -> list[tuple[str, list[int]]]:
@@ -149,7 +149,7 @@ def test_a_lost_part_comes_from_the_first_surviving_holder_in_the_saves_order():
 
 
 def test_routes_read_a_part_from_whichever_of_its_holders_is_in_the_job():
-    from fmstore.checkpoint.routing import REPLICA, Holding, Routes, route
+    from fmstore.protocol.routing import REPLICA, Holding, Routes, route
 
     # saved on n0..n2 (one rank each), k = 2; the relaunch runs n0 and two new nodes
     hs = [
@@ -208,7 +208,7 @@ def test_a_holders_place_is_read_from_its_placement_file_and_checked(
 
 
 def test_each_nodes_domain_is_what_all_its_ranks_said_or_none():
-    from fmstore.checkpoint.dcp.placement import domains_of
+    from fmstore.protocol.placement import domains_of
 
     nodes = [("n0", [0, 1]), ("n1", [2, 3])]
     assert domains_of(nodes, ["a", "a", "b", "b"]) == {"n0": "a", "n1": "b"}

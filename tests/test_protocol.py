@@ -1,4 +1,4 @@
-"""The protocol's decisions (fmstore.tiering.protocol), as pure functions of facts: no
+"""The protocol's decisions (fmstore.protocol.decisions), as pure functions of facts: no
 store, no torch, no clock but the one passed in."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from fmstore.errors import CorruptData, VersionError
-from fmstore.tiering import protocol as pr
+from fmstore.protocol import decisions as pr
 
 GEN = "g000000000001-00000001"
 TTL, SKEW = 120.0, 10.0

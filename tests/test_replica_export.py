@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from gloo_ranks import run
 
-from fmstore.tiering.protocol import replica_export_due
+from fmstore.protocol.decisions import replica_export_due
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")]
 
@@ -89,7 +89,7 @@ def test_a_lost_nodes_part_is_exported_from_its_replica_and_the_step_commits(
     assert not (lustre / "manifest.json").exists()
     # The step has waited long enough (a config that waits 0 s), but n1's lease is alive.
     Path(n0).write_text(config_text(tmp, "n0", "0s"))
-    from fmstore.checkpoint.partrecords import ExportLease, lease_key
+    from fmstore.protocol.records import ExportLease, lease_key
 
     lease = lustre / lease_key(gen, "n1")
     lease.write_bytes(ExportLease("n1", 1, time.time()).dumps())

@@ -192,7 +192,7 @@ def sequence(rank: int, tmp: str) -> dict[str, Any]:
         # generation may still be alive (its writes could land yet): the commit waits
         seen["export_80_waits"] = export_80()
         # no attempt renews that lease any more (the restore took its row): it ages out
-        from fmstore.checkpoint.partrecords import ExportLease, lease_key
+        from fmstore.protocol.records import ExportLease, lease_key
 
         for lease in Path(tmp, "lustre", STEP.format(80)).glob("*/export-n0.json"):
             if lease.parent.name != seen["gen_80"]:

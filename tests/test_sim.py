@@ -56,7 +56,7 @@ def test_a_schedule_is_a_function_of_its_seed_and_switches_alone():
 def test_nothing_of_the_process_reaches_a_schedule(monkeypatch):
     """Its settings (``$FMSTORE_EXPORT_LEASE_TTL``, ``$FMSTORE_CLOCK_SKEW`` as read at
     import), its id and its node's name change no schedule."""
-    from fmstore.checkpoint import partrecords
+    from fmstore.protocol import records as partrecords
 
     first = [o.trace for o in sim.search(range(8))]
     monkeypatch.setattr(partrecords, "LEASE_TTL", 60.0)

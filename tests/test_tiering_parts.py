@@ -21,8 +21,8 @@ from fmstore import runtime
 from fmstore.checkpoint.dcp.manifest import DcpManifest
 from fmstore.checkpoint.dcp.nodes import NODE_ENV
 from fmstore.checkpoint.layout import checkpoint_key, new_generation
-from fmstore.checkpoint.partrecords import part_record_key
 from fmstore.checkpoint.verify import verify_checkpoint
+from fmstore.protocol.records import part_record_key
 from fmstore.stores import open_store
 from fmstore.tiering import catalog as cat
 from fmstore.tiering.rules import from_config
@@ -135,7 +135,7 @@ def test_an_export_of_an_old_save_is_young_on_the_shared_tier_and_a_live_one_is_
 def test_a_lease_past_its_ttl_keeps_nothing_and_records_go_with_the_blobs(
     tmp_path, monkeypatch, capsys
 ):
-    from fmstore.checkpoint.partrecords import CLOCK_SKEW, LEASE_TTL, ExportLease, lease_key
+    from fmstore.protocol.records import CLOCK_SKEW, LEASE_TTL, ExportLease, lease_key
 
     raw = save_parts(tmp_path, 10)
     gen = DcpManifest.loads(raw).generation
@@ -441,7 +441,7 @@ def test_the_sweep_stops_before_the_blobs_when_an_exporter_comes_back(tmp_path, 
     renewed meanwhile keeps the blobs (a node that listed the records before they went may
     be committing)."""
     from fmstore.checkpoint.gc import orphan_generations, remove_generation
-    from fmstore.checkpoint.partrecords import ExportLease, lease_key
+    from fmstore.protocol.records import ExportLease, lease_key
 
     raw = save_parts(tmp_path, 10)
     gen = DcpManifest.loads(raw).generation

@@ -31,8 +31,8 @@ from fmstore import runtime  # noqa: E402
 from fmstore.checkpoint import dcp  # noqa: E402
 from fmstore.checkpoint.dcp import replicas  # noqa: E402
 from fmstore.checkpoint.dcp.replica_stream import Stream  # noqa: E402
-from fmstore.checkpoint.dcp.wire import broadcast_result, gather_json  # noqa: E402
 from fmstore.errors import FmstoreError  # noqa: E402
+from fmstore.protocol.wire import broadcast_result, gather_json  # noqa: E402
 from fmstore.stores import open_store  # noqa: E402
 
 

@@ -13,7 +13,7 @@ another node, whose manifest has not reached this one yet.  It is never garbage 
 however old; only a restore's collective decides about it (``docs/distributed.md``).
 
 On a shared tier, the copy of a checkpoint in node parts being exported by the nodes
-(:mod:`.partrecords`) holds part records (``part-NODE.json``) and export leases
+(:mod:`~fmstore.protocol.records`) holds part records (``part-NODE.json``) and export leases
 (``export-NODE.json``) beside its blobs until it commits.  Such a generation is kept while
 any lease in it is alive, whatever ``older_than``; when it goes, its part records go
 first, then it is looked at again (a lease renewed, a part record written since the scan,
@@ -39,13 +39,13 @@ from dataclasses import dataclass, field
 from .. import runtime
 from ..errors import CorruptData, FmstoreError, NotFound
 from ..format.manifest import MANIFEST_KEY, Manifest
+from ..protocol import records as pr
+from ..protocol.records import LEASE_RE, PART_RECORD_RE, RETIRED_NAME, ExportLease
 from ..stores import open_store
 from ..stores.base import ObjectMeta, Store
 from ..stores.bounded import LEASE_LIMIT, read_bounded
-from . import partrecords as pr
 from .commit import read_bounded_manifest
 from .layout import BLOB_RE, GENERATION_RE, RANK_RECORD_RE, generation_age
-from .partrecords import LEASE_RE, PART_RECORD_RE, RETIRED_NAME, ExportLease
 
 
 @dataclass

@@ -31,10 +31,10 @@ from ..format.checksum import crc32c
 from ..format.codecs import encode
 from ..format.manifest import MANIFEST_KEY, BlobEntry, ChunkEntry, Manifest, StorageEntry
 from ..limits import ByteBudget
+from ..protocol.records import writer_node
 from ..stores.base import Buffer, Store
 from .commit import commit_manifest
 from .layout import new_generation
-from .partrecords import writer_node
 from .planner import ALIGN, SavePlan
 
 

@@ -16,11 +16,12 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import runtime
-from ..checkpoint import partrecords as pr
 from ..checkpoint.commit import read_bounded_manifest
 from ..config import Config, load_config
 from ..errors import ConfigError, FmstoreError, NotFound
 from ..format.manifest import Manifest
+from ..protocol import records as pr
+from ..protocol.skew import InFuture, future_groups
 from ..stores import split_tier
 from ..stores.base import Store
 from ..tiering import catalog as cat
@@ -28,7 +29,6 @@ from ..tiering.catalog import Catalog
 from ..tiering.discovery import Rediscovered, rediscover
 from ..tiering.parts import parts_on
 from ..tiering.policies import Policies, State, export_lags, from_config
-from ..tiering.skew import InFuture, future_groups
 from ..tiering.tiers import Tiers
 from .main import ckpt
 from .progress import make_console

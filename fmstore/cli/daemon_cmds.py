@@ -80,8 +80,8 @@ def daemon(
         )
         for line in _not_counted(cfg, pol.ladder):
             typer.echo(f"warning: {line}", err=True)
-        from ..checkpoint import partrecords
-        from ..tiering.skew import clock_warning
+        from ..protocol import records as partrecords
+        from ..protocol.skew import clock_warning
 
         for tier, offset in probed.clock.items():
             if (skewed := clock_warning(tier, offset, partrecords.CLOCK_SKEW)) is not None:

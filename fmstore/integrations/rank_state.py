@@ -108,7 +108,7 @@ def gather(pg: Any, record: dict[str, Any]) -> dict[str, Any] | None:
         return {"0": record}
     import torch.distributed as dist
 
-    from ..checkpoint.dcp.wire import gather_json_to
+    from ..protocol.wire import gather_json_to
 
     got = gather_json_to(pg, 0, _to_wire(record), limit=_LIMIT)
     if got is None:

@@ -111,7 +111,7 @@ def restore_on_every_rank(
     (default the newest good one, any tier) and broadcasts the step and tier over ``pg``
     (None: one process); the other ranks read that step through ``reader()``.  A collective
     of ``pg``: every rank calls it at the same point."""
-    from ..checkpoint.dcp.wire import broadcast_result
+    from ..protocol.wire import broadcast_result
 
     ckpt: Any = None
     said: bytes | str | None = None

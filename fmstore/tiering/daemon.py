@@ -48,9 +48,10 @@ import filelock
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import runtime
-from ..checkpoint import partrecords
 from ..config import Config
 from ..errors import ConfigError, FmstoreError
+from ..protocol import records as partrecords
+from ..protocol.skew import clock_warning, future_groups
 from ..units import parse_duration, parse_size
 from . import metrics as m
 from .catalog import Catalog
@@ -62,7 +63,6 @@ from .policies import Policies, from_config
 from .priority import PRIORITIES, lower_priority
 from .probe import ProbeReport, probe_once_per_node
 from .runner import PolicyRunner, StepReport, event, log, log_record_json, warn_event
-from .skew import clock_warning, future_groups
 from .sweep import SweepReport, sweep
 from .transfer import TransferOptions
 

@@ -26,8 +26,8 @@ from ..config import Config
 from ..errors import ConfigError, NotFound
 from ..format.manifest import MANIFEST_KEY
 from ..keys import StepPattern
+from ..protocol.skew import InFuture
 from ..stores.base import Store
-from .skew import InFuture
 
 #: Entries listed under one prefix, and prefixes listed, per scan; the rest are counted.
 PER_ROOT = 10

@@ -5,7 +5,7 @@ has one part per node, and no node can read another's.  Each node's runner (its
 ``fmstore daemon`` or a training process's policy helper) exports its *own* part to a shared
 tier with :func:`export_part`; the copy there becomes a checkpoint when every node's part
 is there, verified.  The protocol goes through the destination store alone (records of
-:mod:`fmstore.checkpoint.partrecords`), step by step:
+:mod:`fmstore.protocol.records`), step by step:
 
 1. the node writes its export lease (``GEN/export-NODE.json``) and renews it while it works;
 2. it copies its part's blobs (resumable through its journal) and verifies them, as every
@@ -34,17 +34,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from ..checkpoint import partrecords as pr
 from ..checkpoint.commit import commit_manifest, read_bounded_manifest
-from ..checkpoint.partrecords import (
-    LEASE_RE,
-    PART_RECORD_RE,
-    ExportLease,
-    PartRecord,
-    lease_key,
-    manifest_sha256,
-    part_record_key,
-)
 from ..checkpoint.verify import (
     blob_checksums,
     read_committed,
@@ -53,6 +43,17 @@ from ..checkpoint.verify import (
 from ..errors import AlreadyExists, CorruptData, FmstoreError, NotFound
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
+from ..protocol import records as pr
+from ..protocol.decisions import commit_holds, may_remove_part, record_holds
+from ..protocol.records import (
+    LEASE_RE,
+    PART_RECORD_RE,
+    ExportLease,
+    PartRecord,
+    lease_key,
+    manifest_sha256,
+    part_record_key,
+)
 from ..stores.base import Store
 from ..stores.bounded import (
     LEASE_LIMIT,
@@ -62,7 +63,6 @@ from ..stores.bounded import (
 )
 from . import retire
 from .blobcopy import CopyResult, copy_blobs
-from .protocol import commit_holds, may_remove_part, record_holds
 from .transfer import TransferOptions
 
 if TYPE_CHECKING:
@@ -267,7 +267,7 @@ async def export_part(
 async def _own_record(dst: Store, manifest: DcpManifest, node: str, sha: str) -> bool:
     """Whether node ``node``'s part record at ``dst`` holds: it names this manifest and
     lists exactly this node's blobs, each there with its size
-    (:func:`fmstore.tiering.protocol.record_holds`; one listing).  A record that lists
+    (:func:`fmstore.protocol.decisions.record_holds`; one listing).  A record that lists
     other blobs, or none, was not written by this node's export, whoever it names."""
     key = part_record_key(manifest.generation, node)
     try:
@@ -299,7 +299,7 @@ async def commit_if_complete(
 
     The committer renews its ``lease`` before it lists the records, and writes the
     manifest only while that renewal keeps every node from removing a part it listed
-    (:func:`fmstore.tiering.protocol.commit_holds`; the argument is in
+    (:func:`fmstore.protocol.decisions.commit_holds`; the argument is in
     ``docs/distributed.md``, "Supersede and commit")."""
     await lease.put()
     missing = await _holding_records(dst, manifest, data)
@@ -341,7 +341,7 @@ async def commit_if_complete(
 
 async def _holding_records(dst: Store, manifest: DcpManifest, data: bytes) -> list[str]:
     """The nodes of ``manifest`` whose part no record at ``dst`` vouches for: a record
-    counts by its content (:func:`fmstore.tiering.protocol.record_holds`: exactly the
+    counts by its content (:func:`fmstore.protocol.decisions.record_holds`: exactly the
     part's blobs, sizes and checksums as the manifest implies them, each there with its
     size), never by the node it names."""
     sha = manifest_sha256(data)

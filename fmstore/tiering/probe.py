@@ -48,10 +48,10 @@ from ..errors import (
     StoreUnavailable,
     TierFull,
 )
+from ..protocol.skew import clock_offset
 from ..stores.base import Store
 from .credentials import credentials_digest
 from .rules import Policies
-from .skew import clock_offset
 from .tiers import Tiers
 
 #: Where probe objects go, at each tier's root (skipped by discovery, ``ls`` and ``stage``).

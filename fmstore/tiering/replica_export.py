@@ -23,14 +23,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..checkpoint import partrecords as pr
 from ..checkpoint.layout import MANIFEST_KEY, RANK_RECORD_RE, REPLICA_PREFIX, parse_step, step_name
 from ..checkpoint.verify import read_committed
 from ..config import Config
 from ..errors import FmstoreError, NotFound
+from ..protocol import records as pr
+from ..protocol.decisions import replica_export_due
 from ..stores.base import Store
 from .parts import export_part, in_parts, lease_renewals, part_records
-from .protocol import replica_export_due
 from .rules import Policies
 from .tiers import Tiers
 from .transfer import TransferOptions

@@ -10,7 +10,7 @@ one side sees the other's write (``docs/distributed.md``, "Steps moved aside aft
 fallback", has the argument):
 
 * the restorer (:func:`fence`) writes ``GEN/retired.json`` (a *retired record*,
-  :class:`~fmstore.checkpoint.partrecords.RetiredRecord`), then reads ``manifest.json``:
+  :class:`~fmstore.protocol.records.RetiredRecord`), then reads ``manifest.json``:
   when it names ``G``, it deletes it (the copy stops being a checkpoint; its objects are
   an uncommitted generation, which the sweep removes);
 * the committer (:func:`fmstore.tiering.parts.commit_if_complete`) looks for the retired
@@ -32,15 +32,15 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from ..checkpoint import partrecords as pr
 from ..checkpoint.commit import read_bounded_manifest
 from ..checkpoint.layout import GENERATION_RE
-from ..checkpoint.partrecords import RetiredRecord, retired_key
 from ..errors import CorruptData, FmstoreError, NotFound
 from ..format.manifest import MANIFEST_KEY
+from ..protocol import records as pr
+from ..protocol.decisions import commit_holds
+from ..protocol.records import RetiredRecord, retired_key
 from ..stores.base import Store
 from ..stores.bounded import RECORD_LIMIT, decode_json, read_bounded
-from .protocol import commit_holds
 
 __all__ = [
     "Retired",

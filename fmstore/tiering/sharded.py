@@ -51,11 +51,11 @@ from ..checkpoint.dcp import async_save as dcp_async_save
 from ..checkpoint.dcp import load as dcp_load
 from ..checkpoint.dcp.collective import CandidatesFailed
 from ..checkpoint.dcp.nodes import node_id
-from ..checkpoint.dcp.problems import Code, Problem, fmstore_error, reason
-from ..checkpoint.dcp.wire import gather_json
 from ..checkpoint.layout import checkpoint_key, parse_step, step_name
 from ..config import Config, get_config, is_node_id, load_config
 from ..errors import ConfigError, CorruptData, FmstoreError, NotFound, StoreUnavailable
+from ..protocol.problems import Code, Problem, fmstore_error, reason
+from ..protocol.wire import gather_json
 from .foreign import step_patterns
 from .rules import from_config
 from .tiers import Tiers

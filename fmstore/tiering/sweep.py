@@ -52,10 +52,10 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from .. import runtime
-from ..checkpoint import partrecords
 from ..checkpoint.gc import Generation, orphan_generations, remove_generation
 from ..config import Config
 from ..errors import FmstoreError
+from ..protocol import records as partrecords
 from ..stores.base import Store
 from . import aside
 from . import journal as _journal

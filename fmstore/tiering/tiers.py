@@ -16,14 +16,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .. import keys as _keys
-from ..checkpoint import partrecords as pr
 from ..checkpoint.commit import read_bounded_manifest
 from ..checkpoint.layout import REPLICA_PREFIX
-from ..checkpoint.partrecords import node_here
 from ..config import Config
 from ..errors import CorruptData, NotFound
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
+from ..protocol import records as pr
+from ..protocol.decisions import ManifestFacts, Problem, manifest_facts, step_committed
+from ..protocol.records import node_here
 from ..stores import Location, open_store
 from ..stores.base import Store
 from ..stores.posix_io import tree_bytes
@@ -38,7 +39,6 @@ from .foreign import (
     step_patterns,
 )
 from .policies import TierUsage
-from .protocol import ManifestFacts, Problem, manifest_facts, step_committed
 
 log = logging.getLogger("fmstore.tiering")
 
@@ -153,7 +153,7 @@ class Tiers:
         among the newest and delete a real checkpoint): fmstore's format, a version this
         fmstore reads, a generation whose blobs (this node's part on a node-local tier)
         are there with the manifest's sizes, and a creation time no later than now plus
-        the allowed clock skew (:func:`fmstore.tiering.protocol.step_committed`).
+        the allowed clock skew (:func:`fmstore.protocol.decisions.step_committed`).
         ``known(step, crc32c)``: True when this manifest (same checksum) was validated on
         this tier before (the catalog); its blobs are then not listed again.
         ``notes``: given what does not count, with why: each manifest there that does not

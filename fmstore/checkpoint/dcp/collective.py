@@ -31,15 +31,7 @@ from typing import Any
 
 from ... import runtime
 from ...errors import AlreadyExists, CorruptData, FmstoreError, NotFound, StoreUnavailable
-from ...stores import Store
-from ...stores.bounded import manifest_limit
-from ..commit import commit_manifest, read_bounded_manifest
-from ..routing import Holding, Routes, lowest_rank, route
-from . import replica_stream, replicas
-from .manifest import MANIFEST_KEY, DcpManifest
-from .nodes import drop_pending, node_id, tier_scope
-from .peers import Peers
-from .problems import (
+from ...protocol.problems import (
     Code,
     Move,
     Problem,
@@ -52,10 +44,18 @@ from .problems import (
     reason,
     to_json,
 )
+from ...protocol.routing import Holding, Routes, lowest_rank, route
+from ...protocol.wire import broadcast_result, gather_json
+from ...stores import Store
+from ...stores.bounded import manifest_limit
+from ..commit import commit_manifest, read_bounded_manifest
+from . import replica_stream, replicas
+from .manifest import MANIFEST_KEY, DcpManifest
+from .nodes import drop_pending, node_id, tier_scope
+from .peers import Peers
 from .reader import Reader
 from .staging import Stager
 from .views import View, look, open_candidate
-from .wire import broadcast_result, gather_json
 from .writer import Writer
 
 __all__ = ["CandidatesFailed", "async_save", "checkpoint_group", "load", "save"]

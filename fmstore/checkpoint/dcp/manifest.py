@@ -51,8 +51,8 @@ from ...format.manifest import (
     parse_header,
     sniff_format,  # noqa: F401  (re-exported)
 )
+from ...protocol.records import field_node
 from ..layout import GENERATION_RE
-from ..partrecords import field_node
 
 __all__ = [
     "DCP_FORMAT_NAME",

@@ -27,11 +27,11 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from ...config import NODE_ENV, node_id
 from ...errors import CorruptData, FmstoreError, describe_error
 from ...format.manifest import field_int, field_list, field_number, field_str, parse_header
+from ...protocol.records import field_node
+from ...protocol.routing import may_drop_pending
 from ...stores import Store
 from ...stores.bounded import RECORD_LIMIT, read_bounded
 from ..layout import RANK_RECORD_RE
-from ..partrecords import field_node
-from ..routing import may_drop_pending
 
 __all__ = [
     "NODE_ENV",
@@ -169,7 +169,7 @@ async def drop_pending(store: Store, gens: Sequence[str], nodes: tuple[str, ...]
     """Remove this node's pending parts ``gens`` in ``store`` of saves no node committed (by
     the node's lowest rank): a restore's collective found no manifest on any node of the job
     (``nodes``: each rank's node), and every node of the save is in it, whatever rank it runs
-    now (:func:`~fmstore.checkpoint.routing.may_drop_pending`).  A part of a save some of
+    now (:func:`~fmstore.protocol.routing.may_drop_pending`).  A part of a save some of
     whose nodes are not in the job stays pending (a job with them decides about it)."""
     for gen in gens:
         async for o in store.list(f"{gen}/", recursive=False):

@@ -1,6 +1,6 @@
 """A restore's reads of blobs held on another node: streamed over the checkpoint group.
 
-When a relaunch puts ranks on other nodes than the save (see :mod:`fmstore.checkpoint.routing`),
+When a relaunch puts ranks on other nodes than the save (see :mod:`fmstore.protocol.routing`),
 a rank's load plan may read items whose blobs are in another node's part or replica.
 :func:`exchange`, called by every rank from :meth:`Reader.read_data` (a collective on the
 checkpoint group): every rank says which chunks it needs from which rank, then the pairs
@@ -21,11 +21,11 @@ from ... import runtime
 from ...errors import CorruptData, FmstoreError
 from ...format.checksum import crc32c
 from ...format.manifest import ChunkEntry
+from ...protocol.routing import REPLICA, Routes
+from ...protocol.wire import gather_json
 from ...stores import Store
-from ..routing import REPLICA, Routes
 from .manifest import DcpItem, DcpManifest
 from .replicas import open_replicas
-from .wire import gather_json
 
 if TYPE_CHECKING:
     from .reader import Reader, _Target

@@ -44,10 +44,10 @@ from ...format.codecs import decode_into
 from ...format.dtypes import dtype_from_name
 from ...format.manifest import ChunkEntry
 from ...limits import ByteBudget
+from ...protocol.routing import PART
 from ...stores import Location, Store, open_store
 from ..commit import read_bounded_manifest
 from ..devring import RingLoad, cpu_routed, open_ring, run_all
-from ..routing import PART
 from ..zipguard import check_torch_zip, load_refusal
 from .manifest import MANIFEST_KEY, DcpItem, DcpManifest
 from .native import NativeCheckpoint, NativeItem, has_native_metadata, read_native, read_native_data

@@ -44,11 +44,11 @@ from typing import Any
 
 from ... import runtime
 from ...format.checksum import crc32c
+from ...protocol.placement import MAX_REPLICAS
 from ...stores import Store
 from ...stores import Writer as BlobWriter
 from ...stores.bounded import RECORD_LIMIT
 from ..layout import blob_name
-from .placement import MAX_REPLICAS
 
 __all__ = ["SLOTS", "Part", "Received", "Stream", "group_for"]
 

@@ -33,15 +33,15 @@ from typing import TYPE_CHECKING, Any
 from ... import runtime
 from ...errors import AlreadyExists, ConfigError, CorruptData, FmstoreError
 from ...format.checksum import crc32c
+from ...protocol.placement import MAX_REPLICAS, capped, domains_of, holders
+from ...protocol.problems import Code, code_of
+from ...protocol.wire import gather_json
 from ...stores import Location, PutOptions, Store, beneath, open_store, split_tier
 from ...stores.bounded import RECORD_LIMIT, decode_json, manifest_limit, read_bounded
 from ..commit import commit_manifest, read_bounded_manifest
 from ..layout import RANK_RECORD_RE, REPLICA_PREFIX, parse_step
 from .manifest import MANIFEST_KEY, DcpManifest
 from .nodes import RankRecord, rank_record_key
-from .placement import MAX_REPLICAS, capped, domains_of, holders
-from .problems import Code, code_of
-from .wire import gather_json
 
 if TYPE_CHECKING:
     from .replica_stream import Received, Stream

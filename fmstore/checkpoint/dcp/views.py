@@ -19,15 +19,15 @@ from typing import Any
 from ... import runtime
 from ...config import is_node_id
 from ...errors import CorruptData, NotFound
+from ...protocol.problems import Problem, from_json, look_failed, to_json
+from ...protocol.wire import gather_json
 from ...stores import Store
 from ..commit import read_bounded_manifest
 from ..layout import GENERATION_RE
 from . import replicas
 from .manifest import MANIFEST_KEY
 from .nodes import has_rank_record, node_id, tier_scope
-from .problems import Problem, from_json, look_failed, to_json
 from .reader import Reader
-from .wire import gather_json
 
 __all__ = ["View", "look", "open_candidate"]
 

@@ -63,10 +63,10 @@ from ...format.codecs import choose_codec, encode
 from ...format.dtypes import dtype_name
 from ...format.manifest import ChunkEntry
 from ...limits import ByteBudget
+from ...protocol.records import is_node_id, writer_node
 from ...stores import PutOptions, Store, open_store, split_tier
 from ..commit import commit_manifest, read_bounded_manifest
 from ..layout import blob_name, new_generation
-from ..partrecords import is_node_id, writer_node
 from . import plancache, replica_stream, staging
 from .items import item_bytes, offset_of, part_bytes, split, tensor_bytes
 from .manifest import MANIFEST_KEY, DcpBlob, DcpItem, DcpManifest, DcpPart

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ...errors import CorruptData, FmstoreError
-from ...stores.bounded import decode_json
+from ..errors import CorruptData, FmstoreError
+from ..stores.bounded import decode_json
 
 __all__ = ["MAX_MESSAGE", "broadcast_result", "gather_json", "gather_json_to"]
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ...config import is_failure_domain as is_domain
+from ..config import is_failure_domain as is_domain
 
 __all__ = [
     "MAX_REPLICAS",

@@ -26,7 +26,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ...errors import short_repr
+from ..errors import short_repr
 
 __all__ = [
     "Code",
@@ -96,7 +96,7 @@ def fmstore_error(e: BaseException) -> BaseException:
     (the first rank's that has one), else ``e`` itself."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict):
-        from ...errors import FmstoreError
+        from ..errors import FmstoreError
 
         inner = [x[0] for x in failures.values() if isinstance(x, tuple) and x]
         for exc in inner:
@@ -125,8 +125,8 @@ def code_of(e: BaseException) -> Code:
     errors; a layout this job cannot read: the ``ValueError`` or ``RuntimeError`` of DCP's
     check of the checkpoint against the state dict, inside its ``CheckpointException``);
     ``FAILED`` for any other error (a bug, a wrong argument)."""
-    from ...errors import FmstoreError, NotFound, PermissionDenied, StoreUnavailable
-    from ...format.manifest import MANIFEST_KEY
+    from ..errors import FmstoreError, NotFound, PermissionDenied, StoreUnavailable
+    from ..format.manifest import MANIFEST_KEY
 
     inner = fmstore_error(e)
     if isinstance(inner, NotFound):

@@ -91,7 +91,7 @@ def field_node(d: dict[str, Any], key: str) -> str:
 #: (``[protocol] lease_ttl``; ``$FMSTORE_EXPORT_LEASE_TTL`` overrides it).  Nodes' clocks
 #: must agree to well within it (NTP does); an exporter renews its lease every
 #: :data:`LEASE_RENEW` seconds (``[protocol] lease_renew``, default a sixth of the TTL).
-#: These are the process's settings: read them as ``partrecords.LEASE_TTL`` when used
+#: These are the process's settings: read them as ``records.LEASE_TTL`` when used
 #: (:func:`use_config` sets them from a config's ``[protocol]`` table).
 LEASE_TTL = float(os.environ.get("FMSTORE_EXPORT_LEASE_TTL", "120"))
 LEASE_RENEW = max(0.05, LEASE_TTL / 6)
