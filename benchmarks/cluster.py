@@ -7,7 +7,7 @@ directory, ``scope = "node"``, own state directory: :mod:`fmstore.testing.cluste
 bf16 weights and two fp32 moments sharded as DTensors over every rank) is saved by every
 way that works today, each timed barrier to barrier on every rank after one untimed round:
 
-* ``fmstore nvme (async)``: :class:`~fmstore.tiering.sharded.ShardedCheckpointManager`
+* ``fmstore nvme (async)``: :class:`~fmstore.tiering.managers.sharded.ShardedCheckpointManager`
   on the node-local tier: the stall (``save()`` returns once staged) and the time until
   the step is committed on every node;
 * ``fmstore lustre (async)`` / ``fmstore s3 (async)``: the same manager writing to the
@@ -106,7 +106,7 @@ def worker(args: argparse.Namespace) -> None:
     import fmstore.checkpoint.dcp as fdcp
     from fmstore.config import get_config
     from fmstore.testing.cluster import pg_timeout
-    from fmstore.tiering.sharded import ShardedCheckpointManager
+    from fmstore.tiering.managers.sharded import ShardedCheckpointManager
 
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", timeout=pg_timeout())
@@ -181,7 +181,7 @@ def export_phase(
     from botocore.exceptions import ClientError
 
     from fmstore.config import get_config
-    from fmstore.tiering.sharded import ShardedCheckpointManager
+    from fmstore.tiering.managers.sharded import ShardedCheckpointManager
 
     cfg = get_config()
     lustre = cfg.tier("lustre").url

@@ -424,7 +424,7 @@ def training_loop(work: str, width: int, steps: int, every: int) -> list[dict]:
     from fmstore.checkpoint.dcp import async_save as fm_dcp_async
     from fmstore.checkpoint.snapshot import STAGING
     from fmstore.config import from_dict
-    from fmstore.tiering.manager import CheckpointManager
+    from fmstore.tiering.managers.manager import CheckpointManager
 
     rows = []
 

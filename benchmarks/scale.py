@@ -38,7 +38,7 @@ from fmstore.checkpoint.dcp.manifest import MANIFEST_KEY
 from fmstore.stores import open_store
 from fmstore.testing import torchrun as launcher
 from fmstore.testing.seaweed import SeaweedServer, free_ports
-from fmstore.tiering.mover import CHECKPOINT_COPY, copy_checkpoint
+from fmstore.tiering.exports.mover import CHECKPOINT_COPY, copy_checkpoint
 
 from .common import print_table, save_json, settle
 from .scale_model import (

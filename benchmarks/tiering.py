@@ -47,9 +47,9 @@ from fmstore.config import Config, TierConfig
 from fmstore.stores import open_store
 from fmstore.stores.base import Store
 from fmstore.testing.seaweed import SeaweedServer
-from fmstore.tiering import catalog as cat
-from fmstore.tiering.mover import CHECKPOINT_COPY, copy_checkpoint
-from fmstore.tiering.priority import lower_priority
+from fmstore.tiering.exports.mover import CHECKPOINT_COPY, copy_checkpoint
+from fmstore.tiering.inventory import catalog as cat
+from fmstore.tiering.service.priority import lower_priority
 
 from .common import drop_caches, mbps, print_table, save_json
 

@@ -22,8 +22,8 @@ from .stores import open_store  # noqa: E402
 
 if TYPE_CHECKING:
     from .checkpoint import SaveHandle, aload, asave, async_save, load, prepare_async_save, save
-    from .tiering.manager import CheckpointManager
-    from .tiering.sharded import ShardedCheckpointManager
+    from .tiering.managers.manager import CheckpointManager
+    from .tiering.managers.sharded import ShardedCheckpointManager
 
 #: Names served by :mod:`fmstore.checkpoint`, imported on first use: it loads torch, which
 #: the storage layer and the CLI's staging commands do not need (seconds at start-up).
@@ -40,12 +40,12 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     if name == "CheckpointManager":
-        from .tiering.manager import CheckpointManager
+        from .tiering.managers.manager import CheckpointManager
 
         globals()[name] = CheckpointManager
         return CheckpointManager
     if name == "ShardedCheckpointManager":
-        from .tiering.sharded import ShardedCheckpointManager
+        from .tiering.managers.sharded import ShardedCheckpointManager
 
         globals()[name] = ShardedCheckpointManager
         return ShardedCheckpointManager
@@ -59,8 +59,8 @@ def __dir__() -> list[str]:
 
 def open(path: str, mode: str = "rb", **kwargs):  # type: ignore[no-untyped-def]  # noqa: A001
     """Open a local file; a file of a lazily staged dataset is fetched on first open and
-    kept (see :mod:`fmstore.tiering.lazy`)."""
-    from .tiering.lazy import open as _open
+    kept (see :mod:`fmstore.tiering.staging.lazy`)."""
+    from .tiering.staging.lazy import open as _open
 
     return _open(path, mode, **kwargs)
 

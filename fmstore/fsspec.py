@@ -126,12 +126,12 @@ class FmstoreFileSystem(AbstractFileSystem):
     def _find_index(self, tier: str, key: str) -> tuple[Any, str, str] | None:
         """(index, key below it, the tier's real root) of the lazy index governing ``key``
         on a POSIX ``tier``, looked for no higher than the tier's root.  An index that is
-        not trusted (:mod:`fmstore.tiering.lazy_index`) is not used: logged, not raised,
+        not trusted (:mod:`fmstore.tiering.staging.lazy_index`) is not used: logged, not raised,
         so a file someone else planted cannot make reads of absent files fail."""
         root = self.store(tier).local_root
         if root is None:
             return None
-        from .tiering.lazy import find_index
+        from .tiering.staging.lazy import find_index
 
         try:
             found = find_index(os.path.join(root, key) if key else root, stop=root)
@@ -170,7 +170,7 @@ class FmstoreFileSystem(AbstractFileSystem):
         hit = self._lazy(tier, key)
         if hit is None:
             return False
-        from .tiering.lazy import fetch_async
+        from .tiering.staging.lazy import fetch_async
 
         idx, entry = hit
         report = _run(fetch_async(idx, [entry]))

@@ -54,7 +54,7 @@ from fmstore import runtime  # noqa: E402
 from fmstore.checkpoint.dcp.nodes import node_id  # noqa: E402
 from fmstore.stores import open_store  # noqa: E402
 from fmstore.testing.cluster import pg_timeout  # noqa: E402
-from fmstore.tiering.sharded import ShardedCheckpointManager  # noqa: E402
+from fmstore.tiering.managers.sharded import ShardedCheckpointManager  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

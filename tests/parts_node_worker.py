@@ -29,7 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fmstore.testing.cluster import pg_timeout  # noqa: E402
-from fmstore.tiering.sharded import ShardedCheckpointManager  # noqa: E402
+from fmstore.tiering.managers.sharded import ShardedCheckpointManager  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

@@ -20,10 +20,10 @@ from fmstore.config import Config, from_dict
 from fmstore.format.checksum import crc32c
 from fmstore.format.manifest import ChunkEntry
 from fmstore.stores.base import PrefixStore, PutOptions
-from fmstore.tiering import catalog as cat
-from fmstore.tiering.catalog import Catalog
-from fmstore.tiering.rules import from_config
-from fmstore.tiering.runner import PolicyRunner
+from fmstore.tiering.inventory import catalog as cat
+from fmstore.tiering.inventory.catalog import Catalog
+from fmstore.tiering.policy.rules import from_config
+from fmstore.tiering.policy.runner import PolicyRunner
 
 ROOT = "run"
 NODES = ("n0", "n1")

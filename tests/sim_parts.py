@@ -369,8 +369,10 @@ def patches(revert: frozenset[str] = frozenset()) -> list[tuple[Any, str, Any]]:
     gc = importlib.import_module("fmstore.checkpoint.gc")
     from fmstore.protocol import decisions as protocol
     from fmstore.protocol import records as partrecords
-    from fmstore.tiering import catalog as cat
-    from fmstore.tiering import parts, policies, sweep, tiers
+    from fmstore.tiering import tiers
+    from fmstore.tiering.exports import parts
+    from fmstore.tiering.inventory import catalog as cat
+    from fmstore.tiering.policy import policies, sweep
 
     out: list[tuple[Any, str, Any]] = [
         (parts, "copy_blobs", _fake_copy),
@@ -502,7 +504,7 @@ def _setup() -> tuple[Any, Any]:
     policies: export every step, keep_latest (set per schedule) on both tiers, release the
     node-local copy once a verified one is on the shared tier."""
     from fmstore.config import from_dict
-    from fmstore.tiering.rules import ExportRule, Policies, ReleaseRule
+    from fmstore.tiering.policy.rules import ExportRule, Policies, ReleaseRule
 
     config = from_dict(
         {
@@ -526,7 +528,7 @@ class World:
     """One schedule's stores, nodes and node catalogs."""
 
     def __init__(self, seed: int, rng: random.Random, sched: Scheduler, aim: str) -> None:
-        from fmstore.tiering import catalog as cat
+        from fmstore.tiering.inventory import catalog as cat
         from fmstore.tiering.tiers import Tiers
 
         self.seed = seed
@@ -627,8 +629,9 @@ async def _schedule(seed: int) -> Outcome:
 
     gc = importlib.import_module("fmstore.checkpoint.gc")
     from fmstore.errors import FmstoreError
-    from fmstore.tiering import parts, tiers
-    from fmstore.tiering.mover import CHECKPOINT_COPY
+    from fmstore.tiering import tiers
+    from fmstore.tiering.exports import parts
+    from fmstore.tiering.exports.mover import CHECKPOINT_COPY
 
     rng = random.Random(seed)
     aim = rng.choice(AIMS)
@@ -667,7 +670,7 @@ async def _schedule(seed: int) -> Outcome:
         f"  (aim: {aim}, retention passes: {plans}, sweeps at {sweeps}, slow: {sched.slow})"
     )
     clock = _Clock(sched)
-    from fmstore.tiering import sweep
+    from fmstore.tiering.policy import sweep
 
     timed = (parts, tiers, gc, partrecords, sweep)
     saved = [(m, "time", m.time) for m in timed]
@@ -678,8 +681,8 @@ async def _schedule(seed: int) -> Outcome:
         m.node_here = lambda: _actor.get().split(":")[0]  # type: ignore[attr-defined]
 
     async def exporter(node: str) -> None:
-        from fmstore.tiering import catalog as cat
-        from fmstore.tiering.parts import delete_own_part, export_part
+        from fmstore.tiering.exports.parts import delete_own_part, export_part
+        from fmstore.tiering.inventory import catalog as cat
 
         for step in STEPS:
             ck = checkpoint_key(ROOT, step)
@@ -700,7 +703,7 @@ async def _schedule(seed: int) -> Outcome:
                         await delete_own_part(dst, node, src)
 
     async def daemon(node: str) -> None:
-        from fmstore.tiering.sweep import Sweeper
+        from fmstore.tiering.policy.sweep import Sweeper
 
         for _ in range(rng.randint(1, 4)):
             if plans:
@@ -807,10 +810,10 @@ async def _retention_and_release(w: World, node: str, rescan_local: bool) -> Non
     and remove each chosen copy with the real removal (:func:`delete_checkpoint`)."""
     from dataclasses import replace
 
-    from fmstore.tiering import catalog as cat
-    from fmstore.tiering import policies
-    from fmstore.tiering.mover import delete_checkpoint
-    from fmstore.tiering.rules import RetentionRule
+    from fmstore.tiering.exports.mover import delete_checkpoint
+    from fmstore.tiering.inventory import catalog as cat
+    from fmstore.tiering.policy import policies
+    from fmstore.tiering.policy.rules import RetentionRule
 
     t = w.tiers[node]
     shared = await t.committed_facts("lustre", ROOT)
@@ -863,7 +866,7 @@ def search(
     for mod, name, value in patches(revert):
         undo.append((mod, name, getattr(mod, name)))
         setattr(mod, name, value)
-    from fmstore.tiering import parts
+    from fmstore.tiering.exports import parts
 
     undo.append((parts._Lease, "_renew", parts._Lease._renew))
     parts._Lease._renew = _no_renew  # type: ignore[method-assign]

@@ -24,10 +24,10 @@ from fmstore.format.manifest import MANIFEST_KEY
 from fmstore.protocol.records import ExportLease, lease_key, retired_key
 from fmstore.stores import open_store
 from fmstore.stores.base import PrefixStore, PutOptions, Store
-from fmstore.tiering import catalog as cat
-from fmstore.tiering.mover import CHECKPOINT_COPY
-from fmstore.tiering.parts import export_part
-from fmstore.tiering.retire import fence
+from fmstore.tiering.exports.mover import CHECKPOINT_COPY
+from fmstore.tiering.exports.parts import export_part
+from fmstore.tiering.exports.retire import fence
+from fmstore.tiering.inventory import catalog as cat
 
 NODES3 = ("n0", "n1", "n2")
 STEP = 24

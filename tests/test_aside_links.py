@@ -18,7 +18,7 @@ from fmstore.config import from_dict
 from fmstore.errors import PermissionDenied
 from fmstore.stores import open_store
 from fmstore.stores.posix_io import tree_bytes
-from fmstore.tiering import aside
+from fmstore.tiering.inventory import aside
 from fmstore.tiering.tiers import Tiers
 
 STEP = "step_000000000090"

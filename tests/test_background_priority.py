@@ -18,11 +18,11 @@ from tiering_helpers import posix_config, state
 from fmstore.config import Config
 from fmstore.errors import ConfigError
 from fmstore.tiering import metrics as m
-from fmstore.tiering import priority
-from fmstore.tiering.helper import PolicyHelper, decode, encode
-from fmstore.tiering.manager import CheckpointManager
-from fmstore.tiering.policies import from_config
-from fmstore.tiering.transfer import TransferOptions
+from fmstore.tiering.copy.transfer import TransferOptions
+from fmstore.tiering.managers.manager import CheckpointManager
+from fmstore.tiering.policy.policies import from_config
+from fmstore.tiering.service import priority
+from fmstore.tiering.service.helper import PolicyHelper, decode, encode
 
 EXPORT = {"export": [{"to": "lustre", "every_saves": 1}]}
 
@@ -102,7 +102,7 @@ def test_priority_and_thread_mode_follow_the_settings(tmp_path):
 TRAINER = r"""
 import sys, time
 from tiering_helpers import posix_config, state
-from fmstore.tiering.manager import CheckpointManager
+from fmstore.tiering.managers.manager import CheckpointManager
 mgr = CheckpointManager("r", config=posix_config(sys.argv[1], {"export": [{"to": "lustre", "every_saves": 1}]}), policy_interval=0.1)
 mgr.save(1, state(1)).result()
 print(mgr._background.pid, flush=True)

@@ -106,7 +106,7 @@ def test_help_and_tiering_commands_start_without_torch(posix_cfg, tmp_path):
     probe = (
         "import sys\n"
         "from fmstore.cli.main import main\n"
-        "import fmstore.tiering.daemon, fmstore.checkpoint.verify, fmstore.checkpoint.gc\n"
+        "import fmstore.tiering.service.daemon, fmstore.checkpoint.verify, fmstore.checkpoint.gc\n"
         "for args in (['--help'], ['ckpt', '--help'], ['daemon', '--help'], ['ckpt', 'list']):\n"
         "    try:\n"
         "        main(args)\n"

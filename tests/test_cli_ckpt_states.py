@@ -11,8 +11,8 @@ from fmstore import config as fm_config
 from fmstore.checkpoint.dcp.manifest import DcpBlob, DcpManifest, DcpPart
 from fmstore.checkpoint.dcp.nodes import NODE_ENV
 from fmstore.checkpoint.layout import new_generation
-from fmstore.tiering import catalog as cat
-from fmstore.tiering.catalog import Catalog
+from fmstore.tiering.inventory import catalog as cat
+from fmstore.tiering.inventory.catalog import Catalog
 
 
 def test_ckpt_list_renders_every_state_and_a_parts_own_size(tmp_path, monkeypatch):

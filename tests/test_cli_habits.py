@@ -264,7 +264,7 @@ def test_verbosity_options_and_env_configure_the_fmstore_loggers(tmp_path, no_sh
         r = fm(*args, "stage", str(src), dst, "--no-progress", env={**env, **extra})
         assert r.returncode == 0, r.stderr
         lines = [line for line in r.stderr.splitlines() if line.startswith("DEBUG ")]
-        assert any(line.startswith("DEBUG fmstore.tiering.stage: plan ") for line in lines)
+        assert any(line.startswith("DEBUG fmstore.tiering.staging.stage: plan ") for line in lines)
         assert any(line.startswith("DEBUG fmstore.stores: opening ") for line in lines)
         assert len(lines) == len(set(lines)), "one handler: no line twice"
         debug_lines.append(len(lines))

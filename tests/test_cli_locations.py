@@ -89,7 +89,7 @@ def test_reading_a_missing_location_from_python_creates_nothing(tmp_path):
 def test_rm_lists_the_tracked_checkpoints_it_deletes_and_keeps_the_catalog_true(posix_cfg):
     from fmstore import CheckpointManager
     from fmstore.config import load_config
-    from fmstore.tiering import catalog as cat
+    from fmstore.tiering.inventory import catalog as cat
 
     cfg = load_config(str(posix_cfg))
     with CheckpointManager("runs/a", config=cfg, run_policies=False, async_save=False) as mgr:

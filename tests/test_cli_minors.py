@@ -24,7 +24,7 @@ from tiering_helpers import posix_config
 
 import fmstore
 from fmstore import CheckpointManager
-from fmstore.tiering.catalog import Catalog
+from fmstore.tiering.inventory.catalog import Catalog
 
 
 def _env() -> dict[str, str]:
@@ -235,7 +235,7 @@ def test_convert_to_dcp_warns_nothing_and_inspect_says_1_rank(posix_cfg, tmp_pat
 
 
 def test_healthz_names_its_time_and_steps_and_an_export_failure_its_location_once(tmp_path):
-    from fmstore.tiering.daemon import Daemon, DaemonSettings
+    from fmstore.tiering.service.daemon import Daemon, DaemonSettings
 
     config = posix_config(str(tmp_path), {"export": [{"to": "lustre", "every_saves": 1}]})
     with CheckpointManager("run", config=config, run_policies=False) as mgr:

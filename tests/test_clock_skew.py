@@ -118,8 +118,8 @@ def test_a_node_three_minutes_ahead_is_named_everywhere_and_not_counted(skewed, 
     from prometheus_client import REGISTRY
 
     from fmstore.config import load_config
-    from fmstore.tiering import runner
-    from fmstore.tiering.daemon import Daemon
+    from fmstore.tiering.policy import runner
+    from fmstore.tiering.service.daemon import Daemon
 
     warned: list[dict] = []
 

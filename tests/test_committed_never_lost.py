@@ -20,11 +20,11 @@ from fmstore.format.checksum import crc32c
 from fmstore.format.manifest import MANIFEST_KEY
 from fmstore.protocol.records import PartRecord, manifest_sha256
 from fmstore.stores import open_store
-from fmstore.tiering import catalog as cat
-from fmstore.tiering.daemon import Daemon, DaemonSettings
-from fmstore.tiering.discovery import rediscover
-from fmstore.tiering.mover import CHECKPOINT_COPY
-from fmstore.tiering.parts import _part_blobs, delete_own_part, export_part
+from fmstore.tiering.exports.mover import CHECKPOINT_COPY
+from fmstore.tiering.exports.parts import _part_blobs, delete_own_part, export_part
+from fmstore.tiering.inventory import catalog as cat
+from fmstore.tiering.inventory.discovery import rediscover
+from fmstore.tiering.service.daemon import Daemon, DaemonSettings
 from fmstore.tiering.tiers import Tiers
 
 POLICIES = {

@@ -194,7 +194,9 @@ def test_the_schema_and_the_layers_that_read_it_agree():
     from fmstore.config import SCHEMA, TierConfig
     from fmstore.stores.posix import PosixOptions
     from fmstore.stores.s3 import S3Options
-    from fmstore.tiering import daemon, rules, stage
+    from fmstore.tiering.policy import rules
+    from fmstore.tiering.service import daemon
+    from fmstore.tiering.staging import stage
 
     assert set(SCHEMA["daemon"]) == daemon._KEYS
     assert set(SCHEMA["stage"]) == set(stage._STAGE_KEYS)

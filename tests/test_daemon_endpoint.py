@@ -14,9 +14,9 @@ import urllib.request
 
 from tiering_helpers import posix_config
 
-from fmstore.tiering import endpoint as ep
-from fmstore.tiering.daemon import Daemon, DaemonSettings
-from fmstore.tiering.endpoint import Endpoint
+from fmstore.tiering.service import endpoint as ep
+from fmstore.tiering.service.daemon import Daemon, DaemonSettings
+from fmstore.tiering.service.endpoint import Endpoint
 
 HANG = 60.0  # turns a hang into a failure; never reached when the endpoint works
 

@@ -18,7 +18,7 @@ from fmstore.config import from_dict
 from fmstore.errors import ConfigError, VersionError
 from fmstore.format.manifest import DCP_FORMAT_NAME, parse_header
 from fmstore.stores import open_store
-from fmstore.tiering.sweep import Sweeper
+from fmstore.tiering.policy.sweep import Sweeper
 
 
 def test_scope_key_is_read_checked_and_defaults_to_shared(tmp_path):
@@ -118,7 +118,7 @@ def test_a_pending_part_is_kept_by_gc_and_the_sweep_with_no_grace(tmp_path):
 
 
 def test_the_mover_reports_a_checkpoint_in_node_parts_as_unreadable_not_missing(tmp_path):
-    from fmstore.tiering.mover import copy_checkpoint
+    from fmstore.tiering.exports.mover import copy_checkpoint
 
     m = _manifest([DcpPart("n0", (0, 1)), DcpPart("n1", (2, 3))])
     src = open_store(str(tmp_path / "nvme" / "run" / "step_000000000010"))

@@ -212,7 +212,7 @@ def test_a_pending_replica_is_swept_like_a_pending_part_and_a_committed_one_stay
     from fmstore.checkpoint.dcp.nodes import RankRecord, rank_record_key
     from fmstore.checkpoint.layout import new_generation
     from fmstore.stores import open_store
-    from fmstore.tiering.sweep import Sweeper
+    from fmstore.tiering.policy.sweep import Sweeper
 
     m, ck = saved_manifest(tmp_path)
     root = tmp_path / "nvme"

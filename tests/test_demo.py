@@ -55,8 +55,8 @@ def test_the_demo_plots_step_labels_that_do_not_overlap(tmp_path, monkeypatch):
     from rich.console import Console
 
     from fmstore.demo.report import plot
-    from fmstore.tiering import catalog as cat
-    from fmstore.tiering.catalog import Catalog
+    from fmstore.tiering.inventory import catalog as cat
+    from fmstore.tiering.inventory.catalog import Catalog
 
     (tmp_path / "fmstore.toml").write_text(
         f'state_dir = "{tmp_path / "state"}"\n[tiers.nvme]\nurl = "{tmp_path / "nvme"}"\n'

@@ -145,7 +145,7 @@ def test_trainer_and_daemon_agree_on_the_node_and_the_config_is_valid(tmp_path, 
     (from ``spec.nodeName``), the trainer finds the config where the ConfigMap is mounted."""
     from fmstore.checkpoint.dcp.nodes import node_id
     from fmstore.config import load_config
-    from fmstore.tiering.rules import from_config
+    from fmstore.tiering.policy.rules import from_config
 
     docs = documents()
     (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]

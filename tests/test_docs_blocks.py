@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import importlib
 import json
 import os
 import re
@@ -420,7 +421,7 @@ def test_the_reference_tiers_and_the_reference_policies_load_together():
     import tomllib
 
     from fmstore.config import from_dict
-    from fmstore.tiering.rules import from_config
+    from fmstore.tiering.policy.rules import from_config
 
     tiers = toml_block("configuration.md", 'state_dir = "/var/lib/fmstore"')
     policies = toml_block("tiering.md", "[policies]\nladder")
@@ -428,3 +429,28 @@ def test_the_reference_tiers_and_the_reference_policies_load_together():
     assert cfg.tier("nvme").scope == "node"
     p = from_config(cfg)
     assert [e.to for e in p.exports] == ["lustre", "s3"] and p.node_tiers == ("nvme",)
+
+
+_DOC_IMPORT = re.compile(r"from (fmstore[\w.]*) import ([\w, ]+)")
+
+
+def test_every_import_the_docs_show_works():
+    # The blocks that are not run (a cluster, GPUs) and the imports named in prose must
+    # still name what exists: a module moved without its docs fails here.
+    wrong, seen = [], 0
+    for doc in DOCS:
+        for mod, names in _DOC_IMPORT.findall(doc.read_text()):
+            seen += 1
+            try:
+                m = importlib.import_module(mod)
+            except ImportError as e:
+                wrong.append(f"{doc.name}: from {mod}: {e}")
+                continue
+            for name in (n.strip() for n in names.split(",")):
+                if name and not hasattr(m, name):
+                    try:
+                        importlib.import_module(f"{mod}.{name}")
+                    except ImportError:
+                        wrong.append(f"{doc.name}: {mod} has no {name}")
+    assert seen > 10, "the docs show almost no imports: the pattern is out of date"
+    assert not wrong, "\n".join(wrong)

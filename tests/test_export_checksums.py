@@ -22,7 +22,7 @@ from fmstore.checkpoint.verify import blob_checksums, verify_checkpoint
 from fmstore.stores import open_store
 from fmstore.stores.crc import composite_of, crc32c
 from fmstore.testing.faultproxy import Rule
-from fmstore.tiering.mover import CHECKPOINT_COPY, copy_checkpoint, has_checkpoint
+from fmstore.tiering.exports.mover import CHECKPOINT_COPY, copy_checkpoint, has_checkpoint
 
 pytestmark = pytest.mark.s3
 

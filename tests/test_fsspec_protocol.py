@@ -232,8 +232,8 @@ def test_ls_info_cat_rm_mkdir(posix_cfg, tmp_path):
 
 
 def test_lazily_staged_files_read_through(posix_cfg, tmp_path):
-    from fmstore.tiering.lazy import write_index
-    from fmstore.tiering.transfer import CopyItem
+    from fmstore.tiering.copy.transfer import CopyItem
+    from fmstore.tiering.staging.lazy import write_index
 
     src = tmp_path / "lustre" / "source"  # an index may name only tiers (or lazy_sources)
     (src / "train").mkdir(parents=True)

@@ -41,9 +41,9 @@ from fmstore.cli.main import main
 from fmstore.config import set_config
 from fmstore.errors import FmstoreError
 from fmstore.fsspec import FmstoreFileSystem
-from fmstore.tiering import lazy
-from fmstore.tiering.lazy import INDEX_NAME
-from fmstore.tiering.transfer import TransferOptions
+from fmstore.tiering.copy.transfer import TransferOptions
+from fmstore.tiering.staging import lazy
+from fmstore.tiering.staging.lazy import INDEX_NAME
 
 pytestmark = pytest.mark.fuzz
 

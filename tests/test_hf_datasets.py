@@ -173,8 +173,8 @@ def test_save_to_disk_and_load_from_disk_on_a_posix_tier(posix_cfg, hf_cache, tm
 
 
 def test_lazily_staged_parquet_is_fetched_on_first_read(posix_cfg, hf_cache, tmp_path):
-    from fmstore.tiering.lazy import write_index
-    from fmstore.tiering.transfer import CopyItem
+    from fmstore.tiering.copy.transfer import CopyItem
+    from fmstore.tiering.staging.lazy import write_index
 
     src = tmp_path / "lustre" / "source"  # an index may name only tiers (or lazy_sources)
     (src / "train").mkdir(parents=True)

@@ -25,7 +25,7 @@ from fmstore.errors import ConfigError, CorruptData
 from fmstore.format.checksum import crc32c
 from fmstore.loaders import StreamingDataset, write_dataset
 from fmstore.stores import open_store
-from fmstore.tiering.catalog import Catalog
+from fmstore.tiering.inventory.catalog import Catalog
 
 
 def _cli(*args: str) -> tuple[int, str, str]:

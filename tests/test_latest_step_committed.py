@@ -19,8 +19,8 @@ import torch
 from tiering_helpers import posix_config, state
 
 from fmstore import runtime
-from fmstore.tiering import catalog as cat
-from fmstore.tiering.manager import CheckpointManager
+from fmstore.tiering.inventory import catalog as cat
+from fmstore.tiering.managers.manager import CheckpointManager
 
 ROOT = "runs/x"
 STEP = 5
@@ -30,7 +30,7 @@ STEP = 5
 SAVER = """
 import sys, torch
 from fmstore.config import from_dict
-from fmstore.tiering.manager import CheckpointManager
+from fmstore.tiering.managers.manager import CheckpointManager
 
 class Gate:
     def __reduce__(self):
@@ -151,7 +151,7 @@ def test_the_sharded_manager_counts_a_step_only_when_its_manifest_validates(tmp_
 def test_latest_step_right_after_an_async_save_is_that_step(tmp_path, monkeypatch):
     import types
 
-    from fmstore.tiering import manager
+    from fmstore.tiering.managers import manager
 
     cfg = posix_config(str(tmp_path), {}, tiers=("nvme",))
     with CheckpointManager("r", config=cfg, run_policies=False) as mgr:

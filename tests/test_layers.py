@@ -41,6 +41,19 @@ ALLOWED: dict[str, set[str]] = {
     # fmstore:// for fsspec: reads lazily staged files through, so it sits above tiering.
     "fsspec": {"stores", "tiering"},
 }
+#: Within ``tiering``: what each of its subpackages may import of its siblings ("" is
+#: the modules directly in ``tiering/``).  The copy engine and staging know nothing of
+#: policies or managers; nothing imports the managers or the service that sit on top.
+TIERING: dict[str, set[str]] = {
+    "copy": set(),
+    "staging": {"copy"},
+    "inventory": {""},
+    "exports": {"", "copy", "policy"},
+    "policy": {"", "copy", "exports", "inventory"},
+    "service": {"", "copy", "exports", "inventory", "policy"},
+    "managers": {"", "copy", "exports", "inventory", "policy", "service"},
+    "": {"", "inventory", "policy"},
+}
 MAX_LINES = 700
 
 
@@ -116,6 +129,29 @@ def test_each_package_imports_only_from_the_layers_below():
             if _area(target) not in allowed:
                 wrong.append(f"{mod} imports {target}")
     assert not wrong, "imports against the layering of docs/architecture.md:\n" + "\n".join(wrong)
+
+
+def _tiering_sub(module: str) -> str:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 else ""
+
+
+def test_tiering_is_split_by_concept():
+    wrong = []
+    for path in sorted((ROOT / "tiering").rglob("*.py")):
+        mod = _module(path)
+        if mod == "fmstore.tiering":
+            continue
+        sub = _tiering_sub(mod)
+        assert sub in TIERING, f"{mod}: tiering/{sub}/ is in no row of TIERING"
+        for target in _imports(path, top_level_only=False):
+            if target.startswith("fmstore.tiering.") and _tiering_sub(target) not in (
+                TIERING[sub] | {sub}
+            ):
+                wrong.append(f"{mod} imports {target}")
+    assert not wrong, "imports against the tiering split:\n" + "\n".join(wrong)
+    loose = sorted(p.name for p in (ROOT / "tiering").glob("*.py") if p.name != "__init__.py")
+    assert len(loose) <= 5, f"modules left directly in tiering/: {loose}"
 
 
 def test_no_import_circles():

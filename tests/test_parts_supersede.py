@@ -10,7 +10,7 @@ import pytest
 from fmstore import runtime
 from fmstore.protocol.records import PartRecord, part_record_key
 from fmstore.stores import open_store
-from fmstore.tiering.parts import delete_own_part
+from fmstore.tiering.exports.parts import delete_own_part
 
 GEN = "g000000000001-00000001"
 

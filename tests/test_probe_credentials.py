@@ -10,13 +10,13 @@ import subprocess
 import sys
 
 from fmstore.config import load_config
-from fmstore.tiering.policies import from_config
+from fmstore.tiering.policy.policies import from_config
 from fmstore.tiering.probe import MARKER_NAME, probe_once_per_node
 
 ENV = {**os.environ, "PYTHONPATH": os.getcwd()}
 PROBE = (
     "import sys, json; from fmstore.config import load_config; "
-    "from fmstore.tiering.policies import from_config; "
+    "from fmstore.tiering.policy.policies import from_config; "
     "from fmstore.tiering.probe import probe_once_per_node; "
     "c = load_config(sys.argv[1]); r = probe_once_per_node(c, from_config(c)); "
     "print(json.dumps([r.cached, [p.error for p in r.problems]]))"

@@ -19,8 +19,8 @@ from fmstore.errors import PermissionDenied, StoreUnavailable
 from fmstore.format.manifest import MANIFEST_KEY
 from fmstore.stores import open_store
 from fmstore.stores.base import PrefixStore
-from fmstore.tiering.mover import CHECKPOINT_COPY
-from fmstore.tiering.parts import export_part
+from fmstore.tiering.exports.mover import CHECKPOINT_COPY
+from fmstore.tiering.exports.parts import export_part
 
 
 class FailReads(PrefixStore):

@@ -12,7 +12,7 @@ from fmstore import runtime
 from fmstore.stores import PosixStore
 from fmstore.stores.base import Store
 from fmstore.testing.store_tests import PosixBackdoor, StoreConformance
-from fmstore.tiering.cache import ReadThroughStore
+from fmstore.tiering.managers.cache import ReadThroughStore
 
 
 class TestReadThroughOverPosixConformance(StoreConformance):

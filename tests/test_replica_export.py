@@ -58,9 +58,9 @@ def save(rank: int, tmp: str) -> None:
 
 def step(cfg: str) -> None:
     from fmstore.config import load_config
-    from fmstore.tiering.catalog import Catalog
-    from fmstore.tiering.policies import from_config
-    from fmstore.tiering.runner import PolicyRunner
+    from fmstore.tiering.inventory.catalog import Catalog
+    from fmstore.tiering.policy.policies import from_config
+    from fmstore.tiering.policy.runner import PolicyRunner
 
     config = load_config(cfg)
     with Catalog.for_state_dir(config.state_dir) as c:

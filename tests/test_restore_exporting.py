@@ -13,8 +13,8 @@ import torch
 from tiering_helpers import posix_config, state
 
 from fmstore.errors import NotFound
-from fmstore.tiering import catalog as cat
-from fmstore.tiering.manager import CheckpointManager
+from fmstore.tiering.inventory import catalog as cat
+from fmstore.tiering.managers.manager import CheckpointManager
 
 ROOT = "runs/x"
 

@@ -40,7 +40,7 @@ def sequence(rank: int, tmp: str) -> dict[str, Any]:
     from fmstore import ShardedCheckpointManager
     from fmstore.checkpoint.dcp.nodes import RankRecord, rank_record_key
     from fmstore.checkpoint.layout import new_generation
-    from fmstore.tiering.catalog import Catalog
+    from fmstore.tiering.inventory.catalog import Catalog
 
     node = f"n{rank}"
     nvme = Path(tmp, node, "nvme")
@@ -152,8 +152,8 @@ def sequence(rank: int, tmp: str) -> dict[str, Any]:
     def export_80() -> Any:  # this node's part to lustre, as its daemon does
         from fmstore import runtime
         from fmstore.stores import open_store
-        from fmstore.tiering.mover import CHECKPOINT_COPY
-        from fmstore.tiering.parts import export_part
+        from fmstore.tiering.exports.mover import CHECKPOINT_COPY
+        from fmstore.tiering.exports.parts import export_part
 
         src = open_store(str(nvme / STEP.format(80)))
         dst = open_store(str(Path(tmp, "lustre", STEP.format(80))))

@@ -54,7 +54,7 @@ def test_model_parallel_strategy_saves_kills_and_resumes_from_lustre(tmp_path):
     from fmstore import runtime
     from fmstore.checkpoint.layout import step_name
     from fmstore.config import load_config
-    from fmstore.tiering.mover import copy_checkpoint
+    from fmstore.tiering.exports.mover import copy_checkpoint
     from fmstore.tiering.tiers import Tiers
 
     cfg = _config(tmp_path)

@@ -62,7 +62,7 @@ def test_dist_checkpointing_saves_kills_and_resumes_from_lustre(tmp_path):
     from fmstore.checkpoint.dcp.api import load_full_state_dict
     from fmstore.checkpoint.layout import step_name
     from fmstore.config import load_config
-    from fmstore.tiering.mover import copy_checkpoint
+    from fmstore.tiering.exports.mover import copy_checkpoint
     from fmstore.tiering.tiers import Tiers
 
     cfg = _config(tmp_path)

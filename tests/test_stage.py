@@ -31,8 +31,14 @@ from fmstore import runtime
 from fmstore.errors import ConfigError
 from fmstore.stores import PutOptions, open_store
 from fmstore.stores.base import PrefixStore
-from fmstore.tiering.stage import KeyFilter, compile_glob, in_shard, plan_stage, shard_from_env
-from fmstore.tiering.transfer import CopyItem, TransferOptions, copy_items
+from fmstore.tiering.copy.transfer import CopyItem, TransferOptions, copy_items
+from fmstore.tiering.staging.stage import (
+    KeyFilter,
+    compile_glob,
+    in_shard,
+    plan_stage,
+    shard_from_env,
+)
 
 
 @pytest.fixture(scope="module")
@@ -510,8 +516,8 @@ def test_stage_shows_confirm_the_plan_before_anything_changes(tmp_path, home):
     """The library's ``confirm`` sees the plan (what would be copied and deleted) before
     anything is; a no leaves the destination as it was, a yes (here an awaitable) runs
     the plan, counting into the caller's progress."""
-    from fmstore.tiering.stage import StageOptions, stage
-    from fmstore.tiering.transfer import TransferProgress
+    from fmstore.tiering.copy.transfer import TransferProgress
+    from fmstore.tiering.staging.stage import StageOptions, stage
 
     src, dst = tmp_path / "src", tmp_path / "dst"
     src.mkdir()
@@ -542,7 +548,7 @@ def test_stage_shows_confirm_the_plan_before_anything_changes(tmp_path, home):
 
 
 def test_a_dry_run_of_the_library_plans_without_creating_the_destination(tmp_path, home):
-    from fmstore.tiering.stage import StageOptions, stage
+    from fmstore.tiering.staging.stage import StageOptions, stage
 
     src = tmp_path / "src"
     src.mkdir()
@@ -568,7 +574,7 @@ def test_a_file_name_that_is_not_utf8_is_a_clear_error(tmp_path, home):
 
 
 def test_journal_knows_which_records_a_completed_sync_covers(tmp_path):
-    from fmstore.tiering.journal import Journal
+    from fmstore.tiering.copy.journal import Journal
 
     path = str(tmp_path / "j.jsonl")
     syncs = []
@@ -601,7 +607,7 @@ def test_journal_knows_which_records_a_completed_sync_covers(tmp_path):
 
 
 def test_a_finished_run_syncs_once_and_leaves_every_record_synced(tmp_path, home):
-    from fmstore.tiering.journal import Journal
+    from fmstore.tiering.copy.journal import Journal
 
     src = tmp_path / "src"
     src.mkdir()
@@ -657,7 +663,7 @@ def test_journals_no_run_used_for_a_month_are_removed_once_a_day(tmp_path, home)
 def test_journal_housekeeping_never_fails_a_run(tmp_path):
     """What cannot be removed (here a directory where a journal would be; in a shared
     state directory, another user's journal) is left, and the journal still opens."""
-    from fmstore.tiering.journal import Journal, prune
+    from fmstore.tiering.copy.journal import Journal, prune
 
     old = time.time() - 40 * 86400
     stuck, gone = tmp_path / "stuck.jsonl", tmp_path / "gone.jsonl"

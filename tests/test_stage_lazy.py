@@ -13,9 +13,9 @@ import fmstore
 from fmstore.config import set_config
 from fmstore.errors import CorruptData, NotFound, PermissionDenied
 from fmstore.stores.crc import crc32c
-from fmstore.tiering import lazy
-from fmstore.tiering.lazy import INDEX_NAME
-from fmstore.tiering.lazy_index import MAX_INDEX_BYTES as LAZY_MAX
+from fmstore.tiering.staging import lazy
+from fmstore.tiering.staging.lazy import INDEX_NAME
+from fmstore.tiering.staging.lazy_index import MAX_INDEX_BYTES as LAZY_MAX
 
 
 @pytest.fixture
@@ -134,13 +134,13 @@ def test_an_interrupted_hydrate_resumes_and_leaves_no_temp_file(lazy_tree, tmp_p
 
 
 def test_the_library_hydrate_resumes_as_the_command_does(lazy_tree, tmp_path):
-    """``fmstore.tiering.lazy.hydrate_async`` keeps the staging's journal: cancelled
+    """``fmstore.tiering.staging.lazy.hydrate_async`` keeps the staging's journal: cancelled
     mid-file, the next ``hydrate`` keeps the finished parts of the big file."""
     import threading
 
     from fmstore import runtime
-    from fmstore.tiering import lazy
-    from fmstore.tiering.transfer import TransferOptions, TransferProgress
+    from fmstore.tiering.copy.transfer import TransferOptions, TransferProgress
+    from fmstore.tiering.staging import lazy
 
     src, dst = lazy_tree
     home = str(tmp_path / "home")

@@ -12,7 +12,7 @@ import pytest
 HOLD = """
 import sys
 from fmstore import runtime
-from fmstore.tiering.stagelock import lock_destination
+from fmstore.tiering.staging.stagelock import lock_destination
 shard = None if sys.argv[3] == "-" else tuple(map(int, sys.argv[3].split("/")))
 lock = runtime.run(lock_destination(sys.argv[1], sys.argv[2], shard))
 print("held", flush=True)

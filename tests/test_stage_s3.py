@@ -34,8 +34,8 @@ from fmstore.stores import open_store
 from fmstore.stores.base import PrefixStore
 from fmstore.stores.crc import crc32c
 from fmstore.testing.faultproxy import FaultProxy, Rule
-from fmstore.tiering.stage import plan_stage
-from fmstore.tiering.transfer import TransferOptions, copy_items
+from fmstore.tiering.copy.transfer import TransferOptions, copy_items
+from fmstore.tiering.staging.stage import plan_stage
 
 pytestmark = pytest.mark.s3
 

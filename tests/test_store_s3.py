@@ -104,7 +104,7 @@ class TestReadThroughOverS3Conformance(StoreConformance):
     @pytest.fixture
     def store(self, s3_server, s3_bucket, tmp_path):
         from fmstore.stores import PosixStore
-        from fmstore.tiering.cache import ReadThroughStore
+        from fmstore.tiering.managers.cache import ReadThroughStore
 
         (tmp_path / "fast").mkdir()
         fast = PosixStore(str(tmp_path / "fast"), tier="nvme")

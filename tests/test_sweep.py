@@ -25,7 +25,7 @@ from fmstore.stores.posix import TMP_MARK
 from fmstore.testing.ckpt_kill import make_state, save_forever, tie
 from fmstore.testing.faultproxy import Rule
 from fmstore.tiering import metrics as m
-from fmstore.tiering.sweep import sweep
+from fmstore.tiering.policy.sweep import sweep
 
 
 @pytest.fixture
@@ -356,7 +356,7 @@ def test_steps_moved_aside_go_after_the_grace_period(tmp_path):
     """The steps a restore fell back from (``.aside/TOKEN`` on a node-local tier) are kept
     while the token is younger than the grace period and removed after it; a name that is
     not a token, and what a link points to, stay."""
-    from fmstore.tiering import aside
+    from fmstore.tiering.inventory import aside
 
     root = tmp_path / "nvme"
     now_ms = int(time.time() * 1000)

@@ -11,9 +11,9 @@ from tiering_helpers import posix_config
 from tiering_runs import held, run_saves, settle
 
 from fmstore.config import Config
-from fmstore.tiering import policies as pol
-from fmstore.tiering.catalog import PRESENT, WRITING, Catalog, Checkpoint, Copy
-from fmstore.tiering.runner import PolicyRunner
+from fmstore.tiering.inventory.catalog import PRESENT, WRITING, Catalog, Checkpoint, Copy
+from fmstore.tiering.policy import policies as pol
+from fmstore.tiering.policy.runner import PolicyRunner
 
 TIERS = ["nvme", "lustre", "s3"]
 BACKLOG = {

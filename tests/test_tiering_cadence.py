@@ -7,8 +7,8 @@ from __future__ import annotations
 from tiering_helpers import posix_config
 from tiering_runs import held, lose_catalog, replace_node, run_saves
 
-from fmstore.tiering import policies as pol
-from fmstore.tiering.catalog import PRESENT, Checkpoint, Copy
+from fmstore.tiering.inventory.catalog import PRESENT, Checkpoint, Copy
+from fmstore.tiering.policy import policies as pol
 
 EVERY_2_SAVES = {
     "export": [{"to": "lustre", "every_saves": 1}, {"to": "s3", "every_saves": 2}],

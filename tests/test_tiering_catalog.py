@@ -6,8 +6,8 @@ import multiprocessing as mp
 
 import pytest
 
-from fmstore.tiering import catalog as cat
-from fmstore.tiering.catalog import Catalog
+from fmstore.tiering.inventory import catalog as cat
+from fmstore.tiering.inventory.catalog import Catalog
 
 
 class Clock:

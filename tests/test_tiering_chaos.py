@@ -187,8 +187,8 @@ def run_schedule(tmp_path, s3_server, s3_bucket, monkeypatch, kills: int, wipe_a
     both and the node replaced (nvme and state directory lost)."""
     from fmstore.config import load_config
     from fmstore.testing.faultproxy import FaultProxy, Rule
-    from fmstore.tiering import catalog as cat
-    from fmstore.tiering.catalog import Catalog
+    from fmstore.tiering.inventory import catalog as cat
+    from fmstore.tiering.inventory.catalog import Catalog
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)

@@ -21,12 +21,12 @@ from tiering_helpers import on_tier, posix_config, state, with_tier
 from fmstore import CheckpointManager
 from fmstore.config import Config
 from fmstore.testing.seaweed import free_ports
-from fmstore.tiering import catalog as cat
-from fmstore.tiering import priority
-from fmstore.tiering.catalog import Catalog
-from fmstore.tiering.daemon import Daemon, DaemonSettings
-from fmstore.tiering.policies import Supersede, from_config, plan
-from fmstore.tiering.runner import PolicyRunner
+from fmstore.tiering.inventory import catalog as cat
+from fmstore.tiering.inventory.catalog import Catalog
+from fmstore.tiering.policy.policies import Supersede, from_config, plan
+from fmstore.tiering.policy.runner import PolicyRunner
+from fmstore.tiering.service import priority
+from fmstore.tiering.service.daemon import Daemon, DaemonSettings
 
 ENV = {**os.environ, "PYTHONPATH": os.getcwd()}
 
@@ -277,7 +277,7 @@ def complete_copies(config: Config, steps) -> dict[int, list[str]]:
 def _daemon_child(cfg_path: str, ready: str) -> None:
     """A daemon in a child of the forkserver (which imported fmstore once for all trials)."""
     from fmstore.config import load_config
-    from fmstore.tiering.daemon import Daemon, settings_from_config
+    from fmstore.tiering.service.daemon import Daemon, settings_from_config
 
     config = load_config(cfg_path)
     d = Daemon(config, settings=settings_from_config(config))
@@ -333,7 +333,7 @@ def _kill_9_schedule(tmp_path, trials: int) -> None:
     # ~400 KB per checkpoint at 4 MB/s: every copy takes ~0.1 s, so kills land mid-copy.
     save_some(config, steps, n=100_000)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["fmstore.tiering.daemon", "fmstore.checkpoint"])
+    ctx.set_forkserver_preload(["fmstore.tiering.service.daemon", "fmstore.checkpoint"])
     rng = random.Random(1234)
     interrupted = 0
     for trial in range(trials):
@@ -399,7 +399,7 @@ def test_s3_down_backs_off_grows_the_lag_and_catches_up(tmp_path, s3_server, s3_
             f"s3://{s3_bucket}/fm",
             **opts,
         )
-        from fmstore.tiering.policies import from_dict
+        from fmstore.tiering.policy.policies import from_dict
 
         pol = from_dict(
             {"ladder": ["nvme", "s3"], "export": [{"to": "s3", "every_saves": 1}]},

@@ -22,11 +22,11 @@ from tiering_helpers import state
 
 from fmstore import CheckpointManager
 from fmstore.config import Config, load_config
-from fmstore.tiering.catalog import SCHEMA_VERSION, Catalog
-from fmstore.tiering.failures import ActionFailure, FailureLog, warn_due
-from fmstore.tiering.helper import PolicyHelper
-from fmstore.tiering.policies import from_config
+from fmstore.tiering.inventory.catalog import SCHEMA_VERSION, Catalog
+from fmstore.tiering.policy.failures import ActionFailure, FailureLog, warn_due
+from fmstore.tiering.policy.policies import from_config
 from fmstore.tiering.probe import PROBE_PREFIX, probe_once_per_node
+from fmstore.tiering.service.helper import PolicyHelper
 
 ENV = {**os.environ, "PYTHONPATH": os.getcwd()}
 DEPLOY = os.path.join(os.path.dirname(__file__), "..", "deploy")
@@ -175,7 +175,7 @@ def test_a_node_probes_once_however_many_processes_start(tmp_path):
     os.utime(stale, (time.time() - 7200, time.time() - 7200))
     code = (
         "import sys, json; from fmstore.config import load_config; "
-        "from fmstore.tiering.policies import from_config; "
+        "from fmstore.tiering.policy.policies import from_config; "
         "from fmstore.tiering.probe import probe_once_per_node; "
         "c = load_config(sys.argv[1]); r = probe_once_per_node(c, from_config(c)); "
         "print(json.dumps([r.cached, r.ok]))"

@@ -19,11 +19,11 @@ from fmstore import CheckpointManager, runtime
 from fmstore.config import from_dict, load_config
 from fmstore.errors import ConfigError
 from fmstore.keys import StepPattern
-from fmstore.tiering import foreign
-from fmstore.tiering.catalog import Catalog
-from fmstore.tiering.daemon import Daemon, DaemonSettings
-from fmstore.tiering.discovery import Rediscovered, rediscover
-from fmstore.tiering.sharded import ShardedCheckpointManager
+from fmstore.tiering.inventory import foreign
+from fmstore.tiering.inventory.catalog import Catalog
+from fmstore.tiering.inventory.discovery import Rediscovered, rediscover
+from fmstore.tiering.managers.sharded import ShardedCheckpointManager
+from fmstore.tiering.service.daemon import Daemon, DaemonSettings
 from fmstore.tiering.tiers import Tiers
 
 POLICIES = {

@@ -13,10 +13,10 @@ from tiering_helpers import state
 
 from fmstore import CheckpointManager
 from fmstore.config import load_config
-from fmstore.tiering import policies as pol
-from fmstore.tiering.backoff import TierBackoff
-from fmstore.tiering.catalog import EXPORTING, PRESENT, Catalog, Checkpoint, Copy
-from fmstore.tiering.daemon import Daemon
+from fmstore.tiering.inventory.catalog import EXPORTING, PRESENT, Catalog, Checkpoint, Copy
+from fmstore.tiering.policy import policies as pol
+from fmstore.tiering.policy.backoff import TierBackoff
+from fmstore.tiering.service.daemon import Daemon
 
 TIERS = ["nvme", "lustre", "s3"]
 

@@ -16,8 +16,8 @@ from tiering_helpers import on_tier, posix_config, state, with_tier
 import fmstore
 from fmstore import CheckpointManager
 from fmstore.errors import AlreadyExists, ConfigError, NotFound, TierFull
-from fmstore.tiering import catalog as cat
-from fmstore.tiering.runner import LOCK_NAME
+from fmstore.tiering.inventory import catalog as cat
+from fmstore.tiering.policy.runner import LOCK_NAME
 
 EXPORT_ALL = {
     "export": [{"to": "lustre", "every_saves": 1}, {"to": "s3", "every_saves": 2}],

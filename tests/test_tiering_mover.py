@@ -17,7 +17,7 @@ from fmstore.checkpoint.verify import blob_checksums, verify_checkpoint
 from fmstore.errors import CorruptData, NotFound
 from fmstore.format.manifest import MANIFEST_KEY
 from fmstore.stores import open_store
-from fmstore.tiering.mover import (
+from fmstore.tiering.exports.mover import (
     CHECKPOINT_COPY,
     copy_checkpoint,
     delete_checkpoint,

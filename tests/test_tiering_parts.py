@@ -24,8 +24,8 @@ from fmstore.checkpoint.layout import checkpoint_key, new_generation
 from fmstore.checkpoint.verify import verify_checkpoint
 from fmstore.protocol.records import part_record_key
 from fmstore.stores import open_store
-from fmstore.tiering import catalog as cat
-from fmstore.tiering.rules import from_config
+from fmstore.tiering.inventory import catalog as cat
+from fmstore.tiering.policy.rules import from_config
 
 
 def test_each_node_exports_its_own_part_and_the_last_one_commits(tmp_path, monkeypatch, capsys):
@@ -102,7 +102,7 @@ def test_a_reader_never_sees_a_manifest_while_a_part_is_missing(tmp_path, monkey
 
 
 def sweep_lustre(base: Path, grace: float, dry_run: bool = False) -> dict[str, str]:
-    from fmstore.tiering.sweep import sweep
+    from fmstore.tiering.policy.sweep import sweep
 
     cfg = node_config(base, "n1", EXPORT)
     store = open_store(str(base / "lustre"))
@@ -161,7 +161,7 @@ def test_ckpt_gc_keeps_what_a_live_export_on_this_node_writes(tmp_path, monkeypa
     export in flight on its own node."""
     from fmstore import config as fm_config
     from fmstore.cli.main import main
-    from fmstore.tiering.journal import Journal
+    from fmstore.tiering.copy.journal import Journal
 
     dst = tmp_path / "lustre" / "run" / "step_000000000010"
     gen = new_generation()
@@ -212,7 +212,7 @@ def _cp(step: int, tier: str, st: str = cat.PRESENT, verified: float | None = 1.
 
 
 def _policies(data: dict[str, Any]) -> Any:
-    from fmstore.tiering import policies as pol
+    from fmstore.tiering.policy import policies as pol
 
     return pol.from_dict(data, tiers=["nvme", "lustre"], node_tiers=["nvme"])
 
@@ -225,13 +225,13 @@ def test_every_seconds_is_refused_for_checkpoints_on_a_node_local_tier():
         _policies(data)
     with pytest.raises(ConfigError, match="every_seconds"):
         from_config(node_config(Path("/x"), "n0", data))
-    from fmstore.tiering import policies as pol
+    from fmstore.tiering.policy import policies as pol
 
     assert pol.from_dict(data, tiers=["nvme", "lustre"])  # every tier shared: as before
 
 
 def test_every_saves_counts_only_checkpoints_committed_on_the_shared_tier():
-    from fmstore.tiering import policies as pol
+    from fmstore.tiering.policy import policies as pol
 
     p = _policies({"export": [{"to": "lustre", "every_saves": 2}]})
     steps = [_ck(i) for i in range(1, 7)]
@@ -247,7 +247,7 @@ def test_every_saves_counts_only_checkpoints_committed_on_the_shared_tier():
 
 
 def test_keep_latest_on_a_node_local_tier_is_the_same_window_on_a_node_that_released():
-    from fmstore.tiering import policies as pol
+    from fmstore.tiering.policy import policies as pol
 
     p = _policies(
         {
@@ -267,7 +267,7 @@ def test_keep_latest_on_a_node_local_tier_is_the_same_window_on_a_node_that_rele
 
 
 def test_the_newest_step_is_never_deleted_from_a_node_while_no_shared_tier_holds_it():
-    from fmstore.tiering import policies as pol
+    from fmstore.tiering.policy import policies as pol
 
     p = _policies(
         {
@@ -394,7 +394,7 @@ def test_two_nodes_committing_at_once_leave_the_saves_manifest(tmp_path, monkeyp
     other reads back the same bytes (on POSIX and on S3)."""
     import asyncio
 
-    from fmstore.tiering.parts import _Lease, commit_if_complete
+    from fmstore.tiering.exports.parts import _Lease, commit_if_complete
 
     raw = save_parts(tmp_path, 10)
     n0, n1 = (Node(tmp_path, n, EXPORT) for n in NODES)
@@ -482,14 +482,14 @@ def test_node_names_in_part_records_are_checked_and_escaped_in_ckpt_list(
 
 
 def test_a_drain_that_times_out_names_the_nodes_it_waited_for(tmp_path, monkeypatch, caplog):
-    from fmstore.tiering.daemon import _gave_up
+    from fmstore.tiering.service.daemon import _gave_up
 
     save_parts(tmp_path, 10)
     n0 = Node(tmp_path, "n0", EXPORT)
     n0.record(10)
     rep = n0.step(monkeypatch)
     assert rep.waiting_for == ["n1"], rep
-    with caplog.at_level("ERROR", logger="fmstore.tiering.daemon"):
+    with caplog.at_level("ERROR", logger="fmstore.tiering.service.daemon"):
         _gave_up(5.0, rep)
     line = caplog.records[-1].getMessage()
     assert "drain timed out after 5.0s" in line and "waiting for the parts of node n1" in line

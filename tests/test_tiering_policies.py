@@ -6,8 +6,7 @@ import pytest
 
 from fmstore.config import from_dict as config_from_dict
 from fmstore.errors import ConfigError
-from fmstore.tiering import policies as pol
-from fmstore.tiering.catalog import (
+from fmstore.tiering.inventory.catalog import (
     CORRUPT,
     DELETED,
     EXPORTING,
@@ -17,6 +16,7 @@ from fmstore.tiering.catalog import (
     Copy,
     Pin,
 )
+from fmstore.tiering.policy import policies as pol
 
 TIERS = ["nvme", "lustre", "s3"]
 

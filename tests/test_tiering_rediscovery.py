@@ -9,9 +9,9 @@ import os
 from tiering_helpers import posix_config
 from tiering_runs import held, lose_catalog, run_saves
 
-from fmstore.tiering import catalog as cat
-from fmstore.tiering.catalog import Catalog
-from fmstore.tiering.daemon import Daemon, DaemonSettings
+from fmstore.tiering.inventory import catalog as cat
+from fmstore.tiering.inventory.catalog import Catalog
+from fmstore.tiering.service.daemon import Daemon, DaemonSettings
 
 POLICIES = {
     "export": [{"to": "lustre", "every_saves": 1}, {"to": "s3", "every_saves": 2}],

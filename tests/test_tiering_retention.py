@@ -6,8 +6,7 @@ from __future__ import annotations
 from tiering_helpers import posix_config
 from tiering_runs import held, run_saves
 
-from fmstore.tiering import policies as pol
-from fmstore.tiering.catalog import (
+from fmstore.tiering.inventory.catalog import (
     CORRUPT,
     EXPORTING,
     MISSING,
@@ -17,6 +16,7 @@ from fmstore.tiering.catalog import (
     Copy,
     Pin,
 )
+from fmstore.tiering.policy import policies as pol
 
 TIERS = ["nvme", "lustre", "s3"]
 

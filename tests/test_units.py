@@ -8,7 +8,7 @@ import typer
 from fmstore.cli.util import size_option
 from fmstore.config import from_dict
 from fmstore.errors import ConfigError
-from fmstore.tiering.daemon import settings_from_config
+from fmstore.tiering.service.daemon import settings_from_config
 from fmstore.units import parse_duration, parse_size
 
 

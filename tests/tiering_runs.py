@@ -12,7 +12,7 @@ from tiering_helpers import on_tier, state
 
 from fmstore import CheckpointManager
 from fmstore.config import Config
-from fmstore.tiering.runner import PolicyRunner
+from fmstore.tiering.policy.runner import PolicyRunner
 
 
 def settle(runner: PolicyRunner, limit: int = 100) -> None:

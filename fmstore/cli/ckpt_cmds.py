@@ -325,7 +325,7 @@ def _live_copies() -> list[str]:
     directory), when a config is there to name it; gc keeps what lies under them."""
     from ..config import get_config
     from ..errors import FmstoreError
-    from ..tiering.journal import live_destinations
+    from ..tiering.copy.journal import live_destinations
 
     try:
         return live_destinations(get_config().state_dir)

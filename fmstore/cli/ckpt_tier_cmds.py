@@ -24,11 +24,11 @@ from ..protocol import records as pr
 from ..protocol.skew import InFuture, future_groups
 from ..stores import split_tier
 from ..stores.base import Store
-from ..tiering import catalog as cat
-from ..tiering.catalog import Catalog
-from ..tiering.discovery import Rediscovered, rediscover
-from ..tiering.parts import parts_on
-from ..tiering.policies import Policies, State, export_lags, from_config
+from ..tiering.exports.parts import parts_on
+from ..tiering.inventory import catalog as cat
+from ..tiering.inventory.catalog import Catalog
+from ..tiering.inventory.discovery import Rediscovered, rediscover
+from ..tiering.policy.policies import Policies, State, export_lags, from_config
 from ..tiering.tiers import Tiers
 from .main import ckpt
 from .progress import make_console

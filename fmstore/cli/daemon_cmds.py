@@ -1,4 +1,4 @@
-"""``fmstore daemon``: run the tiering policies continuously (see fmstore.tiering.daemon)."""
+"""``fmstore daemon``: run the tiering policies continuously (see fmstore.tiering.service.daemon)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def daemon(
     2 --drain or --check under the embedded default with no catalog (no run ever used it:
     the config meant is elsewhere), 3 --drain timed out with work left (resumable).
     """
-    from ..tiering import daemon as d
-    from ..tiering.policies import from_config
+    from ..tiering.policy.policies import from_config
+    from ..tiering.service import daemon as d
     from . import main as cli_main
 
     if config is not None:
@@ -106,7 +106,7 @@ def _refuse_an_unused_default(cfg: config_mod.Config, flag: str) -> None:
     """Exit 2 when ``--drain``/``--check`` would act on the embedded default that no run has
     used (its state directory holds no catalog): run from another directory than the job's,
     the command would create empty tiers, drain nothing and report success."""
-    from ..tiering.catalog import DB_NAME
+    from ..tiering.inventory.catalog import DB_NAME
 
     if cfg.source is not None or os.path.exists(os.path.join(cfg.state_dir, DB_NAME)):
         return
@@ -124,7 +124,7 @@ def _not_counted(cfg: config_mod.Config, ladder: tuple[str, ...]) -> list[str]:
     """What the tiers hold that the daemon will not count as checkpoints, one line per
     prefix (a listing of each directory, as the daemon's start-up scan makes)."""
     from .. import runtime
-    from ..tiering.discovery import survey
+    from ..tiering.inventory.discovery import survey
     from ..tiering.tiers import Tiers
     from .util import printable
 

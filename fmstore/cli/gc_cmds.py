@@ -50,8 +50,8 @@ def gc_cmd(
     """
     from ..config import get_config
     from ..stores import Location
-    from ..tiering.daemon import settings_from_config
-    from ..tiering.sweep import SweepReport, sweep
+    from ..tiering.policy.sweep import SweepReport, sweep
+    from ..tiering.service.daemon import settings_from_config
     from ..units import parse_duration
 
     config = get_config()

@@ -17,8 +17,14 @@ from .. import runtime
 from ..errors import ConfigError, NotFound
 from ..stores import Location, beneath, open_store, split_tier
 from ..stores.base import Store
-from ..tiering.stage import local_dir, open_source
-from ..tiering.transfer import CopyItem, TransferOptions, TransferReport, copy_items, version_of
+from ..tiering.copy.transfer import (
+    CopyItem,
+    TransferOptions,
+    TransferReport,
+    copy_items,
+    version_of,
+)
+from ..tiering.staging.stage import local_dir, open_source
 from .main import app
 from .progress import (
     EXIT_FAILED,
@@ -65,7 +71,7 @@ def _cp_many(
     identical files skipped), restricted to ``pattern``, with no deletes and no shard.  A
     pattern of one segment matches names in ``src`` itself, or at any depth with ``-r``
     (as ``ls`` reads it)."""
-    from ..tiering.stage import StageOptions, stage
+    from ..tiering.staging.stage import StageOptions, stage
 
     top_only = pattern is not None and "/" not in pattern and not recursive
     opts = StageOptions(
@@ -187,7 +193,7 @@ def du_cmd(
     ),
 ) -> None:
     """Disk usage: bytes and file counts per top-level directory, and the total."""
-    from ..tiering.stage import list_tree
+    from ..tiering.staging.stage import list_tree
 
     if _is_local_file(url):
         parent, key = split_object(url)
@@ -250,11 +256,11 @@ class _Removal:
 
 def _plan_rm(url: str, recursive: bool) -> _Removal:
     """Resolve ``url`` as today's single-URL ``rm`` did; raises what it would have."""
-    from ..tiering.removal import tracked_copies
+    from ..tiering.inventory.removal import tracked_copies
 
     local = local_dir(url)
     if recursive and not _is_local_file(url):  # ``rm -r FILE`` deletes the file, as rm does
-        from ..tiering.stage import list_tree
+        from ..tiering.staging.stage import list_tree
 
         store = open_source(url, role="location")
         keys = sorted(runtime.run(list_tree(store)))
@@ -332,7 +338,7 @@ def _rm_one(
     r: _Removal, recursive: bool, yes: bool, dry_run: bool, *, several: bool, first: bool
 ) -> bool:
     """Show what ``r`` reaches, ask, delete; False when declined."""
-    from ..tiering.removal import record_removed
+    from ..tiering.inventory.removal import record_removed
 
     if r.tracked:
         typer.echo(

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import typer
 
 from .. import runtime
-from ..tiering.stage import preserve_owner_setting
-from ..tiering.transfer import TransferProgress, TransferReport
+from ..tiering.copy.transfer import TransferProgress, TransferReport
+from ..tiering.staging.stage import preserve_owner_setting
 from .util import human_bytes, plural, printable
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ class Interrupted(Exception):
 
 
 class MainThreadConfirm:
-    """A run's ``confirm(plan)`` (:func:`fmstore.tiering.stage.stage_async`) answered on
+    """A run's ``confirm(plan)`` (:func:`fmstore.tiering.staging.stage.stage_async`) answered on
     the CLI's main thread, where a prompt must be asked: the run, on the event loop,
     awaits the answer while :func:`run_with_progress` waits for the question.  ``ask``
     shows the plan and says whether to go on."""

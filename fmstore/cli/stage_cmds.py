@@ -1,7 +1,7 @@
 """Dataset commands: stage, hydrate, release (cp, du and rm are in object_cmds).
 
-Each parses its options, calls the library (:func:`fmstore.tiering.stage.stage_async`,
-:func:`fmstore.tiering.lazy.hydrate_async`, :func:`fmstore.tiering.lazy.release`) with a
+Each parses its options, calls the library (:func:`fmstore.tiering.staging.stage.stage_async`,
+:func:`fmstore.tiering.staging.lazy.hydrate_async`, :func:`fmstore.tiering.staging.lazy.release`) with a
 progress counter and a ``confirm`` answered on the terminal, and prints what it did.
 Exit codes: :mod:`.progress`.
 """
@@ -15,8 +15,9 @@ from typing import Literal
 import typer
 
 from ..errors import ConfigError
-from ..tiering import lazy as _lazy
-from ..tiering.stage import (
+from ..tiering.copy.transfer import TransferOptions, TransferProgress
+from ..tiering.staging import lazy as _lazy
+from ..tiering.staging.stage import (
     KeyFilter,
     StageOptions,
     StagePlan,
@@ -26,7 +27,6 @@ from ..tiering.stage import (
     shard_from_env,
     stage_async,
 )
-from ..tiering.transfer import TransferOptions, TransferProgress
 from ..units import parse_duration
 from .main import app
 from .progress import (

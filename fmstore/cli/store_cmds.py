@@ -45,7 +45,7 @@ def ls(
     In a lazily staged directory, files listed but not fetched yet are shown too, marked
     'lazy' in the long format.
     """
-    from ..tiering.stage import RESERVED_PREFIX
+    from ..tiering.staging.stage import RESERVED_PREFIX
 
     entries, lazy = _entries(url, recursive)
     entries = [
@@ -115,7 +115,7 @@ def _entries(url: str, recursive: bool) -> tuple[list[ObjectMeta], dict[str, tup
     """What ``ls URL`` shows: the listing under a prefix, one object, or a glob's matches
     (keys relative to the listed prefix), and the lazy index's entries not present."""
     from ..errors import NotFound
-    from ..tiering.stage import compile_glob, local_dir, open_source
+    from ..tiering.staging.stage import compile_glob, local_dir, open_source
 
     path = local_dir(url)
     if path is not None and os.path.isfile(path):
@@ -187,7 +187,7 @@ def _lazy_entries(url: str, present: set[str], recursive: bool) -> dict[str, tup
     """Keys (relative to ``url``) of a lazy index that are not present locally, with their
     sizes and file counts (1); without ``recursive``, a directory holding only such files
     appears as one entry (``dir/``) with their total size and count."""
-    from ..tiering import lazy
+    from ..tiering.staging import lazy
 
     try:
         path = lazy.local_dir(url)

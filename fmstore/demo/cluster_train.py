@@ -5,7 +5,7 @@ Trains the demo's tiny GPT sharded with FSDP2 over every rank (gloo, CPU; no dro
 each step's batch drawn from the step number alone, so a run's weights are a function of
 the step it resumed from: an interrupted run ends bit-identical to an uninterrupted one),
 and saves every ``--ckpt-every`` steps to the node-local ``nvme`` tier through
-:class:`~fmstore.tiering.sharded.ShardedCheckpointManager`.  On start it restores the newest
+:class:`~fmstore.tiering.managers.sharded.ShardedCheckpointManager`.  On start it restores the newest
 step every rank can read (from every tier of the ladder).
 
 The shared tiers get their copies from each node's ``fmstore daemon`` exporting its own
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..testing.cluster import pg_timeout
-from ..tiering.sharded import ShardedCheckpointManager
+from ..tiering.managers.sharded import ShardedCheckpointManager
 from .corpus import VOCAB, make_text, tokenize
 from .model import GPT
 

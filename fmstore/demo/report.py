@@ -16,7 +16,7 @@ from rich.table import Table
 
 from ..cli.util import human_bytes
 from ..config import load_config
-from ..tiering.catalog import Catalog
+from ..tiering.inventory.catalog import Catalog
 
 
 def metric(text: str, name: str, **labels: str) -> float:

@@ -31,8 +31,8 @@ from accelerate.utils import DistributedType
 from ..config import get_config
 from ..errors import ConfigError, CorruptData, FmstoreError, NotFound, NotSupported
 from ..stores.location import decided_by_config, split_tier
-from ..tiering.manager import CheckpointManager, PendingSave
-from ..tiering.policies import from_config
+from ..tiering.managers.manager import CheckpointManager, PendingSave
+from ..tiering.policy.policies import from_config
 from . import rank_state
 from .rank_zero import TierReader, dist_group, restore_on_every_rank
 

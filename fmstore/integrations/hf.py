@@ -24,8 +24,8 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..errors import CorruptData, FmstoreError
-from ..tiering.manager import CheckpointManager
-from ..tiering.sharded import ShardedCheckpointManager
+from ..tiering.managers.manager import CheckpointManager
+from ..tiering.managers.sharded import ShardedCheckpointManager
 from . import hf_sharded, rank_state
 from .rank_zero import TierReader, restore_on_every_rank
 from .rank_zero import dist_group as _dist_group

@@ -1,5 +1,5 @@
 """The HF callback's path for a model the Trainer shards with FSDP2: every rank saves its
-own shards through a :class:`~fmstore.tiering.sharded.ShardedCheckpointManager` and every
+own shards through a :class:`~fmstore.tiering.managers.sharded.ShardedCheckpointManager` and every
 rank restores them, never gathering the state to one rank.
 
 One DCP checkpoint of the step holds ``model`` and ``optimizer`` (each rank's shards, from
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptData, FmstoreError
-from ..tiering.sharded import ShardedCheckpointManager
+from ..tiering.managers.sharded import ShardedCheckpointManager
 
 __all__ = ["refuse_fsdp1", "restore", "state"]
 

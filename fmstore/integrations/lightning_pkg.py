@@ -42,7 +42,7 @@ def remove_checkpoint_prefix(url: str) -> None:
     """Delete the fmstore checkpoint at ``url``, manifest first (it stops being one before
     its blobs go)."""
     from .. import runtime
-    from ..tiering.mover import delete_checkpoint
+    from ..tiering.exports.mover import delete_checkpoint
 
     async def go() -> None:
         store = open_store(url)

@@ -72,7 +72,7 @@ def _step_of(url: str) -> tuple[str, str, int] | None:
 class _FmstoreSharded:
     """What the fmstore strategies share: ``save_checkpoint`` / ``load_checkpoint`` /
     ``remove_checkpoint`` through fmstore's DCP entry points (or a
-    :class:`~fmstore.tiering.sharded.ShardedCheckpointManager` for a step on a tier)."""
+    :class:`~fmstore.tiering.managers.sharded.ShardedCheckpointManager` for a step on a tier)."""
 
     #: the key Lightning's strategy files the model's state under in the DCP state
     _model_key = "state_dict"
@@ -89,8 +89,8 @@ class _FmstoreSharded:
         raise NotImplementedError
 
     def _manager(self, tier: str, root: str) -> Any:
-        from ..tiering.rules import from_config
-        from ..tiering.sharded import ShardedCheckpointManager
+        from ..tiering.managers.sharded import ShardedCheckpointManager
+        from ..tiering.policy.rules import from_config
 
         key = (tier, root)
         if key not in self._fmstore_managers:
@@ -373,7 +373,7 @@ class FmstoreModelCheckpoint(_pl.callbacks.ModelCheckpoint):  # type: ignore[mis
         if tier is None:
             best = _newest_local(url)
             return {best} if best else set()
-        from ..tiering.rules import from_config
+        from ..tiering.policy.rules import from_config
         from ..tiering.tiers import Tiers
 
         cfg = get_config()

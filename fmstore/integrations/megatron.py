@@ -139,8 +139,8 @@ class _Managers:
         self.by_root: dict[tuple[str, str], Any] = {}
 
     def get(self, tier: str, root: str, config: Config, write_options: dict[str, Any]) -> Any:
-        from ..tiering.rules import from_config
-        from ..tiering.sharded import ShardedCheckpointManager
+        from ..tiering.managers.sharded import ShardedCheckpointManager
+        from ..tiering.policy.rules import from_config
 
         key = (tier, root)
         if key not in self.by_root:

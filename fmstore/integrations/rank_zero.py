@@ -18,8 +18,8 @@ from typing import Any
 from .. import runtime
 from ..config import get_config, load_config
 from ..errors import CorruptData, FmstoreError, NotFound, StoreUnavailable
-from ..tiering.manager import CheckpointManager
-from ..tiering.policies import from_config
+from ..tiering.managers.manager import CheckpointManager
+from ..tiering.policy.policies import from_config
 from ..tiering.tiers import Tiers
 
 __all__ = ["TierReader", "dist_group", "rank", "restore_on_every_rank"]

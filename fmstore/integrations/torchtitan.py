@@ -7,7 +7,7 @@ One line of torchtitan's configuration (its config registry, or ``Trainer.Config
 The trainer builds whatever ``Trainer.Config.checkpoint`` holds and drives it with
 ``load(step=...)``, ``save(step, last_step=...)``, ``maybe_wait_for_staging()`` and
 ``close()``.  Every step is one fmstore DCP checkpoint ``step_NNNNNNNNNNNN`` of a
-:class:`~fmstore.tiering.sharded.ShardedCheckpointManager`: the model and optimizer shards
+:class:`~fmstore.tiering.managers.sharded.ShardedCheckpointManager`: the model and optimizer shards
 *and* the rest of torchtitan's state (``train_state``, ``lr_scheduler``, ``dataloader``)
 under one commit, recorded for the daemon, which exports, retains and releases it by
 ``[policies]`` (torchtitan's own ``rmtree`` purge is not used).  ``load`` restores the
@@ -116,8 +116,8 @@ class FmstoreCheckpointManager(BaseCheckpointManager):
         if not self.enable:
             return
         from ..checkpoint.dcp import Stager
-        from ..tiering.rules import from_config
-        from ..tiering.sharded import ShardedCheckpointManager
+        from ..tiering.managers.sharded import ShardedCheckpointManager
+        from ..tiering.policy.rules import from_config
 
         self.config = config
         cfg = _fmstore_config(config.fmstore_config)

@@ -18,7 +18,7 @@ through the destination store itself (no node talks to another):
 ``GEN/retired.json`` (a *retired record*)
     written by a restore that fell back from the step this generation saved (the step is
     abandoned and will be redone under a new generation): no commit of ``GEN`` stands once
-    it is there (:mod:`fmstore.tiering.retire`).  Whatever it holds, its name retires.
+    it is there (:mod:`fmstore.tiering.exports.retire`).  Whatever it holds, its name retires.
 
 Both are kept out of the blob names (``BLOB_RE``) so that no reader takes them for data.
 This module is torch-free: the orphan sweep (:mod:`.gc`) reads these records too.

@@ -51,7 +51,7 @@ from ..errors import (
 from ..protocol.skew import clock_offset
 from ..stores.base import Store
 from .credentials import credentials_digest
-from .rules import Policies
+from .policy.rules import Policies
 from .tiers import Tiers
 
 #: Where probe objects go, at each tier's root (skipped by discovery, ``ls`` and ``stage``).

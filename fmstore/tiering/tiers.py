@@ -28,7 +28,7 @@ from ..protocol.records import node_here
 from ..stores import Location, open_store
 from ..stores.base import Store
 from ..stores.posix_io import tree_bytes
-from .foreign import (
+from .inventory.foreign import (
     DCP,
     DCP_METADATA,
     InFuture,
@@ -38,7 +38,7 @@ from .foreign import (
     step_parser,
     step_patterns,
 )
-from .policies import TierUsage
+from .policy.policies import TierUsage
 
 log = logging.getLogger("fmstore.tiering")
 
