@@ -28,6 +28,8 @@ from fmstore.tiering.exports.mover import CHECKPOINT_COPY
 from fmstore.tiering.exports.parts import export_part
 from fmstore.tiering.exports.retire import fence
 from fmstore.tiering.inventory import catalog as cat
+from fmstore.tiering.inventory.foreign import NotCounted
+from fmstore.tiering.tiers import Tiers
 
 NODES3 = ("n0", "n1", "n2")
 STEP = 24
@@ -178,7 +180,16 @@ def test_the_redo_retires_an_abandoned_commit_and_commits_its_own(tmp_path, monk
             await task
 
     runtime.run(n0_dies_after_its_commit())
-    assert (lustre(tmp_path, STEP) / MANIFEST_KEY).read_bytes() == old  # abandoned, committed
+    assert (lustre(tmp_path, STEP) / MANIFEST_KEY).read_bytes() == old  # abandoned, written
+    # ... and counted by no reader: its generation is retired
+    tiers = Tiers(nodes[1].cfg)
+    notes = NotCounted()
+    try:
+        assert runtime.run(tiers.committed_copy("lustre", ROOT, STEP, notes=notes)) is None
+        assert runtime.run(tiers.newest_committed("lustre", ROOT)) is None
+    finally:
+        runtime.run(tiers.close())
+    assert "retired" in str(notes.by_root), notes.by_root
 
     # The restore moved every node's step 24 aside; the job saves 24 again.
     for node in nodes:

@@ -82,6 +82,11 @@ def test_blobs_must_be_there_with_their_sizes_and_a_node_checks_its_part_only():
     assert pr.step_committed(f, sizes={"000000.bin": 5}, node="n0", now=now, skew=SKEW) is None
     assert pr.step_committed(f, sizes={}, node="n0", now=now, skew=SKEW) is pr.Problem.BLOB_MISSING
     assert pr.step_committed(f, sizes={}, node="n9", now=now, skew=SKEW) is pr.Problem.NO_PART_HERE
+    # Retired by a restore that passed it over: never counted, whatever else is there.
+    retired = {"000000.bin": 5, "000001.bin": 7, "retired.json": 90}
+    assert pr.step_committed(f, sizes=retired, node=None, now=now, skew=SKEW) is (
+        pr.Problem.RETIRED
+    )
     # Validated before (the catalog knows this checksum): no listing, the clock still counts.
     assert pr.step_committed(f, sizes=None, node=None, now=now, skew=SKEW) is None
 

@@ -38,6 +38,7 @@ from ..format.manifest import (
     parse_header,
     sniff_format,
 )
+from .records import RETIRED_NAME
 
 __all__ = [
     "BlobFact",
@@ -63,6 +64,7 @@ class Problem(enum.Enum):
     NO_PART_HERE = "no_part_here"
     BLOB_MISSING = "blob_missing"
     BLOB_SIZE = "blob_size"
+    RETIRED = "retired"
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,11 @@ def step_committed(
         return Problem.NO_PART_HERE
     if sizes is None:
         return None
+    if RETIRED_NAME in sizes:
+        # Retired by a restore that passed the step over (docs/distributed.md, I6): a
+        # committer that died between its manifest write and its second look at the fence
+        # left a manifest naming a generation that must never count.
+        return Problem.RETIRED
     for b in blobs:
         got = sizes.get(b.name)
         if got is None:
