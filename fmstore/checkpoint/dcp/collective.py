@@ -25,7 +25,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -53,6 +53,7 @@ from . import replica_stream, replicas
 from .manifest import MANIFEST_KEY, DcpManifest
 from .nodes import drop_pending, node_id, tier_scope
 from .peers import Peers
+from .planning import plan_here, plans_alone
 from .reader import Reader
 from .staging import Stager
 from .views import View, look, open_candidate
@@ -418,6 +419,13 @@ def _load_one(
     return None
 
 
+def _load_problem(e: BaseException) -> Problem:
+    """This rank's problem when its load raised ``e`` (:func:`~.problems.code_of`): a read
+    error or a failure as they are, any other verdict makes the candidate unusable."""
+    code = code_of(e)
+    return Problem(code if code in (Code.READ_ERROR, Code.FAILED) else Code.UNUSABLE, reason(e))
+
+
 def _try(
     state_dict: dict[str, Any],
     cand: str,
@@ -443,11 +451,23 @@ def _try(
         cfg = so.get("config")
         where = replicas.replica_uri(cand, cfg) if replicas.replicas_of(cand, cfg) else cand
         reader.peers = Peers(pg, _dist().get_rank(pg), routes, where, reader.checked)
+    alone = plans_alone(planner)  # no gather and scatter of every rank's plan
+    read: Callable[[], None] | None = None
     try:
-        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=pg)
+        if alone:
+            read = plan_here(state_dict, reader, planner, _dist().get_rank(pg))
+        else:
+            dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=pg)
     except BaseException as e:
-        code = code_of(e)
-        err = Problem(code if code in (Code.READ_ERROR, Code.FAILED) else Code.UNUSABLE, reason(e))
+        err = _load_problem(e)
+    if alone:  # every rank planned before any reads: an error leaves every state as it was
+        if (err := first(_gather_problems(pg, err))) is not None:
+            return err
+        assert read is not None  # planned here, as no rank has a problem
+        try:
+            read()
+        except BaseException as e:
+            err = _load_problem(e)
     return first(_gather_problems(pg, err))
 
 
