@@ -32,7 +32,8 @@ import functools
 import importlib
 import json
 import random
-from collections.abc import AsyncIterator, Callable
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,18 +41,22 @@ from fmstore.checkpoint.layout import checkpoint_key
 from fmstore.errors import AlreadyExists, NotFound, StoreUnavailable
 from fmstore.format.checksum import crc32c
 from fmstore.format.manifest import MANIFEST_KEY
+from fmstore.protocol.env import Env
 from fmstore.protocol.records import PartRecord, manifest_sha256, part_record_key
 from fmstore.stores.base import PutOptions, Store
 from fmstore.stores.types import ObjectMeta
 
 ROOT = "run"
 #: The protocol's lease lifetime and clock skew in every schedule (their defaults), whatever
-#: ``$FMSTORE_EXPORT_LEASE_TTL`` / ``$FMSTORE_CLOCK_SKEW`` the process was started with.
+#: ``$FMSTORE_EXPORT_LEASE_TTL`` / ``$FMSTORE_CLOCK_SKEW`` the process was started with:
+#: each node's :class:`Env` is made here, never read from the process.
 LEASE_TTL = 120.0
 CLOCK_SKEW = 10.0
 #: The process id every simulated exporter writes in its leases (all nodes run in this
 #: process; a real id would make the bytes written depend on it).
 SIM_PID = 4242
+#: Where virtual time starts, by default (``run(seed, start=...)`` picks another).
+START = 1_000_000.0
 _actor: contextvars.ContextVar[str] = contextvars.ContextVar("actor", default="")
 
 
@@ -80,7 +85,9 @@ class Scheduler:
 
     rng: random.Random
     offsets: dict[str, float]
-    now: float = 1_000_000.0
+    now: float = START
+    #: Where virtual time started (the trace shows time since).
+    start: float = START
     parked: list[_Call] = field(default_factory=list)
     steps: int = 0
     #: By priority: each actor's, and the steps after which the granted actor drops.
@@ -95,8 +102,24 @@ class Scheduler:
     writes: int = 0
     trace: list[str] = field(default_factory=list)
 
-    def clock(self) -> float:
-        return self.now + self.offsets.get(_actor.get().split(":")[0], 0.0)
+    def clock_of(self, node: str) -> Callable[[], float]:
+        """Node ``node``'s clock: virtual time plus its own offset."""
+        offset = self.offsets.get(node, 0.0)
+        return lambda: self.now + offset
+
+    def env(self, node: str) -> Env:
+        """Node ``node``'s protocol environment: its clock, its id, :data:`SIM_PID`, the
+        schedule's lease settings.  No renewal in the background (``lease_renew`` beyond
+        any schedule): renewals come from the attempts' own lease writes only (fewer
+        renewals: harder)."""
+        return Env(
+            lease_ttl=LEASE_TTL,
+            lease_renew=1e9,
+            clock_skew=CLOCK_SKEW,
+            clock=self.clock_of(node),
+            node=node,
+            pid=SIM_PID,
+        )
 
     async def point(self, what: str) -> None:
         call = _Call(_actor.get(), self.now, asyncio.get_running_loop().create_future())
@@ -108,7 +131,7 @@ class Scheduler:
         self.parked.append(call)
         await call.go
         slow = " (slow)" if call.slow else ""
-        self.trace.append(f"{self.now - 1_000_000.0:9.3f} {call.actor} {what}{slow}")
+        self.trace.append(f"{self.now - self.start:9.3f} {call.actor} {what}{slow}")
 
     def note(self, outcome: str) -> None:
         """What the call just granted found or left (the trace is the whole schedule)."""
@@ -308,32 +331,6 @@ async def _fake_copy(src: Store, dst: Store, view: Any, *_: Any, **__: Any) -> t
     return await _fake_verify(dst, view), view.stored_bytes, 0
 
 
-class _SimOs:
-    """``os`` for the modules under test, with :data:`SIM_PID` for the process id."""
-
-    def getpid(self) -> int:
-        return SIM_PID
-
-    def __getattr__(self, name: str) -> Any:
-        import os
-
-        return getattr(os, name)
-
-
-class _Clock:
-    """``time`` for the modules under test: each node reads the virtual clock plus its own
-    offset."""
-
-    def __init__(self, sched: Scheduler) -> None:
-        self.sched = sched
-
-    def time(self) -> float:
-        return self.sched.clock()
-
-    def monotonic(self) -> float:
-        return self.sched.now
-
-
 REVERTS = (  # every protection a test-only switch can take back
     "count",
     "supersede",
@@ -368,21 +365,16 @@ def patches(revert: frozenset[str] = frozenset()) -> list[tuple[Any, str, Any]]:
 
     gc = importlib.import_module("fmstore.checkpoint.gc")
     from fmstore.protocol import decisions as protocol
-    from fmstore.protocol import records as partrecords
     from fmstore.tiering import tiers
     from fmstore.tiering.exports import parts
     from fmstore.tiering.inventory import catalog as cat
     from fmstore.tiering.policy import policies, sweep
 
     out: list[tuple[Any, str, Any]] = [
+        # The copy engine (thread pools, multipart writers, journals on disk) is outside
+        # the simulation: a byte-exact fake copies and verifies, one store call a blob.
         (parts, "copy_blobs", _fake_copy),
         (parts, "verify_checkpoint", _fake_verify),
-        # Nothing of the process reaches a schedule: its id, its environment's settings.
-        (parts, "os", _SimOs()),
-        (partrecords, "os", _SimOs()),
-        # the process's protocol settings, read from partrecords where they are used
-        (partrecords, "LEASE_TTL", LEASE_TTL),
-        (partrecords, "CLOCK_SKEW", CLOCK_SKEW),
     ]
     if "count" in revert:  # a step counted from its manifest's existence alone
 
@@ -440,7 +432,7 @@ def _any_not_found_is_absent(e: BaseException) -> Any:
     return Code.NO_MANIFEST if isinstance(fmstore_error(e), NotFound) else Code.UNUSABLE
 
 
-async def _remove_leases_first(store: Store, g: Any) -> bool:
+async def _remove_leases_first(store: Store, g: Any, env: Env) -> bool:
     """The orphan sweep's removal before the simulation's seed 2666: the records and
     leases of the scan deleted first (a lease renewed since included), then the leases
     left looked at."""
@@ -455,7 +447,7 @@ async def _remove_leases_first(store: Store, g: Any) -> bool:
             async for m in store.list(f"{g.where}/", recursive=False)
             if LEASE_RE.match(m.key.rsplit("/", 1)[-1])
         ]
-        if await _live_lease(store, leases):
+        if await _live_lease(store, leases, env):
             return False
         try:
             if _generation_of(await store.get(f"{prefix}/{MANIFEST_KEY}")) == gen:
@@ -468,18 +460,18 @@ async def _remove_leases_first(store: Store, g: Any) -> bool:
     return True
 
 
-async def _no_lease(store: Store, keys: list[str]) -> bool:
+async def _no_lease(store: Store, keys: list[str], env: Env) -> bool:
     return False
 
 
-async def _readable_leases(store: Store, keys: list[str]) -> bool:
+async def _readable_leases(store: Store, keys: list[str], env: Env) -> bool:
     from fmstore.errors import FmstoreError
     from fmstore.protocol.records import LEASE_RE, ExportLease
 
     for key in keys:
         if LEASE_RE.match(key.rsplit("/", 1)[-1]):
             with contextlib.suppress(FmstoreError):
-                if ExportLease.loads(await store.get(key), where=key).alive():
+                if ExportLease.loads(await store.get(key), where=key).alive(env):
                     return True
     return False
 
@@ -543,6 +535,9 @@ class World:
         self.shared = SimStore("lustre", sched, self._on_delete, self.flaky)
         self.nvme: dict[str, SimStore] = {}
         self.tiers: dict[str, Tiers] = {}
+        #: Each node's protocol environment (its clock, id and process), held by its
+        #: ``Tiers`` and handed to its exporter and sweeps.
+        self.env: dict[str, Env] = {}
         #: Each node's catalog of the shared tier's copies: step -> (state, verified).
         self.cat: dict[str, dict[int, tuple[str, bool]]] = {}
         config, _ = _setup()
@@ -554,7 +549,8 @@ class World:
                 name = f"{r:06d}.bin"
                 st.data[f"{ck}/{self.gens[step]}/{name}"] = payloads[name]
             self.nvme[n] = st
-            t = Tiers(config)
+            self.env[n] = sched.env(n)
+            t = Tiers(config, env=self.env[n])
             t._stores["lustre"] = self.shared
             t._stores["nvme"] = st
             self.tiers[n] = t
@@ -624,18 +620,14 @@ class World:
                 )
 
 
-async def _schedule(seed: int) -> Outcome:
-    from fmstore.protocol import records as partrecords
-
-    gc = importlib.import_module("fmstore.checkpoint.gc")
+async def _schedule(seed: int, start: float = START) -> Outcome:
     from fmstore.errors import FmstoreError
-    from fmstore.tiering import tiers
-    from fmstore.tiering.exports import parts
     from fmstore.tiering.exports.mover import CHECKPOINT_COPY
 
     rng = random.Random(seed)
     aim = rng.choice(AIMS)
-    sched = Scheduler(rng, {n: rng.uniform(-CLOCK_SKEW / 2, CLOCK_SKEW / 2) for n in ALL_NODES})
+    offsets = {n: rng.uniform(-CLOCK_SKEW / 2, CLOCK_SKEW / 2) for n in ALL_NODES}
+    sched = Scheduler(rng, offsets, now=start, start=start)
     w = World(seed, rng, sched, aim)
     if rng.random() < 0.5:
         sched.prio = {}
@@ -669,16 +661,6 @@ async def _schedule(seed: int) -> Outcome:
     sched.trace.append(
         f"  (aim: {aim}, retention passes: {plans}, sweeps at {sweeps}, slow: {sched.slow})"
     )
-    clock = _Clock(sched)
-    from fmstore.tiering.policy import sweep
-
-    timed = (parts, tiers, gc, partrecords, sweep)
-    saved = [(m, "time", m.time) for m in timed]
-    saved += [(m, "node_here", m.node_here) for m in (tiers, partrecords)]
-    for m in timed:
-        m.time = clock  # type: ignore[attr-defined]
-    for m in (tiers, partrecords):
-        m.node_here = lambda: _actor.get().split(":")[0]  # type: ignore[attr-defined]
 
     async def exporter(node: str) -> None:
         from fmstore.tiering.exports.parts import delete_own_part, export_part
@@ -689,7 +671,9 @@ async def _schedule(seed: int) -> Outcome:
             src, dst = w.nvme[node].sub(ck), w.shared.sub(ck)
             for _ in range(rng.randint(1, 2)):
                 try:
-                    res = await export_part(src, dst, node, options=CHECKPOINT_COPY)
+                    res = await export_part(
+                        src, dst, node, options=CHECKPOINT_COPY, env=w.env[node]
+                    )
                 except FmstoreError:
                     continue  # the policy runner retries at its next step
                 if not res.waiting_for:
@@ -700,7 +684,7 @@ async def _schedule(seed: int) -> Outcome:
                     # Superseded: a newer step is wanted and retention would not keep this.
                     w.cat[node][step] = (cat.SUPERSEDED, False)
                     with contextlib.suppress(FmstoreError):
-                        await delete_own_part(dst, node, src)
+                        await delete_own_part(dst, node, src, env=w.env[node])
 
     async def daemon(node: str) -> None:
         from fmstore.tiering.policy.sweep import Sweeper
@@ -710,14 +694,15 @@ async def _schedule(seed: int) -> Outcome:
                 with contextlib.suppress(FmstoreError):  # the daemon backs off, tries later
                     await _retention_and_release(w, node, rng.random() < 0.3)
             if rng.random() < sweeps:
-                await Sweeper("/nonexistent/state", grace=0.0).tier("lustre", w.shared)
+                sweeper = Sweeper("/nonexistent/state", grace=0.0, env=w.env[node])
+                await sweeper.tier("lustre", w.shared)
 
     async def stranger() -> None:
         gen, m = w.gens[STEPS[0]], w.saves[STEPS[0]][0]
         ck = checkpoint_key(ROOT, STEPS[0])
         if rng.random() < 0.5:
             n = rng.choice(w.nodes)
-            rec = PartRecord(n, (w.nodes.index(n),), gen, manifest_sha256(m), ())
+            rec = PartRecord(n, (w.nodes.index(n),), gen, manifest_sha256(m), (), sched.now)
             await w.shared.put(f"{ck}/{part_record_key(gen, n)}", rec.dumps())
         if rng.random() < 0.5:
             junk = rng.choice((b"", b"{}", b'{"format": "fmstore-dcp", "version": 2}'))
@@ -797,8 +782,6 @@ async def _schedule(seed: int) -> Outcome:
         e.trace = sched.trace  # type: ignore[attr-defined]  # the schedule, to read
         raise
     finally:
-        for mod, name, value in saved:
-            setattr(mod, name, value)
         for t in tasks:
             t.cancel()
     return Outcome(seed, sched.steps, sched.trace)
@@ -819,7 +802,7 @@ async def _retention_and_release(w: World, node: str, rescan_local: bool) -> Non
     shared = await t.committed_facts("lustre", ROOT)
     w.counted.extend(shared)
     local = await t.committed_facts("nvme", ROOT)
-    now = w.sched.clock()
+    now = w.env[node].now()
     steps = sorted(set(STEPS) | set(shared))
     ckpts = [cat.Checkpoint(ROOT, st, i + 1, 1_000_000.0, 0, None) for i, st in enumerate(steps)]
     copies = [
@@ -847,43 +830,68 @@ async def _retention_and_release(w: World, node: str, rescan_local: bool) -> Non
             w.cat[node][a.step] = (cat.DELETED, False)
 
 
-def run(seed: int, revert: frozenset[str] = frozenset()) -> Outcome:
-    """One schedule, replayable from its seed alone."""
-    return search([seed], revert)[0]
+def run(seed: int, revert: frozenset[str] = frozenset(), *, start: float = START) -> Outcome:
+    """One schedule, replayable from its seed alone (its virtual clock from ``start``)."""
+    return search([seed], revert, start=start)[0]
 
 
 def search(
-    seeds: Any, revert: frozenset[str] = frozenset(), *, deadline: float | None = None
+    seeds: Any,
+    revert: frozenset[str] = frozenset(),
+    *,
+    deadline: float | None = None,
+    start: float = START,
 ) -> list[Outcome]:
     """Run the schedules of ``seeds`` (stopping at ``deadline``, ``time.monotonic()``),
-    raising :class:`Violation` at the first that breaks an invariant."""
+    raising :class:`Violation` at the first that breaks an invariant.  Searches may run in
+    several threads at once (each schedule's clocks and nodes are its own, through its
+    :class:`Env`); those with different switches take turns (:func:`_patched`)."""
     import logging
     import time
 
     logging.getLogger("fmstore.sweep").setLevel(logging.CRITICAL)  # its report says it all
     done: list[Outcome] = []
-    undo = []
-    for mod, name, value in patches(revert):
-        undo.append((mod, name, getattr(mod, name)))
-        setattr(mod, name, value)
-    from fmstore.tiering.exports import parts
-
-    undo.append((parts._Lease, "_renew", parts._Lease._renew))
-    parts._Lease._renew = _no_renew  # type: ignore[method-assign]
-    try:
+    with _patched(revert):
         for seed in seeds:
             if deadline is not None and time.monotonic() > deadline:
                 break
-            done.append(asyncio.run(_schedule(seed)))
-    finally:
-        for mod, name, value in reversed(undo):
-            setattr(mod, name, value)
+            done.append(asyncio.run(_schedule(seed, start)))
     return done
 
 
-async def _no_renew(self: Any) -> None:
-    """Renewals come from the attempts' own lease writes only (fewer renewals: harder)."""
-    await asyncio.Event().wait()
+#: What :func:`patches` set, while any search runs: the switches in force and how many
+#: searches use them (searches with the same switches share them; others wait).
+_patch_turn = threading.Condition()
+_patch_state: dict[str, Any] = {"revert": None, "users": 0, "undo": []}
+
+
+@contextlib.contextmanager
+def _patched(revert: frozenset[str]) -> Iterator[None]:
+    """The module attributes :func:`patches` names set for the searches with switches
+    ``revert``.  The only globals the simulation sets: the copy engine's fake, and the
+    test-only switches that take a protection back (code, not environment: every
+    schedule of a search runs the same code)."""
+    st = _patch_state
+    with _patch_turn:
+        while st["users"] and st["revert"] != revert:
+            _patch_turn.wait()
+        if not st["users"]:
+            undo = []
+            for mod, name, value in patches(revert):
+                undo.append((mod, name, getattr(mod, name)))
+                setattr(mod, name, value)
+            st["revert"], st["undo"] = revert, undo
+        st["users"] += 1
+    try:
+        yield
+    finally:
+        with _patch_turn:
+            st["users"] -= 1
+            if not st["users"]:
+                for mod, name, value in reversed(st["undo"]):
+                    setattr(mod, name, value)
+                st["revert"], st["undo"] = None, []
+                _patch_turn.notify_all()
 
 
 def find_switches(limit: int = 50_000) -> int:

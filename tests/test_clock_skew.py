@@ -205,25 +205,30 @@ def test_protocol_settings_come_from_the_config_and_the_environment_overrides(
 ):
     from fmstore.config import load_config
     from fmstore.errors import ConfigError
-    from fmstore.protocol import records as pr
+    from fmstore.protocol.env import Env
 
-    for name in ("LEASE_TTL", "LEASE_RENEW", "CLOCK_SKEW"):
-        monkeypatch.setattr(pr, name, getattr(pr, name))
     monkeypatch.delenv("FMSTORE_EXPORT_LEASE_TTL", raising=False)
     monkeypatch.delenv("FMSTORE_CLOCK_SKEW", raising=False)
     p = tmp_path / "f.toml"
     p.write_text('[protocol]\nlease_ttl = "4m"\n')
-    pr.use_config(load_config(str(p)))
-    assert (pr.LEASE_TTL, pr.LEASE_RENEW, pr.CLOCK_SKEW) == (240.0, 40.0, 20.0)
+    env = Env.from_config(load_config(str(p)))
+    assert (env.lease_ttl, env.lease_renew, env.clock_skew) == (240.0, 40.0, 20.0)
     p.write_text('[protocol]\nlease_ttl = 60\nlease_renew = "5s"\nclock_skew = 3\n')
-    pr.use_config(load_config(str(p)))
-    assert (pr.LEASE_TTL, pr.LEASE_RENEW, pr.CLOCK_SKEW) == (60.0, 5.0, 3.0)
+    env = Env.from_config(load_config(str(p)))
+    assert (env.lease_ttl, env.lease_renew, env.clock_skew) == (60.0, 5.0, 3.0)
     monkeypatch.setenv("FMSTORE_CLOCK_SKEW", "7")
-    pr.use_config(load_config(str(p)))
-    assert pr.CLOCK_SKEW == 7.0
+    assert Env.from_config(load_config(str(p))).clock_skew == 7.0
+    monkeypatch.setenv("FMSTORE_EXPORT_LEASE_TTL", "30")
+    env = Env.from_config(load_config(str(p)))
+    assert (env.lease_ttl, env.lease_renew, env.clock_skew) == (30.0, 5.0, 7.0)
+    # No [protocol] table: the environment alone, the rest derived from the lifetime.
+    monkeypatch.delenv("FMSTORE_CLOCK_SKEW")
+    env = Env.from_config(None)
+    assert (env.lease_ttl, env.lease_renew, env.clock_skew) == (30.0, 5.0, 2.5)
+    monkeypatch.delenv("FMSTORE_EXPORT_LEASE_TTL")
     p.write_text("[protocol]\nlease_ttl = 60\nlease_renew = 25\n")
     with pytest.raises(ConfigError, match="half of lease_ttl"):
-        pr.use_config(load_config(str(p)))
+        Env.from_config(load_config(str(p)))
     p.write_text("[protocol]\nclock_skw = 3\n")
     with pytest.raises(ConfigError, match="clock_skew"):
         load_config(str(p))
