@@ -1,9 +1,10 @@
-"""The deterministic simulation of exports in node parts and restores (tests/sim_parts.py):
-a fixed set of seeds finds no violation of I1-I4; a schedule is a function of its seed and
-switches alone; with each fix or protection taken back the search finds the violation it
-prevents from fresh seeds, and at the seed the search from seed 0 finds it at (for
-``sweep-leases`` only there: ``python tests/sim_parts.py --switches`` finds it from fresh
-seeds)."""
+"""The deterministic simulation of exports in node parts and restores (fmstore.testing.sim,
+its switches in tests/sim_parts.py): a fixed set of seeds finds no violation of I1-I4; a
+schedule is a function of its seed and switches alone, and of nothing of the process (two
+run at once in threads keep their own clocks); with each fix or protection taken back the
+search finds the violation it prevents from fresh seeds, and at the seed the search from
+seed 0 finds it at (for ``sweep-leases`` only there: ``python tests/sim_parts.py
+--switches`` finds it from fresh seeds)."""
 
 from __future__ import annotations
 
