@@ -21,6 +21,7 @@ from fmstore.checkpoint.layout import checkpoint_key
 from fmstore.checkpoint.verify import verify_checkpoint
 from fmstore.errors import NotFound
 from fmstore.format.manifest import MANIFEST_KEY
+from fmstore.protocol.env import Env
 from fmstore.protocol.records import ExportLease, lease_key, retired_key
 from fmstore.stores import open_store
 from fmstore.stores.base import PrefixStore, PutOptions, Store
@@ -64,7 +65,9 @@ def _nvme(base: Path, node: str) -> Store:
 
 
 def _export(base: Path, dst: Store, node: str) -> Any:
-    return runtime.run(export_part(_nvme(base, node), dst, node, options=CHECKPOINT_COPY))
+    return runtime.run(
+        export_part(_nvme(base, node), dst, node, options=CHECKPOINT_COPY, env=Env())
+    )
 
 
 async def _manifest(dst: Store) -> bytes | None:
@@ -82,7 +85,7 @@ def test_a_retired_record_before_the_commit_leaves_no_commit(tmp_path, dest):
     dst = dest()
     assert _export(tmp_path, dst, "n1").waiting_for == ("n0", "n2")
     assert _export(tmp_path, dst, "n2").waiting_for == ("n0",)
-    assert runtime.run(fence(dst, gen, "n2")) is False  # nothing committed yet
+    assert runtime.run(fence(dst, gen, Env(node="n2"))) is False  # nothing committed yet
     res = _export(tmp_path, dst, "n0")
     assert res.retired and not res.waiting_for
     assert runtime.run(_manifest(dst)) is None
@@ -99,7 +102,7 @@ def test_a_commit_before_the_record_is_retired_by_the_restorer(tmp_path, dest):
         res = _export(tmp_path, dst, n)
     assert not res.waiting_for and not res.retired
     assert runtime.run(_manifest(dst)) == raw
-    assert runtime.run(fence(dst, gen, "n0")) is True
+    assert runtime.run(fence(dst, gen, Env(node="n0"))) is True
     assert runtime.run(_manifest(dst)) is None
     # an export of it after that commits nothing again
     assert _export(tmp_path, dst, "n1").retired
@@ -119,10 +122,10 @@ def test_a_commit_landing_after_the_restorers_look_takes_itself_back(tmp_path, d
 
     async def race() -> Any:
         task = asyncio.create_task(
-            export_part(_nvme(tmp_path, "n0"), paused, "n0", options=CHECKPOINT_COPY)
+            export_part(_nvme(tmp_path, "n0"), paused, "n0", options=CHECKPOINT_COPY, env=Env())
         )
         await paused.reached.wait()  # n0's checks passed; its manifest write is next
-        assert await fence(dst, gen, "n2") is False  # the restorer sees no manifest
+        assert await fence(dst, gen, Env(node="n2")) is False  # the restorer sees no manifest
         paused.go.set()
         return await task
 
@@ -169,10 +172,10 @@ def test_the_redo_retires_an_abandoned_commit_and_commits_its_own(tmp_path, monk
 
     async def n0_dies_after_its_commit() -> None:
         task = asyncio.create_task(
-            export_part(_nvme(tmp_path, "n0"), crash, "n0", options=CHECKPOINT_COPY)
+            export_part(_nvme(tmp_path, "n0"), crash, "n0", options=CHECKPOINT_COPY, env=Env())
         )
         await crash.before.wait()
-        assert await fence(dst, gen, "n2") is False  # the restorer sees no manifest
+        assert await fence(dst, gen, Env(node="n2")) is False  # the restorer sees no manifest
         crash.go.set()
         await crash.after.wait()
         task.cancel()

@@ -205,25 +205,30 @@ def test_protocol_settings_come_from_the_config_and_the_environment_overrides(
 ):
     from fmstore.config import load_config
     from fmstore.errors import ConfigError
-    from fmstore.protocol import records as pr
+    from fmstore.protocol.env import Env
 
-    for name in ("LEASE_TTL", "LEASE_RENEW", "CLOCK_SKEW"):
-        monkeypatch.setattr(pr, name, getattr(pr, name))
     monkeypatch.delenv("FMSTORE_EXPORT_LEASE_TTL", raising=False)
     monkeypatch.delenv("FMSTORE_CLOCK_SKEW", raising=False)
     p = tmp_path / "f.toml"
     p.write_text('[protocol]\nlease_ttl = "4m"\n')
-    pr.use_config(load_config(str(p)))
-    assert (pr.LEASE_TTL, pr.LEASE_RENEW, pr.CLOCK_SKEW) == (240.0, 40.0, 20.0)
+    env = Env.from_config(load_config(str(p)))
+    assert (env.lease_ttl, env.lease_renew, env.clock_skew) == (240.0, 40.0, 20.0)
     p.write_text('[protocol]\nlease_ttl = 60\nlease_renew = "5s"\nclock_skew = 3\n')
-    pr.use_config(load_config(str(p)))
-    assert (pr.LEASE_TTL, pr.LEASE_RENEW, pr.CLOCK_SKEW) == (60.0, 5.0, 3.0)
+    env = Env.from_config(load_config(str(p)))
+    assert (env.lease_ttl, env.lease_renew, env.clock_skew) == (60.0, 5.0, 3.0)
     monkeypatch.setenv("FMSTORE_CLOCK_SKEW", "7")
-    pr.use_config(load_config(str(p)))
-    assert pr.CLOCK_SKEW == 7.0
+    assert Env.from_config(load_config(str(p))).clock_skew == 7.0
+    monkeypatch.setenv("FMSTORE_EXPORT_LEASE_TTL", "30")
+    env = Env.from_config(load_config(str(p)))
+    assert (env.lease_ttl, env.lease_renew, env.clock_skew) == (30.0, 5.0, 7.0)
+    # No [protocol] table: the environment alone, the rest derived from the lifetime.
+    monkeypatch.delenv("FMSTORE_CLOCK_SKEW")
+    env = Env.from_config(None)
+    assert (env.lease_ttl, env.lease_renew, env.clock_skew) == (30.0, 5.0, 2.5)
+    monkeypatch.delenv("FMSTORE_EXPORT_LEASE_TTL")
     p.write_text("[protocol]\nlease_ttl = 60\nlease_renew = 25\n")
     with pytest.raises(ConfigError, match="half of lease_ttl"):
-        pr.use_config(load_config(str(p)))
+        Env.from_config(load_config(str(p)))
     p.write_text("[protocol]\nclock_skw = 3\n")
     with pytest.raises(ConfigError, match="clock_skew"):
         load_config(str(p))
@@ -255,3 +260,46 @@ def test_a_step_no_node_can_complete_is_said_so(tmp_path):
     parts[("r", 10, "lustre")].pop("cannot")
     _never(load_config(str(p)), parts)
     assert "cannot" not in parts[("r", 10, "lustre")]
+
+
+def test_every_reader_of_a_lease_decides_by_one_rule(tmp_path):
+    """An export lease is alive by :func:`fmstore.protocol.decisions.lease_alive` with the
+    reader's Env (its lifetime and skew, its clock) wherever it is read: the lease itself
+    (the sweep and gc), the retirement fence's view of renewals, and gc's fallback for a
+    lease that does not parse (its file's write time, the skew allowed too: before, that
+    one alone ignored the skew).  The pid shortcut only shortens a lease of this very node
+    whose process is gone."""
+    from fmstore import runtime
+    from fmstore.checkpoint.gc import _live_lease
+    from fmstore.protocol.decisions import lease_alive
+    from fmstore.protocol.env import Env
+    from fmstore.protocol.records import ExportLease
+    from fmstore.stores import open_store
+    from fmstore.tiering.exports.retire import _alive
+
+    now = 1_000_000.0
+    env = Env(lease_ttl=60.0, lease_renew=5.0, clock_skew=4.0, clock=lambda: now, node="n0")
+    ages = (-70.0, -64.0, -63.9, 0.0, 30.0, 63.9, 64.0, 64.1, 1e9, float("nan"))
+    for age in ages:
+        renewed = now - age
+        want = lease_alive(renewed, now=now, ttl=60.0, skew=4.0)
+        assert want == (abs(age) < 64.0), age
+        assert ExportLease("n1", 1, renewed).alive(env) is want, age
+        assert env.lease_alive(renewed) is want, age
+        assert (_alive({"n1": renewed}, now, env) == ["n1"]) is want, age
+    # This node's lease whose process is gone: dead at once; another node's: its clock.
+    gone = 2**22 + 12345  # above Linux's pid_max: no such process
+    assert not ExportLease("n0", gone, now).alive(env)
+    assert ExportLease("n1", gone, now).alive(env)
+    assert ExportLease("n0", env.process(), now).alive(env)
+
+    # gc's fallback for a lease that does not parse: its write time, by the same rule.
+    store = open_store(str(tmp_path))
+    key = "g000000000001-00000001/export-n1.json"
+    runtime.run(store.put(key, b"{not json"))
+    written = (tmp_path / key).stat().st_mtime
+    for age, alive in ((0.0, True), (62.0, True), (64.5, False)):
+        at = written + age
+        seen = Env(lease_ttl=60.0, lease_renew=5.0, clock_skew=4.0, clock=lambda at=at: at)
+        assert runtime.run(_live_lease(store, [key], seen)) is alive, age
+    runtime.run(store.close())

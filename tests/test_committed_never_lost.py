@@ -18,6 +18,7 @@ from fmstore.checkpoint.verify import read_committed, verify_checkpoint
 from fmstore.errors import NotFound
 from fmstore.format.checksum import crc32c
 from fmstore.format.manifest import MANIFEST_KEY
+from fmstore.protocol.env import Env
 from fmstore.protocol.records import PartRecord, manifest_sha256
 from fmstore.stores import open_store
 from fmstore.tiering.exports.mover import CHECKPOINT_COPY
@@ -122,16 +123,18 @@ def test_a_part_superseded_while_another_node_commits_stays_in_the_commit(tmp_pa
     async def race() -> bool:
         plain = lustre_root.sub(key)
         monkeypatch.setenv(NODE_ENV, "n1")
-        res = await export_part(_nvme(tmp_path, "n1", 10), plain, "n1", options=CHECKPOINT_COPY)
+        res = await export_part(
+            _nvme(tmp_path, "n1", 10), plain, "n1", options=CHECKPOINT_COPY, env=Env()
+        )
         assert res.waiting_for == ("n0",)
         monkeypatch.setenv(NODE_ENV, "n0")
         paused = PauseAt(lustre_root, key, MANIFEST_KEY)
         commit = asyncio.create_task(
-            export_part(_nvme(tmp_path, "n0", 10), paused, "n0", options=CHECKPOINT_COPY)
+            export_part(_nvme(tmp_path, "n0", 10), paused, "n0", options=CHECKPOINT_COPY, env=Env())
         )
         await paused.reached.wait()  # n0 listed both records; its manifest write is next
         monkeypatch.setenv(NODE_ENV, "n1")
-        removed = await delete_own_part(plain, "n1", _nvme(tmp_path, "n1", 10))
+        removed = await delete_own_part(plain, "n1", _nvme(tmp_path, "n1", 10), env=Env())
         paused.go.set()
         assert not (await commit).waiting_for
         assert (await verify_checkpoint(plain)).ok  # every part of the manifest is there

@@ -49,6 +49,7 @@ from fmstore.checkpoint.dcp.api import inspect_checkpoint, load_full_state_dict,
 from fmstore.errors import FmstoreError
 from fmstore.format.checksum import crc32c
 from fmstore.loaders import StreamingDataset, write_dataset
+from fmstore.protocol.env import Env
 
 pytestmark = pytest.mark.fuzz
 
@@ -385,7 +386,7 @@ def test_records_with_hostile_fields(tmp_path_factory, data):
     if rec is not None:
         assert is_node_id(rec.node)
         if isinstance(rec, ExportLease):
-            assert rec.alive() in (True, False)
+            assert rec.alive(Env()) in (True, False)
     root = tmp_path_factory.mktemp("records")
     gen = root / "step_000000000001" / "g000000000001-00000001"
     gen.mkdir(parents=True)

@@ -68,13 +68,15 @@ def _lease_doc(node: str, pid: object, renewed: str) -> bytes:
 
 @pytest.mark.parametrize("renewed", ["Infinity", "NaN", "1e300", "1e400", "-Infinity", "FUTURE"])
 def test_lease_renewed_at_no_real_time_is_dead(renewed):
-    from fmstore.protocol.records import LEASE_TTL, ExportLease
+    from fmstore.protocol.env import Env
+    from fmstore.protocol.records import ExportLease
 
-    now = time.time()
-    doc = _lease_doc("elsewhere", 1, str(now + 100 * LEASE_TTL) if renewed == "FUTURE" else renewed)
-    assert not ExportLease.loads(doc, where="x").alive(now)
+    env, now = Env(), time.time()
+    far = str(now + 100 * env.lease_ttl)
+    doc = _lease_doc("elsewhere", 1, far if renewed == "FUTURE" else renewed)
+    assert not ExportLease.loads(doc, where="x").alive(env, now)
     # another node's clock a little ahead is still a renewal
-    assert ExportLease.loads(_lease_doc("elsewhere", 1, str(now + 5)), where="x").alive(now)
+    assert ExportLease.loads(_lease_doc("elsewhere", 1, str(now + 5)), where="x").alive(env, now)
 
 
 def test_gc_removes_an_immortal_lease_generation_and_survives_a_huge_pid(tmp_path, monkeypatch):

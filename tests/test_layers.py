@@ -33,7 +33,8 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"protocol", "format", "stores"},
     "loaders": {"format", "stores"},
     "tiering": {"checkpoint", "protocol", "format", "stores"},
-    "testing": {"checkpoint", "protocol", "format", "stores"},
+    # The simulation (testing/sim/) drives the real exports, sweeps and policies.
+    "testing": {"checkpoint", "protocol", "format", "stores", "tiering"},
     "cli": {"checkpoint", "protocol", "format", "stores", "loaders", "tiering"},
     "integrations": {"checkpoint", "protocol", "format", "stores", "loaders", "tiering"},
     "demo": {"checkpoint", "protocol", "format", "stores", "loaders", "tiering", "cli", "testing"},

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from fmstore import runtime
+from fmstore.protocol.env import Env
 from fmstore.protocol.records import PartRecord, part_record_key
 from fmstore.stores import open_store
 from fmstore.tiering.exports.parts import delete_own_part
@@ -30,7 +31,7 @@ def _export(root, committed: bool):
 def test_superseded_part_is_kept_in_a_copy_another_node_committed(tmp_path, committed):
     root = tmp_path / "step_000000000010"
     store = _export(root, committed)
-    removed = runtime.run(delete_own_part(store, "n1"))
+    removed = runtime.run(delete_own_part(store, "n1", env=Env()))
     assert removed is not committed
     left = sorted(p.name for p in (root / GEN).iterdir()) if (root / GEN).exists() else []
     assert left == (["000000.bin", "part-n1.json"] if committed else [])

@@ -17,6 +17,7 @@ from fmstore.checkpoint.layout import checkpoint_key
 from fmstore.checkpoint.verify import verify_checkpoint
 from fmstore.errors import PermissionDenied, StoreUnavailable
 from fmstore.format.manifest import MANIFEST_KEY
+from fmstore.protocol.env import Env
 from fmstore.stores import open_store
 from fmstore.stores.base import PrefixStore
 from fmstore.tiering.exports.mover import CHECKPOINT_COPY
@@ -43,7 +44,7 @@ def _committed(tmp_path, monkeypatch) -> DcpManifest:
     for node in NODES:
         monkeypatch.setenv(NODE_ENV, node)
         src = open_store(str(tmp_path / node / "nvme" / checkpoint_key(ROOT, 10)))
-        runtime.run(export_part(src, dst, node, options=CHECKPOINT_COPY))
+        runtime.run(export_part(src, dst, node, options=CHECKPOINT_COPY, env=Env()))
     return m
 
 
@@ -67,7 +68,7 @@ def test_an_unreadable_blob_of_a_committed_copy_is_never_deleted_nor_copied_agai
     src = open_store(str(tmp_path / "n0" / "nvme" / key))
     monkeypatch.setenv(NODE_ENV, "n0")
     with pytest.raises(type(error)):
-        runtime.run(export_part(src, dst, "n0", options=CHECKPOINT_COPY))
+        runtime.run(export_part(src, dst, "n0", options=CHECKPOINT_COPY, env=Env()))
     with pytest.raises(type(error)):
         runtime.run(verify_checkpoint(dst))
     assert os.stat(manifest).st_ino == before  # the commit was never taken back

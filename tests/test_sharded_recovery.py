@@ -151,13 +151,16 @@ def sequence(rank: int, tmp: str) -> dict[str, Any]:
 
     def export_80() -> Any:  # this node's part to lustre, as its daemon does
         from fmstore import runtime
+        from fmstore.protocol.env import Env
         from fmstore.stores import open_store
         from fmstore.tiering.exports.mover import CHECKPOINT_COPY
         from fmstore.tiering.exports.parts import export_part
 
         src = open_store(str(nvme / STEP.format(80)))
         dst = open_store(str(Path(tmp, "lustre", STEP.format(80))))
-        return runtime.run(export_part(src, dst, node, options=CHECKPOINT_COPY)).waiting_for
+        return runtime.run(
+            export_part(src, dst, node, options=CHECKPOINT_COPY, env=Env())
+        ).waiting_for
 
     if rank == 0:  # n0's daemon exported its part before n1 was lost
         seen["export_old_80"] = export_80()

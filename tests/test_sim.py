@@ -1,15 +1,17 @@
-"""The deterministic simulation of exports in node parts and restores (tests/sim_parts.py):
-a fixed set of seeds finds no violation of I1-I4; a schedule is a function of its seed and
-switches alone; with each fix or protection taken back the search finds the violation it
-prevents from fresh seeds, and at the seed the search from seed 0 finds it at (for
-``sweep-leases`` only there: ``python tests/sim_parts.py --switches`` finds it from fresh
-seeds)."""
+"""The deterministic simulation of exports in node parts and restores (fmstore.testing.sim,
+its switches in tests/sim_parts.py): a fixed set of seeds finds no violation of I1-I4; a
+schedule is a function of its seed and switches alone, and of nothing of the process (two
+run at once in threads keep their own clocks); with each fix or protection taken back the
+search finds the violation it prevents from fresh seeds, and at the seed the search from
+seed 0 finds it at (for ``sweep-leases`` only there: ``python tests/sim_parts.py
+--switches`` finds it from fresh seeds)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import random
+import threading
 
 import pytest
 import sim_parts as sim
@@ -54,16 +56,46 @@ def test_a_schedule_is_a_function_of_its_seed_and_switches_alone():
 
 
 def test_nothing_of_the_process_reaches_a_schedule(monkeypatch):
-    """Its settings (``$FMSTORE_EXPORT_LEASE_TTL``, ``$FMSTORE_CLOCK_SKEW`` as read at
-    import), its id and its node's name change no schedule."""
-    from fmstore.protocol import records as partrecords
-
+    """Its settings (``$FMSTORE_EXPORT_LEASE_TTL``, ``$FMSTORE_CLOCK_SKEW``), its id and its
+    node's name change no schedule: every node's clock, id, process and lease settings
+    come from the :class:`~fmstore.protocol.env.Env` the simulation hands it."""
     first = [o.trace for o in sim.search(range(8))]
-    monkeypatch.setattr(partrecords, "LEASE_TTL", 60.0)
-    monkeypatch.setattr(partrecords, "CLOCK_SKEW", 5.0)
+    monkeypatch.setenv("FMSTORE_EXPORT_LEASE_TTL", "60")
+    monkeypatch.setenv("FMSTORE_CLOCK_SKEW", "5")
     monkeypatch.setattr(os, "getpid", lambda: 7)
     monkeypatch.setenv("FMSTORE_NODE_ID", "n0")
     assert [o.trace for o in sim.search(range(8))] == first
+
+
+def test_two_simulations_with_their_own_clocks_run_at_once_in_threads():
+    """No clock, node or lease setting is set in a module: two searches whose virtual
+    clocks start years apart, run together in two threads, each give the traces they give
+    alone (a lease's renewal time is in the bytes each put's trace line checksums, so a
+    clock shared between them would show)."""
+    seeds, late = range(40, 52), 2_000_000_000.0
+    alone = {
+        sim.START: [o.trace for o in sim.search(seeds)],
+        late: [o.trace for o in sim.search(seeds, start=late)],
+    }
+    assert alone[sim.START] != alone[late]
+    together: dict[float, list[list[str]]] = {}
+    failed: list[BaseException] = []
+    go = threading.Barrier(2)
+
+    def one(start: float) -> None:
+        try:
+            go.wait(timeout=60)
+            together[start] = [o.trace for o in sim.search(seeds, start=start)]
+        except BaseException as e:  # reported below, in the test's thread
+            failed.append(e)
+
+    threads = [threading.Thread(target=one, args=(t,)) for t in alone]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not failed, failed
+    assert together == alone
 
 
 @pytest.mark.parametrize("revert", sorted(FRESH))

@@ -22,6 +22,7 @@ from fmstore.checkpoint.dcp.manifest import DcpManifest
 from fmstore.checkpoint.dcp.nodes import NODE_ENV
 from fmstore.checkpoint.layout import checkpoint_key, new_generation
 from fmstore.checkpoint.verify import verify_checkpoint
+from fmstore.protocol.env import Env
 from fmstore.protocol.records import part_record_key
 from fmstore.stores import open_store
 from fmstore.tiering.inventory import catalog as cat
@@ -135,7 +136,9 @@ def test_an_export_of_an_old_save_is_young_on_the_shared_tier_and_a_live_one_is_
 def test_a_lease_past_its_ttl_keeps_nothing_and_records_go_with_the_blobs(
     tmp_path, monkeypatch, capsys
 ):
-    from fmstore.protocol.records import CLOCK_SKEW, LEASE_TTL, ExportLease, lease_key
+    from fmstore.protocol.records import ExportLease, lease_key
+
+    ttl, skew = Env().lease_ttl, Env().clock_skew
 
     raw = save_parts(tmp_path, 10)
     gen = DcpManifest.loads(raw).generation
@@ -144,11 +147,11 @@ def test_a_lease_past_its_ttl_keeps_nothing_and_records_go_with_the_blobs(
     n0.step(monkeypatch)
     # Past the TTL by less than the allowed clock skew: the writer's clock may be behind
     # ours, so its exporter may still be alive (and committing): the sweep keeps it all.
-    near = ExportLease("elsewhere", 1, time.time() - LEASE_TTL - CLOCK_SKEW / 2)
+    near = ExportLease("elsewhere", 1, time.time() - ttl - skew / 2)
     (lustre(tmp_path, 10) / lease_key(gen, "n0")).write_bytes(near.dumps())
     assert sweep_lustre(tmp_path, grace=0) == {gen: "kept: live export"}
     # n0's exporter on another host died long ago: its lease was last renewed past the TTL.
-    dead = ExportLease("elsewhere", 1, time.time() - LEASE_TTL - CLOCK_SKEW - 1)
+    dead = ExportLease("elsewhere", 1, time.time() - ttl - skew - 1)
     (lustre(tmp_path, 10) / lease_key(gen, "n0")).write_bytes(dead.dumps())
     assert sweep_lustre(tmp_path, grace=0) == {gen: "removed"}
     assert not (lustre(tmp_path, 10) / gen).exists() or not any(
@@ -406,7 +409,7 @@ def test_two_nodes_committing_at_once_leave_the_saves_manifest(tmp_path, monkeyp
     store = open_store(str(lustre(tmp_path, 10)))
 
     async def race_on(st: Any) -> list[list[str]]:
-        leases = [_Lease(st, manifest.generation, n) for n in NODES]
+        leases = [_Lease(st, manifest.generation, n, Env()) for n in NODES]
         return list(
             await asyncio.gather(*(commit_if_complete(st, manifest, raw, x) for x in leases))
         )
@@ -452,12 +455,12 @@ def test_the_sweep_stops_before_the_blobs_when_an_exporter_comes_back(tmp_path, 
     for lease in d.glob("export-*.json"):
         lease.unlink()  # its exporter is gone: an orphan
     store = open_store(str(tmp_path / "lustre"))
-    gens, _, _ = runtime.run(orphan_generations(store))
+    gens, _, _ = runtime.run(orphan_generations(store, env=Env()))
     (g,) = gens
     assert not g.exporting
     (d / "export-n1.json").write_bytes(ExportLease("n1", 1, time.time()).dumps())
     assert lease_key(gen, "n1").endswith("export-n1.json")
-    assert runtime.run(remove_generation(store, g)) is False
+    assert runtime.run(remove_generation(store, g, Env())) is False
     assert (d / "000000.bin").exists() and not (d / "part-n0.json").exists()
 
 

@@ -32,14 +32,13 @@ while a save under the same root may be in progress.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .. import runtime
 from ..errors import CorruptData, FmstoreError, NotFound
 from ..format.manifest import MANIFEST_KEY, Manifest
-from ..protocol import records as pr
+from ..protocol.env import Env
 from ..protocol.records import LEASE_RE, PART_RECORD_RE, RETIRED_NAME, ExportLease
 from ..stores import open_store
 from ..stores.base import ObjectMeta, Store
@@ -144,11 +143,12 @@ async def agc(
     older_than: float = 3600.0,
     dry_run: bool = False,
     live: Sequence[str] = (),
+    env: Env | None = None,
 ) -> GcReport:
     """Async twin of :func:`gc`."""
     store = root if isinstance(root, Store) else open_store(os.fspath(root))
     try:
-        return await _gc(store, older_than, dry_run, live)
+        return await _gc(store, older_than, dry_run, live, _env(env))
     finally:
         if not isinstance(root, Store):
             await store.close()
@@ -172,31 +172,41 @@ class Generation:
         return [k for k in self.keys if not BLOB_RE.match(k.rsplit("/", 1)[-1])]
 
 
-async def _live_lease(store: Store, keys: list[str]) -> bool:
+def _env(env: Env | None) -> Env:
+    """The protocol env a lease is judged by: the caller's, else this process's
+    (``$FMSTORE_EXPORT_LEASE_TTL`` / ``$FMSTORE_CLOCK_SKEW`` or the defaults)."""
+    return Env.from_config(None) if env is None else env
+
+
+async def _live_lease(store: Store, keys: list[str], env: Env) -> bool:
+    """Whether any export lease of ``keys`` may be alive (the one lease rule,
+    :meth:`ExportLease.alive`, with ``env``); one that cannot be read counts as alive."""
     for key in keys:
         if not LEASE_RE.fullmatch(key.rsplit("/", 1)[-1]):
             continue
         try:
             raw = await read_bounded(store, key, LEASE_LIMIT, what="export lease")
-            if ExportLease.loads(raw, where=f"{store.url}/{key}").alive():
+            if ExportLease.loads(raw, where=f"{store.url}/{key}").alive(env):
                 return True
         except NotFound:
             continue
         except CorruptData:
-            # malformed: alive while the object itself is younger than a lease lives,
-            # rather than delete under an exporter or keep the generation for ever
+            # malformed: alive while the object itself may be younger than a lease lives
+            # (its write time taken as a renewal, by the same rule: the tier's clock may
+            # be the skew apart from this one), rather than delete under an exporter or
+            # keep the generation for ever
             try:
                 written = written_at(await store.stat(key))
             except NotFound:
                 continue
-            if written is None or abs(time.time() - written) < pr.LEASE_TTL:
+            if written is None or env.lease_alive(written):
                 return True
         except FmstoreError:
             return True  # unreadable (the tier is unavailable): assume alive
     return False
 
 
-async def remove_generation(store: Store, g: Generation) -> bool:
+async def remove_generation(store: Store, g: Generation, env: Env) -> bool:
     """Remove orphan generation ``g``: its part records first, then, unless an exporter
     came back meanwhile (a live lease, a part record written since the scan) or a manifest
     now names it, its blobs and leases.  False when it stopped before the blobs."""
@@ -213,7 +223,7 @@ async def remove_generation(store: Store, g: Generation) -> bool:
                 leases.append(meta.key)
             # A part record written since the scan: an exporter is back at work in it.
             came_back = came_back or bool(PART_RECORD_RE.match(name))
-        if came_back or await _live_lease(store, leases):
+        if came_back or await _live_lease(store, leases, env):
             return False
         try:
             key = f"{prefix}/{MANIFEST_KEY}" if prefix else MANIFEST_KEY
@@ -229,14 +239,15 @@ async def remove_generation(store: Store, g: Generation) -> bool:
 
 
 async def orphan_generations(
-    store: Store, pending_out: list[str] | None = None
+    store: Store, pending_out: list[str] | None = None, *, env: Env
 ) -> tuple[list[Generation], list[str], list[str]]:
     """Every generation under ``store`` that no manifest names, and the prefixes of the
     committed checkpoints and of the unreadable manifests (whose generations are kept).
     Pending parts (a rank record, no manifest naming them) are never in the list; their
-    ``P/GEN`` are appended to ``pending_out``."""
+    ``P/GEN`` are appended to ``pending_out``.  ``env``: the clock ages are measured by and
+    the lease settings leases are judged by."""
     manifests, gens, pending = await _scan(store)
-    now = time.time()
+    now = env.now()
     out: list[Generation] = []
     for (prefix, gen), objs in sorted(gens.items()):
         current = manifests.get(prefix)
@@ -253,7 +264,7 @@ async def orphan_generations(
         where = f"{prefix}/{gen}" if prefix else gen
         keys = [k for k, _, _ in objs]
         size = sum(n for k, n, _ in objs if BLOB_RE.match(k.rsplit("/", 1)[-1]))
-        out.append(Generation(where, keys, size, age, await _live_lease(store, keys)))
+        out.append(Generation(where, keys, size, age, await _live_lease(store, keys, env)))
     committed = sorted(p for p, g in manifests.items() if g not in (None, "?"))
     unreadable = sorted(p for p, g in manifests.items() if g == "?")
     return out, committed, unreadable
@@ -263,9 +274,11 @@ def _under(url: str, dests: Sequence[str]) -> bool:
     return any(url == d or url.startswith(d.rstrip("/") + "/") for d in dests)
 
 
-async def _gc(store: Store, older_than: float, dry_run: bool, live: Sequence[str]) -> GcReport:
+async def _gc(
+    store: Store, older_than: float, dry_run: bool, live: Sequence[str], env: Env
+) -> GcReport:
     rep = GcReport(dry_run=dry_run)
-    gens, rep.checkpoints, rep.unreadable = await orphan_generations(store, rep.pending)
+    gens, rep.checkpoints, rep.unreadable = await orphan_generations(store, rep.pending, env=env)
     base = store.url.rstrip("/")
     for g in gens:
         if g.exporting or _under(f"{base}/{g.where}", live):
@@ -274,7 +287,7 @@ async def _gc(store: Store, older_than: float, dry_run: bool, live: Sequence[str
         if g.age < older_than:
             rep.young.append(g.where)
             continue
-        if dry_run or await remove_generation(store, g):
+        if dry_run or await remove_generation(store, g, env):
             rep.removed += g.keys
             rep.removed_bytes += g.size
         else:
@@ -289,11 +302,14 @@ def gc(
     older_than: float = 3600.0,
     dry_run: bool = False,
     live: Sequence[str] = (),
+    env: Env | None = None,
 ) -> GcReport:
     """Remove leftovers of crashed or superseded saves under ``root``; see the module doc.
 
     Returns what was (or, with ``dry_run``, would be) removed and the committed checkpoints
     found.  Committed checkpoints are never touched, nor a generation some node exports
     into (a live lease) or that lies under one of ``live`` (URLs of copies in progress).
+    Leases are judged by ``env`` (the protocol's clock and settings; this process's
+    environment's without one: pass the config's, ``Env.from_config(config)``).
     """
-    return runtime.run(agc(root, older_than=older_than, dry_run=dry_run, live=live))
+    return runtime.run(agc(root, older_than=older_than, dry_run=dry_run, live=live, env=env))

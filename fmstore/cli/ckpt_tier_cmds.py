@@ -20,7 +20,7 @@ from ..checkpoint.commit import read_bounded_manifest
 from ..config import Config, load_config
 from ..errors import ConfigError, FmstoreError, NotFound
 from ..format.manifest import Manifest
-from ..protocol import records as pr
+from ..protocol.env import Env
 from ..protocol.skew import InFuture, future_groups
 from ..stores import split_tier
 from ..stores.base import Store
@@ -108,7 +108,10 @@ def list_checkpoints(
         now = catalog.now()
     uncounted = [printable(found.notes.describe(r), markup=False) for r in found.notes.roots()]
     ahead = [f for f in found.notes.future if f.root in roots or not root]
-    skewed = [printable(g.describe(pr.CLOCK_SKEW), markup=False) for g in future_groups(ahead)]
+    skewed = [
+        printable(g.describe(Env.from_config(cfg).clock_skew), markup=False)
+        for g in future_groups(ahead)
+    ]
     if root and not rows and ahead:
         raise NotFound(
             f"no checkpoint of run root {root.strip('/')!r} is counted as committed, but "

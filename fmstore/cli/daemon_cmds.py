@@ -80,11 +80,12 @@ def daemon(
         )
         for line in _not_counted(cfg, pol.ladder):
             typer.echo(f"warning: {line}", err=True)
-        from ..protocol import records as partrecords
+        from ..protocol.env import Env
         from ..protocol.skew import clock_warning
 
+        skew = Env.from_config(cfg).clock_skew
         for tier, offset in probed.clock.items():
-            if (skewed := clock_warning(tier, offset, partrecords.CLOCK_SKEW)) is not None:
+            if (skewed := clock_warning(tier, offset, skew)) is not None:
                 typer.echo(f"warning: {skewed}", err=True)
         return
     from ..units import parse_duration

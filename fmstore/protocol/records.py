@@ -13,7 +13,8 @@ through the destination store itself (no node talks to another):
     manifest (create-only, the save's exact bytes): the commit.
 ``GEN/export-NODE.json`` (an *export lease*)
     written when node ``NODE``'s exporter starts an attempt, renewed while it copies, and
-    removed after the commit: while it is younger than :data:`LEASE_TTL`, no sweep and no
+    removed after the commit: while it is younger than the lease lifetime
+    (:attr:`~fmstore.protocol.env.Env.lease_ttl`, ``[protocol] lease_ttl``), no sweep and no
     ``gc`` on any node removes anything of that generation, whatever the grace period.
 ``GEN/retired.json`` (a *retired record*)
     written by a restore that fell back from the step this generation saved (the step is
@@ -34,8 +35,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import NODE, Config, is_node_id
-from ..errors import ConfigError, CorruptData, describe_error, short_repr
+from ..config import NODE, is_node_id
+from ..errors import CorruptData, describe_error, short_repr
 from ..format.manifest import (
     field_int,
     field_ints,
@@ -44,14 +45,11 @@ from ..format.manifest import (
     field_str,
     parse_header,
 )
-from ..units import parse_duration
+from .env import Env
 
 __all__ = [
-    "CLOCK_SKEW",
     "LEASE_RE",
     "NODE",
-    "LEASE_RENEW",
-    "LEASE_TTL",
     "PART_RECORD_RE",
     "RETIRED_NAME",
     "ExportLease",
@@ -63,7 +61,6 @@ __all__ = [
     "manifest_sha256",
     "part_record_key",
     "retired_key",
-    "use_config",
     "writer_node",
 ]
 
@@ -87,64 +84,6 @@ def field_node(d: dict[str, Any], key: str) -> str:
     return str(v)
 
 
-#: Seconds an export lease keeps a generation alive after its last renewal
-#: (``[protocol] lease_ttl``; ``$FMSTORE_EXPORT_LEASE_TTL`` overrides it).  Nodes' clocks
-#: must agree to well within it (NTP does); an exporter renews its lease every
-#: :data:`LEASE_RENEW` seconds (``[protocol] lease_renew``, default a sixth of the TTL).
-#: These are the process's settings: read them as ``records.LEASE_TTL`` when used
-#: (:func:`use_config` sets them from a config's ``[protocol]`` table).
-LEASE_TTL = float(os.environ.get("FMSTORE_EXPORT_LEASE_TTL", "120"))
-LEASE_RENEW = max(0.05, LEASE_TTL / 6)
-#: The most two nodes' clocks may be apart, in seconds (``[protocol] clock_skew``;
-#: ``$FMSTORE_CLOCK_SKEW`` overrides it; default a twelfth of the lease lifetime, 10 s).  A
-#: lease is taken for alive until its renewal is older than ``LEASE_TTL + CLOCK_SKEW`` on
-#: the reader's clock; a committer refuses to commit once its own lease could look expired
-#: to a node whose clock is ahead; a manifest ``created`` later than now plus the skew is
-#: not counted as committed (and reported: a clock is off).
-CLOCK_SKEW = float(os.environ.get("FMSTORE_CLOCK_SKEW", str(LEASE_TTL / 12)))
-
-
-def use_config(config: Config) -> None:
-    """Take this process's lease lifetime, renewal and allowed clock skew from
-    ``config``'s ``[protocol]`` table; ``$FMSTORE_EXPORT_LEASE_TTL`` and
-    ``$FMSTORE_CLOCK_SKEW`` still override it.  A key the table does not set leaves the
-    value in effect (the defaults derive from the lifetime: renewal a sixth, skew a
-    twelfth).  ConfigError when the renewal plus the skew leave a committer no time to
-    write the manifest (they must stay under half the lifetime)."""
-    global LEASE_TTL, LEASE_RENEW, CLOCK_SKEW
-    raw, w = config.table("protocol")
-    if not raw:  # the environment was read at import
-        return
-    env_ttl, env_skew = os.environ.get(_TTL_VAR), os.environ.get(_SKEW_VAR)
-    if env_ttl:
-        ttl = float(env_ttl)
-    elif "lease_ttl" in raw:
-        ttl = parse_duration(raw["lease_ttl"], f"{w} lease_ttl")
-    else:
-        ttl = LEASE_TTL
-    default_renew, default_skew = (
-        (LEASE_RENEW, CLOCK_SKEW) if ttl == LEASE_TTL else (max(0.05, ttl / 6), ttl / 12)
-    )
-    renew = (
-        parse_duration(raw["lease_renew"], f"{w} lease_renew")
-        if "lease_renew" in raw
-        else default_renew
-    )
-    if env_skew:
-        skew = float(env_skew)
-    elif "clock_skew" in raw:
-        skew = parse_duration(raw["clock_skew"], f"{w} clock_skew", allow_zero=True)
-    else:
-        skew = default_skew
-    if ttl > 0 and renew + skew >= ttl / 2:
-        raise ConfigError(
-            f"{w} lease_renew ({renew:g} s) plus clock_skew ({skew:g} s) must stay under half "
-            f"of lease_ttl ({ttl:g} s): a committer needs that much of its lease left"
-        )
-    LEASE_TTL, LEASE_RENEW, CLOCK_SKEW = ttl, renew, skew
-
-
-_TTL_VAR, _SKEW_VAR = "FMSTORE_EXPORT_LEASE_TTL", "FMSTORE_CLOCK_SKEW"
 #: Largest process id a lease may name (Linux's pid_max is at most 2**22).
 MAX_PID = 2**31 - 1
 
@@ -255,18 +194,22 @@ class ExportLease:
             raise CorruptData(f"export lease at {where} names pid {lease.pid}, not a process id")
         return lease
 
-    def alive(self, now: float | None = None, *, ttl: float | None = None) -> bool:
-        """Renewed within the TTL plus the allowed clock skew, either way (the writer's
-        clock may be behind or ahead of this one's; ``ttl`` given: within exactly that): a
-        renewal further in the future (``Infinity``, ``1e300``), or ``NaN``, is no renewal,
-        so such a lease is dead rather than immortal.  A lease of this very node whose
-        process is gone is dead at once (``$FMSTORE_NODE_ID`` or the host name names this
-        node)."""
-        now = time.time() if now is None else now
-        if not abs(now - self.renewed) < (LEASE_TTL + CLOCK_SKEW if ttl is None else ttl):
+    def alive(self, env: Env, now: float | None = None) -> bool:
+        """Whether this lease may still be held, as ``env`` (this node's clock, lifetime and
+        allowed skew) sees it at ``now`` (its clock when not given): the one lease rule,
+        :func:`fmstore.protocol.decisions.lease_alive` (a renewal further in the future than
+        the skew, ``Infinity``, ``1e300`` or ``NaN``, is no renewal: such a lease is dead
+        rather than immortal).  A lease of this very node whose process is gone is dead at
+        once."""
+        if not env.lease_alive(self.renewed, now):
             return False
-        here = node_here()
-        if self.node == here and self.pid != os.getpid():
+        # The pid shortcut only ever makes a lease dead sooner, and only when its holder is
+        # provably gone: a lease of this node (its id, as env names it) whose process no
+        # longer exists.  That process renews nothing and writes nothing more (its manifest
+        # write, the one write the lease guards, is made by that process itself), so no
+        # commit it makes can land after a removal that trusts it dead.  A pid reused by
+        # another process keeps the lease alive (the TTL still ends it): the safe side.
+        if self.node == env.here() and self.pid != env.process():
             try:
                 os.kill(self.pid, 0)
             except ProcessLookupError:
@@ -310,21 +253,13 @@ class RetiredRecord:
             ) from None
 
 
-def node_here() -> str:
-    """This node's id as leases and records name it (``$FMSTORE_NODE_ID``, else the host
-    name; :func:`fmstore.checkpoint.dcp.nodes.node_id` also checks its characters)."""
-    import socket
-
-    return os.environ.get("FMSTORE_NODE_ID") or socket.gethostname()
-
-
 #: How a manifest's ``writer`` names the node that wrote it (its clock set ``created``).
 WRITER_ON = " on "
 
 
-def writer_node() -> str:
-    """`` on NODE`` for a manifest's ``writer`` (this node's id), or ``""`` where the host
-    name is no node id: an operator seeing a manifest created in the future learns whose
-    clock set it."""
-    here = node_here()
+def writer_node(env: Env | None = None) -> str:
+    """`` on NODE`` for a manifest's ``writer`` (this node's id as ``env`` names it; this
+    process's node without one), or ``""`` where the host name is no node id: an operator
+    seeing a manifest created in the future learns whose clock set it."""
+    here = (env or Env()).here()
     return f"{WRITER_ON}{here}" if is_node_id(here) else ""

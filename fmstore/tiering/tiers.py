@@ -11,7 +11,6 @@ import logging
 import os
 import shutil
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -22,9 +21,8 @@ from ..config import Config
 from ..errors import CorruptData, NotFound
 from ..format.checksum import crc32c
 from ..format.manifest import MANIFEST_KEY
-from ..protocol import records as pr
 from ..protocol.decisions import ManifestFacts, Problem, manifest_facts, step_committed
-from ..protocol.records import node_here
+from ..protocol.env import Env
 from ..stores import Location, open_store
 from ..stores.base import Store
 from ..stores.posix_io import tree_bytes
@@ -74,10 +72,12 @@ async def _sizes(ckpt: Store, facts: ManifestFacts) -> dict[str, int]:
 class Tiers:
     """Opens each configured tier once (thread-safe) and hands out checkpoint prefixes."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, env: Env | None = None) -> None:
         self.config = config
-        # Leases, commits and counting follow the config's [protocol] settings.
-        pr.use_config(config)
+        #: The protocol's clock, node and settings (the config's ``[protocol]`` table
+        #: unless given): leases, commits and counting follow it, and so does everything
+        #: that runs the protocol on these tiers (the runner, its exports, the sweep).
+        self.env = Env.from_config(config) if env is None else env
         #: Run root -> the step pattern it declares (others: ``step_…``).
         self.patterns = step_patterns(config)
         self._stores: dict[str, Store] = {}
@@ -200,7 +200,7 @@ class Tiers:
         "not committed"."""
         key = self.key(root, step)
         ckpt = self.store(tier).sub(key)
-        node = node_here() if self.config.tier(tier).scope == "node" else None
+        node = self.env.here() if self.config.tier(tier).scope == "node" else None
         where = f"{ckpt.url}/{MANIFEST_KEY}"
         under = f"{tier}:{root.strip('/')}"
         try:
@@ -218,8 +218,8 @@ class Tiers:
             if notes is not None:
                 notes.add(under, where, str(e))
             return None
-        now = time.time()
-        why = step_committed(facts, sizes=sizes, node=node, now=now, skew=pr.CLOCK_SKEW)
+        now = self.env.now()
+        why = step_committed(facts, sizes=sizes, node=node, now=now, skew=self.env.clock_skew)
         if why is None:
             return CommittedCopy(facts, mtime)
         if notes is None:

@@ -31,6 +31,7 @@ from ...checkpoint.verify import read_committed, verify_checkpoint
 from ...errors import FmstoreError, NotFound, VersionError
 from ...format.checksum import crc32c
 from ...format.manifest import MANIFEST_KEY
+from ...protocol.env import Env
 from ...stores.base import Store
 from ..copy.blobcopy import CopyResult, copy_blobs
 from ..copy.transfer import TransferOptions
@@ -63,14 +64,15 @@ async def copy_checkpoint(
     options: TransferOptions = CHECKPOINT_COPY,
     journal_path: str | None = None,
     node: str | None = None,
+    env: Env | None = None,
     shared_source: bool = False,
 ) -> CopyResult:
     """Copy the checkpoint at ``src``'s root to ``dst``'s root; see the module guarantees.
 
     A sharded checkpoint in node parts is copied whole from a shared tier
     (``shared_source``: every part is there); from a node-local tier only node ``node``'s
-    part is (:func:`fmstore.tiering.exports.parts.export_part`: the copy commits once every node's
-    part is there).  Without either it is refused as a format this copy cannot read.
+    part is (:func:`fmstore.tiering.exports.parts.export_part` under ``env``, the protocol's
+    clock and settings: the copy commits once every node's part is there).  Without either it is refused as a format this copy cannot read.
 
     Raises :class:`NotFound` (no checkpoint at ``src``), :class:`CorruptData` (the source
     fails its checksums: the copy is not committed), :class:`TierFull`,
@@ -83,7 +85,11 @@ async def copy_checkpoint(
     data, manifest = await read_committed(src)
     if in_parts(manifest) and not shared_source:
         if node is not None:
-            return await export_part(src, dst, node, options=options, journal_path=journal_path)
+            if env is None:
+                raise TypeError("exporting a node's part needs the protocol's env")
+            return await export_part(
+                src, dst, node, options=options, env=env, journal_path=journal_path
+            )
         # This node holds its own part only, and no node was named to export it: copied
         # whole it would find the other nodes' blobs missing.  Reported as unreadable
         # here, never as missing or corrupt.

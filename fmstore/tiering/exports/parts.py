@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import time
 from typing import TYPE_CHECKING
@@ -39,8 +40,8 @@ from ...checkpoint.verify import blob_checksums, read_committed, verify_checkpoi
 from ...errors import AlreadyExists, CorruptData, FmstoreError, NotFound
 from ...format.checksum import crc32c
 from ...format.manifest import MANIFEST_KEY
-from ...protocol import records as pr
 from ...protocol.decisions import commit_holds, may_remove_part, record_holds
+from ...protocol.env import Env
 from ...protocol.records import (
     LEASE_RE,
     PART_RECORD_RE,
@@ -94,18 +95,20 @@ async def part_records(store: Store, generation: str) -> dict[str, PartRecord]:
 
 
 class _Lease:
-    """This node's export lease on ``store``, renewed in the background while held."""
+    """This node's export lease on ``store``, renewed in the background while held (every
+    ``env.lease_renew`` seconds; its clock and process id are ``env``'s)."""
 
-    def __init__(self, store: Store, generation: str, node: str) -> None:
+    def __init__(self, store: Store, generation: str, node: str, env: Env) -> None:
         self.store = store
         self.key = lease_key(generation, node)
         self.node = node
+        self.env = env
         self.renewed = 0.0  # this node's clock at the start of the last renewal written
         self._task: asyncio.Task[None] | None = None
 
     async def put(self) -> None:
-        now = time.time()
-        await self.store.put(self.key, ExportLease(self.node, os.getpid(), now).dumps())
+        now = self.env.now()
+        await self.store.put(self.key, ExportLease(self.node, self.env.process(), now).dumps())
         self.renewed = max(self.renewed, now)
 
     async def __aenter__(self) -> _Lease:
@@ -115,7 +118,7 @@ class _Lease:
 
     async def _renew(self) -> None:
         while True:
-            await asyncio.sleep(pr.LEASE_RENEW)
+            await asyncio.sleep(self.env.lease_renew)
             with contextlib.suppress(FmstoreError):
                 await self.put()
 
@@ -132,10 +135,13 @@ async def export_part(
     node: str,
     *,
     options: TransferOptions,
+    env: Env,
     journal_path: str | None = None,
 ) -> CopyResult:
     """Export node ``node``'s part of the checkpoint at ``src``'s root (this node's copy on
-    a node-local tier) to ``dst``'s root (a shared tier); see the module doc.
+    a node-local tier) to ``dst``'s root (a shared tier); see the module doc.  ``env``: the
+    protocol's clock, process and lease settings (the lease this export holds, the records
+    it writes, the leases it judges).
 
     Returns a :class:`~fmstore.tiering.exports.mover.CopyResult` whose ``waiting_for`` names the
     nodes whose parts are not on ``dst`` yet (empty: committed).  Raises
@@ -164,7 +170,8 @@ async def export_part(
         existing = None
     # A commit of a step a restore abandoned (its generation retired) is deleted, manifest
     # first, once no exporter of it may be alive (:mod:`.retire`); never overwritten.
-    in_way = None if existing is None else await retire.clear_retired(dst, existing, lease_renewals)
+    renewals = functools.partial(lease_renewals, env=env)
+    in_way = None if existing is None else await retire.clear_retired(dst, existing, renewals, env)
     if (existing == data and in_way is not None) or (
         existing is None and await retire.retired(dst, gen)
     ):
@@ -192,7 +199,7 @@ async def export_part(
         # other parts' records still stand, so the commit is made again at once.
         await dst.delete(MANIFEST_KEY)
         await _delete_blobs(dst, view)
-    async with _Lease(dst, gen, node) as lease:
+    async with _Lease(dst, gen, node, env) as lease:
         mine = await _own_record(dst, full, node, sha)
         check = None
         copied = skipped = 0
@@ -230,6 +237,7 @@ async def export_part(
                 generation=gen,
                 manifest_sha256=sha,
                 blobs=tuple((b.name, b.size, crcs[i]) for i, b in enumerate(view.blobs)),
+                written=env.now(),
             )
             await dst.put(part_record_key(gen, node), rec.dumps())
         else:
@@ -290,8 +298,10 @@ async def commit_if_complete(
 
     The committer renews its ``lease`` before it lists the records, and writes the
     manifest only while that renewal keeps every node from removing a part it listed
-    (:func:`fmstore.protocol.decisions.commit_holds`; the argument is in
-    ``docs/distributed.md``, "Supersede and commit")."""
+    (:func:`fmstore.protocol.decisions.commit_holds`, with the lease's ``env``; the argument
+    is in ``docs/distributed.md``, "Supersede and commit")."""
+    env = lease.env
+    renewals = functools.partial(lease_renewals, env=env)
     await lease.put()
     missing = await _holding_records(dst, manifest, data)
     if missing:
@@ -300,9 +310,9 @@ async def commit_if_complete(
     # retired generation, and none of a new one while a retired one's exporter may write.
     if await retire.retired(dst, manifest.generation):
         raise retire.Retired(manifest.generation)
-    if blocked := await retire.retired_exporters(dst, manifest.generation, lease_renewals):
+    if blocked := await retire.retired_exporters(dst, manifest.generation, renewals, env):
         return blocked
-    if not commit_holds(lease.renewed, now=time.time(), ttl=pr.LEASE_TTL, skew=pr.CLOCK_SKEW):
+    if not commit_holds(lease.renewed, now=env.now(), ttl=env.lease_ttl, skew=env.clock_skew):
         # Listed too long ago: a node may have taken its part out since, trusting this
         # lease expired.  Not committed; the next attempt (any node's) lists afresh.
         return [p.node for p in manifest.parts]
@@ -314,7 +324,7 @@ async def commit_if_complete(
         # another checkpoint's manifest is there: the commit of a step a restore
         # abandoned is cleared out of the way (:mod:`.retire`), anything else refused
         there = await read_bounded_manifest(dst)
-        in_way = await retire.clear_retired(dst, there, lease_renewals)
+        in_way = await retire.clear_retired(dst, there, renewals, env)
         if in_way is None:
             raise CorruptData(
                 "another checkpoint was committed under this name meanwhile",
@@ -325,7 +335,7 @@ async def commit_if_complete(
     # Looked for again after the write: a restore that retired the generation meanwhile
     # may have read no manifest, so the commit is taken back here.
     if await retire.retired(dst, manifest.generation):
-        await retire.retire_own_commit(dst, data, lease)
+        await retire.retire_own_commit(dst, data, lease, env)
         raise retire.Retired(manifest.generation)
     return []
 
@@ -382,7 +392,7 @@ async def _drop_leases(dst: Store, gen: str) -> None:
         await dst.delete_many(keys)
 
 
-async def delete_own_part(dst: Store, node: str, src: Store | None = None) -> bool:
+async def delete_own_part(dst: Store, node: str, src: Store | None = None, *, env: Env) -> bool:
     """Remove node ``node``'s part of an uncommitted export at ``dst``'s root (a superseded
     export): its part record first (no commit counts it any more), then its blobs and its
     lease.  The other nodes' parts are never touched: a node that still exports may need
@@ -393,7 +403,8 @@ async def delete_own_part(dst: Store, node: str, src: Store | None = None) -> bo
     Another node may have committed the copy since this node last looked (it found every
     part record, this node's included), or may be about to (its export lease may still be
     alive): then nothing is removed (False), before or after the part record goes (the
-    record is put back), as the sweep looks again once no lease is alive."""
+    record is put back), as the sweep looks again once no lease is alive.  ``env``: the
+    clock and lease settings the leases are judged by."""
     if await dst.exists(MANIFEST_KEY):
         return False  # committed by another node: this part belongs to the checkpoint
     manifest: DcpManifest | None = None
@@ -428,12 +439,12 @@ async def delete_own_part(dst: Store, node: str, src: Store | None = None) -> bo
         # before, so it is read here, and it writes the manifest only while that lease
         # still looks alive to this node.
         await dst.delete(rec_key)
-        leases = await lease_renewals(dst, gen)
-        now = time.time()  # before the manifest is looked for: a lease dead at ``now`` had
+        leases = await lease_renewals(dst, gen, env=env)
+        now = env.now()  # before the manifest is looked for: a lease dead at ``now`` had
         # its committer's write land (if at all) before this moment, so it is seen below
         committed = await dst.exists(MANIFEST_KEY)
         if not may_remove_part(
-            node, leases, committed=committed, now=now, ttl=pr.LEASE_TTL, skew=pr.CLOCK_SKEW
+            node, leases, committed=committed, now=now, ttl=env.lease_ttl, skew=env.clock_skew
         ):
             # A commit counted this part, or may still: the part stays, as it was.
             if rec_data is not None:
@@ -444,10 +455,10 @@ async def delete_own_part(dst: Store, node: str, src: Store | None = None) -> bo
     return done
 
 
-async def lease_renewals(dst: Store, gen: str) -> dict[str, float]:
+async def lease_renewals(dst: Store, gen: str, *, env: Env) -> dict[str, float]:
     """Node -> last renewal of each export lease of ``gen`` at ``dst``; a lease that does
-    not parse counts from its file's modification time (or as renewed now, without one),
-    so that nothing anyone wrote there shortens a live exporter's lease."""
+    not parse counts from its file's modification time (or as renewed now, ``env``'s clock,
+    without one), so that nothing anyone wrote there shortens a live exporter's lease."""
     out: dict[str, float] = {}
     try:
         metas = [m async for m in dst.list(gen + "/", recursive=False)]
@@ -464,26 +475,25 @@ async def lease_renewals(dst: Store, gen: str) -> dict[str, float]:
         except NotFound:
             continue
         except CorruptData:
-            out[found.group(1)] = meta.mtime if meta.mtime is not None else time.time()
+            out[found.group(1)] = meta.mtime if meta.mtime is not None else env.now()
     return out
 
 
-def this_node() -> str:
-    """This node's id (``$FMSTORE_NODE_ID``, else the host name; see
-    :func:`fmstore.checkpoint.dcp.nodes.node_id`)."""
-    from ...checkpoint.dcp.nodes import node_id
-
-    return node_id()
-
-
 async def remove_uncommitted(
-    dst: Store, src: Store, *, node: str | None = None, shared_source: bool = False
+    dst: Store,
+    src: Store,
+    *,
+    node: str | None = None,
+    env: Env | None = None,
+    shared_source: bool = False,
 ) -> bool:
     """What a superseded export removes from ``dst``: from a node-local source holding a
-    checkpoint in node parts, this node's part only (:func:`delete_own_part`, True); for
-    anything else False (the caller removes the whole uncommitted copy)."""
+    checkpoint in node parts, this node's part only (:func:`delete_own_part` with ``env``,
+    True); for anything else False (the caller removes the whole uncommitted copy)."""
     if node is None or shared_source:
         return False
+    if env is None:
+        raise TypeError("removing a node's own part needs the protocol's env")
     try:
         _data, manifest = await read_committed(src)
     except FmstoreError:
@@ -492,7 +502,7 @@ async def remove_uncommitted(
         return False
     if manifest is None and not await part_records_anywhere(dst):
         return False
-    await delete_own_part(dst, node, src)
+    await delete_own_part(dst, node, src, env=env)
     return True
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +26,8 @@ from ...checkpoint.layout import MANIFEST_KEY, RANK_RECORD_RE, REPLICA_PREFIX, p
 from ...checkpoint.verify import read_committed
 from ...config import Config
 from ...errors import FmstoreError, NotFound
-from ...protocol import records as pr
 from ...protocol.decisions import replica_export_due
+from ...protocol.env import Env
 from ...stores.base import Store
 from ..copy.transfer import TransferOptions
 from ..policy.rules import Policies
@@ -167,9 +166,9 @@ async def export_replicas(
                 for dest in dests:
                     dst = tiers.checkpoint(dest, root, step)
                     try:
-                        if not await _due(dst, m.generation, part.node, policies, now):
+                        if not await _due(dst, m.generation, part.node, policies, now, tiers.env):
                             continue
-                        res = await export_part(src, dst, part.node, options=options)
+                        res = await export_part(src, dst, part.node, options=options, env=tiers.env)
                     except FmstoreError as e:
                         log.warning(
                             "could not export node %s's part of %s step %d to %s from its "
@@ -198,21 +197,21 @@ async def export_replicas(
 
 
 async def _due(
-    dst: Store, generation: str, node: str, policies: Policies, now: float | None
+    dst: Store, generation: str, node: str, policies: Policies, now: float | None, env: Env
 ) -> bool:
     try:
         committed = await dst.exists(MANIFEST_KEY)
     except NotFound:
         return False
     records = {n: r.written for n, r in (await part_records(dst, generation)).items()}
-    leases = await lease_renewals(dst, generation)
+    leases = await lease_renewals(dst, generation, env=env)
     return replica_export_due(
         node,
         records,
         leases,
         committed=committed,
-        now=time.time() if now is None else now,
+        now=env.now() if now is None else now,
         after=policies.replica_export_after,
-        ttl=pr.LEASE_TTL,
-        skew=pr.CLOCK_SKEW,
+        ttl=env.lease_ttl,
+        skew=env.clock_skew,
     )

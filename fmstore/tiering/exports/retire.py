@@ -28,7 +28,6 @@ never overwritten.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -36,8 +35,7 @@ from ...checkpoint.commit import read_bounded_manifest
 from ...checkpoint.layout import GENERATION_RE
 from ...errors import CorruptData, FmstoreError, NotFound
 from ...format.manifest import MANIFEST_KEY
-from ...protocol import records as pr
-from ...protocol.decisions import commit_holds
+from ...protocol.env import Env
 from ...protocol.records import RetiredRecord, retired_key
 from ...stores.base import Store
 from ...stores.bounded import RECORD_LIMIT, decode_json, read_bounded
@@ -99,11 +97,13 @@ async def _manifest(dst: Store) -> bytes | None:
         return None
 
 
-async def fence(dst: Store, gen: str, node: str) -> bool:
+async def fence(dst: Store, gen: str, env: Env) -> bool:
     """The restorer's side: retire generation ``gen`` of the step at ``dst`` (a shared
     tier), then delete the manifest there if it names ``gen`` (a commit made before the
-    record landed).  True when a commit was retired.  Three bounded store calls; no wait."""
-    await dst.put(retired_key(gen), RetiredRecord(gen, node).dumps())
+    record landed).  True when a commit was retired.  Three bounded store calls; no wait.
+    The record names this node and its clock (``env``'s)."""
+    record = RetiredRecord(gen, env.node_id(), env.now())
+    await dst.put(retired_key(gen), record.dumps())
     data = await _manifest(dst)
     if data is None or generation_of(data) != gen:
         return False
@@ -111,25 +111,27 @@ async def fence(dst: Store, gen: str, node: str) -> bool:
     return True
 
 
-async def retire_own_commit(dst: Store, data: bytes, lease: _Lease) -> None:
+async def retire_own_commit(dst: Store, data: bytes, lease: _Lease, env: Env) -> None:
     """The committer's side, after its manifest (``data``) is there and the retired record
     of its generation was found: renew its lease (a commit of the redo waits while it may
     be alive), then delete the manifest if it is still this one.  Past its lease's window
     it deletes nothing: the redo's export retires the manifest (:func:`clear_retired`)."""
     await lease.put()
-    if not commit_holds(lease.renewed, now=time.time(), ttl=pr.LEASE_TTL, skew=pr.CLOCK_SKEW):
+    if not env.commit_holds(lease.renewed):
         return
     if await _manifest(dst) == data:
         await dst.delete(MANIFEST_KEY)
 
 
-def _alive(renewals: dict[str, float], now: float) -> list[str]:
-    limit = pr.LEASE_TTL + pr.CLOCK_SKEW
-    return sorted(n for n, r in renewals.items() if abs(now - r) < limit)
+def _alive(renewals: dict[str, float], now: float, env: Env) -> list[str]:
+    return sorted(n for n, r in renewals.items() if env.lease_alive(r, now))
 
 
 async def retired_exporters(
-    dst: Store, gen: str, renewals: Callable[[Store, str], Awaitable[dict[str, float]]]
+    dst: Store,
+    gen: str,
+    renewals: Callable[[Store, str], Awaitable[dict[str, float]]],
+    env: Env,
 ) -> list[str]:
     """The nodes holding an export lease that may be alive in a retired generation of the
     step at ``dst`` other than ``gen`` (``renewals``: node -> last renewal of a
@@ -147,7 +149,7 @@ async def retired_exporters(
         if g == gen or not await retired(dst, g):
             continue
         leases = await renewals(dst, g)
-        out += [f"{n} ({g})" for n in _alive(leases, time.time())]
+        out += [f"{n} ({g})" for n in _alive(leases, env.now(), env)]
     return out
 
 
@@ -155,6 +157,7 @@ async def clear_retired(
     dst: Store,
     existing: bytes,
     renewals: Callable[[Store, str], Awaitable[dict[str, float]]],
+    env: Env,
 ) -> list[str] | None:
     """The redo's export meeting a manifest (``existing``) of another generation at
     ``dst``: None when that generation is not retired (a different checkpoint: the caller
@@ -165,9 +168,9 @@ async def clear_retired(
     if gen is None or not await retired(dst, gen):
         return None
     leases = await renewals(dst, gen)
-    now = time.time()  # before the manifest is read again: a lease dead at ``now`` had
+    now = env.now()  # before the manifest is read again: a lease dead at ``now`` had
     # its exporter's last write land before this moment
-    if alive := _alive(leases, now):
+    if alive := _alive(leases, now, env):
         return [f"{n} ({gen})" for n in alive]
     if await _manifest(dst) == existing:
         await dst.delete(MANIFEST_KEY)

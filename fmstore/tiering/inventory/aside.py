@@ -169,9 +169,13 @@ def _made(parent: int, _name: str) -> None:
     os.fsync(parent)
 
 
-def move_aside(store: Store, tier: str, run: str, steps: Iterable[int]) -> str | None:
+def move_aside(
+    store: Store, tier: str, run: str, steps: Iterable[int], *, now: float | None = None
+) -> str | None:
     """Move this node's directories of ``steps`` of ``run`` (its part, its replicas) into
     one new ``.aside/TOKEN`` directory of ``tier``; returns it (None: nothing to move).
+    ``TOKEN`` starts with ``now`` (the caller's protocol clock, ``Env.now()``; this
+    process's clock without one), which the sweep measures the grace period from.
     Every directory is resolved from the tier's root with no link followed: a link in the
     way raises :class:`PermissionDenied` before anything is moved."""
     steps = list(steps)
@@ -190,7 +194,8 @@ def move_aside(store: Store, tier: str, run: str, steps: Iterable[int]) -> str |
                     moves.append((fd, key, name))
         if not moves:
             return None
-        token = f"{int(time.time() * 1000):013d}-{secrets.token_hex(4)}"
+        at = time.time() if now is None else now
+        token = f"{int(at * 1000):013d}-{secrets.token_hex(4)}"
         aside = beneath.shared_dir(root, ASIDE_PREFIX, tier=tier, create=True)
         assert aside is not None
         try:

@@ -119,7 +119,7 @@ def _clear(
     # fails its verification (the copy is proven damaged), so it commits nothing.
     store = tiers.store(tier)
     if store.local_root is not None:
-        where = aside.move_aside(store, tier, root, steps)
+        where = aside.move_aside(store, tier, root, steps, now=tiers.env.now())
         return f"moved aside to {where}"
     # An object store has no rename: moving aside would copy every object to another prefix
     # (the step's size again, in requests and bytes) and nothing sweeps such a prefix on a

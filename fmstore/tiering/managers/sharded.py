@@ -495,7 +495,7 @@ class ShardedCheckpointManager:
             with cat.Catalog.for_state_dir(self.config.state_dir) as c:
                 for t, s in retired:
                     c.forget_copy(self.root, s, t)
-            aside.move_aside(store, tier, self.root, steps)
+            aside.move_aside(store, tier, self.root, steps, now=self.tiers.env.now())
             moved.update(steps)
         return sorted(moved)
 
@@ -513,7 +513,7 @@ class ShardedCheckpointManager:
                 for s, gs in sorted(gens.items()):
                     dst = self.tiers.checkpoint(t, self.root, s)
                     for g in sorted(gs):
-                        if await retire.fence(dst, g, node_id()):
+                        if await retire.fence(dst, g, self.tiers.env):
                             out.append((t, s))
             return out
 

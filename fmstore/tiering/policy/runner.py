@@ -37,7 +37,7 @@ from ...errors import CorruptData, FmstoreError, NotFound, VersionError
 from .. import metrics as m
 from ..copy.transfer import TransferOptions
 from ..exports.mover import CHECKPOINT_COPY, copy_checkpoint, delete_checkpoint, has_checkpoint
-from ..exports.parts import remove_uncommitted, this_node
+from ..exports.parts import remove_uncommitted
 from ..exports.replica_export import export_replicas
 from ..inventory import catalog as cat
 from ..inventory.catalog import Catalog
@@ -254,7 +254,7 @@ class PolicyRunner:
 
     def _part_gauges(self, state: State) -> None:
         """Per node: its parts held, exported and waiting, committed; its export lag."""
-        node = this_node()
+        node = self.tiers.env.node_id()
         local = set(self.policies.node_tiers)
         on_node = {(cp.root, cp.step) for cp in state.copies if cp.tier in local}
         counts = {(t, s): 0 for t in self.policies.ladder for s in ("held", "waiting", "committed")}
@@ -418,7 +418,7 @@ class PolicyRunner:
         if not any(self.config.tier(t).replicas for t in self.policies.node_tiers):
             return
         for x in await export_replicas(
-            self.config, self.policies, self.tiers, this_node(), options=self.mover
+            self.config, self.policies, self.tiers, self.tiers.env.node_id(), options=self.mover
         ):
             rep.exported += int(x.committed)
             log.info(
@@ -440,9 +440,10 @@ class PolicyRunner:
 
     def _part_args(self, source: str) -> dict[str, Any]:
         """How to copy from ``source``: this node's part of a checkpoint in node parts on
-        a node-local tier, the whole checkpoint from a shared one."""
+        a node-local tier (under the tiers' protocol env), the whole checkpoint from a
+        shared one."""
         if self.config.tier(source).scope == "node":
-            return {"node": this_node()}
+            return {"node": self.tiers.env.node_id(), "env": self.tiers.env}
         return {"shared_source": True}
 
     def _failed(self, a: Export, e: FmstoreError, rep: StepReport) -> ActionFailure:

@@ -55,7 +55,7 @@ from ... import runtime
 from ...checkpoint.gc import Generation, orphan_generations, remove_generation
 from ...config import Config
 from ...errors import FmstoreError
-from ...protocol import records as partrecords
+from ...protocol.env import Env
 from ...stores.base import Store
 from .. import metrics as m
 from ..copy import journal as _journal
@@ -111,9 +111,14 @@ def _url(store: Store, key: str) -> str:
 
 
 class Sweeper:
-    """One sweep over some tiers, with the live copies of this node's state directory."""
+    """One sweep over some tiers, with the live copies of this node's state directory; leases
+    are judged and ages measured by ``env`` (the protocol's clock and settings; without
+    one, this process's environment's)."""
 
-    def __init__(self, state_dir: str, *, grace: float, dry_run: bool = False) -> None:
+    def __init__(
+        self, state_dir: str, *, grace: float, dry_run: bool = False, env: Env | None = None
+    ) -> None:
+        self.env = Env.from_config(None) if env is None else env
         self.grace = grace
         self.dry_run = dry_run
         self.report = SweepReport(dry_run=dry_run)
@@ -140,7 +145,7 @@ class Sweeper:
         try:
             leftovers = await store.leftovers()
             pending: list[str] = []
-            gens, _, _ = await orphan_generations(store, pending)
+            gens, _, _ = await orphan_generations(store, pending, env=self.env)
         except FmstoreError as e:
             self.report.errors.append(f"{tier}: {e}")
             log.warning("sweep of %s failed: %s", tier, e)
@@ -162,7 +167,7 @@ class Sweeper:
         moved: list[tuple[str, int, float]] = []
         if store.local_root is not None:  # steps are moved aside on POSIX tiers only
             try:
-                moved = await runtime.to_io(aside.moved_aside, store, now=time.time())
+                moved = await runtime.to_io(aside.moved_aside, store, now=self.env.now())
             except OSError as e:
                 self.report.errors.append(f"{tier}: {aside.ASIDE_PREFIX}: {e}")
         for key, size, age in moved:
@@ -185,7 +190,7 @@ class Sweeper:
                 self._count(tier, "generation", g.size)
 
     async def _gone_gen(self, store: Store, g: Generation) -> None:
-        if not await remove_generation(store, g):
+        if not await remove_generation(store, g, self.env):
             raise ValueError("an exporter came back to it meanwhile; kept")
 
     async def _remove(self, tier: str, where: str, removal: Awaitable[None]) -> bool:
@@ -202,7 +207,7 @@ class Sweeper:
         period, that no later run could use: one whose pending write this sweep removed
         (an aborted upload, a deleted temp file), or whose destination is gone.  The
         journal of a copy that finished stays (a re-run skips on its word)."""
-        now = time.time()
+        now = time.time()  # journals are this node's files: their mtimes are its real clock
         for j in self.journals:
             store = self._store_of(j.dest)
             if j.live or store is None:
@@ -249,12 +254,14 @@ async def sweep(
     *,
     grace: float = DEFAULT_GRACE,
     dry_run: bool = False,
+    env: Env | None = None,
 ) -> SweepReport:
     """Sweep each ``{tier: store}`` (a tier's root or a prefix of it) with the live copies
     of ``config``'s state directory; see the module doc.  Never raises for a tier that
-    fails: its error is in the report."""
-    partrecords.use_config(config)  # the lease lifetime a lease is judged by
-    s = Sweeper(config.state_dir, grace=grace, dry_run=dry_run)
+    fails: its error is in the report.  Leases are judged by ``env`` (default: ``config``'s
+    ``[protocol]`` settings)."""
+    env = Env.from_config(config) if env is None else env
+    s = Sweeper(config.state_dir, grace=grace, dry_run=dry_run, env=env)
     for tier, store in stores.items():
         await s.tier(tier, store)
     await s.finish_journals()

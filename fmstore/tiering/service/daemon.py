@@ -50,7 +50,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ... import runtime
 from ...config import Config
 from ...errors import ConfigError, FmstoreError
-from ...protocol import records as partrecords
 from ...protocol.skew import clock_warning, future_groups
 from ...units import parse_duration, parse_size
 from .. import metrics as m
@@ -380,7 +379,7 @@ class Daemon:
         rep = probe_once_per_node(self.config, self.policies, self.runner.tiers, force=True)
         for tier, offset in rep.clock.items():
             m.TIER_CLOCK_OFFSET.labels(tier).set(offset)
-            if (line := clock_warning(tier, offset, partrecords.CLOCK_SKEW)) is not None:
+            if (line := clock_warning(tier, offset, self.runner.tiers.env.clock_skew)) is not None:
                 warn_event("clock_skew", line, tier=tier, offset_seconds=round(offset, 1))
         for p in rep.problems:
             log.error(
@@ -397,7 +396,9 @@ class Daemon:
         held: no export of this node's is half-way)."""
         self._next_sweep = time.monotonic() + self.settings.sweep_interval
         stores = {t: self.runner.tiers.store(t) for t in self.config.tiers}
-        rep = runtime.run(sweep(self.config, stores, grace=self.settings.orphan_grace))
+        rep = runtime.run(
+            sweep(self.config, stores, grace=self.settings.orphan_grace, env=self.runner.tiers.env)
+        )
         event(
             "sweep",
             removed=len(rep.removed),
@@ -427,7 +428,7 @@ class Daemon:
     def warn_in_future(self, notes: NotCounted) -> None:
         """At warning on every rescan: each run root, tier and node whose manifests were
         created in the future (:mod:`.skew`), with the offset; and the metrics."""
-        skew = partrecords.CLOCK_SKEW
+        skew = self.runner.tiers.env.clock_skew
         worst: dict[str, float] = {}
         count: dict[str, int] = {}
         for f in notes.future:
