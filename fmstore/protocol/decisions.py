@@ -38,7 +38,6 @@ from ..format.manifest import (
     parse_header,
     sniff_format,
 )
-from .records import RETIRED_NAME
 
 __all__ = [
     "BlobFact",
@@ -54,6 +53,8 @@ __all__ = [
 ]
 
 #: The newest version of each manifest format this fmstore reads.
+#: The retired record of a generation (written by a restore that passed its step over).
+RETIRED_NAME = "retired.json"
 _MAX_VERSION = {FORMAT_NAME: FORMAT_VERSION, DCP_FORMAT_NAME: DCP_FORMAT_VERSION}
 
 

@@ -68,7 +68,8 @@ PART_FORMAT_NAME = "fmstore-dcp-part"
 LEASE_FORMAT_NAME = "fmstore-export-lease"
 RETIRED_FORMAT_NAME = "fmstore-dcp-retired"
 #: The retired record of a generation (``GEN/retired.json``).
-RETIRED_NAME = "retired.json"
+from .decisions import RETIRED_NAME  # noqa: E402  (the decision reads it)
+
 #: A node's id: 1-200 ASCII letters, digits and ``._:@+-``, starting with a letter or a
 #: digit (so never ``.``, ``..`` nor a line break).  The one grammar, checked wherever a
 #: node id is read: the environment, part and rank records, leases, manifests, peers.
