@@ -2,7 +2,9 @@
 
 ``python -m torch.distributed.run --nproc_per_node=2 tests/dcp_worker.py SCENARIO OUT ROOT...``
 
-Scenarios:
+SCENARIO is one scenario or several, ``main,kill``, run in turn by the same launch (a start
+of the job costs more than its work); after each, every rank writes ``OUT/NAME-done-RANK``
+once every rank finished it.  Scenarios:
 
 * ``main``: for every ROOT (a directory or an ``s3://`` URI): a model sharded with FSDP2
   plus its Adam state, saved on 2 ranks and loaded on 2 ranks into a fresh model; saved on
@@ -12,8 +14,9 @@ Scenarios:
   two structures saved in turn, a value whose dtype changed, ``async_save``, and a rank
   that skips an item of its cached plan (nothing committed).
   Rank 0 writes the reference values (``OUT/ref-*.pt``) for the checks made in pytest.
-* ``kill``: saves ROOT/k, trains, saves ROOT/k again with ``overwrite=True`` and rank 1
-  SIGKILLs itself in the middle of its writes.
+* ``kill``: saves ROOT/kill/k (the first ROOT), trains, saves it again with
+  ``overwrite=True`` and rank 1 SIGKILLs itself in the middle of its writes (the last
+  scenario of a launch: it ends the launch).
 
 S3 store options (endpoint, credentials) come as JSON in ``FMSTORE_TEST_S3_OPTIONS``.
 """
@@ -361,7 +364,7 @@ def scenario_main(out: str, roots: list[str]) -> dict[str, Any]:
 
 def scenario_kill(out: str, roots: list[str]) -> dict[str, Any]:
     rank = dist.get_rank()
-    root = roots[0]
+    root = f"{roots[0]}/kill"  # a root of its own: the test's gc runs over all of it
     so = store_options(root)
     model, opt = make_model(0)
     train(model, opt, 1, 0)
@@ -390,12 +393,15 @@ def main() -> None:
     scenario, out, *roots = sys.argv[1:]
     dist.init_process_group("gloo")
     try:
-        fn = {"main": scenario_main, "kill": scenario_kill}[scenario]
-        report = fn(out, roots)
-        if dist.get_rank() == 0:
-            with open(os.path.join(out, f"{scenario}.json"), "w") as f:
-                json.dump(report, f)
-        dist.barrier()
+        for name in scenario.split(","):
+            fn = {"main": scenario_main, "kill": scenario_kill}[name]
+            report = fn(out, roots)
+            if dist.get_rank() == 0:
+                with open(os.path.join(out, f"{name}.json"), "w") as f:
+                    json.dump(report, f)
+            dist.barrier()
+            with open(os.path.join(out, f"{name}-done-{dist.get_rank()}"), "w") as f:
+                f.write("1")
     finally:
         dist.destroy_process_group()
 

@@ -8,7 +8,10 @@ value, both derived from the step, so that a restore is checked bit for bit agai
 state of the step it says it restored.
 
 * ``save``: saves each STEP through ``ShardedCheckpointManager`` on the write tier (the
-  nodes' NVMe), waits for every commit;
+  nodes' NVMe), waits for every commit; a STEP ``pause`` instead waits for the commits so
+  far, sets ``parts/paused-RANK`` in the test's TCP store (its port in
+  ``PARTS_WORKER_TEST_PORT``) and waits for the test's ``parts/go`` (the test drains the
+  nodes' daemons meanwhile: one start of the job fewer);
 * ``restore``: restores the newest step every rank can read; every rank writes
   ``OUT/restore-RANK.json`` with the step, the tier it read and whether it is bit-exact;
 * ``redo``: ``restore`` (its report also lists the steps the restore moved aside), then
@@ -48,6 +51,16 @@ def make_state(step: int, world: int) -> dict:
     }
 
 
+def pause(rank: int) -> None:
+    """Tell the test this rank waits, then wait for its signal."""
+    from datetime import timedelta
+
+    port = int(os.environ["PARTS_WORKER_TEST_PORT"])
+    test = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
+    test.set(f"parts/paused-{rank}", "1")
+    test.wait(["parts/go"])
+
+
 def main() -> None:
     scenario, out, *steps = sys.argv[1:]
     dist.init_process_group("gloo", timeout=pg_timeout())
@@ -56,6 +69,11 @@ def main() -> None:
     mgr = ShardedCheckpointManager("run", process_group=pg)
     if scenario == "save":
         for s in steps:
+            if s == "pause":
+                mgr.wait()
+                dist.barrier(pg)
+                pause(rank)
+                continue
             mgr.save(int(s), make_state(int(s), world))
         mgr.wait()
         dist.barrier(pg)

@@ -62,14 +62,18 @@ def copying(state: Path, step: int) -> bool:
 
 def test_a_fallback_past_a_slow_export_neither_waits_for_it_nor_lets_it_commit(tmp_path):
     with Cluster(tmp_path, nproc=1, policies=POLICIES, pg_timeout=30, node_toml={"n0": SLOW}) as c:
-        assert c.run(WORKER, ["save", str(c.out), "16"], NODES) == [0] * 3, c.logs("job", NODES)
+        # One launch saves step 16, waits while the daemons drain it to lustre, saves 24.
+        env = {"PARTS_WORKER_TEST_PORT": str(c.port)}
+        job = c.start(WORKER, ["save", str(c.out), "16", "pause", "24"], NODES, env=env)
+        paused = [f"parts/paused-{r}" for r in range(3)]
+        wait_on_nodes(lambda: c.store.check(paused), job, "step 16 saved", 300, each=True)
         drains = [c.start_daemon(n, "--drain", "--timeout", "200") for n in NODES]
         assert [p.wait(300) for p in drains] == [0] * 3, c.logs("daemon", NODES)
         assert (step_dir(c.lustre, 16) / "manifest.json").is_file()
+        assert not step_dir(c.lustre, 24).exists()
 
-        assert c.run(WORKER, ["save", str(c.out), "24"], NODES, name="save24") == [0] * 3, c.logs(
-            "save24", NODES
-        )
+        c.store.set("parts/go", "1")
+        assert [p.wait(300) for p in job] == [0] * 3, c.logs("job", NODES)
         gen = generation(c.nvme("n0"), 24)
         abandoned = step_dir(c.lustre, 24) / gen
         d1, d2 = c.start_daemon("n1"), c.start_daemon("n2")

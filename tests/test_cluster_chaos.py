@@ -224,7 +224,15 @@ def run_schedule(
 
             # A final drain with the faults off and no grace: every orphan goes.
             proxy.clear()
-            c.policies = POLICIES + 'orphan_grace = "0"\n'  # in [daemon], the last table
+            # The daemons killed above (by the schedule, and by close) left their export
+            # leases, which hold their generations for the leases' lifetime (120 s, plus the
+            # skew) after their last renewal, and the drain waited that long: with every one
+            # of those daemons gone, the drain's daemons give a lease 12 s (their own too, as
+            # in tests/test_aside_nodes.py).
+            c.policies = (
+                POLICIES.replace("[daemon]", '[protocol]\nlease_ttl = "12s"\n[daemon]')
+                + 'orphan_grace = "0"\n'  # in [daemon], the last table
+            )
             # Every node's at once: an export commits when every node's part is there.
             drains = [c.start_daemon(n, "--drain", "--timeout", "300") for n in NODES]
             assert [p.wait(400) for p in drains] == [0, 0, 0], c.logs("daemon", NODES)

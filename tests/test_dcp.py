@@ -1,8 +1,8 @@
 """Multi-rank checkpoints through torch.distributed.checkpoint with fmstore's Writer/Reader.
 
-Two ``torchrun --nproc_per_node=2`` launches (gloo, CPU) cover the sharded scenarios
-(tests/dcp_worker.py), DCP's save-plan caching among them; everything a single process
-can check runs here directly.
+One ``torchrun --nproc_per_node=2`` launch (gloo, CPU) covers the sharded scenarios
+(tests/dcp_worker.py), DCP's save-plan caching among them, and ends with a rank killed
+mid-save; everything a single process can check runs here directly.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -40,12 +41,10 @@ WORKER = os.path.join(HERE, "dcp_worker.py")
 
 
 def torchrun(scenario: str, out: str, roots: list[str], env: dict[str, str], timeout: float) -> int:
-    """The exit status of ``scenario`` on 2 ranks, its output in ``out/SCENARIO.log``."""
+    """The exit status of ``scenario`` on 2 ranks, its output in ``out/launch.log``."""
     cmd = launcher.command(WORKER, [scenario, out, *roots], nproc=2)
     full_env = {**os.environ, **env, "DCP_WORKER_HANG_DUMP": str(int(timeout - 10))}
-    return launcher.run(
-        cmd, timeout=timeout, log=os.path.join(out, f"{scenario}.log"), env=full_env
-    )
+    return launcher.run(cmd, timeout=timeout, log=os.path.join(out, "launch.log"), env=full_env)
 
 
 # ---- the 2-rank launch -----------------------------------------------------------------
@@ -53,18 +52,23 @@ def torchrun(scenario: str, out: str, roots: list[str], env: dict[str, str], tim
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory, s3_server):
-    """One torchrun launch running every sharded scenario on POSIX and on S3."""
+    """One torchrun launch running every sharded scenario on POSIX and on S3, then the
+    kill scenario (which ends the launch: its exit status is the kill test's)."""
     base = tmp_path_factory.mktemp("dcp")
     out = base / "out"
     out.mkdir()
     bucket = s3_server.create_bucket()
     roots = [str(base / "root"), f"s3://{bucket}/run"]
     env = {"FMSTORE_TEST_S3_OPTIONS": json.dumps(s3_server.store_options())}
-    rc = torchrun("main", str(out), roots, env, timeout=420)
-    log = (out / "main.log").read_text()
-    assert rc == 0, log[-6000:]
+    rc = torchrun("main,kill", str(out), roots, env, timeout=420)
+    log = (out / "launch.log").read_text()
+    # Every rank got through main (each marks it past the barrier that follows it).
+    assert all((out / f"main-done-{r}").exists() for r in (0, 1)), log[-6000:]
     report = json.loads((out / "main.json").read_text())
-    yield {"out": str(out), "roots": roots, "report": report, "s3": s3_server.store_options()}
+    yield {
+        "out": str(out), "roots": roots, "report": report, "s3": s3_server.store_options(),
+        "rc": rc, "log": log,
+    }  # fmt: skip
     s3_server.delete_bucket(bucket)
 
 
@@ -159,13 +163,13 @@ def test_plan_caching_out_of_step_coordinator_writes_nothing(sharded, which):
 
 
 @pytest.mark.slow
-def test_rank_killed_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
-    out, root = tmp_path / "out", tmp_path / "root"
-    out.mkdir()
-    rc = torchrun("kill", str(out), [str(root)], {}, timeout=240)
-    log = (out / "kill.log").read_text()
+def test_rank_killed_mid_save_leaves_previous_checkpoint_loadable(sharded):
+    # The same launch as the scenarios above, killed in its last one.
+    out, root = Path(sharded["out"]), Path(sharded["roots"][0]) / "kill"
+    rc, log = sharded["rc"], sharded["log"]
     assert rc != 0 and "SIGKILL" in log, log[-4000:]
     assert (out / "kill-started").exists(), log[-4000:]
+    assert not (out / "kill.json").exists(), log[-4000:]  # the kill ended the launch
     ref = torch.load(out / "ref-kill.pt", weights_only=False)
     m = runtime.run(read_manifest(open_store(str(root / "k"))))
     # The interrupted save left a generation that no manifest names ...

@@ -10,7 +10,7 @@ target, no planted code run, within a hard address-space limit.  Time stays boun
 construction: every input is a few hundred KiB, and FIFOs planted beside them are opened
 only with ``O_NONBLOCK``.
 
-Budget: ``FMSTORE_FUZZ_EXAMPLES`` examples per test (30 by default, derandomized).
+Budget: ``FMSTORE_FUZZ_EXAMPLES`` examples per test (15 by default, derandomized; ``make fuzz``: 2000).
 """
 
 from __future__ import annotations

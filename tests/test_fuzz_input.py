@@ -8,8 +8,8 @@ loader might run them.  Every load must then either succeed or raise an fmstore 
 (``FmstoreError``), write nothing outside its target and cache, run no planted code, and stay
 within a hard address-space limit (``RLIMIT_AS``, a few GiB above the process's size).
 
-Budget: ``FMSTORE_FUZZ_EXAMPLES`` examples per test (30 by default, derandomized so CI runs
-are reproducible); set it higher for a longer search.
+Budget: ``FMSTORE_FUZZ_EXAMPLES`` examples per test (15 by default, ``make fuzz``: 2000;
+derandomized so CI runs are reproducible); set it higher for a longer search.
 """
 
 from __future__ import annotations

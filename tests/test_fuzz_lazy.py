@@ -12,7 +12,7 @@ staged directory and the state directory, and never send a request to the HTTP s
 Time stays bounded by construction: the index is at most a few hundred KiB, and nothing
 that can block (a FIFO, a device) is ever opened.
 
-Budget: ``FMSTORE_FUZZ_EXAMPLES`` examples (30 by default, derandomized).
+Budget: ``FMSTORE_FUZZ_EXAMPLES`` examples (15 by default, derandomized; ``make fuzz``: 2000).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from fmstore.tiering.staging.lazy import INDEX_NAME
 
 pytestmark = pytest.mark.fuzz
 
-EXAMPLES = int(os.environ.get("FMSTORE_FUZZ_EXAMPLES", "30"))
+EXAMPLES = int(os.environ.get("FMSTORE_FUZZ_EXAMPLES", "15"))
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,

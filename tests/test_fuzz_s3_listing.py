@@ -33,7 +33,7 @@ from fmstore.testing.seaweed import free_ports
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(600)]
 
-EXAMPLES = int(os.environ.get("FMSTORE_FUZZ_EXAMPLES", "30"))
+EXAMPLES = int(os.environ.get("FMSTORE_FUZZ_EXAMPLES", "15"))
 #: The guards' bounds during the fuzz (the real ones are reached the same way, later).
 MAX_PAGES = 32
 MAX_EMPTY = 16
